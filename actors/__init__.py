@@ -1,0 +1,10 @@
+"""The engine's actors (installed as ``spliceway.actors``).
+
+- ``dispatcher``  LoopActor: Pykka actors sharing one event-loop thread
+- ``supervisor``  EngineSupervisor: listeners, sampler, routing mode
+- ``listener``    ListenerActor: one inbound's listening socket
+- ``flow``        FlowActor: one flow from handshake to flow.completed
+- ``stats``       StatsSamplerActor: relay counters -> flow.updated, stats.sampled
+- ``bridge``      hand-off to the C relay and the reaper thread
+- ``messages``    the messages actors exchange
+"""

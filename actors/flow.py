@@ -1,0 +1,449 @@
+"""FlowActor: owns one client connection from accept to flow.completed.
+
+It runs the inbound handshake, sniffs, routes, dials, then hands both fds to
+the C relay and sleeps until the relay reports the end. It alone writes its
+FlowRecord; every revision is published to the flow table as a new dict and
+announced as an event. Exactly one ``flow.completed`` is emitted per flow that
+got past the handshake, whatever path ends it (blocked, failed, cancelled,
+relay completion, engine stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import select
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from spliceway import records, routing
+from spliceway.actors.dispatcher import LoopActor
+from spliceway.actors.messages import CloseFlow, RelayFinished, StopFlow, TrafficSample
+from spliceway.events import now_ms
+from spliceway.inbound import Handshake, HandshakeFailed
+from spliceway.inbound import accept as accept_handshake
+from spliceway.outbounds import DialError
+from spliceway.protocols import NEED_MORE, sniff
+from spliceway.relay import Cause
+from spliceway.runtime import FlowEntry
+
+if TYPE_CHECKING:
+    from spliceway.engine_core import EngineCore, InboundSpec
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+_SNIFF_PEEK = 16 * 1024 + 5
+_SNIFF_RETRY = 0.005
+
+
+class FlowActor(LoopActor):
+    """One TCP flow through the engine."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        inbound: InboundSpec,
+        client: socket.socket,
+        peer: tuple[Any, ...],
+        flow_id: str,
+    ) -> None:
+        super().__init__(core.dispatcher)
+        self.core = core
+        self.inbound = inbound
+        self.client: socket.socket | None = client
+        self.upstream: socket.socket | None = None
+        self.peer = peer
+        self.flow_id = flow_id
+        self.state: records.FlowState | None = None
+        self.handle: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._base: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
+        self._done = False
+        self._close_reason_on_cancel: str | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def on_start(self) -> None:
+        """Begin the handshake on the dispatcher loop."""
+        self._task = self.dispatcher.spawn(self._establish())
+
+    def on_stop(self) -> None:
+        """Release whatever is still held (idempotent)."""
+        self._teardown()
+
+    def on_failure(self, *exc_info: Any) -> None:
+        """A handler raised: end the flow as failed so nothing leaks."""
+        if self.state is not None and not self._done:
+            self._complete(records.FAILED, records.UPSTREAM_ERROR,
+                           records.Failure("internal", "internal_error", str(exc_info[1])))
+        self._teardown()
+
+    def _teardown(self) -> None:
+        task = self._task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+        for sock in (self.client, self.upstream):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        self.client = self.upstream = None
+
+    # -- messages ------------------------------------------------------------------
+
+    def on_receive(self, message: Any) -> Any:
+        """Handle relay completions, traffic samples and close requests."""
+        if isinstance(message, RelayFinished):
+            self._on_relay_finished(message.completion)
+        elif isinstance(message, TrafficSample):
+            self._on_sample(message.counters, message.sampled_at_unix_ms)
+        elif isinstance(message, CloseFlow):
+            return self._close(records.MANUAL)
+        elif isinstance(message, StopFlow):
+            return self._close(None)
+        return None
+
+    def _close(self, reason: str | None) -> bool:
+        if self._done:
+            return False
+        if self.handle is not None:
+            self._close_reason_on_cancel = reason
+            return self.core.bridge.request_close(self.handle)
+        if self._task is not None and not self._task.done():
+            self._close_reason_on_cancel = reason
+            self._task.cancel()
+            return self.state is not None
+        return False
+
+    # -- establishment (a task on the dispatcher loop) -----------------------------
+
+    async def _establish(self) -> None:
+        try:
+            await self._establish_steps()
+        except asyncio.CancelledError:
+            if self.state is not None and not self._done:
+                if self._close_reason_on_cancel == records.MANUAL:
+                    self._complete(records.CANCELLED, records.MANUAL)
+                else:
+                    self._complete(self._relayed_outcome(), None)
+            self._finish()
+        except Exception as ex:
+            logger.exception("flow %s failed unexpectedly", self.flow_id)
+            if self.state is not None and not self._done:
+                self._complete(records.FAILED, records.UPSTREAM_ERROR,
+                               records.Failure("internal", "internal_error", str(ex)))
+            self._finish()
+
+    async def _establish_steps(self) -> None:
+        core = self.core
+        loop = self.dispatcher.loop
+        client = self.client
+        assert client is not None
+        try:
+            hs = await accept_handshake(
+                loop, client, self.inbound.protocol, self.inbound.users, HANDSHAKE_TIMEOUT
+            )
+        except HandshakeFailed as ex:
+            logger.debug("handshake from %s failed: %s", self.peer, ex)
+            self._finish()
+            return
+        self._start_record(hs)
+        replied = False
+        route_state = core.route_state
+        may_reroute = route_state.mode == "rule" and route_state.ruleset.has_domain_conditions
+        if self.inbound.sniff and not hs.forward and may_reroute:
+            # The route may depend on the first client bytes, which the client only
+            # sends once told the tunnel is open: answer first, like sing-box and mihomo.
+            await self._reply(hs.success_reply())
+            replied = True
+            await self._sniff(hs)
+        decision = routing.decide(
+            route_state.ruleset,
+            route_state.mode,
+            route_state.mode_outbound,
+            route_state.final,
+            self._facts(hs),
+        )
+        outbound = core.outbounds.get(decision.target) if decision.target else None
+        if decision.action == "block" or outbound is None or outbound.protocol == "block":
+            self._set_route(decision, outbound)
+            if not replied:
+                await self._reply(hs.failure_reply(2, 403, "blocked by rule"), quiet=True)
+            self._complete(records.BLOCKED, None)
+            self._finish()
+            return
+        self._set_route(decision, outbound)
+        try:
+            dialed = await outbound.dial(loop, hs.host, hs.port)
+        except DialError as ex:
+            if not replied:
+                await self._reply(
+                    hs.failure_reply(ex.socks_reply, ex.http_status, ex.message), quiet=True
+                )
+            remote = {"host": hs.host, "port": hs.port} if ex.remote is None else {"host": ex.remote}
+            self._complete(records.FAILED, records.UPSTREAM_ERROR,
+                           records.Failure(ex.stage, ex.code, ex.message, remote))
+            self._finish()
+            return
+        self.upstream = dialed.sock
+        if not replied:
+            await self._reply(hs.success_reply())
+            if self.inbound.sniff and not hs.forward:
+                await self._sniff(hs)
+        await self._start_relay(hs, dialed)
+
+    def _start_record(self, hs: Handshake) -> None:
+        core = self.core
+        started = now_ms()
+        self.state = records.FlowState(
+            flow_id=self.flow_id,
+            inbound_tag=self.inbound.tag,
+            inbound_protocol=self.inbound.protocol,
+            source_ip=self.peer[0],
+            source_port=self.peer[1],
+            started_at_unix_ms=started,
+            mode=core.route_state.mode,
+            target_host=hs.host,
+            target_port=hs.port,
+            principal_key=hs.principal_key,
+            auth_scheme=hs.auth_scheme,
+            last_activity_at_unix_ms=started,
+        )
+        t = self.state.traffic
+        t.inbound_rx_bytes = hs.rx_bytes
+        t.inbound_tx_bytes = hs.tx_bytes
+        core.counters.total_started += 1
+        self._publish("flow.started", records.lifecycle_payload)
+
+    async def _reply(self, data: bytes, *, quiet: bool = False) -> None:
+        if not data or self.client is None:
+            return
+        try:
+            await self.dispatcher.loop.sock_sendall(self.client, data)
+        except OSError:
+            if not quiet:
+                raise
+            return
+        assert self.state is not None
+        self.state.traffic.inbound_tx_bytes += len(data)
+
+    async def _sniff(self, hs: Handshake) -> None:
+        """Peek at the first client bytes (bounded wait) for a TLS SNI or HTTP Host."""
+        assert self.state is not None and self.client is not None
+        if hs.early:
+            found = sniff.sniff(hs.early)
+            if found is not NEED_MORE and found is not None:
+                self.state.sniffed_host = found.host
+            return
+        loop = self.dispatcher.loop
+        deadline = time.monotonic() + self.inbound.sniff_timeout_ms / 1000
+        fd = self.client.fileno()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if not select.select([fd], [], [], 0)[0]:
+                readable = loop.create_future()
+                loop.add_reader(fd, readable.set_result, None)
+                try:
+                    await asyncio.wait_for(readable, remaining)
+                except TimeoutError:
+                    return
+                finally:
+                    loop.remove_reader(fd)
+            try:
+                data = self.client.recv(_SNIFF_PEEK, socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            found = sniff.sniff(data)
+            if found is NEED_MORE:
+                await asyncio.sleep(_SNIFF_RETRY)
+                continue
+            if found is not None:
+                self.state.sniffed_host = found.host
+            return
+
+    def _facts(self, hs: Handshake) -> routing.FlowFacts:
+        assert self.state is not None
+        return routing.FlowFacts(
+            network="tcp",
+            host=hs.host,
+            port=hs.port,
+            sniffed_host=self.state.sniffed_host,
+            resolved_ip=None,
+            source_ip=self.peer[0],
+            source_port=self.peer[1],
+            inbound_tag=self.inbound.tag,
+            principal_key=hs.principal_key,
+            process_name=None,
+        )
+
+    def _set_route(self, decision: routing.RouteDecision, outbound: Any) -> None:
+        s = self.state
+        assert s is not None
+        s.mode = decision.mode
+        s.route_action = decision.action
+        s.route_target = decision.target
+        s.matched_rule = (
+            {"index": decision.matched_rule.index, "condition": decision.matched_rule.condition}
+            if decision.matched_rule is not None
+            else None
+        )
+        if outbound is not None:
+            s.selection_chain = [outbound.tag]
+            s.outbound_tag = outbound.tag
+            s.outbound_protocol = outbound.protocol
+
+    async def _start_relay(self, hs: Handshake, dialed: Any) -> None:
+        s = self.state
+        assert s is not None and self.client is not None and self.upstream is not None
+        loop = self.dispatcher.loop
+        t = s.traffic
+        t.outbound_tx_bytes += dialed.tx_bytes
+        t.outbound_rx_bytes += dialed.rx_bytes
+        if hs.early:
+            await loop.sock_sendall(self.upstream, hs.early)
+            t.outbound_tx_bytes += len(hs.early)
+            t.bytes_up += len(hs.early)
+        if dialed.leftover:
+            await loop.sock_sendall(self.client, dialed.leftover)
+            t.inbound_tx_bytes += len(dialed.leftover)
+            t.bytes_down += len(dialed.leftover)
+        s.resolved_ip = dialed.resolved_ip
+        s.remote_host = dialed.remote_host
+        s.remote_port = dialed.remote_port
+        s.relay_chain = list(dialed.relay_chain)
+        self._base = (t.bytes_up, t.bytes_down, t.inbound_rx_bytes, t.inbound_tx_bytes,
+                      t.outbound_rx_bytes, t.outbound_tx_bytes)
+        client_fd = self.client.detach()
+        upstream_fd = self.upstream.detach()
+        self.client = self.upstream = None
+        try:
+            self.handle = self.core.bridge.hand_off(
+                client_fd, upstream_fd, self.core.tcp_idle_timeout_ms, self.actor_ref
+            )
+        except OSError:
+            for fd in (client_fd, upstream_fd):
+                with contextlib.suppress(OSError):
+                    socket.close(fd)
+            raise
+        s.state = "active"
+        outbound = self.core.outbounds[s.outbound_tag or ""]
+        if outbound.chained:
+            self.core.counters.chained_sessions += 1
+        else:
+            self.core.counters.direct_sessions += 1
+        self._publish("flow.routed", records.lifecycle_payload)
+
+    # -- after the hand-off ----------------------------------------------------------
+
+    def _apply_counters(self, c: Any) -> bool:
+        """Fold relay counters into the record; True if anything moved."""
+        s = self.state
+        assert s is not None
+        t = s.traffic
+        up, down, irx, itx, orx, otx = self._base
+        new = (up + c.upstream_tx, down + c.client_tx, irx + c.client_rx,
+               itx + c.client_tx, orx + c.upstream_rx, otx + c.upstream_tx)
+        old = (t.bytes_up, t.bytes_down, t.inbound_rx_bytes, t.inbound_tx_bytes,
+               t.outbound_rx_bytes, t.outbound_tx_bytes)
+        if new == old:
+            return False
+        (t.bytes_up, t.bytes_down, t.inbound_rx_bytes, t.inbound_tx_bytes,
+         t.outbound_rx_bytes, t.outbound_tx_bytes) = new
+        if c.last_activity_unix_ms:
+            s.last_activity_at_unix_ms = c.last_activity_unix_ms
+        return True
+
+    def _on_sample(self, counters: Any, sampled_at: int) -> None:
+        s = self.state
+        if s is None or self._done or self.handle is None:
+            return
+        before_up, before_down = s.traffic.bytes_up, s.traffic.bytes_down
+        previous_at = s.sampled_at_unix_ms or s.started_at_unix_ms
+        if not self._apply_counters(counters):
+            return
+        elapsed_ms = max(sampled_at - previous_at, 1)
+        s.upload_bps = (s.traffic.bytes_up - before_up) * 8000 // elapsed_ms
+        s.download_bps = (s.traffic.bytes_down - before_down) * 8000 // elapsed_ms
+        s.sampled_at_unix_ms = sampled_at
+        self._publish("flow.updated", records.updated_payload)
+
+    def _on_relay_finished(self, completion: Any) -> None:
+        if self._done or self.state is None:
+            return
+        self._apply_counters(completion.counters)
+        cause = completion.cause
+        if cause is Cause.CLOSED and self._close_reason_on_cancel == records.MANUAL:
+            self._complete(records.CANCELLED, records.MANUAL)
+        elif cause is Cause.IDLE:
+            self._complete(self._relayed_outcome(), records.IDLE_TIMEOUT)
+        elif cause in (Cause.RESET, Cause.ERROR) and completion.side == "upstream":
+            code = "upstream_reset" if cause is Cause.RESET else "upstream_error"
+            failure = records.Failure(
+                "relay", code, f"upstream connection failed: errno {completion.errno}",
+                {"host": self.state.remote_host, "port": self.state.remote_port},
+            )
+            self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+        else:
+            # Both sides done, a client-side reset, or engine shutdown: an ordinary end.
+            self._complete(self._relayed_outcome(), None)
+        self._finish()
+
+    def _relayed_outcome(self) -> str:
+        s = self.state
+        assert s is not None
+        if s.outbound_tag is None:
+            return records.CANCELLED
+        chained = self.core.outbounds[s.outbound_tag].chained
+        return records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED
+
+    # -- publishing ---------------------------------------------------------------
+
+    def _publish(self, event_type: str, payload_fn: Any, occurred: int | None = None) -> None:
+        s = self.state
+        assert s is not None
+        s.revision += 1
+        record = s.render()
+        core = self.core
+        if s.state == "completed":
+            core.flows.remove(self.flow_id)
+        else:
+            core.flows.put(
+                self.flow_id,
+                FlowEntry(self.actor_ref, record, s.inbound_tag, s.principal_key, self.handle,
+                          self._base[:2]),
+            )
+        core.log.emit(event_type, payload_fn(s, record), principal_key=s.principal_key,
+                      occurred_at_unix_ms=occurred)
+
+    def _complete(self, outcome: str, close_reason: str | None,
+                  failure: records.Failure | None = None) -> None:
+        s = self.state
+        assert s is not None and not self._done
+        self._done = True
+        ended = now_ms()
+        s.state = "completed"
+        s.outcome = outcome
+        s.close_reason = close_reason
+        s.failure = failure
+        s.ended_at_unix_ms = max(ended, s.started_at_unix_ms)
+        c = self.core.counters
+        c.completed_sessions += 1
+        c.completed_bytes_up += s.traffic.bytes_up
+        c.completed_bytes_down += s.traffic.bytes_down
+        if outcome == records.FAILED:
+            c.failed_sessions += 1
+        elif outcome == records.BLOCKED:
+            c.blocked_sessions += 1
+        self._publish("flow.completed", records.lifecycle_payload, occurred=s.ended_at_unix_ms)
+
+    def _finish(self) -> None:
+        self._teardown()
+        self.stop_now()

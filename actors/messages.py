@@ -1,0 +1,26 @@
+"""Messages between the engine's actors: immutable values, never shared dicts."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class RelayFinished(NamedTuple):
+    """The C relay completed a flow (sent by the relay bridge's reaper thread)."""
+
+    completion: Any  # spliceway.relay.Completion
+
+
+class TrafficSample(NamedTuple):
+    """The stats sampler read new relay counters for a flow."""
+
+    counters: Any  # spliceway.relay.Counters
+    sampled_at_unix_ms: int
+
+
+class CloseFlow(NamedTuple):
+    """``flows.close``: end the flow now (outcome cancelled, close_reason manual)."""
+
+
+class StopFlow(NamedTuple):
+    """Engine shutdown: end the flow without a manual close reason."""

@@ -1,0 +1,58 @@
+"""EngineSupervisor: owns the listeners, the stats sampler and the routing mode."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import TYPE_CHECKING, Any
+
+import pykka
+
+from spliceway.actors.dispatcher import LoopActor
+from spliceway.actors.listener import ListenerActor
+from spliceway.actors.stats import StatsSamplerActor
+
+if TYPE_CHECKING:
+    from spliceway.engine_core import EngineCore
+
+
+class EngineSupervisor(LoopActor):
+    """Starts and stops the engine's long-lived actors; serialises mode changes."""
+
+    def __init__(self, core: EngineCore, sockets: list[socket.socket]) -> None:
+        super().__init__(core.dispatcher)
+        self.core = core
+        self._sockets = sockets
+        self.listeners: list[pykka.ActorRef[Any]] = []
+        self.sampler: pykka.ActorRef[Any] | None = None
+
+    def on_start(self) -> None:
+        """Start one ListenerActor per bound inbound, and the sampler."""
+        for spec, sock in zip(self.core.inbounds, self._sockets, strict=True):
+            self.listeners.append(ListenerActor.start(self.core, spec, sock))
+        self._sockets = []
+        interval = self.core.config.runtime.stats_interval_ms
+        self.sampler = StatsSamplerActor.start(self.core, interval)
+
+    def stop_listeners(self) -> None:
+        """Stop accepting new connections (first step of shutdown)."""
+        for ref in self.listeners:
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.stop(block=False)
+        self.listeners = []
+
+    def set_mode(self, mode: str, outbound: str | None) -> bool:
+        """Switch the routing mode for new flows."""
+        self.core.set_mode(mode, outbound)
+        return True
+
+    def on_stop(self) -> None:
+        """Stop the actors this supervisor started."""
+        self.stop_listeners()
+        if self.sampler is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                self.sampler.stop(block=False)
+            self.sampler = None
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()

@@ -1,0 +1,1 @@
+"""The control plane's transports (installed as ``spliceway.api``): HTTP, IPC, gRPC."""

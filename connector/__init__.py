@@ -1,0 +1,1 @@
+"""Event delivery to webhooks and files (installed as ``spliceway.connector``)."""

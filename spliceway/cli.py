@@ -1,0 +1,153 @@
+"""The ``spliceway`` command line (decisions 6).
+
+Subcommands in this build: ``run [-c FILE]`` (foreground engine; SIGINT/SIGTERM
+stop it cleanly with exit 0), ``validate FILE`` (offline; exit 0, or 1 with one
+line per problem) and ``build-info``. Exit status 2 means the engine could not
+start (port in use, invalid or unsupported configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from spliceway import __version__
+from spliceway.errors import ApiError
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_START_FAILED = 2
+
+_LOG_LEVELS = {
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spliceway", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"spliceway {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the engine in the foreground")
+    run.add_argument("-c", "--config", help="configuration file (default: the embedded default)")
+    validate = sub.add_parser("validate", help="validate a configuration file offline")
+    validate.add_argument("file")
+    sub.add_parser("build-info", help="print what this build contains")
+    return parser
+
+
+def _problems(err: ApiError) -> list[str]:
+    if err.details:
+        return [f"{d.field_path}: {d.message}" if d.field_path else d.message for d in err.details]
+    return [f"{err.field_path}: {err.message}" if err.field_path else err.message]
+
+
+def cmd_validate(path: str) -> int:
+    """``spliceway validate FILE``."""
+    from spliceway.config import load_config_file
+
+    try:
+        load_config_file(path)
+    except ApiError as ex:
+        for line in _problems(ex):
+            print(line)
+        return EXIT_INVALID
+    print(f"{path}: valid")
+    return EXIT_OK
+
+
+def _setup_logging(config: Any) -> None:
+    level = _LOG_LEVELS.get(config.runtime.log_level, logging.INFO)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    handlers.extend(logging.FileHandler(path) for path in config.runtime.log_files)
+    logging.basicConfig(
+        level=level,
+        handlers=handlers,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    # pykka logs every actor start/stop at debug: one line per flow is noise.
+    logging.getLogger("pykka").setLevel(max(level, logging.INFO))
+
+
+def cmd_run(config_path: str | None) -> int:
+    """``spliceway run [-c FILE]``: run until SIGINT or SIGTERM."""
+    from spliceway.config import default_config, load_config_file
+    from spliceway.engine import Engine
+
+    try:
+        config = load_config_file(config_path) if config_path else default_config()
+    except ApiError as ex:
+        for line in _problems(ex):
+            print(f"spliceway: invalid configuration: {line}", file=sys.stderr)
+        return EXIT_START_FAILED
+    _setup_logging(config)
+    stop = threading.Event()
+    received: list[int] = []
+
+    def _on_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        import pykka.debug
+
+        signal.signal(signal.SIGUSR1, pykka.debug.log_thread_tracebacks)
+    except (ImportError, AttributeError):
+        pass
+    engine = Engine(config, config_path=config_path)
+    try:
+        engine.start()
+    except ApiError as ex:
+        print(f"spliceway: {ex.code}: {ex.message}", file=sys.stderr)
+        return EXIT_START_FAILED
+    log = logging.getLogger("spliceway")
+    for spec, (address, port) in zip(engine.core.inbounds, engine.core.bound, strict=True):
+        log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
+    if config.api.control.enabled:
+        log.warning("api.control: the HTTP control API is not built yet; not listening")
+    while not stop.wait(1.0):
+        pass
+    engine.stop(reason="signal")
+    name = signal.Signals(received[0]).name if received else "signal"
+    log.info("stopped on %s", name)
+    return EXIT_OK
+
+
+def cmd_build_info() -> int:
+    """``spliceway build-info``: version and what was compiled in."""
+    from spliceway import relay
+
+    info = {
+        "version": __version__,
+        "relay_abi": relay.ABI_VERSION,
+        "build_features": ["splice-relay"],
+    }
+    print(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode())
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``spliceway`` console script."""
+    args = _parser().parse_args(argv)
+    if args.command == "validate":
+        return cmd_validate(args.file)
+    if args.command == "run":
+        return cmd_run(args.config)
+    return cmd_build_info()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The one command table: every command's permission, parameters and handler.
+
+HTTP (``POST /api/v1/commands``), IPC, gRPC and ``Engine.execute`` all call
+``execute``; semantics cannot drift between transports. Parameters are
+validated by pydantic models (unknown keys rejected) and errors carry a
+``field_path`` such as ``params.flow_id``. A command whose subsystem is not
+built yet stays in the table with ``missing`` set: it answers ``unsupported``
+naming what is missing, and capabilities list it as such.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import pykka
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from spliceway import config as config_module
+from spliceway import routing
+from spliceway.actors.messages import CloseFlow
+from spliceway.errors import ApiError, invalid_argument
+
+if TYPE_CHECKING:
+    from spliceway.engine_core import EngineCore
+
+PERMISSIONS = ("read", "control", "config", "admin")
+_ASK_TIMEOUT = 10.0
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoParams(_Params):
+    """Commands that take ``{}``."""
+
+
+class FlowsCloseParams(_Params):
+    """``flows.close``."""
+
+    flow_id: str
+
+
+class ModeSetParams(_Params):
+    """``mode.set``."""
+
+    mode: str
+    outbound: str | None = None
+
+
+class ConfigParams(_Params):
+    """``config.validate`` / ``config.apply`` / ``config.apply_runtime``."""
+
+    config: dict[str, Any]
+
+
+class TraceRouteParams(_Params):
+    """``diagnostics.trace_route``."""
+
+    target: str = Field(min_length=1)
+    port: int = Field(ge=0, le=65535)
+    protocol: Literal["tcp", "udp"] = "tcp"
+    inbound_tag: str | None = None
+
+
+class PolicySelectParams(_Params):
+    """``policies.select``."""
+
+    policy_tag: str
+    target_tag: str
+
+
+class PolicyTagParams(_Params):
+    """``policies.probe``."""
+
+    policy_tag: str
+
+
+class TargetTagParams(_Params):
+    """``diagnostics.probe_target``."""
+
+    target_tag: str
+
+
+class ProbeOutboundParams(_Params):
+    """``diagnostics.probe_outbound``."""
+
+    target_tag: str
+    url: str | None = None
+
+
+class HostnameParams(_Params):
+    """``diagnostics.dns_lookup``."""
+
+    hostname: str = Field(min_length=1)
+
+
+class DnsCacheParams(_Params):
+    """``diagnostics.dns_cache``."""
+
+    domain: str | None = None
+    limit: int = Field(default=256, ge=1)
+
+
+class FakeIpParams(_Params):
+    """``diagnostics.fakeip_lookup`` / ``fakeip.clear``."""
+
+    domain: str | None = None
+    ip: str | None = None
+
+
+class TunStartParams(_Params):
+    """``tun.start`` (interface.md 4.4)."""
+
+    addr: str
+    tag: str
+    name: str | None = None
+    mask: str = "255.255.255.0"
+    mtu: int | None = None
+    secondary_addr: str | None = None
+    include_cidrs: list[str] = []
+    exclude_cidrs: list[str] = []
+    auto_route: bool = True
+    dual_stack: bool = True
+    strict_route: bool = True
+    dns_hijack: bool = True
+
+
+Handler = Callable[["EngineCore", Any], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One entry of the command table."""
+
+    method: str
+    permission: str
+    params: type[_Params]
+    handler: Handler | None = None
+    #: Why the command is not available in this build (None when it is).
+    missing: str | None = None
+
+
+def _flows_close(core: EngineCore, p: FlowsCloseParams) -> dict[str, Any]:
+    entry = core.flows.get(p.flow_id)
+    if entry is None:
+        raise ApiError("not_found", f"flow {p.flow_id!r} is not active")
+    try:
+        closed = entry.actor.ask(CloseFlow(), timeout=_ASK_TIMEOUT)
+    except pykka.ActorDeadError:
+        closed = False
+    if not closed:
+        raise ApiError("not_found", f"flow {p.flow_id!r} already ended")
+    return {"flow_id": p.flow_id, "closed": True}
+
+
+def _mode_set(core: EngineCore, p: ModeSetParams) -> dict[str, Any]:
+    if p.mode not in ("rule", "global", "direct"):
+        raise invalid_argument(f"mode must be rule, global or direct, not {p.mode!r}", "params.mode")
+    outbound = p.outbound
+    if p.mode == "global":
+        if not outbound:
+            raise invalid_argument("mode global needs an outbound", "params.outbound")
+        if outbound not in core.outbounds:
+            raise invalid_argument(f"unknown outbound {outbound!r}", "params.outbound")
+    else:
+        outbound = None
+    assert core.supervisor is not None
+    core.supervisor.proxy().set_mode(p.mode, outbound).get(_ASK_TIMEOUT)
+    return {"accepted": True}
+
+
+def _config_validate(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
+    config_module.parse_config(p.config)
+    return {"valid": True}
+
+
+def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
+    state = core.route_state
+    facts = routing.FlowFacts(
+        network=p.protocol,
+        host=p.target,
+        port=p.port,
+        sniffed_host=None,
+        resolved_ip=None,
+        source_ip=None,
+        source_port=None,
+        inbound_tag=p.inbound_tag,
+        principal_key=None,
+        process_name=None,
+    )
+    decision = routing.decide(state.ruleset, state.mode, state.mode_outbound, state.final, facts)
+    matched = decision.matched_rule
+    return {
+        "target": p.target,
+        "port": p.port,
+        "protocol": p.protocol,
+        "inbound_tag": p.inbound_tag,
+        "effective_mode": state.mode,
+        "route_action": {"route": decision.target} if decision.action == "route" else {"block": True},
+        "matched_rule": (
+            {"index": matched.index, "condition": matched.condition} if matched is not None else None
+        ),
+    }
+
+
+_GROUPS = "policy groups and health probes (not built yet)"
+_DNS = "the engine DNS resolver (runtime.dns, not built yet)"
+_TUN = "the TUN inbound (not built yet)"
+_RELOAD = "hot reload of a full configuration (not built yet)"
+
+COMMANDS: dict[str, Command] = {
+    c.method: c
+    for c in (
+        Command("flows.close", "control", FlowsCloseParams, _flows_close),
+        Command("mode.set", "admin", ModeSetParams, _mode_set),
+        Command("config.validate", "config", ConfigParams, _config_validate),
+        Command("diagnostics.trace_route", "admin", TraceRouteParams, _trace_route),
+        Command("policies.select", "control", PolicySelectParams, missing=_GROUPS),
+        Command("policies.probe", "control", PolicyTagParams, missing=_GROUPS),
+        Command("config.apply", "config", ConfigParams, missing=_RELOAD),
+        Command("config.apply_runtime", "config", ConfigParams, missing=_RELOAD),
+        Command("tun.start", "admin", TunStartParams, missing=_TUN),
+        Command("tun.stop", "admin", NoParams, missing=_TUN),
+        Command("diagnostics.probe_target", "admin", TargetTagParams, missing=_GROUPS),
+        Command("diagnostics.probe_outbound", "admin", ProbeOutboundParams, missing=_GROUPS),
+        Command("diagnostics.dns_lookup", "admin", HostnameParams, missing=_DNS),
+        Command("diagnostics.dns_cache", "admin", DnsCacheParams, missing=_DNS),
+        Command("diagnostics.fakeip_lookup", "read", FakeIpParams, missing=_DNS),
+        Command("fakeip.clear", "admin", FakeIpParams, missing=_DNS),
+    )
+}
+
+
+def _validation_error(ex: ValidationError) -> ApiError:
+    first = ex.errors()[0]
+    path = ".".join(str(part) for part in ("params", *first["loc"]))
+    return invalid_argument(f"{path}: {first['msg']}", path)
+
+
+def execute(
+    core: EngineCore,
+    method: object,
+    params: object,
+    permissions: Iterable[str] = PERMISSIONS,
+) -> dict[str, Any]:
+    """Validate and run one command; raises ApiError on every failure."""
+    if not isinstance(method, str) or method not in COMMANDS:
+        raise invalid_argument(f"unknown command method {method!r}", "method")
+    command = COMMANDS[method]
+    if not isinstance(params, dict):
+        raise invalid_argument("params must be an object", "params")
+    granted = set(permissions)
+    if command.permission not in granted and "admin" not in granted:
+        raise ApiError("permission_denied", f"{method} needs the {command.permission} permission")
+    try:
+        parsed = command.params.model_validate(params)
+    except ValidationError as ex:
+        raise _validation_error(ex) from ex
+    if command.handler is None:
+        raise ApiError("unsupported", f"{method} needs {command.missing}")
+    return command.handler(core, parsed)

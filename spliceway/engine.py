@@ -1,0 +1,125 @@
+"""``Engine``: the engine as a library inside a threaded host application.
+
+```python
+from spliceway import Engine
+with Engine.from_file("config.json") as engine:
+    engine.execute("mode.set", {"mode": "direct"})
+    stats = engine.query("stats")
+    for event in engine.subscribe(["flow.completed"], timeout=5):
+        ...
+```
+
+Thread-safe; needs no event loop from the host; starts its threads in
+``start()``/``__enter__`` and joins them in ``stop()``/``__exit__``. Every
+failure is a ``spliceway.ApiError`` with the same code, message, field_path
+and details the HTTP envelope carries.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from spliceway import commands, queries
+from spliceway.config import Config, default_config, load_config_file, parse_config
+from spliceway.engine_core import EngineCore
+from spliceway.errors import ApiError
+from spliceway.events import Subscription
+
+
+class Engine:
+    """A running (or startable) spliceway engine."""
+
+    def __init__(self, config: dict[str, Any] | Config | None = None, *,
+                 config_path: str | None = None) -> None:
+        """Validate ``config`` (a document, a parsed Config, or None for the embedded default)."""
+        if config is None:
+            parsed = default_config()
+        elif isinstance(config, Config):
+            parsed = config
+        else:
+            parsed = parse_config(config)
+        self._core = EngineCore(parsed, config_path)
+        self._lock = threading.Lock()
+        self._started = False
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Engine:
+        """An engine for the configuration file at ``path``."""
+        return cls(load_config_file(path), config_path=os.path.abspath(path))
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine's internals, for transports built on top of it."""
+        return self._core
+
+    @property
+    def running(self) -> bool:
+        """True between a successful start() and stop()."""
+        return self._core.running
+
+    def start(self) -> Engine:
+        """Bind the inbounds and start every actor; raises ApiError on failure."""
+        with self._lock:
+            if self._started:
+                raise ApiError("conflict", "engine already started")
+            self._core.start()
+            self._started = True
+        return self
+
+    def stop(self, reason: str | None = None) -> None:
+        """Stop accepting, complete every flow, emit engine.stopped, join all threads."""
+        with self._lock:
+            self._core.stop(reason)
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def listen_address(self, tag: str | None = None) -> tuple[str, int]:
+        """The (address, port) an inbound actually bound (the first one by default)."""
+        for spec, bound in zip(self._core.inbounds, self._core.bound, strict=True):
+            if tag is None or spec.tag == tag:
+                return bound
+        raise ApiError("not_found", f"no inbound {tag!r}")
+
+    def query(self, name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Answer a query of interface.md 4.1 by name (``health``, ``stats``, ``flows``...)."""
+        self._require_running()
+        return queries.run_query(self._core, name, params)
+
+    def execute(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run a command of interface.md 4.2 through the engine's one command table."""
+        self._require_running()
+        return commands.execute(self._core, method, {} if params is None else params)
+
+    def subscribe(
+        self,
+        types: Iterable[str] | None = None,
+        *,
+        timeout: float | None = None,
+        since: int | None = None,
+        snapshot: bool = False,
+    ) -> Subscription:
+        """Live events, optionally resuming from the ring after sequence ``since``.
+
+        Iteration ends when no event arrives for ``timeout`` seconds (never, if
+        None) or when the engine stops. With ``snapshot=True`` and flow types
+        included, the live phase starts with a ``flow.snapshot`` baseline, as
+        SSE and IPC subscriptions do.
+        """
+        core = self._core
+        return core.log.subscribe(
+            types,
+            since=since,
+            snapshot=core.flows.records if snapshot else None,
+            timeout=timeout,
+        )
+
+    def _require_running(self) -> None:
+        if not self._core.running:
+            raise ApiError("conflict", "engine is not running")

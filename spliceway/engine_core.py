@@ -1,0 +1,223 @@
+"""EngineCore: the running engine's parts, wired together, and its start/stop order.
+
+The public face is ``spliceway.Engine`` (engine.py); transports and the command
+table reach the engine through an ``EngineCore``. Start order: dispatcher,
+relay and reaper, bind every inbound (all or nothing), supervisor (listeners,
+sampler), then ``engine.started``. Stop reverses it, and every flow still open
+completes with exactly one ``flow.completed`` before ``engine.stopped``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pykka
+
+from spliceway import __version__, routing
+from spliceway.actors.bridge import RelayBridge
+from spliceway.actors.dispatcher import Dispatcher
+from spliceway.actors.messages import StopFlow
+from spliceway.actors.supervisor import EngineSupervisor
+from spliceway.config import Config
+from spliceway.errors import ApiError
+from spliceway.events import EventLog, now_ms
+from spliceway.inbound import Users
+from spliceway.outbounds import DirectOutbound, Outbound, build_outbound
+from spliceway.runtime import Counters, FlowTable, RouteState
+
+logger = logging.getLogger(__name__)
+
+BUILD_ID = f"spliceway-{__version__}"
+_STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class InboundSpec:
+    """What a listener and its flows need to know about their inbound."""
+
+    index: int
+    tag: str
+    protocol: str
+    sniff: bool
+    sniff_timeout_ms: int
+    users: Users
+
+
+class EngineCore:
+    """The engine's shared parts. Thread-safe to read; actors own the mutations."""
+
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.build_id = BUILD_ID
+        runtime = config.runtime
+        self.log = EventLog(runtime.event_ring_capacity)
+        self.flow_id_prefix = f"{secrets.token_hex(4)}-"
+        self.flows = FlowTable()
+        self.counters = Counters()
+        self.tcp_idle_timeout_ms = int(runtime.tcp_idle_timeout_seconds * 1000)
+        self.outbounds: dict[str, Outbound] = {"direct": DirectOutbound("direct")}
+        for spec in config.outbounds:
+            self.outbounds[spec.tag] = build_outbound(spec)
+        self.route_state = RouteState(
+            mode=config.mode.kind,
+            mode_outbound=config.mode.outbound,
+            final=config.route.final,
+            ruleset=routing.compile_rules(config.rules),
+        )
+        self.inbounds = [
+            InboundSpec(
+                index=i,
+                tag=ib.tag,
+                protocol=ib.protocol,
+                sniff=ib.sniff,
+                sniff_timeout_ms=ib.sniff_timeout_ms,
+                users=Users(ib.users),
+            )
+            for i, ib in enumerate(config.inbounds)
+        ]
+        self.bound: list[tuple[str, int]] = []
+        self.started_at_unix_ms = 0
+        self.dispatcher = Dispatcher()
+        self.bridge: RelayBridge
+        self.supervisor: pykka.ActorRef[EngineSupervisor] | None = None
+        self.running = False
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind every inbound and start the actors; raises ApiError on failure."""
+        self._refuse_unbuilt()
+        sockets = self._bind_all()
+        self.started_at_unix_ms = now_ms()
+        self.bridge = RelayBridge()
+        self.bridge.start()
+        self.dispatcher.start()
+        self.supervisor = EngineSupervisor.start(self, sockets)
+        self.running = True
+        self.log.emit(
+            "engine.started",
+            {"build_id": self.build_id, "started_at_unix_ms": self.started_at_unix_ms},
+        )
+
+    def stop(self, reason: str | None = None) -> None:
+        """Stop accepting, complete every open flow, emit engine.stopped, join threads."""
+        if not self.running:
+            return
+        self.running = False
+        assert self.supervisor is not None
+        with contextlib.suppress(pykka.ActorDeadError):
+            self.supervisor.proxy().stop_listeners().get(_STOP_GRACE_S)
+        for entry in self.flows.entries():
+            with contextlib.suppress(pykka.ActorDeadError):
+                entry.actor.tell(StopFlow())
+        self._await_flows_drained()
+        self.bridge.stop()
+        self._await_flows_drained()
+        with contextlib.suppress(pykka.ActorDeadError):
+            self.supervisor.stop(timeout=_STOP_GRACE_S)
+        # Flows still in their handshake have no record yet; stop them quietly.
+        for ref in pykka.ActorRegistry.get_all():
+            if getattr(ref, "actor_class", None) is not None and ref.actor_class.__name__ == "FlowActor":
+                with contextlib.suppress(pykka.ActorDeadError):
+                    ref.stop(timeout=_STOP_GRACE_S)
+        payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
+        if reason is not None:
+            payload["reason"] = reason
+        self.log.emit("engine.stopped", payload)
+        self.dispatcher.stop()
+        self.log.close_all()
+
+    def _await_flows_drained(self) -> None:
+        deadline = time.monotonic() + _STOP_GRACE_S
+        while len(self.flows) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _refuse_unbuilt(self) -> None:
+        missing = []
+        if self.config.outbound_groups:
+            missing.append("outbound_groups (policy groups are not built yet)")
+        missing.extend(
+            f"outbound {ob.tag!r} protocol {ob.protocol} (not built yet)"
+            for ob in self.config.outbounds
+            if ob.protocol not in ("direct", "block", "socks5", "http")
+        )
+        if self.config.api.event_sinks:
+            missing.append("api.event_sinks (webhook/jsonl delivery is not built yet)")
+        if self.config.runtime.tun is not None:
+            missing.append("runtime.tun (the TUN inbound is not built yet)")
+        if self.config.runtime.dns.listen is not None:
+            missing.append("runtime.dns.listen (the DNS server is not built yet)")
+        if missing:
+            raise ApiError("unsupported", "this build cannot run: " + "; ".join(missing))
+
+    def _bind_all(self) -> list[socket.socket]:
+        sockets: list[socket.socket] = []
+        try:
+            for i, ib in enumerate(self.config.inbounds):
+                sockets.append(self._bind(i, ib.listen.address, ib.listen.port))
+        except BaseException:
+            for s in sockets:
+                s.close()
+            raise
+        self.bound = [s.getsockname()[:2] for s in sockets]
+        return sockets
+
+    def _bind(self, index: int, address: str, port: int) -> socket.socket:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((address, port))
+            sock.listen(min(socket.SOMAXCONN, 4096))
+        except OSError as ex:
+            sock.close()
+            raise ApiError(
+                "conflict",
+                f"inbound {self.config.inbounds[index].tag!r} cannot listen on "
+                f"{address}:{port}: {os.strerror(ex.errno or 0) if ex.errno else ex}",
+                field_path=f"inbounds[{index}].listen",
+            ) from ex
+        return sock
+
+    # -- state read by queries --------------------------------------------------------
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The stats resource (interface.md 2.6), live."""
+        c = self.counters
+        up, down = c.completed_bytes_up, c.completed_bytes_down
+        entries = self.flows.entries()
+        relayed = [e for e in entries if e.handle is not None]
+        live = self.bridge.counters([e.handle for e in relayed if e.handle is not None])
+        for entry, counters in zip(relayed, live, strict=True):
+            if counters is not None:
+                up += entry.base[0] + counters.upstream_tx
+                down += entry.base[1] + counters.client_tx
+        for entry in entries:
+            if entry.handle is None:
+                up += entry.record["traffic"]["bytes_up"]
+                down += entry.record["traffic"]["bytes_down"]
+        return {
+            "active_sessions": len(self.flows),
+            "total_started": c.total_started,
+            "completed_sessions": c.completed_sessions,
+            "failed_sessions": c.failed_sessions,
+            "blocked_sessions": c.blocked_sessions,
+            "direct_sessions": c.direct_sessions,
+            "chained_sessions": c.chained_sessions,
+            "bytes_up": up,
+            "bytes_down": down,
+            "udp_upstream": dict(c.udp),
+        }
+
+    def set_mode(self, mode: str, outbound: str | None) -> None:
+        """Swap the routing mode (called by the supervisor after validation)."""
+        old = self.route_state
+        self.route_state = RouteState(mode, outbound, old.final, old.ruleset)

@@ -1,0 +1,252 @@
+"""The event log: a bounded ring of envelopes with sequences, and live subscriptions.
+
+Contract (interface.md 2.10, 6; decisions 3):
+- ``sequence`` starts at 1 per engine start and grows by one per event entering
+  the ring; ``event_id`` is ``<random epoch>-<sequence>``, unique across starts.
+- Subscribers are attached under the log's lock, so a catch-up read from the
+  ring followed by the live phase has neither gaps nor duplicates, and a
+  ``flow.snapshot`` taken at attach time carries the exact watermark.
+- ``flow.snapshot`` never enters the ring.
+- Delivery to a subscriber never blocks the emitter: a subscriber that falls
+  ``max_pending`` events behind is closed with ``overflowed`` set; it can resume
+  from the ring by sequence.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+SCHEMA_ID = "service.event.v1"
+SNAPSHOT = "flow.snapshot"
+FLOW_TYPES = frozenset(
+    {"flow.started", "flow.routed", "flow.updated", "flow.completed", "flow.snapshot"}
+)
+Envelope = dict[str, Any]
+
+
+def now_ms() -> int:
+    """Wall-clock UNIX time in milliseconds."""
+    return time.time_ns() // 1_000_000
+
+
+def normalize_types(types: Iterable[str] | None) -> frozenset[str] | None:
+    """Turn an allow-list into a set; ``None``, empty and ``['*']`` mean all events."""
+    if types is None:
+        return None
+    wanted = frozenset(t for t in types if t)
+    if not wanted or "*" in wanted:
+        return None
+    return wanted
+
+
+def wants_flow_snapshot(types: frozenset[str] | None) -> bool:
+    """Whether a live subscription with this filter starts with a flow.snapshot."""
+    return types is None or bool(types & FLOW_TYPES)
+
+
+class Subscription:
+    """A live feed of envelopes from an ``EventLog``; iterate it or call ``get``."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        types: frozenset[str] | None,
+        max_pending: int,
+        timeout: float | None = None,
+    ) -> None:
+        self._log = log
+        self.types = types
+        self._max_pending = max_pending
+        self._pending: deque[Envelope] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._timeout = timeout
+        self.closed = False
+        self.overflowed = False
+
+    def _offer(self, envelope: Envelope) -> None:
+        """Called by the log under its lock; never blocks."""
+        if self.types is not None and envelope["event_type"] not in self.types:
+            return
+        with self._cond:
+            if self.closed:
+                return
+            if len(self._pending) >= self._max_pending:
+                self.overflowed = True
+                self.closed = True
+            else:
+                self._pending.append(envelope)
+            self._cond.notify()
+
+    def _preload(self, envelopes: Iterable[Envelope]) -> None:
+        with self._cond:
+            self._pending.extend(envelopes)
+
+    def get(self, timeout: float | None = None) -> Envelope | None:
+        """Next envelope, or ``None`` on timeout or once closed and drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._pending:
+                if self.closed:
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            return self._pending.popleft()
+
+    def close(self) -> None:
+        """Detach from the log and wake any waiting reader."""
+        self._log._detach(self)  # noqa: SLF001
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def __iter__(self) -> Iterator[Envelope]:
+        while True:
+            envelope = self.get(self._timeout)
+            if envelope is None:
+                return
+            yield envelope
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EventLog:
+    """A thread-safe ring of event envelopes with monotonic sequences."""
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self.capacity = capacity
+        self.epoch = secrets.token_hex(8)
+        self._ring: deque[Envelope] = deque(maxlen=capacity)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._subs: list[Subscription] = []
+        self._listeners: list[Callable[[Envelope], None]] = []
+
+    @property
+    def latest_sequence(self) -> int:
+        """Sequence of the newest event (0 before the first)."""
+        return self._seq
+
+    def emit(
+        self,
+        event_type: str,
+        payload: dict[str, Any],
+        *,
+        principal_key: str | None = None,
+        labels: dict[str, str] | None = None,
+        occurred_at_unix_ms: int | None = None,
+    ) -> Envelope:
+        """Append one event to the ring and offer it to every subscriber."""
+        occurred = occurred_at_unix_ms if occurred_at_unix_ms is not None else now_ms()
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            envelope: Envelope = {
+                "schema_id": SCHEMA_ID,
+                "event_id": f"{self.epoch}-{seq}",
+                "event_type": event_type,
+                "occurred_at_unix_ms": occurred,
+                "source_id": None,
+                "sequence": seq,
+                "principal_key": principal_key,
+                "labels": labels if labels is not None else {},
+                "payload": payload,
+            }
+            self._ring.append(envelope)
+            for sub in self._subs:
+                sub._offer(envelope)  # noqa: SLF001
+            for listener in self._listeners:
+                listener(envelope)
+        return envelope
+
+    def add_listener(self, listener: Callable[[Envelope], None]) -> None:
+        """Register a callback run under the log lock for every event (must not block)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[Envelope], None]) -> None:
+        """Unregister a callback added with ``add_listener``."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ring as ``GET /api/v1/events`` returns it (decisions 2)."""
+        with self._lock:
+            events = list(self._ring)
+            latest = self._seq
+        oldest = events[0]["sequence"] if events else latest + 1
+        return {
+            "events": events,
+            "oldest_sequence": oldest,
+            "latest_sequence": latest,
+            "capacity": self.capacity,
+        }
+
+    def subscribe(
+        self,
+        types: Iterable[str] | None = None,
+        *,
+        since: int | None = None,
+        snapshot: Callable[[], list[dict[str, Any]]] | None = None,
+        max_pending: int = 65536,
+        timeout: float | None = None,
+    ) -> Subscription:
+        """Attach a live subscription.
+
+        With ``since``, ring events after that sequence come first (catch-up).
+        With ``snapshot`` (a function returning the active flow records) and a
+        filter that includes flow types, a ``flow.snapshot`` envelope whose
+        ``sequence`` and ``watermark`` are the ring's latest sequence follows.
+        """
+        wanted = normalize_types(types)
+        sub = Subscription(self, wanted, max_pending, timeout)
+        with self._lock:
+            preload: list[Envelope] = []
+            if since is not None:
+                preload.extend(
+                    e
+                    for e in self._ring
+                    if e["sequence"] > since and (wanted is None or e["event_type"] in wanted)
+                )
+            if snapshot is not None and wants_flow_snapshot(wanted):
+                preload.append(self._snapshot_envelope(snapshot()))
+            sub._preload(preload)  # noqa: SLF001
+            self._subs.append(sub)
+        return sub
+
+    def _snapshot_envelope(self, records: list[dict[str, Any]]) -> Envelope:
+        seq = self._seq
+        return {
+            "schema_id": SCHEMA_ID,
+            "event_id": f"{self.epoch}-{seq}-snapshot",
+            "event_type": SNAPSHOT,
+            "occurred_at_unix_ms": now_ms(),
+            "source_id": None,
+            "sequence": seq,
+            "principal_key": None,
+            "labels": {},
+            "payload": {"watermark": seq, "records": records},
+        }
+
+    def _detach(self, sub: Subscription) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def close_all(self) -> None:
+        """Close every live subscription (engine stop)."""
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            sub.close()

@@ -1,0 +1,240 @@
+"""Server side of the inbound handshakes (socks5, http, mixed), run by a FlowActor.
+
+The parsing is in ``spliceway.protocols``; this module only reads, writes and
+decides which reply to send. A handshake ends in a ``Handshake`` (what the
+client asked for) or a ``HandshakeFailed`` after the protocol's error reply has
+been written. The reply to a successful request is sent later by the FlowActor
+through ``Handshake.success_reply``/``failure_reply``, because it depends on
+routing and dialing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from spliceway.protocols import NEED_MORE, ProtocolError
+from spliceway.protocols import http as http_proto
+from spliceway.protocols import socks5
+
+_READ_CHUNK = 16 * 1024
+_BASIC_REALM = (("Proxy-Authenticate", 'Basic realm="spliceway"'),)
+
+
+class HandshakeFailed(Exception):
+    """The client's handshake was malformed, unauthorised or unsupported."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class Handshake:
+    """What a client asked for, and the bytes its handshake moved."""
+
+    protocol: str  # "socks5" or "http"
+    host: str
+    port: int
+    principal_key: str | None
+    auth_scheme: str | None
+    rx_bytes: int
+    tx_bytes: int
+    #: Bytes to send upstream before relaying (pipelined client data, or a rewritten request).
+    early: bytes = b""
+    #: True for absolute-URI forwarding: no reply on success, the origin answers.
+    forward: bool = False
+
+    def success_reply(self) -> bytes:
+        """Bytes telling the client its tunnel is open."""
+        if self.forward:
+            return b""
+        if self.protocol == "socks5":
+            return socks5.reply(socks5.REP_SUCCEEDED)
+        return http_proto.response(200, "Connection established")
+
+    def failure_reply(self, socks_code: int, http_status: int, message: str) -> bytes:
+        """Bytes telling the client the request failed."""
+        if self.protocol == "socks5":
+            return socks5.reply(socks_code)
+        return http_proto.response(http_status, body=(message + "\n").encode())
+
+
+class Users:
+    """Inbound credentials: username -> (password, principal_key)."""
+
+    def __init__(self, users: Any) -> None:
+        self._users: dict[str, tuple[bytes, str]] | None = None
+        if users is not None:
+            self._users = {u.username: (u.password.encode(), u.principal_key) for u in users}
+
+    @property
+    def required(self) -> bool:
+        """Whether clients must authenticate."""
+        return self._users is not None
+
+    def check(self, username: str, password: str) -> str | None:
+        """The principal_key for valid credentials, else None (constant-time compare)."""
+        assert self._users is not None
+        entry = self._users.get(username)
+        expected = entry[0] if entry else b"\0" * 32
+        ok = hmac.compare_digest(expected, password.encode(errors="surrogateescape"))
+        return entry[1] if entry and ok else None
+
+
+class _Reader:
+    """Accumulates client bytes on the loop until a parser is satisfied."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float):
+        self.loop = loop
+        self.sock = sock
+        self.deadline = deadline
+        self.buf = b""
+        self.rx = 0
+        self.tx = 0
+
+    async def parse(self, parser: Any) -> Any:
+        while True:
+            result = parser(self.buf)
+            if result is not NEED_MORE:
+                self.buf = self.buf[result.consumed :]
+                return result
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise HandshakeFailed("handshake_timeout", "client handshake timed out")
+            try:
+                chunk = await asyncio.wait_for(self.loop.sock_recv(self.sock, _READ_CHUNK), remaining)
+            except TimeoutError as ex:
+                raise HandshakeFailed("handshake_timeout", "client handshake timed out") from ex
+            except OSError as ex:
+                raise HandshakeFailed("client_error", f"client socket error: {ex}") from ex
+            if not chunk:
+                raise HandshakeFailed("client_closed", "client closed during handshake")
+            self.rx += len(chunk)
+            self.buf += chunk
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self.loop.sock_sendall(self.sock, data)
+        except OSError as ex:
+            raise HandshakeFailed("client_error", f"client socket error: {ex}") from ex
+        self.tx += len(data)
+
+    async def fail(self, reply: bytes | None, code: str, message: str) -> HandshakeFailed:
+        if reply:
+            try:
+                await self.send(reply)
+            except HandshakeFailed:
+                pass
+        return HandshakeFailed(code, message)
+
+
+async def accept(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    protocol: str,
+    users: Users,
+    timeout: float,
+) -> Handshake:
+    """Run the server side of ``protocol`` ("socks5", "http" or "mixed") on ``sock``."""
+    reader = _Reader(loop, sock, time.monotonic() + timeout)
+    if protocol == "mixed":
+        first = await reader.parse(_first_byte)
+        protocol = "socks5" if first.value == 5 else "http"
+    try:
+        if protocol == "socks5":
+            return await _socks5(reader, users)
+        return await _http(reader, users)
+    except ProtocolError as ex:
+        raise await reader.fail(ex.reply, "protocol_error", str(ex)) from ex
+
+
+@dataclass(slots=True)
+class _First:
+    value: int
+    consumed: int = 0
+
+
+def _first_byte(buf: bytes) -> Any:
+    return _First(buf[0]) if buf else NEED_MORE
+
+
+async def _socks5(reader: _Reader, users: Users) -> Handshake:
+    greeting = await reader.parse(socks5.parse_greeting)
+    principal: str | None = None
+    scheme: str | None = None
+    if users.required:
+        if socks5.METHOD_USERPASS not in greeting.methods:
+            raise await reader.fail(
+                socks5.method_selection(socks5.METHOD_NO_ACCEPTABLE),
+                "auth_required",
+                "client offered no acceptable SOCKS5 auth method",
+            )
+        await reader.send(socks5.method_selection(socks5.METHOD_USERPASS))
+        creds = await reader.parse(socks5.parse_userpass)
+        principal = users.check(creds.username, creds.password)
+        if principal is None:
+            raise await reader.fail(
+                socks5.userpass_status(False), "auth_failed", "SOCKS5 credentials rejected"
+            )
+        await reader.send(socks5.userpass_status(True))
+        scheme = "userpass"
+    else:
+        if socks5.METHOD_NO_AUTH not in greeting.methods:
+            raise await reader.fail(
+                socks5.method_selection(socks5.METHOD_NO_ACCEPTABLE),
+                "auth_unsupported",
+                "client requires an auth method this inbound does not offer",
+            )
+        await reader.send(socks5.method_selection(socks5.METHOD_NO_AUTH))
+    request = await reader.parse(socks5.parse_request)
+    if request.command != socks5.CMD_CONNECT:
+        # UDP ASSOCIATE arrives with the DNS/UDP work; BIND is not offered.
+        raise await reader.fail(
+            socks5.reply(socks5.REP_COMMAND_NOT_SUPPORTED),
+            "command_not_supported",
+            f"SOCKS5 command {request.command} is not supported",
+        )
+    return Handshake(
+        "socks5", request.host, request.port, principal, scheme,
+        reader.rx, reader.tx, early=reader.buf,
+    )
+
+
+async def _http(reader: _Reader, users: Users) -> Handshake:
+    head = await reader.parse(http_proto.parse_request_head)
+    principal: str | None = None
+    scheme: str | None = None
+    if users.required:
+        creds = http_proto.proxy_basic_credentials(head)
+        principal = users.check(*creds) if creds is not None else None
+        if principal is None:
+            raise await reader.fail(
+                http_proto.response(407, headers=_BASIC_REALM, body=b"proxy authentication required\n"),
+                "auth_failed" if creds is not None else "auth_required",
+                "HTTP proxy credentials missing or rejected",
+            )
+        scheme = "basic"
+    if head.method.upper() == "CONNECT":
+        host, port = http_proto.connect_authority(head.target)
+        return Handshake("http", host, port, principal, scheme, reader.rx, reader.tx,
+                         early=reader.buf)
+    scheme_name, host, port, path = http_proto.split_absolute_uri(head.target)
+    del scheme_name
+    bracketed = f"[{host}]" if ":" in host else host
+    host_header = bracketed if port == 80 else f"{bracketed}:{port}"
+    rewritten = http_proto.origin_request(head, path, host_header)
+    return Handshake("http", host, port, principal, scheme, reader.rx, reader.tx,
+                     early=rewritten + reader.buf, forward=True)
+
+
+def basic_token(username: str, password: str) -> str:
+    """``Proxy-Authorization`` value for Basic credentials (used by tests and clients)."""
+    raw = f"{username}:{password}".encode()
+    return "Basic " + base64.b64encode(raw).decode()

@@ -1,0 +1,373 @@
+"""Outbounds: how a flow reaches its target once routing picked a tag.
+
+Every outbound exposes one coroutine, ``dial(loop, host, port) -> Dialed``, run
+on the dispatcher loop by the FlowActor; it returns a connected non-blocking
+socket whose next byte belongs to the client, plus the bytes its own handshake
+moved (for the boundary counters). Failures raise ``DialError`` carrying the
+stage, a stable code and the reply each inbound protocol should send.
+
+New outbound kinds (shadowsocks, relay chains) plug in by implementing
+``Outbound`` and registering in ``build_outbound``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from spliceway.protocols import NEED_MORE, ProtocolError
+from spliceway.protocols import http as http_proto
+from spliceway.protocols import socks5
+
+#: SOCKS5 reply code for a failure code (RFC 1928 6).
+_SOCKS_REPLY = {
+    "connection_refused": socks5.REP_CONNECTION_REFUSED,
+    "network_unreachable": socks5.REP_NETWORK_UNREACHABLE,
+    "host_unreachable": socks5.REP_HOST_UNREACHABLE,
+    "connect_timeout": socks5.REP_TTL_EXPIRED,
+    "dns_failed": socks5.REP_HOST_UNREACHABLE,
+    "blocked": socks5.REP_NOT_ALLOWED,
+}
+#: HTTP status a proxy answers for a failure code.
+_HTTP_STATUS = {"connect_timeout": 504, "blocked": 403}
+_MAX_PROXY_REPLY = 64 * 1024
+
+
+class DialError(Exception):
+    """An outbound could not establish the connection."""
+
+    def __init__(
+        self, code: str, message: str, *, stage: str = "connect", remote: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.stage = stage
+        self.remote = remote
+
+    @property
+    def socks_reply(self) -> int:
+        """The SOCKS5 reply code an inbound sends for this failure."""
+        return _SOCKS_REPLY.get(self.code, socks5.REP_GENERAL_FAILURE)
+
+    @property
+    def http_status(self) -> int:
+        """The HTTP status an inbound sends for this failure."""
+        return _HTTP_STATUS.get(self.code, 502)
+
+
+@dataclass(slots=True)
+class Dialed:
+    """A connected upstream socket and what its establishment moved."""
+
+    sock: socket.socket
+    remote_host: str
+    remote_port: int
+    resolved_ip: str | None = None
+    tx_bytes: int = 0
+    rx_bytes: int = 0
+    leftover: bytes = b""
+    relay_chain: list[str] = field(default_factory=list)
+
+
+class Outbound(Protocol):
+    """What the FlowActor needs from an outbound."""
+
+    tag: str
+    protocol: str
+    #: True when traffic goes through another proxy (outcome chained_relayed).
+    chained: bool
+    server: str | None
+    port: int | None
+
+    async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
+        """Connect to ``host:port`` through this outbound."""
+        ...
+
+
+def _errno_code(err: OSError) -> str:
+    if isinstance(err, TimeoutError):
+        return "connect_timeout"
+    return {
+        errno.ECONNREFUSED: "connection_refused",
+        errno.ENETUNREACH: "network_unreachable",
+        errno.EHOSTUNREACH: "host_unreachable",
+        errno.ETIMEDOUT: "connect_timeout",
+    }.get(err.errno or 0, "connect_failed")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def open_tcp(
+    loop: asyncio.AbstractEventLoop, host: str, port: int, deadline: float
+) -> tuple[socket.socket, str]:
+    """Resolve ``host`` and connect to the first address that answers before ``deadline``.
+
+    Returns the connected non-blocking socket and the IP it reached.
+    """
+    remaining = deadline - time.monotonic()
+    if _is_ip(host):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        addrs: list[tuple[Any, ...]] = [(family, (host, port))]
+    else:
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), max(remaining, 0.001)
+            )
+        except (OSError, TimeoutError) as ex:
+            raise DialError("dns_failed", f"cannot resolve {host}: {ex}", stage="resolve") from ex
+        addrs = [(info[0], info[4]) for info in infos]
+        if not addrs:
+            raise DialError("dns_failed", f"no address for {host}", stage="resolve")
+    last: OSError | None = None
+    for family, sockaddr in addrs:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.wait_for(
+                loop.sock_connect(sock, sockaddr), max(deadline - time.monotonic(), 0.001)
+            )
+        except (OSError, TimeoutError) as ex:
+            sock.close()
+            last = ex
+            if isinstance(ex, TimeoutError):
+                break
+            continue
+        return sock, sockaddr[0]
+    assert last is not None
+    raise DialError(_errno_code(last), f"connect to {host}:{port} failed: {last}", remote=host)
+
+
+async def _recv_until(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    buf: bytearray,
+    parse: Any,
+    deadline: float,
+) -> Any:
+    """Read into ``buf`` until ``parse(bytes(buf))`` stops returning NEED_MORE."""
+    while True:
+        result = parse(bytes(buf))
+        if result is not NEED_MORE:
+            return result
+        if len(buf) > _MAX_PROXY_REPLY:
+            raise DialError("protocol_error", "upstream proxy reply too large", stage="handshake")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DialError("connect_timeout", "upstream proxy handshake timed out")
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), remaining)
+        if not chunk:
+            raise DialError("protocol_error", "upstream proxy closed during handshake", stage="handshake")
+        buf += chunk
+
+
+class DirectOutbound:
+    """Connects straight to the target."""
+
+    protocol = "direct"
+    chained = False
+    server: str | None = None
+    port: int | None = None
+
+    def __init__(self, tag: str, connect_timeout_ms: int = 5000) -> None:
+        self.tag = tag
+        self.connect_timeout = connect_timeout_ms / 1000
+
+    async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
+        """Connect to the target itself."""
+        sock, ip = await open_tcp(loop, host, port, time.monotonic() + self.connect_timeout)
+        return Dialed(sock, host, port, resolved_ip=ip)
+
+
+class BlockOutbound:
+    """Refuses every flow routed to it."""
+
+    protocol = "block"
+    chained = False
+    server: str | None = None
+    port: int | None = None
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
+        """Always fails: a block outbound carries nothing."""
+        raise DialError("blocked", f"outbound {self.tag} blocks all traffic", stage="route")
+
+
+class Socks5Outbound:
+    """Connects through an upstream SOCKS5 proxy (optionally with user/password)."""
+
+    protocol = "socks5"
+    chained = True
+
+    def __init__(
+        self,
+        tag: str,
+        server: str,
+        port: int,
+        username: str | None = None,
+        password: str | None = None,
+        connect_timeout_ms: int = 5000,
+    ) -> None:
+        self.tag = tag
+        self.server = server
+        self.port = port
+        self.username = username
+        self.password = password
+        self.connect_timeout = connect_timeout_ms / 1000
+
+    async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
+        """Connect to the proxy, negotiate, and ask it to CONNECT to ``host:port``."""
+        deadline = time.monotonic() + self.connect_timeout
+        sock, _ = await open_tcp(loop, self.server, self.port, deadline)
+        try:
+            return await self._negotiate(loop, sock, host, port, deadline)
+        except BaseException:
+            sock.close()
+            raise
+
+    async def _negotiate(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        host: str,
+        port: int,
+        deadline: float,
+    ) -> Dialed:
+        with_auth = self.username is not None
+        # Greeting and CONNECT are pipelined when no auth is needed: one round trip saved.
+        out = socks5.client_greeting(with_auth)
+        if not with_auth:
+            out += socks5.client_connect(host, port)
+        tx = len(out)
+        await loop.sock_sendall(sock, out)
+        buf = bytearray()
+        try:
+            sel = await _recv_until(loop, sock, buf, socks5.parse_method_selection, deadline)
+            del buf[: sel.consumed]
+            rx = sel.consumed
+            if with_auth:
+                if sel.method != socks5.METHOD_USERPASS:
+                    raise DialError("auth_failed", f"proxy {self.tag} refused user/password auth")
+                auth = socks5.client_userpass(self.username or "", self.password or "")
+                req = socks5.client_connect(host, port)
+                await loop.sock_sendall(sock, auth)
+                tx += len(auth)
+                status = await _recv_until(loop, sock, buf, socks5.parse_userpass_status, deadline)
+                del buf[: status.consumed]
+                rx += status.consumed
+                if not status.ok:
+                    raise DialError("auth_failed", f"proxy {self.tag} rejected the credentials")
+                await loop.sock_sendall(sock, req)
+                tx += len(req)
+            elif sel.method != socks5.METHOD_NO_AUTH:
+                raise DialError("auth_failed", f"proxy {self.tag} requires authentication")
+            reply = await _recv_until(loop, sock, buf, socks5.parse_reply, deadline)
+        except ProtocolError as ex:
+            raise DialError("protocol_error", f"proxy {self.tag}: {ex}", stage="handshake") from ex
+        except TimeoutError as ex:
+            raise DialError("connect_timeout", f"proxy {self.tag} handshake timed out") from ex
+        rx += reply.consumed
+        if reply.code != socks5.REP_SUCCEEDED:
+            raise DialError(
+                _SOCKS_REPLY_NAMES.get(reply.code, "upstream_rejected"),
+                f"proxy {self.tag} answered SOCKS5 reply {reply.code} for {host}:{port}",
+                remote=f"{self.server}:{self.port}",
+            )
+        leftover = bytes(buf[reply.consumed :])
+        rx += len(leftover)
+        return Dialed(sock, self.server, self.port, tx_bytes=tx, rx_bytes=rx, leftover=leftover,
+                      relay_chain=[self.tag])
+
+
+_SOCKS_REPLY_NAMES = {
+    socks5.REP_CONNECTION_REFUSED: "connection_refused",
+    socks5.REP_NETWORK_UNREACHABLE: "network_unreachable",
+    socks5.REP_HOST_UNREACHABLE: "host_unreachable",
+    socks5.REP_TTL_EXPIRED: "connect_timeout",
+    socks5.REP_NOT_ALLOWED: "upstream_not_allowed",
+}
+
+
+class HttpOutbound:
+    """Connects through an upstream HTTP proxy with CONNECT (optionally Basic auth)."""
+
+    protocol = "http"
+    chained = True
+
+    def __init__(
+        self,
+        tag: str,
+        server: str,
+        port: int,
+        username: str | None = None,
+        password: str | None = None,
+        connect_timeout_ms: int = 5000,
+    ) -> None:
+        self.tag = tag
+        self.server = server
+        self.port = port
+        self.credentials = (username, password or "") if username is not None else None
+        self.connect_timeout = connect_timeout_ms / 1000
+
+    async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
+        """Connect to the proxy and tunnel to ``host:port`` with CONNECT."""
+        deadline = time.monotonic() + self.connect_timeout
+        sock, _ = await open_tcp(loop, self.server, self.port, deadline)
+        try:
+            request = http_proto.connect_request(host, port, self.credentials)
+            await loop.sock_sendall(sock, request)
+            buf = bytearray()
+            try:
+                head = await _recv_until(loop, sock, buf, http_proto.parse_response_head, deadline)
+            except ProtocolError as ex:
+                raise DialError("protocol_error", f"proxy {self.tag}: {ex}", stage="handshake") from ex
+            except TimeoutError as ex:
+                raise DialError("connect_timeout", f"proxy {self.tag} CONNECT timed out") from ex
+            if not 200 <= head.status < 300:
+                raise DialError(
+                    "upstream_rejected",
+                    f"proxy {self.tag} answered {head.status} to CONNECT {host}:{port}",
+                    remote=f"{self.server}:{self.port}",
+                )
+            return Dialed(sock, self.server, self.port, tx_bytes=len(request), rx_bytes=len(buf),
+                          leftover=bytes(buf[head.consumed :]), relay_chain=[self.tag])
+        except BaseException:
+            sock.close()
+            raise
+
+
+def build_outbound(spec: Any) -> Outbound:
+    """Create the outbound object for one validated outbound config entry."""
+    kind = spec.protocol
+    timeout = getattr(spec, "connect_timeout_ms", 5000)
+    if kind == "direct":
+        return DirectOutbound(spec.tag, timeout)
+    if kind == "block":
+        return BlockOutbound(spec.tag)
+    if kind == "socks5":
+        return Socks5Outbound(spec.tag, spec.server, spec.port, spec.username, spec.password, timeout)
+    if kind == "http":
+        return HttpOutbound(spec.tag, spec.server, spec.port, spec.username, spec.password, timeout)
+    raise DialErrorConfig(kind)
+
+
+class DialErrorConfig(ValueError):
+    """An outbound protocol this build cannot dial yet."""
+
+    def __init__(self, protocol: str) -> None:
+        super().__init__(f"outbound protocol {protocol!r} is not built")
+        self.protocol = protocol

@@ -1,0 +1,233 @@
+"""FlowRecords (interface.md 2.11) and the flow event payloads built from them (6.1).
+
+A ``FlowState`` is the mutable state a FlowActor owns; ``render`` turns it into
+the immutable record dict that events and queries carry. Everything here is
+pure: no sockets, no clock except the timestamps passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Outcomes of a completed flow (interface.md 3.1).
+DIRECT_RELAYED = "direct_relayed"
+CHAINED_RELAYED = "chained_relayed"
+BLOCKED = "blocked"
+FAILED = "failed"
+CANCELLED = "cancelled"
+
+#: Standard close reasons.
+MANUAL = "manual"
+IDLE_TIMEOUT = "idle_timeout"
+UPSTREAM_ERROR = "upstream_error"
+
+
+@dataclass(slots=True)
+class Traffic:
+    """Byte counters of a flow; the four boundary counters include handshakes."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    inbound_rx_bytes: int = 0
+    inbound_tx_bytes: int = 0
+    outbound_rx_bytes: int = 0
+    outbound_tx_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Render as the record's ``traffic`` object (TCP has no packet counts)."""
+        return {
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "inbound_rx_bytes": self.inbound_rx_bytes,
+            "inbound_tx_bytes": self.inbound_tx_bytes,
+            "outbound_rx_bytes": self.outbound_rx_bytes,
+            "outbound_tx_bytes": self.outbound_tx_bytes,
+            "packets_up": None,
+            "packets_down": None,
+        }
+
+
+@dataclass(slots=True)
+class Failure:
+    """Why a flow failed: the stage, a stable code, a message, the remote if known."""
+
+    stage: str
+    code: str
+    message: str
+    remote: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Render as ``result.failure``."""
+        out: dict[str, Any] = {"stage": self.stage, "code": self.code, "message": self.message}
+        if self.remote is not None:
+            out["remote"] = self.remote
+        return out
+
+
+@dataclass(slots=True)
+class FlowState:
+    """Everything a FlowActor knows about its flow; rendered into FlowRecords."""
+
+    flow_id: str
+    inbound_tag: str
+    inbound_protocol: str
+    source_ip: str
+    source_port: int
+    started_at_unix_ms: int
+    mode: str
+    network: str = "tcp"
+    revision: int = 0
+    state: str = "opening"
+    target_host: str = ""
+    target_port: int = 0
+    resolved_ip: str | None = None
+    sniffed_host: str | None = None
+    principal_key: str | None = None
+    auth_scheme: str | None = None
+    route_action: str = "pending"
+    route_target: str | None = None
+    matched_rule: dict[str, Any] | None = None
+    selection_chain: list[str] = field(default_factory=list)
+    outbound_tag: str | None = None
+    outbound_protocol: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    relay_chain: list[str] = field(default_factory=list)
+    traffic: Traffic = field(default_factory=Traffic)
+    upload_bps: int = 0
+    download_bps: int = 0
+    sampled_at_unix_ms: int | None = None
+    last_activity_at_unix_ms: int = 0
+    ended_at_unix_ms: int | None = None
+    outcome: str | None = None
+    close_reason: str | None = None
+    failure: Failure | None = None
+
+    def render(self) -> dict[str, Any]:
+        """The FlowRecord of interface.md 2.11 for the current revision."""
+        target: dict[str, Any] = {"host": self.target_host, "port": self.target_port}
+        if self.resolved_ip is not None:
+            target["resolved_ip"] = self.resolved_ip
+        if self.sniffed_host is not None:
+            target["sniffed_host"] = self.sniffed_host
+        timing: dict[str, Any] = {
+            "started_at_unix_ms": self.started_at_unix_ms,
+            "last_activity_at_unix_ms": self.last_activity_at_unix_ms,
+        }
+        if self.ended_at_unix_ms is not None:
+            timing["ended_at_unix_ms"] = self.ended_at_unix_ms
+            timing["duration_ms"] = self.ended_at_unix_ms - self.started_at_unix_ms
+        outbound = (
+            {"tag": self.outbound_tag, "protocol": self.outbound_protocol}
+            if self.outbound_tag is not None
+            else None
+        )
+        remote = (
+            {"host": self.remote_host, "port": self.remote_port}
+            if self.remote_host is not None
+            else None
+        )
+        record: dict[str, Any] = {
+            "flow_id": self.flow_id,
+            "revision": self.revision,
+            "state": self.state,
+            "network": self.network,
+            "inbound": {"tag": self.inbound_tag, "protocol": self.inbound_protocol},
+            "source": {"ip": self.source_ip, "port": self.source_port},
+            "target": target,
+            "route": {
+                "mode": self.mode,
+                "action": self.route_action,
+                "target": self.route_target,
+                "matched_rule": self.matched_rule,
+                "selection_chain": list(self.selection_chain),
+            },
+            "path": {"outbound": outbound, "remote": remote, "relay_chain": list(self.relay_chain)},
+            "traffic": self.traffic.to_dict(),
+            "throughput": {
+                "upload_bps": self.upload_bps,
+                "download_bps": self.download_bps,
+                "sampled_at_unix_ms": self.sampled_at_unix_ms,
+            },
+            "timing": timing,
+        }
+        if self.state == "completed":
+            result: dict[str, Any] = {"outcome": self.outcome}
+            if self.close_reason is not None:
+                result["close_reason"] = self.close_reason
+            if self.failure is not None:
+                result["failure"] = self.failure.to_dict()
+            record["result"] = result
+        return record
+
+
+def lifecycle_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any]:
+    """Payload of flow.started / flow.routed / flow.completed: legacy fields plus record."""
+    traffic: dict[str, Any] = {
+        "bytes_up": state.traffic.bytes_up,
+        "bytes_down": state.traffic.bytes_down,
+        "packets_up": None,
+        "packets_down": None,
+    }
+    timing: dict[str, Any] = {
+        "started_at_unix_ms": state.started_at_unix_ms,
+        "ended_at_unix_ms": state.ended_at_unix_ms,
+        "duration_ms": (
+            state.ended_at_unix_ms - state.started_at_unix_ms
+            if state.ended_at_unix_ms is not None
+            else None
+        ),
+    }
+    payload: dict[str, Any] = {
+        "flow_id": state.flow_id,
+        "network": state.network,
+        "inbound": {"tag": state.inbound_tag, "protocol": state.inbound_protocol},
+        "auth": {
+            "scheme": state.auth_scheme,
+            "principal_key": state.principal_key,
+            "attributes": {},
+        },
+        "target": {"host": state.target_host, "port": state.target_port},
+        "route": {"mode": state.mode, "target": state.route_target},
+        "policy": state.selection_chain[0] if len(state.selection_chain) > 1 else None,
+        "outbound": (
+            {"tag": state.outbound_tag, "protocol": state.outbound_protocol}
+            if state.outbound_tag is not None
+            else None
+        ),
+        "traffic": traffic,
+        "timing": timing,
+        "outcome": state.outcome,
+        "record": record,
+    }
+    if state.state == "completed":
+        t = state.traffic
+        traffic["inbound_rx_bytes"] = t.inbound_rx_bytes
+        traffic["inbound_tx_bytes"] = t.inbound_tx_bytes
+        traffic["outbound_rx_bytes"] = t.outbound_rx_bytes
+        traffic["outbound_tx_bytes"] = t.outbound_tx_bytes
+        if state.close_reason is not None:
+            payload["close_reason"] = state.close_reason
+    return payload
+
+
+def updated_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any]:
+    """Payload of flow.updated (interface.md 6.1)."""
+    t = state.traffic
+    return {
+        "flow_id": state.flow_id,
+        "network": state.network,
+        "inbound_tag": state.inbound_tag,
+        "outbound_tag": state.outbound_tag,
+        "bytes_up": t.bytes_up,
+        "bytes_down": t.bytes_down,
+        "inbound_rx_bytes": t.inbound_rx_bytes,
+        "inbound_tx_bytes": t.inbound_tx_bytes,
+        "outbound_rx_bytes": t.outbound_rx_bytes,
+        "outbound_tx_bytes": t.outbound_tx_bytes,
+        "throughput_up_bps": state.upload_bps,
+        "throughput_down_bps": state.download_bps,
+        "snapshot_at_unix_ms": state.sampled_at_unix_ms,
+        "record": record,
+    }

@@ -1,0 +1,111 @@
+"""State shared between the engine's actors and its query surface.
+
+Ownership rules (DESIGN.md "actors own state"):
+- ``FlowTable`` entries are written only by the FlowActor they describe; other
+  threads read the published record dict, which is never mutated after it is
+  published (each revision publishes a new dict).
+- ``Counters`` are incremented only on the dispatcher thread (flow actors).
+- ``RouteState`` is immutable; ``mode.set`` swaps in a new one atomically.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pykka
+
+    from spliceway.routing import RuleSet
+
+
+@dataclass(frozen=True, slots=True)
+class RouteState:
+    """The routing inputs a flow reads when it decides."""
+
+    mode: str
+    mode_outbound: str | None
+    final: str
+    ruleset: RuleSet
+
+
+@dataclass(slots=True)
+class FlowEntry:
+    """One active flow as other threads see it."""
+
+    actor: pykka.ActorRef[Any]
+    record: dict[str, Any]
+    inbound_tag: str
+    principal_key: str | None
+    handle: int | None = None
+    #: bytes_up/bytes_down moved before the relay took over (live totals add relay counters).
+    base: tuple[int, int] = (0, 0)
+
+
+class FlowTable:
+    """Active flows by id. Writers are the flows themselves; readers copy."""
+
+    def __init__(self) -> None:
+        self._flows: dict[str, FlowEntry] = {}
+        self._lock = threading.Lock()
+
+    def put(self, flow_id: str, entry: FlowEntry) -> None:
+        """Add or replace a flow's entry."""
+        with self._lock:
+            self._flows[flow_id] = entry
+
+    def remove(self, flow_id: str) -> None:
+        """Drop a flow's entry (it completed)."""
+        with self._lock:
+            self._flows.pop(flow_id, None)
+
+    def get(self, flow_id: str) -> FlowEntry | None:
+        """The entry of one flow, if active."""
+        return self._flows.get(flow_id)
+
+    def entries(self) -> list[FlowEntry]:
+        """A copy of all active entries."""
+        with self._lock:
+            return list(self._flows.values())
+
+    def records(self) -> list[dict[str, Any]]:
+        """The latest published record of every active flow."""
+        with self._lock:
+            return [e.record for e in self._flows.values()]
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+
+@dataclass(slots=True)
+class Counters:
+    """Cumulative flow counters of interface.md 2.6 (TCP part)."""
+
+    total_started: int = 0
+    completed_sessions: int = 0
+    failed_sessions: int = 0
+    blocked_sessions: int = 0
+    direct_sessions: int = 0
+    chained_sessions: int = 0
+    #: Bytes of flows that already completed; active flows are added live.
+    completed_bytes_up: int = 0
+    completed_bytes_down: int = 0
+    udp: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            (
+                "active_associations",
+                "created_associations",
+                "reused_associations",
+                "closed_associations",
+                "idle_timeouts",
+                "dropped_associations",
+                "failed_association_attempts",
+                "send_failures",
+                "recv_failures",
+                "packets_sent",
+                "packets_received",
+            ),
+            0,
+        )
+    )
