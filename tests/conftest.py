@@ -1,0 +1,89 @@
+"""Shared fixtures: real loopback servers and a real engine on ephemeral ports."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pykka
+import pytest
+
+from tests.helpers.servers import http_origin
+
+
+def base_config(**overrides: Any) -> dict[str, Any]:
+    """A test configuration: socks5, http and mixed inbounds on free ports, no control API."""
+    cfg: dict[str, Any] = {
+        "inbounds": [
+            {"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}},
+            {"tag": "http-in", "protocol": "http", "listen": {"port": 0}},
+            {"tag": "mixed-in", "protocol": "mixed", "listen": {"port": 0}},
+        ],
+        "outbounds": [
+            {"tag": "direct", "protocol": "direct"},
+            {"tag": "block", "protocol": "block"},
+        ],
+        "runtime": {"stats_interval_ms": 200},
+        "api": {"control": {"enabled": False}, "ipc": {"enabled": False}},
+    }
+    cfg.update(copy.deepcopy(overrides))
+    return cfg
+
+
+@pytest.fixture
+def origin() -> Iterator[tuple[str, int]]:
+    """A local HTTP origin server."""
+    with http_origin() as address:
+        yield address
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Any]]:
+    """Start engines from config dicts; every one is stopped after the test."""
+    from spliceway import Engine
+
+    engines: list[Any] = []
+
+    def _make(config: dict[str, Any] | None = None) -> Any:
+        engine = Engine(config if config is not None else base_config())
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield _make
+    for engine in engines:
+        engine.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_actors() -> Iterator[None]:
+    yield
+    leftover = pykka.ActorRegistry.get_all()
+    pykka.ActorRegistry.stop_all(timeout=5)
+    assert not leftover, f"actors left running: {leftover}"
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+def fd_count() -> int:
+    """Open file descriptors of this process."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def thread_count() -> int:
+    """Live Python threads of this process."""
+    return threading.active_count()

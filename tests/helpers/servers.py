@@ -1,0 +1,114 @@
+"""Real loopback servers for the tests: an HTTP origin and a counting TCP peer."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import socket
+import socketserver
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class _OriginHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        parts = self.path.strip("/").split("/")
+        if parts[0] == "bytes" and len(parts) == 2 and parts[1].isdigit():
+            body = b"x" * int(parts[1])
+        elif parts[0] == "host":
+            body = (self.headers.get("Host") or "").encode()
+        else:
+            body = b"hello from origin\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        data = self.rfile.read(length)
+        body = f"{len(data)} {hashlib.sha256(data).hexdigest()}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+@contextmanager
+def http_origin() -> Iterator[tuple[str, int]]:
+    """An HTTP/1.1 origin on 127.0.0.1: /bytes/N, /host, POST echo of length+sha256."""
+    server = _Server(("127.0.0.1", 0), _OriginHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[:2]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+class CountingPeer:
+    """A TCP server: counts every byte a client sends until EOF, then sends ``reply_bytes``.
+
+    Each accepted connection's received byte count and sha256 are recorded.
+    """
+
+    def __init__(self, reply_bytes: int = 0) -> None:
+        self.reply_bytes = reply_bytes
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = self.sock.getsockname()[:2]
+        self.received: list[tuple[int, str]] = []
+        self.done = threading.Condition()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        digest = hashlib.sha256()
+        total = 0
+        with conn:
+            while chunk := conn.recv(1 << 20):
+                total += len(chunk)
+                digest.update(chunk)
+            remaining = self.reply_bytes
+            block = b"r" * min(remaining, 1 << 20)
+            while remaining > 0:
+                n = conn.send(block[: min(remaining, len(block))])
+                remaining -= n
+        with self.done:
+            self.received.append((total, digest.hexdigest()))
+            self.done.notify_all()
+
+    def wait_for(self, count: int, timeout: float = 30) -> list[tuple[int, str]]:
+        """Block until ``count`` connections have finished."""
+        with self.done:
+            self.done.wait_for(lambda: len(self.received) >= count, timeout)
+            return list(self.received)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,54 @@
+"""A minimal blocking SOCKS5 client for tests (independent of the engine's parsers)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def socks5_connect(
+    proxy: tuple[str, int],
+    host: str,
+    port: int,
+    *,
+    auth: tuple[str, str] | None = None,
+    timeout: float = 10,
+) -> socket.socket:
+    """Open a tunnel through a SOCKS5 proxy; raises ConnectionError with the reply code."""
+    sock = socket.create_connection(proxy, timeout=timeout)
+    try:
+        sock.sendall(b"\x05\x01\x02" if auth else b"\x05\x01\x00")
+        ver, method = _recv_exact(sock, 2)
+        if auth:
+            if method != 2:
+                raise ConnectionError(f"method {method}")
+            u, p = auth[0].encode(), auth[1].encode()
+            sock.sendall(b"\x01" + bytes([len(u)]) + u + bytes([len(p)]) + p)
+            if _recv_exact(sock, 2)[1] != 0:
+                raise ConnectionError("auth rejected")
+        elif method != 0:
+            raise ConnectionError(f"method {method}")
+        name = host.encode()
+        sock.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", port))
+        head = _recv_exact(sock, 4)
+        if head[1] != 0:
+            raise ConnectionError(f"socks reply {head[1]}")
+        atyp = head[3]
+        extra = {1: 4, 4: 16}.get(atyp)
+        if extra is None:
+            extra = _recv_exact(sock, 1)[0]
+        _recv_exact(sock, extra + 2)
+        return sock
+    except BaseException:
+        sock.close()
+        raise

@@ -1,0 +1,90 @@
+"""The event ring: sequences, ids, catch-up, snapshots and subscriber bounds."""
+
+from __future__ import annotations
+
+import threading
+
+from spliceway.events import EventLog, normalize_types
+
+
+def test_sequences_start_at_one_and_ids_carry_the_epoch():
+    log = EventLog(capacity=4)
+    first = log.emit("engine.started", {"x": 1})
+    second = log.emit("stats.sampled", {})
+    assert (first["sequence"], second["sequence"]) == (1, 2)
+    assert first["event_id"] == f"{log.epoch}-1"
+    assert first["schema_id"] == "service.event.v1"
+    assert first["source_id"] is None
+    assert first["labels"] == {}
+    assert EventLog().epoch != log.epoch
+
+
+def test_ring_keeps_the_newest_capacity_events():
+    log = EventLog(capacity=3)
+    for i in range(5):
+        log.emit("stats.sampled", {"i": i})
+    snap = log.snapshot()
+    assert [e["sequence"] for e in snap["events"]] == [3, 4, 5]
+    assert (snap["oldest_sequence"], snap["latest_sequence"], snap["capacity"]) == (3, 5, 3)
+
+
+def test_subscribe_since_replays_then_goes_live_without_gaps_or_duplicates():
+    log = EventLog()
+    for _ in range(5):
+        log.emit("flow.started", {})
+    sub = log.subscribe(since=2, timeout=1)
+    log.emit("flow.completed", {})
+    got = [e["sequence"] for e in sub if e["sequence"] <= 6 or sub.close()]
+    assert got[:4] == [3, 4, 5, 6]
+
+
+def test_snapshot_follows_catch_up_with_the_latest_sequence_as_watermark():
+    log = EventLog()
+    log.emit("flow.started", {})
+    log.emit("stats.sampled", {})
+    sub = log.subscribe(["flow.started"], since=0, snapshot=lambda: [{"flow_id": "a"}])
+    first, snapshot = sub.get(1), sub.get(1)
+    assert first["sequence"] == 1
+    assert snapshot["event_type"] == "flow.snapshot"
+    assert snapshot["sequence"] == snapshot["payload"]["watermark"] == 2
+    assert snapshot["payload"]["records"] == [{"flow_id": "a"}]
+    assert all(e["event_type"] != "flow.snapshot" for e in log.snapshot()["events"])
+
+
+def test_no_snapshot_when_the_filter_has_no_flow_types():
+    log = EventLog()
+    sub = log.subscribe(["stats.sampled"], snapshot=lambda: [])
+    assert sub.get(0.05) is None
+
+
+def test_filter_normalisation():
+    assert normalize_types(None) is None
+    assert normalize_types([]) is None
+    assert normalize_types(["*"]) is None
+    assert normalize_types(["a", "b"]) == {"a", "b"}
+
+
+def test_slow_subscriber_is_closed_not_blocking_the_emitter():
+    log = EventLog()
+    sub = log.subscribe(max_pending=3)
+    for _ in range(10):
+        log.emit("stats.sampled", {})
+    assert sub.overflowed
+    assert [sub.get(0) for _ in range(4)][-1] is None
+
+
+def test_concurrent_emitters_get_unique_contiguous_sequences():
+    log = EventLog(capacity=10_000)
+    barrier = threading.Barrier(4)
+
+    def emit_many():
+        barrier.wait()
+        for _ in range(1000):
+            log.emit("stats.sampled", {})
+
+    threads = [threading.Thread(target=emit_many) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [e["sequence"] for e in log.snapshot()["events"]] == list(range(1, 4001))
