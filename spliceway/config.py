@@ -1,0 +1,1347 @@
+"""The configuration document: pydantic models, cross-checks, loading, the embedded default.
+
+Spec: decisions.md 1 and 1.1 (format, required keys, defaults), interface.md 4.2 rule 4
+(``invalid_argument`` with ``cause`` and one ``details[]`` item per problem).
+
+Validation runs in two passes over the same document and reports every problem found:
+
+1. the schema (pydantic v2 models, ``extra="forbid"`` everywhere, strict scalar types:
+   ``"7890"`` is not a port, ``"yes"`` is not a boolean);
+2. cross-checks that need the whole document (tag uniqueness, references, group cycles,
+   ``global`` without an outbound, ...). They read the raw document defensively, so a
+   dangling reference is reported even when an unrelated part fails the schema.
+
+Each problem is a :class:`~spliceway.errors.Detail` whose ``field_path`` looks like
+``inbounds[0].listen.port`` (``None`` only when the document itself is not an object).
+
+Decisions this module makes where the spec leaves room:
+
+- ``api.control.api_key_env`` defaults to ``"SPLICEWAY_API_KEY"`` as in the example (1.1:
+  "everything else takes the value shown in the example"). An explicit ``null`` means
+  no token; the embedded default sets ``null``. So a configuration that omits the key
+  fails closed at start (the variable must be set) instead of silently opening an
+  unauthenticated control API. :meth:`ControlApi.read_api_key` does that check.
+- Rule conditions other than ``network`` take a list or a single string
+  (``"domain_suffix": "example.com"``); a single string is normalised to a one-item
+  list and :meth:`Config.to_dict` always writes lists. An empty list is an error (it
+  could never match). ``network`` is a single ``"tcp"``/``"udp"`` string.
+  ``port``/``source_port`` items are strings ``"443"``/``"8000-8100"``; integers are
+  accepted and normalised to strings. ``domain``/``domain_suffix`` items must not start
+  with ``.``; ``domain_regex`` is compiled case-insensitively (routing does the same).
+- ``url_test``/``fallback`` ``url`` is optional: ``null`` means "``runtime.latency_test_url``,
+  else the engine's built-in probe URL". When given it must be ``http://``.
+  ``interval_seconds`` defaults to 300 for both kinds.
+- Shadowsocks ``method`` defaults to ``chacha20-ietf-poly1305``; ``password`` is required
+  (a shared secret has no sensible default).
+- ``users`` absent or ``null`` means no authentication; present it must be non-empty.
+  Usernames are unique per inbound, 1..255 UTF-8 bytes, and contain no ``:`` on
+  ``http``/``mixed`` inbounds (Basic auth could not carry it).
+- ``listen.address`` is an IP literal or ``localhost``. Two listeners (inbounds and the
+  control API) with the same non-zero address and port are an error.
+- ``runtime.dns.servers`` items: ``system``, ``udp://IP[:PORT]``, ``tcp://IP[:PORT]``
+  (IPv6 in brackets, port default 53); see :func:`parse_dns_server`.
+- ``runtime.dns.cache`` defaults to ``{"max_entries": 4096}`` (enabled, as in the example);
+  ``null`` disables the cache.
+- ``runtime.tun.mtu`` ``null`` means "use ``runtime.network.mtu``".
+- Sink ``events`` items must be known event types or ``"*"`` (a typo would silently
+  filter everything out otherwise).
+- A group may not list the same member twice; a selector ``default`` of ``null`` or
+  absent becomes its first member.
+- Tag ``direct`` is reserved for the built-in direct outbound: an outbound may use it only
+  with protocol ``direct``; a group may not.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PrivateAttr,
+    Strict,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+
+from spliceway.errors import ApiError, Detail
+
+__all__ = [
+    "CONDITION_KEYS",
+    "DEFAULT_API_KEY_ENV",
+    "EVENT_TYPES",
+    "Api",
+    "ApiKeySpec",
+    "BlockOutbound",
+    "Config",
+    "ControlApi",
+    "ControlListen",
+    "DirectOutbound",
+    "Dispatcher",
+    "DnsCache",
+    "DnsSettings",
+    "FakeIpAnswer",
+    "FallbackGroup",
+    "GrpcApi",
+    "HttpOutbound",
+    "Inbound",
+    "InboundUser",
+    "IpcApi",
+    "JsonlSink",
+    "Listen",
+    "LoadBalanceGroup",
+    "Mode",
+    "NetworkSettings",
+    "RealAnswer",
+    "RelayGroup",
+    "Route",
+    "Rule",
+    "Runtime",
+    "SelectorGroup",
+    "ShadowsocksOutbound",
+    "Socks5Outbound",
+    "TunSettings",
+    "UrlTestGroup",
+    "WebhookSink",
+    "default_config",
+    "default_ipc_path",
+    "load_config_file",
+    "parse_config",
+    "parse_dns_server",
+    "validate_document",
+]
+
+DEFAULT_API_KEY_ENV = "SPLICEWAY_API_KEY"
+
+#: Rule condition keys in the order used for ``matched_rule.condition`` text.
+CONDITION_KEYS: tuple[str, ...] = (
+    "domain",
+    "domain_suffix",
+    "domain_keyword",
+    "domain_regex",
+    "ip_cidr",
+    "source_ip_cidr",
+    "port",
+    "source_port",
+    "network",
+    "inbound_tag",
+    "principal_key",
+    "process_name",
+)
+
+#: Event types of interface.md 6 (valid in a sink's ``events`` filter, with ``"*"``).
+EVENT_TYPES: frozenset[str] = frozenset(
+    {
+        "engine.started",
+        "engine.stopped",
+        "engine.warning",
+        "config.changed",
+        "flow.started",
+        "flow.snapshot",
+        "flow.routed",
+        "flow.updated",
+        "flow.completed",
+        "policy.selected",
+        "policy.probe.completed",
+        "stats.sampled",
+        "ipc.connected",
+        "ipc.disconnected",
+    }
+)
+
+BUILTIN_DIRECT = "direct"
+
+# ---------------------------------------------------------------------------
+# Field validators (each raises ValueError with the message shown to the user)
+# ---------------------------------------------------------------------------
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PORT_SPEC = re.compile(r"(\d{1,5})(?:-(\d{1,5}))?")
+_DNS_SERVER = re.compile(r"(udp|tcp)://(\[[^\]]+\]|[^:/\[\]]+)(?::(\d{1,5}))?")
+
+
+def _check_ip_address(value: str) -> str:
+    if value == "localhost":
+        return value
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not an IP address (or 'localhost')") from None
+    return value
+
+
+def _check_cidr(value: str) -> str:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a valid CIDR (e.g. '10.0.0.0/8')") from None
+    return value
+
+
+def _check_interface_address(value: str) -> str:
+    try:
+        ipaddress.ip_interface(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not an interface address (IP or IP/prefix)") from None
+    return value
+
+
+def _check_netmask(value: str) -> str:
+    try:
+        ipaddress.IPv4Network(f"0.0.0.0/{value}")
+    except ValueError:
+        raise ValueError(f"{value!r} is not an IPv4 netmask") from None
+    return value
+
+
+def _check_domain(value: str) -> str:
+    if not value or value.startswith(".") or any(c.isspace() for c in value) or ".." in value:
+        raise ValueError(f"{value!r} is not a domain name (no leading dot, no spaces)")
+    return value
+
+
+def _check_keyword(value: str) -> str:
+    if not value:
+        raise ValueError("must not be empty")
+    return value
+
+
+def _check_regex(value: str) -> str:
+    try:
+        re.compile(value, re.IGNORECASE)
+    except re.error as exc:
+        raise ValueError(f"invalid regular expression: {exc}") from None
+    return value
+
+
+def parse_port_spec(value: str) -> tuple[int, int]:
+    """Parse ``"443"`` or ``"8000-8100"`` into an inclusive ``(low, high)`` range."""
+    m = _PORT_SPEC.fullmatch(value)
+    if m is None:
+        raise ValueError(f"{value!r} is not a port ('443') or port range ('8000-8100')")
+    low = int(m.group(1))
+    high = int(m.group(2)) if m.group(2) is not None else low
+    if high > 65535:
+        raise ValueError(f"{value!r}: ports are 0..65535")
+    if low > high:
+        raise ValueError(f"{value!r}: range start is above its end")
+    return low, high
+
+
+def _check_port_spec(value: str) -> str:
+    parse_port_spec(value)
+    return value
+
+
+def _port_to_str(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+def _check_http_url(value: str, schemes: tuple[str, ...] = ("http",)) -> str:
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"{value!r} is not a valid URL") from None
+    if parts.scheme not in schemes or not parts.hostname:
+        wanted = " or ".join(f"{s}://" for s in schemes)
+        raise ValueError(f"must be an {wanted} URL with a host (got {value!r})")
+    return value
+
+
+def _check_webhook_url(value: str) -> str:
+    return _check_http_url(value, ("http", "https"))
+
+
+def _check_env_name(value: str) -> str:
+    if not _ENV_NAME.fullmatch(value):
+        raise ValueError(f"{value!r} is not an environment variable name")
+    return value
+
+
+def _check_credential(value: str) -> str:
+    if not 1 <= len(value.encode("utf-8")) <= 255:
+        raise ValueError("must be 1..255 bytes long (UTF-8)")
+    return value
+
+
+def _check_event_type(value: str) -> str:
+    if value != "*" and value not in EVENT_TYPES:
+        raise ValueError(f"unknown event type {value!r}")
+    return value
+
+
+def parse_dns_server(value: str) -> tuple[str, str | None, int | None]:
+    """Parse a ``runtime.dns.servers`` item into ``(kind, ip, port)``.
+
+    ``"system"`` gives ``("system", None, None)``; ``"udp://1.1.1.1"`` gives
+    ``("udp", "1.1.1.1", 53)``; ``"tcp://[::1]:5353"`` gives ``("tcp", "::1", 5353)``.
+    """
+    if value == "system":
+        return "system", None, None
+    m = _DNS_SERVER.fullmatch(value)
+    if m is None:
+        raise ValueError(f"{value!r} is not 'system', 'udp://IP[:PORT]' or 'tcp://IP[:PORT]'")
+    host = m.group(2)
+    bracketed = host.startswith("[")
+    host = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{value!r}: {host!r} is not an IP address") from None
+    if (ip.version == 6) != bracketed:
+        raise ValueError(f"{value!r}: IPv6 addresses go in brackets, IPv4 ones do not")
+    port = int(m.group(3)) if m.group(3) is not None else 53
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{value!r}: port must be 1..65535")
+    return m.group(1), host, port
+
+
+def _check_dns_server(value: str) -> str:
+    parse_dns_server(value)
+    return value
+
+
+def _one_or_many(value: Any) -> Any:
+    """Accept a single string (or integer) where a list is expected."""
+    if isinstance(value, str | int) and not isinstance(value, bool):
+        return (value,)
+    return value
+
+
+def _float_out(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
+
+
+# ---------------------------------------------------------------------------
+# Annotated scalar types
+# ---------------------------------------------------------------------------
+
+SStr = Annotated[str, Strict()]
+SBool = Annotated[bool, Strict()]
+Tag = Annotated[str, Strict(), Field(min_length=1)]
+NonEmptyStr = Annotated[str, Strict(), Field(min_length=1)]
+PosInt = Annotated[int, Strict(), Field(ge=1)]
+NonNegInt = Annotated[int, Strict(), Field(ge=0)]
+ListenPort = Annotated[int, Strict(), Field(ge=0, le=65535)]
+RemotePort = Annotated[int, Strict(), Field(ge=1, le=65535)]
+Timeout = Annotated[int, Strict(), Field(ge=1)]
+IpAddr = Annotated[str, Strict(), AfterValidator(_check_ip_address)]
+Cidr = Annotated[str, Strict(), AfterValidator(_check_cidr)]
+HttpUrl = Annotated[str, Strict(), AfterValidator(_check_http_url)]
+EnvName = Annotated[str, Strict(), AfterValidator(_check_env_name)]
+Credential = Annotated[str, Strict(), AfterValidator(_check_credential)]
+Percent = Annotated[
+    float, Strict(), Field(ge=0, le=100), PlainSerializer(_float_out, return_type=float | int)
+]
+
+
+def _cond_list(item: Any) -> Any:
+    return Annotated[tuple[item, ...], BeforeValidator(_one_or_many), Field(min_length=1)]
+
+
+DomainList = _cond_list(Annotated[str, Strict(), AfterValidator(_check_domain)])
+KeywordList = _cond_list(Annotated[str, Strict(), AfterValidator(_check_keyword)])
+RegexList = _cond_list(Annotated[str, Strict(), AfterValidator(_check_regex)])
+CidrList = _cond_list(Cidr)
+PortList = _cond_list(
+    Annotated[str, BeforeValidator(_port_to_str), Strict(), AfterValidator(_check_port_spec)]
+)
+NameList = _cond_list(NonEmptyStr)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _fill_from(data: Any, key: str, source: str, *, first: bool = False) -> Any:
+    """Before-validator helper: default ``key`` to ``data[source]`` (or its first item)."""
+    if not isinstance(data, dict) or data.get(key) is not None:
+        return data
+    value = data.get(source)
+    if first:
+        value = value[0] if isinstance(value, list | tuple) and value else None
+    if isinstance(value, str):
+        return {**data, key: value}
+    return data
+
+
+# ---------------------------------------------------------------------------
+# mode, inbounds
+# ---------------------------------------------------------------------------
+
+
+class Mode(_Model):
+    """``mode``: ``rule`` (rules then final), ``global`` (all to ``outbound``), ``direct``."""
+
+    kind: Literal["rule", "global", "direct"] = "rule"
+    outbound: Tag | None = None
+
+
+class Listen(_Model):
+    """A listen address whose port is required (inbounds, ``runtime.dns.listen``)."""
+
+    address: IpAddr = "127.0.0.1"
+    port: ListenPort
+
+
+class ControlListen(_Model):
+    """``api.control.listen`` (defaults 127.0.0.1:9090)."""
+
+    address: IpAddr = "127.0.0.1"
+    port: ListenPort = 9090
+
+
+class InboundUser(_Model):
+    """One user of an authenticating inbound; ``principal_key`` defaults to the username."""
+
+    username: Credential
+    password: Credential
+    principal_key: NonEmptyStr
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_principal(cls, data: Any) -> Any:
+        return _fill_from(data, "principal_key", "username")
+
+
+class Inbound(_Model):
+    """An inbound listener (``socks5``, ``http`` or ``mixed``)."""
+
+    tag: Tag
+    protocol: Literal["socks5", "http", "mixed"]
+    listen: Listen
+    udp: SBool = True
+    sniff: SBool = True
+    sniff_timeout_ms: NonNegInt = 300
+    users: Annotated[tuple[InboundUser, ...], Field(min_length=1)] | None = None
+
+
+# ---------------------------------------------------------------------------
+# outbounds
+# ---------------------------------------------------------------------------
+
+
+class DirectOutbound(_Model):
+    """Connect to the target itself."""
+
+    tag: Tag
+    protocol: Literal["direct"]
+    connect_timeout_ms: Timeout = 5000
+
+
+class BlockOutbound(_Model):
+    """Refuse the flow."""
+
+    tag: Tag
+    protocol: Literal["block"]
+
+
+class Socks5Outbound(_Model):
+    """An upstream SOCKS5 proxy (optional RFC 1929 credentials, both or neither)."""
+
+    tag: Tag
+    protocol: Literal["socks5"]
+    server: NonEmptyStr
+    port: RemotePort
+    username: Credential | None = None
+    password: Credential | None = None
+    connect_timeout_ms: Timeout = 5000
+
+
+class HttpOutbound(_Model):
+    """An upstream HTTP proxy used with CONNECT (optional Basic credentials)."""
+
+    tag: Tag
+    protocol: Literal["http"]
+    server: NonEmptyStr
+    port: RemotePort
+    username: NonEmptyStr | None = None
+    password: SStr | None = None
+    connect_timeout_ms: Timeout = 5000
+
+
+class ShadowsocksOutbound(_Model):
+    """An upstream Shadowsocks (AEAD) server."""
+
+    tag: Tag
+    protocol: Literal["shadowsocks"]
+    server: NonEmptyStr
+    port: RemotePort
+    method: Literal["aes-128-gcm", "aes-256-gcm", "chacha20-ietf-poly1305"] = (
+        "chacha20-ietf-poly1305"
+    )
+    password: NonEmptyStr
+    connect_timeout_ms: Timeout = 5000
+
+
+Outbound = Annotated[
+    DirectOutbound | BlockOutbound | Socks5Outbound | HttpOutbound | ShadowsocksOutbound,
+    Field(discriminator="protocol"),
+]
+ConnectingOutbound = Socks5Outbound | HttpOutbound | ShadowsocksOutbound
+
+
+# ---------------------------------------------------------------------------
+# groups
+# ---------------------------------------------------------------------------
+
+Members = Annotated[tuple[Tag, ...], Field(min_length=1)]
+
+
+class SelectorGroup(_Model):
+    """Manually selected member; ``default`` is the initial selection (first member)."""
+
+    tag: Tag
+    kind: Literal["selector"]
+    outbounds: Members
+    default: Tag
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_first(cls, data: Any) -> Any:
+        return _fill_from(data, "default", "outbounds", first=True)
+
+
+class UrlTestGroup(_Model):
+    """Lowest-latency healthy member, re-probed every ``interval_seconds``."""
+
+    tag: Tag
+    kind: Literal["url_test"]
+    outbounds: Members
+    url: HttpUrl | None = None
+    interval_seconds: PosInt = 300
+    tolerance_ms: NonNegInt = 50
+
+
+class FallbackGroup(_Model):
+    """First healthy member in order."""
+
+    tag: Tag
+    kind: Literal["fallback"]
+    outbounds: Members
+    url: HttpUrl | None = None
+    interval_seconds: PosInt = 300
+
+
+class RelayGroup(_Model):
+    """A chain: members are dialled through one another in order."""
+
+    tag: Tag
+    kind: Literal["relay"]
+    outbounds: Members
+
+
+class LoadBalanceGroup(_Model):
+    """Spread flows over the healthy members."""
+
+    tag: Tag
+    kind: Literal["load_balance"]
+    outbounds: Members
+    strategy: Literal["round_robin", "consistent_hashing", "sticky_sessions"] = "round_robin"
+
+
+OutboundGroup = Annotated[
+    SelectorGroup | UrlTestGroup | FallbackGroup | RelayGroup | LoadBalanceGroup,
+    Field(discriminator="kind"),
+]
+
+
+# ---------------------------------------------------------------------------
+# rules, route
+# ---------------------------------------------------------------------------
+
+
+class Rule(_Model):
+    """One routing rule: all named conditions must match (a list matches when any item does)."""
+
+    domain: DomainList | None = None
+    domain_suffix: DomainList | None = None
+    domain_keyword: KeywordList | None = None
+    domain_regex: RegexList | None = None
+    ip_cidr: CidrList | None = None
+    source_ip_cidr: CidrList | None = None
+    port: PortList | None = None
+    source_port: PortList | None = None
+    network: Literal["tcp", "udp"] | None = None
+    inbound_tag: NameList | None = None
+    principal_key: NameList | None = None
+    process_name: NameList | None = None
+    action: Literal["route", "block"] = "route"
+    outbound: Tag | None = None
+
+    def conditions(self) -> dict[str, tuple[str, ...] | str]:
+        """The conditions this rule names, in :data:`CONDITION_KEYS` order."""
+        out: dict[str, tuple[str, ...] | str] = {}
+        for key in CONDITION_KEYS:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or (k not in CONDITION_KEYS and k != "outbound")
+        }
+
+
+class Route(_Model):
+    """``route``: ``final`` is used when no rule matches."""
+
+    final: Tag = BUILTIN_DIRECT
+
+
+# ---------------------------------------------------------------------------
+# runtime
+# ---------------------------------------------------------------------------
+
+
+class NetworkSettings(_Model):
+    """``runtime.network``."""
+
+    mtu: Annotated[int, Strict(), Field(ge=68, le=65535)] = 1500
+
+
+class DnsCache(_Model):
+    """``runtime.dns.cache`` (present = cache enabled)."""
+
+    max_entries: PosInt = 4096
+    min_ttl_seconds: NonNegInt | None = None
+    max_ttl_seconds: NonNegInt | None = None
+
+
+class RealAnswer(_Model):
+    """Answer with real addresses."""
+
+    type: Literal["real"]
+
+
+class FakeIpAnswer(_Model):
+    """Answer with synthetic addresses from ``fake_ip_range``."""
+
+    type: Literal["fake_ip"]
+    fake_ip_range: Cidr = "198.18.0.0/15"
+    persist_path: NonEmptyStr | None = None
+
+
+class DnsSettings(_Model):
+    """``runtime.dns``."""
+
+    servers: Annotated[
+        tuple[Annotated[str, Strict(), AfterValidator(_check_dns_server)], ...],
+        Field(min_length=1),
+    ] = ("system",)
+    cache: DnsCache | None = Field(default_factory=DnsCache)
+    answer: Annotated[RealAnswer | FakeIpAnswer, Field(discriminator="type")] = Field(
+        default_factory=lambda: RealAnswer(type="real")
+    )
+    listen: Listen | None = None
+
+
+class TunSettings(_Model):
+    """``runtime.tun``: the ``tun.start`` parameters of interface.md 4.4."""
+
+    addr: Annotated[str, Strict(), AfterValidator(_check_interface_address)]
+    tag: Tag
+    name: NonEmptyStr | None = None
+    mask: Annotated[str, Strict(), AfterValidator(_check_netmask)] = "255.255.255.0"
+    mtu: Annotated[int, Strict(), Field(ge=68, le=65535)] | None = None
+    secondary_addr: Annotated[str, Strict(), AfterValidator(_check_interface_address)] | None = None
+    include_cidrs: tuple[Cidr, ...] = ()
+    exclude_cidrs: tuple[Cidr, ...] = ()
+    auto_route: SBool = True
+    dual_stack: SBool = True
+    strict_route: SBool = True
+    dns_hijack: SBool = True
+
+
+class Runtime(_Model):
+    """``runtime``."""
+
+    log_level: Literal["trace", "debug", "info", "warn", "error"] = "info"
+    log_files: tuple[NonEmptyStr, ...] = ()
+    udp_upstream_idle_timeout_seconds: PosInt = 300
+    tcp_idle_timeout_seconds: PosInt = 600
+    latency_test_url: HttpUrl | None = None
+    network: NetworkSettings = Field(default_factory=NetworkSettings)
+    stats_interval_ms: Annotated[int, Strict(), Field(ge=100)] = 1000
+    event_ring_capacity: PosInt = 8192
+    dns: DnsSettings = Field(default_factory=DnsSettings)
+    tun: TunSettings | None = None
+
+
+# ---------------------------------------------------------------------------
+# api
+# ---------------------------------------------------------------------------
+
+Permission = Literal["read", "control", "config", "admin"]
+
+
+class ApiKeySpec(_Model):
+    """Extension ``api.control.keys[]``: a scoped key read from ``key_env``."""
+
+    name: Tag
+    key_env: EnvName
+    permissions: Annotated[tuple[Permission, ...], Field(min_length=1)]
+
+
+class ControlApi(_Model):
+    """``api.control``: the HTTP control listener."""
+
+    enabled: SBool = True
+    listen: ControlListen = Field(default_factory=ControlListen)
+    api_key_env: EnvName | None = DEFAULT_API_KEY_ENV
+    keys: tuple[ApiKeySpec, ...] = ()
+
+    def read_api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The admin token, or ``None`` when ``api_key_env`` is null.
+
+        Raises ``ApiError(invalid_argument)`` naming the variable when it is not set
+        (decisions 1.1: the engine then refuses to start, exit status 2).
+        """
+        if self.api_key_env is None:
+            return None
+        env = os.environ if environ is None else environ
+        value = env.get(self.api_key_env)
+        if not value:
+            raise ApiError(
+                "invalid_argument",
+                f"environment variable {self.api_key_env} (api.control.api_key_env) is not set",
+                field_path="api.control.api_key_env",
+            )
+        return value
+
+
+class IpcApi(_Model):
+    """``api.ipc``; ``path`` null means :func:`default_ipc_path`."""
+
+    enabled: SBool = True
+    path: NonEmptyStr | None = None
+
+    def resolved_path(self) -> str:
+        """The socket path to use."""
+        return self.path if self.path is not None else default_ipc_path()
+
+
+class GrpcApi(_Model):
+    """``api.grpc`` (needs the ``grpc`` extra)."""
+
+    enabled: SBool = False
+
+
+EventFilter = tuple[Annotated[str, Strict(), AfterValidator(_check_event_type)], ...]
+
+
+class WebhookSink(_Model):
+    """A webhook registration (interface.md 2.12, 4.6)."""
+
+    type: Literal["webhook"]
+    tag: Tag
+    url: Annotated[str, Strict(), AfterValidator(_check_webhook_url)]
+    events: EventFilter = ()
+    source_id: NonEmptyStr | None = None
+    headers: dict[SStr, SStr] | None = None
+
+
+class JsonlSink(_Model):
+    """Append one envelope per line to ``path``."""
+
+    type: Literal["jsonl"]
+    tag: Tag
+    path: NonEmptyStr
+    events: EventFilter = ()
+
+
+Sink = Annotated[WebhookSink | JsonlSink, Field(discriminator="type")]
+
+
+class Dispatcher(_Model):
+    """``api.dispatcher``: delivery timeouts, backoff and exhaustion behaviour."""
+
+    request_timeout_ms: Timeout = 10000
+    backoff_initial_ms: PosInt = 500
+    backoff_max_ms: PosInt = 60000
+    retry_threshold: PosInt = 10
+    on_exhausted: Literal["retry_forever", "dead_letter", "discard"] = "retry_forever"
+
+
+class Api(_Model):
+    """``api``."""
+
+    control: ControlApi = Field(default_factory=ControlApi)
+    ipc: IpcApi = Field(default_factory=IpcApi)
+    grpc: GrpcApi = Field(default_factory=GrpcApi)
+    event_sinks: tuple[Sink, ...] = ()
+    outbox_path: NonEmptyStr | None = None
+    dispatcher: Dispatcher = Field(default_factory=Dispatcher)
+    outbox_min_free_bytes: NonNegInt = 1073741824
+    outbox_min_free_percent: Percent = 5
+
+
+# ---------------------------------------------------------------------------
+# the document
+# ---------------------------------------------------------------------------
+
+AnyOutbound = DirectOutbound | BlockOutbound | Socks5Outbound | HttpOutbound | ShadowsocksOutbound
+AnyGroup = SelectorGroup | UrlTestGroup | FallbackGroup | RelayGroup | LoadBalanceGroup
+
+_BUILTIN_DIRECT_OUTBOUND = DirectOutbound(tag=BUILTIN_DIRECT, protocol="direct")
+
+
+class Config(_Model):
+    """A validated configuration. Build it with :func:`parse_config`, not directly.
+
+    Constructing ``Config`` runs only the schema; :func:`parse_config` adds the
+    cross-checks (references, uniqueness, cycles) that the engine relies on.
+    """
+
+    mode: Mode = Field(default_factory=Mode)
+    inbounds: tuple[Inbound, ...] = ()
+    outbounds: tuple[Outbound, ...] = ()
+    outbound_groups: tuple[OutboundGroup, ...] = ()
+    rules: tuple[Rule, ...] = ()
+    route: Route = Field(default_factory=Route)
+    runtime: Runtime = Field(default_factory=Runtime)
+    api: Api = Field(default_factory=Api)
+
+    _outbounds: dict[str, AnyOutbound] = PrivateAttr(default_factory=dict)
+    _groups: dict[str, AnyGroup] = PrivateAttr(default_factory=dict)
+    _inbounds: dict[str, Inbound] = PrivateAttr(default_factory=dict)
+
+    def model_post_init(self, context: Any, /) -> None:
+        """Index tags (the first occurrence wins; duplicates are cross-check errors)."""
+        outbounds: dict[str, AnyOutbound] = {}
+        for ob in self.outbounds:
+            outbounds.setdefault(ob.tag, ob)
+        outbounds.setdefault(BUILTIN_DIRECT, _BUILTIN_DIRECT_OUTBOUND)
+        groups: dict[str, AnyGroup] = {}
+        for g in self.outbound_groups:
+            groups.setdefault(g.tag, g)
+        inbounds: dict[str, Inbound] = {}
+        for ib in self.inbounds:
+            inbounds.setdefault(ib.tag, ib)
+        self._outbounds, self._groups, self._inbounds = outbounds, groups, inbounds
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalised document (every default filled in); ``parse_config`` accepts it."""
+        return self.model_dump(mode="json")
+
+    def outbound_tags(self) -> tuple[str, ...]:
+        """Tags of plain outbounds in document order, plus the built-in ``direct`` if unlisted."""
+        return tuple(self._outbounds)
+
+    def group_tags(self) -> tuple[str, ...]:
+        """Tags of outbound groups in document order."""
+        return tuple(self._groups)
+
+    def is_target(self, tag: str) -> bool:
+        """Whether ``tag`` names an outbound (built-in ``direct`` included) or a group."""
+        return tag in self._outbounds or tag in self._groups
+
+    def find_outbound(self, tag: str) -> AnyOutbound | None:
+        """The plain outbound ``tag`` (the built-in ``direct`` if unlisted), else None."""
+        return self._outbounds.get(tag)
+
+    def find_group(self, tag: str) -> AnyGroup | None:
+        """The outbound group ``tag``, else None."""
+        return self._groups.get(tag)
+
+    def find_inbound(self, tag: str) -> Inbound | None:
+        """The inbound ``tag``, else None."""
+        return self._inbounds.get(tag)
+
+
+# ---------------------------------------------------------------------------
+# pydantic errors -> Details
+# ---------------------------------------------------------------------------
+
+#: Where pydantic inserts a discriminator tag into ``loc``: prefix pattern -> tags.
+_UNION_TAGS: dict[tuple[str, ...], frozenset[str]] = {
+    ("outbounds", "*"): frozenset({"direct", "block", "socks5", "http", "shadowsocks"}),
+    ("outbound_groups", "*"): frozenset(
+        {"selector", "url_test", "fallback", "relay", "load_balance"}
+    ),
+    ("api", "event_sinks", "*"): frozenset({"webhook", "jsonl"}),
+    ("runtime", "dns", "answer"): frozenset({"real", "fake_ip"}),
+}
+
+_TYPE_MESSAGES = {
+    "missing": "required key is missing",
+    "tuple_type": "must be a list",
+    "list_type": "must be a list",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "dict_type": "must be an object",
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "bool_type": "must be a boolean",
+    "float_type": "must be a number",
+}
+
+
+def _render_loc(loc: tuple[int | str, ...]) -> str | None:
+    out: list[str] = []
+    pattern: list[str] = []
+    for seg in loc:
+        if isinstance(seg, int):
+            out.append(f"[{seg}]")
+            pattern.append("*")
+            continue
+        tags = _UNION_TAGS.get(tuple(pattern))
+        if tags is not None and seg in tags:
+            continue  # the discriminator segment pydantic inserts for unions
+        out.append(f".{seg}" if out else seg)
+        pattern.append(seg)
+    return "".join(out) or None
+
+
+def _join(path: str | None, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _details_from(exc: ValidationError) -> list[Detail]:
+    details: list[Detail] = []
+    errors = exc.errors(include_url=False)
+    for err in errors:
+        etype = err["type"]
+        path = _render_loc(tuple(err["loc"]))
+        ctx = err.get("ctx") or {}
+        if etype == "extra_forbidden":
+            message = f"unknown key {err['loc'][-1]!r}"
+        elif etype in ("union_tag_not_found", "union_tag_invalid"):
+            key = str(ctx.get("discriminator", "")).strip("'\"")
+            path = _join(path, key)
+            if etype == "union_tag_not_found":
+                message = "required key is missing"
+            else:
+                message = f"must be one of {ctx.get('expected_tags')}"
+        elif etype == "too_short" and ctx.get("min_length") == 1:
+            # pydantic counts only the items that validated: skip when an item failed
+            prefix = tuple(err["loc"])
+            if any(tuple(o["loc"])[: len(prefix)] == prefix and o is not err for o in errors):
+                continue
+            message = "must not be empty"
+        elif etype == "model_type" and path is None:
+            message = "the configuration must be a JSON object"
+        elif etype in _TYPE_MESSAGES:
+            message = _TYPE_MESSAGES[etype]
+        elif etype == "value_error":
+            message = str(ctx.get("error", err["msg"]))
+        else:
+            message = err["msg"].replace("Input should be", "must be", 1)
+            message = message.replace("Value should have", "must have", 1)
+        details.append(Detail(message, path))
+    return details
+
+
+# ---------------------------------------------------------------------------
+# cross-checks over the raw document (defensive: the schema reports type problems)
+# ---------------------------------------------------------------------------
+
+
+def _items(container: Any, key: str) -> list[tuple[int, Mapping[str, Any]]]:
+    value = container.get(key) if isinstance(container, Mapping) else None
+    if not isinstance(value, list | tuple):
+        return []
+    return [(i, item) for i, item in enumerate(value) if isinstance(item, Mapping)]
+
+
+def _sub(container: Any, key: str) -> Mapping[str, Any]:
+    value = container.get(key) if isinstance(container, Mapping) else None
+    return value if isinstance(value, Mapping) else {}
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _port(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 65535:
+        return value
+    return None
+
+
+def _string_items(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(item, path) for a list-or-single-string condition value."""
+    if isinstance(value, str):
+        yield value, path
+    elif isinstance(value, list | tuple):
+        for j, item in enumerate(value):
+            if isinstance(item, str):
+                yield item, f"{path}[{j}]"
+
+
+class _Checker:
+    """Collects cross-check problems for one raw document."""
+
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        self.doc = doc
+        self.details: list[Detail] = []
+        self.inbound_tags: set[str] = set()
+        self.targets: set[str] = {BUILTIN_DIRECT}
+        self.group_index: dict[str, int] = {}
+
+    def add(self, message: str, path: str) -> None:
+        self.details.append(Detail(message, path))
+
+    def run(self) -> list[Detail]:
+        self.check_inbounds()
+        self.check_target_tags()
+        self.check_outbounds()
+        self.check_groups()
+        self.check_rules()
+        self.check_mode_and_route()
+        self.check_runtime()
+        self.check_api()
+        self.check_listeners()
+        return self.details
+
+    def ref(self, value: Any, path: str) -> None:
+        tag = _str(value)
+        if tag is not None and tag not in self.targets:
+            self.add(f"unknown outbound or group {tag!r}", path)
+
+    def check_inbounds(self) -> None:
+        first: dict[str, int] = {}
+        for i, ib in _items(self.doc, "inbounds"):
+            tag = _str(ib.get("tag"))
+            if tag is not None:
+                if tag in first:
+                    self.add(
+                        f"duplicate inbound tag {tag!r} (also inbounds[{first[tag]}])",
+                        f"inbounds[{i}].tag",
+                    )
+                else:
+                    first[tag] = i
+            basic = ib.get("protocol") in ("http", "mixed")
+            names: dict[str, int] = {}
+            for j, user in _items(ib, "users"):
+                name = _str(user.get("username"))
+                if name is None:
+                    continue
+                path = f"inbounds[{i}].users[{j}].username"
+                if name in names:
+                    self.add(f"duplicate username {name!r} (also users[{names[name]}])", path)
+                else:
+                    names[name] = j
+                if basic and ":" in name:
+                    self.add("must not contain ':' on an http or mixed inbound", path)
+        self.inbound_tags = set(first)
+
+    def check_target_tags(self) -> None:
+        first: dict[str, str] = {}
+        for section in ("outbounds", "outbound_groups"):
+            for i, item in _items(self.doc, section):
+                tag = _str(item.get("tag"))
+                if tag is None:
+                    continue
+                path = f"{section}[{i}].tag"
+                if tag == BUILTIN_DIRECT and item.get("protocol") != "direct":
+                    self.add(
+                        "tag 'direct' is reserved for the built-in direct outbound "
+                        "(allowed only on an outbound with protocol 'direct')",
+                        path,
+                    )
+                elif tag in first:
+                    self.add(
+                        f"duplicate tag {tag!r} (also {first[tag]}); outbounds and "
+                        "outbound_groups share one namespace",
+                        path,
+                    )
+                else:
+                    first[tag] = path.removesuffix(".tag")
+                    if section == "outbound_groups":
+                        self.group_index[tag] = i
+        self.targets |= set(first)
+
+    def check_outbounds(self) -> None:
+        for i, ob in _items(self.doc, "outbounds"):
+            if ob.get("protocol") not in ("socks5", "http"):
+                continue
+            has_user = ob.get("username") is not None
+            has_pass = ob.get("password") is not None
+            if has_user and not has_pass:
+                self.add("required when username is set", f"outbounds[{i}].password")
+            elif has_pass and not has_user:
+                self.add("required when password is set", f"outbounds[{i}].username")
+
+    def check_groups(self) -> None:
+        edges: dict[str, list[tuple[str, str]]] = {}
+        for i, g in _items(self.doc, "outbound_groups"):
+            members = g.get("outbounds")
+            if not isinstance(members, list | tuple):
+                continue  # the schema reports it
+            seen: set[str] = set()
+            for tag, path in _string_items(members, f"outbound_groups[{i}].outbounds"):
+                if tag in seen:
+                    self.add(f"member {tag!r} is listed twice", path)
+                seen.add(tag)
+                self.ref(tag, path)
+            default = _str(g.get("default"))
+            if g.get("kind") == "selector" and default is not None and default not in seen:
+                self.add(
+                    f"{default!r} is not one of this selector's outbounds",
+                    f"outbound_groups[{i}].default",
+                )
+            tag = _str(g.get("tag"))
+            if tag is not None and self.group_index.get(tag) == i:
+                edges[tag] = [
+                    (m, f"outbound_groups[{i}].outbounds[{j}]")
+                    for j, m in enumerate(members)
+                    if isinstance(m, str) and m in self.group_index
+                ]
+        self.check_cycles(edges)
+
+    def check_cycles(self, edges: dict[str, list[tuple[str, str]]]) -> None:
+        """Report each back edge of a depth-first walk as one cycle."""
+        state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+        stack: list[str] = []
+
+        def visit(node: str) -> None:
+            state[node] = 1
+            stack.append(node)
+            for nxt, path in edges.get(node, ()):
+                if state.get(nxt) == 1:
+                    cycle = [*stack[stack.index(nxt) :], nxt]
+                    self.add(f"group cycle: {' -> '.join(cycle)}", path)
+                elif nxt not in state:
+                    visit(nxt)
+            stack.pop()
+            state[node] = 2
+
+        for tag in edges:
+            if tag not in state:
+                visit(tag)
+
+    def check_rules(self) -> None:
+        for i, rule in _items(self.doc, "rules"):
+            base = f"rules[{i}]"
+            if not any(rule.get(k) is not None for k in CONDITION_KEYS):
+                self.add("a rule needs at least one condition", base)
+            action = rule.get("action", "route")
+            outbound = rule.get("outbound")
+            if action == "route":
+                if outbound is None:
+                    self.add("required when action is 'route'", f"{base}.outbound")
+                else:
+                    self.ref(outbound, f"{base}.outbound")
+            elif action == "block" and outbound is not None:
+                self.add("must not be set when action is 'block'", f"{base}.outbound")
+            for tag, path in _string_items(rule.get("inbound_tag"), f"{base}.inbound_tag"):
+                if tag not in self.inbound_tags:
+                    self.add(f"unknown inbound {tag!r}", path)
+
+    def check_mode_and_route(self) -> None:
+        mode = _sub(self.doc, "mode")
+        if mode.get("kind") == "global" and mode.get("outbound") is None:
+            self.add("required when mode.kind is 'global'", "mode.outbound")
+        self.ref(mode.get("outbound"), "mode.outbound")
+        self.ref(_sub(self.doc, "route").get("final", BUILTIN_DIRECT), "route.final")
+
+    def check_runtime(self) -> None:
+        cache = _sub(_sub(_sub(self.doc, "runtime"), "dns"), "cache")
+        low, high = cache.get("min_ttl_seconds"), cache.get("max_ttl_seconds")
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            self.add("must not exceed max_ttl_seconds", "runtime.dns.cache.min_ttl_seconds")
+
+    def check_api(self) -> None:
+        api = _sub(self.doc, "api")
+        first: dict[str, int] = {}
+        for i, sink in _items(api, "event_sinks"):
+            tag = _str(sink.get("tag"))
+            if tag is None:
+                continue
+            if tag in first:
+                self.add(
+                    f"duplicate sink tag {tag!r} (also api.event_sinks[{first[tag]}])",
+                    f"api.event_sinks[{i}].tag",
+                )
+            else:
+                first[tag] = i
+        names: dict[str, int] = {}
+        for i, key in _items(_sub(api, "control"), "keys"):
+            name = _str(key.get("name"))
+            if name is None:
+                continue
+            if name in names:
+                self.add(
+                    f"duplicate key name {name!r} (also api.control.keys[{names[name]}])",
+                    f"api.control.keys[{i}].name",
+                )
+            else:
+                names[name] = i
+        dispatcher = _sub(api, "dispatcher")
+        low, high = dispatcher.get("backoff_initial_ms"), dispatcher.get("backoff_max_ms", 60000)
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            self.add("must not exceed backoff_max_ms", "api.dispatcher.backoff_initial_ms")
+
+    def check_listeners(self) -> None:
+        used: dict[tuple[str, int], str] = {}
+
+        def claim(listen: Mapping[str, Any], default_port: int | None, path: str) -> None:
+            address = listen.get("address", "127.0.0.1")
+            port = _port(listen.get("port", default_port))
+            if not isinstance(address, str) or port is None:
+                return
+            key = (address, port)
+            if key in used:
+                self.add(f"{address}:{port} is already used by {used[key]}", f"{path}.port")
+            else:
+                used[key] = path
+
+        control = _sub(_sub(self.doc, "api"), "control")
+        if control.get("enabled", True) is True:
+            claim(_sub(control, "listen"), 9090, "api.control.listen")
+        for i, ib in _items(self.doc, "inbounds"):
+            claim(_sub(ib, "listen"), None, f"inbounds[{i}].listen")
+
+
+# ---------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------
+
+
+def _validate(doc: object) -> tuple[Config | None, list[Detail]]:
+    details: list[Detail] = []
+    cfg: Config | None = None
+    try:
+        cfg = Config.model_validate(doc)
+    except ValidationError as exc:
+        details.extend(_details_from(exc))
+    if isinstance(doc, Mapping):
+        seen = set(details)
+        details.extend(d for d in _Checker(doc).run() if d not in seen)
+    return (None if details else cfg), details
+
+
+def _invalid(details: list[Detail], message: str = "configuration is invalid") -> ApiError:
+    first = details[0]
+    where = f"{first.field_path}: " if first.field_path else ""
+    count = f"{len(details)} problem{'s' if len(details) != 1 else ''}"
+    return ApiError(
+        "invalid_argument", message, cause=f"{count}: {where}{first.message}", details=details
+    )
+
+
+def validate_document(doc: object) -> list[Detail]:
+    """Every problem of ``doc`` (a decoded JSON document); empty when it is valid."""
+    return _validate(doc)[1]
+
+
+def parse_config(doc: object) -> Config:
+    """Validate ``doc`` and return the :class:`Config`.
+
+    Raises ``ApiError("invalid_argument", "configuration is invalid", cause=..., details=[...])``
+    listing every problem.
+    """
+    if isinstance(doc, Config):
+        return doc
+    cfg, details = _validate(doc)
+    if details or cfg is None:
+        raise _invalid(details or [Detail("configuration is invalid")])
+    return cfg
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _decode_json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        detail = Detail(f"{source}: line {exc.lineno}, column {exc.colno}: {exc.msg}")
+        raise _invalid([detail], "configuration file is not valid JSON") from None
+    except _DuplicateKeyError as exc:
+        detail = Detail(f"{source}: duplicate key {exc.args[0]!r} in an object")
+        raise _invalid([detail], "configuration file is not valid JSON") from None
+    except ValueError as exc:
+        raise _invalid(
+            [Detail(f"{source}: {exc}")], "configuration file is not valid JSON"
+        ) from None
+
+
+def _decode_yaml(text: str, source: str) -> Any:
+    try:
+        import yaml  # optional dependency
+    except ImportError:
+        detail = Detail(f"{source}: YAML configuration needs PyYAML (pip install pyyaml)")
+        raise _invalid([detail], "YAML configuration is not supported") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        detail = Detail(f"{source}: {where}{problem}")
+        raise _invalid([detail], "configuration file is not valid YAML") from None
+
+
+def load_config_file(path: str | os.PathLike[str]) -> Config:
+    """Read, decode and validate a configuration file (JSON; ``.yaml``/``.yml`` with PyYAML)."""
+    source = os.fspath(path)
+    try:
+        raw = Path(source).read_bytes()
+    except OSError as exc:
+        detail = Detail(f"cannot read {source}: {exc.strerror or exc}")
+        raise _invalid([detail], "configuration file cannot be read") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        detail = Detail(f"{source}: not UTF-8 (byte offset {exc.start})")
+        raise _invalid([detail], "configuration file is not valid UTF-8") from None
+    if source.lower().endswith((".yaml", ".yml")):
+        doc = _decode_yaml(text, source)
+    else:
+        doc = _decode_json(text, source)
+    return parse_config(doc)
+
+
+@functools.cache
+def default_config() -> Config:
+    """The embedded default (decisions 1): mixed 127.0.0.1:7890, direct + block, no token."""
+    text = resources.files("spliceway").joinpath("default_config.json").read_text("utf-8")
+    return parse_config(_decode_json(text, "default_config.json"))
+
+
+def default_ipc_path(environ: Mapping[str, str] | None = None) -> str:
+    """``$XDG_RUNTIME_DIR/spliceway/control.sock``, else ``/tmp/spliceway-<uid>/control.sock``."""
+    env = os.environ if environ is None else environ
+    runtime_dir = env.get("XDG_RUNTIME_DIR")
+    if runtime_dir:
+        return os.path.join(runtime_dir, "spliceway", "control.sock")
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return f"/tmp/spliceway-{uid}/control.sock"
