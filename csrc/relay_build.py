@@ -1,0 +1,82 @@
+"""cffi build script for ``spliceway._relay`` (named by setup.py's ``cffi_modules``).
+
+The cdef is the marked section of ``relay.h`` itself, so the declarations Python
+sees can never drift from the ones the C code is compiled against.
+
+``SPLICEWAY_RELAY_SANITIZE=address`` (or ``thread``, ``undefined``, comma
+separated) builds an instrumented debug extension; load it with the matching
+runtime preloaded, e.g. ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``.
+
+Run directly (``python csrc/relay_build.py``) to compile in place for quick
+iteration; pip builds go through setup.py.
+"""
+
+import os
+import pathlib
+import re
+
+from cffi import FFI
+
+_HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _rel(path: pathlib.Path) -> str:
+    # setuptools wants source paths relative to the project root, which is the
+    # working directory for pip builds (in-tree, editable or not).  Falling back
+    # to an absolute path keeps direct runs from elsewhere working.
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+def _cdef_text() -> str:
+    header = (_HERE / "relay.h").read_text(encoding="utf-8")
+    match = re.search(r"/\* SW_CDEF_BEGIN \*/(.*)/\* SW_CDEF_END \*/", header, re.S)
+    if match is None:
+        raise RuntimeError("csrc/relay.h lacks the SW_CDEF_BEGIN/SW_CDEF_END markers")
+    return match.group(1)
+
+
+def _flags() -> tuple[list[str], list[str]]:
+    compile_args = ["-O2", "-std=gnu11", "-Wall", "-Wextra"]
+    link_args: list[str] = []
+    sanitize = os.environ.get("SPLICEWAY_RELAY_SANITIZE", "").strip()
+    if sanitize:
+        kinds = "address,undefined" if sanitize == "1" else sanitize
+        debug = [f"-fsanitize={kinds}", "-fno-omit-frame-pointer", "-g"]
+        compile_args = ["-O1", "-std=gnu11", "-Wall", "-Wextra", *debug]
+        link_args = [f"-fsanitize={kinds}"]
+    return compile_args, link_args
+
+
+def _make_builder(*, absolute: bool) -> FFI:
+    path = str if absolute else _rel
+    compile_args, link_args = _flags()
+    builder = FFI()
+    builder.cdef(_cdef_text())
+    builder.set_source(
+        "spliceway._relay",
+        '#include "relay.h"',
+        sources=[path(_HERE / "relay.c")],
+        include_dirs=[path(_HERE)],
+        depends=[path(_HERE / "relay.h")],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        libraries=["pthread"],
+    )
+    return builder
+
+
+ffibuilder = _make_builder(absolute=False)
+
+if __name__ == "__main__":
+    # cffi compiles from inside tmpdir, hence absolute paths here.  The
+    # extension is then copied next to the package sources, where an
+    # editable install would put it.
+    import shutil
+
+    built = _make_builder(absolute=True).compile(
+        tmpdir=str(_HERE.parent / "build" / "cffi"), verbose=True
+    )
+    shutil.copy2(built, _HERE.parent / "spliceway" / pathlib.Path(built).name)
