@@ -13,7 +13,6 @@ import threading
 from typing import Any
 
 import pykka
-
 from spliceway.actors.messages import RelayFinished
 from spliceway.relay import Completion, Counters, Relay
 

@@ -121,7 +121,7 @@ class _LoopInbox:
             self._scheduled = True
         owner = self.owner
         assert owner is not None
-        owner.dispatcher.call_soon(owner._drain)  # noqa: SLF001
+        owner.dispatcher.call_soon(owner._drain)
 
     def get(self) -> Any:
         return self._queue.popleft()
@@ -200,7 +200,7 @@ class LoopActor(pykka.Actor):
             envelope = inbox.get()
             if envelope.reply_to is None:
                 continue
-            if isinstance(envelope.message, messages._ActorStop):  # noqa: SLF001
+            if isinstance(envelope.message, messages._ActorStop):
                 envelope.reply_to.set(None)
             else:
                 err = ActorDeadError(f"{self.actor_ref} stopped before handling the message")

@@ -18,16 +18,17 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from spliceway import records, routing
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, RelayFinished, StopFlow, TrafficSample
+from spliceway.relay import Cause
+
+from spliceway import records, routing
 from spliceway.events import now_ms
 from spliceway.inbound import Handshake, HandshakeFailed
 from spliceway.inbound import accept as accept_handshake
 from spliceway.outbounds import DialError
 from spliceway.protocols import NEED_MORE, sniff
-from spliceway.relay import Cause
-from spliceway.runtime import FlowEntry
+from spliceway.runtime import FlowEntry, RouteState
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore, InboundSpec
@@ -37,6 +38,15 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 _SNIFF_PEEK = 16 * 1024 + 5
 _SNIFF_RETRY = 0.005
+
+
+def _sniff_may_reroute(route_state: RouteState, decision: routing.RouteDecision) -> bool:
+    """Whether a sniffed host could change ``decision`` (a domain rule ranks before it)."""
+    if route_state.mode != "rule":
+        return False
+    ruleset = route_state.ruleset
+    bound = decision.matched_rule.index if decision.matched_rule else len(ruleset.rules)
+    return ruleset.first_domain_rule < bound
 
 
 class FlowActor(LoopActor):
@@ -77,8 +87,11 @@ class FlowActor(LoopActor):
     def on_failure(self, *exc_info: Any) -> None:
         """A handler raised: end the flow as failed so nothing leaks."""
         if self.state is not None and not self._done:
-            self._complete(records.FAILED, records.UPSTREAM_ERROR,
-                           records.Failure("internal", "internal_error", str(exc_info[1])))
+            self._complete(
+                records.FAILED,
+                records.UPSTREAM_ERROR,
+                records.Failure("internal", "internal_error", str(exc_info[1])),
+            )
         self._teardown()
 
     def _teardown(self) -> None:
@@ -132,8 +145,11 @@ class FlowActor(LoopActor):
         except Exception as ex:
             logger.exception("flow %s failed unexpectedly", self.flow_id)
             if self.state is not None and not self._done:
-                self._complete(records.FAILED, records.UPSTREAM_ERROR,
-                               records.Failure("internal", "internal_error", str(ex)))
+                self._complete(
+                    records.FAILED,
+                    records.UPSTREAM_ERROR,
+                    records.Failure("internal", "internal_error", str(ex)),
+                )
             self._finish()
 
     async def _establish_steps(self) -> None:
@@ -152,20 +168,15 @@ class FlowActor(LoopActor):
         self._start_record(hs)
         replied = False
         route_state = core.route_state
-        may_reroute = route_state.mode == "rule" and route_state.ruleset.has_domain_conditions
-        if self.inbound.sniff and not hs.forward and may_reroute:
-            # The route may depend on the first client bytes, which the client only
-            # sends once told the tunnel is open: answer first, like sing-box and mihomo.
+        decision = self._decide(route_state, hs)
+        if self.inbound.sniff and not hs.forward and _sniff_may_reroute(route_state, decision):
+            # A domain rule ranked before the match could claim this flow by its first
+            # bytes, which the client only sends once told the tunnel is open: answer
+            # first (as sing-box and mihomo do), then sniff and decide again.
             await self._reply(hs.success_reply())
             replied = True
             await self._sniff(hs)
-        decision = routing.decide(
-            route_state.ruleset,
-            route_state.mode,
-            route_state.mode_outbound,
-            route_state.final,
-            self._facts(hs),
-        )
+            decision = self._decide(route_state, hs)
         outbound = core.outbounds.get(decision.target) if decision.target else None
         if decision.action == "block" or outbound is None or outbound.protocol == "block":
             self._set_route(decision, outbound)
@@ -182,9 +193,14 @@ class FlowActor(LoopActor):
                 await self._reply(
                     hs.failure_reply(ex.socks_reply, ex.http_status, ex.message), quiet=True
                 )
-            remote = {"host": hs.host, "port": hs.port} if ex.remote is None else {"host": ex.remote}
-            self._complete(records.FAILED, records.UPSTREAM_ERROR,
-                           records.Failure(ex.stage, ex.code, ex.message, remote))
+            remote = (
+                {"host": hs.host, "port": hs.port} if ex.remote is None else {"host": ex.remote}
+            )
+            self._complete(
+                records.FAILED,
+                records.UPSTREAM_ERROR,
+                records.Failure(ex.stage, ex.code, ex.message, remote),
+            )
             self._finish()
             return
         self.upstream = dialed.sock
@@ -269,6 +285,15 @@ class FlowActor(LoopActor):
                 self.state.sniffed_host = found.host
             return
 
+    def _decide(self, route_state: RouteState, hs: Handshake) -> routing.RouteDecision:
+        return routing.decide(
+            route_state.ruleset,
+            route_state.mode,
+            route_state.mode_outbound,
+            route_state.final,
+            self._facts(hs),
+        )
+
     def _facts(self, hs: Handshake) -> routing.FlowFacts:
         assert self.state is not None
         return routing.FlowFacts(
@@ -319,8 +344,14 @@ class FlowActor(LoopActor):
         s.remote_host = dialed.remote_host
         s.remote_port = dialed.remote_port
         s.relay_chain = list(dialed.relay_chain)
-        self._base = (t.bytes_up, t.bytes_down, t.inbound_rx_bytes, t.inbound_tx_bytes,
-                      t.outbound_rx_bytes, t.outbound_tx_bytes)
+        self._base = (
+            t.bytes_up,
+            t.bytes_down,
+            t.inbound_rx_bytes,
+            t.inbound_tx_bytes,
+            t.outbound_rx_bytes,
+            t.outbound_tx_bytes,
+        )
         client_fd = self.client.detach()
         upstream_fd = self.upstream.detach()
         self.client = self.upstream = None
@@ -349,14 +380,32 @@ class FlowActor(LoopActor):
         assert s is not None
         t = s.traffic
         up, down, irx, itx, orx, otx = self._base
-        new = (up + c.upstream_tx, down + c.client_tx, irx + c.client_rx,
-               itx + c.client_tx, orx + c.upstream_rx, otx + c.upstream_tx)
-        old = (t.bytes_up, t.bytes_down, t.inbound_rx_bytes, t.inbound_tx_bytes,
-               t.outbound_rx_bytes, t.outbound_tx_bytes)
+        new = (
+            up + c.upstream_tx,
+            down + c.client_tx,
+            irx + c.client_rx,
+            itx + c.client_tx,
+            orx + c.upstream_rx,
+            otx + c.upstream_tx,
+        )
+        old = (
+            t.bytes_up,
+            t.bytes_down,
+            t.inbound_rx_bytes,
+            t.inbound_tx_bytes,
+            t.outbound_rx_bytes,
+            t.outbound_tx_bytes,
+        )
         if new == old:
             return False
-        (t.bytes_up, t.bytes_down, t.inbound_rx_bytes, t.inbound_tx_bytes,
-         t.outbound_rx_bytes, t.outbound_tx_bytes) = new
+        (
+            t.bytes_up,
+            t.bytes_down,
+            t.inbound_rx_bytes,
+            t.inbound_tx_bytes,
+            t.outbound_rx_bytes,
+            t.outbound_tx_bytes,
+        ) = new
         if c.last_activity_unix_ms:
             s.last_activity_at_unix_ms = c.last_activity_unix_ms
         return True
@@ -387,7 +436,9 @@ class FlowActor(LoopActor):
         elif cause in (Cause.RESET, Cause.ERROR) and completion.side == "upstream":
             code = "upstream_reset" if cause is Cause.RESET else "upstream_error"
             failure = records.Failure(
-                "relay", code, f"upstream connection failed: errno {completion.errno}",
+                "relay",
+                code,
+                f"upstream connection failed: errno {completion.errno}",
                 {"host": self.state.remote_host, "port": self.state.remote_port},
             )
             self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
@@ -417,14 +468,25 @@ class FlowActor(LoopActor):
         else:
             core.flows.put(
                 self.flow_id,
-                FlowEntry(self.actor_ref, record, s.inbound_tag, s.principal_key, self.handle,
-                          self._base[:2]),
+                FlowEntry(
+                    self.actor_ref,
+                    record,
+                    s.inbound_tag,
+                    s.principal_key,
+                    self.handle,
+                    self._base[:2],
+                ),
             )
-        core.log.emit(event_type, payload_fn(s, record), principal_key=s.principal_key,
-                      occurred_at_unix_ms=occurred)
+        core.log.emit(
+            event_type,
+            payload_fn(s, record),
+            principal_key=s.principal_key,
+            occurred_at_unix_ms=occurred,
+        )
 
-    def _complete(self, outcome: str, close_reason: str | None,
-                  failure: records.Failure | None = None) -> None:
+    def _complete(
+        self, outcome: str, close_reason: str | None, failure: records.Failure | None = None
+    ) -> None:
         s = self.state
         assert s is not None and not self._done
         self._done = True

@@ -12,9 +12,9 @@ import logging
 from typing import TYPE_CHECKING
 
 import pykka
-
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import TrafficSample
+
 from spliceway.events import now_ms
 
 if TYPE_CHECKING:

@@ -7,7 +7,6 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 import pykka
-
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.listener import ListenerActor
 from spliceway.actors.stats import StatsSamplerActor

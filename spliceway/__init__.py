@@ -20,7 +20,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from spliceway.errors import ApiError  # noqa: E402
+from spliceway.errors import ApiError
 
 __all__ = ["ApiError", "Engine", "__version__"]
 

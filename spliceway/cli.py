@@ -122,7 +122,7 @@ def cmd_run(config_path: str | None) -> int:
         pass
     engine.stop(reason="signal")
     name = signal.Signals(received[0]).name if received else "signal"
-    log.info("stopped on %s", name)
+    log.info("engine stopped on %s", name)
     return EXIT_OK
 
 

@@ -158,7 +158,9 @@ def _flows_close(core: EngineCore, p: FlowsCloseParams) -> dict[str, Any]:
 
 def _mode_set(core: EngineCore, p: ModeSetParams) -> dict[str, Any]:
     if p.mode not in ("rule", "global", "direct"):
-        raise invalid_argument(f"mode must be rule, global or direct, not {p.mode!r}", "params.mode")
+        raise invalid_argument(
+            f"mode must be rule, global or direct, not {p.mode!r}", "params.mode"
+        )
     outbound = p.outbound
     if p.mode == "global":
         if not outbound:
@@ -168,7 +170,7 @@ def _mode_set(core: EngineCore, p: ModeSetParams) -> dict[str, Any]:
     else:
         outbound = None
     assert core.supervisor is not None
-    core.supervisor.proxy().set_mode(p.mode, outbound).get(_ASK_TIMEOUT)
+    core.supervisor.proxy().set_mode(p.mode, outbound).get(timeout=_ASK_TIMEOUT)
     return {"accepted": True}
 
 
@@ -199,9 +201,13 @@ def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
         "protocol": p.protocol,
         "inbound_tag": p.inbound_tag,
         "effective_mode": state.mode,
-        "route_action": {"route": decision.target} if decision.action == "route" else {"block": True},
+        "route_action": {"route": decision.target}
+        if decision.action == "route"
+        else {"block": True},
         "matched_rule": (
-            {"index": matched.index, "condition": matched.condition} if matched is not None else None
+            {"index": matched.index, "condition": matched.condition}
+            if matched is not None
+            else None
         ),
     }
 

@@ -32,8 +32,9 @@ from spliceway.events import Subscription
 class Engine:
     """A running (or startable) spliceway engine."""
 
-    def __init__(self, config: dict[str, Any] | Config | None = None, *,
-                 config_path: str | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any] | Config | None = None, *, config_path: str | None = None
+    ) -> None:
         """Validate ``config`` (a document, a parsed Config, or None for the embedded default)."""
         if config is None:
             parsed = default_config()

@@ -114,7 +114,7 @@ class EngineCore:
         self.running = False
         assert self.supervisor is not None
         with contextlib.suppress(pykka.ActorDeadError):
-            self.supervisor.proxy().stop_listeners().get(_STOP_GRACE_S)
+            self.supervisor.proxy().stop_listeners().get(timeout=_STOP_GRACE_S)
         for entry in self.flows.entries():
             with contextlib.suppress(pykka.ActorDeadError):
                 entry.actor.tell(StopFlow())
@@ -125,7 +125,10 @@ class EngineCore:
             self.supervisor.stop(timeout=_STOP_GRACE_S)
         # Flows still in their handshake have no record yet; stop them quietly.
         for ref in pykka.ActorRegistry.get_all():
-            if getattr(ref, "actor_class", None) is not None and ref.actor_class.__name__ == "FlowActor":
+            if (
+                getattr(ref, "actor_class", None) is not None
+                and ref.actor_class.__name__ == "FlowActor"
+            ):
                 with contextlib.suppress(pykka.ActorDeadError):
                     ref.stop(timeout=_STOP_GRACE_S)
         payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}

@@ -101,7 +101,7 @@ class Subscription:
 
     def close(self) -> None:
         """Detach from the log and wake any waiting reader."""
-        self._log._detach(self)  # noqa: SLF001
+        self._log._detach(self)
         with self._cond:
             self.closed = True
             self._cond.notify_all()
@@ -164,7 +164,7 @@ class EventLog:
             }
             self._ring.append(envelope)
             for sub in self._subs:
-                sub._offer(envelope)  # noqa: SLF001
+                sub._offer(envelope)
             for listener in self._listeners:
                 listener(envelope)
         return envelope
@@ -221,7 +221,7 @@ class EventLog:
                 )
             if snapshot is not None and wants_flow_snapshot(wanted):
                 preload.append(self._snapshot_envelope(snapshot()))
-            sub._preload(preload)  # noqa: SLF001
+            sub._preload(preload)
             self._subs.append(sub)
         return sub
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from spliceway.protocols import NEED_MORE, ProtocolError
+from spliceway.protocols import NEED_MORE, ProtocolError, socks5
 from spliceway.protocols import http as http_proto
-from spliceway.protocols import socks5
 
 _READ_CHUNK = 16 * 1024
 _BASIC_REALM = (("Proxy-Authenticate", 'Basic realm="spliceway"'),)
@@ -91,7 +91,9 @@ class Users:
 class _Reader:
     """Accumulates client bytes on the loop until a parser is satisfied."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float
+    ) -> None:
         self.loop = loop
         self.sock = sock
         self.deadline = deadline
@@ -109,7 +111,9 @@ class _Reader:
             if remaining <= 0:
                 raise HandshakeFailed("handshake_timeout", "client handshake timed out")
             try:
-                chunk = await asyncio.wait_for(self.loop.sock_recv(self.sock, _READ_CHUNK), remaining)
+                chunk = await asyncio.wait_for(
+                    self.loop.sock_recv(self.sock, _READ_CHUNK), remaining
+                )
             except TimeoutError as ex:
                 raise HandshakeFailed("handshake_timeout", "client handshake timed out") from ex
             except OSError as ex:
@@ -128,10 +132,8 @@ class _Reader:
 
     async def fail(self, reply: bytes | None, code: str, message: str) -> HandshakeFailed:
         if reply:
-            try:
+            with contextlib.suppress(HandshakeFailed):
                 await self.send(reply)
-            except HandshakeFailed:
-                pass
         return HandshakeFailed(code, message)
 
 
@@ -202,8 +204,14 @@ async def _socks5(reader: _Reader, users: Users) -> Handshake:
             f"SOCKS5 command {request.command} is not supported",
         )
     return Handshake(
-        "socks5", request.host, request.port, principal, scheme,
-        reader.rx, reader.tx, early=reader.buf,
+        "socks5",
+        request.host,
+        request.port,
+        principal,
+        scheme,
+        reader.rx,
+        reader.tx,
+        early=reader.buf,
     )
 
 
@@ -216,22 +224,34 @@ async def _http(reader: _Reader, users: Users) -> Handshake:
         principal = users.check(*creds) if creds is not None else None
         if principal is None:
             raise await reader.fail(
-                http_proto.response(407, headers=_BASIC_REALM, body=b"proxy authentication required\n"),
+                http_proto.response(
+                    407, headers=_BASIC_REALM, body=b"proxy authentication required\n"
+                ),
                 "auth_failed" if creds is not None else "auth_required",
                 "HTTP proxy credentials missing or rejected",
             )
         scheme = "basic"
     if head.method.upper() == "CONNECT":
         host, port = http_proto.connect_authority(head.target)
-        return Handshake("http", host, port, principal, scheme, reader.rx, reader.tx,
-                         early=reader.buf)
+        return Handshake(
+            "http", host, port, principal, scheme, reader.rx, reader.tx, early=reader.buf
+        )
     scheme_name, host, port, path = http_proto.split_absolute_uri(head.target)
     del scheme_name
     bracketed = f"[{host}]" if ":" in host else host
     host_header = bracketed if port == 80 else f"{bracketed}:{port}"
     rewritten = http_proto.origin_request(head, path, host_header)
-    return Handshake("http", host, port, principal, scheme, reader.rx, reader.tx,
-                     early=rewritten + reader.buf, forward=True)
+    return Handshake(
+        "http",
+        host,
+        port,
+        principal,
+        scheme,
+        reader.rx,
+        reader.tx,
+        early=rewritten + reader.buf,
+        forward=True,
+    )
 
 
 def basic_token(username: str, password: str) -> str:

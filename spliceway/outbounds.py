@@ -20,9 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from spliceway.protocols import NEED_MORE, ProtocolError
+from spliceway.protocols import NEED_MORE, ProtocolError, socks5
 from spliceway.protocols import http as http_proto
-from spliceway.protocols import socks5
 
 #: SOCKS5 reply code for a failure code (RFC 1928 6).
 _SOCKS_REPLY = {
@@ -169,7 +168,9 @@ async def _recv_until(
             raise DialError("connect_timeout", "upstream proxy handshake timed out")
         chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), remaining)
         if not chunk:
-            raise DialError("protocol_error", "upstream proxy closed during handshake", stage="handshake")
+            raise DialError(
+                "protocol_error", "upstream proxy closed during handshake", stage="handshake"
+            )
         buf += chunk
 
 
@@ -289,8 +290,15 @@ class Socks5Outbound:
             )
         leftover = bytes(buf[reply.consumed :])
         rx += len(leftover)
-        return Dialed(sock, self.server, self.port, tx_bytes=tx, rx_bytes=rx, leftover=leftover,
-                      relay_chain=[self.tag])
+        return Dialed(
+            sock,
+            self.server,
+            self.port,
+            tx_bytes=tx,
+            rx_bytes=rx,
+            leftover=leftover,
+            relay_chain=[self.tag],
+        )
 
 
 _SOCKS_REPLY_NAMES = {
@@ -334,7 +342,9 @@ class HttpOutbound:
             try:
                 head = await _recv_until(loop, sock, buf, http_proto.parse_response_head, deadline)
             except ProtocolError as ex:
-                raise DialError("protocol_error", f"proxy {self.tag}: {ex}", stage="handshake") from ex
+                raise DialError(
+                    "protocol_error", f"proxy {self.tag}: {ex}", stage="handshake"
+                ) from ex
             except TimeoutError as ex:
                 raise DialError("connect_timeout", f"proxy {self.tag} CONNECT timed out") from ex
             if not 200 <= head.status < 300:
@@ -343,8 +353,15 @@ class HttpOutbound:
                     f"proxy {self.tag} answered {head.status} to CONNECT {host}:{port}",
                     remote=f"{self.server}:{self.port}",
                 )
-            return Dialed(sock, self.server, self.port, tx_bytes=len(request), rx_bytes=len(buf),
-                          leftover=bytes(buf[head.consumed :]), relay_chain=[self.tag])
+            return Dialed(
+                sock,
+                self.server,
+                self.port,
+                tx_bytes=len(request),
+                rx_bytes=len(buf),
+                leftover=bytes(buf[head.consumed :]),
+                relay_chain=[self.tag],
+            )
         except BaseException:
             sock.close()
             raise
@@ -359,7 +376,9 @@ def build_outbound(spec: Any) -> Outbound:
     if kind == "block":
         return BlockOutbound(spec.tag)
     if kind == "socks5":
-        return Socks5Outbound(spec.tag, spec.server, spec.port, spec.username, spec.password, timeout)
+        return Socks5Outbound(
+            spec.tag, spec.server, spec.port, spec.username, spec.password, timeout
+        )
     if kind == "http":
         return HttpOutbound(spec.tag, spec.server, spec.port, spec.username, spec.password, timeout)
     raise DialErrorConfig(kind)

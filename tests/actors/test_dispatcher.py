@@ -48,7 +48,7 @@ def test_messages_run_in_order_on_the_dispatcher_thread(dispatcher):
     for i in range(1, 101):
         ref.tell(i)
     assert ref.ask(0, timeout=5) == 5050
-    assert ref.proxy().add(1).get(5) == 5051
+    assert ref.proxy().add(1).get(timeout=5) == 5051
     ref.stop(timeout=5)
     assert log == [("start", "test-dispatcher"), ("stop", 5051)]
     assert not ref.is_alive()

@@ -108,7 +108,7 @@ def test_curl_http_forward_proxy(make_engine, origin, inbound):
     with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
         (done,) = completed_events(sub)
     record = done["payload"]["record"]
-    assert record["inbound"]["protocol"] == "http"
+    assert record["inbound"] == {"tag": inbound, "protocol": inbound.removesuffix("-in")}
     assert record["result"]["outcome"] == "direct_relayed"
     assert record["traffic"]["bytes_down"] == size_header + size_download
 
