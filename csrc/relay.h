@@ -92,8 +92,9 @@ int sw_relay_drain(sw_relay *relay, sw_completion *out, size_t max);
  * pending (0 on timeout or once the relay is shut down with none left). */
 int sw_relay_wait(sw_relay *relay, int timeout_ms);
 
-/* Size requested with F_SETPIPE_SZ for pipes created from now on; 0 keeps
- * the kernel default.  Pipes already pooled keep their size. */
+/* Size requested with F_SETPIPE_SZ for pipes created from now on (default
+ * 512 KiB); 0 keeps the kernel default.  Pipes already pooled keep their size.
+ * A refused request is not an error: the pipe keeps the size it has. */
 int sw_relay_set_pipe_size(sw_relay *relay, uint32_t bytes);
 
 /* Test hook: flows added afterwards copy through user space instead of
