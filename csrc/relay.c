@@ -478,9 +478,13 @@ static void flow_complete(struct loop *L, struct flow *f, int cause, int err, in
         struct linger lg = {.l_onoff = 1, .l_linger = 0};
         (void)setsockopt(f->fd[side ^ 1], SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
     }
-    close(f->fd[0]);
-    close(f->fd[1]);
-    f->fd[0] = f->fd[1] = -1;
+    for (int s = 0; s < 2; s++) {
+        /* Explicitly, because close() drops the epoll registration only
+         * with the last reference: a dup kept elsewhere would leave it. */
+        (void)epoll_ctl(L->epfd, EPOLL_CTL_DEL, f->fd[s], NULL);
+        close(f->fd[s]);
+        f->fd[s] = -1;
+    }
     for (int d = 0; d < 2; d++) {
         pipe_put(L, &f->dir[d]);
         stash_free(&f->dir[d]);
@@ -1187,13 +1191,16 @@ int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_time
         return -EINVAL;
     const int fds[2] = {client_fd, upstream_fd};
     int oldfl[2] = {-1, -1};
+    struct stat st[2];
     for (int i = 0; i < 2; i++) {
-        struct stat st;
-        if (fstat(fds[i], &st) < 0)
+        if (fstat(fds[i], &st[i]) < 0)
             return -errno;
-        if (!S_ISSOCK(st.st_mode))
+        if (!S_ISSOCK(st[i].st_mode))
             return -ENOTSOCK;
     }
+    /* Two numbers for one socket (a dup) would relay it to itself. */
+    if (st[0].st_dev == st[1].st_dev && st[0].st_ino == st[1].st_ino)
+        return -EINVAL;
 
     int rc = 0;
     pthread_rwlock_rdlock(&r->life);

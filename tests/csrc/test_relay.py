@@ -433,6 +433,36 @@ def test_add_rejects_bad_fds(env: Env) -> None:
         os.close(w)
 
 
+def test_failed_add_is_undone(make_env: Callable[..., Env]) -> None:
+    env = make_env(loops=1)
+    first, second = env.link(), env.link()
+    h = env.add(first)
+    # epoll refuses the upstream fd (already registered by the first flow), so
+    # the add fails after the client fd was registered and made non-blocking.
+    with pytest.raises(RelayError) as exists:
+        env.relay.add(second.cfd, first.ufd)
+    assert exists.value.errno == errno.EEXIST
+    assert os.get_blocking(second.cfd)
+    dup = os.dup(second.cfd)
+    try:
+        with pytest.raises(ValueError, match="differ"):
+            env.relay.add(dup, dup)
+        with pytest.raises(RelayError) as same:
+            env.relay.add(second.cfd, dup)  # one socket under two numbers
+        assert same.value.errno == errno.EINVAL
+    finally:
+        os.close(dup)
+    h2 = env.add(second)  # the undone fds work normally afterwards
+    second.client.sendall(b"after")
+    assert recv_exact(second.server, 5) == b"after"
+    for link in (first, second):
+        link.client.close()
+        link.server.close()
+    done = env.completions([h, h2])
+    assert done[h2].cause is Cause.DONE
+    assert done[h2].counters[:4] == (5, 0, 0, 5)
+
+
 def test_close_with_active_flows(env: Env) -> None:
     links = [env.link() for _ in range(5)]
     handles = [env.add(link, idle_timeout_ms=60_000) for link in links]
