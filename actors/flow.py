@@ -40,6 +40,12 @@ _SNIFF_PEEK = 16 * 1024 + 5
 _SNIFF_RETRY = 0.005
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    # Level-triggered readiness can fire again before the waiter removes the reader.
+    if not future.done():
+        future.set_result(None)
+
+
 def _sniff_may_reroute(route_state: RouteState, decision: routing.RouteDecision) -> bool:
     """Whether a sniffed host could change ``decision`` (a domain rule ranks before it)."""
     if route_state.mode != "rule":
@@ -262,7 +268,7 @@ class FlowActor(LoopActor):
                 return
             if not select.select([fd], [], [], 0)[0]:
                 readable = loop.create_future()
-                loop.add_reader(fd, readable.set_result, None)
+                loop.add_reader(fd, _resolve, readable)
                 try:
                     await asyncio.wait_for(readable, remaining)
                 except TimeoutError:

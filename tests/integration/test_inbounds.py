@@ -68,13 +68,9 @@ def test_flow_lifecycle_events_in_order_with_growing_revisions(make_engine, orig
     host, port = engine.listen_address("mixed-in")
     result = curl("--socks5-hostname", f"{host}:{port}", f"http://127.0.0.1:{origin[1]}/")
     assert result.returncode == 0, result.stderr
-    with engine.subscribe(since=0, timeout=5) as sub:
-        wanted = []
-        for e in sub:
-            if e["event_type"].startswith("flow."):
-                wanted.append(e)
-            if e["event_type"] == "flow.completed":
-                break
+    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
+        completed_events(sub)
+    wanted = [e for e in engine.query("events")["events"] if e["event_type"].startswith("flow.")]
     types = [e["event_type"] for e in wanted]
     assert types[0] == "flow.started"
     assert types[1] == "flow.routed"
