@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, RelayFinished, StopFlow, TrafficSample
-from spliceway.relay import Cause
 
 from spliceway import records, routing
 from spliceway.events import now_ms
@@ -28,6 +27,7 @@ from spliceway.inbound import Handshake, HandshakeFailed
 from spliceway.inbound import accept as accept_handshake
 from spliceway.outbounds import DialError
 from spliceway.protocols import NEED_MORE, sniff
+from spliceway.relay import Cause
 from spliceway.runtime import FlowEntry, RouteState
 
 if TYPE_CHECKING:

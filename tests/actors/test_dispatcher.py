@@ -6,7 +6,6 @@ import threading
 
 import pykka
 import pytest
-
 from spliceway.actors.dispatcher import Dispatcher, LoopActor
 
 

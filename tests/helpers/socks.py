@@ -28,7 +28,7 @@ def socks5_connect(
     sock = socket.create_connection(proxy, timeout=timeout)
     try:
         sock.sendall(b"\x05\x01\x02" if auth else b"\x05\x01\x00")
-        ver, method = _recv_exact(sock, 2)
+        _, method = _recv_exact(sock, 2)
         if auth:
             if method != 2:
                 raise ConnectionError(f"method {method}")

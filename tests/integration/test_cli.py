@@ -26,8 +26,13 @@ def write_config(tmp_path, doc) -> str:
 
 def socks_config(port: int = 0) -> dict:
     return {
-        "inbounds": [{"tag": "socks-in", "protocol": "socks5",
-                      "listen": {"address": "127.0.0.1", "port": port}}],
+        "inbounds": [
+            {
+                "tag": "socks-in",
+                "protocol": "socks5",
+                "listen": {"address": "127.0.0.1", "port": port},
+            }
+        ],
         "api": {"control": {"enabled": False}, "ipc": {"enabled": False}},
     }
 
@@ -69,8 +74,13 @@ def test_run_with_port_in_use_is_one_line_and_exit_2(tmp_path):
     taken = socket.create_server(("127.0.0.1", 0))
     try:
         config = write_config(tmp_path, socks_config(taken.getsockname()[1]))
-        result = subprocess.run([*SPLICEWAY, "run", "-c", config], capture_output=True,
-                                text=True, timeout=30, check=False)
+        result = subprocess.run(
+            [*SPLICEWAY, "run", "-c", config],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     finally:
         taken.close()
     assert result.returncode == 2
@@ -82,8 +92,9 @@ def test_run_with_port_in_use_is_one_line_and_exit_2(tmp_path):
 
 def test_validate_accepts_a_good_file(tmp_path):
     config = write_config(tmp_path, socks_config(1080))
-    result = subprocess.run([*SPLICEWAY, "validate", config], capture_output=True, text=True,
-                            timeout=30, check=False)
+    result = subprocess.run(
+        [*SPLICEWAY, "validate", config], capture_output=True, text=True, timeout=30, check=False
+    )
     assert result.returncode == 0, result.stdout
 
 
@@ -92,8 +103,9 @@ def test_validate_reports_one_line_per_problem_with_field_paths(tmp_path):
     doc["inbounds"][0]["colour"] = "blue"
     doc["rules"] = [{"domain": ["a.test"], "outbound": "missing"}]
     config = write_config(tmp_path, doc)
-    result = subprocess.run([*SPLICEWAY, "validate", config], capture_output=True, text=True,
-                            timeout=30, check=False)
+    result = subprocess.run(
+        [*SPLICEWAY, "validate", config], capture_output=True, text=True, timeout=30, check=False
+    )
     assert result.returncode == 1
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 3, lines
@@ -103,7 +115,13 @@ def test_validate_reports_one_line_per_problem_with_field_paths(tmp_path):
 
 def test_invalid_config_for_run_exits_2(tmp_path):
     config = write_config(tmp_path, {"inbounds": [{"tag": "x"}]})
-    result = subprocess.run([*SPLICEWAY, "run", "-c", config], capture_output=True, text=True,
-                            timeout=30, check=False, env={**os.environ})
+    result = subprocess.run(
+        [*SPLICEWAY, "run", "-c", config],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={**os.environ},
+    )
     assert result.returncode == 2
     assert "inbounds[0]" in result.stderr

@@ -37,9 +37,12 @@ def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
     engine = make_engine()
     host, port = engine.listen_address("socks-in")
     result = curl(
-        "--socks5-hostname", f"{host}:{port}",
-        "-o", "/dev/null",
-        "-w", "%{http_code} %{size_request} %{size_header} %{size_download}",
+        "--socks5-hostname",
+        f"{host}:{port}",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code} %{size_request} %{size_header} %{size_download}",
         f"http://127.0.0.1:{origin[1]}/bytes/12345",
     )
     assert result.returncode == 0, result.stderr
@@ -92,8 +95,10 @@ def test_curl_http_forward_proxy(make_engine, origin, inbound):
     engine = make_engine()
     host, port = engine.listen_address(inbound)
     result = curl(
-        "-x", f"http://{host}:{port}",
-        "-w", "\n%{http_code} %{size_header} %{size_download}",
+        "-x",
+        f"http://{host}:{port}",
+        "-w",
+        "\n%{http_code} %{size_header} %{size_download}",
         f"http://127.0.0.1:{origin[1]}/host",
     )
     assert result.returncode == 0, result.stderr
@@ -114,7 +119,13 @@ def test_curl_http_connect_tunnel(make_engine, origin, inbound):
     engine = make_engine()
     host, port = engine.listen_address(inbound)
     result = curl(
-        "-p", "-x", f"http://{host}:{port}", "-o", "/dev/null", "-w", "%{http_code} %{size_download}",
+        "-p",
+        "-x",
+        f"http://{host}:{port}",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code} %{size_download}",
         f"http://127.0.0.1:{origin[1]}/bytes/777",
     )
     assert result.returncode == 0, result.stderr
@@ -180,7 +191,7 @@ def test_malformed_socks5_gets_error_and_close_then_engine_still_serves(make_eng
         assert sock.recv(2) == b"\x05\x00"
         sock.sendall(b"\x05\x03\x00\x01\x00\x00\x00\x00\x00\x00")
         assert sock.recv(64)[:2] == b"\x05\x07"
-    result = curl("--socks5-hostname", "%s:%d" % address, f"http://127.0.0.1:{origin[1]}/")
+    result = curl("--socks5-hostname", "{}:{}".format(*address), f"http://127.0.0.1:{origin[1]}/")
     assert result.returncode == 0, result.stderr
     assert engine.query("stats")["total_started"] == 1
 
@@ -197,9 +208,13 @@ def test_malformed_http_head_gets_400(make_engine):
 
 
 def test_connect_refused_is_a_failed_flow_with_socks_reply(make_engine):
-    engine = make_engine(base_config(inbounds=[
-        {"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}, "sniff": False},
-    ]))
+    engine = make_engine(
+        base_config(
+            inbounds=[
+                {"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}, "sniff": False},
+            ]
+        )
+    )
     closed = socket.create_server(("127.0.0.1", 0))
     dead_port = closed.getsockname()[1]
     closed.close()

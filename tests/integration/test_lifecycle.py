@@ -122,8 +122,10 @@ def test_flow_updated_only_when_traffic_moved(make_engine):
 def test_engine_stop_completes_every_open_flow(make_engine):
     server, _ = _echo_server()
     engine = make_engine()
-    socks = [socks5_connect(engine.listen_address("socks-in"), *server.getsockname()[:2])
-             for _ in range(5)]
+    socks = [
+        socks5_connect(engine.listen_address("socks-in"), *server.getsockname()[:2])
+        for _ in range(5)
+    ]
     wait_until(lambda: len(engine.query("flows")["active_flows"]) == 5)
     sub = engine.subscribe(["flow.completed", "engine.stopped"])
     engine.stop()
@@ -140,6 +142,7 @@ def test_thousand_flows_leave_no_fds_or_threads_behind(make_engine):
     engine = make_engine()
     address = engine.listen_address("socks-in")
     try:
+
         def one_flow():
             with socks5_connect(address, *peer.address) as sock:
                 sock.sendall(b"q" * 50)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -14,7 +15,8 @@ from tests.integration.test_inbounds import completed_events, curl
 
 def flow_events(engine, flow_id=None):
     return [
-        e for e in engine.query("events")["events"]
+        e
+        for e in engine.query("events")["events"]
         if e["event_type"].startswith("flow.")
         and (flow_id is None or e["payload"]["record"]["flow_id"] == flow_id)
     ]
@@ -30,38 +32,56 @@ def test_block_rule_refuses_with_socks_not_allowed_and_emits_no_routed(make_engi
     record = done["payload"]["record"]
     assert record["result"]["outcome"] == "blocked"
     assert record["route"]["action"] == "block"
-    assert record["route"]["matched_rule"] == {"index": 0, "condition": "domain_suffix=blocked.test"}
+    assert record["route"]["matched_rule"] == {
+        "index": 0,
+        "condition": "domain_suffix=blocked.test",
+    }
     types = [e["event_type"] for e in flow_events(engine, record["flow_id"])]
     assert types == ["flow.started", "flow.completed"]
     assert engine.query("stats")["blocked_sessions"] == 1
     # A host outside the suffix is not blocked.
-    result = curl("--socks5-hostname", "%s:%d" % engine.listen_address("socks-in"),
-                  f"http://127.0.0.1:{origin[1]}/")
+    result = curl(
+        "--socks5-hostname",
+        "{}:{}".format(*engine.listen_address("socks-in")),
+        f"http://127.0.0.1:{origin[1]}/",
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_block_rule_through_http_inbound_answers_403(make_engine):
     cfg = base_config(rules=[{"domain": ["deny.test"], "action": "block"}])
     engine = make_engine(cfg)
-    result = curl("-x", "http://%s:%d" % engine.listen_address("http-in"),
-                  "-o", "/dev/null", "-w", "%{http_code}", "http://deny.test/")
+    result = curl(
+        "-x",
+        "http://{}:{}".format(*engine.listen_address("http-in")),
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "http://deny.test/",
+    )
     assert result.stdout == "403"
 
 
 def test_rule_routes_to_named_outbound_and_records_the_match(make_engine, origin):
-    cfg = base_config(rules=[
-        {"port": [str(origin[1])], "network": "tcp", "outbound": "direct"},
-    ], route={"final": "block"})
+    cfg = base_config(
+        rules=[
+            {"port": [str(origin[1])], "network": "tcp", "outbound": "direct"},
+        ],
+        route={"final": "block"},
+    )
     engine = make_engine(cfg)
     address = engine.listen_address("socks-in")
-    result = curl("--socks5-hostname", "%s:%d" % address, f"http://127.0.0.1:{origin[1]}/")
+    result = curl("--socks5-hostname", "{}:{}".format(*address), f"http://127.0.0.1:{origin[1]}/")
     assert result.returncode == 0, result.stderr
     with pytest.raises(ConnectionError, match="socks reply 2"):
         socks5_connect(address, "127.0.0.1", 9)
     with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
         first, second = completed_events(sub, 2)
     assert first["payload"]["record"]["route"]["matched_rule"] == {
-        "index": 0, "condition": f"port={origin[1]},network=tcp"}
+        "index": 0,
+        "condition": f"port={origin[1]},network=tcp",
+    }
     assert first["payload"]["record"]["result"]["outcome"] == "direct_relayed"
     assert second["payload"]["record"]["route"]["matched_rule"] is None
     assert second["payload"]["record"]["route"]["target"] == "block"
@@ -79,7 +99,7 @@ def test_modes_switch_routing_for_new_flows(make_engine, origin):
             socks5_connect(address, "localhost", origin[1])
 
     def relayed() -> None:
-        result = curl("--socks5-hostname", "%s:%d" % address, url)
+        result = curl("--socks5-hostname", "{}:{}".format(*address), url)
         assert result.returncode == 0, result.stderr
 
     blocked()
@@ -87,7 +107,9 @@ def test_modes_switch_routing_for_new_flows(make_engine, origin):
     relayed()
     assert engine.execute("mode.set", {"mode": "global", "outbound": "block"}) == {"accepted": True}
     blocked()
-    assert engine.execute("mode.set", {"mode": "global", "outbound": "direct"}) == {"accepted": True}
+    assert engine.execute("mode.set", {"mode": "global", "outbound": "direct"}) == {
+        "accepted": True
+    }
     relayed()
     assert engine.execute("mode.set", {"mode": "rule"}) == {"accepted": True}
     blocked()
@@ -95,7 +117,9 @@ def test_modes_switch_routing_for_new_flows(make_engine, origin):
     with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
         done = completed_events(sub, 5)
     # A relayed flow may complete after the next (blocked) one: order by start.
-    started = [e["payload"]["flow_id"] for e in flow_events(engine) if e["event_type"] == "flow.started"]
+    started = [
+        e["payload"]["flow_id"] for e in flow_events(engine) if e["event_type"] == "flow.started"
+    ]
     done.sort(key=lambda e: started.index(e["payload"]["flow_id"]))
     modes = [e["payload"]["record"]["route"]["mode"] for e in done]
     assert modes == ["rule", "direct", "global", "global", "rule"]
@@ -122,12 +146,16 @@ def test_mode_set_rejects_bad_arguments(make_engine, params, field_path):
 
 
 def auth_config():
-    users = [{"username": "alice", "password": "s3cret", "principal_key": "p-alice"},
-             {"username": "bob", "password": "hunter2"}]
-    return base_config(inbounds=[
-        {"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}, "users": users},
-        {"tag": "http-in", "protocol": "http", "listen": {"port": 0}, "users": users},
-    ])
+    users = [
+        {"username": "alice", "password": "s3cret", "principal_key": "p-alice"},
+        {"username": "bob", "password": "hunter2"},
+    ]
+    return base_config(
+        inbounds=[
+            {"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}, "users": users},
+            {"tag": "http-in", "protocol": "http", "listen": {"port": 0}, "users": users},
+        ]
+    )
 
 
 def test_socks5_auth_accepted_sets_principal_and_rejected_fails(make_engine, origin):
@@ -146,7 +174,10 @@ def test_socks5_auth_accepted_sets_principal_and_rejected_fails(make_engine, ori
         alice_done, bob_done = completed_events(sub, 2)
     assert alice_done["principal_key"] == "p-alice"
     assert alice_done["payload"]["auth"] == {
-        "scheme": "userpass", "principal_key": "p-alice", "attributes": {}}
+        "scheme": "userpass",
+        "principal_key": "p-alice",
+        "attributes": {},
+    }
     assert bob_done["principal_key"] == "bob"
     assert engine.query("stats")["total_started"] == 2
 
@@ -188,10 +219,8 @@ def test_sniffed_tls_sni_feeds_domain_rules(make_engine):
         with sock:
             sock.sendall(outgoing.read())
             sock.settimeout(5)
-            try:
+            with contextlib.suppress(ConnectionResetError):
                 assert sock.recv(100) == b""
-            except ConnectionResetError:
-                pass
     finally:
         listener.close()
     with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:

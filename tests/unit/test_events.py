@@ -53,7 +53,7 @@ def test_snapshot_follows_catch_up_with_the_latest_sequence_as_watermark():
 
 def test_no_snapshot_when_the_filter_has_no_flow_types():
     log = EventLog()
-    sub = log.subscribe(["stats.sampled"], snapshot=lambda: [])
+    sub = log.subscribe(["stats.sampled"], snapshot=list)
     assert sub.get(0.05) is None
 
 
