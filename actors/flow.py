@@ -141,6 +141,8 @@ class FlowActor(LoopActor):
     async def _establish(self) -> None:
         try:
             await self._establish_steps()
+            # An idle relayed flow should hold no finished task or coroutine frame.
+            self._task = None
         except asyncio.CancelledError:
             if self.state is not None and not self._done:
                 if self._close_reason_on_cancel == records.MANUAL:
