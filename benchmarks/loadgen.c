@@ -3,7 +3,7 @@
  * benchmarks, talking to tinyserver directly or through a SOCKS5 proxy.
  *
  *   loadgen rate --target H:P [--socks H:P] --conc N --duration S [--count N]
- *                [--req 100] [--resp 1024] [--timeout-ms 5000] [--warmup S]
+ *                [--req 100] [--resp 1024] [--timeout-ms 5000] [--warmup S] [--threads T]
  *       N concurrent loops of: connect, [SOCKS5 greeting, wait for the method
  *       reply, CONNECT, wait for the reply], send --req bytes, read until EOF
  *       (expecting exactly --resp bytes; the server closes).  A connection's
@@ -11,7 +11,7 @@
  *       stop at --duration (or --count); the ones in flight finish.
  *
  *   loadgen bulk --target H:P [--socks H:P] --conns N --bytes B --dir up|down
- *                [--max-seconds S] [--buf 262144]
+ *                [--max-seconds S] [--buf 262144] [--threads T]
  *       N parallel connections each move B bytes (tinyserver --bulk protocol);
  *       goodput = all bytes / wall time from the first connect() to the last
  *       completion.  --max-seconds aborts a run that is too slow and reports
@@ -25,8 +25,10 @@
  *       EOF (or a line arrives) or --hold-seconds pass, prints a second JSON
  *       line (how many tunnels were still open) and exits.
  *
- * Every mode prints JSON on stdout and is bounded in count and time.
- * Build: cc -O2 -o loadgen loadgen.c
+ * rate and bulk run T epoll threads (default 1), the connections split evenly
+ * between them, so the generator can use more than one core; the results are
+ * merged.  Every mode prints JSON on stdout and is bounded in count and time.
+ * Build: cc -O2 -pthread -o loadgen loadgen.c
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -35,6 +37,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -99,19 +102,36 @@ static int g_inflight = 256;
 static uint32_t g_payload = 16;
 static double g_hold_seconds = 60;
 
-/* State */
-static int g_ep;
-static conn *g_conns;
-static int g_nconns;
-static char *g_big;
-static char *g_reqbuf;
-static uint64_t g_errs[E_N];
-static int g_first_errno[E_N];
-static uint64_t *g_lat;
-static size_t g_nlat, g_caplat;
-static uint64_t g_started, g_done, g_warm_done;
-static int g_active;
-static uint64_t g_measure_from; /* ns: latencies of conns started before are warmup */
+/* Per-thread state (rate and bulk can run --threads epoll loops; each owns
+ * its connections, buffers and results, merged by main at the end). */
+#define TLS __thread
+static TLS int g_ep;
+static TLS conn *g_conns;
+static TLS int g_nconns;
+static TLS char *g_big;
+static TLS char *g_reqbuf;
+static TLS uint64_t g_errs[E_N];
+static TLS int g_first_errno[E_N];
+static TLS uint64_t *g_lat;
+static TLS size_t g_nlat, g_caplat;
+static TLS uint64_t g_started, g_done, g_warm_done;
+static TLS int g_active;
+
+/* Shared, written before the threads start */
+static int g_threads = 1;
+static uint64_t g_start_ns;      /* common start of every thread */
+static uint64_t g_measure_from;  /* ns: latencies of conns started before are warmup */
+
+typedef struct result {
+    int conc;            /* connections (slots) of this thread */
+    uint64_t *lat;
+    size_t nlat;
+    uint64_t done, warm_done, moved;
+    uint64_t errs[E_N];
+    int first_errno[E_N];
+    int unfinished, truncated;
+    uint64_t end_ns;
+} result;
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -438,7 +458,7 @@ static void on_down(conn *c) {
     close_conn(c);
 }
 
-static uint64_t g_established, g_dropped;
+static TLS uint64_t g_established, g_dropped;
 
 static void on_echo(conn *c) {
     int r = read_small(c);
@@ -562,23 +582,41 @@ static void setup(int nconns) {
     }
 }
 
-static int run_rate(void) {
-    setup(g_conc);
+static void save_result(result *r, int unfinished, int truncated, uint64_t end) {
+    r->lat = g_lat;
+    r->nlat = g_nlat;
+    r->done = g_done;
+    r->warm_done = g_warm_done;
+    r->moved = 0;
+    for (int i = 0; i < g_nconns; i++) r->moved += g_conns[i].moved;
+    for (int i = 0; i < g_nconns; i++)
+        if (g_conns[i].state != S_FREE) fail(&g_conns[i], E_TIMEOUT, ETIMEDOUT);
+    memcpy(r->errs, g_errs, sizeof g_errs);
+    memcpy(r->first_errno, g_first_errno, sizeof g_first_errno);
+    r->unfinished = unfinished;
+    r->truncated = truncated;
+    r->end_ns = end;
+}
+
+static void *rate_worker(void *arg) {
+    result *res = arg;
+    int conc = res->conc;
+    setup(conc);
     struct epoll_event evs[1024];
-    uint64_t start = now_ns();
-    g_measure_from = start + (uint64_t)(g_warmup * 1e9);
+    uint64_t start = g_start_ns;
     uint64_t stop_at = g_measure_from + (uint64_t)(g_duration * 1e9);
     uint64_t hard_stop = stop_at + (uint64_t)g_timeout_ms * 1000000ull + 1000000000ull;
+    uint64_t count = g_count ? (g_count + (uint64_t)g_threads - 1) / (uint64_t)g_threads : 0;
     uint64_t last_scan = start;
     int stopping = 0;
     uint64_t measured_started = 0;
-    for (int i = 0; i < g_conc; i++) {
-        if (g_measure_from <= start) measured_started++;
+    for (int i = 0; i < conc; i++) {
+        if (g_measure_from <= now_ns()) measured_started++;
         start_conn(&g_conns[i]);
     }
     for (;;) {
         uint64_t now = now_ns();
-        if (!stopping && (now >= stop_at || (g_count && measured_started >= g_count))) stopping = 1;
+        if (!stopping && (now >= stop_at || (count && measured_started >= count))) stopping = 1;
         if (stopping && g_active == 0) break;
         if (now > hard_stop) break;
         int n = epoll_wait(g_ep, evs, 1024, 50);
@@ -596,40 +634,26 @@ static int run_rate(void) {
             last_scan = now;
         }
         if (!stopping) {
-            for (int i = 0; i < g_conc; i++) {
+            for (int i = 0; i < conc; i++) {
                 if (g_conns[i].state != S_FREE) continue;
-                if (g_count && measured_started >= g_count) break;
+                if (count && measured_started >= count) break;
                 if (now_ns() >= g_measure_from) measured_started++;
                 start_conn(&g_conns[i]);
             }
         }
     }
-    uint64_t end = now_ns();
-    int unfinished = g_active;
-    for (int i = 0; i < g_nconns; i++)
-        if (g_conns[i].state != S_FREE) fail(&g_conns[i], E_TIMEOUT, ETIMEDOUT);
-    double measured_s = (double)(end - g_measure_from) / 1e9;
-    printf("{\"mode\": \"rate\", \"socks\": %s, \"conc\": %d, \"count\": %llu, "
-           "\"warmup_count\": %llu, \"seconds\": %.3f, \"conn_per_s\": %.1f, \"unfinished\": %d, ",
-           g_use_socks ? "true" : "false", g_conc, (unsigned long long)g_done,
-           (unsigned long long)g_warm_done, measured_s,
-           measured_s > 0 ? (double)g_done / measured_s : 0.0, unfinished);
-    print_latency();
-    printf(", ");
-    print_errors();
-    printf(", ");
-    print_rusage();
-    printf("}\n");
-    return 0;
+    save_result(res, g_active, 0, now_ns());
+    return NULL;
 }
 
-static int run_bulk(void) {
-    setup(g_conc);
+static void *bulk_worker(void *arg) {
+    result *res = arg;
+    setup(res->conc);
     struct epoll_event evs[256];
-    uint64_t start = now_ns();
+    uint64_t start = g_start_ns;
     uint64_t hard_stop = start + (uint64_t)(g_max_seconds * 1e9);
     uint64_t last_scan = start;
-    for (int i = 0; i < g_conc; i++) start_conn(&g_conns[i]);
+    for (int i = 0; i < res->conc; i++) start_conn(&g_conns[i]);
     int truncated = 0;
     while (g_active > 0) {
         uint64_t now = now_ns();
@@ -655,18 +679,79 @@ static int run_bulk(void) {
             last_scan = now;
         }
     }
-    uint64_t end = now_ns();
-    uint64_t moved = 0;
-    for (int i = 0; i < g_nconns; i++) moved += g_conns[i].moved;
-    for (int i = 0; i < g_nconns; i++)
-        if (g_conns[i].state != S_FREE) fail(&g_conns[i], E_TIMEOUT, ETIMEDOUT);
-    double secs = (double)(end - start) / 1e9;
-    printf("{\"mode\": \"bulk\", \"socks\": %s, \"dir\": \"%s\", \"conns\": %d, "
+    save_result(res, g_active, truncated, now_ns());
+    return NULL;
+}
+
+/* Runs `worker` on --threads threads (connections split evenly), then merges
+ * their results into the calling thread's state for printing. */
+static void run_threads(void *(*worker)(void *), result *merged) {
+    int nt = g_threads < g_conc ? g_threads : g_conc;
+    if (nt < 1) nt = 1;
+    g_threads = nt;
+    result *rs = calloc((size_t)nt, sizeof *rs);
+    pthread_t *th = calloc((size_t)nt, sizeof *th);
+    for (int t = 0; t < nt; t++) rs[t].conc = g_conc / nt + (t < g_conc % nt ? 1 : 0);
+    g_start_ns = now_ns();
+    g_measure_from = g_start_ns + (uint64_t)(g_warmup * 1e9);
+    for (int t = 1; t < nt; t++)
+        if (pthread_create(&th[t], NULL, worker, &rs[t]) != 0) die("pthread_create");
+    worker(&rs[0]);
+    for (int t = 1; t < nt; t++) pthread_join(th[t], NULL);
+    /* merge into this thread's state */
+    g_nlat = 0;
+    for (int t = 0; t < nt; t++) g_nlat += rs[t].nlat;
+    uint64_t *all = malloc((g_nlat ? g_nlat : 1) * sizeof *all);
+    size_t off = 0;
+    memset(merged, 0, sizeof *merged);
+    memset(g_errs, 0, sizeof g_errs);
+    memset(g_first_errno, 0, sizeof g_first_errno);
+    for (int t = 0; t < nt; t++) {
+        if (rs[t].nlat) memcpy(all + off, rs[t].lat, rs[t].nlat * sizeof *all);
+        off += rs[t].nlat;
+        merged->done += rs[t].done;
+        merged->warm_done += rs[t].warm_done;
+        merged->moved += rs[t].moved;
+        merged->unfinished += rs[t].unfinished;
+        merged->truncated |= rs[t].truncated;
+        if (rs[t].end_ns > merged->end_ns) merged->end_ns = rs[t].end_ns;
+        for (int e = 0; e < E_N; e++) {
+            g_errs[e] += rs[t].errs[e];
+            if (!g_first_errno[e]) g_first_errno[e] = rs[t].first_errno[e];
+        }
+    }
+    g_lat = all;
+    g_done = merged->done;
+}
+
+static int run_rate(void) {
+    result m;
+    run_threads(rate_worker, &m);
+    double measured_s = (double)(m.end_ns - g_measure_from) / 1e9;
+    printf("{\"mode\": \"rate\", \"socks\": %s, \"conc\": %d, \"threads\": %d, \"count\": %llu, "
+           "\"warmup_count\": %llu, \"seconds\": %.3f, \"conn_per_s\": %.1f, \"unfinished\": %d, ",
+           g_use_socks ? "true" : "false", g_conc, g_threads, (unsigned long long)m.done,
+           (unsigned long long)m.warm_done, measured_s,
+           measured_s > 0 ? (double)m.done / measured_s : 0.0, m.unfinished);
+    print_latency();
+    printf(", ");
+    print_errors();
+    printf(", ");
+    print_rusage();
+    printf("}\n");
+    return 0;
+}
+
+static int run_bulk(void) {
+    result m;
+    run_threads(bulk_worker, &m);
+    double secs = (double)(m.end_ns - g_start_ns) / 1e9;
+    printf("{\"mode\": \"bulk\", \"socks\": %s, \"dir\": \"%s\", \"conns\": %d, \"threads\": %d, "
            "\"bytes_per_conn\": %llu, \"completed\": %llu, \"bytes\": %llu, \"seconds\": %.4f, "
            "\"mb_per_s\": %.1f, \"truncated\": %s, ",
-           g_use_socks ? "true" : "false", g_up ? "up" : "down", g_conc,
-           (unsigned long long)g_bytes, (unsigned long long)g_done, (unsigned long long)moved,
-           secs, secs > 0 ? (double)moved / secs / 1e6 : 0.0, truncated ? "true" : "false");
+           g_use_socks ? "true" : "false", g_up ? "up" : "down", g_conc, g_threads,
+           (unsigned long long)g_bytes, (unsigned long long)m.done, (unsigned long long)m.moved,
+           secs, secs > 0 ? (double)m.moved / secs / 1e6 : 0.0, m.truncated ? "true" : "false");
     print_latency();
     printf(", ");
     print_errors();
@@ -752,8 +837,8 @@ static void usage(void) {
     fprintf(stderr,
             "usage: loadgen rate|bulk|hold --target H:P [--socks H:P] [options]\n"
             "  rate: --conc N --duration S [--count N] [--warmup S] [--req B] [--resp B]\n"
-            "        [--timeout-ms MS]\n"
-            "  bulk: --conns N --bytes B --dir up|down [--max-seconds S] [--buf B]\n"
+            "        [--timeout-ms MS] [--threads T]\n"
+            "  bulk: --conns N --bytes B --dir up|down [--max-seconds S] [--buf B] [--threads T]\n"
             "  hold: --conns N [--inflight N] [--payload B] [--hold-seconds S] [--timeout-ms MS]\n");
     exit(2);
 }
@@ -789,9 +874,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--inflight")) g_inflight = atoi(v);
         else if (!strcmp(a, "--payload")) g_payload = (uint32_t)strtoul(v, NULL, 10);
         else if (!strcmp(a, "--hold-seconds")) g_hold_seconds = atof(v);
+        else if (!strcmp(a, "--threads")) g_threads = atoi(v);
         else usage();
     }
-    if (!have_target || g_conc < 1 || g_buf < 4096 || g_inflight < 1) usage();
+    if (!have_target || g_conc < 1 || g_buf < 4096 || g_inflight < 1 || g_threads < 1 ||
+        g_threads > 64)
+        usage();
     if (g_duration > 3600) g_duration = 3600;          /* always bounded */
     if (g_max_seconds > 3600) g_max_seconds = 3600;
     if (g_hold_seconds > 3600) g_hold_seconds = 3600;

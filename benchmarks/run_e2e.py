@@ -92,7 +92,7 @@ def build_tools(cc: str) -> dict[str, Path]:
     for name in ("loadgen", "tinyserver"):
         src, exe = BENCH / f"{name}.c", BUILD / name
         if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
-            cmd = [cc, "-O2", "-Wall", "-Wextra", "-o", str(exe), str(src)]
+            cmd = [cc, "-O2", "-pthread", "-Wall", "-Wextra", "-o", str(exe), str(src)]
             log("build: " + " ".join(cmd))
             subprocess.run(cmd, check=True)
         out[name] = exe
@@ -309,10 +309,12 @@ class Managed:
 class Server:
     """tinyserver with its rate, bulk and idle listeners."""
 
-    def __init__(self, exe: Path, pin: str | None, max_seconds: float) -> None:
+    def __init__(self, exe: Path, pin: str | None, max_seconds: float, threads: int) -> None:
         cmd = [
             *taskset_prefix(pin),
             str(exe),
+            "--threads",
+            str(threads),
             "--rate",
             "0",
             "--bulk",
@@ -439,6 +441,7 @@ class Runner:
         self.server: Server | None = None
         self.proxy: Proxy | None = None
         self.quiet_budget = args.quiet_budget
+        self.retries = args.retries
 
     def loadgen(self, argv: list[str], timeout: float) -> dict:
         cmd = [*taskset_prefix(self.args.pin_load), str(self.tools["loadgen"]), *argv]
@@ -530,6 +533,8 @@ class Runner:
             str(self.args.bulk_max_seconds),
             "--buf",
             str(self.args.buf),
+            "--threads",
+            str(min(conns, self.args.loadgen_threads)),
         ]
         return self.measured(via_proxy, argv, self.args.bulk_max_seconds + 30)
 
@@ -551,6 +556,8 @@ class Runner:
             "1024",
             "--timeout-ms",
             "5000",
+            "--threads",
+            str(min(conc, self.args.loadgen_threads)),
         ]
         return self.measured(via_proxy, argv, duration + warmup + 30)
 
@@ -607,45 +614,83 @@ def spread(values: list[float]) -> float:
 # --------------------------------------------------------------------------- measurements
 
 
+def disturbed(res: dict) -> bool:
+    """Other processes used more than 10% of the machine during the run."""
+    return res["other_cpu_s"] > 0.10 * res["wall_s"] * (os.cpu_count() or 1)
+
+
+def repeat(r: Runner, reps: int, run, describe) -> dict[str, list[dict]]:
+    """``reps`` runs of each path, interleaved (direct, proxy, proxy, direct, ...).
+
+    A run that other processes disturbed is repeated once while the retry budget
+    (--retries) lasts; both are kept, the disturbed one marked.
+    """
+    runs: dict[str, list[dict]] = {"direct": [], "proxy": []}
+    for rep in range(reps):
+        order = ("direct", "proxy") if rep % 2 == 0 else ("proxy", "direct")
+        for path in order:
+            for attempt in range(2):
+                res = run(path == "proxy")
+                res["disturbed"] = disturbed(res)
+                runs[path].append(res)
+                log(describe(path, res) + ("  (disturbed)" if res["disturbed"] else ""))
+                if not res["disturbed"] or attempt == 1 or r.retries <= 0:
+                    break
+                r.retries -= 1
+    return runs
+
+
+def best(runs: list[dict], key) -> dict:
+    """The fastest run among the undisturbed ones (all runs if every one was disturbed).
+
+    Interference from other processes only ever slows a run down, so on a shared
+    machine the best run is the closest to what the code can do; medians are in
+    the JSON too.
+    """
+    clean = [x for x in runs if not x["disturbed"]] or runs
+    return max(clean, key=key)
+
+
 def run_bulk(r: Runner, reps: int, total: int) -> dict:
     cases = [(1, "up"), (1, "down"), (8, "up"), (8, "down")]
     out: dict = {"total_bytes_per_run": total, "buf": r.args.buf, "cases": []}
     proxy_cpu = 0.0
     proxy_bytes = 0
     for conns, direction in cases:
-        runs: dict[str, list[dict]] = {"direct": [], "proxy": []}
-        for rep in range(reps):
-            # alternate the order so that neither path always runs on a warmer machine
-            order = ("direct", "proxy") if rep % 2 == 0 else ("proxy", "direct")
-            for path in order:
-                res = r.bulk(path == "proxy", conns, direction, total)
-                runs[path].append(res)
-                if path == "proxy":
-                    proxy_cpu += res["proxy_cpu_s"]
-                    proxy_bytes += res["bytes"]
-                log(
-                    f"  bulk {conns}x {direction:4} {path:6} {res['mb_per_s']:8.1f} MB/s"
-                    f"  proxy_cpu={res['proxy_cpu_s']:.2f}s other_cpu={res['other_cpu_s']:.2f}s"
-                    + ("  TRUNCATED" if res["truncated"] else "")
-                    + (f"  errors={res['errors']}" if any(res["errors"].values()) else "")
-                )
-        d = [x["mb_per_s"] for x in runs["direct"]]
-        p = [x["mb_per_s"] for x in runs["proxy"]]
+
+        def describe(path: str, res: dict, conns: int = conns, direction: str = direction) -> str:
+            return (
+                f"  bulk {conns}x {direction:4} {path:6} {res['mb_per_s']:8.1f} MB/s"
+                f"  proxy_cpu={res['proxy_cpu_s']:.2f}s other_cpu={res['other_cpu_s']:.2f}s"
+                + ("  TRUNCATED" if res["truncated"] else "")
+                + (f"  errors={res['errors']}" if any(res["errors"].values()) else "")
+            )
+
+        runs = repeat(
+            r,
+            reps,
+            lambda via, conns=conns, direction=direction: r.bulk(via, conns, direction, total),
+            describe,
+        )
+        case: dict = {"conns": conns, "dir": direction}
+        for path in ("direct", "proxy"):
+            rs = runs[path]
+            top = best(rs, lambda x: x["mb_per_s"])
+            vals = [x["mb_per_s"] for x in rs if not x["disturbed"]] or [x["mb_per_s"] for x in rs]
+            case[f"{path}_mb_s"] = round(top["mb_per_s"], 1)
+            case[f"{path}_median_mb_s"] = round(median(vals), 1)
+            case[f"{path}_spread_pct"] = round(spread(vals), 1)
+            case[f"{path}_runs"] = len(rs)
+        case["ratio"] = (
+            round(case["proxy_mb_s"] / case["direct_mb_s"], 3) if case["direct_mb_s"] else None
+        )
         pc = sum(x["proxy_cpu_s"] for x in runs["proxy"])
         pb = sum(x["bytes"] for x in runs["proxy"])
-        out["cases"].append(
-            {
-                "conns": conns,
-                "dir": direction,
-                "direct_mb_s": round(median(d), 1),
-                "proxy_mb_s": round(median(p), 1),
-                "ratio": round(median(p) / median(d), 3) if median(d) else None,
-                "direct_spread_pct": round(spread(d), 1),
-                "proxy_spread_pct": round(spread(p), 1),
-                "proxy_cpu_s_per_gb": round(pc / (pb / 1e9), 3) if pb else None,
-                "runs": runs,
-            }
-        )
+        proxy_cpu += pc
+        proxy_bytes += pb
+        case["proxy_cpu_s_per_gb"] = round(pc / (pb / 1e9), 3) if pb else None
+        case["runs"] = runs
+        out["cases"].append(case)
     out["proxy_cpu_s"] = round(proxy_cpu, 3)
     out["proxy_gb"] = round(proxy_bytes / 1e9, 3)
     out["proxy_cpu_s_per_gb"] = round(proxy_cpu / (proxy_bytes / 1e9), 3) if proxy_bytes else None
@@ -658,29 +703,34 @@ def run_rate(r: Runner, reps: int, duration: float) -> dict:
     w = r.rate(True, 16, min(1.0, duration))
     log(f"  warmup via proxy: {w['conn_per_s']:.0f} conn/s")
     for conc in (1, 16, 64):
-        runs: dict[str, list[dict]] = {"direct": [], "proxy": []}
-        for rep in range(reps):
-            order = ("direct", "proxy") if rep % 2 == 0 else ("proxy", "direct")
-            for path in order:
-                res = r.rate(path == "proxy", conc, duration)
-                runs[path].append(res)
-                per_conn = (1e6 * res["proxy_cpu_s"] / res["count"]) if res["count"] else 0
-                log(
-                    f"  rate c={conc:<3} {path:6} {res['conn_per_s']:9.0f}/s"
-                    f"  p50={res['lat_us']['p50']:8.0f}us p99={res['lat_us']['p99']:8.0f}us"
-                    + (f"  proxy_cpu/conn={per_conn:.0f}us" if path == "proxy" else "")
-                    + f"  other_cpu={res['other_cpu_s']:.2f}s"
-                    + (f"  errors={res['errors']}" if any(res["errors"].values()) else "")
-                )
+
+        def describe(path: str, res: dict, conc: int = conc) -> str:
+            per_conn = (1e6 * res["proxy_cpu_s"] / res["count"]) if res["count"] else 0
+            return (
+                f"  rate c={conc:<3} {path:6} {res['conn_per_s']:9.0f}/s"
+                f"  p50={res['lat_us']['p50']:8.0f}us p99={res['lat_us']['p99']:8.0f}us"
+                + (f"  proxy_cpu/conn={per_conn:.0f}us" if path == "proxy" else "")
+                + f"  other_cpu={res['other_cpu_s']:.2f}s"
+                + (f"  errors={res['errors']}" if any(res["errors"].values()) else "")
+            )
+
+        runs = repeat(r, reps, lambda via, conc=conc: r.rate(via, conc, duration), describe)
         level: dict = {"conc": conc}
         for path in ("direct", "proxy"):
             rs = runs[path]
+            top = best(rs, lambda x: x["conn_per_s"])
+            vals = [x["conn_per_s"] for x in rs if not x["disturbed"]] or [
+                x["conn_per_s"] for x in rs
+            ]
             level[path] = {
-                "conn_per_s": round(median([x["conn_per_s"] for x in rs]), 1),
-                "p50_us": round(median([x["lat_us"]["p50"] for x in rs]), 1),
-                "p99_us": round(median([x["lat_us"]["p99"] for x in rs]), 1),
-                "spread_pct": round(spread([x["conn_per_s"] for x in rs]), 1),
+                "conn_per_s": round(top["conn_per_s"], 1),
+                "p50_us": round(top["lat_us"]["p50"], 1),
+                "p99_us": round(top["lat_us"]["p99"], 1),
+                "median_conn_per_s": round(median(vals), 1),
+                "spread_pct": round(spread(vals), 1),
+                "runs": len(rs),
                 "errors": sum(sum(x["errors"].values()) for x in rs),
+                "loadgen_threads": top.get("threads", 1),
             }
         pcount = sum(x["count"] for x in runs["proxy"])
         level["proxy"]["cpu_us_per_conn"] = (
@@ -803,7 +853,7 @@ def report(res: dict) -> str:
     if b:
         lines.append("")
         lines.append(
-            f"1. Bulk goodput, MB/s (median of {meta['reps']}; "
+            f"1. Bulk goodput, MB/s (best of {meta['reps']}+ undisturbed runs; "
             f"{b['total_bytes_per_run'] >> 20} MiB per run, {b['buf'] >> 10} KiB buffers)"
         )
         lines.append(
@@ -838,7 +888,7 @@ def report(res: dict) -> str:
     if rt:
         lines.append("")
         lines.append(
-            f"3. Connections/s ({rt['duration_s']}s per run, median of {meta['reps']}; "
+            f"3. Connections/s ({rt['duration_s']}s per run, best of {meta['reps']}+; "
             "100 B request, 1 KiB response, server closes)"
         )
         lines.append(
@@ -929,11 +979,18 @@ def collect_notes(res: dict) -> list[str]:
         runs += c["runs"]["direct"] + c["runs"]["proxy"]
     for lv in (res.get("rate") or {}).get("levels", []):
         runs += lv["runs"]["direct"] + lv["runs"]["proxy"]
-    busy = [x for x in runs if x["other_cpu_s"] > 0.1 * x["wall_s"] * res["meta"]["nproc"]]
+    busy = [x for x in runs if x.get("disturbed")]
     if busy:
         notes.append(
-            f"{len(busy)}/{len(runs)} runs saw other processes using >10% of the "
-            "machine's CPU (other_cpu_s in the JSON): numbers are noisy"
+            f"{len(busy)}/{len(runs)} runs were disturbed by other processes (>10% of the "
+            "machine's CPU, other_cpu_s in the JSON); the tables use undisturbed runs where "
+            "there are any"
+        )
+    hot = [x for x in runs if x.get("loadgen_cpu_s", 0) > 0.9 * x["wall_s"] * x.get("threads", 1)]
+    if hot:
+        notes.append(
+            f"{len(hot)}/{len(runs)} runs had loadgen above 90% of its threads' CPU "
+            "(the generator may have limited them)"
         )
     return notes
 
@@ -988,7 +1045,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="short runs (about a minute)")
     ap.add_argument("--only", default="bulk,rate,rss", help="comma list of bulk,rate,rss")
-    ap.add_argument("--reps", type=int, help="repetitions of each bulk and rate run (default 2)")
+    ap.add_argument(
+        "--reps", type=int, help="repetitions of each bulk and rate run (default 2, quick 1)"
+    )
     ap.add_argument("--rate-seconds", type=float, help="seconds per conn/s run (default 5)")
     ap.add_argument("--bulk-mib", type=int, help="MiB moved per bulk run (default 2048)")
     ap.add_argument(
@@ -1011,6 +1070,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quiet-threshold", type=float, default=0.10)
     ap.add_argument(
+        "--retries",
+        type=int,
+        help="how many disturbed runs (other processes >10%% of the CPUs) may be repeated "
+        "(default 6, quick 2)",
+    )
+    ap.add_argument("--server-threads", type=int, default=2, help="epoll threads of tinyserver")
+    ap.add_argument(
+        "--loadgen-threads",
+        type=int,
+        default=2,
+        help="epoll threads of loadgen for rate and bulk runs (never more than connections)",
+    )
+    ap.add_argument(
         "--quiet-budget",
         type=float,
         help="total seconds all quiet waits may take (default 60, quick 15)",
@@ -1019,7 +1091,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON result")
     args = ap.parse_args(argv)
     quick = args.quick
-    args.reps = args.reps or 2
+    args.reps = args.reps or (1 if quick else 2)
+    if args.retries is None:
+        args.retries = 2 if quick else 6
     args.rate_seconds = args.rate_seconds or (1.5 if quick else 5.0)
     args.bulk_mib = args.bulk_mib or (512 if quick else 2048)
     if args.quiet_budget is None:
@@ -1055,6 +1129,8 @@ def main(argv: list[str] | None = None) -> int:
             else f"proxy={args.pin_proxy or 'all'} load={args.pin_load or 'all'}",
             "git": git_info(),
             "nofile": NOFILE,
+            "loadgen_threads": args.loadgen_threads,
+            "server_threads": args.server_threads,
         }
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -1064,7 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sw-bench-") as tmpd:
         tmp = Path(tmpd)
         r = Runner(args, tools)
-        r.server = Server(tools["tinyserver"], args.pin_load, 900)
+        r.server = Server(tools["tinyserver"], args.pin_load, 900, args.server_threads)
         res["meta"]["affinity"] = {
             "runner": affinity(0),
             "server": affinity(r.server.pid),

@@ -12,12 +12,13 @@
  *                mode 'D' (download): write `length` bytes, then close.
  *   --idle PORT  idle flows: echo whatever arrives, never close first.
  *
+ * --threads N runs N epoll loops sharing the listeners (default 1).
  * PORT 0 picks a free port.  After binding, one JSON line with the chosen
  * ports and the pid is printed on stdout.  The server stops on SIGTERM/SIGINT,
  * when its parent dies, or after --max-seconds (default 900): it is always
  * bounded in time.
  *
- * Build: cc -O2 -o tinyserver tinyserver.c
+ * Build: cc -O2 -pthread -o tinyserver tinyserver.c
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -25,6 +26,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -54,11 +56,18 @@ typedef struct conn {
 } conn;
 
 static volatile sig_atomic_t g_stop;
-static int g_ep;
+static __thread int g_ep;         /* each thread has its own epoll set */
+static __thread char *g_bulk_buf; /* and its own bulk buffer */
 static uint32_t g_req = 100, g_resp = 1024;
 static char *g_resp_buf;
-static char *g_bulk_buf;
-static uint64_t g_accepted, g_rate_done, g_bulk_done, g_idle_open;
+static double g_deadline;
+static conn *g_listeners[3];
+static int g_nlisteners;
+/* statistics, updated atomically */
+static uint64_t g_accepted, g_rate_done, g_bulk_done;
+static int64_t g_idle_open;
+#define INC(x) __atomic_add_fetch(&(x), 1, __ATOMIC_RELAXED)
+#define DEC(x) __atomic_sub_fetch(&(x), 1, __ATOMIC_RELAXED)
 
 static void on_signal(int sig) { (void)sig; g_stop = 1; }
 
@@ -91,13 +100,12 @@ static conn *listener(const char *addr, int port, enum kind kind, int *bound_por
     conn *c = calloc(1, sizeof *c);
     c->kind = kind;
     c->fd = fd;
-    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
-    if (epoll_ctl(g_ep, EPOLL_CTL_ADD, fd, &ev) < 0) die("epoll_ctl");
+    g_listeners[g_nlisteners++] = c;
     return c;
 }
 
 static void close_conn(conn *c) {
-    if (c->kind == C_IDLE) g_idle_open--;
+    if (c->kind == C_IDLE) DEC(g_idle_open);
     close(c->fd); /* also removes it from the epoll set */
     free(c);
 }
@@ -118,11 +126,11 @@ static void do_accept(conn *l) {
             }
             return;
         }
-        g_accepted++;
+        INC(g_accepted);
         conn *c = calloc(1, sizeof *c);
         c->fd = fd;
         c->kind = l->kind == L_RATE ? C_RATE : l->kind == L_BULK ? C_BULK : C_IDLE;
-        if (c->kind == C_IDLE) g_idle_open++;
+        if (c->kind == C_IDLE) INC(g_idle_open);
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = c};
         if (epoll_ctl(g_ep, EPOLL_CTL_ADD, fd, &ev) < 0) {
             close_conn(c);
@@ -165,7 +173,7 @@ static void on_rate(conn *c, uint32_t events) {
         close_conn(c);
         return;
     }
-    g_rate_done++;
+    INC(g_rate_done);
     close_conn(c);
 }
 
@@ -232,7 +240,7 @@ static void on_bulk(conn *c, uint32_t events) {
             close_conn(c);
             return;
         }
-        g_bulk_done++;
+        INC(g_bulk_done);
         close_conn(c);
         return;
     }
@@ -249,7 +257,7 @@ static void on_bulk(conn *c, uint32_t events) {
             close_conn(c);
             return;
         }
-        g_bulk_done++;
+        INC(g_bulk_done);
         close_conn(c); /* FIN follows the queued data */
     }
 }
@@ -279,61 +287,22 @@ static void on_idle(conn *c, uint32_t events) {
     }
 }
 
-static void usage(void) {
-    fprintf(stderr,
-            "usage: tinyserver [--rate PORT] [--bulk PORT] [--idle PORT] [--bind ADDR]\n"
-            "                  [--req BYTES] [--resp BYTES] [--max-seconds S]\n");
-    exit(2);
-}
-
-int main(int argc, char **argv) {
-    int rate_port = -1, bulk_port = -1, idle_port = -1;
-    const char *bind_addr = "127.0.0.1";
-    double max_seconds = 900;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (i + 1 >= argc) usage();
-        const char *v = argv[++i];
-        if (!strcmp(a, "--rate")) rate_port = atoi(v);
-        else if (!strcmp(a, "--bulk")) bulk_port = atoi(v);
-        else if (!strcmp(a, "--idle")) idle_port = atoi(v);
-        else if (!strcmp(a, "--bind")) bind_addr = v;
-        else if (!strcmp(a, "--req")) g_req = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--resp")) g_resp = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--max-seconds")) max_seconds = atof(v);
-        else usage();
-    }
-    if (rate_port < 0 && bulk_port < 0 && idle_port < 0) usage();
-
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    struct rlimit rl;
-    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
-        rl.rlim_cur = rl.rlim_max;
-        setrlimit(RLIMIT_NOFILE, &rl);
-    }
-    signal(SIGPIPE, SIG_IGN);
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-
-    g_resp_buf = malloc(g_resp ? g_resp : 1);
-    memset(g_resp_buf, 'r', g_resp);
-    g_bulk_buf = malloc(BULK_BUF);
-    memset(g_bulk_buf, 'b', BULK_BUF);
-
+/* One epoll loop; every thread watches every listener (EPOLLEXCLUSIVE wakes
+ * one of them per connection) and serves the connections it accepted. */
+static void *worker(void *arg) {
+    (void)arg;
     g_ep = epoll_create1(EPOLL_CLOEXEC);
     if (g_ep < 0) die("epoll_create1");
-    int pr = 0, pb = 0, pi = 0;
-    if (rate_port >= 0) listener(bind_addr, rate_port, L_RATE, &pr);
-    if (bulk_port >= 0) listener(bind_addr, bulk_port, L_BULK, &pb);
-    if (idle_port >= 0) listener(bind_addr, idle_port, L_IDLE, &pi);
-    printf("{\"rate\": %d, \"bulk\": %d, \"idle\": %d, \"pid\": %d}\n", pr, pb, pi, (int)getpid());
-    fflush(stdout);
-
-    double deadline = now_s() + max_seconds;
+    g_bulk_buf = malloc(BULK_BUF);
+    memset(g_bulk_buf, 'b', BULK_BUF);
+    for (int i = 0; i < g_nlisteners; i++) {
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLEXCLUSIVE, .data.ptr = g_listeners[i]};
+        if (epoll_ctl(g_ep, EPOLL_CTL_ADD, g_listeners[i]->fd, &ev) < 0) die("epoll_ctl");
+    }
     struct epoll_event evs[512];
     while (!g_stop) {
-        if (now_s() > deadline) {
+        if (now_s() > g_deadline) {
+            g_stop = 1;
             fprintf(stderr, "tinyserver: --max-seconds reached, exiting\n");
             break;
         }
@@ -353,9 +322,67 @@ int main(int argc, char **argv) {
             }
         }
     }
+    return NULL;
+}
+
+static void usage(void) {
     fprintf(stderr,
-            "tinyserver: accepted=%llu rate_done=%llu bulk_done=%llu idle_open=%llu\n",
+            "usage: tinyserver [--rate PORT] [--bulk PORT] [--idle PORT] [--bind ADDR]\n"
+            "                  [--req BYTES] [--resp BYTES] [--max-seconds S] [--threads N]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    int rate_port = -1, bulk_port = -1, idle_port = -1;
+    const char *bind_addr = "127.0.0.1";
+    double max_seconds = 900;
+    int nthreads = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (i + 1 >= argc) usage();
+        const char *v = argv[++i];
+        if (!strcmp(a, "--rate")) rate_port = atoi(v);
+        else if (!strcmp(a, "--bulk")) bulk_port = atoi(v);
+        else if (!strcmp(a, "--idle")) idle_port = atoi(v);
+        else if (!strcmp(a, "--bind")) bind_addr = v;
+        else if (!strcmp(a, "--req")) g_req = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(a, "--resp")) g_resp = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(a, "--max-seconds")) max_seconds = atof(v);
+        else if (!strcmp(a, "--threads")) nthreads = atoi(v);
+        else usage();
+    }
+    if ((rate_port < 0 && bulk_port < 0 && idle_port < 0) || nthreads < 1 || nthreads > 64)
+        usage();
+
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
+    signal(SIGPIPE, SIG_IGN);
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+
+    g_resp_buf = malloc(g_resp ? g_resp : 1);
+    memset(g_resp_buf, 'r', g_resp);
+    int pr = 0, pb = 0, pi = 0;
+    if (rate_port >= 0) listener(bind_addr, rate_port, L_RATE, &pr);
+    if (bulk_port >= 0) listener(bind_addr, bulk_port, L_BULK, &pb);
+    if (idle_port >= 0) listener(bind_addr, idle_port, L_IDLE, &pi);
+    printf("{\"rate\": %d, \"bulk\": %d, \"idle\": %d, \"pid\": %d}\n", pr, pb, pi, (int)getpid());
+    fflush(stdout);
+
+    g_deadline = now_s() + max_seconds;
+    pthread_t th[64];
+    for (int t = 1; t < nthreads; t++)
+        if (pthread_create(&th[t], NULL, worker, NULL) != 0) die("pthread_create");
+    worker(NULL);
+    for (int t = 1; t < nthreads; t++) pthread_join(th[t], NULL);
+    fprintf(stderr,
+            "tinyserver: accepted=%llu rate_done=%llu bulk_done=%llu idle_open=%lld\n",
             (unsigned long long)g_accepted, (unsigned long long)g_rate_done,
-            (unsigned long long)g_bulk_done, (unsigned long long)g_idle_open);
+            (unsigned long long)g_bulk_done, (long long)g_idle_open);
     return 0;
 }
