@@ -689,6 +689,14 @@ def run_bulk(r: Runner, reps: int, total: int) -> dict:
         proxy_cpu += pc
         proxy_bytes += pb
         case["proxy_cpu_s_per_gb"] = round(pc / (pb / 1e9), 3) if pb else None
+        # CPU of everything (tools, proxy, kernel threads) per GB: what the path costs
+        # the machine, independent of how many threads the tools use
+        for path in ("direct", "proxy"):
+            rs = runs[path]
+            keys = ("loadgen_cpu_s", "server_cpu_s", "proxy_cpu_s", "kernel_threads_cpu_s")
+            cpu = sum(x[k] for x in rs for k in keys)
+            gb = sum(x["bytes"] for x in rs) / 1e9
+            case[f"{path}_all_cpu_s_per_gb"] = round(cpu / gb, 3) if gb else None
         case["runs"] = runs
         out["cases"].append(case)
     out["proxy_cpu_s"] = round(proxy_cpu, 3)
@@ -858,7 +866,7 @@ def report(res: dict) -> str:
         )
         lines.append(
             f"   {'case':<16}{'direct':>10}{'proxy':>10}{'ratio':>9}"
-            f"{'spread d/p %':>15}{'proxy s/GB':>12}"
+            f"{'spread d/p %':>15}{'proxy s/GB':>12}{'all-CPU s/GB d/p':>19}"
         )
         for c in b["cases"]:
             name = f"{c['conns']} conn {c['dir']}"
@@ -867,6 +875,7 @@ def report(res: dict) -> str:
                 f"{fmt_ratio(c['ratio']):>9}"
                 f"{c['direct_spread_pct']:>7.0f}/{c['proxy_spread_pct']:<7.0f}"
                 f"{c['proxy_cpu_s_per_gb']:>12.3f}"
+                f"{c['direct_all_cpu_s_per_gb']:>10.3f}/{c['proxy_all_cpu_s_per_gb']:<8.3f}"
             )
         r8 = [c["ratio"] for c in b["cases"] if c["conns"] == 8 and c["ratio"] is not None]
         worst = min(r8) if r8 else None
