@@ -249,12 +249,11 @@ class Socks5Outbound:
         deadline: float,
     ) -> Dialed:
         with_auth = self.username is not None
-        # Greeting and CONNECT are pipelined when no auth is needed: one round trip saved.
-        out = socks5.client_greeting(with_auth)
-        if not with_auth:
-            out += socks5.client_connect(host, port)
-        tx = len(out)
-        await loop.sock_sendall(sock, out)
+        # Not pipelined with the CONNECT: some servers (microsocks) drop bytes sent
+        # before their method selection, and a lost request costs a whole timeout.
+        greeting = socks5.client_greeting(with_auth)
+        tx = len(greeting)
+        await loop.sock_sendall(sock, greeting)
         buf = bytearray()
         try:
             sel = await _recv_until(loop, sock, buf, socks5.parse_method_selection, deadline)
@@ -264,7 +263,6 @@ class Socks5Outbound:
                 if sel.method != socks5.METHOD_USERPASS:
                     raise DialError("auth_failed", f"proxy {self.tag} refused user/password auth")
                 auth = socks5.client_userpass(self.username or "", self.password or "")
-                req = socks5.client_connect(host, port)
                 await loop.sock_sendall(sock, auth)
                 tx += len(auth)
                 status = await _recv_until(loop, sock, buf, socks5.parse_userpass_status, deadline)
@@ -272,10 +270,11 @@ class Socks5Outbound:
                 rx += status.consumed
                 if not status.ok:
                     raise DialError("auth_failed", f"proxy {self.tag} rejected the credentials")
-                await loop.sock_sendall(sock, req)
-                tx += len(req)
             elif sel.method != socks5.METHOD_NO_AUTH:
                 raise DialError("auth_failed", f"proxy {self.tag} requires authentication")
+            request = socks5.client_connect(host, port)
+            await loop.sock_sendall(sock, request)
+            tx += len(request)
             reply = await _recv_until(loop, sock, buf, socks5.parse_reply, deadline)
         except ProtocolError as ex:
             raise DialError("protocol_error", f"proxy {self.tag}: {ex}", stage="handshake") from ex

@@ -1,0 +1,120 @@
+"""Real upstream proxies from Debian (microsocks, tinyproxy) and a counting forwarder."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"upstream exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+@contextmanager
+def _process(args: list[str], port: int) -> Iterator[int]:
+    if shutil.which(args[0]) is None:
+        pytest.skip(f"{args[0]} is not installed (.ci/run installs it)")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(port, proc)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextmanager
+def microsocks(auth: tuple[str, str] | None = None) -> Iterator[int]:
+    """Debian's microsocks on 127.0.0.1; yields its port."""
+    port = free_port()
+    args = ["microsocks", "-i", "127.0.0.1", "-p", str(port)]
+    if auth:
+        args += ["-u", auth[0], "-P", auth[1]]
+    with _process(args, port) as p:
+        yield p
+
+
+@contextmanager
+def tinyproxy(tmp: Path, auth: tuple[str, str] | None = None) -> Iterator[int]:
+    """Debian's tinyproxy on 127.0.0.1 (CONNECT to any port); yields its port."""
+    port = free_port()
+    conf = tmp / f"tinyproxy-{port}.conf"
+    lines = [
+        "User nobody",
+        "Group nogroup",
+        f"Port {port}",
+        "Listen 127.0.0.1",
+        "Timeout 60",
+        "MaxClients 100",
+        "Allow 127.0.0.1",
+    ]
+    if auth:
+        lines.append(f"BasicAuth {auth[0]} {auth[1]}")
+    conf.write_text("\n".join(lines) + "\n")
+    with _process(["tinyproxy", "-d", "-c", str(conf)], port) as p:
+        yield p
+
+
+class CountingForwarder:
+    """Forwards TCP connections to ``target`` and counts connections and bytes."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+                with self._lock:
+                    if up:
+                        self.bytes_up += len(data)
+                    else:
+                        self.bytes_down += len(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,170 @@
+"""socks5 and http outbounds against real upstream proxies (microsocks, tinyproxy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import base_config
+from tests.helpers.upstreams import CountingForwarder, microsocks, tinyproxy
+from tests.integration.test_inbounds import completed_events, curl
+
+
+def engine_via(make_engine, outbound: dict):
+    cfg = base_config(
+        outbounds=[{"tag": "direct", "protocol": "direct"}, outbound],
+        route={"final": outbound["tag"]},
+    )
+    return make_engine(cfg)
+
+
+def fetch_through(engine, origin, size: int = 50_000):
+    result = curl(
+        "--socks5-hostname",
+        "{}:{}".format(*engine.listen_address("socks-in")),
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code} %{size_download} %{size_header} %{size_request}",
+        f"http://127.0.0.1:{origin[1]}/bytes/{size}",
+    )
+    assert result.returncode == 0, result.stderr
+    code, body, header, request = map(int, result.stdout.split())
+    assert (code, body) == (200, size)
+    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
+        (done,) = completed_events(sub)
+    record = done["payload"]["record"]
+    assert record["traffic"]["bytes_down"] == header + body
+    assert record["traffic"]["bytes_up"] == request
+    return record
+
+
+@pytest.mark.parametrize("auth", [None, ("u1", "p1")])
+def test_socks5_outbound_through_microsocks(make_engine, origin, auth):
+    with microsocks(auth) as port:
+        fwd = CountingForwarder(("127.0.0.1", port))
+        try:
+            outbound = {"tag": "up", "protocol": "socks5", "server": "127.0.0.1", "port": fwd.port}
+            if auth:
+                outbound |= {"username": auth[0], "password": auth[1]}
+            engine = engine_via(make_engine, outbound)
+            record = fetch_through(engine, origin)
+        finally:
+            fwd.close()
+    assert record["result"]["outcome"] == "chained_relayed"
+    assert record["path"]["outbound"] == {"tag": "up", "protocol": "socks5"}
+    assert record["path"]["remote"] == {"host": "127.0.0.1", "port": fwd.port}
+    assert record["path"]["relay_chain"] == ["up"]
+    assert fwd.connections == 1
+    # Every relayed byte crossed the upstream; the rest was its SOCKS5 handshake.
+    assert fwd.bytes_down == record["traffic"]["outbound_rx_bytes"]
+    assert fwd.bytes_up == record["traffic"]["outbound_tx_bytes"]
+    assert record["traffic"]["outbound_rx_bytes"] > record["traffic"]["bytes_down"]
+
+
+@pytest.mark.parametrize("auth", [None, ("user", "pass")])
+def test_http_outbound_through_tinyproxy(make_engine, origin, tmp_path, auth):
+    with tinyproxy(tmp_path, auth) as port:
+        fwd = CountingForwarder(("127.0.0.1", port))
+        try:
+            outbound = {"tag": "up", "protocol": "http", "server": "127.0.0.1", "port": fwd.port}
+            if auth:
+                outbound |= {"username": auth[0], "password": auth[1]}
+            engine = engine_via(make_engine, outbound)
+            record = fetch_through(engine, origin)
+        finally:
+            fwd.close()
+    assert record["result"]["outcome"] == "chained_relayed"
+    assert record["path"]["outbound"] == {"tag": "up", "protocol": "http"}
+    assert fwd.connections == 1
+    assert fwd.bytes_up == record["traffic"]["outbound_tx_bytes"]
+    assert fwd.bytes_down == record["traffic"]["outbound_rx_bytes"]
+    assert engine.query("stats")["chained_sessions"] == 1
+
+
+def test_socks5_outbound_with_wrong_password_fails_the_flow(make_engine, origin):
+    with microsocks(("u1", "p1")) as port:
+        engine = engine_via(
+            make_engine,
+            {
+                "tag": "up",
+                "protocol": "socks5",
+                "server": "127.0.0.1",
+                "port": port,
+                "username": "u1",
+                "password": "bad",
+            },
+        )
+        result = curl(
+            "--socks5-hostname",
+            "{}:{}".format(*engine.listen_address("socks-in")),
+            f"http://127.0.0.1:{origin[1]}/",
+        )
+        assert result.returncode != 0
+        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
+            (done,) = completed_events(sub)
+    failure = done["payload"]["record"]["result"]["failure"]
+    assert done["payload"]["record"]["result"]["outcome"] == "failed"
+    assert failure["code"] == "auth_failed"
+
+
+def test_http_outbound_rejected_connect_fails_the_flow(make_engine, origin, tmp_path):
+    with tinyproxy(tmp_path, ("user", "pass")) as port:
+        engine = engine_via(
+            make_engine, {"tag": "up", "protocol": "http", "server": "127.0.0.1", "port": port}
+        )
+        result = curl(
+            "-x",
+            "http://{}:{}".format(*engine.listen_address("http-in")),
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            f"http://127.0.0.1:{origin[1]}/",
+        )
+        assert result.stdout == "502"
+        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
+            (done,) = completed_events(sub)
+    failure = done["payload"]["record"]["result"]["failure"]
+    assert failure["code"] == "upstream_rejected"
+    assert "407" in failure["message"]
+
+
+def test_unreachable_upstream_times_out_as_configured(make_engine, origin):
+    # A listener that never accepts fills its backlog; with backlog 0 the SYN is dropped.
+    import socket
+
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(black_hole.getsockname())
+            fillers.append(s)
+        engine = engine_via(
+            make_engine,
+            {
+                "tag": "up",
+                "protocol": "socks5",
+                "server": "127.0.0.1",
+                "port": black_hole.getsockname()[1],
+                "connect_timeout_ms": 300,
+            },
+        )
+        result = curl(
+            "--socks5-hostname",
+            "{}:{}".format(*engine.listen_address("socks-in")),
+            f"http://127.0.0.1:{origin[1]}/",
+        )
+        assert result.returncode != 0
+        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
+            (done,) = completed_events(sub)
+    finally:
+        for s in fillers:
+            s.close()
+        black_hole.close()
+    record = done["payload"]["record"]
+    assert record["result"]["failure"]["code"] == "connect_timeout"
+    assert record["timing"]["duration_ms"] < 3000
