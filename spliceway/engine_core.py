@@ -97,9 +97,9 @@ class EngineCore:
         self._refuse_unbuilt()
         sockets = self._bind_all()
         self.started_at_unix_ms = now_ms()
-        self.bridge = RelayBridge()
-        self.bridge.start()
         self.dispatcher.start()
+        self.bridge = RelayBridge(self.dispatcher)
+        self.dispatcher.run_sync(self.bridge.attach)
         self.supervisor = EngineSupervisor.start(self, sockets)
         self.running = True
         self.log.emit(
@@ -119,8 +119,9 @@ class EngineCore:
             with contextlib.suppress(pykka.ActorDeadError):
                 entry.actor.tell(StopFlow())
         self._await_flows_drained()
-        self.bridge.stop()
+        self.bridge.shutdown()
         self._await_flows_drained()
+        self.dispatcher.run_sync(self.bridge.detach)
         with contextlib.suppress(pykka.ActorDeadError):
             self.supervisor.stop(timeout=_STOP_GRACE_S)
         # Flows still in their handshake have no record yet; stop them quietly.

@@ -15,7 +15,6 @@ import base64
 import contextlib
 import hmac
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,12 +90,9 @@ class Users:
 class _Reader:
     """Accumulates client bytes on the loop until a parser is satisfied."""
 
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
         self.loop = loop
         self.sock = sock
-        self.deadline = deadline
         self.buf = b""
         self.rx = 0
         self.tx = 0
@@ -107,15 +103,8 @@ class _Reader:
             if result is not NEED_MORE:
                 self.buf = self.buf[result.consumed :]
                 return result
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise HandshakeFailed("handshake_timeout", "client handshake timed out")
             try:
-                chunk = await asyncio.wait_for(
-                    self.loop.sock_recv(self.sock, _READ_CHUNK), remaining
-                )
-            except TimeoutError as ex:
-                raise HandshakeFailed("handshake_timeout", "client handshake timed out") from ex
+                chunk = await self.loop.sock_recv(self.sock, _READ_CHUNK)
             except OSError as ex:
                 raise HandshakeFailed("client_error", f"client socket error: {ex}") from ex
             if not chunk:
@@ -145,16 +134,21 @@ async def accept(
     timeout: float,
 ) -> Handshake:
     """Run the server side of ``protocol`` ("socks5", "http" or "mixed") on ``sock``."""
-    reader = _Reader(loop, sock, time.monotonic() + timeout)
-    if protocol == "mixed":
-        first = await reader.parse(_first_byte)
-        protocol = "socks5" if first.value == 5 else "http"
+    reader = _Reader(loop, sock)
     try:
-        if protocol == "socks5":
-            return await _socks5(reader, users)
-        return await _http(reader, users)
-    except ProtocolError as ex:
-        raise await reader.fail(ex.reply, "protocol_error", str(ex)) from ex
+        # One deadline for the whole handshake: cheaper than a timer per read.
+        async with asyncio.timeout(timeout):
+            if protocol == "mixed":
+                first = await reader.parse(_first_byte)
+                protocol = "socks5" if first.value == 5 else "http"
+            try:
+                if protocol == "socks5":
+                    return await _socks5(reader, users)
+                return await _http(reader, users)
+            except ProtocolError as ex:
+                raise await reader.fail(ex.reply, "protocol_error", str(ex)) from ex
+    except TimeoutError as ex:
+        raise HandshakeFailed("handshake_timeout", "client handshake timed out") from ex
 
 
 @dataclass(slots=True)

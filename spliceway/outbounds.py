@@ -16,7 +16,6 @@ import asyncio
 import errno
 import ipaddress
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -113,18 +112,26 @@ async def open_tcp(
 ) -> tuple[socket.socket, str]:
     """Resolve ``host`` and connect to the first address that answers before ``deadline``.
 
-    Returns the connected non-blocking socket and the IP it reached.
+    ``deadline`` is on the loop's clock. Returns the connected non-blocking socket
+    and the IP it reached.
     """
-    remaining = deadline - time.monotonic()
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await _open_tcp(loop, host, port)
+    except TimeoutError as ex:
+        raise DialError("connect_timeout", f"connect to {host}:{port} timed out") from ex
+
+
+async def _open_tcp(
+    loop: asyncio.AbstractEventLoop, host: str, port: int
+) -> tuple[socket.socket, str]:
     if _is_ip(host):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         addrs: list[tuple[Any, ...]] = [(family, (host, port))]
     else:
         try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), max(remaining, 0.001)
-            )
-        except (OSError, TimeoutError) as ex:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as ex:
             raise DialError("dns_failed", f"cannot resolve {host}: {ex}", stage="resolve") from ex
         addrs = [(info[0], info[4]) for info in infos]
         if not addrs:
@@ -135,14 +142,12 @@ async def open_tcp(
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await asyncio.wait_for(
-                loop.sock_connect(sock, sockaddr), max(deadline - time.monotonic(), 0.001)
-            )
-        except (OSError, TimeoutError) as ex:
+            await loop.sock_connect(sock, sockaddr)
+        except BaseException as ex:
             sock.close()
+            if not isinstance(ex, OSError) or isinstance(ex, TimeoutError):
+                raise
             last = ex
-            if isinstance(ex, TimeoutError):
-                break
             continue
         return sock, sockaddr[0]
     assert last is not None
@@ -154,7 +159,6 @@ async def _recv_until(
     sock: socket.socket,
     buf: bytearray,
     parse: Any,
-    deadline: float,
 ) -> Any:
     """Read into ``buf`` until ``parse(bytes(buf))`` stops returning NEED_MORE."""
     while True:
@@ -163,10 +167,7 @@ async def _recv_until(
             return result
         if len(buf) > _MAX_PROXY_REPLY:
             raise DialError("protocol_error", "upstream proxy reply too large", stage="handshake")
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DialError("connect_timeout", "upstream proxy handshake timed out")
-        chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), remaining)
+        chunk = await loop.sock_recv(sock, 4096)
         if not chunk:
             raise DialError(
                 "protocol_error", "upstream proxy closed during handshake", stage="handshake"
@@ -188,7 +189,7 @@ class DirectOutbound:
 
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
         """Connect to the target itself."""
-        sock, ip = await open_tcp(loop, host, port, time.monotonic() + self.connect_timeout)
+        sock, ip = await open_tcp(loop, host, port, loop.time() + self.connect_timeout)
         return Dialed(sock, host, port, resolved_ip=ip)
 
 
@@ -232,22 +233,12 @@ class Socks5Outbound:
 
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
         """Connect to the proxy, negotiate, and ask it to CONNECT to ``host:port``."""
-        deadline = time.monotonic() + self.connect_timeout
-        sock, _ = await open_tcp(loop, self.server, self.port, deadline)
-        try:
-            return await self._negotiate(loop, sock, host, port, deadline)
-        except BaseException:
-            sock.close()
-            raise
+        return await _dial_proxy(self, loop, host, port)
 
-    async def _negotiate(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        sock: socket.socket,
-        host: str,
-        port: int,
-        deadline: float,
+    async def negotiate(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int
     ) -> Dialed:
+        """SOCKS5 handshake on a connected socket (no timeout of its own)."""
         with_auth = self.username is not None
         # Not pipelined with the CONNECT: some servers (microsocks) drop bytes sent
         # before their method selection, and a lost request costs a whole timeout.
@@ -256,7 +247,7 @@ class Socks5Outbound:
         await loop.sock_sendall(sock, greeting)
         buf = bytearray()
         try:
-            sel = await _recv_until(loop, sock, buf, socks5.parse_method_selection, deadline)
+            sel = await _recv_until(loop, sock, buf, socks5.parse_method_selection)
             del buf[: sel.consumed]
             rx = sel.consumed
             if with_auth:
@@ -265,7 +256,7 @@ class Socks5Outbound:
                 auth = socks5.client_userpass(self.username or "", self.password or "")
                 await loop.sock_sendall(sock, auth)
                 tx += len(auth)
-                status = await _recv_until(loop, sock, buf, socks5.parse_userpass_status, deadline)
+                status = await _recv_until(loop, sock, buf, socks5.parse_userpass_status)
                 del buf[: status.consumed]
                 rx += status.consumed
                 if not status.ok:
@@ -275,11 +266,9 @@ class Socks5Outbound:
             request = socks5.client_connect(host, port)
             await loop.sock_sendall(sock, request)
             tx += len(request)
-            reply = await _recv_until(loop, sock, buf, socks5.parse_reply, deadline)
+            reply = await _recv_until(loop, sock, buf, socks5.parse_reply)
         except ProtocolError as ex:
             raise DialError("protocol_error", f"proxy {self.tag}: {ex}", stage="handshake") from ex
-        except TimeoutError as ex:
-            raise DialError("connect_timeout", f"proxy {self.tag} handshake timed out") from ex
         rx += reply.consumed
         if reply.code != socks5.REP_SUCCEEDED:
             raise DialError(
@@ -332,38 +321,51 @@ class HttpOutbound:
 
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
         """Connect to the proxy and tunnel to ``host:port`` with CONNECT."""
-        deadline = time.monotonic() + self.connect_timeout
-        sock, _ = await open_tcp(loop, self.server, self.port, deadline)
+        return await _dial_proxy(self, loop, host, port)
+
+    async def negotiate(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int
+    ) -> Dialed:
+        """CONNECT on a connected socket (no timeout of its own)."""
+        request = http_proto.connect_request(host, port, self.credentials)
+        await loop.sock_sendall(sock, request)
+        buf = bytearray()
         try:
-            request = http_proto.connect_request(host, port, self.credentials)
-            await loop.sock_sendall(sock, request)
-            buf = bytearray()
-            try:
-                head = await _recv_until(loop, sock, buf, http_proto.parse_response_head, deadline)
-            except ProtocolError as ex:
-                raise DialError(
-                    "protocol_error", f"proxy {self.tag}: {ex}", stage="handshake"
-                ) from ex
-            except TimeoutError as ex:
-                raise DialError("connect_timeout", f"proxy {self.tag} CONNECT timed out") from ex
-            if not 200 <= head.status < 300:
-                raise DialError(
-                    "upstream_rejected",
-                    f"proxy {self.tag} answered {head.status} to CONNECT {host}:{port}",
-                    remote=f"{self.server}:{self.port}",
-                )
-            return Dialed(
-                sock,
-                self.server,
-                self.port,
-                tx_bytes=len(request),
-                rx_bytes=len(buf),
-                leftover=bytes(buf[head.consumed :]),
-                relay_chain=[self.tag],
+            head = await _recv_until(loop, sock, buf, http_proto.parse_response_head)
+        except ProtocolError as ex:
+            raise DialError("protocol_error", f"proxy {self.tag}: {ex}", stage="handshake") from ex
+        if not 200 <= head.status < 300:
+            raise DialError(
+                "upstream_rejected",
+                f"proxy {self.tag} answered {head.status} to CONNECT {host}:{port}",
+                remote=f"{self.server}:{self.port}",
             )
-        except BaseException:
-            sock.close()
-            raise
+        return Dialed(
+            sock,
+            self.server,
+            self.port,
+            tx_bytes=len(request),
+            rx_bytes=len(buf),
+            leftover=bytes(buf[head.consumed :]),
+            relay_chain=[self.tag],
+        )
+
+
+async def _dial_proxy(
+    proxy: Socks5Outbound | HttpOutbound, loop: asyncio.AbstractEventLoop, host: str, port: int
+) -> Dialed:
+    """Connect to ``proxy``'s server and run its handshake, all within its connect timeout."""
+    deadline = loop.time() + proxy.connect_timeout
+    sock, _ = await open_tcp(loop, proxy.server, proxy.port, deadline)
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await proxy.negotiate(loop, sock, host, port)
+    except TimeoutError as ex:
+        sock.close()
+        raise DialError("connect_timeout", f"proxy {proxy.tag} handshake timed out") from ex
+    except BaseException:
+        sock.close()
+        raise
 
 
 def build_outbound(spec: Any) -> Outbound:
