@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -99,12 +98,15 @@ def _errno_code(err: OSError) -> str:
     }.get(err.errno or 0, "connect_failed")
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+def _ip_family(host: str) -> int | None:
+    """AF_INET/AF_INET6 for an IP literal, None for a name (inet_pton: no ipaddress objects)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return family
+    return None
 
 
 async def open_tcp(
@@ -125,8 +127,8 @@ async def open_tcp(
 async def _open_tcp(
     loop: asyncio.AbstractEventLoop, host: str, port: int
 ) -> tuple[socket.socket, str]:
-    if _is_ip(host):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family = _ip_family(host)
+    if family is not None:
         addrs: list[tuple[Any, ...]] = [(family, (host, port))]
     else:
         try:

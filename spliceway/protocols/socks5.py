@@ -23,6 +23,7 @@ own configuration or programming errors, not the peer's.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import NamedTuple
 
@@ -343,8 +344,12 @@ def parse_request(buf: bytes | bytearray) -> NeedMore | Request:
     return Request(buf[1], host, port, atyp, end)
 
 
+@functools.lru_cache(maxsize=64)
 def reply(code: int, bind_host: str = "0.0.0.0", bind_port: int = 0) -> bytes:
-    """Build ``VER REP RSV ATYP BND.ADDR BND.PORT`` (bind_host: IP literal or domain)."""
+    """Build ``VER REP RSV ATYP BND.ADDR BND.PORT`` (bind_host: IP literal or domain).
+
+    Cached: a proxy sends the same few replies for every flow.
+    """
     _check_byte(code, "reply code")
     return bytes([VERSION, code, 0]) + _encode_address(bind_host, bind_port)
 
