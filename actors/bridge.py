@@ -15,8 +15,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import pykka
-
 from spliceway.actors.messages import RelayFinished
+
 from spliceway.relay import Completion, Counters, Relay
 
 if TYPE_CHECKING:

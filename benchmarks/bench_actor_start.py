@@ -12,7 +12,6 @@ import threading
 import time
 
 import pykka
-
 from spliceway.actors.dispatcher import Dispatcher, LoopActor
 
 
