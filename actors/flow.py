@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import select
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -268,7 +267,9 @@ class FlowActor(LoopActor):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            if not select.select([fd], [], [], 0)[0]:
+            try:
+                data = self.client.recv(_SNIFF_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
                 readable = loop.create_future()
                 loop.add_reader(fd, _resolve, readable)
                 try:
@@ -277,9 +278,6 @@ class FlowActor(LoopActor):
                     return
                 finally:
                     loop.remove_reader(fd)
-            try:
-                data = self.client.recv(_SNIFF_PEEK, socket.MSG_PEEK)
-            except BlockingIOError:
                 continue
             except OSError:
                 return

@@ -165,3 +165,37 @@ def test_thousand_flows_leave_no_fds_or_threads_behind(make_engine):
         assert thread_count() <= threads
     finally:
         peer.close()
+
+
+def test_many_concurrent_flows_beyond_fd_1024(make_engine):
+    # 700 tunnels put engine-side fds well above 1024 in this one process:
+    # nothing on the flow path may use select() or other fd-limited calls.
+    server = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    held = []
+
+    def accept_all():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept_all, daemon=True).start()
+    engine = make_engine()
+    address = engine.listen_address("socks-in")
+    tunnels = []
+    try:
+        for _ in range(700):
+            tunnels.append(socks5_connect(address, *server.getsockname()[:2]))
+        assert fd_count() > 1100
+        wait_until(lambda: engine.query("stats")["active_sessions"] == 700, timeout=30)
+        wait_until(lambda: len(held) == 700)
+        tunnels[-1].sendall(b"last")
+        held[-1].settimeout(5)
+        assert held[-1].recv(4) == b"last"
+    finally:
+        for s in tunnels + held:
+            s.close()
+        server.close()
+    wait_until(lambda: engine.query("stats")["active_sessions"] == 0, timeout=30)
+    assert engine.query("stats")["failed_sessions"] == 0
