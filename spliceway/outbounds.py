@@ -12,6 +12,7 @@ New outbound kinds (shadowsocks, relay chains) plug in by implementing
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import errno
 import socket
@@ -211,10 +212,9 @@ class BlockOutbound:
         raise DialError("blocked", f"outbound {self.tag} blocks all traffic", stage="route")
 
 
-class Socks5Outbound:
-    """Connects through an upstream SOCKS5 proxy (optionally with user/password)."""
+class _ProxyOutbound(abc.ABC):
+    """An outbound that reaches targets through an upstream proxy server."""
 
-    protocol = "socks5"
     chained = True
 
     def __init__(
@@ -234,8 +234,30 @@ class Socks5Outbound:
         self.connect_timeout = connect_timeout_ms / 1000
 
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
-        """Connect to the proxy, negotiate, and ask it to CONNECT to ``host:port``."""
-        return await _dial_proxy(self, loop, host, port)
+        """Connect to the proxy and run its handshake, within ``connect_timeout_ms``."""
+        deadline = loop.time() + self.connect_timeout
+        sock, _ = await open_tcp(loop, self.server, self.port, deadline)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.negotiate(loop, sock, host, port)
+        except TimeoutError as ex:
+            sock.close()
+            raise DialError("connect_timeout", f"proxy {self.tag} handshake timed out") from ex
+        except BaseException:
+            sock.close()
+            raise
+
+    @abc.abstractmethod
+    async def negotiate(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int
+    ) -> Dialed:
+        """The proxy protocol's handshake on a connected socket (no timeout of its own)."""
+
+
+class Socks5Outbound(_ProxyOutbound):
+    """Connects through an upstream SOCKS5 proxy (optionally with user/password)."""
+
+    protocol = "socks5"
 
     async def negotiate(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int
@@ -300,36 +322,17 @@ _SOCKS_REPLY_NAMES = {
 }
 
 
-class HttpOutbound:
+class HttpOutbound(_ProxyOutbound):
     """Connects through an upstream HTTP proxy with CONNECT (optionally Basic auth)."""
 
     protocol = "http"
-    chained = True
-
-    def __init__(
-        self,
-        tag: str,
-        server: str,
-        port: int,
-        username: str | None = None,
-        password: str | None = None,
-        connect_timeout_ms: int = 5000,
-    ) -> None:
-        self.tag = tag
-        self.server = server
-        self.port = port
-        self.credentials = (username, password or "") if username is not None else None
-        self.connect_timeout = connect_timeout_ms / 1000
-
-    async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
-        """Connect to the proxy and tunnel to ``host:port`` with CONNECT."""
-        return await _dial_proxy(self, loop, host, port)
 
     async def negotiate(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int
     ) -> Dialed:
         """CONNECT on a connected socket (no timeout of its own)."""
-        request = http_proto.connect_request(host, port, self.credentials)
+        credentials = (self.username, self.password or "") if self.username is not None else None
+        request = http_proto.connect_request(host, port, credentials)
         await loop.sock_sendall(sock, request)
         buf = bytearray()
         try:
@@ -351,23 +354,6 @@ class HttpOutbound:
             leftover=bytes(buf[head.consumed :]),
             relay_chain=[self.tag],
         )
-
-
-async def _dial_proxy(
-    proxy: Socks5Outbound | HttpOutbound, loop: asyncio.AbstractEventLoop, host: str, port: int
-) -> Dialed:
-    """Connect to ``proxy``'s server and run its handshake, all within its connect timeout."""
-    deadline = loop.time() + proxy.connect_timeout
-    sock, _ = await open_tcp(loop, proxy.server, proxy.port, deadline)
-    try:
-        async with asyncio.timeout_at(deadline):
-            return await proxy.negotiate(loop, sock, host, port)
-    except TimeoutError as ex:
-        sock.close()
-        raise DialError("connect_timeout", f"proxy {proxy.tag} handshake timed out") from ex
-    except BaseException:
-        sock.close()
-        raise
 
 
 def build_outbound(spec: Any) -> Outbound:
