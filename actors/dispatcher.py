@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pykka
-from pykka import ActorDeadError, ActorRegistry, messages
+from pykka import ActorDeadError, messages
 
 logger = logging.getLogger(__name__)
 
@@ -210,14 +210,3 @@ class LoopActor(pykka.Actor):
         """Stop from inside the actor's own context without queueing a message."""
         if not self.actor_stopped.is_set():
             self._stop()
-
-
-def stop_all_actors(timeout: float = 10.0) -> None:
-    """Stop every registered actor, newest first, without raising for dead ones."""
-    for ref in reversed(ActorRegistry.get_all()):
-        try:
-            ref.stop(block=True, timeout=timeout)
-        except ActorDeadError:
-            continue
-        except Exception:
-            logger.exception("stopping %s failed", ref)

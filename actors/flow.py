@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -75,7 +76,7 @@ class FlowActor(LoopActor):
         self.state: records.FlowState | None = None
         self.handle: int | None = None
         self._task: asyncio.Task[None] | None = None
-        self._base: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
+        self._base: records.Traffic | None = None
         self._done = False
         self._close_reason_on_cancel: str | None = None
 
@@ -91,13 +92,13 @@ class FlowActor(LoopActor):
 
     def on_failure(self, *exc_info: Any) -> None:
         """A handler raised: end the flow as failed so nothing leaks."""
-        if self.state is not None and not self._done:
-            self._complete(
-                records.FAILED,
-                records.UPSTREAM_ERROR,
-                records.Failure("internal", "internal_error", str(exc_info[1])),
-            )
+        self._fail_internal(exc_info[1])
         self._teardown()
+
+    def _fail_internal(self, ex: BaseException | None) -> None:
+        if self.state is not None and not self._done:
+            failure = records.Failure("internal", "internal_error", str(ex))
+            self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
 
     def _teardown(self) -> None:
         task = self._task
@@ -151,12 +152,7 @@ class FlowActor(LoopActor):
             self._finish()
         except Exception as ex:
             logger.exception("flow %s failed unexpectedly", self.flow_id)
-            if self.state is not None and not self._done:
-                self._complete(
-                    records.FAILED,
-                    records.UPSTREAM_ERROR,
-                    records.Failure("internal", "internal_error", str(ex)),
-                )
+            self._fail_internal(ex)
             self._finish()
 
     async def _establish_steps(self) -> None:
@@ -350,14 +346,7 @@ class FlowActor(LoopActor):
         s.remote_host = dialed.remote_host
         s.remote_port = dialed.remote_port
         s.relay_chain = list(dialed.relay_chain)
-        self._base = (
-            t.bytes_up,
-            t.bytes_down,
-            t.inbound_rx_bytes,
-            t.inbound_tx_bytes,
-            t.outbound_rx_bytes,
-            t.outbound_tx_bytes,
-        )
+        self._base = dataclasses.replace(t)
         client_fd = self.client.detach()
         upstream_fd = self.upstream.detach()
         self.client = self.upstream = None
@@ -383,35 +372,11 @@ class FlowActor(LoopActor):
     def _apply_counters(self, c: Any) -> bool:
         """Fold relay counters into the record; True if anything moved."""
         s = self.state
-        assert s is not None
-        t = s.traffic
-        up, down, irx, itx, orx, otx = self._base
-        new = (
-            up + c.upstream_tx,
-            down + c.client_tx,
-            irx + c.client_rx,
-            itx + c.client_tx,
-            orx + c.upstream_rx,
-            otx + c.upstream_tx,
-        )
-        old = (
-            t.bytes_up,
-            t.bytes_down,
-            t.inbound_rx_bytes,
-            t.inbound_tx_bytes,
-            t.outbound_rx_bytes,
-            t.outbound_tx_bytes,
-        )
-        if new == old:
+        assert s is not None and self._base is not None
+        traffic = self._base.with_relay(c)
+        if traffic == s.traffic:
             return False
-        (
-            t.bytes_up,
-            t.bytes_down,
-            t.inbound_rx_bytes,
-            t.inbound_tx_bytes,
-            t.outbound_rx_bytes,
-            t.outbound_tx_bytes,
-        ) = new
+        s.traffic = traffic
         if c.last_activity_unix_ms:
             s.last_activity_at_unix_ms = c.last_activity_unix_ms
         return True
@@ -480,7 +445,7 @@ class FlowActor(LoopActor):
                     s.inbound_tag,
                     s.principal_key,
                     self.handle,
-                    self._base[:2],
+                    self._base,
                 ),
             )
         core.log.emit(

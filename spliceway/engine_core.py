@@ -23,6 +23,7 @@ import pykka
 from spliceway import __version__, routing
 from spliceway.actors.bridge import RelayBridge
 from spliceway.actors.dispatcher import Dispatcher
+from spliceway.actors.flow import FlowActor
 from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
 from spliceway.config import Config
@@ -125,13 +126,9 @@ class EngineCore:
         with contextlib.suppress(pykka.ActorDeadError):
             self.supervisor.stop(timeout=_STOP_GRACE_S)
         # Flows still in their handshake have no record yet; stop them quietly.
-        for ref in pykka.ActorRegistry.get_all():
-            if (
-                getattr(ref, "actor_class", None) is not None
-                and ref.actor_class.__name__ == "FlowActor"
-            ):
-                with contextlib.suppress(pykka.ActorDeadError):
-                    ref.stop(timeout=_STOP_GRACE_S)
+        for ref in pykka.ActorRegistry.get_by_class(FlowActor):
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.stop(timeout=_STOP_GRACE_S)
         payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
         if reason is not None:
             payload["reason"] = reason
@@ -198,12 +195,13 @@ class EngineCore:
         c = self.counters
         up, down = c.completed_bytes_up, c.completed_bytes_down
         entries = self.flows.entries()
-        relayed = [e for e in entries if e.handle is not None]
+        relayed = [e for e in entries if e.handle is not None and e.base is not None]
         live = self.bridge.counters([e.handle for e in relayed if e.handle is not None])
         for entry, counters in zip(relayed, live, strict=True):
-            if counters is not None:
-                up += entry.base[0] + counters.upstream_tx
-                down += entry.base[1] + counters.client_tx
+            if counters is not None and entry.base is not None:
+                traffic = entry.base.with_relay(counters)
+                up += traffic.bytes_up
+                down += traffic.bytes_down
         for entry in entries:
             if entry.handle is None:
                 up += entry.record["traffic"]["bytes_up"]

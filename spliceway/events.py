@@ -130,7 +130,6 @@ class EventLog:
         self._seq = 0
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
-        self._listeners: list[Callable[[Envelope], None]] = []
 
     @property
     def latest_sequence(self) -> int:
@@ -165,20 +164,7 @@ class EventLog:
             self._ring.append(envelope)
             for sub in self._subs:
                 sub._offer(envelope)
-            for listener in self._listeners:
-                listener(envelope)
         return envelope
-
-    def add_listener(self, listener: Callable[[Envelope], None]) -> None:
-        """Register a callback run under the log lock for every event (must not block)."""
-        with self._lock:
-            self._listeners.append(listener)
-
-    def remove_listener(self, listener: Callable[[Envelope], None]) -> None:
-        """Unregister a callback added with ``add_listener``."""
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
 
     def snapshot(self) -> dict[str, Any]:
         """The ring as ``GET /api/v1/events`` returns it (decisions 2)."""

@@ -11,7 +11,6 @@ routing and dialing.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hmac
 import socket
@@ -246,9 +245,3 @@ async def _http(reader: _Reader, users: Users) -> Handshake:
         early=rewritten + reader.buf,
         forward=True,
     )
-
-
-def basic_token(username: str, password: str) -> str:
-    """``Proxy-Authorization`` value for Basic credentials (used by tests and clients)."""
-    raw = f"{username}:{password}".encode()
-    return "Basic " + base64.b64encode(raw).decode()

@@ -34,6 +34,21 @@ class Traffic:
     outbound_rx_bytes: int = 0
     outbound_tx_bytes: int = 0
 
+    def with_relay(self, c: Any) -> Traffic:
+        """These counts (taken at hand-off) plus what the relay moved since (``relay.Counters``).
+
+        The client socket is the inbound boundary and the upstream socket the
+        outbound one; relayed user bytes are what the relay wrote to each side.
+        """
+        return Traffic(
+            bytes_up=self.bytes_up + c.upstream_tx,
+            bytes_down=self.bytes_down + c.client_tx,
+            inbound_rx_bytes=self.inbound_rx_bytes + c.client_rx,
+            inbound_tx_bytes=self.inbound_tx_bytes + c.client_tx,
+            outbound_rx_bytes=self.outbound_rx_bytes + c.upstream_rx,
+            outbound_tx_bytes=self.outbound_tx_bytes + c.upstream_tx,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Render as the record's ``traffic`` object (TCP has no packet counts)."""
         return {

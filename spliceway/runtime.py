@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pykka
 
+    from spliceway.records import Traffic
     from spliceway.routing import RuleSet
 
 
@@ -39,8 +40,8 @@ class FlowEntry:
     inbound_tag: str
     principal_key: str | None
     handle: int | None = None
-    #: bytes_up/bytes_down moved before the relay took over (live totals add relay counters).
-    base: tuple[int, int] = (0, 0)
+    #: Traffic at hand-off; live totals are ``base.with_relay(relay counters)``.
+    base: Traffic | None = None
 
 
 class FlowTable:
