@@ -107,8 +107,8 @@ def cmd_run(config_path: str | None) -> int:
         signal.signal(signal.SIGUSR1, pykka.debug.log_thread_tracebacks)
     except (ImportError, AttributeError):
         pass
-    engine = Engine(config, config_path=config_path)
     try:
+        engine = Engine(config, config_path=config_path)
         engine.start()
     except ApiError as ex:
         print(f"spliceway: {ex.code}: {ex.message}", file=sys.stderr)

@@ -57,6 +57,7 @@ class EngineCore:
     def __init__(self, config: Config, config_path: str | None = None) -> None:
         self.config = config
         self.config_path = config_path
+        self._refuse_unbuilt()
         self.build_id = BUILD_ID
         runtime = config.runtime
         self.log = EventLog(runtime.event_ring_capacity)
@@ -95,7 +96,6 @@ class EngineCore:
 
     def start(self) -> None:
         """Bind every inbound and start the actors; raises ApiError on failure."""
-        self._refuse_unbuilt()
         sockets = self._bind_all()
         self.started_at_unix_ms = now_ms()
         self.dispatcher.start()

@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from spliceway.errors import ApiError
 from spliceway.protocols import NEED_MORE, ProtocolError, socks5
 from spliceway.protocols import http as http_proto
 
@@ -370,12 +371,4 @@ def build_outbound(spec: Any) -> Outbound:
         )
     if kind == "http":
         return HttpOutbound(spec.tag, spec.server, spec.port, spec.username, spec.password, timeout)
-    raise DialErrorConfig(kind)
-
-
-class DialErrorConfig(ValueError):
-    """An outbound protocol this build cannot dial yet."""
-
-    def __init__(self, protocol: str) -> None:
-        super().__init__(f"outbound protocol {protocol!r} is not built")
-        self.protocol = protocol
+    raise ApiError("unsupported", f"outbound protocol {kind!r} is not built")

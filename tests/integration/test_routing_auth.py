@@ -228,3 +228,23 @@ def test_sniffed_tls_sni_feeds_domain_rules(make_engine):
     record = done["payload"]["record"]
     assert record["target"]["sniffed_host"] == "www.sni-blocked.test"
     assert record["result"]["outcome"] == "blocked"
+
+
+def test_unbuilt_features_are_refused_as_api_errors_at_construction():
+    from spliceway import Engine
+
+    cfg = base_config(
+        outbounds=[
+            {
+                "tag": "ss",
+                "protocol": "shadowsocks",
+                "server": "127.0.0.1",
+                "port": 1,
+                "password": "x",
+            },
+        ]
+    )
+    with pytest.raises(ApiError) as info:
+        Engine(cfg)
+    assert info.value.code == "unsupported"
+    assert "shadowsocks" in info.value.message
