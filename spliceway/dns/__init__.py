@@ -1,0 +1,1 @@
+"""The engine resolver (runtime.dns)."""
