@@ -117,7 +117,7 @@ def cmd_run(config_path: str | None) -> int:
     for spec, (address, port) in zip(engine.core.inbounds, engine.core.bound, strict=True):
         log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
     if config.api.control.enabled:
-        log.warning("api.control: the HTTP control API is not built yet; not listening")
+        log.info("control API listening on %s/api/v1/", engine.control_url)
     while not stop.wait(1.0):
         pass
     engine.stop(reason="signal")

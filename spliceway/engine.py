@@ -23,6 +23,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from spliceway import commands, queries
+from spliceway.api.app import create_app
+from spliceway.api.auth import KeyTable
+from spliceway.api.server import ControlServer
 from spliceway.config import Config, default_config, load_config_file, parse_config
 from spliceway.engine_core import EngineCore
 from spliceway.errors import ApiError
@@ -45,6 +48,7 @@ class Engine:
         self._core = EngineCore(parsed, config_path)
         self._lock = threading.Lock()
         self._started = False
+        self._control: ControlServer | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Engine:
@@ -62,17 +66,36 @@ class Engine:
         return self._core.running
 
     def start(self) -> Engine:
-        """Bind the inbounds and start every actor; raises ApiError on failure."""
+        """Bind the inbounds, start every actor and, when enabled, the HTTP control API.
+
+        Raises ApiError on failure (an unset ``api_key_env`` variable, a port in
+        use); nothing is left running then.
+        """
         with self._lock:
             if self._started:
                 raise ApiError("conflict", "engine already started")
+            control = self._core.config.api.control
+            keys = KeyTable.from_config(control) if control.enabled else None
             self._core.start()
+            if keys is not None:
+                try:
+                    app = create_app(self, keys=keys)
+                    self._control = ControlServer(app, control.listen.address, control.listen.port)
+                    self._control.start()
+                except BaseException:
+                    self._control = None
+                    self._core.stop()
+                    raise
             self._started = True
         return self
 
     def stop(self, reason: str | None = None) -> None:
-        """Stop accepting, complete every flow, emit engine.stopped, join all threads."""
+        """Stop the control API, stop accepting, complete every flow, emit
+        engine.stopped, join all threads."""
         with self._lock:
+            if self._control is not None:
+                self._control.stop()
+                self._control = None
             self._core.stop(reason)
 
     def __enter__(self) -> Engine:
@@ -87,6 +110,13 @@ class Engine:
             if tag is None or spec.tag == tag:
                 return bound
         raise ApiError("not_found", f"no inbound {tag!r}")
+
+    @property
+    def control_url(self) -> str:
+        """Base URL (``http://host:port``) of the running HTTP control API."""
+        if self._control is None:
+            raise ApiError("not_found", "the HTTP control API is not running")
+        return self._control.base_url
 
     def query(self, name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Answer a query of interface.md 4.1 by name (``health``, ``stats``, ``flows``...)."""

@@ -50,6 +50,7 @@ class ApiError(Exception):
         field_path: str | None = None,
         details: list[Detail] | None = None,
         cause: str | None = None,
+        http_status: int | None = None,
     ) -> None:
         if code not in HTTP_STATUS:
             raise ValueError(f"unknown error code {code!r}")
@@ -59,11 +60,14 @@ class ApiError(Exception):
         self.field_path = field_path
         self.details = details
         self.cause = cause
+        # Only HTTP routing itself overrides the table: a wrong method is
+        # ``unsupported`` with 405, not 501 (decisions 2).
+        self._http_status = http_status
 
     @property
     def http_status(self) -> int:
-        """The HTTP status for this error's code."""
-        return HTTP_STATUS[self.code]
+        """The HTTP status for this error (its code's status unless overridden)."""
+        return self._http_status or HTTP_STATUS[self.code]
 
     def to_dict(self) -> dict[str, Any]:
         """Render as the envelope's ``error`` object."""

@@ -99,6 +99,18 @@ class Subscription:
                 self._cond.wait(remaining)
             return self._pending.popleft()
 
+    def get_many(self, timeout: float | None = None, limit: int = 1024) -> list[Envelope]:
+        """Wait up to ``timeout`` for one envelope, then take every pending one (up to
+        ``limit``); an empty list on timeout or once closed and drained."""
+        first = self.get(timeout)
+        if first is None:
+            return []
+        out = [first]
+        with self._cond:
+            while self._pending and len(out) < limit:
+                out.append(self._pending.popleft())
+        return out
+
     def close(self) -> None:
         """Detach from the log and wake any waiting reader."""
         self._log._detach(self)
@@ -178,6 +190,13 @@ class EventLog:
             "latest_sequence": latest,
             "capacity": self.capacity,
         }
+
+    def snapshot_bounds(self) -> tuple[int, int]:
+        """``(oldest_sequence, latest_sequence)`` of the ring, without copying it."""
+        with self._lock:
+            latest = self._seq
+            oldest = self._ring[0]["sequence"] if self._ring else latest + 1
+        return oldest, latest
 
     def subscribe(
         self,

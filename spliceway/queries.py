@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from spliceway.commands import PERMISSIONS
 from spliceway.errors import invalid_argument, not_found
 
 if TYPE_CHECKING:
@@ -127,8 +128,17 @@ def _sinks(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     return {"sinks": []}
 
 
+def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
+    # Embedding and IPC callers hold every permission (decisions 4); HTTP renders
+    # capabilities itself with the caller's own grants.
+    from spliceway.capabilities import capabilities
+
+    return capabilities(PERMISSIONS, api_enabled=core.config.api.control.enabled)
+
+
 QUERIES: dict[str, Query] = {
     "health": _health,
+    "capabilities": _capabilities,
     "config": _config,
     "runtime": _runtime,
     "stats": _stats,

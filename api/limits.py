@@ -1,0 +1,87 @@
+"""Request-rate and concurrency limits of the control API (interface.md 8, decisions 2).
+
+Limits are per engine: token buckets whose burst equals their rate. Over a
+limit the caller gets 429 ``rate_limited`` with ``Retry-After`` in whole seconds
+(at least 1).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from spliceway.errors import ApiError
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The limits one control app enforces."""
+
+    queries_per_second: float = 100.0
+    commands_per_second: float = 10.0
+    sse_streams: int = 5
+
+
+class RateLimited(ApiError):
+    """``rate_limited`` carrying the ``Retry-After`` seconds for the response."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__("rate_limited", message)
+        self.retry_after = max(1, math.ceil(retry_after_s))
+
+
+class TokenBucket:
+    """A thread-safe token bucket; ``take`` returns 0.0 or the wait until a token."""
+
+    def __init__(
+        self, rate: float, burst: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        self.rate = rate
+        self.burst = rate if burst is None else burst
+        self._clock = clock
+        self._tokens = self.burst
+        self._stamp = clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        """Take one token if there is one (0.0); otherwise seconds until one is due."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return 0.0
+            return (1.0 - self._tokens) / self.rate
+
+
+class Slots:
+    """A counted set of concurrent slots (SSE streams); ``acquire`` never waits."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        """Slots currently held."""
+        return self._used
+
+    def acquire(self) -> bool:
+        """Take a slot if one is free."""
+        with self._lock:
+            if self._used >= self.capacity:
+                return False
+            self._used += 1
+            return True
+
+    def release(self) -> None:
+        """Give a slot back."""
+        with self._lock:
+            self._used = max(0, self._used - 1)

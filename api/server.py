@@ -1,0 +1,88 @@
+"""Serving the control app on Waitress, on a thread of its own.
+
+Waitress gets more worker threads than the SSE cap, so five open streams never
+starve queries and commands; ``channel_request_lookahead`` lets it read ahead on
+a connection and so notice a client that went away while its stream was idle.
+Stop order: end every SSE stream (freeing its worker), close every channel and
+the listener on Waitress's own loop thread, join the loop, then the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from waitress.server import create_server
+
+from spliceway.errors import ApiError
+
+if TYPE_CHECKING:
+    from spliceway.api.app import ControlApp
+
+logger = logging.getLogger(__name__)
+
+_SPARE_THREADS = 8
+_JOIN_S = 10.0
+
+
+class ControlServer:
+    """The control app listening on one address."""
+
+    def __init__(self, app: ControlApp, address: str, port: int) -> None:
+        self._app = app
+        self._state = app.state
+        threads = self._state.limits.sse_streams + _SPARE_THREADS
+        try:
+            self._server = create_server(
+                app,
+                host=address,
+                port=port,
+                threads=threads,
+                channel_request_lookahead=1,
+                ident="spliceway",
+                expose_tracebacks=False,
+                clear_untrusted_proxy_headers=True,
+                asyncore_use_poll=True,
+            )
+        except OSError as ex:
+            raise ApiError(
+                "conflict",
+                f"control API cannot listen on {address}:{port}: {ex.strerror or ex}",
+                field_path="api.control.listen",
+            ) from ex
+        self.address: tuple[str, int] = (
+            self._server.effective_host,  # type: ignore[union-attr]
+            int(self._server.effective_port),  # type: ignore[union-attr]
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, name="spliceway-control-http", daemon=True
+        )
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` of the listener."""
+        host, port = self.address
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        """Start serving."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and join every thread the server started."""
+        self._state.close_streams()
+        server = self._server
+        server.trigger.pull_trigger(lambda: _close_all(server))  # type: ignore[union-attr]
+        self._thread.join(_JOIN_S)
+        if self._thread.is_alive():
+            logger.warning("control API loop did not stop within %.0f s", _JOIN_S)
+        server.task_dispatcher.shutdown(timeout=_JOIN_S)
+
+
+def _close_all(server: object) -> None:
+    # Runs on the loop thread: closing dispatchers there cannot race its poll().
+    channel_map = server._map  # type: ignore[attr-defined]
+    for dispatcher in list(channel_map.values()):
+        dispatcher.close()

@@ -1,0 +1,160 @@
+"""``GET /api/v1/events/stream``: Server-Sent Events with resume (interface.md 4.3, decisions 3).
+
+A stream is a WSGI iterable the server drains on one of its worker threads:
+- frames are ``id: <sequence>``, ``event: <type>``, ``data: <envelope JSON>``;
+- with ``since`` / ``Last-Event-ID`` the ring's later events come first
+  (catch-up), then the live phase, which starts with ``flow.snapshot`` when the
+  filter includes flow types (its id is the watermark, so resuming from it
+  continues exactly after the baseline);
+- a comment line every ``keepalive_s`` (at most 15 s) keeps proxies from
+  timing out an idle stream;
+- a slot of the concurrency limit is held from acceptance until the server
+  calls ``close()``, which it does for every response, however it ended; the
+  stream also notices a vanished client between frames (Waitress's
+  ``client_disconnected`` hook) so the slot comes back promptly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+
+from spliceway.config import EVENT_TYPES
+from spliceway.errors import invalid_argument
+from spliceway.events import Envelope, EventLog, Subscription
+
+KEEPALIVE_S = 10.0
+_POLL_S = 0.25
+_BATCH = 512
+
+
+def parse_types(raw: str | None) -> list[str] | None:
+    """The ``types`` query parameter as an allow-list (None: every type)."""
+    if raw is None or not raw.strip():
+        return None
+    types = [t.strip() for t in raw.split(",") if t.strip()]
+    for t in types:
+        if t != "*" and t not in EVENT_TYPES:
+            raise invalid_argument(f"unknown event type {t!r}", "types")
+    return types
+
+
+def parse_since(query: str | None, header: str | None) -> int | None:
+    """The resume point from ``since`` or, failing that, ``Last-Event-ID``."""
+    for raw, field in ((query, "since"), (header, "Last-Event-ID")):
+        if raw is None or raw == "":
+            continue
+        value = raw.strip()
+        if not value.isdigit():
+            raise invalid_argument(f"{field} must be a non-negative event sequence", field)
+        return int(value)
+    return None
+
+
+class FrameCache:
+    """Encoded frames shared by every stream, so N streams encode each event once."""
+
+    def __init__(self, size: int = 8192) -> None:
+        self._size = size
+        self._frames: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def frame(self, envelope: Envelope) -> bytes:
+        """The SSE frame for one envelope."""
+        key = envelope["event_id"]
+        with self._lock:
+            cached = self._frames.get(key)
+        if cached is not None:
+            return cached
+        data = b"".join(
+            (
+                b"id: %d\nevent: %s\ndata: "
+                % (envelope["sequence"], envelope["event_type"].encode()),
+                orjson.dumps(envelope),
+                b"\n\n",
+            )
+        )
+        with self._lock:
+            self._frames[key] = data
+            if len(self._frames) > self._size:
+                self._frames.popitem(last=False)
+        return data
+
+
+class EventStream:
+    """One SSE response body; iterate it to stream, ``close()`` to end it."""
+
+    def __init__(
+        self,
+        subscription: Subscription,
+        frames: FrameCache,
+        release: Callable[[], None],
+        disconnected: Callable[[], bool],
+        keepalive_s: float = KEEPALIVE_S,
+        preface: bytes = b"",
+    ) -> None:
+        self._sub = subscription
+        self._frames = frames
+        self._release: Callable[[], None] | None = release
+        self._disconnected = disconnected
+        self._keepalive_s = keepalive_s
+        self._preface = preface
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[bytes]:
+        # The first chunk makes the server send the headers now, not with the first event.
+        yield b": connected\nretry: 1000\n\n" + self._preface
+        last_write = time.monotonic()
+        poll = min(_POLL_S, self._keepalive_s)
+        while True:
+            batch = self._sub.get_many(timeout=poll, limit=_BATCH)
+            if batch:
+                yield b"".join(self._frames.frame(e) for e in batch)
+                last_write = time.monotonic()
+                continue
+            if self._sub.closed or self._disconnected():
+                return
+            if time.monotonic() - last_write >= self._keepalive_s:
+                yield b": keep-alive\n\n"
+                last_write = time.monotonic()
+
+    def close(self) -> None:
+        """End the stream and give its slot back (called by the server, exactly once or more)."""
+        self._sub.close()
+        with self._lock:
+            release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+def open_stream(
+    log: EventLog,
+    types: list[str] | None,
+    since: int | None,
+    snapshot: Callable[[], list[dict[str, Any]]],
+) -> tuple[Subscription, bytes]:
+    """Subscribe with catch-up; returns the subscription and a preface comment (gap notice).
+
+    A ``since`` beyond the ring's newest sequence cannot belong to this engine
+    start (sequences restart at 1), so the whole ring is replayed instead.
+    """
+    preface = b""
+    if since is not None:
+        latest = log.latest_sequence
+        if since > latest:
+            preface = b": since %d is ahead of this engine start; replaying the ring\n\n" % since
+            since = 0
+        else:
+            oldest = log.snapshot_bounds()[0]
+            if since + 1 < oldest:
+                preface = b": replay gap: events %d..%d were evicted from the ring\n\n" % (
+                    since + 1,
+                    oldest - 1,
+                )
+    sub = log.subscribe(types, since=since, snapshot=snapshot)
+    return sub, preface

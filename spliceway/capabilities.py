@@ -1,0 +1,172 @@
+"""The capabilities resource (interface.md 2.3, decisions 2): what this build can do.
+
+Everything here describes the build as it is, derived from the same tables the
+engine dispatches through (commands, error codes), so a client that matches on
+capabilities never sees a feature that answers ``unsupported``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from spliceway import __version__
+from spliceway.commands import COMMANDS
+from spliceway.errors import HTTP_STATUS
+from spliceway.events import SCHEMA_ID
+
+API_ID = "service.api.v1"
+CONFIG_ID = "spliceway.config.v1"
+
+#: Features built in this version (decisions 2 lists the full set a complete
+#: build offers; event_sinks, outbox and ipc join when they are built).
+FEATURES = (
+    "query",
+    "config_snapshot",
+    "runtime_snapshot",
+    "flow_snapshot",
+    "policy_snapshot",
+    "event_stream",
+    "commands",
+    "openapi",
+)
+
+BUILD_FEATURES = ("splice-relay", "http-api")
+
+
+def _level(supported: bool, level: str, *notes: str) -> dict[str, Any]:
+    return {"supported": supported, "level": level, "notes": list(notes)}
+
+
+_YES = _level(True, "supported")
+_NA = _level(False, "not_applicable")
+_NOT_BUILT = _level(False, "not_built")
+
+
+def _protocol(
+    protocol: str,
+    feature: str,
+    *,
+    compiled: bool,
+    inbound_tcp: dict[str, Any] = _NA,
+    inbound_udp: dict[str, Any] = _NA,
+    outbound_tcp: dict[str, Any] = _NA,
+    outbound_udp: dict[str, Any] = _NA,
+    transports: Iterable[str] = ("tcp",),
+    limitations: Iterable[dict[str, str]] = (),
+) -> dict[str, Any]:
+    return {
+        "protocol": protocol,
+        "feature": feature,
+        "compiled": compiled,
+        "status": "stable" if compiled else "not_built",
+        "compatibility_baseline": {
+            "socks5": "RFC 1928, RFC 1929",
+            "http": "RFC 9110 CONNECT and absolute-form forwarding",
+            "mixed": "socks5 and http on one port, told apart by the first byte",
+            "shadowsocks": "SIP004 AEAD",
+            "tun": "Linux TUN with a userspace TCP/IP stack",
+        }.get(protocol, "none"),
+        "inbound": {"tcp": inbound_tcp, "udp": inbound_udp},
+        "outbound": {"tcp": outbound_tcp, "udp": outbound_udp},
+        "transports": list(transports),
+        "mux": _NA,
+        "limitations": list(limitations),
+    }
+
+
+_UDP_ASSOCIATE = _level(
+    False, "unsupported", "UDP ASSOCIATE is answered with REP 7 (command not supported)"
+)
+
+PROTOCOLS: tuple[dict[str, Any], ...] = (
+    _protocol(
+        "socks5",
+        "socks5",
+        compiled=True,
+        inbound_tcp=_YES,
+        inbound_udp=_UDP_ASSOCIATE,
+        outbound_tcp=_YES,
+        outbound_udp=_level(False, "unsupported", "UDP through a socks5 upstream is not built"),
+        limitations=[{"code": "udp_not_built", "message": "UDP relay is not built yet"}],
+    ),
+    _protocol(
+        "http",
+        "http",
+        compiled=True,
+        inbound_tcp=_level(True, "supported", "CONNECT", "absolute-URI forwarding"),
+        outbound_tcp=_level(True, "supported", "CONNECT"),
+    ),
+    _protocol(
+        "mixed",
+        "mixed",
+        compiled=True,
+        inbound_tcp=_YES,
+        inbound_udp=_UDP_ASSOCIATE,
+    ),
+    _protocol("direct", "direct", compiled=True, outbound_tcp=_YES, outbound_udp=_NOT_BUILT),
+    _protocol("block", "block", compiled=True, outbound_tcp=_YES, outbound_udp=_YES),
+    _protocol(
+        "shadowsocks",
+        "shadowsocks",
+        compiled=False,
+        outbound_tcp=_NOT_BUILT,
+        outbound_udp=_NOT_BUILT,
+    ),
+    _protocol(
+        "tun",
+        "tun",
+        compiled=False,
+        inbound_tcp=_NOT_BUILT,
+        inbound_udp=_NOT_BUILT,
+        transports=("tcp", "udp"),
+    ),
+)
+
+GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
+    {"code": "udp_relay_not_built", "message": "UDP flows (socks5 UDP ASSOCIATE) are not built"},
+    {"code": "policy_groups_not_built", "message": "outbound_groups are refused at start"},
+    {"code": "event_sinks_not_built", "message": "api.event_sinks are refused at start"},
+    {"code": "ipc_not_built", "message": "the local IPC control socket is not built"},
+    {"code": "grpc_not_built", "message": "the gRPC control API is not built"},
+    {"code": "hot_reload_not_built", "message": "config.apply and config.apply_runtime"},
+)
+
+
+def capabilities(permissions: Iterable[str], api_enabled: bool = True) -> dict[str, Any]:
+    """The capabilities resource for a caller holding ``permissions``."""
+    return {
+        "api_id": API_ID,
+        "schema_id": SCHEMA_ID,
+        "engine_version": __version__,
+        "adapters": [
+            {"kind": "http", "enabled": api_enabled},
+            {"kind": "cli", "enabled": True},
+            {"kind": "embedded", "enabled": True},
+            {"kind": "ipc", "enabled": False},
+            {"kind": "grpc", "enabled": False},
+        ],
+        "sinks": [{"kind": "webhook", "enabled": False}, {"kind": "jsonl", "enabled": False}],
+        "features": list(FEATURES),
+        "protocols": [dict(p) for p in PROTOCOLS],
+        "build_features": list(BUILD_FEATURES),
+        "permissions": sorted(set(permissions)),
+        "contracts": [
+            {"name": "api", "id": API_ID, "min_version": 1, "max_version": 1},
+            {"name": "event", "id": SCHEMA_ID, "min_version": 1, "max_version": 1},
+            {"name": "config", "id": CONFIG_ID, "min_version": 1, "max_version": 1},
+        ],
+        "error_codes": [
+            {"code": code, "http_status": status} for code, status in HTTP_STATUS.items()
+        ],
+        "commands": [
+            {
+                "method": c.method,
+                "permission": c.permission,
+                "available": c.missing is None,
+                **({"missing": c.missing} if c.missing is not None else {}),
+            }
+            for c in COMMANDS.values()
+        ],
+        "global_limitations": [dict(lim) for lim in GLOBAL_LIMITATIONS],
+    }
