@@ -1,0 +1,55 @@
+"""Fixtures for the control API: a real engine with its HTTP API on a free loopback port."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from spliceway.api.app import ControlApp, create_app
+from spliceway.api.auth import KeyTable
+from spliceway.api.limits import Limits
+from tests.conftest import base_config
+
+#: Limits high enough that a test issuing many requests never trips them by accident.
+RELAXED = Limits(queries_per_second=100000.0, commands_per_second=100000.0, sse_streams=5)
+
+
+def control_config(**control: Any) -> dict[str, Any]:
+    """``base_config`` with the HTTP control API on a free port (no key unless given)."""
+    cfg = base_config()
+    settings: dict[str, Any] = {
+        "enabled": True,
+        "listen": {"address": "127.0.0.1", "port": 0},
+        "api_key_env": None,
+    }
+    settings.update(copy.deepcopy(control))
+    cfg["api"]["control"] = settings
+    return cfg
+
+
+@pytest.fixture
+def engine(make_engine: Callable[..., Any]) -> Any:
+    """A running engine whose control API listens (spec limits, no key)."""
+    return make_engine(control_config())
+
+
+@pytest.fixture
+def base_url(engine: Any) -> str:
+    """``http://127.0.0.1:<port>`` of that engine's control API."""
+    return str(engine.control_url)
+
+
+@pytest.fixture
+def app_for(make_engine: Callable[..., Any]) -> Iterator[Callable[..., ControlApp]]:
+    """Build Falcon apps (for TestClient) over a running engine with no HTTP listener."""
+
+    def _make(
+        keys: KeyTable | None = None, limits: Limits = RELAXED, config: dict[str, Any] | None = None
+    ) -> ControlApp:
+        engine = make_engine(config or base_config())
+        return create_app(engine, keys=keys or KeyTable([]), limits=limits)
+
+    yield _make
