@@ -54,8 +54,9 @@ class TokenBucket:
             now = self._clock()
             self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
             self._stamp = now
-            if self._tokens >= 1.0:
-                self._tokens -= 1.0
+            # The epsilon keeps float drift from refusing a token that is due.
+            if self._tokens >= 1.0 - 1e-9:
+                self._tokens = max(0.0, self._tokens - 1.0)
                 return 0.0
             return (1.0 - self._tokens) / self.rate
 

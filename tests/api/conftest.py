@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-
 from spliceway.api.app import ControlApp, create_app
 from spliceway.api.auth import KeyTable
 from spliceway.api.limits import Limits
+
 from tests.conftest import base_config
 
 #: Limits high enough that a test issuing many requests never trips them by accident.
@@ -43,7 +43,7 @@ def base_url(engine: Any) -> str:
 
 
 @pytest.fixture
-def app_for(make_engine: Callable[..., Any]) -> Iterator[Callable[..., ControlApp]]:
+def app_for(make_engine: Callable[..., Any]) -> Callable[..., ControlApp]:
     """Build Falcon apps (for TestClient) over a running engine with no HTTP listener."""
 
     def _make(
@@ -52,4 +52,4 @@ def app_for(make_engine: Callable[..., Any]) -> Iterator[Callable[..., ControlAp
         engine = make_engine(config or base_config())
         return create_app(engine, keys=keys or KeyTable([]), limits=limits)
 
-    yield _make
+    return _make
