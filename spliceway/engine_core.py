@@ -27,6 +27,7 @@ from spliceway.actors.flow import FlowActor
 from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
 from spliceway.config import Config
+from spliceway.dns import Resolver
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
 from spliceway.inbound import Users
@@ -65,9 +66,12 @@ class EngineCore:
         self.flows = FlowTable()
         self.counters = Counters()
         self.tcp_idle_timeout_ms = int(runtime.tcp_idle_timeout_seconds * 1000)
-        self.outbounds: dict[str, Outbound] = {"direct": DirectOutbound("direct")}
+        self.resolver = Resolver(runtime.dns)
+        self.outbounds: dict[str, Outbound] = {
+            "direct": DirectOutbound("direct", resolver=self.resolver)
+        }
         for spec in config.outbounds:
-            self.outbounds[spec.tag] = build_outbound(spec)
+            self.outbounds[spec.tag] = build_outbound(spec, self.resolver)
         self.route_state = RouteState(
             mode=config.mode.kind,
             mode_outbound=config.mode.outbound,
@@ -156,6 +160,8 @@ class EngineCore:
             missing.append("runtime.tun (the TUN inbound is not built yet)")
         if self.config.runtime.dns.listen is not None:
             missing.append("runtime.dns.listen (the DNS server is not built yet)")
+        if self.config.runtime.dns.answer.type == "fake_ip":
+            missing.append("runtime.dns.answer fake_ip (fake-ip answers are not built yet)")
         if missing:
             raise ApiError("unsupported", "this build cannot run: " + "; ".join(missing))
 

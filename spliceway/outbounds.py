@@ -4,7 +4,9 @@ Every outbound exposes one coroutine, ``dial(loop, host, port) -> Dialed``, run
 on the dispatcher loop by the FlowActor; it returns a connected non-blocking
 socket whose next byte belongs to the client, plus the bytes its own handshake
 moved (for the boundary counters). Failures raise ``DialError`` carrying the
-stage, a stable code and the reply each inbound protocol should send.
+stage, a stable code and the reply each inbound protocol should send. Names
+(targets and upstream proxy servers) are resolved through the engine's
+``runtime.dns`` resolver, given to each outbound at construction.
 
 New outbound kinds (shadowsocks, relay chains) plug in by implementing
 ``Outbound`` and registering in ``build_outbound``.
@@ -19,6 +21,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from spliceway.dns import ResolveError, Resolver
 from spliceway.errors import ApiError
 from spliceway.protocols import NEED_MORE, ProtocolError, socks5
 from spliceway.protocols import http as http_proto
@@ -112,48 +115,46 @@ def _ip_family(host: str) -> int | None:
 
 
 async def open_tcp(
-    loop: asyncio.AbstractEventLoop, host: str, port: int, deadline: float
+    loop: asyncio.AbstractEventLoop, host: str, port: int, deadline: float, resolver: Resolver
 ) -> tuple[socket.socket, str]:
-    """Resolve ``host`` and connect to the first address that answers before ``deadline``.
+    """Resolve ``host`` with ``resolver`` and connect to the first address that answers.
 
-    ``deadline`` is on the loop's clock. Returns the connected non-blocking socket
-    and the IP it reached.
+    ``deadline`` is on the loop's clock and bounds resolution and connection together.
+    Returns the connected non-blocking socket and the IP it reached.
     """
     try:
         async with asyncio.timeout_at(deadline):
-            return await _open_tcp(loop, host, port)
+            return await _open_tcp(loop, host, port, deadline, resolver)
     except TimeoutError as ex:
         raise DialError("connect_timeout", f"connect to {host}:{port} timed out") from ex
 
 
 async def _open_tcp(
-    loop: asyncio.AbstractEventLoop, host: str, port: int
+    loop: asyncio.AbstractEventLoop, host: str, port: int, deadline: float, resolver: Resolver
 ) -> tuple[socket.socket, str]:
-    family = _ip_family(host)
-    if family is not None:
-        addrs: list[tuple[Any, ...]] = [(family, (host, port))]
-    else:
-        try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as ex:
-            raise DialError("dns_failed", f"cannot resolve {host}: {ex}", stage="resolve") from ex
-        addrs = [(info[0], info[4]) for info in infos]
-        if not addrs:
-            raise DialError("dns_failed", f"no address for {host}", stage="resolve")
+    try:
+        # The resolver splits its budget between its servers, so it must know the
+        # deadline; the timeout around us still has the last word.
+        ips = await resolver.resolve(host, timeout=max(deadline - loop.time(), 0.001))
+    except ResolveError as ex:
+        raise DialError("dns_failed", str(ex), stage="resolve") from ex
+    if not ips:
+        raise DialError("dns_failed", f"no address for {host}", stage="resolve")
     last: OSError | None = None
-    for family, sockaddr in addrs:
+    for ip in ips:
+        family = _ip_family(ip) or socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await loop.sock_connect(sock, sockaddr)
+            await loop.sock_connect(sock, (ip, port))
         except BaseException as ex:
             sock.close()
             if not isinstance(ex, OSError) or isinstance(ex, TimeoutError):
                 raise
             last = ex
             continue
-        return sock, sockaddr[0]
+        return sock, ip
     assert last is not None
     raise DialError(_errno_code(last), f"connect to {host}:{port} failed: {last}", remote=host)
 
@@ -187,13 +188,15 @@ class DirectOutbound:
     server: str | None = None
     port: int | None = None
 
-    def __init__(self, tag: str, connect_timeout_ms: int = 5000) -> None:
+    def __init__(self, tag: str, connect_timeout_ms: int = 5000, *, resolver: Resolver) -> None:
         self.tag = tag
         self.connect_timeout = connect_timeout_ms / 1000
+        self.resolver = resolver
 
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
         """Connect to the target itself."""
-        sock, ip = await open_tcp(loop, host, port, loop.time() + self.connect_timeout)
+        deadline = loop.time() + self.connect_timeout
+        sock, ip = await open_tcp(loop, host, port, deadline, self.resolver)
         return Dialed(sock, host, port, resolved_ip=ip)
 
 
@@ -226,8 +229,11 @@ class _ProxyOutbound(abc.ABC):
         username: str | None = None,
         password: str | None = None,
         connect_timeout_ms: int = 5000,
+        *,
+        resolver: Resolver,
     ) -> None:
         self.tag = tag
+        self.resolver = resolver
         self.server = server
         self.port = port
         self.username = username
@@ -237,7 +243,7 @@ class _ProxyOutbound(abc.ABC):
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
         """Connect to the proxy and run its handshake, within ``connect_timeout_ms``."""
         deadline = loop.time() + self.connect_timeout
-        sock, _ = await open_tcp(loop, self.server, self.port, deadline)
+        sock, _ = await open_tcp(loop, self.server, self.port, deadline, self.resolver)
         try:
             async with asyncio.timeout_at(deadline):
                 return await self.negotiate(loop, sock, host, port)
@@ -357,18 +363,22 @@ class HttpOutbound(_ProxyOutbound):
         )
 
 
-def build_outbound(spec: Any) -> Outbound:
-    """Create the outbound object for one validated outbound config entry."""
+_PROXIES: dict[str, type[_ProxyOutbound]] = {"socks5": Socks5Outbound, "http": HttpOutbound}
+
+
+def build_outbound(spec: Any, resolver: Resolver) -> Outbound:
+    """Create the outbound object for one validated outbound config entry.
+
+    ``resolver`` (the engine's runtime.dns) resolves every name the outbound dials.
+    """
     kind = spec.protocol
     timeout = getattr(spec, "connect_timeout_ms", 5000)
     if kind == "direct":
-        return DirectOutbound(spec.tag, timeout)
+        return DirectOutbound(spec.tag, timeout, resolver=resolver)
     if kind == "block":
         return BlockOutbound(spec.tag)
-    if kind == "socks5":
-        return Socks5Outbound(
-            spec.tag, spec.server, spec.port, spec.username, spec.password, timeout
-        )
-    if kind == "http":
-        return HttpOutbound(spec.tag, spec.server, spec.port, spec.username, spec.password, timeout)
+    proxy = _PROXIES.get(kind)
+    if proxy is not None:
+        args = (spec.tag, spec.server, spec.port, spec.username, spec.password, timeout)
+        return proxy(*args, resolver=resolver)
     raise ApiError("unsupported", f"outbound protocol {kind!r} is not built")

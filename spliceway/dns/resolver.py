@@ -1,0 +1,319 @@
+"""The engine resolver: ``runtime.dns.servers`` in order, behind the answer cache.
+
+Outbounds resolve every hostname through one :class:`Resolver` (the engine builds it
+from ``runtime.dns``), so the configured servers and cache apply to direct targets
+and to upstream proxy addresses alike.
+
+Behaviour where the spec leaves room:
+
+- Servers are tried in order. A timeout or an error (refused, SERVFAIL, network
+  failure) moves on to the next server; a definitive negative answer (NXDOMAIN, or a
+  name with neither A nor AAAA records) does not, and yields ``[]``. When every server
+  failed, :class:`ResolveError` says why.
+- The time budget is split fairly: each server gets the remaining time divided by the
+  number of servers still to try, so a dead first server cannot use up the whole
+  budget and the last server gets whatever is left.
+- ``system`` is the C library's ``getaddrinfo`` (``/etc/hosts``, nsswitch,
+  ``resolv.conf``). It reports no TTL, so its answers are cached for
+  :data:`SYSTEM_TTL_SECONDS`, clamped by ``min/max_ttl_seconds`` like any other TTL.
+  The synchronous :meth:`Resolver.lookup` cannot interrupt ``getaddrinfo``: for this
+  server the C library's own timeouts apply.
+- ``udp://`` and ``tcp://`` servers are queried with dnspython (A and AAAA; a truncated
+  UDP answer is retried over TCP by dnspython). The cached TTL is the smallest TTL of
+  the answer, CNAME chain included.
+- Addresses come IPv4 first, then IPv6, without duplicates.
+- Negative answers are not cached: a name that starts to exist is seen at once, and a
+  miss costs one query, as it would without a cache.
+- IP literals are returned as given, without a query. ``localhost`` and names under
+  ``.localhost`` are the loopback addresses (RFC 6761 6.3), never sent to a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import dns.asyncresolver
+import dns.exception
+import dns.name
+import dns.nameserver
+import dns.resolver
+
+from spliceway.config import DnsSettings, parse_dns_server
+from spliceway.dns.cache import AnswerCache, CacheEntry
+
+__all__ = [
+    "LOOPBACK_ADDRESSES",
+    "SYSTEM_TTL_SECONDS",
+    "InvalidHostname",
+    "ResolveError",
+    "Resolver",
+    "normalize_hostname",
+]
+
+#: Cache lifetime of a ``system`` answer, which carries no TTL (before clamping).
+SYSTEM_TTL_SECONDS = 60
+#: What ``localhost`` resolves to.
+LOOPBACK_ADDRESSES = ("127.0.0.1", "::1")
+
+_MAX_NAME = 253
+_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)", re.ASCII)
+# getaddrinfo's "this name has no address", as opposed to "could not find out".
+_GAI_NEGATIVE = frozenset(
+    code for code in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) if code is not None
+)
+
+
+class ResolveError(Exception):
+    """No server could answer for a name (every one timed out or failed)."""
+
+
+class InvalidHostname(ResolveError, ValueError):
+    """The name is not a syntactically valid hostname; no server was asked."""
+
+
+def normalize_hostname(host: str) -> str:
+    """``host`` as a lower-case ASCII name without trailing dot; raises InvalidHostname.
+
+    Accepts letters, digits, ``-`` and ``_`` (used by real service names) in labels of
+    1..63 characters, at most 253 characters in all; non-ASCII names are converted with
+    IDNA.
+    """
+    if not isinstance(host, str) or not host:
+        raise InvalidHostname("hostname is empty")
+    name = host[:-1] if host.endswith(".") else host
+    if not name.isascii():
+        try:
+            name = name.encode("idna").decode("ascii")
+        except UnicodeError as ex:
+            raise InvalidHostname(f"{host!r} is not a valid hostname: {ex}") from None
+    name = name.lower()
+    if len(name) > _MAX_NAME:
+        raise InvalidHostname(f"hostname is longer than {_MAX_NAME} characters")
+    for label in name.split("."):
+        if not _LABEL.fullmatch(label):
+            raise InvalidHostname(f"{host!r} is not a valid hostname: bad label {label!r}")
+    return name
+
+
+def _ip_literal(host: str) -> bool:
+    # inet_pton, not ipaddress: this runs for every dial and must stay cheap.
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except (OSError, ValueError):
+            continue
+        return True
+    return False
+
+
+def _ordered(addresses: Iterable[str]) -> list[str]:
+    """Unique addresses, IPv4 first, otherwise in the order given."""
+    unique = list(dict.fromkeys(addresses))
+    return [a for a in unique if ":" not in a] + [a for a in unique if ":" in a]
+
+
+#: (addresses, ttl seconds); empty addresses mean a definitive negative answer.
+_Answer = tuple[list[str], float]
+
+
+class _SystemServer:
+    """``system``: getaddrinfo."""
+
+    label = "system"
+
+    def lookup(self, name: str, timeout: float) -> _Answer:
+        # The C call takes no timeout; resolv.conf's own options bound it.
+        try:
+            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as ex:
+            return self._negative(ex)
+        return self._answer(infos)
+
+    async def resolve(self, name: str, timeout: float) -> _Answer:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as ex:
+            return self._negative(ex)
+        return self._answer(infos)
+
+    @staticmethod
+    def _negative(ex: socket.gaierror) -> _Answer:
+        if ex.errno in _GAI_NEGATIVE:
+            return [], 0
+        raise ex
+
+    @staticmethod
+    def _answer(infos: list[tuple[Any, ...]]) -> _Answer:
+        return _ordered(str(info[4][0]) for info in infos), SYSTEM_TTL_SECONDS
+
+
+class _Do53Server:
+    """``udp://IP:PORT`` or ``tcp://IP:PORT``: dnspython's stub resolver on one server."""
+
+    def __init__(self, kind: str, ip: str, port: int) -> None:
+        self.label = f"{kind}://{ip}:{port}" if ":" not in ip else f"{kind}://[{ip}]:{port}"
+        self.tcp = kind == "tcp"
+        self._sync = dns.resolver.Resolver(configure=False)
+        self._async = dns.asyncresolver.Resolver(configure=False)
+        for r in (self._sync, self._async):
+            r.nameservers = [dns.nameserver.Do53Nameserver(ip, port)]
+            r.cache = None  # AnswerCache does the caching, with the configured clamps
+
+    def lookup(self, name: str, timeout: float) -> _Answer:
+        try:
+            answers = self._sync.resolve_name(
+                dns.name.from_text(name), lifetime=timeout, tcp=self.tcp, search=False
+            )
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return [], 0
+        return self._answer(answers)
+
+    async def resolve(self, name: str, timeout: float) -> _Answer:
+        try:
+            answers = await self._async.resolve_name(
+                dns.name.from_text(name), lifetime=timeout, tcp=self.tcp, search=False
+            )
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return [], 0
+        return self._answer(answers)
+
+    @staticmethod
+    def _answer(answers: dns.resolver.HostAnswers) -> _Answer:
+        addresses = _ordered(
+            [*answers.addresses(socket.AF_INET), *answers.addresses(socket.AF_INET6)]
+        )
+        ttls = [a.chaining_result.minimum_ttl for a in answers.values() if a.rrset is not None]
+        return addresses, min(ttls, default=0)
+
+
+_Server = _SystemServer | _Do53Server
+# What a failing server may raise; anything else is a bug and propagates.
+_SERVER_ERRORS = (dns.exception.DNSException, OSError)
+
+
+class Resolver:
+    """Resolves hostnames with the servers and cache of one ``runtime.dns`` section.
+
+    :meth:`lookup` is for threads (thread-safe, blocking); :meth:`resolve` is for an
+    asyncio loop and never blocks it. Both return the addresses (IPv4 first), ``[]``
+    when the name definitively has none, and raise :class:`InvalidHostname` for a
+    malformed name and :class:`ResolveError` when no server could answer.
+    ``clock`` (monotonic seconds) drives the cache, so tests can move time.
+    """
+
+    def __init__(
+        self, settings: DnsSettings, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        self._servers: list[_Server] = []
+        for spec in settings.servers:
+            kind, ip, port = parse_dns_server(spec)
+            if kind == "system":
+                self._servers.append(_SystemServer())
+            else:
+                assert ip is not None and port is not None
+                self._servers.append(_Do53Server(kind, ip, port))
+        c = settings.cache
+        self.cache: AnswerCache | None = (
+            None
+            if c is None
+            else AnswerCache(c.max_entries, c.min_ttl_seconds, c.max_ttl_seconds, clock)
+        )
+
+    # -- resolution -----------------------------------------------------------------
+
+    def lookup(self, host: str, timeout: float = 5.0) -> list[str]:
+        """Resolve ``host`` within about ``timeout`` seconds, blocking the calling thread."""
+        name, known = self._prepare(host)
+        if known is not None:
+            return known
+        deadline = time.monotonic() + timeout
+        failures: list[str] = []
+        for i, server in enumerate(self._servers):
+            budget = self._budget(deadline, i)
+            if budget is None:
+                break
+            try:
+                return self._keep(name, server.lookup(name, budget))
+            except _SERVER_ERRORS as ex:
+                failures.append(f"{server.label}: {_reason(ex)}")
+        raise self._failed(name, failures)
+
+    async def resolve(self, host: str, timeout: float = 5.0) -> list[str]:
+        """Resolve ``host`` on the running asyncio loop, within about ``timeout`` seconds."""
+        name, known = self._prepare(host)
+        if known is not None:
+            return known
+        deadline = time.monotonic() + timeout
+        failures: list[str] = []
+        for i, server in enumerate(self._servers):
+            budget = self._budget(deadline, i)
+            if budget is None:
+                break
+            try:
+                return self._keep(name, await server.resolve(name, budget))
+            except _SERVER_ERRORS as ex:
+                failures.append(f"{server.label}: {_reason(ex)}")
+        raise self._failed(name, failures)
+
+    def _prepare(self, host: str) -> tuple[str, list[str] | None]:
+        """The normalized name, and its addresses when no server needs asking."""
+        if isinstance(host, str) and _ip_literal(host):
+            return host, [host]
+        name = normalize_hostname(host)
+        if name == "localhost" or name.endswith(".localhost"):
+            return name, list(LOOPBACK_ADDRESSES)
+        if self.cache is not None:
+            cached = self.cache.get(name)
+            if cached is not None:
+                return name, list(cached)
+        return name, None
+
+    def _budget(self, deadline: float, index: int) -> float | None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        return remaining / (len(self._servers) - index)
+
+    def _keep(self, name: str, answer: _Answer) -> list[str]:
+        addresses, ttl = answer
+        if addresses and self.cache is not None:
+            self.cache.put(name, addresses, ttl)
+        return addresses
+
+    @staticmethod
+    def _failed(name: str, failures: list[str]) -> ResolveError:
+        why = "; ".join(failures) if failures else "timed out before any server answered"
+        return ResolveError(f"cannot resolve {name}: {why}")
+
+    # -- the cache, for diagnostics ------------------------------------------------------
+
+    @property
+    def cache_enabled(self) -> bool:
+        """Whether ``runtime.dns.cache`` is configured."""
+        return self.cache is not None
+
+    def cache_entry(self, domain: str) -> CacheEntry | None:
+        """The live cache entry of ``domain`` (LRU order untouched), or None."""
+        return None if self.cache is None else self.cache.peek(domain)
+
+    def cache_entries(self, limit: int | None = None) -> list[CacheEntry]:
+        """Live cache entries, most recently used first, at most ``limit``."""
+        return [] if self.cache is None else self.cache.entries(limit)
+
+    def cache_count(self) -> int:
+        """The number of live cache entries (0 without a cache)."""
+        return 0 if self.cache is None else len(self.cache)
+
+
+def _reason(ex: BaseException) -> str:
+    if isinstance(ex, TimeoutError):
+        return "timed out"
+    return str(ex) or type(ex).__name__
