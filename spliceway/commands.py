@@ -18,7 +18,7 @@ import pykka
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spliceway import config as config_module
-from spliceway import routing
+from spliceway import diagnostics, dns, routing
 from spliceway.actors.messages import CloseFlow
 from spliceway.errors import ApiError, invalid_argument
 
@@ -212,8 +212,20 @@ def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
     }
 
 
+def _probe_target(core: EngineCore, p: TargetTagParams) -> dict[str, Any]:
+    return diagnostics.probe_target(core.outbounds, core.resolver, p.target_tag)
+
+
+def _dns_lookup(core: EngineCore, p: HostnameParams) -> dict[str, Any]:
+    return dns.dns_lookup_result(core.resolver, p.hostname)
+
+
+def _dns_cache(core: EngineCore, p: DnsCacheParams) -> dict[str, Any]:
+    return dns.dns_cache_result(core.resolver, p.domain, p.limit)
+
+
 _GROUPS = "policy groups and health probes (not built yet)"
-_DNS = "the engine DNS resolver (runtime.dns, not built yet)"
+_FAKE_IP = "fake-ip answers (runtime.dns.answer fake_ip, not built yet)"
 _TUN = "the TUN inbound (not built yet)"
 _RELOAD = "hot reload of a full configuration (not built yet)"
 
@@ -230,12 +242,12 @@ COMMANDS: dict[str, Command] = {
         Command("config.apply_runtime", "config", ConfigParams, missing=_RELOAD),
         Command("tun.start", "admin", TunStartParams, missing=_TUN),
         Command("tun.stop", "admin", NoParams, missing=_TUN),
-        Command("diagnostics.probe_target", "admin", TargetTagParams, missing=_GROUPS),
+        Command("diagnostics.probe_target", "admin", TargetTagParams, _probe_target),
         Command("diagnostics.probe_outbound", "admin", ProbeOutboundParams, missing=_GROUPS),
-        Command("diagnostics.dns_lookup", "admin", HostnameParams, missing=_DNS),
-        Command("diagnostics.dns_cache", "admin", DnsCacheParams, missing=_DNS),
-        Command("diagnostics.fakeip_lookup", "read", FakeIpParams, missing=_DNS),
-        Command("fakeip.clear", "admin", FakeIpParams, missing=_DNS),
+        Command("diagnostics.dns_lookup", "admin", HostnameParams, _dns_lookup),
+        Command("diagnostics.dns_cache", "admin", DnsCacheParams, _dns_cache),
+        Command("diagnostics.fakeip_lookup", "read", FakeIpParams, missing=_FAKE_IP),
+        Command("fakeip.clear", "admin", FakeIpParams, missing=_FAKE_IP),
     )
 }
 
