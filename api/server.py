@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from waitress.server import create_server
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 _SPARE_THREADS = 8
 _JOIN_S = 10.0
+_DRAIN_S = 2.0
 
 
 class ControlServer:
@@ -71,14 +73,28 @@ class ControlServer:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop serving and join every thread the server started."""
+        """Stop serving and join every thread the server started.
+
+        Open SSE streams end cleanly (their final chunk is flushed before the
+        connection closes), so a client sees the end of the stream, not a reset.
+        """
         self._state.close_streams()
         server = self._server
+        deadline = time.monotonic() + _DRAIN_S
+        while server.task_dispatcher.active_count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while _unflushed(server) and time.monotonic() < deadline:
+            time.sleep(0.01)
         server.trigger.pull_trigger(lambda: _close_all(server))  # type: ignore[union-attr]
         self._thread.join(_JOIN_S)
         if self._thread.is_alive():
             logger.warning("control API loop did not stop within %.0f s", _JOIN_S)
         server.task_dispatcher.shutdown(timeout=_JOIN_S)
+
+
+def _unflushed(server: object) -> bool:
+    channels = list(server._map.values())  # type: ignore[attr-defined]
+    return any(getattr(ch, "total_outbufs_len", 0) for ch in channels)
 
 
 def _close_all(server: object) -> None:
