@@ -1,7 +1,8 @@
 """The ``spliceway`` command line (decisions 6).
 
-Subcommands in this build: ``run [-c FILE]`` (foreground engine; SIGINT/SIGTERM
-stop it cleanly with exit 0), ``validate FILE`` (offline; exit 0, or 1 with one
+Subcommands in this build: ``run [-c FILE]`` (foreground engine and, when
+``api.control`` is enabled, its HTTP control API; SIGINT/SIGTERM stop it
+cleanly with exit 0), ``validate FILE`` (offline; exit 0, or 1 with one
 line per problem) and ``build-info``. Exit status 2 means the engine could not
 start (port in use, invalid or unsupported configuration).
 """
@@ -78,6 +79,8 @@ def _setup_logging(config: Any) -> None:
     )
     # pykka logs every actor start/stop at debug: one line per flow is noise.
     logging.getLogger("pykka").setLevel(max(level, logging.INFO))
+    # Waitress reports every SSE client that leaves at info; that is normal operation.
+    logging.getLogger("waitress").setLevel(max(level, logging.WARNING))
 
 
 def cmd_run(config_path: str | None) -> int:
