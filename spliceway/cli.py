@@ -132,11 +132,12 @@ def cmd_run(config_path: str | None) -> int:
 def cmd_build_info() -> int:
     """``spliceway build-info``: version and what was compiled in."""
     from spliceway import relay
+    from spliceway.capabilities import BUILD_FEATURES
 
     info = {
         "version": __version__,
         "relay_abi": relay.ABI_VERSION,
-        "build_features": ["splice-relay"],
+        "build_features": list(BUILD_FEATURES),
     }
     print(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode())
     return EXIT_OK
