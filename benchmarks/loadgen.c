@@ -4,11 +4,18 @@
  *
  *   loadgen rate --target H:P [--socks H:P] --conc N --duration S [--count N]
  *                [--req 100] [--resp 1024] [--timeout-ms 5000] [--warmup S] [--threads T]
+ *                [--rate R]
  *       N concurrent loops of: connect, [SOCKS5 greeting, wait for the method
  *       reply, CONNECT, wait for the reply], send --req bytes, read until EOF
  *       (expecting exactly --resp bytes; the server closes).  A connection's
  *       latency runs from just before connect() to the EOF.  New connections
  *       stop at --duration (or --count); the ones in flight finish.
+ *       --rate R (paced, open loop): start R new connections per second over
+ *       all threads on a fixed schedule instead of as soon as a slot frees;
+ *       --conc is then the cap on connections in flight.  A start that falls
+ *       due while every slot is busy waits for one (such starts are counted
+ *       in "paced_no_slot"); starts run at most ~1 ms late (epoll's resolution)
+ *       and the schedule is absolute, so late starts catch up.
  *
  *   loadgen bulk --target H:P [--socks H:P] --conns N --bytes B --dir up|down
  *                [--max-seconds S] [--buf 262144] [--threads T]
@@ -101,6 +108,7 @@ static size_t g_buf = BIG_BUF;
 static int g_inflight = 256;
 static uint32_t g_payload = 16;
 static double g_hold_seconds = 60;
+static double g_rate; /* rate mode: new connections/s over all threads; 0 = closed loop */
 
 /* Per-thread state (rate and bulk can run --threads epoll loops; each owns
  * its connections, buffers and results, merged by main at the end). */
@@ -116,6 +124,7 @@ static TLS uint64_t *g_lat;
 static TLS size_t g_nlat, g_caplat;
 static TLS uint64_t g_started, g_done, g_warm_done;
 static TLS int g_active;
+static TLS uint64_t g_paced_no_slot;
 
 /* Shared, written before the threads start */
 static int g_threads = 1;
@@ -124,6 +133,8 @@ static uint64_t g_measure_from;  /* ns: latencies of conns started before are wa
 
 typedef struct result {
     int conc;            /* connections (slots) of this thread */
+    int tid;             /* thread index */
+    uint64_t paced_no_slot;
     uint64_t *lat;
     size_t nlat;
     uint64_t done, warm_done, moved;
@@ -595,6 +606,7 @@ static void save_result(result *r, int unfinished, int truncated, uint64_t end) 
     memcpy(r->first_errno, g_first_errno, sizeof g_first_errno);
     r->unfinished = unfinished;
     r->truncated = truncated;
+    r->paced_no_slot = g_paced_no_slot;
     r->end_ns = end;
 }
 
@@ -610,7 +622,13 @@ static void *rate_worker(void *arg) {
     uint64_t last_scan = start;
     int stopping = 0;
     uint64_t measured_started = 0;
-    for (int i = 0; i < conc; i++) {
+    /* paced: this thread's share of --rate, its starts staggered against the others' */
+    int paced = g_rate > 0;
+    uint64_t interval = paced ? (uint64_t)(1e9 * (double)g_threads / g_rate) : 0;
+    uint64_t next_due = start + (paced ? (uint64_t)(1e9 * (double)res->tid / g_rate) : 0);
+    int hint = 0;
+    uint64_t blocked_due = 0; /* the due time already counted in paced_no_slot */
+    for (int i = 0; i < conc && !paced; i++) {
         if (g_measure_from <= now_ns()) measured_started++;
         start_conn(&g_conns[i]);
     }
@@ -619,7 +637,36 @@ static void *rate_worker(void *arg) {
         if (!stopping && (now >= stop_at || (count && measured_started >= count))) stopping = 1;
         if (stopping && g_active == 0) break;
         if (now > hard_stop) break;
-        int n = epoll_wait(g_ep, evs, 1024, 50);
+        if (paced && !stopping) {
+            /* start every connection that is due (a late loop catches up) */
+            while (next_due <= now && !(count && measured_started >= count) && next_due < stop_at) {
+                int slot = -1;
+                for (int k = 0; k < conc; k++) {
+                    int i = (hint + k) % conc;
+                    if (g_conns[i].state == S_FREE) {
+                        slot = i;
+                        break;
+                    }
+                }
+                if (slot < 0) {
+                    if (blocked_due != next_due) g_paced_no_slot++; /* once per start */
+                    blocked_due = next_due;
+                    break; /* stays due; started when a slot frees */
+                }
+                hint = (slot + 1) % conc;
+                if (now >= g_measure_from) measured_started++;
+                start_conn(&g_conns[slot]);
+                next_due += interval;
+            }
+        }
+        int wait_ms = 50;
+        if (paced && !stopping && next_due > now) {
+            uint64_t ms = (next_due - now + 999999) / 1000000; /* round up: never early */
+            if (ms < (uint64_t)wait_ms) wait_ms = (int)ms;
+        } else if (paced && !stopping) {
+            wait_ms = 1; /* due but no free slot: look again soon */
+        }
+        int n = epoll_wait(g_ep, evs, 1024, wait_ms);
         if (n < 0) {
             if (errno == EINTR) continue;
             die("epoll_wait");
@@ -633,7 +680,7 @@ static void *rate_worker(void *arg) {
             check_timeouts(now);
             last_scan = now;
         }
-        if (!stopping) {
+        if (!stopping && !paced) {
             for (int i = 0; i < conc; i++) {
                 if (g_conns[i].state != S_FREE) continue;
                 if (count && measured_started >= count) break;
@@ -691,7 +738,10 @@ static void run_threads(void *(*worker)(void *), result *merged) {
     g_threads = nt;
     result *rs = calloc((size_t)nt, sizeof *rs);
     pthread_t *th = calloc((size_t)nt, sizeof *th);
-    for (int t = 0; t < nt; t++) rs[t].conc = g_conc / nt + (t < g_conc % nt ? 1 : 0);
+    for (int t = 0; t < nt; t++) {
+        rs[t].conc = g_conc / nt + (t < g_conc % nt ? 1 : 0);
+        rs[t].tid = t;
+    }
     g_start_ns = now_ns();
     g_measure_from = g_start_ns + (uint64_t)(g_warmup * 1e9);
     for (int t = 1; t < nt; t++)
@@ -714,6 +764,7 @@ static void run_threads(void *(*worker)(void *), result *merged) {
         merged->moved += rs[t].moved;
         merged->unfinished += rs[t].unfinished;
         merged->truncated |= rs[t].truncated;
+        merged->paced_no_slot += rs[t].paced_no_slot;
         if (rs[t].end_ns > merged->end_ns) merged->end_ns = rs[t].end_ns;
         for (int e = 0; e < E_N; e++) {
             g_errs[e] += rs[t].errs[e];
@@ -733,6 +784,9 @@ static int run_rate(void) {
            g_use_socks ? "true" : "false", g_conc, g_threads, (unsigned long long)m.done,
            (unsigned long long)m.warm_done, measured_s,
            measured_s > 0 ? (double)m.done / measured_s : 0.0, m.unfinished);
+    if (g_rate > 0)
+        printf("\"paced_rate\": %.1f, \"paced_no_slot\": %llu, ", g_rate,
+               (unsigned long long)m.paced_no_slot);
     print_latency();
     printf(", ");
     print_errors();
@@ -837,7 +891,7 @@ static void usage(void) {
     fprintf(stderr,
             "usage: loadgen rate|bulk|hold --target H:P [--socks H:P] [options]\n"
             "  rate: --conc N --duration S [--count N] [--warmup S] [--req B] [--resp B]\n"
-            "        [--timeout-ms MS] [--threads T]\n"
+            "        [--timeout-ms MS] [--threads T] [--rate CONN_PER_S]\n"
             "  bulk: --conns N --bytes B --dir up|down [--max-seconds S] [--buf B] [--threads T]\n"
             "  hold: --conns N [--inflight N] [--payload B] [--hold-seconds S] [--timeout-ms MS]\n");
     exit(2);
@@ -875,10 +929,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--payload")) g_payload = (uint32_t)strtoul(v, NULL, 10);
         else if (!strcmp(a, "--hold-seconds")) g_hold_seconds = atof(v);
         else if (!strcmp(a, "--threads")) g_threads = atoi(v);
+        else if (!strcmp(a, "--rate")) g_rate = atof(v);
         else usage();
     }
     if (!have_target || g_conc < 1 || g_buf < 4096 || g_inflight < 1 || g_threads < 1 ||
-        g_threads > 64)
+        g_threads > 64 || g_rate < 0 || g_rate > 1e7)
         usage();
     if (g_duration > 3600) g_duration = 3600;          /* always bounded */
     if (g_max_seconds > 3600) g_max_seconds = 3600;
