@@ -29,8 +29,13 @@ from spliceway.errors import invalid_argument
 from spliceway.events import Envelope, EventLog, Subscription
 
 KEEPALIVE_S = 10.0
+#: How long a stream lets a burst gather after its first event before writing it.
+#: Each stream thread then wakes (and takes the GIL from the data plane) at most
+#: 1/LINGER_S times a second however fast events come, for at most this much
+#: added latency.
+LINGER_S = 0.005
 _POLL_S = 0.25
-_BATCH = 512
+_BATCH = 1024
 
 
 def parse_types(raw: str | None) -> list[str] | None:
@@ -114,6 +119,9 @@ class EventStream:
         while True:
             batch = self._sub.get_many(timeout=poll, limit=_BATCH)
             if batch:
+                if len(batch) < _BATCH:
+                    time.sleep(LINGER_S)
+                    batch.extend(self._sub.get_many(timeout=0, limit=_BATCH - len(batch)))
                 yield b"".join(self._frames.frame(e) for e in batch)
                 last_write = time.monotonic()
                 continue

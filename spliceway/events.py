@@ -14,6 +14,7 @@ Contract (interface.md 2.10, 6; decisions 3):
 
 from __future__ import annotations
 
+import queue
 import secrets
 import threading
 import time
@@ -50,7 +51,11 @@ def wants_flow_snapshot(types: frozenset[str] | None) -> bool:
 
 
 class Subscription:
-    """A live feed of envelopes from an ``EventLog``; iterate it or call ``get``."""
+    """A live feed of envelopes from an ``EventLog``; iterate it or call ``get``.
+
+    The queue is a C ``SimpleQueue``: offering an event costs the emitting
+    thread (the data plane) one put, with no Python-level condition to notify.
+    """
 
     def __init__(
         self,
@@ -62,42 +67,49 @@ class Subscription:
         self._log = log
         self.types = types
         self._max_pending = max_pending
-        self._pending: deque[Envelope] = deque()
-        self._cond = threading.Condition(threading.Lock())
+        self._queue: queue.SimpleQueue[Envelope | None] = queue.SimpleQueue()
         self._timeout = timeout
+        self._ended = False
+        self._close_lock = threading.Lock()
         self.closed = False
         self.overflowed = False
 
     def _offer(self, envelope: Envelope) -> None:
         """Called by the log under its lock; never blocks."""
-        if self.types is not None and envelope["event_type"] not in self.types:
+        if self.closed or (self.types is not None and envelope["event_type"] not in self.types):
             return
-        with self._cond:
-            if self.closed:
-                return
-            if len(self._pending) >= self._max_pending:
-                self.overflowed = True
-                self.closed = True
-            else:
-                self._pending.append(envelope)
-            self._cond.notify()
+        if self._queue.qsize() >= self._max_pending:
+            self.overflowed = True
+            self._mark_closed()
+            return
+        self._queue.put(envelope)
 
     def _preload(self, envelopes: Iterable[Envelope]) -> None:
-        with self._cond:
-            self._pending.extend(envelopes)
+        for envelope in envelopes:
+            self._queue.put(envelope)
+
+    def _mark_closed(self) -> None:
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+        # None marks the end: everything queued before it is still delivered.
+        self._queue.put(None)
 
     def get(self, timeout: float | None = None) -> Envelope | None:
         """Next envelope, or ``None`` on timeout or once closed and drained."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not self._pending:
-                if self.closed:
-                    return None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._cond.wait(remaining)
-            return self._pending.popleft()
+        if self._ended:
+            return None
+        try:
+            if timeout is not None and timeout <= 0:
+                item = self._queue.get_nowait()
+            else:
+                item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is None:
+            self._ended = True
+        return item
 
     def get_many(self, timeout: float | None = None, limit: int = 1024) -> list[Envelope]:
         """Wait up to ``timeout`` for one envelope, then take every pending one (up to
@@ -106,17 +118,17 @@ class Subscription:
         if first is None:
             return []
         out = [first]
-        with self._cond:
-            while self._pending and len(out) < limit:
-                out.append(self._pending.popleft())
+        while len(out) < limit:
+            item = self.get(0)
+            if item is None:
+                break
+            out.append(item)
         return out
 
     def close(self) -> None:
         """Detach from the log and wake any waiting reader."""
         self._log._detach(self)
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
+        self._mark_closed()
 
     def __iter__(self) -> Iterator[Envelope]:
         while True:
