@@ -1,14 +1,1078 @@
-"""The OpenAPI 3.1 document of the control API (served at /api/v1/openapi.json)."""
+"""The OpenAPI 3.1 document of the control API (served raw at ``GET /api/v1/openapi.json``).
+
+The document is built here in Python from small schema helpers, and from the
+same tables the engine dispatches through, so it cannot drift from them:
+- every command's ``params`` schema is its pydantic model's JSON schema
+  (``spliceway.commands.COMMANDS``), one ``components.schemas.<Model>`` each;
+- the error ``code`` enum of each HTTP status comes from ``spliceway.errors.HTTP_STATUS``;
+- event types come from ``spliceway.config.EVENT_TYPES``.
+
+Result shapes are closed (``additionalProperties: false``) wherever the
+contract fixes them, so validating real responses against this document is a
+real check. Every response, success or error, is the envelope of interface.md
+2.1: ``{api_id, id, ok, result}`` or ``{api_id, id, ok, error}``; the SSE
+stream and this document itself are the two bodies of their own formats.
+"""
 
 from __future__ import annotations
 
+import copy
+import re
 from typing import Any
+
+from spliceway.capabilities import API_ID
+from spliceway.commands import COMMANDS, PERMISSIONS
+from spliceway.config import EVENT_TYPES
+from spliceway.errors import HTTP_STATUS
+from spliceway.events import SCHEMA_ID as EVENT_SCHEMA_ID
+from spliceway.queries import FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
+
+Schema = dict[str, Any]
+
+PREFIX = "/api/v1"
+OPENAPI_VERSION = "3.1.0"
+
+_JSON = "application/json"
+_SSE = "text/event-stream"
+_SCHEMAS = "#/components/schemas/"
+
+# ---------------------------------------------------------------------------
+# Schema helpers
+# ---------------------------------------------------------------------------
+
+
+def ref(name: str) -> Schema:
+    """A reference to ``components.schemas.<name>``."""
+    return {"$ref": f"{_SCHEMAS}{name}"}
+
+
+def obj(
+    required: dict[str, Schema],
+    optional: dict[str, Schema] | None = None,
+    *,
+    description: str | None = None,
+    closed: bool = True,
+) -> Schema:
+    """An object with ``required`` and ``optional`` properties, closed unless told otherwise."""
+    properties = {**required, **(optional or {})}
+    out: Schema = {"type": "object"}
+    if description is not None:
+        out["description"] = description
+    out["properties"] = properties
+    if required:
+        out["required"] = list(required)
+    if closed:
+        out["additionalProperties"] = False
+    return out
+
+
+def nullable(schema: Schema) -> Schema:
+    """``schema`` or JSON ``null``."""
+    kind = schema.get("type")
+    if isinstance(kind, str) and kind != "object" and not {"enum", "const"} & set(schema):
+        return {**schema, "type": [kind, "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def array(items: Schema, **extra: Any) -> Schema:
+    """An array of ``items``."""
+    return {"type": "array", "items": items, **extra}
+
+
+def enum(values: Any) -> Schema:
+    """A string out of ``values`` (kept in the given order, or sorted for sets)."""
+    ordered = sorted(values) if isinstance(values, set | frozenset) else list(values)
+    return {"type": "string", "enum": ordered}
+
+
+def const(value: Any) -> Schema:
+    """Exactly ``value``."""
+    return {"const": value}
+
+
+def string(**extra: Any) -> Schema:
+    """A string."""
+    return {"type": "string", **extra}
+
+
+def integer(minimum: int | None = 0, maximum: int | None = None, **extra: Any) -> Schema:
+    """An integer, non-negative by default."""
+    out: Schema = {"type": "integer"}
+    if minimum is not None:
+        out["minimum"] = minimum
+    if maximum is not None:
+        out["maximum"] = maximum
+    return {**out, **extra}
+
+
+BOOL: Schema = {"type": "boolean"}
+STR: Schema = string()
+NON_EMPTY: Schema = string(minLength=1)
+COUNT: Schema = integer()
+UNIX_MS: Schema = integer(description="UNIX time in milliseconds")
+PORT: Schema = integer(0, 65535)
+STRINGS: Schema = array(STR)
+OPEN_OBJECT: Schema = {"type": "object"}
+
+
+def _pascal(method: str) -> str:
+    """``diagnostics.trace_route`` -> ``DiagnosticsTraceRoute``."""
+    return "".join(part[:1].upper() + part[1:] for part in re.split(r"[._]", method) if part)
+
+
+def command_component(method: str, suffix: str) -> str:
+    """Component name of one command's request variant (``Command``) or result (``Result``)."""
+    return f"{_pascal(method)}{suffix}"
+
+
+# ---------------------------------------------------------------------------
+# Envelope and errors (interface.md 2.1, 7)
+# ---------------------------------------------------------------------------
+
+_REQUEST_ID: Schema = {
+    "type": ["string", "number", "null"],
+    "description": "The command request's id echoed back; null for queries.",
+}
+
+_API_ERROR = obj(
+    {"code": enum(HTTP_STATUS), "message": STR},
+    {
+        "field_path": string(description="Where the problem is, e.g. params.flow_id."),
+        "cause": STR,
+        "details": array(obj({"message": STR}, {"field_path": STR})),
+    },
+    description="The error object of the envelope.",
+)
+
+#: Error statuses documented per operation, their response component and description.
+_ERROR_RESPONSES: dict[int, tuple[str, str]] = {
+    400: ("BadRequest", "invalid_argument: a parameter or the body is not valid."),
+    401: ("Unauthenticated", "unauthenticated: a key is required and none (or a wrong one) came."),
+    403: ("PermissionDenied", "permission_denied: the key lacks the permission this needs."),
+    404: ("NotFound", "not_found: no such resource (or no such endpoint)."),
+    405: ("MethodNotAllowed", "unsupported: this path does not answer this method (see Allow)."),
+    429: (
+        "RateLimited",
+        "rate_limited: over a rate or concurrency limit; retry after Retry-After.",
+    ),
+    500: ("InternalError", "internal: an unexpected failure."),
+    501: ("NotImplemented", "unsupported / feature_disabled: not built in this engine."),
+}
+
+
+def _codes_for(status: int) -> list[str]:
+    if status == 405:
+        # HTTP routing overrides the table: a wrong method is unsupported with 405.
+        return ["unsupported"]
+    return [code for code, mapped in HTTP_STATUS.items() if mapped == status]
+
+
+def success_envelope(result: Schema) -> Schema:
+    """The success envelope carrying ``result``."""
+    return obj(
+        {"api_id": const(API_ID), "id": _REQUEST_ID, "ok": const(True), "result": result},
+        description="Success envelope (interface.md 2.1).",
+    )
+
+
+def error_envelope(status: int) -> Schema:
+    """The error envelope of one HTTP status, its ``code`` narrowed to that status's codes."""
+    return obj(
+        {
+            "api_id": const(API_ID),
+            "id": _REQUEST_ID,
+            "ok": const(False),
+            "error": {
+                "allOf": [ref("ApiError"), {"properties": {"code": enum(_codes_for(status))}}]
+            },
+        },
+        description=f"Error envelope for HTTP {status} (interface.md 2.1, 7).",
+    )
+
+
+def _header(schema: Schema, description: str, *, required: bool = True) -> Schema:
+    return {"description": description, "required": required, "schema": schema}
+
+
+_HEADERS: dict[str, Schema] = {
+    "AccessControlAllowOrigin": _header(const("*"), "CORS: every origin may read the response."),
+    "WWWAuthenticate": _header(STR, "The authentication scheme to use (Bearer)."),
+    "RetryAfter": _header(integer(1), "Whole seconds to wait before retrying."),
+    "Allow": _header(STR, "The methods this path answers."),
+    "AccessControlAllowMethods": _header(STR, "CORS preflight: allowed methods."),
+    "AccessControlAllowHeaders": _header(STR, "CORS preflight: allowed request headers."),
+    "AccessControlMaxAge": _header(STR, "CORS preflight: seconds the answer may be cached."),
+}
+
+
+def _header_refs(*names: str) -> dict[str, Schema]:
+    wire = {
+        "AccessControlAllowOrigin": "Access-Control-Allow-Origin",
+        "WWWAuthenticate": "WWW-Authenticate",
+        "RetryAfter": "Retry-After",
+        "Allow": "Allow",
+        "AccessControlAllowMethods": "Access-Control-Allow-Methods",
+        "AccessControlAllowHeaders": "Access-Control-Allow-Headers",
+        "AccessControlMaxAge": "Access-Control-Max-Age",
+    }
+    return {wire[n]: {"$ref": f"#/components/headers/{n}"} for n in names}
+
+
+def _error_response(status: int) -> Schema:
+    name, description = _ERROR_RESPONSES[status]
+    extra = {401: ("WWWAuthenticate",), 429: ("RetryAfter",), 405: ("Allow",)}.get(status, ())
+    return {
+        "description": description,
+        "headers": _header_refs("AccessControlAllowOrigin", *extra),
+        "content": {_JSON: {"schema": ref(f"{name}Envelope")}},
+    }
+
+
+def _ok(result: Schema, description: str) -> Schema:
+    return {
+        "description": description,
+        "headers": _header_refs("AccessControlAllowOrigin"),
+        "content": {_JSON: {"schema": success_envelope(result)}},
+    }
+
+
+# ---------------------------------------------------------------------------
+# Resource schemas (interface.md 2.x)
+# ---------------------------------------------------------------------------
+
+
+def _support() -> Schema:
+    return obj(
+        {
+            "supported": BOOL,
+            "level": enum(["supported", "unsupported", "not_built", "not_applicable"]),
+            "notes": STRINGS,
+        }
+    )
+
+
+def _limitation() -> Schema:
+    return obj({"code": STR, "message": STR})
+
+
+def _capabilities() -> Schema:
+    direction = obj({"tcp": ref("Support"), "udp": ref("Support")})
+    protocol = obj(
+        {
+            "protocol": STR,
+            "feature": STR,
+            "compiled": BOOL,
+            "status": enum(["stable", "not_built"]),
+            "compatibility_baseline": STR,
+            "inbound": direction,
+            "outbound": direction,
+            "transports": STRINGS,
+            "mux": ref("Support"),
+            "limitations": array(ref("Limitation")),
+        }
+    )
+    toggle = obj({"kind": STR, "enabled": BOOL})
+    return obj(
+        {
+            "api_id": const(API_ID),
+            "schema_id": const(EVENT_SCHEMA_ID),
+            "engine_version": STR,
+            "adapters": array(toggle),
+            "sinks": array(toggle),
+            "features": STRINGS,
+            "protocols": array(protocol),
+            "build_features": STRINGS,
+            "permissions": array(ref("Permission"), uniqueItems=True),
+            "contracts": array(
+                obj({"name": STR, "id": STR, "min_version": COUNT, "max_version": COUNT})
+            ),
+            "error_codes": array(
+                obj({"code": enum(HTTP_STATUS), "http_status": integer(400, 599)})
+            ),
+            "commands": array(
+                obj(
+                    {
+                        "method": ref("CommandMethod"),
+                        "permission": ref("Permission"),
+                        "available": BOOL,
+                    },
+                    {"missing": string(description="What this build lacks for the command.")},
+                )
+            ),
+            "global_limitations": array(ref("Limitation")),
+        },
+        description="What this build can do (interface.md 2.3).",
+    )
+
+
+def _group_fields() -> dict[str, Schema]:
+    chains = array(STRINGS)
+    member = obj(
+        {
+            "member_tag": STR,
+            "healthy": BOOL,
+            "latency_ms": nullable(COUNT),
+            "last_checked_unix_ms": nullable(UNIX_MS),
+            "last_error": nullable(STR),
+            "effective_chains": chains,
+        }
+    )
+    return {
+        "tag": STR,
+        "kind": enum(["selector", "url_test", "fallback", "relay", "load_balance"]),
+        "outbounds": STRINGS,
+        "selected": nullable(STR),
+        "latency_ms": nullable(COUNT),
+        "last_checked_unix_ms": nullable(UNIX_MS),
+        "effective_chains": chains,
+        "url_test_members": array(member),
+    }
+
+
+def _config_summary() -> Schema:
+    return obj(
+        {
+            "mode": obj({"kind": ref("ModeKind"), "outbound": nullable(STR)}),
+            "rule_count": COUNT,
+            "listeners": array(
+                obj(
+                    {
+                        "tag": STR,
+                        "protocol": STR,
+                        "listen_address": STR,
+                        "listen_port": PORT,
+                    }
+                )
+            ),
+            "outbounds": array(
+                obj({"tag": STR, "protocol": STR, "server": nullable(STR), "port": nullable(PORT)})
+            ),
+            "outbound_groups": array(ref("OutboundGroup")),
+        },
+        description="The running configuration, summarised (interface.md 2.4).",
+    )
+
+
+def _stats() -> Schema:
+    udp = (
+        "active_associations",
+        "created_associations",
+        "reused_associations",
+        "closed_associations",
+        "idle_timeouts",
+        "dropped_associations",
+        "failed_association_attempts",
+        "send_failures",
+        "recv_failures",
+        "packets_sent",
+        "packets_received",
+    )
+    counters = (
+        "active_sessions",
+        "total_started",
+        "completed_sessions",
+        "failed_sessions",
+        "blocked_sessions",
+        "direct_sessions",
+        "chained_sessions",
+        "bytes_up",
+        "bytes_down",
+    )
+    return obj(
+        {
+            **dict.fromkeys(counters, COUNT),
+            "udp_upstream": obj(dict.fromkeys(udp, COUNT)),
+        },
+        description="Cumulative counters (interface.md 2.6).",
+    )
+
+
+def _runtime() -> Schema:
+    return obj(
+        {
+            "stats": ref("Stats"),
+            "udp_upstream_idle_timeout_seconds": integer(1),
+            "log_level": enum(["trace", "debug", "info", "warn", "error"]),
+            "log_files": STRINGS,
+            "pid": integer(1),
+            "started_at_unix_ms": UNIX_MS,
+            "active_sessions": array(ref("FlowRecord")),
+            "recent_completed_sessions": array(ref("FlowRecord")),
+        },
+        {"config_path": string(description="Present when the engine was started from a file.")},
+        description="The runtime snapshot (interface.md 2.5).",
+    )
+
+
+def _flow_record() -> Schema:
+    failure = obj(
+        {"stage": STR, "code": STR, "message": STR},
+        {"remote": obj({"host": nullable(STR)}, {"port": nullable(PORT)})},
+    )
+    record = obj(
+        {
+            "flow_id": NON_EMPTY,
+            "revision": integer(1),
+            "state": enum(["opening", "active", "completed"]),
+            "network": enum(["tcp", "udp"]),
+            "inbound": obj({"tag": STR, "protocol": STR}),
+            "source": obj({"ip": STR, "port": PORT}),
+            "target": obj({"host": STR, "port": PORT}, {"resolved_ip": STR, "sniffed_host": STR}),
+            "route": obj(
+                {
+                    "mode": ref("ModeKind"),
+                    "action": enum(["pending", "route", "block"]),
+                    "target": nullable(STR),
+                    "matched_rule": nullable(ref("MatchedRule")),
+                    "selection_chain": STRINGS,
+                }
+            ),
+            "path": obj(
+                {
+                    "outbound": nullable(obj({"tag": STR, "protocol": STR})),
+                    "remote": nullable(obj({"host": STR, "port": nullable(PORT)})),
+                    "relay_chain": STRINGS,
+                }
+            ),
+            "traffic": obj(
+                {
+                    **dict.fromkeys(
+                        (
+                            "bytes_up",
+                            "bytes_down",
+                            "inbound_rx_bytes",
+                            "inbound_tx_bytes",
+                            "outbound_rx_bytes",
+                            "outbound_tx_bytes",
+                        ),
+                        COUNT,
+                    ),
+                    "packets_up": nullable(COUNT),
+                    "packets_down": nullable(COUNT),
+                }
+            ),
+            "throughput": obj(
+                {
+                    "upload_bps": COUNT,
+                    "download_bps": COUNT,
+                    "sampled_at_unix_ms": nullable(UNIX_MS),
+                }
+            ),
+            "timing": {
+                **obj(
+                    {"started_at_unix_ms": UNIX_MS, "last_activity_at_unix_ms": UNIX_MS},
+                    {"ended_at_unix_ms": UNIX_MS, "duration_ms": COUNT},
+                ),
+                "dependentRequired": {
+                    "ended_at_unix_ms": ["duration_ms"],
+                    "duration_ms": ["ended_at_unix_ms"],
+                },
+            },
+        },
+        {
+            "result": obj(
+                {
+                    "outcome": enum(
+                        ["direct_relayed", "chained_relayed", "blocked", "failed", "cancelled"]
+                    )
+                },
+                {"close_reason": STR, "failure": failure},
+                description="Present exactly when state is completed.",
+            )
+        },
+        description="A flow (interface.md 2.11); result only once completed.",
+    )
+    record["if"] = {"properties": {"state": const("completed")}, "required": ["state"]}
+    record["then"] = {
+        "required": ["result"],
+        "properties": {"timing": {"required": ["ended_at_unix_ms", "duration_ms"]}},
+    }
+    record["else"] = {"not": {"required": ["result"]}}
+    return record
+
+
+def _event_envelope() -> Schema:
+    lifecycle = ["flow.started", "flow.routed", "flow.updated", "flow.completed"]
+    envelope = obj(
+        {
+            "schema_id": const(EVENT_SCHEMA_ID),
+            "event_id": NON_EMPTY,
+            "event_type": ref("EventType"),
+            "occurred_at_unix_ms": UNIX_MS,
+            "source_id": nullable(STR),
+            "sequence": COUNT,
+            "principal_key": nullable(STR),
+            "labels": {"type": "object", "additionalProperties": STR},
+            "payload": OPEN_OBJECT,
+        },
+        description="An event (interface.md 2.10, 6); flow events carry the FlowRecord.",
+    )
+    envelope["allOf"] = [
+        {
+            "if": {"properties": {"event_type": enum(lifecycle)}, "required": ["event_type"]},
+            "then": {
+                "properties": {
+                    "payload": {
+                        "type": "object",
+                        "required": ["flow_id", "record"],
+                        "properties": {"flow_id": NON_EMPTY, "record": ref("FlowRecord")},
+                    }
+                }
+            },
+        },
+        {
+            "if": {"properties": {"event_type": const("flow.completed")}},
+            "then": {
+                "properties": {
+                    "payload": {
+                        "properties": {"record": {"properties": {"state": const("completed")}}}
+                    }
+                }
+            },
+        },
+        {
+            "if": {"properties": {"event_type": const("flow.snapshot")}},
+            "then": {
+                "properties": {
+                    "payload": obj({"watermark": COUNT, "records": array(ref("FlowRecord"))})
+                }
+            },
+        },
+    ]
+    return envelope
+
+
+def _sink() -> Schema:
+    return obj(
+        {
+            "name": STR,
+            "pending": COUNT,
+            "total_delivered": COUNT,
+            "total_failed": COUNT,
+            "replay_gaps": COUNT,
+            "last_success_at_unix_ms": nullable(UNIX_MS),
+            "last_failure_at_unix_ms": nullable(UNIX_MS),
+            "last_error": nullable(STR),
+            "outbox_recovery": OPEN_OBJECT,
+        },
+        {
+            "outbox_storage": obj(
+                {
+                    "available_bytes": COUNT,
+                    "total_bytes": COUNT,
+                    "reserve_bytes": COUNT,
+                    "maintenance_reserve_bytes": COUNT,
+                    "write_blocked": BOOL,
+                }
+            ),
+            "delivery": obj(
+                {
+                    "in_flight": COUNT,
+                    "retry_pending": COUNT,
+                    "ack_retry_pending": COUNT,
+                    "durable_pending": COUNT,
+                    "next_retry_at_unix_ms": nullable(UNIX_MS),
+                }
+            ),
+        },
+        description="One event sink's delivery state (interface.md 2.8).",
+    )
+
+
+def _tun_status() -> Schema:
+    stopped = obj(
+        {
+            "running": const(False),
+            "name": {"type": "null"},
+            "addr": {"type": "null"},
+            "tag": {"type": "null"},
+        },
+        description="No TUN inbound is running.",
+    )
+    egress = obj(
+        {"availability": enum(["unknown", "available", "unavailable"])},
+        {"interface": STR, "reason": STR},
+    )
+    running = obj(
+        {
+            "running": const(True),
+            "name": STR,
+            "addr": STR,
+            "tag": STR,
+            "addresses": STRINGS,
+            "mtu": integer(1),
+            "healthy": BOOL,
+            "last_error": nullable(STR),
+            "auto_route": BOOL,
+            "include_cidrs": STRINGS,
+            "exclude_cidrs": STRINGS,
+            "dual_stack": BOOL,
+            "strict_route": BOOL,
+            "dns_hijack": BOOL,
+            "ipv4_egress": egress,
+            "ipv6_egress": egress,
+            "network_generation": COUNT,
+            "address_family_policy": STR,
+            "ipv6_to_ipv4_fallbacks": COUNT,
+            "managed_by_config": BOOL,
+        },
+        description="A running TUN inbound; egress_interface* fields name the egress device.",
+    )
+    running["patternProperties"] = {"^egress_interface": {}}
+    return {"oneOf": [stopped, running], "description": "The TUN inbound (interface.md 2.9)."}
+
+
+# ---------------------------------------------------------------------------
+# Commands (interface.md 4.2)
+# ---------------------------------------------------------------------------
+
+
+def _apply_result() -> Schema:
+    return obj(
+        {
+            "applied": BOOL,
+            "persistence": STR,
+            "reconciled": BOOL,
+            "application_components": STRINGS,
+        }
+    )
+
+
+def _command_results() -> dict[str, Schema]:
+    accepted = obj({"accepted": BOOL})
+    fakeip_scope = (
+        "The fake-IP mapping of params.domain or params.ip (null when none). Not built yet: "
+        "the contract names no fields, so this shape is provisional."
+    )
+    return {
+        "flows.close": obj({"flow_id": NON_EMPTY, "closed": BOOL}),
+        "mode.set": accepted,
+        "config.validate": obj({"valid": BOOL}),
+        "diagnostics.trace_route": obj(
+            {
+                "target": STR,
+                "port": PORT,
+                "protocol": enum(["tcp", "udp"]),
+                "inbound_tag": nullable(STR),
+                "effective_mode": ref("ModeKind"),
+                "route_action": {
+                    "oneOf": [obj({"route": STR}), obj({"block": const(True)})],
+                },
+                "matched_rule": nullable(ref("MatchedRule")),
+            }
+        ),
+        "diagnostics.probe_target": obj(
+            {
+                "target_tag": STR,
+                "server": nullable(STR),
+                "port": nullable(PORT),
+                "reachable": BOOL,
+                "latency_ms": nullable(COUNT),
+            },
+            {"error": STR},
+        ),
+        "diagnostics.dns_lookup": obj(
+            {"hostname": STR, "resolved_addresses": STRINGS, "count": COUNT}, {"error": STR}
+        ),
+        "diagnostics.dns_cache": {
+            "oneOf": [
+                obj(
+                    {
+                        "enabled": BOOL,
+                        "domain": STR,
+                        "hit": BOOL,
+                        "addresses": STRINGS,
+                        "ttl_seconds": nullable(COUNT),
+                    },
+                    description="With params.domain: that domain's cache entry.",
+                ),
+                obj(
+                    {
+                        "enabled": BOOL,
+                        "entries": array(
+                            obj({"domain": STR, "addresses": STRINGS, "ttl_seconds": COUNT})
+                        ),
+                        "count": COUNT,
+                    },
+                    description="Without params.domain: the cache's entries.",
+                ),
+            ]
+        },
+        "policies.select": obj({"policy_tag": STR, "selected": STR}),
+        "policies.probe": obj({"policy_tag": STR, "probe_triggered": BOOL}),
+        "config.apply": _apply_result(),
+        "config.apply_runtime": _apply_result(),
+        "tun.start": accepted,
+        "tun.stop": accepted,
+        "diagnostics.probe_outbound": obj(
+            {
+                "target_tag": STR,
+                "url": STR,
+                "via": {"description": "The path the probe took (shape not fixed yet)."},
+                "reachable": BOOL,
+                "latency_ms": nullable(COUNT),
+            },
+            {"error": STR},
+        ),
+        "diagnostics.fakeip_lookup": obj(
+            {"domain": nullable(STR), "ip": nullable(STR)}, description=fakeip_scope
+        ),
+        "fakeip.clear": obj({"cleared": {"type": ["boolean", "integer"]}}),
+    }
+
+
+def _command_schemas() -> tuple[dict[str, Schema], Schema, Schema]:
+    """Components for params, request variants and results; the request and result unions."""
+    components: dict[str, Schema] = {}
+    results = _command_results()
+    variants: list[Schema] = []
+    mapping: dict[str, str] = {}
+    result_refs: list[Schema] = []
+    for method, command in COMMANDS.items():
+        model = command.params
+        params = model.model_json_schema(ref_template=_SCHEMAS + "{model}")
+        components.update(params.pop("$defs", {}))
+        components[model.__name__] = params
+        variant_name = command_component(method, "Command")
+        note = f"Needs the {command.permission} permission."
+        if command.missing is not None:
+            note += f" Not available in this build (answers 501): needs {command.missing}."
+        components[variant_name] = obj(
+            {"method": string(const=method), "params": ref(model.__name__)},
+            {"id": _REQUEST_ID},
+            description=f"``{method}``. {note}",
+        )
+        variants.append(ref(variant_name))
+        mapping[method] = _SCHEMAS + variant_name
+        result_name = command_component(method, "Result")
+        components[result_name] = results.get(
+            method, {"type": "object", "description": "Result shape not documented yet."}
+        )
+        if ref(result_name) not in result_refs:
+            result_refs.append(ref(result_name))
+    request = {
+        "description": "One command: its method and that method's params.",
+        "oneOf": variants,
+        "discriminator": {"propertyName": "method", "mapping": mapping},
+    }
+    result = {"description": "The result of the command named by method.", "anyOf": result_refs}
+    return components, request, result
+
+
+# ---------------------------------------------------------------------------
+# Paths
+# ---------------------------------------------------------------------------
+
+_COMMON_ERRORS = (401, 403, 405, 429, 500)
+_SECURITY: list[dict[str, list[str]]] = [{}, {"bearer": []}, {"apiKey": []}]
+
+
+def _responses(success: dict[str, Schema], *errors: int) -> dict[str, Schema]:
+    out = dict(success)
+    for status in sorted({*errors, *_COMMON_ERRORS}):
+        out[str(status)] = {"$ref": f"#/components/responses/{_ERROR_RESPONSES[status][0]}"}
+    return out
+
+
+def _get(
+    op_id: str,
+    summary: str,
+    result: Schema,
+    *errors: int,
+    parameters: list[Schema] | None = None,
+) -> Schema:
+    op: Schema = {"operationId": op_id, "summary": summary, "tags": ["queries"]}
+    if parameters:
+        op["parameters"] = parameters
+    op["responses"] = _responses({"200": _ok(result, summary)}, *errors)
+    return op
+
+
+def _options(op_id: str) -> Schema:
+    return {
+        "operationId": op_id,
+        "summary": "CORS preflight (never authenticated or rate limited).",
+        "tags": ["cors"],
+        "security": [],
+        "responses": {
+            "200": {
+                "description": "Preflight answer: an empty success envelope.",
+                "headers": _header_refs(
+                    "AccessControlAllowOrigin",
+                    "AccessControlAllowMethods",
+                    "AccessControlAllowHeaders",
+                    "AccessControlMaxAge",
+                ),
+                "content": {_JSON: {"schema": ref("PreflightEnvelope")}},
+            }
+        },
+    }
+
+
+def _path_param(name: str, description: str) -> Schema:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "description": description,
+        "schema": string(minLength=1),
+    }
+
+
+def _query_param(name: str, schema: Schema, description: str, **extra: Any) -> Schema:
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "description": description,
+        "schema": schema,
+        **extra,
+    }
+
+
+def _paths(command_result: Schema) -> dict[str, Schema]:
+    flows_params = [
+        _query_param(
+            "limit",
+            integer(1, FLOWS_LIMIT_MAX, default=FLOWS_LIMIT_DEFAULT),
+            "At most this many flows.",
+        ),
+        _query_param("inbound_tag", STR, "Only flows of this inbound."),
+        _query_param("principal_key", STR, "Only flows of this principal."),
+    ]
+    stream_params = [
+        _query_param(
+            "types",
+            array(enum([*sorted(EVENT_TYPES), "*"])),
+            "Comma-separated event types to receive (default: every type).",
+            style="form",
+            explode=False,
+        ),
+        _query_param(
+            "since",
+            integer(0),
+            "Replay ring events after this sequence first (wins over Last-Event-ID).",
+        ),
+        {
+            "name": "Last-Event-ID",
+            "in": "header",
+            "required": False,
+            "description": "The SSE resume point: the id of the last event received.",
+            "schema": integer(0),
+        },
+    ]
+    queries: dict[str, tuple[str, str, Schema, tuple[int, ...], list[Schema] | None]] = {
+        "health": ("getHealth", "Liveness of the engine.", ref("Health"), (), None),
+        "capabilities": (
+            "getCapabilities",
+            "What this build supports, for this caller.",
+            ref("Capabilities"),
+            (),
+            None,
+        ),
+        "config": ("getConfig", "The running configuration.", ref("ConfigSummary"), (), None),
+        "runtime": ("getRuntime", "The runtime snapshot.", ref("Runtime"), (), None),
+        "stats": ("getStats", "Cumulative counters.", ref("Stats"), (), None),
+        "flows": ("listFlows", "Active flows.", ref("FlowList"), (400,), flows_params),
+        "flows/{flow_id}": (
+            "getFlow",
+            "One active flow.",
+            ref("FlowRecord"),
+            (404,),
+            [_path_param("flow_id", "An active flow's id.")],
+        ),
+        "policies": ("listPolicies", "Policy groups.", ref("PolicyList"), (), None),
+        "policies/{policy_tag}": (
+            "getPolicy",
+            "One policy group.",
+            ref("PolicySnapshot"),
+            (404,),
+            [_path_param("policy_tag", "A policy group's tag.")],
+        ),
+        "sinks": ("listSinks", "Event sinks.", ref("SinkList"), (), None),
+        "tun_status": ("getTunStatus", "The TUN inbound.", ref("TunStatus"), (), None),
+        "events": ("getEvents", "The event ring.", ref("EventRing"), (), None),
+    }
+    paths: dict[str, Schema] = {}
+    for name, (op_id, summary, result, errors, parameters) in queries.items():
+        options_id = "options" + op_id[0].upper() + op_id[1:]
+        in_path = [p for p in parameters or () if p["in"] == "path"]
+        in_query = [p for p in parameters or () if p["in"] != "path"]
+        item: Schema = {"parameters": in_path} if in_path else {}
+        item["get"] = _get(op_id, summary, result, *errors, parameters=in_query)
+        item["options"] = _options(options_id)
+        paths[f"{PREFIX}/{name}"] = item
+    paths[f"{PREFIX}/events/stream"] = {
+        "get": {
+            "operationId": "streamEvents",
+            "summary": "Live events as Server-Sent Events, with resume.",
+            "description": (
+                "Frames are `id: <sequence>`, `event: <type>`, `data: <EventEnvelope JSON>`. "
+                "At most 5 concurrent streams; the 6th is answered 429."
+            ),
+            "tags": ["events"],
+            "parameters": stream_params,
+            "responses": _responses(
+                {
+                    "200": {
+                        "description": "The event stream (never ends by itself).",
+                        "headers": _header_refs("AccessControlAllowOrigin"),
+                        "content": {_SSE: {"schema": string()}},
+                    }
+                },
+                400,
+            ),
+        },
+        "options": _options("optionsStreamEvents"),
+    }
+    paths[f"{PREFIX}/commands"] = {
+        "post": {
+            "operationId": "executeCommand",
+            "summary": "Run one command of the command table.",
+            "description": (
+                "Commands whose subsystem is not built answer 501 unsupported; "
+                "params are validated (400) before that."
+            ),
+            "tags": ["commands"],
+            "requestBody": {
+                "required": True,
+                "content": {_JSON: {"schema": ref("CommandRequest")}},
+            },
+            "responses": _responses(
+                {"200": _ok(command_result, "The command's result.")}, 400, 404, 501
+            ),
+        },
+        "options": _options("optionsExecuteCommand"),
+    }
+    paths[f"{PREFIX}/openapi.json"] = {
+        "get": {
+            "operationId": "getOpenApi",
+            "summary": "This document (raw, not enveloped).",
+            "tags": ["meta"],
+            "responses": _responses(
+                {
+                    "200": {
+                        "description": "The OpenAPI 3.1 document.",
+                        "headers": _header_refs("AccessControlAllowOrigin"),
+                        "content": {
+                            _JSON: {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["openapi", "info", "paths", "components"],
+                                    "properties": {"openapi": const(OPENAPI_VERSION)},
+                                }
+                            }
+                        },
+                    }
+                }
+            ),
+        },
+        "options": _options("optionsGetOpenApi"),
+    }
+    return paths
+
+
+def _components(command_components: dict[str, Schema], command_request: Schema) -> Schema:
+    policy = obj(
+        _group_fields(),
+        {
+            "interval_seconds": integer(1),
+            "tolerance_ms": COUNT,
+            "strategy": enum(["round_robin", "consistent_hashing", "sticky_sessions"]),
+            "url": STR,
+        },
+        description="A policy group (interface.md 2.7).",
+    )
+    schemas: dict[str, Schema] = {
+        "ApiError": _API_ERROR,
+        **{f"{name}Envelope": error_envelope(s) for s, (name, _) in _ERROR_RESPONSES.items()},
+        "PreflightEnvelope": success_envelope(obj({})),
+        "Permission": enum(PERMISSIONS),
+        "ModeKind": enum(["rule", "global", "direct"]),
+        "EventType": enum(EVENT_TYPES),
+        "CommandMethod": enum(COMMANDS),
+        "MatchedRule": obj({"index": COUNT, "condition": STR}),
+        "Support": _support(),
+        "Limitation": _limitation(),
+        "Health": obj(
+            {"engine_build_id": STR, "started_at_unix_ms": UNIX_MS, "healthy": BOOL},
+            description="Liveness (interface.md 2.2).",
+        ),
+        "Capabilities": _capabilities(),
+        "OutboundGroup": obj(_group_fields(), description="A policy group's live state."),
+        "ConfigSummary": _config_summary(),
+        "Stats": _stats(),
+        "Runtime": _runtime(),
+        "FlowRecord": _flow_record(),
+        "FlowList": obj({"active_flows": array(ref("FlowRecord"))}),
+        "PolicySnapshot": policy,
+        "PolicyList": obj({"policies": array(ref("PolicySnapshot"))}),
+        "Sink": _sink(),
+        "SinkList": obj({"sinks": array(ref("Sink"))}),
+        "TunStatus": _tun_status(),
+        "EventEnvelope": _event_envelope(),
+        "EventRing": obj(
+            {
+                "events": array(ref("EventEnvelope")),
+                "oldest_sequence": integer(1),
+                "latest_sequence": COUNT,
+                "capacity": integer(1),
+            },
+            description="The event ring (interface.md 4.1, decisions 2).",
+        ),
+        "CommandRequest": command_request,
+        **command_components,
+    }
+    return {
+        "schemas": schemas,
+        "responses": {name: _error_response(s) for s, (name, _) in _ERROR_RESPONSES.items()},
+        "headers": _HEADERS,
+        "securitySchemes": {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "Authorization: Bearer <key>.",
+            },
+            "apiKey": {
+                "type": "apiKey",
+                "in": "header",
+                "name": "X-Service-Api-Key",
+                "description": "The same key in a header of its own.",
+            },
+        },
+    }
 
 
 def openapi_document() -> dict[str, Any]:
-    """The document (work in progress: paths only)."""
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "spliceway control API", "version": "1"},
-        "paths": {},
+    """The OpenAPI 3.1.0 document of every control API endpoint.
+
+    A fresh tree on every call: the helpers share small schema dicts, so the
+    result is deep-copied and a caller may mutate it freely.
+    """
+    command_components, command_request, command_result = _command_schemas()
+    document = {
+        "openapi": OPENAPI_VERSION,
+        "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",
+        "info": {
+            "title": "spliceway control API",
+            "version": "1",
+            "description": (
+                "Every response is the envelope {api_id, id, ok, result | error} "
+                "(interface.md 2.1), except the SSE stream and this document. "
+                "An engine with no API key configured needs no authentication; otherwise "
+                "send the key as a bearer token or in X-Service-Api-Key."
+            ),
+        },
+        "servers": [{"url": "/"}],
+        "security": _SECURITY,
+        "tags": [
+            {"name": "queries", "description": "Read-only resources (read permission)."},
+            {"name": "commands", "description": "The command table (per-method permission)."},
+            {"name": "events", "description": "The live event stream."},
+            {"name": "meta", "description": "This document."},
+            {"name": "cors", "description": "CORS preflight."},
+        ],
+        "paths": _paths(command_result),
+        "components": _components(command_components, command_request),
     }
+    return copy.deepcopy(document)
