@@ -3,8 +3,9 @@
 Waitress gets more worker threads than the SSE cap, so five open streams never
 starve queries and commands; ``channel_request_lookahead`` lets it read ahead on
 a connection and so notice a client that went away while its stream was idle.
-Stop order: end every SSE stream (freeing its worker), close every channel and
-the listener on Waitress's own loop thread, join the loop, then the workers.
+Stop order: close the listener (on Waitress's own loop thread, like every
+close), end every SSE stream, let running requests finish and their output
+flush, close every channel, join the loop, then the workers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from waitress import wasyncore
 from waitress.server import create_server
 
 from spliceway.errors import ApiError
@@ -78,8 +80,11 @@ class ControlServer:
         Open SSE streams end cleanly (their final chunk is flushed before the
         connection closes), so a client sees the end of the stream, not a reset.
         """
-        self._state.close_streams()
         server = self._server
+        # No new connections while the open ones finish.
+        # (dispatcher.close, not server.close, which would also close the trigger.)
+        server.trigger.pull_trigger(lambda: wasyncore.dispatcher.close(server))  # type: ignore[union-attr]
+        self._state.close_streams()
         deadline = time.monotonic() + _DRAIN_S
         while server.task_dispatcher.active_count and time.monotonic() < deadline:
             time.sleep(0.01)

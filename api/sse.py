@@ -55,7 +55,7 @@ def parse_since(query: str | None, header: str | None) -> int | None:
         if raw is None or raw == "":
             continue
         value = raw.strip()
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):
             raise invalid_argument(f"{field} must be a non-negative event sequence", field)
         return int(value)
     return None

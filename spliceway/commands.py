@@ -30,7 +30,9 @@ _ASK_TIMEOUT = 10.0
 
 
 class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: JSON ``true`` is not port 1 and ``"80"`` is not 80; a controller's
+    # type mistake is reported, not coerced.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class NoParams(_Params):
@@ -46,7 +48,7 @@ class FlowsCloseParams(_Params):
 class ModeSetParams(_Params):
     """``mode.set``."""
 
-    mode: str
+    mode: Literal["rule", "global", "direct"]
     outbound: str | None = None
 
 
@@ -157,18 +159,16 @@ def _flows_close(core: EngineCore, p: FlowsCloseParams) -> dict[str, Any]:
 
 
 def _mode_set(core: EngineCore, p: ModeSetParams) -> dict[str, Any]:
-    if p.mode not in ("rule", "global", "direct"):
-        raise invalid_argument(
-            f"mode must be rule, global or direct, not {p.mode!r}", "params.mode"
-        )
     outbound = p.outbound
     if p.mode == "global":
         if not outbound:
             raise invalid_argument("mode global needs an outbound", "params.outbound")
         if outbound not in core.outbounds:
             raise invalid_argument(f"unknown outbound {outbound!r}", "params.outbound")
-    else:
-        outbound = None
+    elif outbound is not None:
+        raise invalid_argument(
+            f"outbound applies only to mode global, not {p.mode}", "params.outbound"
+        )
     assert core.supervisor is not None
     core.supervisor.proxy().set_mode(p.mode, outbound).get(timeout=_ASK_TIMEOUT)
     return {"accepted": True}

@@ -60,7 +60,8 @@ def _runtime(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 def _flows(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     limit = params.get("limit", FLOWS_LIMIT_DEFAULT)
-    if isinstance(limit, str) and limit.isdigit():
+    # isascii: str.isdigit() also accepts '²' and fullwidth digits, which int() rejects.
+    if isinstance(limit, str) and limit.isascii() and limit.isdigit():
         limit = int(limit)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= FLOWS_LIMIT_MAX:
         raise invalid_argument(f"limit must be an integer 1..{FLOWS_LIMIT_MAX}", "limit")

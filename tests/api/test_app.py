@@ -274,6 +274,19 @@ def test_command_echoes_id(client: falcon.testing.TestClient) -> None:
         ({"method": "mode.set", "params": {"mode": "global", "outbound": "zz"}}, "params.outbound"),
         ({"method": "mode.set", "params": {"mode": "rule", "extra": 1}}, "params.extra"),
         ({"method": "flows.close", "params": {}}, "params.flow_id"),
+        (
+            {"method": "mode.set", "params": {"mode": "direct", "outbound": "block"}},
+            "params.outbound",
+        ),
+        (
+            {"method": "diagnostics.trace_route", "params": {"target": "a", "port": True}},
+            "params.port",
+        ),
+        (
+            {"method": "diagnostics.trace_route", "params": {"target": "a", "port": "80"}},
+            "params.port",
+        ),
+        ({"method": "flows.close", "params": {"flow_id": 12}}, "params.flow_id"),
         ({"id": True, "method": "flows.close", "params": {"flow_id": "x"}}, "id"),
         ({"id": {"a": 1}, "method": "flows.close", "params": {"flow_id": "x"}}, "id"),
         ({"method": "flows.close", "params": {"flow_id": "x"}, "paramz": {}}, "paramz"),
