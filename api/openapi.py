@@ -111,6 +111,7 @@ NON_EMPTY: Schema = string(minLength=1)
 COUNT: Schema = integer()
 UNIX_MS: Schema = integer(description="UNIX time in milliseconds")
 PORT: Schema = integer(0, 65535)
+LATENCY_MS: Schema = {"type": "number", "minimum": 0}
 STRINGS: Schema = array(STR)
 OPEN_OBJECT: Schema = {"type": "object"}
 
@@ -631,7 +632,7 @@ def _apply_result() -> Schema:
     return obj(
         {
             "applied": BOOL,
-            "persistence": STR,
+            "persistence": enum(["source_file", "runtime_only"]),
             "reconciled": BOOL,
             "application_components": STRINGS,
         }
@@ -640,10 +641,6 @@ def _apply_result() -> Schema:
 
 def _command_results() -> dict[str, Schema]:
     accepted = obj({"accepted": BOOL})
-    fakeip_scope = (
-        "The fake-IP mapping of params.domain or params.ip (null when none). Not built yet: "
-        "the contract names no fields, so this shape is provisional."
-    )
     return {
         "flows.close": obj({"flow_id": NON_EMPTY, "closed": BOOL}),
         "mode.set": accepted,
@@ -667,7 +664,7 @@ def _command_results() -> dict[str, Schema]:
                 "server": nullable(STR),
                 "port": nullable(PORT),
                 "reachable": BOOL,
-                "latency_ms": nullable(COUNT),
+                "latency_ms": nullable(LATENCY_MS),
             },
             {"error": STR},
         ),
@@ -708,16 +705,25 @@ def _command_results() -> dict[str, Schema]:
             {
                 "target_tag": STR,
                 "url": STR,
-                "via": {"description": "The path the probe took (shape not fixed yet)."},
+                "via": const("through_proxy"),
                 "reachable": BOOL,
-                "latency_ms": nullable(COUNT),
+                "latency_ms": nullable(LATENCY_MS),
             },
             {"error": STR},
         ),
-        "diagnostics.fakeip_lookup": obj(
-            {"domain": nullable(STR), "ip": nullable(STR)}, description=fakeip_scope
-        ),
-        "fakeip.clear": obj({"cleared": {"type": ["boolean", "integer"]}}),
+        "diagnostics.fakeip_lookup": {
+            "oneOf": [
+                obj(
+                    {"enabled": BOOL, "domain": STR, "fake_ip": nullable(STR)},
+                    description="Forward (params.domain).",
+                ),
+                obj(
+                    {"enabled": BOOL, "ip": STR, "domain": nullable(STR)},
+                    description="Reverse (params.ip).",
+                ),
+            ]
+        },
+        "fakeip.clear": obj({"cleared": COUNT}),
     }
 
 

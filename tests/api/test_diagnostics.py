@@ -14,6 +14,7 @@ from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
 
 from tests.api.conftest import RELAXED
+from tests.api.test_openapi import validate_response
 from tests.conftest import base_config
 from tests.helpers.dnsserver import dns_server
 
@@ -84,6 +85,7 @@ def test_probe_target_reachable_through_the_engine_resolver(
     assert (body["server"], body["port"]) == ("proxy.test", listener.getsockname()[1])
     assert isinstance(body["latency_ms"], float) and 0 <= body["latency_ms"] < 2000
     assert "error" not in body
+    validate_response("POST", "/api/v1/commands", 200, result.json)
 
 
 def test_probe_target_failures_are_results(zone_engine: falcon.testing.TestClient) -> None:
