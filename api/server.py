@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 _SPARE_THREADS = 8
 _JOIN_S = 10.0
 _DRAIN_S = 2.0
+_OUTBUF_HIGH_WATERMARK = 1 << 20
 
 
 class ControlServer:
@@ -44,6 +45,9 @@ class ControlServer:
                 port=port,
                 threads=threads,
                 channel_request_lookahead=1,
+                # A slow SSE reader blocks its own worker after 1 MiB instead of
+                # buffering up to Waitress's default 16 MiB per connection.
+                outbuf_high_watermark=_OUTBUF_HIGH_WATERMARK,
                 ident="spliceway",
                 expose_tracebacks=False,
                 clear_untrusted_proxy_headers=True,

@@ -164,5 +164,8 @@ def open_stream(
                     since + 1,
                     oldest - 1,
                 )
-    sub = log.subscribe(types, since=since, snapshot=snapshot)
+    # A stream further behind than twice the ring (room for a full catch-up) is
+    # closed (``overflowed``) rather than buffered without bound; its client
+    # resumes from the ring by Last-Event-ID.
+    sub = log.subscribe(types, since=since, snapshot=snapshot, max_pending=2 * log.capacity)
     return sub, preface
