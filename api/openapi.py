@@ -26,6 +26,7 @@ from spliceway.config import EVENT_TYPES
 from spliceway.errors import HTTP_STATUS
 from spliceway.events import SCHEMA_ID as EVENT_SCHEMA_ID
 from spliceway.queries import FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
+from spliceway.runtime import UDP_COUNTERS
 
 Schema = dict[str, Any]
 
@@ -355,19 +356,7 @@ def _config_summary() -> Schema:
 
 
 def _stats() -> Schema:
-    udp = (
-        "active_associations",
-        "created_associations",
-        "reused_associations",
-        "closed_associations",
-        "idle_timeouts",
-        "dropped_associations",
-        "failed_association_attempts",
-        "send_failures",
-        "recv_failures",
-        "packets_sent",
-        "packets_received",
-    )
+    udp = UDP_COUNTERS
     counters = (
         "active_sessions",
         "total_started",

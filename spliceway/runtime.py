@@ -79,6 +79,22 @@ class FlowTable:
         return len(self._flows)
 
 
+#: The ``udp_upstream`` counters of the stats resource (interface.md 2.6).
+UDP_COUNTERS = (
+    "active_associations",
+    "created_associations",
+    "reused_associations",
+    "closed_associations",
+    "idle_timeouts",
+    "dropped_associations",
+    "failed_association_attempts",
+    "send_failures",
+    "recv_failures",
+    "packets_sent",
+    "packets_received",
+)
+
+
 @dataclass(slots=True)
 class Counters:
     """Cumulative flow counters of interface.md 2.6 (TCP part)."""
@@ -92,21 +108,4 @@ class Counters:
     #: Bytes of flows that already completed; active flows are added live.
     completed_bytes_up: int = 0
     completed_bytes_down: int = 0
-    udp: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(
-            (
-                "active_associations",
-                "created_associations",
-                "reused_associations",
-                "closed_associations",
-                "idle_timeouts",
-                "dropped_associations",
-                "failed_association_attempts",
-                "send_failures",
-                "recv_failures",
-                "packets_sent",
-                "packets_received",
-            ),
-            0,
-        )
-    )
+    udp: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UDP_COUNTERS, 0))
