@@ -227,7 +227,7 @@ def _parse_address(
     return atyp, host, port, end + 2
 
 
-def _encode_address(host: str, port: int) -> bytes:
+def encode_address(host: str, port: int) -> bytes:
     """Encode ``ATYP ADDR PORT`` for a host (IP literal or domain) and port."""
     if not 0 <= port <= 0xFFFF:
         raise ValueError(f"port out of range: {port}")
@@ -351,7 +351,7 @@ def reply(code: int, bind_host: str = "0.0.0.0", bind_port: int = 0) -> bytes:
     Cached: a proxy sends the same few replies for every flow.
     """
     _check_byte(code, "reply code")
-    return bytes([VERSION, code, 0]) + _encode_address(bind_host, bind_port)
+    return bytes([VERSION, code, 0]) + encode_address(bind_host, bind_port)
 
 
 # -- client side ------------------------------------------------------------------------
@@ -408,7 +408,7 @@ def client_request(command: int, host: str, port: int) -> bytes:
     a domain name (ATYP 3) resolved by the server.
     """
     _check_byte(command, "command")
-    return bytes([VERSION, command, 0]) + _encode_address(host, port)
+    return bytes([VERSION, command, 0]) + encode_address(host, port)
 
 
 def client_connect(host: str, port: int) -> bytes:
@@ -455,4 +455,4 @@ def parse_udp_datagram(data: bytes | bytearray) -> UdpDatagram:
 def build_udp_datagram(host: str, port: int, payload: bytes, fragment: int = 0) -> bytes:
     """Build a UDP ASSOCIATE datagram (``fragment`` 0 = standalone, the only kind we use)."""
     _check_byte(fragment, "fragment")
-    return bytes([0, 0, fragment]) + _encode_address(host, port) + payload
+    return bytes([0, 0, fragment]) + encode_address(host, port) + payload
