@@ -1,7 +1,8 @@
-"""Real loopback servers for the tests: an HTTP origin and a counting TCP peer."""
+"""Real loopback servers for the tests: an HTTP origin, a counting TCP peer, an echo server."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import socket
@@ -9,6 +10,7 @@ import socketserver
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Self
 
 
 class _OriginHandler(http.server.BaseHTTPRequestHandler):
@@ -65,20 +67,18 @@ def http_origin() -> Iterator[tuple[str, int]]:
         thread.join(5)
 
 
-class CountingPeer:
-    """A TCP server: counts every byte a client sends until EOF, then sends ``reply_bytes``.
+class LoopbackServer:
+    """A TCP listener on 127.0.0.1 whose accept loop runs in a daemon thread.
 
-    Each accepted connection's received byte count and sha256 are recorded.
+    Subclasses set their own state, then call ``super().__init__()`` and get every
+    accepted connection in :meth:`handle`. ``close()`` (or leaving a ``with`` block)
+    stops accepting; connections already accepted stay open.
     """
 
-    def __init__(self, reply_bytes: int = 0) -> None:
-        self.reply_bytes = reply_bytes
+    def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = self.sock.getsockname()[:2]
-        self.received: list[tuple[int, str]] = []
-        self.done = threading.Condition()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]
+        threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         while True:
@@ -86,9 +86,37 @@ class CountingPeer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            self.handle(conn)
 
-    def _handle(self, conn: socket.socket) -> None:
+    def handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CountingPeer(LoopbackServer):
+    """A TCP server: counts every byte a client sends until EOF, then sends ``reply_bytes``.
+
+    Each accepted connection's received byte count and sha256 are recorded.
+    """
+
+    def __init__(self, reply_bytes: int = 0) -> None:
+        self.reply_bytes = reply_bytes
+        self.received: list[tuple[int, str]] = []
+        self.done = threading.Condition()
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._count, args=(conn,), daemon=True).start()
+
+    def _count(self, conn: socket.socket) -> None:
         digest = hashlib.sha256()
         total = 0
         with conn:
@@ -110,5 +138,15 @@ class CountingPeer:
             self.done.wait_for(lambda: len(self.received) >= count, timeout)
             return list(self.received)
 
-    def close(self) -> None:
-        self.sock.close()
+
+class EchoServer(LoopbackServer):
+    """A TCP server that echoes every connection's bytes until the client closes."""
+
+    def handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            while data := conn.recv(65536):
+                conn.sendall(data)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.servers import LoopbackServer
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,7 +36,8 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 10) -> N
 
 
 @contextmanager
-def _process(args: list[str], port: int) -> Iterator[int]:
+def upstream_process(args: list[str], port: int) -> Iterator[int]:
+    """Run ``args`` (skipped when not installed) until it listens on ``port``; yields the port."""
     if shutil.which(args[0]) is None:
         pytest.skip(f"{args[0]} is not installed (.ci/run installs it)")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -53,7 +56,7 @@ def microsocks(auth: tuple[str, str] | None = None) -> Iterator[int]:
     args = ["microsocks", "-i", "127.0.0.1", "-p", str(port)]
     if auth:
         args += ["-u", auth[0], "-P", auth[1]]
-    with _process(args, port) as p:
+    with upstream_process(args, port) as p:
         yield p
 
 
@@ -74,34 +77,31 @@ def tinyproxy(tmp: Path, auth: tuple[str, str] | None = None) -> Iterator[int]:
     if auth:
         lines.append(f"BasicAuth {auth[0]} {auth[1]}")
     conf.write_text("\n".join(lines) + "\n")
-    with _process(["tinyproxy", "-d", "-c", str(conf)], port) as p:
+    with upstream_process(["tinyproxy", "-d", "-c", str(conf)], port) as p:
         yield p
 
 
-class CountingForwarder:
+class CountingForwarder(LoopbackServer):
     """Forwards TCP connections to ``target`` and counts connections and bytes."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
         self.connections = 0
         self.bytes_up = 0
         self.bytes_down = 0
         self._lock = threading.Lock()
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            with self._lock:
-                self.connections += 1
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    def handle(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(self.target)
+        with self._lock:
+            self.connections += 1
+        threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
         try:
@@ -115,6 +115,3 @@ class CountingForwarder:
             dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-
-    def close(self) -> None:
-        self.sock.close()

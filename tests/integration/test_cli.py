@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -13,9 +12,16 @@ import time
 
 import pytest
 
-from tests.integration.test_inbounds import curl
+from tests.helpers.flows import curl
 
 SPLICEWAY = [sys.executable, "-m", "spliceway"]
+
+
+def spliceway(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the program to completion (30 s at most), capturing its output as text."""
+    return subprocess.run(
+        [*SPLICEWAY, *args], capture_output=True, text=True, timeout=30, check=False
+    )
 
 
 def write_config(tmp_path, doc) -> str:
@@ -74,13 +80,7 @@ def test_run_with_port_in_use_is_one_line_and_exit_2(tmp_path):
     taken = socket.create_server(("127.0.0.1", 0))
     try:
         config = write_config(tmp_path, socks_config(taken.getsockname()[1]))
-        result = subprocess.run(
-            [*SPLICEWAY, "run", "-c", config],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        result = spliceway("run", "-c", config)
     finally:
         taken.close()
     assert result.returncode == 2
@@ -92,9 +92,7 @@ def test_run_with_port_in_use_is_one_line_and_exit_2(tmp_path):
 
 def test_validate_accepts_a_good_file(tmp_path):
     config = write_config(tmp_path, socks_config(1080))
-    result = subprocess.run(
-        [*SPLICEWAY, "validate", config], capture_output=True, text=True, timeout=30, check=False
-    )
+    result = spliceway("validate", config)
     assert result.returncode == 0, result.stdout
 
 
@@ -103,9 +101,7 @@ def test_validate_reports_one_line_per_problem_with_field_paths(tmp_path):
     doc["inbounds"][0]["colour"] = "blue"
     doc["rules"] = [{"domain": ["a.test"], "outbound": "missing"}]
     config = write_config(tmp_path, doc)
-    result = subprocess.run(
-        [*SPLICEWAY, "validate", config], capture_output=True, text=True, timeout=30, check=False
-    )
+    result = spliceway("validate", config)
     assert result.returncode == 1
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 3, lines
@@ -115,13 +111,6 @@ def test_validate_reports_one_line_per_problem_with_field_paths(tmp_path):
 
 def test_invalid_config_for_run_exits_2(tmp_path):
     config = write_config(tmp_path, {"inbounds": [{"tag": "x"}]})
-    result = subprocess.run(
-        [*SPLICEWAY, "run", "-c", config],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        env={**os.environ},
-    )
+    result = spliceway("run", "-c", config)
     assert result.returncode == 2
     assert "inbounds[0]" in result.stderr

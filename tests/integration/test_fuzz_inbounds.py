@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import base_config, wait_until
-from tests.integration.test_inbounds import curl
+from tests.helpers.flows import curl
 
 # Whatever a fuzzed request asks for, nothing is dialled: every route ends in block.
 FUZZ_CONFIG = base_config(route={"final": "block"})

@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import subprocess
 
 import pytest
 
 from tests.conftest import base_config, wait_until
+from tests.helpers.flows import completed, completed_events, curl, flow_events
 from tests.helpers.servers import CountingPeer
 from tests.helpers.socks import socks5_connect
+from tests.helpers.upstreams import free_port
 
-
-def curl(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["curl", "-sS", "--max-time", "10", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def completed_events(sub, count: int = 1, timeout: float = 10) -> list[dict]:
-    out = []
-    for event in sub:
-        if event["event_type"] == "flow.completed":
-            out.append(event)
-            if len(out) == count:
-                return out
-    raise AssertionError(f"only {len(out)} of {count} flow.completed events arrived")
+# test_dns imports these two from here.
+__all__ = ["completed_events", "curl"]
 
 
 def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
@@ -48,8 +32,7 @@ def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
     assert result.returncode == 0, result.stderr
     code, size_request, size_header, size_download = map(int, result.stdout.split())
     assert (code, size_download) == (200, 12345)
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        (done,) = completed_events(sub)
+    (done,) = completed(engine)
     record = done["payload"]["record"]
     assert record["state"] == "completed"
     assert record["result"]["outcome"] == "direct_relayed"
@@ -71,9 +54,8 @@ def test_flow_lifecycle_events_in_order_with_growing_revisions(make_engine, orig
     host, port = engine.listen_address("mixed-in")
     result = curl("--socks5-hostname", f"{host}:{port}", f"http://127.0.0.1:{origin[1]}/")
     assert result.returncode == 0, result.stderr
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        completed_events(sub)
-    wanted = [e for e in engine.query("events")["events"] if e["event_type"].startswith("flow.")]
+    completed(engine)
+    wanted = flow_events(engine)
     types = [e["event_type"] for e in wanted]
     assert types[0] == "flow.started"
     assert types[1] == "flow.routed"
@@ -106,8 +88,7 @@ def test_curl_http_forward_proxy(make_engine, origin, inbound):
     code, size_header, size_download = map(int, status.split())
     assert code == 200
     assert body == f"127.0.0.1:{origin[1]}"
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        (done,) = completed_events(sub)
+    (done,) = completed(engine)
     record = done["payload"]["record"]
     assert record["inbound"] == {"tag": inbound, "protocol": inbound.removesuffix("-in")}
     assert record["result"]["outcome"] == "direct_relayed"
@@ -130,14 +111,12 @@ def test_curl_http_connect_tunnel(make_engine, origin, inbound):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["200", "777"]
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        (done,) = completed_events(sub)
+    (done,) = completed(engine)
     assert done["payload"]["record"]["result"]["outcome"] == "direct_relayed"
 
 
 def test_exact_byte_counts_for_ten_million_bytes(make_engine):
-    peer = CountingPeer(reply_bytes=3_000_001)
-    try:
+    with CountingPeer(reply_bytes=3_000_001) as peer:
         engine = make_engine()
         payload = hashlib.sha256(b"seed").digest() * (10_000_000 // 32) + b"z" * (10_000_000 % 32)
         assert len(payload) == 10_000_000
@@ -152,8 +131,7 @@ def test_exact_byte_counts_for_ten_million_bytes(make_engine):
         ((count, digest),) = peer.wait_for(1)
         assert count == 10_000_000
         assert digest == hashlib.sha256(payload).hexdigest()
-        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-            (done,) = completed_events(sub)
+        (done,) = completed(engine)
         traffic = done["payload"]["record"]["traffic"]
         assert traffic["bytes_up"] == 10_000_000
         assert traffic["bytes_down"] == 3_000_001
@@ -166,8 +144,6 @@ def test_exact_byte_counts_for_ten_million_bytes(make_engine):
         stats = engine.query("stats")
         assert stats["bytes_up"] == 10_000_000
         assert stats["bytes_down"] == 3_000_001
-    finally:
-        peer.close()
 
 
 def test_malformed_socks5_gets_error_and_close_then_engine_still_serves(make_engine, origin):
@@ -215,13 +191,9 @@ def test_connect_refused_is_a_failed_flow_with_socks_reply(make_engine):
             ]
         )
     )
-    closed = socket.create_server(("127.0.0.1", 0))
-    dead_port = closed.getsockname()[1]
-    closed.close()
     with pytest.raises(ConnectionError, match="socks reply 5"):
-        socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", dead_port)
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        (done,) = completed_events(sub)
+        socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", free_port())
+    (done,) = completed(engine)
     result = done["payload"]["record"]["result"]
     assert result["outcome"] == "failed"
     assert result["close_reason"] == "upstream_error"

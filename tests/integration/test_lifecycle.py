@@ -9,42 +9,15 @@ import pytest
 
 from spliceway import ApiError
 from tests.conftest import base_config, fd_count, thread_count, wait_until
-from tests.helpers.servers import CountingPeer
+from tests.helpers.flows import completed
+from tests.helpers.servers import CountingPeer, EchoServer
 from tests.helpers.socks import socks5_connect
-from tests.integration.test_inbounds import completed_events
-
-
-def _echo_server():
-    server = socket.create_server(("127.0.0.1", 0))
-    conns = []
-
-    def serve():
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            conns.append(conn)
-            threading.Thread(target=_echo, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return server, conns
-
-
-def _echo(conn):
-    with conn:
-        try:
-            while data := conn.recv(65536):
-                conn.sendall(data)
-        except OSError:
-            pass
 
 
 def test_flows_close_cancels_an_active_flow(make_engine):
-    server, _ = _echo_server()
-    engine = make_engine()
-    try:
-        sock = socks5_connect(engine.listen_address("socks-in"), *server.getsockname()[:2])
+    with EchoServer() as server:
+        engine = make_engine()
+        sock = socks5_connect(engine.listen_address("socks-in"), *server.address)
         with sock:
             sock.sendall(b"ping")
             assert sock.recv(4) == b"ping"
@@ -56,8 +29,7 @@ def test_flows_close_cancels_an_active_flow(make_engine):
             assert result == {"flow_id": flow["flow_id"], "closed": True}
             sock.settimeout(5)
             assert sock.recv(10) == b""
-        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-            (done,) = completed_events(sub)
+        (done,) = completed(engine)
         record = done["payload"]["record"]
         assert record["result"] == {"outcome": "cancelled", "close_reason": "manual"}
         assert done["payload"]["close_reason"] == "manual"
@@ -69,34 +41,27 @@ def test_flows_close_cancels_an_active_flow(make_engine):
         with pytest.raises(ApiError) as info:
             engine.query("flow", {"flow_id": flow["flow_id"]})
         assert info.value.code == "not_found"
-    finally:
-        server.close()
 
 
 def test_idle_timeout_closes_a_silent_flow(make_engine):
-    server, _ = _echo_server()
     cfg = base_config(runtime={"tcp_idle_timeout_seconds": 1, "stats_interval_ms": 200})
-    engine = make_engine(cfg)
-    try:
-        sock = socks5_connect(engine.listen_address("socks-in"), *server.getsockname()[:2])
+    with EchoServer() as server:
+        engine = make_engine(cfg)
+        sock = socks5_connect(engine.listen_address("socks-in"), *server.address)
         with sock:
             sock.settimeout(10)
             assert sock.recv(10) == b""
-        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-            (done,) = completed_events(sub)
+        (done,) = completed(engine)
         result = done["payload"]["record"]["result"]
         assert result == {"outcome": "direct_relayed", "close_reason": "idle_timeout"}
         duration = done["payload"]["record"]["timing"]["duration_ms"]
         assert 900 <= duration < 5000
-    finally:
-        server.close()
 
 
 def test_flow_updated_only_when_traffic_moved(make_engine):
-    server, _ = _echo_server()
-    engine = make_engine()
-    try:
-        sock = socks5_connect(engine.listen_address("socks-in"), *server.getsockname()[:2])
+    with EchoServer() as server:
+        engine = make_engine()
+        sock = socks5_connect(engine.listen_address("socks-in"), *server.address)
         with sock, engine.subscribe(["flow.updated", "stats.sampled"], timeout=5) as sub:
             sock.sendall(b"x" * 1000)
             got = 0
@@ -115,33 +80,28 @@ def test_flow_updated_only_when_traffic_moved(make_engine):
             assert stats["active_sessions"] == 1
             assert stats["bytes_up"] == 1000
             assert set(stats["udp_upstream"]) >= {"active_associations", "packets_sent"}
-    finally:
-        server.close()
 
 
 def test_engine_stop_completes_every_open_flow(make_engine):
-    server, _ = _echo_server()
-    engine = make_engine()
-    socks = [
-        socks5_connect(engine.listen_address("socks-in"), *server.getsockname()[:2])
-        for _ in range(5)
-    ]
-    wait_until(lambda: len(engine.query("flows")["active_flows"]) == 5)
-    sub = engine.subscribe(["flow.completed", "engine.stopped"])
-    engine.stop()
-    events = list(sub)
-    assert [e["event_type"] for e in events] == ["flow.completed"] * 5 + ["engine.stopped"]
-    assert {e["payload"]["record"]["result"]["outcome"] for e in events[:5]} == {"direct_relayed"}
-    for s in socks:
-        s.close()
-    server.close()
+    with EchoServer() as server:
+        engine = make_engine()
+        address = engine.listen_address("socks-in")
+        socks = [socks5_connect(address, *server.address) for _ in range(5)]
+        wait_until(lambda: len(engine.query("flows")["active_flows"]) == 5)
+        sub = engine.subscribe(["flow.completed", "engine.stopped"])
+        engine.stop()
+        events = list(sub)
+        assert [e["event_type"] for e in events] == ["flow.completed"] * 5 + ["engine.stopped"]
+        outcomes = {e["payload"]["record"]["result"]["outcome"] for e in events[:5]}
+        assert outcomes == {"direct_relayed"}
+        for s in socks:
+            s.close()
 
 
 def test_thousand_flows_leave_no_fds_or_threads_behind(make_engine):
-    peer = CountingPeer(reply_bytes=100)
-    engine = make_engine()
-    address = engine.listen_address("socks-in")
-    try:
+    with CountingPeer(reply_bytes=100) as peer:
+        engine = make_engine()
+        address = engine.listen_address("socks-in")
 
         def one_flow():
             with socks5_connect(address, *peer.address) as sock:
@@ -163,8 +123,6 @@ def test_thousand_flows_leave_no_fds_or_threads_behind(make_engine):
         assert stats["bytes_down"] == 1020 * 100
         wait_until(lambda: fd_count() <= fds, timeout=10)
         assert thread_count() <= threads
-    finally:
-        peer.close()
 
 
 def test_many_concurrent_flows_beyond_fd_1024(make_engine):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from tests.conftest import base_config
+from tests.helpers.flows import completed, curl
 from tests.helpers.upstreams import CountingForwarder, microsocks, tinyproxy
-from tests.integration.test_inbounds import completed_events, curl
 
 
 def engine_via(make_engine, outbound: dict):
@@ -30,26 +32,30 @@ def fetch_through(engine, origin, size: int = 50_000):
     assert result.returncode == 0, result.stderr
     code, body, header, request = map(int, result.stdout.split())
     assert (code, body) == (200, size)
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        (done,) = completed_events(sub)
+    (done,) = completed(engine)
     record = done["payload"]["record"]
     assert record["traffic"]["bytes_down"] == header + body
     assert record["traffic"]["bytes_up"] == request
     return record
 
 
+def fetch_via_upstream(make_engine, origin, protocol: str, port: int, auth):
+    """An engine whose outbound reaches the upstream on ``port`` through a CountingForwarder.
+
+    Returns the engine, the record of one fetch through it, and the forwarder.
+    """
+    with CountingForwarder(("127.0.0.1", port)) as fwd:
+        outbound = {"tag": "up", "protocol": protocol, "server": "127.0.0.1", "port": fwd.port}
+        if auth:
+            outbound |= {"username": auth[0], "password": auth[1]}
+        engine = engine_via(make_engine, outbound)
+        return engine, fetch_through(engine, origin), fwd
+
+
 @pytest.mark.parametrize("auth", [None, ("u1", "p1")])
 def test_socks5_outbound_through_microsocks(make_engine, origin, auth):
     with microsocks(auth) as port:
-        fwd = CountingForwarder(("127.0.0.1", port))
-        try:
-            outbound = {"tag": "up", "protocol": "socks5", "server": "127.0.0.1", "port": fwd.port}
-            if auth:
-                outbound |= {"username": auth[0], "password": auth[1]}
-            engine = engine_via(make_engine, outbound)
-            record = fetch_through(engine, origin)
-        finally:
-            fwd.close()
+        _, record, fwd = fetch_via_upstream(make_engine, origin, "socks5", port, auth)
     assert record["result"]["outcome"] == "chained_relayed"
     assert record["path"]["outbound"] == {"tag": "up", "protocol": "socks5"}
     assert record["path"]["remote"] == {"host": "127.0.0.1", "port": fwd.port}
@@ -64,15 +70,7 @@ def test_socks5_outbound_through_microsocks(make_engine, origin, auth):
 @pytest.mark.parametrize("auth", [None, ("user", "pass")])
 def test_http_outbound_through_tinyproxy(make_engine, origin, tmp_path, auth):
     with tinyproxy(tmp_path, auth) as port:
-        fwd = CountingForwarder(("127.0.0.1", port))
-        try:
-            outbound = {"tag": "up", "protocol": "http", "server": "127.0.0.1", "port": fwd.port}
-            if auth:
-                outbound |= {"username": auth[0], "password": auth[1]}
-            engine = engine_via(make_engine, outbound)
-            record = fetch_through(engine, origin)
-        finally:
-            fwd.close()
+        engine, record, fwd = fetch_via_upstream(make_engine, origin, "http", port, auth)
     assert record["result"]["outcome"] == "chained_relayed"
     assert record["path"]["outbound"] == {"tag": "up", "protocol": "http"}
     assert fwd.connections == 1
@@ -100,8 +98,7 @@ def test_socks5_outbound_with_wrong_password_fails_the_flow(make_engine, origin)
             f"http://127.0.0.1:{origin[1]}/",
         )
         assert result.returncode != 0
-        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-            (done,) = completed_events(sub)
+        (done,) = completed(engine)
     failure = done["payload"]["record"]["result"]["failure"]
     assert done["payload"]["record"]["result"]["outcome"] == "failed"
     assert failure["code"] == "auth_failed"
@@ -122,8 +119,7 @@ def test_http_outbound_rejected_connect_fails_the_flow(make_engine, origin, tmp_
             f"http://127.0.0.1:{origin[1]}/",
         )
         assert result.stdout == "502"
-        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-            (done,) = completed_events(sub)
+        (done,) = completed(engine)
     failure = done["payload"]["record"]["result"]["failure"]
     assert failure["code"] == "upstream_rejected"
     assert "407" in failure["message"]
@@ -131,8 +127,6 @@ def test_http_outbound_rejected_connect_fails_the_flow(make_engine, origin, tmp_
 
 def test_unreachable_upstream_times_out_as_configured(make_engine, origin):
     # A listener that never accepts fills its backlog; with backlog 0 the SYN is dropped.
-    import socket
-
     black_hole = socket.socket()
     black_hole.bind(("127.0.0.1", 0))
     black_hole.listen(0)
@@ -159,8 +153,7 @@ def test_unreachable_upstream_times_out_as_configured(make_engine, origin):
             f"http://127.0.0.1:{origin[1]}/",
         )
         assert result.returncode != 0
-        with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-            (done,) = completed_events(sub)
+        (done,) = completed(engine)
     finally:
         for s in fillers:
             s.close()

@@ -9,17 +9,8 @@ import pytest
 
 from spliceway import ApiError
 from tests.conftest import base_config
+from tests.helpers.flows import completed, curl, flow_events
 from tests.helpers.socks import socks5_connect
-from tests.integration.test_inbounds import completed_events, curl
-
-
-def flow_events(engine, flow_id=None):
-    return [
-        e
-        for e in engine.query("events")["events"]
-        if e["event_type"].startswith("flow.")
-        and (flow_id is None or e["payload"]["record"]["flow_id"] == flow_id)
-    ]
 
 
 def test_block_rule_refuses_with_socks_not_allowed_and_emits_no_routed(make_engine, origin):
@@ -27,8 +18,7 @@ def test_block_rule_refuses_with_socks_not_allowed_and_emits_no_routed(make_engi
     engine = make_engine(cfg)
     with pytest.raises(ConnectionError, match="socks reply 2"):
         socks5_connect(engine.listen_address("socks-in"), "www.blocked.test", 80)
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        (done,) = completed_events(sub)
+    (done,) = completed(engine)
     record = done["payload"]["record"]
     assert record["result"]["outcome"] == "blocked"
     assert record["route"]["action"] == "block"
@@ -76,8 +66,7 @@ def test_rule_routes_to_named_outbound_and_records_the_match(make_engine, origin
     assert result.returncode == 0, result.stderr
     with pytest.raises(ConnectionError, match="socks reply 2"):
         socks5_connect(address, "127.0.0.1", 9)
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        first, second = completed_events(sub, 2)
+    first, second = completed(engine, 2)
     assert first["payload"]["record"]["route"]["matched_rule"] == {
         "index": 0,
         "condition": f"port={origin[1]},network=tcp",
@@ -114,8 +103,7 @@ def test_modes_switch_routing_for_new_flows(make_engine, origin):
     assert engine.execute("mode.set", {"mode": "rule"}) == {"accepted": True}
     blocked()
 
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        done = completed_events(sub, 5)
+    done = completed(engine, 5)
     # A relayed flow may complete after the next (blocked) one: order by start.
     started = [
         e["payload"]["flow_id"] for e in flow_events(engine) if e["event_type"] == "flow.started"
@@ -170,8 +158,7 @@ def test_socks5_auth_accepted_sets_principal_and_rejected_fails(make_engine, ori
         socks5_connect((host, port), "127.0.0.1", origin[1])
     bob = socks5_connect((host, port), "127.0.0.1", origin[1], auth=("bob", "hunter2"))
     bob.close()
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        alice_done, bob_done = completed_events(sub, 2)
+    alice_done, bob_done = completed(engine, 2)
     assert alice_done["principal_key"] == "p-alice"
     assert alice_done["payload"]["auth"] == {
         "scheme": "userpass",
@@ -195,8 +182,7 @@ def test_http_auth_accepted_and_rejected_with_407(make_engine, origin):
         assert 'Proxy-Authenticate: Basic realm="spliceway"' in bad.stdout
     tunnel = curl("-p", "-x", f"http://bob:hunter2@{host}:{port}", url)
     assert tunnel.stdout == "hello from origin\n"
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        first, second = completed_events(sub, 2)
+    first, second = completed(engine, 2)
     assert first["principal_key"] == "p-alice"
     assert second["principal_key"] == "bob"
     flows = engine.query("flows", {"principal_key": "nobody"})
@@ -223,8 +209,7 @@ def test_sniffed_tls_sni_feeds_domain_rules(make_engine):
                 assert sock.recv(100) == b""
     finally:
         listener.close()
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        (done,) = completed_events(sub)
+    (done,) = completed(engine)
     record = done["payload"]["record"]
     assert record["target"]["sniffed_host"] == "www.sni-blocked.test"
     assert record["result"]["outcome"] == "blocked"

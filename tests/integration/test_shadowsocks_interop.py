@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import socket
-import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +14,7 @@ from spliceway.protocols.shadowsocks import (
     master_key,
     target_header,
 )
-from tests.helpers.upstreams import free_port
+from tests.helpers.upstreams import free_port, upstream_process
 
 
 @pytest.fixture(params=sorted(CIPHERS))
@@ -24,21 +22,8 @@ def ss_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
     method = request.param
     port = free_port()
     args = ["ss-server", "-s", "127.0.0.1", "-p", str(port), "-k", "secret", "-m", method]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+    with upstream_process(args, port):
         yield method, port
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_request_through_ss_server(ss_server: tuple[str, int], origin: tuple[str, int]) -> None:
