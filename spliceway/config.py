@@ -491,11 +491,8 @@ class ShadowsocksOutbound(_Model):
     connect_timeout_ms: Timeout = 5000
 
 
-Outbound = Annotated[
-    DirectOutbound | BlockOutbound | Socks5Outbound | HttpOutbound | ShadowsocksOutbound,
-    Field(discriminator="protocol"),
-]
-ConnectingOutbound = Socks5Outbound | HttpOutbound | ShadowsocksOutbound
+AnyOutbound = DirectOutbound | BlockOutbound | Socks5Outbound | HttpOutbound | ShadowsocksOutbound
+Outbound = Annotated[AnyOutbound, Field(discriminator="protocol")]
 
 
 # ---------------------------------------------------------------------------
@@ -557,10 +554,8 @@ class LoadBalanceGroup(_Model):
     strategy: Literal["round_robin", "consistent_hashing", "sticky_sessions"] = "round_robin"
 
 
-OutboundGroup = Annotated[
-    SelectorGroup | UrlTestGroup | FallbackGroup | RelayGroup | LoadBalanceGroup,
-    Field(discriminator="kind"),
-]
+AnyGroup = SelectorGroup | UrlTestGroup | FallbackGroup | RelayGroup | LoadBalanceGroup
+OutboundGroup = Annotated[AnyGroup, Field(discriminator="kind")]
 
 
 # ---------------------------------------------------------------------------
@@ -802,9 +797,6 @@ class Api(_Model):
 # the document
 # ---------------------------------------------------------------------------
 
-AnyOutbound = DirectOutbound | BlockOutbound | Socks5Outbound | HttpOutbound | ShadowsocksOutbound
-AnyGroup = SelectorGroup | UrlTestGroup | FallbackGroup | RelayGroup | LoadBalanceGroup
-
 _BUILTIN_DIRECT_OUTBOUND = DirectOutbound(tag=BUILTIN_DIRECT, protocol="direct")
 
 
@@ -826,7 +818,6 @@ class Config(_Model):
 
     _outbounds: dict[str, AnyOutbound] = PrivateAttr(default_factory=dict)
     _groups: dict[str, AnyGroup] = PrivateAttr(default_factory=dict)
-    _inbounds: dict[str, Inbound] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, context: Any, /) -> None:
         """Index tags (the first occurrence wins; duplicates are cross-check errors)."""
@@ -837,10 +828,7 @@ class Config(_Model):
         groups: dict[str, AnyGroup] = {}
         for g in self.outbound_groups:
             groups.setdefault(g.tag, g)
-        inbounds: dict[str, Inbound] = {}
-        for ib in self.inbounds:
-            inbounds.setdefault(ib.tag, ib)
-        self._outbounds, self._groups, self._inbounds = outbounds, groups, inbounds
+        self._outbounds, self._groups = outbounds, groups
 
     def to_dict(self) -> dict[str, Any]:
         """The normalised document (every default filled in); ``parse_config`` accepts it."""
@@ -865,10 +853,6 @@ class Config(_Model):
     def find_group(self, tag: str) -> AnyGroup | None:
         """The outbound group ``tag``, else None."""
         return self._groups.get(tag)
-
-    def find_inbound(self, tag: str) -> Inbound | None:
-        """The inbound ``tag``, else None."""
-        return self._inbounds.get(tag)
 
 
 # ---------------------------------------------------------------------------
@@ -1016,6 +1000,15 @@ class _Checker:
         self.check_listeners()
         return self.details
 
+    def unique(
+        self, first: dict[str, int], what: str, value: str, index: int, also: str, path: str
+    ) -> None:
+        """Report ``value`` when an earlier item (``also[first[value]]``) already used it."""
+        if value in first:
+            self.add(f"duplicate {what} {value!r} (also {also}[{first[value]}])", path)
+        else:
+            first[value] = index
+
     def ref(self, value: Any, path: str) -> None:
         tag = _str(value)
         if tag is not None and tag not in self.targets:
@@ -1026,13 +1019,7 @@ class _Checker:
         for i, ib in _items(self.doc, "inbounds"):
             tag = _str(ib.get("tag"))
             if tag is not None:
-                if tag in first:
-                    self.add(
-                        f"duplicate inbound tag {tag!r} (also inbounds[{first[tag]}])",
-                        f"inbounds[{i}].tag",
-                    )
-                else:
-                    first[tag] = i
+                self.unique(first, "inbound tag", tag, i, "inbounds", f"inbounds[{i}].tag")
             basic = ib.get("protocol") in ("http", "mixed")
             names: dict[str, int] = {}
             for j, user in _items(ib, "users"):
@@ -1040,10 +1027,7 @@ class _Checker:
                 if name is None:
                     continue
                 path = f"inbounds[{i}].users[{j}].username"
-                if name in names:
-                    self.add(f"duplicate username {name!r} (also users[{names[name]}])", path)
-                else:
-                    names[name] = j
+                self.unique(names, "username", name, j, "users", path)
                 if basic and ":" in name:
                     self.add("must not contain ':' on an http or mixed inbound", path)
         self.inbound_tags = set(first)
@@ -1169,27 +1153,15 @@ class _Checker:
         first: dict[str, int] = {}
         for i, sink in _items(api, "event_sinks"):
             tag = _str(sink.get("tag"))
-            if tag is None:
-                continue
-            if tag in first:
-                self.add(
-                    f"duplicate sink tag {tag!r} (also api.event_sinks[{first[tag]}])",
-                    f"api.event_sinks[{i}].tag",
-                )
-            else:
-                first[tag] = i
+            if tag is not None:
+                path = f"api.event_sinks[{i}].tag"
+                self.unique(first, "sink tag", tag, i, "api.event_sinks", path)
         names: dict[str, int] = {}
         for i, key in _items(_sub(api, "control"), "keys"):
             name = _str(key.get("name"))
-            if name is None:
-                continue
-            if name in names:
-                self.add(
-                    f"duplicate key name {name!r} (also api.control.keys[{names[name]}])",
-                    f"api.control.keys[{i}].name",
-                )
-            else:
-                names[name] = i
+            if name is not None:
+                path = f"api.control.keys[{i}].name"
+                self.unique(names, "key name", name, i, "api.control.keys", path)
         dispatcher = _sub(api, "dispatcher")
         low, high = dispatcher.get("backoff_initial_ms"), dispatcher.get("backoff_max_ms", 60000)
         if isinstance(low, int) and isinstance(high, int) and low > high:

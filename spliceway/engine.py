@@ -39,12 +39,7 @@ class Engine:
         self, config: dict[str, Any] | Config | None = None, *, config_path: str | None = None
     ) -> None:
         """Validate ``config`` (a document, a parsed Config, or None for the embedded default)."""
-        if config is None:
-            parsed = default_config()
-        elif isinstance(config, Config):
-            parsed = config
-        else:
-            parsed = parse_config(config)
+        parsed = default_config() if config is None else parse_config(config)
         self._core = EngineCore(parsed, config_path)
         self._lock = threading.Lock()
         self._started = False

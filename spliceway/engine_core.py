@@ -31,7 +31,7 @@ from spliceway.dns import Resolver
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
 from spliceway.inbound import Users
-from spliceway.outbounds import DirectOutbound, Outbound, build_outbound
+from spliceway.outbounds import BUILT_PROTOCOLS, DirectOutbound, Outbound, build_outbound
 from spliceway.runtime import Counters, FlowTable, RouteState
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class EngineCore:
         missing.extend(
             f"outbound {ob.tag!r} protocol {ob.protocol} (not built yet)"
             for ob in self.config.outbounds
-            if ob.protocol not in ("direct", "block", "socks5", "http")
+            if ob.protocol not in BUILT_PROTOCOLS
         )
         if self.config.api.event_sinks:
             missing.append("api.event_sinks (webhook/jsonl delivery is not built yet)")

@@ -55,7 +55,7 @@ class Handshake:
             return b""
         if self.protocol == "socks5":
             return socks5.reply(socks5.REP_SUCCEEDED)
-        return http_proto.response(200, "Connection established")
+        return http_proto.CONNECT_ESTABLISHED
 
     def failure_reply(self, socks_code: int, http_status: int, message: str) -> bytes:
         """Bytes telling the client the request failed."""
@@ -229,8 +229,7 @@ async def _http(reader: _Reader, users: Users) -> Handshake:
         return Handshake(
             "http", host, port, principal, scheme, reader.rx, reader.tx, early=reader.buf
         )
-    scheme_name, host, port, path = http_proto.split_absolute_uri(head.target)
-    del scheme_name
+    _, host, port, path = http_proto.split_absolute_uri(head.target)
     bracketed = f"[{host}]" if ":" in host else host
     host_header = bracketed if port == 80 else f"{bracketed}:{port}"
     rewritten = http_proto.origin_request(head, path, host_header)

@@ -103,17 +103,6 @@ def _errno_code(err: OSError) -> str:
     }.get(err.errno or 0, "connect_failed")
 
 
-def _ip_family(host: str) -> int | None:
-    """AF_INET/AF_INET6 for an IP literal, None for a name (inet_pton: no ipaddress objects)."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, host)
-        except OSError:
-            continue
-        return family
-    return None
-
-
 async def open_tcp(
     loop: asyncio.AbstractEventLoop, host: str, port: int, deadline: float, resolver: Resolver
 ) -> tuple[socket.socket, str]:
@@ -142,8 +131,8 @@ async def _open_tcp(
         raise DialError("dns_failed", f"no address for {host}", stage="resolve")
     last: OSError | None = None
     for ip in ips:
-        family = _ip_family(ip) or socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # The resolver returns only IP literals: a colon means IPv6.
+        sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
@@ -364,6 +353,8 @@ class HttpOutbound(_ProxyOutbound):
 
 
 _PROXIES: dict[str, type[_ProxyOutbound]] = {"socks5": Socks5Outbound, "http": HttpOutbound}
+#: The outbound protocols :func:`build_outbound` can build.
+BUILT_PROTOCOLS = frozenset({"direct", "block", *_PROXIES})
 
 
 def build_outbound(spec: Any, resolver: Resolver) -> Outbound:

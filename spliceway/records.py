@@ -178,7 +178,10 @@ class FlowState:
 
 
 def lifecycle_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any]:
-    """Payload of flow.started / flow.routed / flow.completed: legacy fields plus record."""
+    """Payload of flow.started / flow.routed / flow.completed: legacy fields plus record.
+
+    ``record`` is ``state.render()``; the fields both carry are the record's own objects.
+    """
     traffic: dict[str, Any] = {
         "bytes_up": state.traffic.bytes_up,
         "bytes_down": state.traffic.bytes_down,
@@ -197,7 +200,7 @@ def lifecycle_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any
     payload: dict[str, Any] = {
         "flow_id": state.flow_id,
         "network": state.network,
-        "inbound": {"tag": state.inbound_tag, "protocol": state.inbound_protocol},
+        "inbound": record["inbound"],
         "auth": {
             "scheme": state.auth_scheme,
             "principal_key": state.principal_key,
@@ -206,11 +209,7 @@ def lifecycle_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any
         "target": {"host": state.target_host, "port": state.target_port},
         "route": {"mode": state.mode, "target": state.route_target},
         "policy": state.selection_chain[0] if len(state.selection_chain) > 1 else None,
-        "outbound": (
-            {"tag": state.outbound_tag, "protocol": state.outbound_protocol}
-            if state.outbound_tag is not None
-            else None
-        ),
+        "outbound": record["path"]["outbound"],
         "traffic": traffic,
         "timing": timing,
         "outcome": state.outcome,

@@ -32,13 +32,14 @@ order, each ``key=item|item``, joined by ``,`` — e.g.
 from __future__ import annotations
 
 import bisect
+import functools
 import ipaddress
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from spliceway.config import CONDITION_KEYS, Rule, parse_port_spec
+from spliceway.config import Rule, parse_port_spec
 
 __all__ = [
     "FlowFacts",
@@ -327,18 +328,14 @@ class RuleSet:
     needs_host_ip: bool
     #: Whether deciding derives anything from the facts before trying rules.
     needs_view: bool
-    #: Prebuilt "no rule matched" decisions by final tag (a cache; not part of equality).
-    finals: dict[str, RouteDecision] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _condition_text(conditions: dict[str, tuple[str, ...] | str]) -> str:
-    parts = []
-    for key in CONDITION_KEYS:
-        if key in conditions:
-            value = conditions[key]
-            text = value if isinstance(value, str) else "|".join(value)
-            parts.append(f"{key}={text}")
-    return ",".join(parts)
+    """``key=item|item,...``; ``conditions`` is already in CONDITION_KEYS order."""
+    return ",".join(
+        f"{key}={value if isinstance(value, str) else '|'.join(value)}"
+        for key, value in conditions.items()
+    )
 
 
 def compile_rules(rules: Sequence[Rule]) -> RuleSet:
@@ -441,9 +438,10 @@ def _decide_rules(ruleset: RuleSet, final: str, facts: FlowFacts) -> RouteDecisi
                 break
         else:
             return rule.decision
-    decision = ruleset.finals.get(final)
-    if decision is None:
-        decision = RouteDecision("rule", "route", final, None)
-        if len(ruleset.finals) < 64:
-            ruleset.finals[final] = decision
-    return decision
+    return _final_decision(final)
+
+
+@functools.lru_cache(maxsize=64)
+def _final_decision(final: str) -> RouteDecision:
+    """The "no rule matched" decision, prebuilt: the final tag hardly ever changes."""
+    return RouteDecision("rule", "route", final, None)

@@ -211,7 +211,6 @@ class Resolver:
     def __init__(
         self, settings: DnsSettings, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.settings = settings
         self._servers: list[_Server] = []
         for spec in settings.servers:
             kind, ip, port = parse_dns_server(spec)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from spliceway.dns import ResolveError, Resolver, dns_cache_result, dns_lookup_r
 from tests.conftest import base_config
 from tests.helpers.dnsserver import DnsServer, dead_udp_port, dns_server
 from tests.helpers.socks import socks5_connect
-from tests.helpers.upstreams import microsocks
+from tests.helpers.upstreams import free_port, microsocks
 from tests.integration.test_inbounds import completed_events, curl
 
 ZONE = {
@@ -35,12 +34,6 @@ def server():
 
 def resolver(*servers: str, **dns: object) -> Resolver:
     return Resolver(DnsSettings.model_validate({"servers": list(servers), **dns}))
-
-
-def dead_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the resolver ------------------------------------------------------------------------
@@ -87,7 +80,7 @@ def test_falls_back_when_first_udp_server_never_answers(server):
 
 
 def test_falls_back_when_first_tcp_server_refuses(server):
-    r = resolver(f"tcp://127.0.0.1:{dead_tcp_port()}", server.tcp_url)
+    r = resolver(f"tcp://127.0.0.1:{free_port()}", server.tcp_url)
     assert asyncio.run(r.resolve("both.test")) == ["10.1.0.1", "fd00::1"]
 
 
@@ -101,7 +94,7 @@ def test_falls_back_on_servfail(server):
 
 def test_every_server_failing_is_a_resolve_error(server):
     server.fail = True
-    r = resolver(server.udp_url, f"tcp://127.0.0.1:{dead_tcp_port()}")
+    r = resolver(server.udp_url, f"tcp://127.0.0.1:{free_port()}")
     with pytest.raises(ResolveError, match=r"cannot resolve both\.test") as info:
         r.lookup("both.test")
     assert server.udp_url in str(info.value)

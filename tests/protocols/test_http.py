@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from spliceway.protocols import NEED_MORE, ProtocolError
 from spliceway.protocols import http as h
+from tests.protocols import contract
+from tests.protocols.contract import check_prefixes, mutated
 
 FUZZ = settings.get_profile("protocols")
 
@@ -75,41 +77,12 @@ RESPONSE_SEEDS = [
 
 
 def check_contract(parser: Callable[[bytes], Any], buf: bytes) -> Any:
-    """NEED_MORE, a result with 0 < consumed <= len (stable under what follows), or error."""
-    try:
-        result = parser(buf)
-    except ProtocolError as exc:
-        result = exc
-    if isinstance(result, ProtocolError):
-        assert isinstance(result.message, str)
-        assert result.reply is None or isinstance(result.reply, bytes)
-        return result
-    if result is NEED_MORE:
-        return result
-    assert 0 < result.consumed <= len(buf)
-    assert parser(buf[: result.consumed]) == result
-    assert parser(bytearray(buf[: result.consumed]) + b"GET / HTTP/1.1\r\n") == result
-    return result
-
-
-def check_prefixes(parser: Callable[[bytes], Any], message: bytes) -> None:
-    """Every strict prefix of a complete message asks for more."""
-    for cut in range(len(message)):
-        assert parser(message[:cut]) is NEED_MORE, message[:cut]
+    return contract.check_contract(parser, buf, b"GET / HTTP/1.1\r\n")
 
 
 def status_of(exc: ProtocolError) -> int:
     assert exc.reply is not None
     return int(exc.reply.split(b" ", 2)[1])
-
-
-def mutated(seeds: list[bytes]) -> st.SearchStrategy[bytes]:
-    """Valid messages with a few bytes replaced, inserted or deleted."""
-    return st.sampled_from(seeds).flatmap(
-        lambda seed: st.tuples(
-            st.integers(0, len(seed)), st.integers(0, 3), st.binary(max_size=4)
-        ).map(lambda t: seed[: t[0]] + t[2] + seed[t[0] + t[1] :])
-    )
 
 
 # -- parse_request_head ------------------------------------------------------------------

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from spliceway.protocols import NEED_MORE, NeedMore, ProtocolError
 from spliceway.protocols import socks5 as s5
+from tests.protocols import contract
+from tests.protocols.contract import check_prefixes, mutated
 
 FUZZ = settings.get_profile("protocols")
 
@@ -64,33 +66,11 @@ VALID_MESSAGES: list[tuple[Callable[[bytes], Any], bytes]] = [
 
 
 def check_contract(parser: Callable[[bytes], Any], buf: bytes) -> Any:
-    """The parser contract: NEED_MORE, a result with 0 < consumed <= len, or ProtocolError."""
-    try:
-        result = parser(buf)
-    except ProtocolError as exc:
-        result = exc
-    if isinstance(result, ProtocolError):
-        assert isinstance(result.message, str)
-        assert result.reply is None or isinstance(result.reply, bytes)
-        return result
-    if result is NEED_MORE:
-        return result
-    assert 0 < result.consumed <= len(buf)
-    # The result depends only on the bytes it consumed: whatever follows is the caller's.
-    assert parser(buf[: result.consumed]) == result
-    assert parser(bytearray(buf[: result.consumed]) + b"\x00\xff") == result
-    for cut in range(result.consumed):
-        assert parser(buf[:cut]) is NEED_MORE, cut
+    """The parser contract, and every strict prefix of a parsed message asks for more."""
+    result = contract.check_contract(parser, buf, b"\x00\xff")
+    if result is not NEED_MORE and not isinstance(result, ProtocolError):
+        check_prefixes(parser, buf[: result.consumed])
     return result
-
-
-def mutated(seeds: list[bytes]) -> st.SearchStrategy[bytes]:
-    """Valid messages with a few bytes replaced, inserted or deleted."""
-    return st.sampled_from(seeds).flatmap(
-        lambda seed: st.tuples(
-            st.integers(0, len(seed)), st.integers(0, 3), st.binary(max_size=4)
-        ).map(lambda t: seed[: t[0]] + t[2] + seed[t[0] + t[1] :])
-    )
 
 
 # -- NEED_MORE and ProtocolError ---------------------------------------------------------
