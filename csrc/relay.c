@@ -150,11 +150,10 @@ struct flow {
     _Atomic uint64_t last_activity_ms;
 
     /* Owned by the loop once adopted; written by the adder before that. */
-    struct loop *L;
     int fd[2];
     uint32_t timeout_ms;
     bool rd[2], wr[2], errq[2]; /* edge-triggered readiness, as hints */
-    bool adopted, timed;
+    bool adopted;
     uint8_t first_dir;
     struct dir dir[2];
     int64_t last_act_mono;
@@ -176,7 +175,6 @@ struct pooled_pipe {
 
 struct loop {
     struct sw_relay *relay;
-    int idx;
     int epfd, wakefd;
     pthread_t thread;
     bool started;
@@ -221,8 +219,7 @@ struct sw_relay {
      * a flow in after the shutdown sweep. */
     pthread_rwlock_t life;
     bool shutting;
-    pthread_mutex_t shutdown_lock;
-    bool shut_done;
+    pthread_mutex_t shutdown_lock; /* serialises sw_relay_shutdown() */
 
     /* Completions: a ring that sw_relay_add() grows in advance (one reserved
      * entry per live flow), so completing a flow never allocates. */
@@ -264,15 +261,40 @@ static inline void touch(struct loop *L, struct flow *f)
     atomic_store_explicit(&f->last_activity_ms, (uint64_t)L->now_real, memory_order_relaxed);
 }
 
-static void loop_wake(struct loop *L)
+/* Eventfds (loop wakers, the completion fd).  A failed write is EAGAIN, only
+ * if the counter is about to overflow: already readable.  A failed read is
+ * EAGAIN: already clear. */
+static void efd_signal(int fd)
 {
     uint64_t one = 1;
-    /* EAGAIN only if the counter is about to overflow: already awake. */
-    if (write(L->wakefd, &one, sizeof one) < 0) {
+    if (write(fd, &one, sizeof one) < 0) {
     }
 }
 
+static void efd_clear(int fd)
+{
+    uint64_t v;
+    if (read(fd, &v, sizeof v) < 0) {
+    }
+}
+
+/* Relaxed loads: the flow's loop is the only writer, and readers on other
+ * threads validate the generation around the snapshot. */
+static void counters_load(struct flow *f, sw_counters *c)
+{
+    c->client_rx = atomic_load_explicit(&f->ctr[C_CLIENT_RX], memory_order_relaxed);
+    c->client_tx = atomic_load_explicit(&f->ctr[C_CLIENT_TX], memory_order_relaxed);
+    c->upstream_rx = atomic_load_explicit(&f->ctr[C_UP_RX], memory_order_relaxed);
+    c->upstream_tx = atomic_load_explicit(&f->ctr[C_UP_TX], memory_order_relaxed);
+    c->last_activity_unix_ms = atomic_load_explicit(&f->last_activity_ms, memory_order_relaxed);
+}
+
 static bool is_reset(int err) { return err == ECONNRESET || err == EPIPE; }
+
+static inline struct loop *flow_loop(struct sw_relay *r, struct flow *f)
+{
+    return &r->loops[atomic_load_explicit(&f->loop_idx, memory_order_relaxed)];
+}
 
 /* ---- completions -------------------------------------------------------- */
 
@@ -312,9 +334,7 @@ static void cq_push(struct sw_relay *r, const sw_completion *c)
     pthread_mutex_lock(&r->cq_lock);
     r->cq[(r->cq_head + r->cq_count) % r->cq_cap] = *c;
     if (r->cq_count++ == 0) {
-        uint64_t one = 1;
-        if (write(r->cfd, &one, sizeof one) < 0) {
-        }
+        efd_signal(r->cfd);
         pthread_cond_broadcast(&r->cq_cond);
     }
     pthread_mutex_unlock(&r->cq_lock);
@@ -467,10 +487,8 @@ static void flow_complete(struct loop *L, struct flow *f, int cause, int err, in
     }
     if (dl_linked(&f->timer))
         dl_del(&f->timer);
-    if (f->timed) {
-        f->timed = false;
+    if (f->adopted && f->timeout_ms)
         L->ntimed--;
-    }
 
     if (cause == SW_CAUSE_RESET && side >= 0) {
         /* An abortive close makes the peer of the other side see the reset
@@ -497,12 +515,7 @@ static void flow_complete(struct loop *L, struct flow *f, int cause, int err, in
     c.cause = cause;
     c.err = err;
     c.side = side;
-    c.counters.client_rx = atomic_load_explicit(&f->ctr[C_CLIENT_RX], memory_order_relaxed);
-    c.counters.client_tx = atomic_load_explicit(&f->ctr[C_CLIENT_TX], memory_order_relaxed);
-    c.counters.upstream_rx = atomic_load_explicit(&f->ctr[C_UP_RX], memory_order_relaxed);
-    c.counters.upstream_tx = atomic_load_explicit(&f->ctr[C_UP_TX], memory_order_relaxed);
-    c.counters.last_activity_unix_ms =
-        atomic_load_explicit(&f->last_activity_ms, memory_order_relaxed);
+    counters_load(f, &c.counters);
 
     /* Under req_lock so sw_relay_request_close() either sees the old
      * generation and links a request the unlink below removes, or sees the
@@ -528,7 +541,6 @@ static void flow_adopt(struct loop *L, struct flow *f)
     f->rd[0] = f->rd[1] = f->wr[0] = f->wr[1] = true;
     f->last_act_mono = L->now_mono;
     if (f->timeout_ms) {
-        f->timed = true;
         L->ntimed++;
         timer_schedule(L, f, L->now_mono + f->timeout_ms);
     }
@@ -726,9 +738,7 @@ static void handle_event(struct loop *L, const struct epoll_event *ev)
 {
     uint64_t ck = ev->data.u64;
     if (ck == WAKE_COOKIE) {
-        uint64_t v;
-        if (read(L->wakefd, &v, sizeof v) < 0) {
-        }
+        efd_clear(L->wakefd);
         L->req_more = true;
         return;
     }
@@ -893,7 +903,7 @@ static void loops_stop(struct sw_relay *r)
         if (!L->started)
             continue;
         atomic_store_explicit(&L->stop, 1, memory_order_release);
-        loop_wake(L);
+        efd_signal(L->wakefd);
     }
     for (int i = 0; i < r->nloops; i++) {
         struct loop *L = &r->loops[i];
@@ -947,10 +957,9 @@ static void relay_destroy(struct sw_relay *r)
     free(r);
 }
 
-static int loop_init(struct sw_relay *r, struct loop *L, int idx)
+static int loop_init(struct sw_relay *r, struct loop *L)
 {
     L->relay = r;
-    L->idx = idx;
     dl_init(&L->reqs);
     dl_init(&L->ready);
     for (int i = 0; i < WHEEL_SLOTS; i++)
@@ -1023,7 +1032,7 @@ int sw_relay_new(int nloops, uint32_t capacity, sw_relay **out)
         goto fail;
     }
     for (int i = 0; i < nloops; i++) {
-        rc = loop_init(r, &r->loops[i], i);
+        rc = loop_init(r, &r->loops[i]);
         if (rc)
             goto fail;
     }
@@ -1063,7 +1072,8 @@ int sw_relay_shutdown(sw_relay *r)
     if (!r)
         return -EINVAL;
     pthread_mutex_lock(&r->shutdown_lock);
-    if (r->shut_done) {
+    /* Written only under shutdown_lock too, so readable here without `life`. */
+    if (r->shutting) {
         pthread_mutex_unlock(&r->shutdown_lock);
         return 0;
     }
@@ -1077,7 +1087,7 @@ int sw_relay_shutdown(sw_relay *r)
     for (uint32_t i = 0; i < hwm; i++) {
         struct flow *f = &r->flows[i];
         if (atomic_load_explicit(&f->gen, memory_order_acquire) & 1)
-            flow_complete(f->L, f, SW_CAUSE_SHUTDOWN, 0, SW_SIDE_NONE);
+            flow_complete(flow_loop(r, f), f, SW_CAUSE_SHUTDOWN, 0, SW_SIDE_NONE);
     }
     loops_teardown(r);
 
@@ -1085,13 +1095,10 @@ int sw_relay_shutdown(sw_relay *r)
     r->cq_closed = true;
     /* Left readable for good, so a poller notices the shutdown even when no
      * completion was pending. */
-    uint64_t one = 1;
-    if (write(r->cfd, &one, sizeof one) < 0) {
-    }
+    efd_signal(r->cfd);
     pthread_cond_broadcast(&r->cq_cond);
     pthread_mutex_unlock(&r->cq_lock);
 
-    r->shut_done = true;
     pthread_mutex_unlock(&r->shutdown_lock);
     return 0;
 }
@@ -1105,7 +1112,6 @@ void sw_relay_free(sw_relay *r)
 }
 
 int sw_relay_loops(sw_relay *r) { return r ? r->nloops : -EINVAL; }
-uint32_t sw_relay_capacity(sw_relay *r) { return r ? r->capacity : 0; }
 
 uint32_t sw_relay_active(sw_relay *r)
 {
@@ -1128,7 +1134,33 @@ int sw_relay_debug_force_copy(sw_relay *r, int on)
     return 0;
 }
 
-static struct loop *pick_loop(struct sw_relay *r, uint32_t *li)
+/* Under L->req_lock: adds `flag` to the flow's pending requests, queueing the
+ * flow unless it already is (then the loop will see the flag anyway).  True
+ * when the loop must be woken: its request list was empty. */
+static bool req_post(struct loop *L, struct flow *f, uint8_t flag)
+{
+    bool wake = false;
+    if (!f->req_flags) {
+        wake = dl_empty(&L->reqs);
+        dl_push(&L->reqs, &f->req);
+    }
+    f->req_flags |= flag;
+    return wake;
+}
+
+/* Takes `life` as a reader, or fails with -ESHUTDOWN (and holds nothing) once
+ * sw_relay_shutdown() has begun. */
+static int life_enter(struct sw_relay *r)
+{
+    pthread_rwlock_rdlock(&r->life);
+    if (r->shutting) {
+        pthread_rwlock_unlock(&r->life);
+        return -ESHUTDOWN;
+    }
+    return 0;
+}
+
+static uint32_t pick_loop(struct sw_relay *r)
 {
     /* Least loaded, scanning from a rotating start so ties spread out. */
     uint32_t n = (uint32_t)r->nloops;
@@ -1143,19 +1175,17 @@ static struct loop *pick_loop(struct sw_relay *r, uint32_t *li)
             best_load = load;
         }
     }
-    *li = best;
-    return &r->loops[best];
+    return best;
 }
 
-static void flow_init(struct sw_relay *r, struct flow *f, struct loop *L, uint32_t li,
-                      int cfd, int ufd, uint32_t idle_ms)
+static void flow_init(struct sw_relay *r, struct flow *f, uint32_t li, int cfd, int ufd,
+                      uint32_t idle_ms)
 {
-    f->L = L;
     atomic_store_explicit(&f->loop_idx, li, memory_order_relaxed);
     f->fd[0] = cfd;
     f->fd[1] = ufd;
     f->timeout_ms = idle_ms;
-    f->timed = f->adopted = false;
+    f->adopted = false;
     f->first_dir = 0;
     for (int s = 0; s < 2; s++)
         f->rd[s] = f->wr[s] = f->errq[s] = false;
@@ -1202,12 +1232,9 @@ int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_time
     if (st[0].st_dev == st[1].st_dev && st[0].st_ino == st[1].st_ino)
         return -EINVAL;
 
-    int rc = 0;
-    pthread_rwlock_rdlock(&r->life);
-    if (r->shutting) {
-        rc = -ESHUTDOWN;
-        goto out_unlock;
-    }
+    int rc = life_enter(r);
+    if (rc)
+        return rc;
     rc = cq_reserve(r);
     if (rc)
         goto out_unlock;
@@ -1225,11 +1252,11 @@ int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_time
         oldfl[i] = fl;
     }
 
-    uint32_t li;
-    struct loop *L = pick_loop(r, &li);
+    uint32_t li = pick_loop(r);
+    struct loop *L = &r->loops[li];
     uint32_t idx = (uint32_t)(f - r->flows);
     uint32_t gen = atomic_load_explicit(&f->gen, memory_order_relaxed) + 1;
-    flow_init(r, f, L, li, client_fd, upstream_fd, idle_timeout_ms);
+    flow_init(r, f, li, client_fd, upstream_fd, idle_timeout_ms);
 
     /* Events may reach the loop as soon as the first ADD returns; it drops
      * them until adoption (see the top of this file), so undoing is safe. */
@@ -1252,12 +1279,10 @@ int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_time
     *handle_out = ((uint64_t)gen << 32) | idx;
 
     pthread_mutex_lock(&L->req_lock);
-    bool wake = dl_empty(&L->reqs);
-    f->req_flags = REQ_ADOPT;
-    dl_push(&L->reqs, &f->req);
+    bool wake = req_post(L, f, REQ_ADOPT);
     pthread_mutex_unlock(&L->req_lock);
     if (wake)
-        loop_wake(L);
+        efd_signal(L->wakefd);
     pthread_rwlock_unlock(&r->life);
     return 0;
 
@@ -1291,38 +1316,26 @@ int sw_relay_request_close(sw_relay *r, uint64_t handle)
     struct flow *f = handle_slot(r, handle, &gen);
     if (!f)
         return -ENOENT;
-    int rc = 0;
-    pthread_rwlock_rdlock(&r->life);
-    if (r->shutting) {
-        rc = -ESHUTDOWN;
-        goto out;
-    }
+    int rc = life_enter(r);
+    if (rc)
+        return rc;
     if (atomic_load_explicit(&f->gen, memory_order_acquire) != gen) {
         rc = -ESTALE;
         goto out;
     }
     /* Any loop index read here is valid; the generation re-check under that
      * loop's lock tells whether it is the flow's. */
-    struct loop *L = &r->loops[atomic_load_explicit(&f->loop_idx, memory_order_relaxed)];
+    struct loop *L = flow_loop(r, f);
     pthread_mutex_lock(&L->req_lock);
     if (atomic_load_explicit(&f->gen, memory_order_acquire) != gen) {
         pthread_mutex_unlock(&L->req_lock);
         rc = -ESTALE;
         goto out;
     }
-    bool wake = dl_empty(&L->reqs);
-    if (!(f->req_flags & REQ_CLOSE)) {
-        if (!f->req_flags)
-            dl_push(&L->reqs, &f->req);
-        else
-            wake = false; /* already queued, the loop will see it */
-        f->req_flags |= REQ_CLOSE;
-    } else {
-        wake = false;
-    }
+    bool wake = req_post(L, f, REQ_CLOSE);
     pthread_mutex_unlock(&L->req_lock);
     if (wake)
-        loop_wake(L);
+        efd_signal(L->wakefd);
 out:
     pthread_rwlock_unlock(&r->life);
     return rc;
@@ -1337,11 +1350,7 @@ static int read_counters(struct sw_relay *r, uint64_t handle, sw_counters *out)
     if (atomic_load_explicit(&f->gen, memory_order_acquire) != gen)
         return -ESTALE;
     sw_counters c;
-    c.client_rx = atomic_load_explicit(&f->ctr[C_CLIENT_RX], memory_order_relaxed);
-    c.client_tx = atomic_load_explicit(&f->ctr[C_CLIENT_TX], memory_order_relaxed);
-    c.upstream_rx = atomic_load_explicit(&f->ctr[C_UP_RX], memory_order_relaxed);
-    c.upstream_tx = atomic_load_explicit(&f->ctr[C_UP_TX], memory_order_relaxed);
-    c.last_activity_unix_ms = atomic_load_explicit(&f->last_activity_ms, memory_order_relaxed);
+    counters_load(f, &c);
     atomic_thread_fence(memory_order_acquire);
     if (atomic_load_explicit(&f->gen, memory_order_relaxed) != gen)
         return -ESTALE;
@@ -1390,11 +1399,8 @@ int sw_relay_drain(sw_relay *r, sw_completion *out, size_t max)
         r->cq_reserved -= n;
     }
     /* Keeps the eventfd readable exactly while completions are pending. */
-    if (r->cq_count == 0 && !r->cq_closed) {
-        uint64_t v;
-        if (read(r->cfd, &v, sizeof v) < 0) {
-        }
-    }
+    if (r->cq_count == 0 && !r->cq_closed)
+        efd_clear(r->cfd);
     pthread_mutex_unlock(&r->cq_lock);
     return (int)n;
 }

@@ -73,7 +73,6 @@ int sw_relay_shutdown(sw_relay *relay);
 void sw_relay_free(sw_relay *relay);
 
 int sw_relay_loops(sw_relay *relay);
-uint32_t sw_relay_capacity(sw_relay *relay);
 uint32_t sw_relay_active(sw_relay *relay);
 
 /* Takes ownership of both fds on success only. */
