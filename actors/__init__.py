@@ -5,6 +5,6 @@
 - ``listener``    ListenerActor: one inbound's listening socket
 - ``flow``        FlowActor: one flow from handshake to flow.completed
 - ``stats``       StatsSamplerActor: relay counters -> flow.updated, stats.sampled
-- ``bridge``      hand-off to the C relay and the reaper thread
+- ``bridge``      hand-off to the C relay and completion delivery
 - ``messages``    the messages actors exchange
 """

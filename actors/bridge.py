@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 class RelayBridge:
     """Owns the relay and the handle -> actor map; delivers completions on the loop."""
 
-    def __init__(self, dispatcher: Dispatcher, loops: int = 0) -> None:
-        self.relay = Relay(loops=loops)
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.relay = Relay()
         self._dispatcher = dispatcher
         self._actors: dict[int, pykka.ActorRef[Any]] = {}
         self._attached = False

@@ -145,10 +145,7 @@ class FlowActor(LoopActor):
             self._task = None
         except asyncio.CancelledError:
             if self.state is not None and not self._done:
-                if self._close_reason_on_cancel == records.MANUAL:
-                    self._complete(records.CANCELLED, records.MANUAL)
-                else:
-                    self._complete(self._relayed_outcome(), None)
+                self._complete_closed()
             self._finish()
         except Exception as ex:
             logger.exception("flow %s failed unexpectedly", self.flow_id)
@@ -211,7 +208,7 @@ class FlowActor(LoopActor):
             await self._reply(hs.success_reply())
             if self.inbound.sniff and not hs.forward:
                 await self._sniff(hs)
-        await self._start_relay(hs, dialed)
+        await self._start_relay(hs, dialed, outbound.chained)
 
     def _start_record(self, hs: Handshake) -> None:
         core = self.core
@@ -327,7 +324,7 @@ class FlowActor(LoopActor):
             s.outbound_tag = outbound.tag
             s.outbound_protocol = outbound.protocol
 
-    async def _start_relay(self, hs: Handshake, dialed: Any) -> None:
+    async def _start_relay(self, hs: Handshake, dialed: Any, chained: bool) -> None:
         s = self.state
         assert s is not None and self.client is not None and self.upstream is not None
         loop = self.dispatcher.loop
@@ -360,8 +357,7 @@ class FlowActor(LoopActor):
                     socket.close(fd)
             raise
         s.state = "active"
-        outbound = self.core.outbounds[s.outbound_tag or ""]
-        if outbound.chained:
+        if chained:
             self.core.counters.chained_sessions += 1
         else:
             self.core.counters.direct_sessions += 1
@@ -400,8 +396,8 @@ class FlowActor(LoopActor):
             return
         self._apply_counters(completion.counters)
         cause = completion.cause
-        if cause is Cause.CLOSED and self._close_reason_on_cancel == records.MANUAL:
-            self._complete(records.CANCELLED, records.MANUAL)
+        if cause is Cause.CLOSED:
+            self._complete_closed()
         elif cause is Cause.IDLE:
             self._complete(self._relayed_outcome(), records.IDLE_TIMEOUT)
         elif cause in (Cause.RESET, Cause.ERROR) and completion.side == "upstream":
@@ -417,6 +413,13 @@ class FlowActor(LoopActor):
             # Both sides done, a client-side reset, or engine shutdown: an ordinary end.
             self._complete(self._relayed_outcome(), None)
         self._finish()
+
+    def _complete_closed(self) -> None:
+        # flows.close is a manual cancel; an engine stop is an ordinary end.
+        if self._close_reason_on_cancel == records.MANUAL:
+            self._complete(records.CANCELLED, records.MANUAL)
+        else:
+            self._complete(self._relayed_outcome(), None)
 
     def _relayed_outcome(self) -> str:
         s = self.state

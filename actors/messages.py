@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 
 class RelayFinished(NamedTuple):
-    """The C relay completed a flow (sent by the relay bridge's reaper thread)."""
+    """The C relay completed a flow (delivered by the relay bridge on the dispatcher loop)."""
 
     completion: Any  # spliceway.relay.Completion
 

@@ -124,7 +124,7 @@ class Relay:
         _int_arg("loops", loops, 0, 1024)
         _int_arg("capacity", capacity, 1, int(lib.SW_RELAY_MAX_CAPACITY))
         native = native_abi_version()
-        if native != ABI_VERSION or int(lib.SW_RELAY_ABI_VERSION) != ABI_VERSION:
+        if native != ABI_VERSION:
             raise RelayError(
                 errno_mod.ELIBBAD,
                 f"spliceway._relay ABI {native} does not match spliceway.relay ABI "

@@ -173,6 +173,26 @@ def payload(n: int, seed: int) -> bytes:
     return (block * (n // len(block) + 1))[:n]
 
 
+def start_numbered_sender(
+    sock: socket.socket, total: int, finish: Callable[[], None]
+) -> tuple[threading.Thread, hashlib._Hash]:
+    """Sends ``total`` random bytes as numbered 1 MiB chunks (reordering would
+    show), then calls ``finish``, on a thread; returns it and the running sha256."""
+    chunk = bytearray(os.urandom(MiB))
+    sent = hashlib.sha256()
+
+    def sender() -> None:
+        for i in range(total // MiB):
+            chunk[:8] = struct.pack("<Q", i)
+            sent.update(chunk)
+            sock.sendall(chunk)
+        finish()
+
+    t = threading.Thread(target=sender)
+    t.start()
+    return t, sent
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -248,18 +268,9 @@ def test_large_transfer_sha256(env: Env) -> None:
     total = 256 * MiB
     link = env.link()
     h = env.add(link)
-    chunk = bytearray(os.urandom(MiB))
-    sent = hashlib.sha256()
-
-    def sender() -> None:
-        for i in range(total // MiB):
-            chunk[:8] = struct.pack("<Q", i)  # chunks differ: reordering would show
-            sent.update(chunk)
-            link.client.sendall(chunk)
-        link.client.shutdown(socket.SHUT_WR)
-
-    t = threading.Thread(target=sender)
-    t.start()
+    t, sent = start_numbered_sender(
+        link.client, total, lambda: link.client.shutdown(socket.SHUT_WR)
+    )
     got = hashlib.sha256()
     n = 0
     buf = bytearray(MiB)
@@ -568,18 +579,7 @@ def test_copy_fallback_tcp_sha256(env: Env) -> None:
     total = 32 * MiB
     link = env.link()
     h = env.add(link)
-    data = bytearray(os.urandom(MiB))
-    sent = hashlib.sha256()
-
-    def sender() -> None:
-        for i in range(total // MiB):
-            data[:8] = struct.pack("<Q", i)
-            sent.update(data)
-            link.client.sendall(data)
-        link.client.close()
-
-    t = threading.Thread(target=sender)
-    t.start()
+    t, sent = start_numbered_sender(link.client, total, link.client.close)
     got = recv_eof(link.server, timeout=30)
     t.join(30)
     assert len(got) == total
