@@ -7,20 +7,14 @@ alive at once. Run: python benchmarks/bench_actor_start.py [N]
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
 
 import pykka
+from run_e2e import proc_rss_kib
 from spliceway.actors.dispatcher import Dispatcher, LoopActor
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 class Threaded(pykka.ThreadingActor):
@@ -35,13 +29,13 @@ class Looped(LoopActor):
 
 def measure(name: str, start, n: int) -> None:
     gc.collect()
-    before = rss_kib()
+    before = proc_rss_kib(os.getpid())
     t0 = time.perf_counter()
     refs = [start() for _ in range(n)]
     for r in refs:
         r.ask(1, timeout=10)
     t1 = time.perf_counter()
-    after = rss_kib()
+    after = proc_rss_kib(os.getpid())
     threads = threading.active_count()
     for r in refs:
         r.stop(timeout=10)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import ctypes
 import datetime as dt
 import http.client
 import itertools
@@ -39,7 +38,6 @@ import platform
 import re
 import resource
 import selectors
-import signal
 import socket
 import statistics
 import subprocess
@@ -52,9 +50,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import run_e2e as e2e  # noqa: E402  (shared tooling: build, tinyserver, engine launch, /proc)
+from run_e2e import ROOT, log  # noqa: E402
 
-ROOT = BENCH.parent
-RESULTS = BENCH / "results"
 API = "/api/v1"
 STREAM_PATH = f"{API}/events/stream"
 SSE_STREAMS = 5
@@ -62,18 +59,6 @@ QUERY_LIMIT_PER_S = 100  # api/limits.py Limits.queries_per_second (burst = rate
 TARGET_SSE_P99_MS = 20.0
 TARGET_DROP_PCT = 10.0
 CONTROL_RE = re.compile(r"control API listening on http://([0-9.]+):(\d+)/")
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _preexec() -> None:
-    e2e.raise_nofile()
-    os.setpgrp()  # a Ctrl-C on the runner does not hit the child first
-    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the child ends if the runner dies
 
 
 def proc_table() -> dict[int, tuple[str, float]]:
@@ -83,13 +68,10 @@ def proc_table() -> dict[int, tuple[str, float]]:
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                raw = f.read()
+            name, _, cpu_s = e2e.read_stat(f"/proc/{entry.name}/stat")
         except OSError:
             continue
-        name = raw[raw.index("(") + 1 : raw.rindex(")")]
-        fields = raw.rsplit(")", 1)[1].split()
-        out[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / e2e.CLK_TCK)
+        out[int(entry.name)] = (name, cpu_s)
     return out
 
 
@@ -350,17 +332,6 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str | None:
     return buf.split(b"\n", 1)[0].decode()
 
 
-def stop_child(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM then SIGKILL, this child's pid only."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 class Children:
     """Every helper process started by the runner, stopped by pid in ``finally``."""
 
@@ -368,13 +339,13 @@ class Children:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, cmd: list[str], **kw) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, preexec_fn=_preexec, cwd=ROOT, **kw)
+        p = subprocess.Popen(cmd, preexec_fn=e2e.preexec, cwd=ROOT, **kw)
         self.procs.append(p)
         return p
 
     def reap(self) -> None:
         for p in self.procs:
-            stop_child(p)
+            e2e.stop_child(p)
         self.procs = [p for p in self.procs if p.poll() is None]
 
 
@@ -405,7 +376,7 @@ class Engine:
         path = tmp / "spliceway-control.json"
         path.write_text(json.dumps(cfg, indent=1))
         cmd, self.launch = e2e.spliceway_launch_cmd(path)
-        self.m = e2e.Managed("spliceway", cmd, cwd=ROOT, env=dict(os.environ))
+        self.m = e2e.Managed("spliceway", cmd, cwd=ROOT)
         self.m.keep_log(log_path)
         self.log_path = log_path
         # The CLI logs the inbound's line, then the control API's: wait for the second.
@@ -414,9 +385,7 @@ class Engine:
             (e2e.LISTEN_RE.search(x) for x in list(self.m.lines) if e2e.LISTEN_RE.search(x)), None
         )
         if m1 is None or m2 is None or not self.m.alive():
-            out = "\n".join(list(self.m.lines)[-30:])
-            self.m.stop(3)
-            raise SystemExit(f"spliceway did not report its socks5 and control ports:\n{out}")
+            self.m.abort("spliceway did not report its socks5 and control ports")
         self.socks_port = int(m1.group(2))
         self.api_port = int(m2.group(2))
         self.pid = self.m.pid
@@ -456,10 +425,7 @@ class Engine:
     def stop(self) -> dict:
         info = self.m.stop(10)
         info.update(
-            stderr_lines=self.m.all_count,
-            flagged_lines=self.m.flag_count,
-            flagged_examples=self.m.flagged[:10],
-            exceptions=dict(self.m.exceptions.most_common(10)),
+            self.m.stderr_report(),
             warnings=[x for x in self.m.lines if " WARNING " in x][:10],
             warning_count=sum(1 for x in self.m.lines if " WARNING " in x),
             log=str(self.log_path),
@@ -475,7 +441,7 @@ class Bench:
         self.kids = Children()
         self.server: e2e.Server | None = None
         self.engine: Engine | None = None
-        self.quiet_budget = args.quiet_budget
+        self.quiet = e2e.QuietWait(args, self.our_cpu)
         self._n = 0
 
     # ------------------------------------------------------------------ helpers
@@ -488,33 +454,27 @@ class Bench:
         except subprocess.TimeoutExpired as ex:
             raise SystemExit(f"loadgen exceeded {timeout:.0f}s: {cmd}") from ex
         finally:
-            stop_child(p)
+            e2e.stop_child(p)
         if p.returncode != 0 or not out.strip():
             raise SystemExit(f"loadgen failed ({p.returncode}): {cmd}\n{err}")
         return json.loads(out.strip().splitlines()[-1])
 
     def rate_argv(self, conc: int, duration: float, threads: int, rate: float = 0) -> list[str]:
         assert self.server is not None and self.engine is not None
-        argv = [
-            "rate",
-            "--target",
-            f"127.0.0.1:{self.server.rate}",
-            "--socks",
-            f"127.0.0.1:{self.engine.socks_port}",
-            "--conc",
-            str(conc),
-            "--duration",
-            str(duration),
-            "--req",
-            "100",
-            "--resp",
-            "1024",
-            "--timeout-ms",
-            "5000",
-            "--threads",
-            str(threads),
-        ]
+        argv = e2e.rate_argv(self.server.rate, self.engine.socks_port, conc, duration, threads)
         return [*argv, "--rate", str(rate)] if rate else argv
+
+    def client_cmd(self, mode: str, *argv: str) -> list[str]:
+        """This script as one of its client processes (``_sse`` or ``_stats``) of the API."""
+        assert self.engine is not None
+        return [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            mode,
+            "--port",
+            str(self.engine.api_port),
+            *argv,
+        ]
 
     def start_readers(
         self, n: int, types: str, max_s: float
@@ -524,17 +484,7 @@ class Bench:
         for _ in range(n):
             self._n += 1
             out = self.tmp / f"sse-{self._n}.json"
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "_sse",
-                "--port",
-                str(self.engine.api_port),
-                "--max-seconds",
-                str(max_s),
-                "--out",
-                str(out),
-            ]
+            cmd = self.client_cmd("_sse", "--max-seconds", str(max_s), "--out", str(out))
             if types:
                 cmd += ["--types", types]
             p = self.kids.start(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -554,33 +504,19 @@ class Bench:
             try:
                 p.wait(60)
             except subprocess.TimeoutExpired:
-                stop_child(p)
+                e2e.stop_child(p)
             results.append(json.loads(out.read_text()) if out.exists() else {"missing": True})
         return results
 
     def start_stats_clients(
         self, n: int, rate: float, duration: float, start_at: float
     ) -> list[subprocess.Popen]:
-        assert self.engine is not None
-        procs = []
-        for _ in range(n):
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "_stats",
-                "--port",
-                str(self.engine.api_port),
-                "--rate",
-                str(rate),
-                "--duration",
-                str(duration),
-                "--start-at",
-                repr(start_at),
-            ]
-            procs.append(
-                self.kids.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            )
-        return procs
+        argv = ["--rate", str(rate), "--duration", str(duration), "--start-at", repr(start_at)]
+        cmd = self.client_cmd("_stats", *argv)
+        return [
+            self.kids.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(n)
+        ]
 
     def finish_stats_clients(self, procs: list[subprocess.Popen], timeout: float) -> list[dict]:
         out = []
@@ -588,7 +524,7 @@ class Bench:
             try:
                 stdout, stderr = p.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                stop_child(p)
+                e2e.stop_child(p)
                 stdout, stderr = p.communicate()
             if p.returncode != 0 or not stdout.strip():
                 raise SystemExit(f"stats client failed ({p.returncode}):\n{stderr}")
@@ -610,18 +546,8 @@ class Bench:
 
     def wait_quiet(self) -> tuple[float, float]:
         """Wait (bounded) until other processes use < --quiet-threshold of the CPUs."""
-        start = time.monotonic()
-        limit = min(self.args.quiet_wait, max(0.0, self.quiet_budget))
-        ncpu = os.cpu_count() or 1
-        while True:
-            m0, o0, k0 = e2e.machine_cpu()[0], self.our_cpu(), e2e.kernel_threads_cpu()
-            time.sleep(0.5)
-            m1, o1, k1 = e2e.machine_cpu()[0], self.our_cpu(), e2e.kernel_threads_cpu()
-            frac = max(0.0, (m1 - m0) - (o1 - o0) - (k1 - k0)) / (0.5 * ncpu)
-            waited = time.monotonic() - start
-            if frac <= self.args.quiet_threshold or waited >= limit:
-                self.quiet_budget -= max(0.0, waited - 0.5)
-                return round(waited, 2), round(frac, 3)
+        waited, frac = self.quiet()
+        return round(waited, 2), round(frac, 3)
 
     # ------------------------------------------------------------------ 1. SSE latency
 
@@ -765,7 +691,7 @@ class Bench:
         }
         for kind in dict.fromkeys(plan):
             rs = [r for r in runs if r["kind"] == kind]
-            clean = [r for r in rs if not r["disturbed"]] or rs
+            clean = e2e.undisturbed(rs)
             vals = [r["conn_per_s"] for r in clean]
             out[kind] = {
                 "median_conn_per_s": round(statistics.median(vals), 1),
@@ -1098,19 +1024,8 @@ def report(res: dict) -> str:
 
 
 def collect_notes(res: dict) -> list[str]:
-    notes = []
     st = res.get("engine_stop") or {}
-    if st.get("killed"):
-        notes.append("engine did not exit within 10 s of SIGTERM; killed")
-    elif st.get("exit") not in (0, None, -15):
-        notes.append(f"engine exited with status {st.get('exit')} after SIGTERM")
-    if st.get("flagged_lines"):
-        exc = "; ".join(f"{n}x {e}" for e, n in (st.get("exceptions") or {}).items())
-        notes.append(
-            f"{st['flagged_lines']} error lines on the engine's stderr"
-            + (f"; tracebacks: {exc}" if exc else "")
-            + f" (log: {st.get('log')})"
-        )
+    notes = e2e.stop_notes(st, "", "engine")
     if st.get("warning_count"):
         notes.append(
             f"{st['warning_count']} WARNING lines on the engine's stderr, e.g. "
@@ -1198,7 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-threshold", type=float, default=0.10)
     ap.add_argument("--quiet-budget", type=float, help="default 40 s, quick 15 s")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
     args = ap.parse_args(argv)
     q = args.quick
     args.sse_seconds = args.sse_seconds or (4.0 if q else 10.0)
@@ -1282,12 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
     res["meta"]["loadavg_after"] = os.getloadavg()
     res["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
     res["notes"] = collect_notes(res)
-    text = report(res)
-    print(text)
-    print(f"\n(total {res['meta']['elapsed_s']} s)")
-    path = Path(f"{base}.json")
-    path.write_text(json.dumps(res, indent=1))
-    print(f"results: {path}")
+    e2e.publish(res, report(res), base)
     return 0
 
 

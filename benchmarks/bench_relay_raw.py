@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from run_e2e import read_stat
+
 from spliceway.relay import Relay
 
 CHUNK = 8 << 20
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -47,18 +48,15 @@ class Result:
 
 
 def relay_cpu_seconds() -> float:
-    total = 0
+    total = 0.0
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
+            comm, _, cpu_s = read_stat(f"/proc/self/task/{tid}/stat")
         except OSError:
             continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         if comm.startswith("sw-relay"):
-            fields = stat[stat.rindex(")") + 2 :].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLK_TCK
+            total += cpu_s
+    return total
 
 
 def tcp_pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:

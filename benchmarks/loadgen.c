@@ -1,6 +1,6 @@
 /*
- * loadgen: single-threaded epoll load generator for spliceway's end-to-end
- * benchmarks, talking to tinyserver directly or through a SOCKS5 proxy.
+ * loadgen: epoll load generator for spliceway's end-to-end benchmarks,
+ * talking to tinyserver directly or through a SOCKS5 proxy.
  *
  *   loadgen rate --target H:P [--socks H:P] --conc N --duration S [--count N]
  *                [--req 100] [--resp 1024] [--timeout-ms 5000] [--warmup S] [--threads T]
@@ -215,16 +215,15 @@ static int start_conn(conn *c) {
     c->rlen = c->need = 0;
     c->moved = 0;
     c->left = 0;
+    c->state = S_CONNECTING;
     g_active++;
     g_started++;
     struct sockaddr_in *sa = g_use_socks ? &g_socks : &g_target;
     int rc = connect(fd, (struct sockaddr *)sa, sizeof *sa);
     if (rc < 0 && errno != EINPROGRESS) {
-        c->state = S_CONNECTING;
         fail(c, E_CONNECT, errno);
         return -1;
     }
-    c->state = S_CONNECTING;
     struct epoll_event ev = {.events = EPOLLOUT, .data.u32 = (uint32_t)c->idx};
     if (epoll_ctl(g_ep, EPOLL_CTL_ADD, fd, &ev) < 0) die("epoll_ctl ADD");
     return 0;
@@ -385,21 +384,24 @@ static void app_start(conn *c) {
     }
 }
 
-static void on_resp(conn *c) {
+/* Reads (and counts in c->moved) until EOF: 1 at EOF, 0 more to come, -1 failed (closed). */
+static int drain_to_eof(conn *c) {
     for (;;) {
         ssize_t n = recv(c->fd, g_big, g_buf, 0);
         if (n > 0) {
             c->moved += (uint64_t)n;
             continue;
         }
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-        if (n < 0) {
-            fail(c, E_IO, errno);
-            return;
-        }
-        break; /* EOF */
+        if (n == 0) return 1;
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+        fail(c, E_IO, errno);
+        return -1;
     }
+}
+
+static void on_resp(conn *c) {
+    if (drain_to_eof(c) <= 0) return;
     if (c->moved != g_resp) {
         fail(c, E_SHORT, 0);
         return;
@@ -446,20 +448,7 @@ static void on_up_ack(conn *c) {
 }
 
 static void on_down(conn *c) {
-    for (;;) {
-        ssize_t n = recv(c->fd, g_big, g_buf, 0);
-        if (n > 0) {
-            c->moved += (uint64_t)n;
-            continue;
-        }
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-        if (n < 0) {
-            fail(c, E_IO, errno);
-            return;
-        }
-        break;
-    }
+    if (drain_to_eof(c) <= 0) return;
     if (c->moved != g_bytes) {
         fail(c, E_SHORT, 0);
         return;
@@ -494,14 +483,9 @@ static void on_held(conn *c) {
     fail(c, E_DROPPED, n < 0 ? errno : 0);
 }
 
-static void dispatch(conn *c, uint32_t events) {
-    if (c->state == S_FREE) return;
-    if (c->state == S_CONNECTING) {
-        on_connected(c);
-        return;
-    }
-    (void)events;
+static void dispatch(conn *c) {
     switch (c->state) {
+    case S_CONNECTING: on_connected(c); break;
     case S_GREET: on_greet(c); break;
     case S_REPLY: on_reply(c); break;
     case S_RESP: on_resp(c); break;
@@ -558,12 +542,19 @@ static void print_latency(void) {
            pct_us(0.99), pct_us(0.999), g_nlat ? (double)g_lat[g_nlat - 1] / 1000.0 : 0.0);
 }
 
-static void print_rusage(void) {
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    printf("\"cpu_s\": %.3f",
-           ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + ru.ru_stime.tv_sec +
-               ru.ru_stime.tv_usec / 1e6);
+/* Ends a JSON result line: latency, errors, and (with_cpu) this process's CPU seconds. */
+static void print_tail(int with_cpu) {
+    print_latency();
+    printf(", ");
+    print_errors();
+    if (with_cpu) {
+        struct rusage ru;
+        getrusage(RUSAGE_SELF, &ru);
+        printf(", \"cpu_s\": %.3f",
+               ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + ru.ru_stime.tv_sec +
+                   ru.ru_stime.tv_usec / 1e6);
+    }
+    printf("}\n");
 }
 
 static void setup(int nconns) {
@@ -672,10 +663,7 @@ static void *rate_worker(void *arg) {
             die("epoll_wait");
         }
         now = now_ns();
-        for (int i = 0; i < n; i++) {
-            conn *c = &g_conns[evs[i].data.u32];
-            dispatch(c, evs[i].events);
-        }
+        for (int i = 0; i < n; i++) dispatch(&g_conns[evs[i].data.u32]);
         if (now - last_scan > 100000000ull) {
             check_timeouts(now);
             last_scan = now;
@@ -713,7 +701,7 @@ static void *bulk_worker(void *arg) {
             if (errno == EINTR) continue;
             die("epoll_wait");
         }
-        for (int i = 0; i < n; i++) dispatch(&g_conns[evs[i].data.u32], evs[i].events);
+        for (int i = 0; i < n; i++) dispatch(&g_conns[evs[i].data.u32]);
         now = now_ns();
         if (now - last_scan > 100000000ull) {
             /* bulk connections only time out in their handshake phases */
@@ -787,12 +775,7 @@ static int run_rate(void) {
     if (g_rate > 0)
         printf("\"paced_rate\": %.1f, \"paced_no_slot\": %llu, ", g_rate,
                (unsigned long long)m.paced_no_slot);
-    print_latency();
-    printf(", ");
-    print_errors();
-    printf(", ");
-    print_rusage();
-    printf("}\n");
+    print_tail(1);
     return 0;
 }
 
@@ -806,12 +789,7 @@ static int run_bulk(void) {
            g_use_socks ? "true" : "false", g_up ? "up" : "down", g_conc, g_threads,
            (unsigned long long)g_bytes, (unsigned long long)m.done, (unsigned long long)m.moved,
            secs, secs > 0 ? (double)m.moved / secs / 1e6 : 0.0, m.truncated ? "true" : "false");
-    print_latency();
-    printf(", ");
-    print_errors();
-    printf(", ");
-    print_rusage();
-    printf("}\n");
+    print_tail(1);
     return 0;
 }
 
@@ -837,7 +815,7 @@ static int run_hold(void) {
             if (errno == EINTR) continue;
             die("epoll_wait");
         }
-        for (int i = 0; i < n; i++) dispatch(&g_conns[evs[i].data.u32], evs[i].events);
+        for (int i = 0; i < n; i++) dispatch(&g_conns[evs[i].data.u32]);
         now = now_ns();
         if (now - last_scan > 100000000ull) {
             check_timeouts(now);
@@ -851,15 +829,13 @@ static int run_hold(void) {
     printf("{\"mode\": \"hold\", \"phase\": \"established\", \"socks\": %s, \"conns\": %d, "
            "\"established\": %llu, \"ramp_seconds\": %.3f, ",
            g_use_socks ? "true" : "false", g_nconns, (unsigned long long)g_established, ramp);
-    print_latency();
-    printf(", ");
-    print_errors();
-    printf("}\n");
+    print_tail(0);
     fflush(stdout);
 
     /* Hold: until stdin has a line or EOF, or --hold-seconds pass. */
+    /* (stdin that epoll cannot watch, e.g. a regular file: only --hold-seconds ends it) */
     struct epoll_event sev = {.events = EPOLLIN, .data.u32 = UINT32_MAX};
-    int watch_stdin = epoll_ctl(g_ep, EPOLL_CTL_ADD, 0, &sev) == 0;
+    epoll_ctl(g_ep, EPOLL_CTL_ADD, 0, &sev);
     uint64_t hold_end = now_ns() + (uint64_t)(g_hold_seconds * 1e9);
     int done = 0;
     while (!done && now_ns() < hold_end) {
@@ -873,9 +849,8 @@ static int run_hold(void) {
                 done = 1;
                 continue;
             }
-            dispatch(&g_conns[evs[i].data.u32], evs[i].events);
+            dispatch(&g_conns[evs[i].data.u32]);
         }
-        (void)watch_stdin;
     }
     printf("{\"mode\": \"hold\", \"phase\": \"released\", \"still_open\": %llu, \"dropped\": %llu, "
            "\"held_seconds\": %.3f}\n",

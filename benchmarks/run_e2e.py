@@ -39,7 +39,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -113,11 +115,19 @@ def raise_nofile(limit: int = NOFILE) -> int:
     return soft
 
 
+def read_stat(path: str) -> tuple[str, int, float]:
+    """(command name, parent pid, utime + stime in seconds) from a /proc/.../stat file."""
+    with open(path) as f:
+        raw = f.read()
+    head, _, tail = raw.rpartition(")")
+    fields = tail.split()
+    cpu_s = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return head[head.index("(") + 1 :], int(fields[1]), cpu_s
+
+
 def proc_cpu_s(pid: int) -> float:
     """utime + stime of every thread of ``pid``, in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return read_stat(f"/proc/{pid}/stat")[2]
 
 
 def proc_rss_kib(pid: int) -> int:
@@ -152,18 +162,17 @@ def machine_cpu() -> tuple[float, float]:
 
 def kernel_threads_cpu() -> float:
     """CPU seconds of all kernel threads (ksoftirqd doing loopback work, kworkers, ...)."""
-    total = 0
+    total = 0.0
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            _, ppid, cpu = read_stat(f"/proc/{entry.name}/stat")
         except OSError:
             continue
-        if fields[1] == "2" or entry.name == "2":  # children of kthreadd
-            total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
+        if ppid == 2 or entry.name == "2":  # children of kthreadd
+            total += cpu
+    return total
 
 
 def affinity(pid: int) -> str:
@@ -195,7 +204,8 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 
 
-def _preexec() -> None:
+def preexec() -> None:
+    """Child setup before exec: the raised fd limit, its own process group, dies with us."""
     raise_nofile()
     os.setpgrp()  # own process group: a Ctrl-C on the runner does not hit it first
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # and it ends if the runner dies
@@ -203,6 +213,20 @@ def _preexec() -> None:
 
 def taskset_prefix(cpus: str | None) -> list[str]:
     return ["taskset", "-c", cpus] if cpus else []
+
+
+def stop_child(proc: subprocess.Popen, grace: float = 5.0) -> bool:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; this child's pid only. True if killed."""
+    if proc.poll() is not None:
+        return False
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+        return True
+    return False
 
 
 class Managed:
@@ -214,7 +238,6 @@ class Managed:
         cmd: list[str],
         *,
         cwd: Path | None = None,
-        env: dict | None = None,
         stdout: int | None = subprocess.DEVNULL,
     ) -> None:
         self.name = name
@@ -222,12 +245,11 @@ class Managed:
         self.proc = subprocess.Popen(
             cmd,
             cwd=cwd,
-            env=env,
             stdin=subprocess.DEVNULL,
             stdout=stdout,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_preexec,
+            preexec_fn=preexec,
         )
         self.pid = self.proc.pid
         self.lines: collections.deque[str] = collections.deque(maxlen=2000)
@@ -292,18 +314,24 @@ class Managed:
 
     def stop(self, grace: float = 10.0) -> dict:
         """SIGTERM, then SIGKILL after ``grace`` seconds; only this child's pid."""
-        info = {"exit": None, "killed": False}
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-                info["killed"] = True
-        info["exit"] = self.proc.returncode
+        killed = stop_child(self.proc, grace)
         self._thread.join(2)
-        return info
+        return {"exit": self.proc.returncode, "killed": killed}
+
+    def abort(self, problem: str) -> NoReturn:
+        """Stop the child and exit the benchmark with ``problem`` and its last stderr lines."""
+        out = "\n".join(list(self.lines)[-30:])
+        self.stop(3)
+        raise SystemExit(f"{problem}:\n{out}")
+
+    def stderr_report(self) -> dict:
+        """What its stderr held: line counts, flagged lines, tracebacks by exception."""
+        return {
+            "stderr_lines": self.all_count,
+            "flagged_lines": self.flag_count,
+            "flagged_examples": self.flagged[:10],
+            "exceptions": dict(self.exceptions.most_common(10)),
+        }
 
 
 class Server:
@@ -376,20 +404,17 @@ class Proxy:
     def __init__(self, kind: str, pin: str | None, tmp: Path, log_path: Path | None = None) -> None:
         self.kind = kind
         self.launch = ""
-        env = dict(os.environ)
         if kind == "spliceway":
             cfg = tmp / "spliceway.json"
             cfg.write_text(json.dumps(SPLICEWAY_CONFIG, indent=1))
             base, self.launch = spliceway_launch_cmd(cfg)
             cmd = [*taskset_prefix(pin), *base]
-            self.m = Managed("spliceway", cmd, cwd=ROOT, env=env)
+            self.m = Managed("spliceway", cmd, cwd=ROOT)
             if log_path:
                 self.m.keep_log(log_path)
             m = self.m.wait_for(LISTEN_RE, 30)
             if m is None or not self.m.alive():
-                out = "\n".join(list(self.m.lines)[-30:])
-                self.m.stop(3)
-                raise SystemExit(f"spliceway did not report its socks5 port:\n{out}")
+                self.m.abort("spliceway did not report its socks5 port")
             self.port = int(m.group(2))
         else:
             port = free_port()
@@ -400,13 +425,11 @@ class Proxy:
                 base = shlex.split(kind.format(port=port))
                 self.launch = "custom command ({port} = chosen port)"
             cmd = [*taskset_prefix(pin), *base]
-            self.m = Managed(kind.split()[0], cmd, env=env)
+            self.m = Managed(kind.split()[0], cmd)
             if log_path:
                 self.m.keep_log(log_path)
             if not wait_port(port, 15) or not self.m.alive():
-                out = "\n".join(list(self.m.lines)[-30:])
-                self.m.stop(3)
-                raise SystemExit(f"proxy {cmd} is not accepting on 127.0.0.1:{port}:\n{out}")
+                self.m.abort(f"proxy {cmd} is not accepting on 127.0.0.1:{port}")
             self.port = port
         self.pid = self.m.pid
         # taskset/prlimit exec into the proxy, so the pid is the proxy's own.
@@ -421,10 +444,7 @@ class Proxy:
     def stop(self) -> dict:
         info = self.m.stop(10)
         info.update(
-            stderr_lines=self.m.all_count,
-            flagged_lines=self.m.flag_count,
-            flagged_examples=self.m.flagged[:10],
-            exceptions=dict(self.m.exceptions.most_common(10)),
+            self.m.stderr_report(),
             last_lines=list(self.m.lines)[-15:],
             log=str(self.m.log_path) if self.m.log_path else None,
         )
@@ -434,13 +454,69 @@ class Proxy:
 # --------------------------------------------------------------------------- runs
 
 
+class QuietWait:
+    """Waits (bounded) until other processes leave the machine mostly idle.
+
+    Samples 0.5 s windows of the machine's task CPU minus ``our_cpu()`` (our own
+    idle processes) and kernel threads; gives up after --quiet-wait seconds per
+    run and --quiet-budget seconds per benchmark run.
+    """
+
+    def __init__(self, args: argparse.Namespace, our_cpu: Callable[[], float]) -> None:
+        self.limit = args.quiet_wait
+        self.threshold = args.quiet_threshold
+        self.budget = args.quiet_budget
+        self.our_cpu = our_cpu
+
+    def __call__(self) -> tuple[float, float]:
+        """(seconds waited, other processes' share of all CPUs in the last window)."""
+        start = time.monotonic()
+        limit = min(self.limit, max(0.0, self.budget))
+        ncpu = os.cpu_count() or 1
+        while True:
+            m0, o0, k0 = machine_cpu()[0], self.our_cpu(), kernel_threads_cpu()
+            time.sleep(0.5)
+            m1, o1, k1 = machine_cpu()[0], self.our_cpu(), kernel_threads_cpu()
+            frac = max(0.0, (m1 - m0) - (o1 - o0) - (k1 - k0)) / (0.5 * ncpu)
+            waited = time.monotonic() - start
+            if frac <= self.threshold or waited >= limit:
+                self.budget -= max(0.0, waited - 0.5)
+                return waited, frac
+
+
+def rate_argv(
+    target_port: int, socks_port: int | None, conc: int, duration: float, threads: int
+) -> list[str]:
+    """``loadgen rate`` against tinyserver's rate listener (100 B request, 1 KiB response),
+    through the SOCKS5 proxy on ``socks_port`` when given."""
+    socks = ["--socks", f"127.0.0.1:{socks_port}"] if socks_port else []
+    return [
+        "rate",
+        "--target",
+        f"127.0.0.1:{target_port}",
+        *socks,
+        "--conc",
+        str(conc),
+        "--duration",
+        str(duration),
+        "--req",
+        "100",
+        "--resp",
+        "1024",
+        "--timeout-ms",
+        "5000",
+        "--threads",
+        str(threads),
+    ]
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace, tools: dict[str, Path]) -> None:
         self.args = args
         self.tools = tools
         self.server: Server | None = None
         self.proxy: Proxy | None = None
-        self.quiet_budget = args.quiet_budget
+        self.wait_quiet = QuietWait(args, self.our_cpu)
         self.retries = args.retries
 
     def loadgen(self, argv: list[str], timeout: float) -> dict:
@@ -462,27 +538,6 @@ class Runner:
             with contextlib.suppress(OSError):
                 total += proc_cpu_s(pid)
         return total
-
-    def wait_quiet(self) -> tuple[float, float]:
-        """Wait (bounded) until other processes leave the machine mostly idle.
-
-        Samples 0.5 s windows of the machine's task CPU minus our own idle
-        server and proxy; returns (seconds waited, other processes' share of
-        all CPUs in the last window).  Gives up after --quiet-wait seconds per
-        run and --quiet-budget seconds per benchmark run.
-        """
-        start = time.monotonic()
-        limit = min(self.args.quiet_wait, max(0.0, self.quiet_budget))
-        ncpu = os.cpu_count() or 1
-        while True:
-            m0, o0, k0 = machine_cpu()[0], self.our_cpu(), kernel_threads_cpu()
-            time.sleep(0.5)
-            m1, o1, k1 = machine_cpu()[0], self.our_cpu(), kernel_threads_cpu()
-            frac = max(0.0, (m1 - m0) - (o1 - o0) - (k1 - k0)) / (0.5 * ncpu)
-            waited = time.monotonic() - start
-            if frac <= self.args.quiet_threshold or waited >= limit:
-                self.quiet_budget -= max(0.0, waited - 0.5)
-                return waited, frac
 
     def measured(self, via_proxy: bool, argv: list[str], timeout: float) -> dict:
         """One loadgen run with the CPU used by proxy, server and the rest of the machine."""
@@ -513,8 +568,12 @@ class Runner:
         res["other_share_before"] = round(before_frac, 3)
         return res
 
+    def _socks_port(self, via_proxy: bool) -> int | None:
+        return self.proxy.port if via_proxy and self.proxy else None
+
     def _socks(self, via_proxy: bool) -> list[str]:
-        return ["--socks", f"127.0.0.1:{self.proxy.port}"] if via_proxy and self.proxy else []
+        port = self._socks_port(via_proxy)
+        return ["--socks", f"127.0.0.1:{port}"] if port else []
 
     def bulk(self, via_proxy: bool, conns: int, direction: str, total_bytes: int) -> dict:
         per = max(1 << 20, total_bytes // conns)
@@ -539,27 +598,14 @@ class Runner:
         return self.measured(via_proxy, argv, self.args.bulk_max_seconds + 30)
 
     def rate(self, via_proxy: bool, conc: int, duration: float, warmup: float = 0.0) -> dict:
-        argv = [
-            "rate",
-            "--target",
-            f"127.0.0.1:{self.server.rate}",
-            *self._socks(via_proxy),
-            "--conc",
-            str(conc),
-            "--duration",
-            str(duration),
-            "--warmup",
-            str(warmup),
-            "--req",
-            "100",
-            "--resp",
-            "1024",
-            "--timeout-ms",
-            "5000",
-            "--threads",
-            str(min(conc, self.args.loadgen_threads)),
-        ]
-        return self.measured(via_proxy, argv, duration + warmup + 30)
+        argv = rate_argv(
+            self.server.rate,
+            self._socks_port(via_proxy),
+            conc,
+            duration,
+            min(conc, self.args.loadgen_threads),
+        )
+        return self.measured(via_proxy, [*argv, "--warmup", str(warmup)], duration + warmup + 30)
 
     def hold(self, flows: int, hold_seconds: float) -> subprocess.Popen:
         cmd = [
@@ -640,6 +686,11 @@ def repeat(r: Runner, reps: int, run, describe) -> dict[str, list[dict]]:
     return runs
 
 
+def undisturbed(runs: list[dict]) -> list[dict]:
+    """The runs other processes did not disturb (all of them if every one was)."""
+    return [x for x in runs if not x["disturbed"]] or runs
+
+
 def best(runs: list[dict], key) -> dict:
     """The fastest run among the undisturbed ones (all runs if every one was disturbed).
 
@@ -647,8 +698,7 @@ def best(runs: list[dict], key) -> dict:
     machine the best run is the closest to what the code can do; medians are in
     the JSON too.
     """
-    clean = [x for x in runs if not x["disturbed"]] or runs
-    return max(clean, key=key)
+    return max(undisturbed(runs), key=key)
 
 
 def run_bulk(r: Runner, reps: int, total: int) -> dict:
@@ -676,7 +726,7 @@ def run_bulk(r: Runner, reps: int, total: int) -> dict:
         for path in ("direct", "proxy"):
             rs = runs[path]
             top = best(rs, lambda x: x["mb_per_s"])
-            vals = [x["mb_per_s"] for x in rs if not x["disturbed"]] or [x["mb_per_s"] for x in rs]
+            vals = [x["mb_per_s"] for x in undisturbed(rs)]
             case[f"{path}_mb_s"] = round(top["mb_per_s"], 1)
             case[f"{path}_median_mb_s"] = round(median(vals), 1)
             case[f"{path}_spread_pct"] = round(spread(vals), 1)
@@ -727,9 +777,7 @@ def run_rate(r: Runner, reps: int, duration: float) -> dict:
         for path in ("direct", "proxy"):
             rs = runs[path]
             top = best(rs, lambda x: x["conn_per_s"])
-            vals = [x["conn_per_s"] for x in rs if not x["disturbed"]] or [
-                x["conn_per_s"] for x in rs
-            ]
+            vals = [x["conn_per_s"] for x in undisturbed(rs)]
             level[path] = {
                 "conn_per_s": round(top["conn_per_s"], 1),
                 "p50_us": round(top["lat_us"]["p50"], 1),
@@ -971,23 +1019,28 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
+def stop_notes(st: dict, prefix: str, who: str) -> list[str]:
+    """Notes on how a proxy/engine (``who``) stopped and what its stderr held."""
+    notes = []
+    if st.get("killed"):
+        notes.append(f"{prefix}{who} did not exit within 10 s of SIGTERM; killed")
+    elif st.get("exit") not in (0, None, -15):
+        notes.append(f"{prefix}{who} exited with status {st.get('exit')} after SIGTERM")
+    if st.get("flagged_lines"):
+        exc = "; ".join(f"{n}x {e}" for e, n in (st.get("exceptions") or {}).items())
+        notes.append(
+            f"{prefix}{st['flagged_lines']} error lines on the {who}'s stderr"
+            + (f"; tracebacks: {exc}" if exc else "")
+            + (f" (log: {st['log']})" if st.get("log") else "")
+        )
+    return notes
+
+
 def collect_notes(res: dict) -> list[str]:
     notes = []
     for key in ("proxy_stop", "proxy_stop_rss"):
-        st = res.get(key)
-        if not st:
-            continue
-        if st.get("killed"):
-            notes.append(f"{key}: proxy did not exit within 10 s of SIGTERM; killed")
-        elif st.get("exit") not in (0, None, -15):
-            notes.append(f"{key}: proxy exited with status {st['exit']} after SIGTERM")
-        if st.get("flagged_lines"):
-            exc = "; ".join(f"{n}x {e}" for e, n in (st.get("exceptions") or {}).items())
-            notes.append(
-                f"{key}: {st['flagged_lines']} error lines on the proxy's stderr"
-                + (f"; tracebacks: {exc}" if exc else "")
-                + (f" (log: {st['log']})" if st.get("log") else "")
-            )
+        if res.get(key):
+            notes += stop_notes(res[key], f"{key}: ", "proxy")
     runs = []
     for c in (res.get("bulk") or {}).get("cases", []):
         runs += c["runs"]["direct"] + c["runs"]["proxy"]
@@ -1034,6 +1087,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "?"
+
+
+def publish(res: dict, text: str, base: Path) -> None:
+    """The table and the total time on stdout, every figure in ``<base>.json``."""
+    print(text)
+    print(f"\n(total {res['meta']['elapsed_s']} s)")
+    path = Path(f"{base}.json")
+    path.write_text(json.dumps(res, indent=1))
+    print(f"results: {path}")
 
 
 def start_proxy(r: Runner, res: dict, tmp: Path, log_path: Path) -> None:
@@ -1184,12 +1246,7 @@ def main(argv: list[str] | None = None) -> int:
             r.server.stop()
     res["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
     res["notes"] = collect_notes(res)
-    text = report(res)
-    print(text)
-    print(f"\n(total {res['meta']['elapsed_s']} s)")
-    path = Path(f"{base}.json")
-    path.write_text(json.dumps(res, indent=1))
-    print(f"results: {path}")
+    publish(res, report(res), base)
     return 0
 
 

@@ -38,8 +38,9 @@ def _client_hello(server_name: str) -> bytes:
     """A minimal TLS 1.2-style ClientHello record carrying an SNI extension."""
     name = server_name.encode()
     sni_list = b"\x00" + struct.pack("!H", len(name)) + name
-    sni_ext = struct.pack("!HH", 0, len(sni_list) + 2) + struct.pack("!H", len(sni_list)) + sni_list
-    extensions = sni_ext
+    extensions = (
+        struct.pack("!HH", 0, len(sni_list) + 2) + struct.pack("!H", len(sni_list)) + sni_list
+    )
     body = (
         b"\x03\x03"
         + bytes(32)  # random

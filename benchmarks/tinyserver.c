@@ -1,5 +1,5 @@
 /*
- * tinyserver: single-threaded epoll server for spliceway's end-to-end benchmarks.
+ * tinyserver: epoll server for spliceway's end-to-end benchmarks.
  *
  * One process serves up to three listeners, each on 127.0.0.1 (or --bind):
  *
@@ -82,7 +82,7 @@ static void die(const char *what) {
     exit(1);
 }
 
-static conn *listener(const char *addr, int port, enum kind kind, int *bound_port) {
+static void listener(const char *addr, int port, enum kind kind, int *bound_port) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) die("socket");
     int one = 1;
@@ -101,7 +101,6 @@ static conn *listener(const char *addr, int port, enum kind kind, int *bound_por
     c->kind = kind;
     c->fd = fd;
     g_listeners[g_nlisteners++] = c;
-    return c;
 }
 
 static void close_conn(conn *c) {
@@ -139,6 +138,25 @@ static void do_accept(conn *l) {
     }
 }
 
+/* Writes buf[c->sent..len): 1 all written, 0 waiting for EPOLLOUT, -1 failed (closed). */
+static int write_rest(conn *c, const void *buf, uint32_t len) {
+    while (c->sent < len) {
+        ssize_t n = write(c->fd, (const char *)buf + c->sent, len - c->sent);
+        if (n > 0) {
+            c->sent += (uint32_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            set_events(c, EPOLLOUT);
+            return 0;
+        }
+        close_conn(c);
+        return -1;
+    }
+    return 1;
+}
+
 /* Rate: read the request, write the response, close. */
 static void on_rate(conn *c, uint32_t events) {
     if (c->got < g_req) {
@@ -159,20 +177,7 @@ static void on_rate(conn *c, uint32_t events) {
             return;
         }
     }
-    while (c->sent < g_resp) {
-        ssize_t n = write(c->fd, g_resp_buf + c->sent, g_resp - c->sent);
-        if (n > 0) {
-            c->sent += (uint32_t)n;
-            continue;
-        }
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            set_events(c, EPOLLOUT);
-            return;
-        }
-        close_conn(c);
-        return;
-    }
+    if (write_rest(c, g_resp_buf, g_resp) <= 0) return;
     INC(g_rate_done);
     close_conn(c);
 }
@@ -226,20 +231,7 @@ static void on_bulk(conn *c, uint32_t events) {
     if (c->state == 3) {
         unsigned char ack[8];
         for (int i = 0; i < 8; i++) ack[i] = (unsigned char)(c->total >> (8 * i));
-        while (c->sent < 8) {
-            ssize_t n = write(c->fd, ack + c->sent, 8 - c->sent);
-            if (n > 0) {
-                c->sent += (uint32_t)n;
-                continue;
-            }
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                set_events(c, EPOLLOUT);
-                return;
-            }
-            close_conn(c);
-            return;
-        }
+        if (write_rest(c, ack, sizeof ack) <= 0) return;
         INC(g_bulk_done);
         close_conn(c);
         return;
