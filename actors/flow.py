@@ -26,7 +26,7 @@ from spliceway.events import now_ms
 from spliceway.inbound import Handshake, HandshakeFailed
 from spliceway.inbound import accept as accept_handshake
 from spliceway.outbounds import DialError
-from spliceway.protocols import NEED_MORE, sniff
+from spliceway.protocols import NEED_MORE, sniff, socks5
 from spliceway.relay import Cause
 from spliceway.runtime import FlowEntry, RouteState
 
@@ -168,7 +168,7 @@ class FlowActor(LoopActor):
         self._start_record(hs)
         replied = False
         route_state = core.route_state
-        decision = self._decide(route_state, hs)
+        decision = route_state.decide(self._facts(hs))
         if self.inbound.sniff and not hs.forward and _sniff_may_reroute(route_state, decision):
             # A domain rule ranked before the match could claim this flow by its first
             # bytes, which the client only sends once told the tunnel is open: answer
@@ -176,12 +176,14 @@ class FlowActor(LoopActor):
             await self._reply(hs.success_reply())
             replied = True
             await self._sniff(hs)
-            decision = self._decide(route_state, hs)
+            decision = route_state.decide(self._facts(hs))
         outbound = core.outbounds.get(decision.target) if decision.target else None
         if decision.action == "block" or outbound is None or outbound.protocol == "block":
             self._set_route(decision, outbound)
             if not replied:
-                await self._reply(hs.failure_reply(2, 403, "blocked by rule"), quiet=True)
+                await self._reply(
+                    hs.failure_reply(socks5.REP_NOT_ALLOWED, 403, "blocked by rule"), quiet=True
+                )
             self._complete(records.BLOCKED, None)
             self._finish()
             return
@@ -284,15 +286,6 @@ class FlowActor(LoopActor):
                 self.state.sniffed_host = found.host
             return
 
-    def _decide(self, route_state: RouteState, hs: Handshake) -> routing.RouteDecision:
-        return routing.decide(
-            route_state.ruleset,
-            route_state.mode,
-            route_state.mode_outbound,
-            route_state.final,
-            self._facts(hs),
-        )
-
     def _facts(self, hs: Handshake) -> routing.FlowFacts:
         assert self.state is not None
         return routing.FlowFacts(
@@ -314,11 +307,7 @@ class FlowActor(LoopActor):
         s.mode = decision.mode
         s.route_action = decision.action
         s.route_target = decision.target
-        s.matched_rule = (
-            {"index": decision.matched_rule.index, "condition": decision.matched_rule.condition}
-            if decision.matched_rule is not None
-            else None
-        )
+        s.matched_rule = decision.matched_rule.to_dict() if decision.matched_rule else None
         if outbound is not None:
             s.selection_chain = [outbound.tag]
             s.outbound_tag = outbound.tag

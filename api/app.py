@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import falcon
 import orjson
-from spliceway.api.auth import ALL_PERMISSIONS, KeyTable, Principal
+from spliceway.api.auth import KeyTable, Principal
 from spliceway.api.limits import Limits, RateLimited, Slots, TokenBucket
 from spliceway.api.openapi import openapi_document
 from spliceway.api.sse import (
@@ -32,7 +32,7 @@ from spliceway.api.sse import (
 
 from spliceway import commands, queries
 from spliceway.capabilities import API_ID, capabilities
-from spliceway.errors import ApiError
+from spliceway.errors import ApiError, code_for_http_status
 
 if TYPE_CHECKING:
     from spliceway.engine import Engine
@@ -45,17 +45,6 @@ COMMANDS_PATH = f"{PREFIX}/commands"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 _ALLOW_HEADERS = "Authorization, X-Service-Api-Key, Content-Type, Last-Event-ID"
 _COMMAND_KEYS = frozenset({"id", "method", "params"})
-
-_STATUS_CODES: dict[int, str] = {
-    400: "invalid_argument",
-    401: "unauthenticated",
-    403: "permission_denied",
-    404: "not_found",
-    405: "unsupported",
-    409: "conflict",
-    413: "invalid_argument",
-    429: "rate_limited",
-}
 
 
 def envelope_ok(result: Any, request_id: Any = None) -> bytes:
@@ -114,7 +103,6 @@ class _Gate:
         self._state = state
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.set_header("Access-Control-Allow-Origin", "*")
         req.context.request_id = None
         if req.method == "OPTIONS":
             resp.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
@@ -140,6 +128,7 @@ class _Gate:
     def process_response(
         self, req: falcon.Request, resp: falcon.Response, resource: object, ok: bool
     ) -> None:
+        # Falcon runs this for every response, errors and preflights included.
         resp.set_header("Access-Control-Allow-Origin", "*")
 
 
@@ -155,7 +144,7 @@ def _on_http_error(
     req: falcon.Request, resp: falcon.Response, ex: falcon.HTTPError, params: Any
 ) -> None:
     status = ex.status_code
-    code = _STATUS_CODES.get(status, "internal")
+    code = code_for_http_status(status)
     if status == 404:
         message = f"no endpoint {req.path}"
     elif status == 405:
@@ -196,9 +185,8 @@ class _Capabilities:
         self._state = state
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        granted = _principal(req).permissions
-        perms = ALL_PERMISSIONS if "admin" in granted else granted
         enabled = self._state.core.config.api.control.enabled
+        perms = _principal(req).effective_permissions
         _send(resp, envelope_ok(capabilities(perms, api_enabled=enabled)))
 
 
@@ -207,10 +195,10 @@ class _Commands:
         self._state = state
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if req.content_length is not None and req.content_length > MAX_BODY_BYTES:
-            raise ApiError("invalid_argument", f"body larger than {MAX_BODY_BYTES} bytes")
-        raw = req.bounded_stream.read(MAX_BODY_BYTES + 1)
-        if len(raw) > MAX_BODY_BYTES:
+        # A declared length over the cap is refused before reading any of it.
+        declared_too_large = (req.content_length or 0) > MAX_BODY_BYTES
+        raw = b"" if declared_too_large else req.bounded_stream.read(MAX_BODY_BYTES + 1)
+        if declared_too_large or len(raw) > MAX_BODY_BYTES:
             raise ApiError("invalid_argument", f"body larger than {MAX_BODY_BYTES} bytes")
         try:
             body = orjson.loads(raw)

@@ -18,10 +18,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spliceway.commands import PERMISSIONS, grants
 from spliceway.config import ControlApi
 from spliceway.errors import ApiError
 
-ALL_PERMISSIONS = frozenset({"read", "control", "config", "admin"})
+ALL_PERMISSIONS = frozenset(PERMISSIONS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,12 @@ class Principal:
 
     def grants(self, permission: str) -> bool:
         """Whether this caller may do what ``permission`` guards (admin may do all)."""
-        return permission in self.permissions or "admin" in self.permissions
+        return grants(self.permissions, permission)
+
+    @property
+    def effective_permissions(self) -> frozenset[str]:
+        """What the caller may do, admin expanded to every permission."""
+        return ALL_PERMISSIONS if "admin" in self.permissions else self.permissions
 
 
 ANONYMOUS_ADMIN = Principal("anonymous", ALL_PERMISSIONS)

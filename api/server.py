@@ -35,7 +35,6 @@ class ControlServer:
     """The control app listening on one address."""
 
     def __init__(self, app: ControlApp, address: str, port: int) -> None:
-        self._app = app
         self._state = app.state
         threads = self._state.limits.sse_streams + _SPARE_THREADS
         try:
@@ -90,9 +89,9 @@ class ControlServer:
         server.trigger.pull_trigger(lambda: wasyncore.dispatcher.close(server))  # type: ignore[union-attr]
         self._state.close_streams()
         deadline = time.monotonic() + _DRAIN_S
-        while server.task_dispatcher.active_count and time.monotonic() < deadline:
-            time.sleep(0.01)
-        while _unflushed(server) and time.monotonic() < deadline:
+        while (server.task_dispatcher.active_count or _unflushed(server)) and (
+            time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         server.trigger.pull_trigger(lambda: _close_all(server))  # type: ignore[union-attr]
         self._thread.join(_JOIN_S)

@@ -153,17 +153,15 @@ def open_stream(
     """
     preface = b""
     if since is not None:
-        latest = log.latest_sequence
+        oldest, latest = log.snapshot_bounds()
         if since > latest:
             preface = b": since %d is ahead of this engine start; replaying the ring\n\n" % since
             since = 0
-        else:
-            oldest = log.snapshot_bounds()[0]
-            if since + 1 < oldest:
-                preface = b": replay gap: events %d..%d were evicted from the ring\n\n" % (
-                    since + 1,
-                    oldest - 1,
-                )
+        elif since + 1 < oldest:
+            preface = b": replay gap: events %d..%d were evicted from the ring\n\n" % (
+                since + 1,
+                oldest - 1,
+            )
     # A stream further behind than twice the ring (room for a full catch-up) is
     # closed (``overflowed``) rather than buffered without bound; its client
     # resumes from the ring by Last-Event-ID.

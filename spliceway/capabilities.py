@@ -7,6 +7,7 @@ capabilities never sees a feature that answers ``unsupported``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +33,15 @@ FEATURES = (
 )
 
 BUILD_FEATURES = ("splice-relay", "http-api")
+
+
+_BASELINES = {
+    "socks5": "RFC 1928, RFC 1929",
+    "http": "RFC 9110 CONNECT and absolute-form forwarding",
+    "mixed": "socks5 and http on one port, told apart by the first byte",
+    "shadowsocks": "SIP004 AEAD",
+    "tun": "Linux TUN with a userspace TCP/IP stack",
+}
 
 
 def _level(supported: bool, level: str, *notes: str) -> dict[str, Any]:
@@ -60,13 +70,7 @@ def _protocol(
         "feature": feature,
         "compiled": compiled,
         "status": "stable" if compiled else "not_built",
-        "compatibility_baseline": {
-            "socks5": "RFC 1928, RFC 1929",
-            "http": "RFC 9110 CONNECT and absolute-form forwarding",
-            "mixed": "socks5 and http on one port, told apart by the first byte",
-            "shadowsocks": "SIP004 AEAD",
-            "tun": "Linux TUN with a userspace TCP/IP stack",
-        }.get(protocol, "none"),
+        "compatibility_baseline": _BASELINES.get(protocol, "none"),
         "inbound": {"tcp": inbound_tcp, "udp": inbound_udp},
         "outbound": {"tcp": outbound_tcp, "udp": outbound_udp},
         "transports": list(transports),
@@ -148,7 +152,8 @@ def capabilities(permissions: Iterable[str], api_enabled: bool = True) -> dict[s
         ],
         "sinks": [{"kind": "webhook", "enabled": False}, {"kind": "jsonl", "enabled": False}],
         "features": list(FEATURES),
-        "protocols": [dict(p) for p in PROTOCOLS],
+        # Deep copies: the tables share their level objects, and callers may mutate.
+        "protocols": copy.deepcopy(list(PROTOCOLS)),
         "build_features": list(BUILD_FEATURES),
         "permissions": sorted(set(permissions)),
         "contracts": [
@@ -168,5 +173,5 @@ def capabilities(permissions: Iterable[str], api_enabled: bool = True) -> dict[s
             }
             for c in COMMANDS.values()
         ],
-        "global_limitations": [dict(lim) for lim in GLOBAL_LIMITATIONS],
+        "global_limitations": copy.deepcopy(list(GLOBAL_LIMITATIONS)),
     }

@@ -26,6 +26,14 @@ if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore
 
 PERMISSIONS = ("read", "control", "config", "admin")
+
+
+def grants(permissions: Iterable[str], needed: str) -> bool:
+    """Whether ``permissions`` allow what ``needed`` guards (admin allows everything)."""
+    held = set(permissions)
+    return needed in held or "admin" in held
+
+
 _ASK_TIMEOUT = 10.0
 
 
@@ -193,8 +201,7 @@ def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
         principal_key=None,
         process_name=None,
     )
-    decision = routing.decide(state.ruleset, state.mode, state.mode_outbound, state.final, facts)
-    matched = decision.matched_rule
+    decision = state.decide(facts)
     return {
         "target": p.target,
         "port": p.port,
@@ -204,16 +211,14 @@ def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
         "route_action": {"route": decision.target}
         if decision.action == "route"
         else {"block": True},
-        "matched_rule": (
-            {"index": matched.index, "condition": matched.condition}
-            if matched is not None
-            else None
-        ),
+        "matched_rule": decision.matched_rule.to_dict() if decision.matched_rule else None,
     }
 
 
 def _probe_target(core: EngineCore, p: TargetTagParams) -> dict[str, Any]:
-    return diagnostics.probe_target(core.outbounds, core.resolver, p.target_tag)
+    return diagnostics.probe_target(
+        core.outbounds, core.resolver, core.dispatcher.loop, p.target_tag
+    )
 
 
 def _dns_lookup(core: EngineCore, p: HostnameParams) -> dict[str, Any]:
@@ -270,8 +275,7 @@ def execute(
     command = COMMANDS[method]
     if not isinstance(params, dict):
         raise invalid_argument("params must be an object", "params")
-    granted = set(permissions)
-    if command.permission not in granted and "admin" not in granted:
+    if not grants(permissions, command.permission):
         raise ApiError("permission_denied", f"{method} needs the {command.permission} permission")
     try:
         parsed = command.params.model_validate(params)

@@ -1,8 +1,8 @@
 """EngineCore: the running engine's parts, wired together, and its start/stop order.
 
 The public face is ``spliceway.Engine`` (engine.py); transports and the command
-table reach the engine through an ``EngineCore``. Start order: dispatcher,
-relay and reaper, bind every inbound (all or nothing), supervisor (listeners,
+table reach the engine through an ``EngineCore``. Start order: bind every
+inbound (all or nothing), dispatcher, relay bridge, supervisor (listeners,
 sampler), then ``engine.started``. Stop reverses it, and every flow still open
 completes with exactly one ``flow.completed`` before ``engine.stopped``.
 """

@@ -24,6 +24,25 @@ HTTP_STATUS: dict[str, int] = {
 }
 
 
+#: The code for an HTTP status that arrives without one (an HTTP framework's own
+#: routing errors): the table read backwards, leaving out the codes that only
+#: the engine itself can mean, plus the two statuses the table has no code for.
+_CODE_FOR_STATUS: dict[int, str] = {
+    **{
+        status: code
+        for code, status in HTTP_STATUS.items()
+        if code not in ("insufficient_os_privilege", "feature_disabled", "unsupported")
+    },
+    405: "unsupported",
+    413: "invalid_argument",
+}
+
+
+def code_for_http_status(status: int) -> str:
+    """The error code for an HTTP status (``internal`` for any status not in the table)."""
+    return _CODE_FOR_STATUS.get(status, "internal")
+
+
 @dataclass(frozen=True, slots=True)
 class Detail:
     """One problem inside a validation failure."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import errno
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -145,7 +146,10 @@ async def _open_tcp(
             continue
         return sock, ip
     assert last is not None
-    raise DialError(_errno_code(last), f"connect to {host}:{port} failed: {last}", remote=host)
+    # asyncio's connect errors read "Connect call failed (addr)"; the errno's own
+    # text ("Connection refused") is what flow records and probes should carry.
+    reason = os.strerror(last.errno) if last.errno else str(last)
+    raise DialError(_errno_code(last), f"connect to {host}:{port} failed: {reason}", remote=host)
 
 
 async def _recv_until(

@@ -37,7 +37,7 @@ import ipaddress
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from spliceway.config import Rule, parse_port_spec
 
@@ -73,6 +73,10 @@ class MatchedRule:
 
     index: int
     condition: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{index, condition}`` as flow records and trace_route carry it."""
+        return {"index": self.index, "condition": self.condition}
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from spliceway import routing
+
 if TYPE_CHECKING:
     import pykka
 
     from spliceway.records import Traffic
-    from spliceway.routing import RuleSet
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +29,11 @@ class RouteState:
     mode: str
     mode_outbound: str | None
     final: str
-    ruleset: RuleSet
+    ruleset: routing.RuleSet
+
+    def decide(self, facts: routing.FlowFacts) -> routing.RouteDecision:
+        """The route for ``facts`` under this state."""
+        return routing.decide(self.ruleset, self.mode, self.mode_outbound, self.final, facts)
 
 
 @dataclass(slots=True)
