@@ -12,9 +12,9 @@ from spliceway.config import DnsSettings
 from spliceway.dns import ResolveError, Resolver, dns_cache_result, dns_lookup_result
 from tests.conftest import base_config
 from tests.helpers.dnsserver import DnsServer, dead_udp_port, dns_server
+from tests.helpers.flows import completed, curl
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import free_port, microsocks
-from tests.integration.test_inbounds import completed_events, curl
 
 ZONE = {
     "both.test": ["10.1.0.1", "fd00::1"],
@@ -215,8 +215,7 @@ def fetch(engine, url: str) -> None:
 
 
 def only_record(engine) -> dict:
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        (done,) = completed_events(sub)
+    (done,) = completed(engine)
     return done["payload"]["record"]
 
 
@@ -246,8 +245,7 @@ def test_socks5_outbound_server_resolves_through_runtime_dns(make_engine, server
         engine = make_engine(cfg)
         fetch(engine, f"http://127.0.0.1:{origin[1]}/bytes/100")
         fetch(engine, f"http://127.0.0.1:{origin[1]}/bytes/100")
-    with engine.subscribe(["flow.completed"], since=0, timeout=5) as sub:
-        records = [e["payload"]["record"] for e in completed_events(sub, 2)]
+    records = [e["payload"]["record"] for e in completed(engine, 2)]
     assert [r["result"]["outcome"] for r in records] == ["chained_relayed"] * 2
     assert records[0]["path"]["remote"] == {"host": "proxy.test", "port": port}
     # The second flow found proxy.test in the resolver cache.

@@ -8,13 +8,12 @@ import socket
 import pytest
 
 from tests.conftest import base_config, wait_until
-from tests.helpers.flows import completed, completed_events, curl, flow_events
+from tests.helpers.flows import completed, curl, flow_events
 from tests.helpers.servers import CountingPeer
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import free_port
 
 # test_dns imports these two from here.
-__all__ = ["completed_events", "curl"]
 
 
 def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
