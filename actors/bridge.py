@@ -47,6 +47,35 @@ class RelayBridge:
         self._actors[handle] = actor
         return handle
 
+    def hand_off_aead(
+        self,
+        client_fd: int,
+        upstream_fd: int,
+        idle_timeout_ms: int,
+        actor: pykka.ActorRef[Any],
+        *,
+        cipher: str,
+        master_key: bytes,
+        enc_subkey: bytes,
+        enc_nonce: int,
+    ) -> int:
+        """:meth:`hand_off` for a Shadowsocks AEAD upstream (see ``Relay.add_aead``).
+
+        The caller has sent its salt and sealed header; the relay continues the
+        session from ``enc_nonce`` with ``enc_subkey``. Same completion delivery.
+        """
+        handle = self.relay.add_aead(
+            client_fd,
+            upstream_fd,
+            idle_timeout_ms,
+            cipher=cipher,
+            master_key=master_key,
+            enc_subkey=enc_subkey,
+            enc_nonce=enc_nonce,
+        )
+        self._actors[handle] = actor
+        return handle
+
     def counters(self, handles: list[int]) -> list[Counters | None]:
         """Live counters for many flows in one C call."""
         return self.relay.counters_many(handles)

@@ -23,6 +23,25 @@
  *   every event of a flow until it has taken the flow off its request list.
  *   Adoption then treats both sockets as readable and writable, which covers
  *   any edge that arrived before it: ignoring those edges loses nothing.
+ *
+ * Shadowsocks AEAD flows (sw_relay_add_aead)
+ *   Same loops, same lifecycle, but a copy path: client -> upstream reads up
+ *   to four chunks of plaintext (65532 bytes) into the loop's scratch buffer,
+ *   seals them into a second scratch buffer and sends; upstream -> client
+ *   reads up to 64 KiB of ciphertext, opens every chunk it completes and
+ *   sends the plaintext.  Only what a socket refuses is copied into a per-flow
+ *   stash (at most one pass, so < 64 KiB per direction), and the source is not
+ *   read again until the stash is written out: backpressure as in copy mode.
+ *   A chunk cut by a read boundary is kept in a per-flow buffer of one
+ *   maximal chunk (16399 bytes), allocated when first needed and released
+ *   when the upstream runs dry on a chunk boundary.  So a flow costs its two
+ *   EVP_CIPHER_CTX (keys set once; per chunk only the nonce is set) plus
+ *   buffers only while a chunk straddles reads or a socket is full.
+ *   Integrity failures (bad tag, chunk length 0 or > 0x3FFF, upstream EOF
+ *   inside the salt or a chunk) end the flow as ERROR/EBADMSG on the upstream
+ *   side; the plaintext of the chunks before is sent first (best effort) and
+ *   the client is then reset, so a cut stream never looks complete.  An
+ *   upstream EOF before any byte or on a chunk boundary is a clean EOF.
  */
 #define _GNU_SOURCE
 #include "relay.h"
@@ -45,6 +64,12 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/kdf.h>
+#include <openssl/params.h>
 
 enum {
     /* Bytes one flow may read per service before it goes to the back of the
@@ -72,7 +97,23 @@ enum {
      * nearly all of the gain at half the pipe accounting of 1 MiB (and is under
      * the default pipe-max-size, so unprivileged processes get it too). */
     DEFAULT_PIPE_SIZE = 512 << 10,
+
+    /* Shadowsocks AEAD (SIP004) framing. */
+    SS_MAX_PAYLOAD = 0x3FFF,
+    SS_TAG = 16,
+    SS_NONCE = 12,
+    SS_LEN_UNIT = 2 + SS_TAG, /* the sealed length of a chunk */
+    SS_MAX_UNIT = SS_MAX_PAYLOAD + SS_TAG,
+    /* Per seal pass: four full chunks of plaintext, sealed in AEAD_OUT_BUF. */
+    AEAD_PT_READ = 4 * SS_MAX_PAYLOAD,
+    /* Per open pass: ciphertext read plus a buffered partial chunk. */
+    AEAD_CT_READ = 64 * 1024,
+    AEAD_OUT_BUF = AEAD_PT_READ + 4 * (SS_LEN_UNIT + SS_TAG),
 };
+
+/* Reads land in L->buf; opened plaintext never exceeds the ciphertext. */
+_Static_assert(AEAD_PT_READ <= COPY_BUF && AEAD_CT_READ <= COPY_BUF, "read scratch");
+_Static_assert(AEAD_OUT_BUF >= AEAD_CT_READ, "open scratch");
 
 #define WAKE_COOKIE UINT64_MAX
 #define REQ_ADOPT 1u
@@ -141,6 +182,22 @@ struct dir {
     bool copy;           /* read()/send() instead of splice() */
 };
 
+/* Shadowsocks AEAD state of one flow; owned like the flow's sockets. */
+struct aead {
+    const EVP_CIPHER *cipher;
+    uint32_t key_len;
+    EVP_CIPHER_CTX *seal, *open; /* keyed once; per chunk only the nonce changes */
+    uint64_t seal_nonce, open_nonce;
+    uint8_t master[32];          /* wiped once the server's subkey is derived */
+    uint8_t salt[32];
+    uint32_t salt_have;          /* bytes of the server's salt read so far */
+    bool open_keyed;
+    bool in_payload;             /* the unit being read is a payload (else a length) */
+    uint32_t need;               /* size of that unit, tag included */
+    uint8_t *part;               /* its bytes read so far (SS_MAX_UNIT, lazily) */
+    uint32_t part_len;
+};
+
 struct loop;
 
 struct flow {
@@ -156,6 +213,7 @@ struct flow {
     bool adopted;
     uint8_t first_dir;
     struct dir dir[2];
+    struct aead *aead;          /* NULL for spliced flows */
     int64_t last_act_mono;
     int64_t timer_tick;
     struct dnode ready, timer;
@@ -195,7 +253,8 @@ struct loop {
     struct pooled_pipe pool[POOL_MAX];
     int npool;
     size_t pool_bytes;
-    char *buf;
+    char *buf;                  /* COPY_BUF: copy-mode and AEAD reads */
+    uint8_t *abuf;              /* AEAD_OUT_BUF: sealed or opened output */
     int64_t now_mono, now_real;
 };
 
@@ -458,6 +517,357 @@ static int sock_error(int fd)
     return err;
 }
 
+/* Sends buf[0..n) to side t; what the socket does not take is copied to D's
+ * (empty) stash.  Returns 0 or a positive errno with *side set. */
+static int send_or_stash(struct loop *L, struct flow *f, struct dir *D, int t,
+                         const void *buf, size_t n, int *side)
+{
+    ssize_t m = send_nosig(f->fd[t], buf, n);
+    if (m < 0) {
+        if (errno != EAGAIN && errno != EINTR) {
+            *side = t;
+            return errno;
+        }
+        if (errno == EAGAIN)
+            f->wr[t] = false;
+        m = 0;
+    }
+    if (m > 0) {
+        ctr_add(f, ctr_tx(t), (uint64_t)m);
+        touch(L, f);
+    }
+    if ((size_t)m < n) {
+        D->stash = malloc(n - (size_t)m);
+        if (!D->stash) {
+            *side = -1;
+            return ENOMEM;
+        }
+        memcpy(D->stash, (const char *)buf + m, n - (size_t)m);
+        D->stash_off = 0;
+        D->stash_len = (uint32_t)(n - (size_t)m);
+    }
+    return 0;
+}
+
+/* ---- Shadowsocks AEAD --------------------------------------------------- */
+
+static pthread_once_t crypto_once = PTHREAD_ONCE_INIT;
+static EVP_CIPHER *crypto_ciphers[4]; /* by enum sw_aead_cipher */
+static EVP_KDF *crypto_hkdf;
+
+/* Fetched once per process rather than implicitly at every key setup, which
+ * in OpenSSL 3 takes a global lock per fetch.  Never freed: process-wide. */
+static void crypto_init(void)
+{
+    static const char *const names[4] = {NULL, "AES-128-GCM", "AES-256-GCM",
+                                          "ChaCha20-Poly1305"};
+    for (int i = 1; i < 4; i++)
+        crypto_ciphers[i] = EVP_CIPHER_fetch(NULL, names[i], NULL);
+    crypto_hkdf = EVP_KDF_fetch(NULL, "HKDF", NULL);
+}
+
+static void aead_free(struct aead *X)
+{
+    if (!X)
+        return;
+    EVP_CIPHER_CTX_free(X->seal);
+    EVP_CIPHER_CTX_free(X->open);
+    free(X->part);
+    OPENSSL_cleanse(X, sizeof *X);
+    free(X);
+}
+
+static int aead_new(const sw_aead_params *p, struct aead **out)
+{
+    static const uint32_t key_lens[4] = {0, 16, 32, 32};
+    if (!p || p->cipher < SW_AEAD_AES_128_GCM || p->cipher > SW_AEAD_CHACHA20_POLY1305 ||
+        p->key_len != key_lens[p->cipher])
+        return -EINVAL;
+    pthread_once(&crypto_once, crypto_init);
+    if (!crypto_ciphers[p->cipher] || !crypto_hkdf)
+        return -EOPNOTSUPP;
+    struct aead *X = calloc(1, sizeof *X);
+    if (!X)
+        return -ENOMEM;
+    X->cipher = crypto_ciphers[p->cipher];
+    X->key_len = p->key_len;
+    X->seal_nonce = p->enc_nonce;
+    memcpy(X->master, p->master_key, p->key_len);
+    X->seal = EVP_CIPHER_CTX_new();
+    X->open = EVP_CIPHER_CTX_new();
+    if (!X->seal || !X->open) {
+        aead_free(X);
+        return -ENOMEM;
+    }
+    /* GCM and ChaCha20-Poly1305 both default to the 12-byte nonce SIP004 uses. */
+    if (EVP_EncryptInit_ex(X->seal, X->cipher, NULL, p->enc_subkey, NULL) != 1) {
+        aead_free(X);
+        return -EIO;
+    }
+    *out = X;
+    return 0;
+}
+
+static void nonce_le(uint64_t counter, uint8_t iv[SS_NONCE])
+{
+    for (int i = 0; i < 8; i++)
+        iv[i] = (uint8_t)(counter >> (8 * i));
+    memset(iv + 8, 0, SS_NONCE - 8);
+}
+
+/* n bytes of `in` -> n bytes of ciphertext and the tag at out. */
+static bool aead_seal(struct aead *X, const uint8_t *in, int n, uint8_t *out)
+{
+    uint8_t iv[SS_NONCE];
+    int len, fin;
+    nonce_le(X->seal_nonce++, iv);
+    return EVP_EncryptInit_ex(X->seal, NULL, NULL, NULL, iv) == 1 &&
+           EVP_EncryptUpdate(X->seal, out, &len, in, n) == 1 &&
+           EVP_EncryptFinal_ex(X->seal, out + len, &fin) == 1 &&
+           EVP_CIPHER_CTX_ctrl(X->seal, EVP_CTRL_AEAD_GET_TAG, SS_TAG, out + n) == 1;
+}
+
+/* n bytes of ciphertext followed by the tag at `in` -> n bytes at out, which
+ * the caller may use only when this returns true. */
+static bool aead_open(struct aead *X, const uint8_t *in, int n, uint8_t *out)
+{
+    uint8_t iv[SS_NONCE];
+    int len, fin;
+    nonce_le(X->open_nonce++, iv);
+    return EVP_DecryptInit_ex(X->open, NULL, NULL, NULL, iv) == 1 &&
+           EVP_CIPHER_CTX_ctrl(X->open, EVP_CTRL_AEAD_SET_TAG, SS_TAG, (void *)(in + n)) == 1 &&
+           EVP_DecryptUpdate(X->open, out, &len, in, n) == 1 &&
+           EVP_DecryptFinal_ex(X->open, out + len, &fin) == 1;
+}
+
+/* HKDF-SHA1(ikm = master key, salt, info = "ss-subkey", L = key_len). */
+static bool aead_key_open(struct aead *X)
+{
+    uint8_t subkey[32];
+    EVP_KDF_CTX *k = EVP_KDF_CTX_new(crypto_hkdf);
+    if (!k)
+        return false;
+    OSSL_PARAM params[] = {
+        OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, (char *)"SHA1", 0),
+        OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, X->master, X->key_len),
+        OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_SALT, X->salt, X->key_len),
+        OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_INFO, (char *)"ss-subkey", 9),
+        OSSL_PARAM_construct_end(),
+    };
+    bool ok = EVP_KDF_derive(k, subkey, X->key_len, params) == 1 &&
+              EVP_DecryptInit_ex(X->open, X->cipher, NULL, subkey, NULL) == 1;
+    EVP_KDF_CTX_free(k);
+    OPENSSL_cleanse(subkey, sizeof subkey);
+    OPENSSL_cleanse(X->master, sizeof X->master);
+    return ok;
+}
+
+/* Seals in[0..n) as chunks into out (at most AEAD_OUT_BUF for n <= AEAD_PT_READ). */
+static bool aead_seal_all(struct aead *X, const uint8_t *in, size_t n, uint8_t *out,
+                          size_t *outn)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        size_t len = n - i < SS_MAX_PAYLOAD ? n - i : SS_MAX_PAYLOAD;
+        const uint8_t be[2] = {(uint8_t)(len >> 8), (uint8_t)len};
+        if (!aead_seal(X, be, 2, out + o))
+            return false;
+        o += SS_LEN_UNIT;
+        if (!aead_seal(X, in + i, (int)len, out + o))
+            return false;
+        o += len + SS_TAG;
+        i += len;
+    }
+    *outn = o;
+    return true;
+}
+
+/* Feeds in[0..n) of the server's stream: salt, then length and payload units.
+ * The plaintext of every payload it completes goes to out (*outn bytes, even
+ * on failure).  Returns 0, EBADMSG, or EIO/ENOMEM. */
+static int aead_open_all(struct aead *X, const uint8_t *in, size_t n, uint8_t *out,
+                         size_t *outn)
+{
+    size_t i = 0, o = 0;
+    int rc = 0;
+    if (!X->open_keyed) {
+        size_t take = X->key_len - X->salt_have;
+        if (take > n)
+            take = n;
+        memcpy(X->salt + X->salt_have, in, take);
+        X->salt_have += (uint32_t)take;
+        i = take;
+        if (X->salt_have < X->key_len)
+            goto out;
+        if (!aead_key_open(X)) {
+            rc = EIO;
+            goto out;
+        }
+        X->open_keyed = true;
+        X->need = SS_LEN_UNIT;
+    }
+    while (i < n) {
+        const uint8_t *unit;
+        if (X->part_len > 0 || n - i < X->need) {
+            if (!X->part && !(X->part = malloc(SS_MAX_UNIT))) {
+                rc = ENOMEM;
+                goto out;
+            }
+            size_t take = X->need - X->part_len;
+            if (take > n - i)
+                take = n - i;
+            memcpy(X->part + X->part_len, in + i, take);
+            X->part_len += (uint32_t)take;
+            i += take;
+            if (X->part_len < X->need)
+                break;
+            unit = X->part;
+            X->part_len = 0;
+        } else {
+            unit = in + i;
+            i += X->need;
+        }
+        if (!X->in_payload) {
+            uint8_t be[2];
+            if (!aead_open(X, unit, 2, be)) {
+                rc = EBADMSG;
+                goto out;
+            }
+            uint32_t len = (uint32_t)be[0] << 8 | be[1];
+            if (len == 0 || len > SS_MAX_PAYLOAD) {
+                rc = EBADMSG;
+                goto out;
+            }
+            X->need = len + SS_TAG;
+            X->in_payload = true;
+        } else {
+            uint32_t len = X->need - SS_TAG;
+            if (!aead_open(X, unit, (int)len, out + o)) {
+                rc = EBADMSG;
+                goto out;
+            }
+            o += len;
+            X->need = SS_LEN_UNIT;
+            X->in_payload = false;
+        }
+    }
+out:
+    *outn = o;
+    return rc;
+}
+
+/* True when the server's stream stopped inside its salt or a chunk. */
+static bool aead_open_midway(const struct aead *X)
+{
+    return X->salt_have > 0 && (!X->open_keyed || X->part_len > 0 || X->in_payload);
+}
+
+/*
+ * dir_pump for AEAD flows: direction 0 seals client plaintext for the
+ * upstream, direction 1 opens the upstream's stream for the client.  Same
+ * contract as dir_pump.
+ */
+static int aead_pump(struct loop *L, struct flow *f, int d, size_t *budget, int *side)
+{
+    const int s = d, t = d ^ 1;
+    const bool sealing = d == 0;
+    struct dir *D = &f->dir[d];
+    struct aead *X = f->aead;
+
+    for (;;) {
+        if (D->stash_len > 0) {
+            if (!f->wr[t])
+                return 0;
+            ssize_t n = send_nosig(f->fd[t], D->stash + D->stash_off, D->stash_len - D->stash_off);
+            if (n > 0) {
+                ctr_add(f, ctr_tx(t), (uint64_t)n);
+                touch(L, f);
+                D->stash_off += (uint32_t)n;
+                if (D->stash_off == D->stash_len)
+                    stash_free(D);
+                continue;
+            }
+            if (n == 0 || errno == EAGAIN) {
+                f->wr[t] = false;
+                return 0;
+            }
+            if (errno == EINTR)
+                continue;
+            *side = t;
+            return errno;
+        }
+
+        if (D->eof) {
+            if (!sealing && aead_open_midway(X)) {
+                *side = s;
+                return EBADMSG;
+            }
+            if (!D->shut) {
+                D->shut = true;
+                if (shutdown(f->fd[t], SHUT_WR) < 0) {
+                    int e = sock_error(f->fd[t]);
+                    *side = t;
+                    return e ? e : errno;
+                }
+            }
+            return 0;
+        }
+        /* Not while the destination is full: the stash would only grow. */
+        if (!f->rd[s] || *budget == 0 || !f->wr[t])
+            return 0;
+        if ((!L->buf && !(L->buf = malloc(COPY_BUF))) ||
+            (!L->abuf && !(L->abuf = malloc(AEAD_OUT_BUF)))) {
+            *side = -1;
+            return ENOMEM;
+        }
+        size_t want = sealing ? AEAD_PT_READ : AEAD_CT_READ - X->part_len;
+        if (want > *budget)
+            want = *budget;
+        ssize_t n = read(f->fd[s], L->buf, want);
+        if (n > 0) {
+            ctr_add(f, ctr_rx(s), (uint64_t)n);
+            touch(L, f);
+            *budget -= (size_t)n;
+            const uint8_t *in = (const uint8_t *)L->buf;
+            size_t out = 0;
+            int bad;
+            if (sealing)
+                bad = aead_seal_all(X, in, (size_t)n, L->abuf, &out) ? 0 : EIO;
+            else
+                bad = aead_open_all(X, in, (size_t)n, L->abuf, &out);
+            if (bad && bad != EBADMSG) {
+                *side = -1;
+                return bad;
+            }
+            /* On EBADMSG the chunks opened before the bad one still go out. */
+            int e = out ? send_or_stash(L, f, D, t, L->abuf, out, side) : 0;
+            if (e)
+                return e;
+            if (bad) {
+                *side = s;
+                return bad;
+            }
+            continue;
+        }
+        if (n == 0) {
+            D->eof = true;
+            continue;
+        }
+        if (errno == EAGAIN) {
+            f->rd[s] = false;
+            if (!sealing && X->part_len == 0) {
+                free(X->part);
+                X->part = NULL;
+            }
+            return 0;
+        }
+        if (errno == EINTR)
+            continue;
+        *side = s;
+        return errno;
+    }
+}
+
 /* ---- flow lifecycle ----------------------------------------------------- */
 
 static void ready_push(struct loop *L, struct flow *f)
@@ -490,9 +900,10 @@ static void flow_complete(struct loop *L, struct flow *f, int cause, int err, in
     if (f->adopted && f->timeout_ms)
         L->ntimed--;
 
-    if (cause == SW_CAUSE_RESET && side >= 0) {
+    if ((cause == SW_CAUSE_RESET || err == EBADMSG) && side >= 0) {
         /* An abortive close makes the peer of the other side see the reset
-         * too, instead of a clean EOF that would pass for a complete reply. */
+         * too, instead of a clean EOF that would pass for a complete reply
+         * (EBADMSG: a corrupt or cut AEAD stream from the upstream). */
         struct linger lg = {.l_onoff = 1, .l_linger = 0};
         (void)setsockopt(f->fd[side ^ 1], SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
     }
@@ -507,6 +918,8 @@ static void flow_complete(struct loop *L, struct flow *f, int cause, int err, in
         pipe_put(L, &f->dir[d]);
         stash_free(&f->dir[d]);
     }
+    aead_free(f->aead);
+    f->aead = NULL;
 
     uint32_t gen = atomic_load_explicit(&f->gen, memory_order_relaxed);
     sw_completion c;
@@ -631,27 +1044,9 @@ static int dir_pump(struct loop *L, struct flow *f, int d, size_t *budget, int *
                 ctr_add(f, ctr_rx(s), (uint64_t)n);
                 touch(L, f);
                 *budget -= (size_t)n;
-                ssize_t m = send_nosig(f->fd[t], L->buf, (size_t)n);
-                if (m < 0) {
-                    if (errno != EAGAIN && errno != EINTR) {
-                        *side = t;
-                        return errno;
-                    }
-                    f->wr[t] = false;
-                    m = 0;
-                }
-                if (m > 0)
-                    ctr_add(f, ctr_tx(t), (uint64_t)m);
-                if (m < n) {
-                    D->stash = malloc((size_t)(n - m));
-                    if (!D->stash) {
-                        *side = -1;
-                        return ENOMEM;
-                    }
-                    memcpy(D->stash, L->buf + m, (size_t)(n - m));
-                    D->stash_off = 0;
-                    D->stash_len = (uint32_t)(n - m);
-                }
+                int e = send_or_stash(L, f, D, t, L->buf, (size_t)n, side);
+                if (e)
+                    return e;
                 continue;
             }
         } else {
@@ -700,8 +1095,10 @@ static void flow_service(struct loop *L, struct flow *f)
     size_t budget = FLOW_BUDGET;
     int side = -1, err = 0;
 
-    for (int i = 0; i < 2 && !err; i++)
-        err = dir_pump(L, f, f->first_dir ^ i, &budget, &side);
+    for (int i = 0; i < 2 && !err; i++) {
+        int d = f->first_dir ^ i;
+        err = f->aead ? aead_pump(L, f, d, &budget, &side) : dir_pump(L, f, d, &budget, &side);
+    }
 
     /* A socket can fail where no pump looks at it any more (for instance a
      * reset on a side whose direction already saw EOF), so ask it. */
@@ -888,6 +1285,8 @@ const char *sw_strerror(int code)
         return "relay is shut down";
     case ENOSPC:
         return "relay is at capacity";
+    case EBADMSG:
+        return "AEAD stream failed authentication or was cut mid-chunk";
     default:
         break;
     }
@@ -931,6 +1330,8 @@ static void loops_teardown(struct sw_relay *r)
         L->epfd = L->wakefd = -1;
         free(L->buf);
         L->buf = NULL;
+        free(L->abuf);
+        L->abuf = NULL;
     }
 }
 
@@ -1179,7 +1580,7 @@ static uint32_t pick_loop(struct sw_relay *r)
 }
 
 static void flow_init(struct sw_relay *r, struct flow *f, uint32_t li, int cfd, int ufd,
-                      uint32_t idle_ms)
+                      uint32_t idle_ms, struct aead *aead)
 {
     atomic_store_explicit(&f->loop_idx, li, memory_order_relaxed);
     f->fd[0] = cfd;
@@ -1193,6 +1594,7 @@ static void flow_init(struct sw_relay *r, struct flow *f, uint32_t li, int cfd, 
     for (int d = 0; d < 2; d++) {
         f->dir[d] = (struct dir){.pipe_r = -1, .pipe_w = -1, .copy = copy};
     }
+    f->aead = aead;
     f->last_act_mono = 0;
     f->timer_tick = 0;
     f->ready.prev = f->ready.next = NULL;
@@ -1210,8 +1612,9 @@ static void flow_init(struct sw_relay *r, struct flow *f, uint32_t li, int cfd, 
                           memory_order_relaxed);
 }
 
-int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
-                 uint64_t *handle_out)
+/* sw_relay_add and sw_relay_add_aead; on success the flow owns `aead`. */
+static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
+                     struct aead *aead, uint64_t *handle_out)
 {
     if (!r || !handle_out)
         return -EINVAL;
@@ -1256,7 +1659,7 @@ int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_time
     struct loop *L = &r->loops[li];
     uint32_t idx = (uint32_t)(f - r->flows);
     uint32_t gen = atomic_load_explicit(&f->gen, memory_order_relaxed) + 1;
-    flow_init(r, f, li, client_fd, upstream_fd, idle_timeout_ms);
+    flow_init(r, f, li, client_fd, upstream_fd, idle_timeout_ms, aead);
 
     /* Events may reach the loop as soon as the first ADD returns; it drops
      * them until adoption (see the top of this file), so undoing is safe. */
@@ -1290,11 +1693,33 @@ out_restore:
     for (int i = 0; i < 2; i++)
         if (oldfl[i] >= 0 && !(oldfl[i] & O_NONBLOCK))
             (void)fcntl(fds[i], F_SETFL, oldfl[i]);
+    f->aead = NULL; /* still the caller's */
     slot_free(r, f);
 out_unreserve:
     cq_unreserve(r);
 out_unlock:
     pthread_rwlock_unlock(&r->life);
+    return rc;
+}
+
+int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
+                 uint64_t *handle_out)
+{
+    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, handle_out);
+}
+
+int sw_relay_add_aead(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
+                      const sw_aead_params *params, uint64_t *handle_out)
+{
+    if (!r || !handle_out)
+        return -EINVAL;
+    struct aead *X;
+    int rc = aead_new(params, &X);
+    if (rc)
+        return rc;
+    rc = relay_add(r, client_fd, upstream_fd, idle_timeout_ms, X, handle_out);
+    if (rc)
+        aead_free(X);
     return rc;
 }
 

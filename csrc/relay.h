@@ -1,7 +1,9 @@
 /*
  * spliceway C relay: moves bytes between pairs of connected sockets with
  * splice() in epoll loops that run on their own pthreads, never touching
- * Python, so the proxy's data path runs without the GIL.
+ * Python, so the proxy's data path runs without the GIL.  Flows added with
+ * sw_relay_add_aead() instead speak Shadowsocks AEAD (SIP004) on the upstream
+ * side, sealed and opened by the same loops through OpenSSL's libcrypto.
  *
  * Conventions: every function returns 0 (or a count) on success and -errno on
  * failure; sw_strerror() renders such a code.  Everything between the
@@ -18,7 +20,7 @@
 
 /* Bumped whenever a struct layout or a function signature below changes, so
  * a stale build of the extension is refused instead of misread. */
-#define SW_RELAY_ABI_VERSION 1
+#define SW_RELAY_ABI_VERSION 2
 
 /* Upper bound for `capacity`: slot indices share the epoll cookie with a
  * generation and a side bit. */
@@ -27,7 +29,9 @@
 typedef struct sw_relay sw_relay;
 
 /* Byte counts are exact; last_activity_unix_ms is CLOCK_REALTIME in ms of the
- * last time bytes moved (the add time until then). */
+ * last time bytes moved (the add time until then).  For AEAD flows the client
+ * counts are plaintext and the upstream counts ciphertext (salt, lengths,
+ * tags included), each as read from or written to its socket. */
 typedef struct sw_counters {
     uint64_t client_rx;   /* read from the client socket */
     uint64_t client_tx;   /* written to the client socket */
@@ -39,7 +43,8 @@ typedef struct sw_counters {
 enum sw_cause {
     SW_CAUSE_DONE = 1,     /* both directions reached EOF, all bytes delivered */
     SW_CAUSE_RESET = 2,    /* ECONNRESET/EPIPE on `side`; reset propagated */
-    SW_CAUSE_ERROR = 3,    /* any other error, see err */
+    SW_CAUSE_ERROR = 3,    /* any other error, see err (EBADMSG: AEAD stream
+                              failed authentication or was cut mid-chunk) */
     SW_CAUSE_IDLE = 4,     /* no byte moved for idle_timeout_ms */
     SW_CAUSE_CLOSED = 5,   /* sw_relay_request_close() */
     SW_CAUSE_SHUTDOWN = 6  /* the relay was shut down with the flow open */
@@ -90,6 +95,34 @@ int sw_relay_drain(sw_relay *relay, sw_completion *out, size_t max);
 /* timeout_ms < 0 waits without limit.  Returns the number of completions
  * pending (0 on timeout or once the relay is shut down with none left). */
 int sw_relay_wait(sw_relay *relay, int timeout_ms);
+
+/* Shadowsocks AEAD ciphers (SIP004 method names aes-128-gcm, aes-256-gcm,
+ * chacha20-ietf-poly1305). */
+enum sw_aead_cipher {
+    SW_AEAD_AES_128_GCM = 1,
+    SW_AEAD_AES_256_GCM = 2,
+    SW_AEAD_CHACHA20_POLY1305 = 3
+};
+
+typedef struct sw_aead_params {
+    int32_t cipher;          /* enum sw_aead_cipher */
+    uint32_t key_len;        /* 16 or 32, must match cipher */
+    uint8_t master_key[32];  /* first key_len bytes used */
+    uint8_t enc_subkey[32];  /* subkey of the salt the caller already sent */
+    uint64_t enc_nonce;      /* next nonce counter for sealing */
+} sw_aead_params;
+
+/* Like sw_relay_add, but the upstream side speaks Shadowsocks AEAD (copy
+ * path).  The caller has already sent its salt (and usually the sealed target
+ * header) upstream; the relay seals what the client sends as chunks with
+ * enc_subkey from nonce enc_nonce on, and opens the server's stream (salt,
+ * then chunks; subkey = HKDF-SHA1(master_key, salt, "ss-subkey")).  A failed
+ * tag, a bad chunk length or an upstream EOF inside the salt or a chunk
+ * completes the flow with SW_CAUSE_ERROR, EBADMSG, SW_SIDE_UPSTREAM and resets
+ * the client.  -EINVAL for bad params; the params are copied, not kept. */
+int sw_relay_add_aead(sw_relay *relay, int client_fd, int upstream_fd,
+                      uint32_t idle_timeout_ms, const sw_aead_params *params,
+                      uint64_t *handle_out);
 
 /* Size requested with F_SETPIPE_SZ for pipes created from now on (default
  * 512 KiB); 0 keeps the kernel default.  Pipes already pooled keep their size.

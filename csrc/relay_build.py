@@ -63,7 +63,8 @@ def _make_builder(*, absolute: bool) -> FFI:
         depends=[path(_HERE / "relay.h")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
-        libraries=["pthread"],
+        # libcrypto (OpenSSL 3, Debian libssl-dev) for the Shadowsocks AEAD flows.
+        libraries=["pthread", "crypto"],
     )
     return builder
 

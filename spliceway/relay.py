@@ -1,9 +1,11 @@
 """Python face of the C splice relay (``spliceway._relay``); the only module importing it.
 
 The relay moves bytes between pairs of connected sockets in C threads that never
-take the GIL.  Python hands it two fds with :meth:`Relay.add`, samples byte
-counters while the flow runs, and learns how each flow ended from completions
-(:meth:`Relay.wait` / :meth:`Relay.drain`, or by polling :meth:`Relay.fileno`).
+take the GIL.  Python hands it two fds with :meth:`Relay.add` (spliced) or
+:meth:`Relay.add_aead` (the upstream speaks Shadowsocks AEAD, sealed and opened
+in C), samples byte counters while the flow runs, and learns how each flow ended
+from completions (:meth:`Relay.wait` / :meth:`Relay.drain`, or by polling
+:meth:`Relay.fileno`).
 
 Handles are opaque integers that stay unique per slot reuse, so a handle of a
 finished flow never names a newer one: its counters read as ``None`` and
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 #: The C ABI this module was written against; the compiled library must match.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _U64_MAX = (1 << 64) - 1
 _U32_MAX = (1 << 32) - 1
@@ -41,6 +43,12 @@ _INT_MAX = (1 << 31) - 1
 _WAIT_SLICE_MS = 1000
 _SIDES: dict[int, str | None] = {0: "client", 1: "upstream"}
 _FINISHED = (errno_mod.ENOENT, errno_mod.ESTALE, errno_mod.ESHUTDOWN)
+#: Shadowsocks AEAD method name -> (enum sw_aead_cipher, key and salt size).
+_AEAD_CIPHERS: dict[str, tuple[int, int]] = {
+    "aes-128-gcm": (1, 16),
+    "aes-256-gcm": (2, 32),
+    "chacha20-ietf-poly1305": (3, 32),
+}
 
 
 class Cause(enum.IntEnum):
@@ -48,7 +56,7 @@ class Cause(enum.IntEnum):
 
     DONE = 1  # both directions reached EOF and every byte was delivered
     RESET = 2  # ECONNRESET/EPIPE on one side; the reset was passed to the other
-    ERROR = 3  # any other socket error
+    ERROR = 3  # any other error; EBADMSG: an AEAD stream failed authentication or was cut
     IDLE = 4  # no byte moved for the flow's idle timeout
     CLOSED = 5  # Relay.request_close()
     SHUTDOWN = 6  # the relay was closed with the flow still open
@@ -174,6 +182,61 @@ class Relay:
             raise ValueError("client_fd and upstream_fd must differ")
         out = ffi.new("uint64_t *")
         _check(lib.sw_relay_add(self._ptr, client_fd, upstream_fd, idle_timeout_ms, out), "add")
+        return int(out[0])
+
+    def add_aead(
+        self,
+        client_fd: int,
+        upstream_fd: int,
+        idle_timeout_ms: int = 0,
+        *,
+        cipher: str,
+        master_key: bytes,
+        enc_subkey: bytes,
+        enc_nonce: int,
+    ) -> int:
+        """Like :meth:`add`, but the upstream speaks Shadowsocks AEAD (SIP004).
+
+        The caller has already sent its salt (and the sealed target header)
+        upstream; ``enc_subkey`` is that salt's subkey and ``enc_nonce`` the next
+        nonce counter of its Encryptor.  The relay seals the client's bytes as
+        chunks, and opens the server's stream (its salt, then chunks) for the
+        client.  Client counters are plaintext, upstream counters ciphertext.
+        A failed tag or a stream cut mid-chunk completes the flow with
+        ``Cause.ERROR``, ``errno.EBADMSG`` on the upstream side.
+        """
+        _int_arg("client_fd", client_fd, 0, _INT_MAX)
+        _int_arg("upstream_fd", upstream_fd, 0, _INT_MAX)
+        _int_arg("idle_timeout_ms", idle_timeout_ms, 0, _U32_MAX)
+        if client_fd == upstream_fd:
+            raise ValueError("client_fd and upstream_fd must differ")
+        try:
+            code, key_size = _AEAD_CIPHERS[cipher]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"cipher must be one of {', '.join(sorted(_AEAD_CIPHERS))}, got {cipher!r}"
+            ) from None
+        for name, key in (("master_key", master_key), ("enc_subkey", enc_subkey)):
+            if not isinstance(key, bytes | bytearray | memoryview):
+                raise TypeError(f"{name} must be bytes, not {type(key).__name__}")
+            if len(key) != key_size:
+                raise ValueError(f"{name} must be {key_size} bytes for {cipher}, got {len(key)}")
+        _int_arg("enc_nonce", enc_nonce, 0, _U64_MAX)
+        params = ffi.new("sw_aead_params *")
+        params.cipher = code
+        params.key_len = key_size
+        ffi.memmove(params.master_key, bytes(master_key), key_size)
+        ffi.memmove(params.enc_subkey, bytes(enc_subkey), key_size)
+        params.enc_nonce = enc_nonce
+        out = ffi.new("uint64_t *")
+        try:
+            rc = lib.sw_relay_add_aead(
+                self._ptr, client_fd, upstream_fd, idle_timeout_ms, params, out
+            )
+        finally:
+            # The C side copied the keys; do not leave them in this buffer.
+            ffi.memmove(params, bytes(ffi.sizeof("sw_aead_params")), ffi.sizeof("sw_aead_params"))
+        _check(rc, "add_aead")
         return int(out[0])
 
     def counters(self, handle: int) -> Counters | None:

@@ -83,7 +83,8 @@ def _subkey(master: bytes, salt: bytes) -> bytes:
 
 class _Session:
     def __init__(self, cipher: Cipher, master: bytes, salt: bytes) -> None:
-        self._aead = cipher.aead(_subkey(master, salt))
+        self._key = _subkey(master, salt)
+        self._aead = cipher.aead(self._key)
         self._counter = 0
 
     def _nonce(self) -> bytes:
@@ -100,6 +101,16 @@ class Encryptor(_Session):
         if len(self.header) != cipher.key_size:
             raise ValueError(f"{cipher.name} needs a {cipher.key_size}-byte salt")
         super().__init__(cipher, master, self.header)
+
+    @property
+    def subkey(self) -> bytes:
+        """The session subkey (HKDF of the master key and ``header``)."""
+        return self._key
+
+    @property
+    def nonce_counter(self) -> int:
+        """The nonce counter the next seal will use (so another sealer can continue)."""
+        return self._counter
 
     def seal(self, data: bytes | bytearray | memoryview) -> bytes:
         """The chunks carrying ``data`` (empty data gives no chunk)."""
