@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import socket
 import time
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, RelayFinished, StopFlow, TrafficSample
+from spliceway.actors.policy import MemberFailed
 
 from spliceway import records, routing
 from spliceway.events import now_ms
@@ -177,9 +179,12 @@ class FlowActor(LoopActor):
             replied = True
             await self._sniff(hs)
             decision = route_state.decide(self._facts(hs))
-        outbound = core.outbounds.get(decision.target) if decision.target else None
+        chain = (
+            core.policies.resolve(decision.target, hs.host, self.peer[0]) if decision.target else []
+        )
+        outbound = core.outbounds.get(chain[-1]) if chain else None
         if decision.action == "block" or outbound is None or outbound.protocol == "block":
-            self._set_route(decision, outbound)
+            self._set_route(decision, chain, outbound)
             if not replied:
                 await self._reply(
                     hs.failure_reply(socks5.REP_NOT_ALLOWED, 403, "blocked by rule"), quiet=True
@@ -187,10 +192,12 @@ class FlowActor(LoopActor):
             self._complete(records.BLOCKED, None)
             self._finish()
             return
-        self._set_route(decision, outbound)
+        self._set_route(decision, chain, outbound)
         try:
             dialed = await outbound.dial(loop, hs.host, hs.port)
         except DialError as ex:
+            if ex.member_down:
+                self._report_member_down(chain, ex.message)
             if not replied:
                 await self._reply(
                     hs.failure_reply(ex.socks_reply, ex.http_status, ex.message), quiet=True
@@ -301,7 +308,7 @@ class FlowActor(LoopActor):
             process_name=None,
         )
 
-    def _set_route(self, decision: routing.RouteDecision, outbound: Any) -> None:
+    def _set_route(self, decision: routing.RouteDecision, chain: list[str], outbound: Any) -> None:
         s = self.state
         assert s is not None
         s.mode = decision.mode
@@ -309,9 +316,18 @@ class FlowActor(LoopActor):
         s.route_target = decision.target
         s.matched_rule = decision.matched_rule.to_dict() if decision.matched_rule else None
         if outbound is not None:
-            s.selection_chain = [outbound.tag]
+            s.selection_chain = chain
             s.outbound_tag = outbound.tag
             s.outbound_protocol = outbound.protocol
+
+    def _report_member_down(self, chain: list[str], error: str) -> None:
+        """Tell every probing group on the chain that its chosen member failed."""
+        core = self.core
+        for group, member in itertools.pairwise(chain):
+            view = core.policies.get(group)
+            actor = core.group_actors.get(group)
+            if view is not None and view.probing and actor is not None:
+                actor.tell(MemberFailed(member, error))
 
     async def _start_relay(self, hs: Handshake, dialed: Any, chained: bool) -> None:
         s = self.state
@@ -320,9 +336,11 @@ class FlowActor(LoopActor):
         t = s.traffic
         t.outbound_tx_bytes += dialed.tx_bytes
         t.outbound_rx_bytes += dialed.rx_bytes
+        sealed = dialed.sealed
         if hs.early:
-            await loop.sock_sendall(self.upstream, hs.early)
-            t.outbound_tx_bytes += len(hs.early)
+            wire = hs.early if sealed is None else sealed.encryptor.seal(hs.early)
+            await loop.sock_sendall(self.upstream, wire)
+            t.outbound_tx_bytes += len(wire)
             t.bytes_up += len(hs.early)
         if dialed.leftover:
             await loop.sock_sendall(self.client, dialed.leftover)
@@ -332,14 +350,25 @@ class FlowActor(LoopActor):
         s.remote_host = dialed.remote_host
         s.remote_port = dialed.remote_port
         s.relay_chain = list(dialed.relay_chain)
-        self._base = dataclasses.replace(t)
+        self._base = dataclasses.replace(t, sealed=sealed is not None)
         client_fd = self.client.detach()
         upstream_fd = self.upstream.detach()
         self.client = self.upstream = None
+        bridge, idle = self.core.bridge, self.core.tcp_idle_timeout_ms
         try:
-            self.handle = self.core.bridge.hand_off(
-                client_fd, upstream_fd, self.core.tcp_idle_timeout_ms, self.actor_ref
-            )
+            if sealed is None:
+                self.handle = bridge.hand_off(client_fd, upstream_fd, idle, self.actor_ref)
+            else:
+                self.handle = bridge.hand_off_aead(
+                    client_fd,
+                    upstream_fd,
+                    idle,
+                    self.actor_ref,
+                    cipher=sealed.cipher,
+                    master_key=sealed.master_key,
+                    enc_subkey=sealed.encryptor.subkey,
+                    enc_nonce=sealed.encryptor.nonce_counter,
+                )
         except OSError:
             for fd in (client_fd, upstream_fd):
                 with contextlib.suppress(OSError):

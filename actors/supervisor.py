@@ -1,4 +1,5 @@
-"""EngineSupervisor: owns the listeners, the stats sampler and the routing mode."""
+"""EngineSupervisor: owns the listeners, the policy group actors, the stats sampler
+and the routing mode."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pykka
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.listener import ListenerActor
+from spliceway.actors.policy import PolicyGroupActor
 from spliceway.actors.stats import StatsSamplerActor
 
 if TYPE_CHECKING:
@@ -26,7 +28,10 @@ class EngineSupervisor(LoopActor):
         self.sampler: pykka.ActorRef[Any] | None = None
 
     def on_start(self) -> None:
-        """Start one ListenerActor per bound inbound, and the sampler."""
+        """Start the group actors, then one ListenerActor per bound inbound, and the sampler."""
+        # Groups first: the first accepted flow may already route through one.
+        for view in self.core.policies.views():
+            self.core.group_actors[view.tag] = PolicyGroupActor.start(self.core, view)
         for spec, sock in zip(self.core.inbounds, self._sockets, strict=True):
             self.listeners.append(ListenerActor.start(self.core, spec, sock))
         self._sockets = []
@@ -52,6 +57,9 @@ class EngineSupervisor(LoopActor):
             with contextlib.suppress(pykka.ActorDeadError):
                 self.sampler.stop(block=False)
             self.sampler = None
+        for ref in self.core.group_actors.values():
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.stop(block=False)
         for sock in self._sockets:
             with contextlib.suppress(OSError):
                 sock.close()

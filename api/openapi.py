@@ -25,6 +25,7 @@ from spliceway.commands import COMMANDS, PERMISSIONS
 from spliceway.config import EVENT_TYPES
 from spliceway.errors import HTTP_STATUS
 from spliceway.events import SCHEMA_ID as EVENT_SCHEMA_ID
+from spliceway.policy import TRIGGERS
 from spliceway.queries import FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
 from spliceway.runtime import UDP_COUNTERS
 
@@ -313,7 +314,7 @@ def _group_fields() -> dict[str, Schema]:
         {
             "member_tag": STR,
             "healthy": BOOL,
-            "latency_ms": nullable(COUNT),
+            "latency_ms": nullable(LATENCY_MS),
             "last_checked_unix_ms": nullable(UNIX_MS),
             "last_error": nullable(STR),
             "effective_chains": chains,
@@ -324,7 +325,7 @@ def _group_fields() -> dict[str, Schema]:
         "kind": enum(["selector", "url_test", "fallback", "relay", "load_balance"]),
         "outbounds": STRINGS,
         "selected": nullable(STR),
-        "latency_ms": nullable(COUNT),
+        "latency_ms": nullable(LATENCY_MS),
         "last_checked_unix_ms": nullable(UNIX_MS),
         "effective_chains": chains,
         "url_test_members": array(member),
@@ -528,8 +529,51 @@ def _event_envelope() -> Schema:
                 }
             },
         },
+        {
+            "if": {"properties": {"event_type": const("policy.selected")}},
+            "then": {
+                "properties": {
+                    "payload": obj(
+                        {
+                            "policy_tag": STR,
+                            "policy_kind": const("selector"),
+                            "selected": STR,
+                            "previous": nullable(STR),
+                        }
+                    )
+                }
+            },
+        },
+        {
+            "if": {"properties": {"event_type": const("policy.probe.completed")}},
+            "then": {"properties": {"payload": _probe_completed()}},
+        },
     ]
     return envelope
+
+
+def _probe_completed() -> Schema:
+    member = obj(
+        {
+            "target_tag": STR,
+            "healthy": BOOL,
+            "latency_ms": nullable(LATENCY_MS),
+            "error": nullable(STR),
+        }
+    )
+    return obj(
+        {
+            "policy_tag": STR,
+            "trigger": enum(list(TRIGGERS)),
+            "url": STR,
+            "started_at_unix_ms": UNIX_MS,
+            "completed_at_unix_ms": UNIX_MS,
+            "duration_ms": COUNT,
+            "selected": nullable(STR),
+            "members": array(member),
+        },
+        description="A finished probe round of a url_test, fallback or load_balance group.",
+    )
 
 
 def _sink() -> Schema:
@@ -976,7 +1020,7 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
             "strategy": enum(["round_robin", "consistent_hashing", "sticky_sessions"]),
             "url": STR,
         },
-        description="A policy group (interface.md 2.7).",
+        description="A group's live state (interface.md 2.4, 2.7; decisions 2).",
     )
     schemas: dict[str, Schema] = {
         "ApiError": _API_ERROR,
@@ -994,7 +1038,7 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
             description="Liveness (interface.md 2.2).",
         ),
         "Capabilities": _capabilities(),
-        "OutboundGroup": obj(_group_fields(), description="A policy group's live state."),
+        "OutboundGroup": policy,
         "ConfigSummary": _config_summary(),
         "Stats": _stats(),
         "Runtime": _runtime(),

@@ -32,7 +32,7 @@ FEATURES = (
     "openapi",
 )
 
-BUILD_FEATURES = ("splice-relay", "http-api")
+BUILD_FEATURES = ("splice-relay", "aead-copy-relay", "http-api", "policy-groups")
 
 
 _BASELINES = {
@@ -113,9 +113,17 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
     _protocol(
         "shadowsocks",
         "shadowsocks",
-        compiled=False,
-        outbound_tcp=_NOT_BUILT,
-        outbound_udp=_NOT_BUILT,
+        compiled=True,
+        outbound_tcp=_level(
+            True,
+            "supported",
+            "aes-128-gcm",
+            "aes-256-gcm",
+            "chacha20-ietf-poly1305",
+            "relayed by the C copy path (no splice: the stream is encrypted)",
+        ),
+        outbound_udp=_level(False, "unsupported", "UDP through shadowsocks is not built"),
+        limitations=[{"code": "udp_not_built", "message": "UDP relay is not built yet"}],
     ),
     _protocol(
         "tun",
@@ -129,7 +137,10 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
 
 GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
     {"code": "udp_relay_not_built", "message": "UDP flows (socks5 UDP ASSOCIATE) are not built"},
-    {"code": "policy_groups_not_built", "message": "outbound_groups are refused at start"},
+    {
+        "code": "relay_hops_fixed",
+        "message": "relay group hops must be socks5, http or shadowsocks outbounds, not groups",
+    },
     {"code": "event_sinks_not_built", "message": "api.event_sinks are refused at start"},
     {"code": "ipc_not_built", "message": "the local IPC control socket is not built"},
     {"code": "grpc_not_built", "message": "the gRPC control API is not built"},

@@ -18,8 +18,9 @@ import pykka
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spliceway import config as config_module
-from spliceway import diagnostics, dns, routing
+from spliceway import diagnostics, dns, policy, routing
 from spliceway.actors.messages import CloseFlow
+from spliceway.actors.policy import ProbeNow, SelectMember
 from spliceway.errors import ApiError, invalid_argument
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ def _mode_set(core: EngineCore, p: ModeSetParams) -> dict[str, Any]:
     if p.mode == "global":
         if not outbound:
             raise invalid_argument("mode global needs an outbound", "params.outbound")
-        if outbound not in core.outbounds:
+        if outbound not in core.outbounds and outbound not in core.policies:
             raise invalid_argument(f"unknown outbound {outbound!r}", "params.outbound")
     elif outbound is not None:
         raise invalid_argument(
@@ -216,9 +217,38 @@ def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
 
 
 def _probe_target(core: EngineCore, p: TargetTagParams) -> dict[str, Any]:
-    return diagnostics.probe_target(
-        core.outbounds, core.resolver, core.dispatcher.loop, p.target_tag
-    )
+    return diagnostics.probe_target(core, p.target_tag)
+
+
+def _probe_outbound(core: EngineCore, p: ProbeOutboundParams) -> dict[str, Any]:
+    return diagnostics.probe_outbound(core, p.target_tag, p.url)
+
+
+def _group_actor(core: EngineCore, tag: str, kinds: Iterable[str]) -> pykka.ActorRef[Any]:
+    """The actor of policy ``tag`` if it is one of ``kinds``, else not_found."""
+    view = core.policies.get(tag)
+    actor = core.group_actors.get(tag)
+    if view is None or actor is None or view.kind not in kinds:
+        raise ApiError("not_found", f"no {' or '.join(sorted(kinds))} policy {tag!r}")
+    return actor
+
+
+def _policies_select(core: EngineCore, p: PolicySelectParams) -> dict[str, Any]:
+    actor = _group_actor(core, p.policy_tag, policy.POLICY_KINDS)
+    try:
+        result: dict[str, Any] = actor.ask(SelectMember(p.target_tag), timeout=_ASK_TIMEOUT)
+    except pykka.ActorDeadError as ex:
+        raise ApiError("conflict", "the engine is stopping") from ex
+    return result
+
+
+def _policies_probe(core: EngineCore, p: PolicyTagParams) -> dict[str, Any]:
+    actor = _group_actor(core, p.policy_tag, ("url_test",))
+    try:
+        started = actor.ask(ProbeNow("manual"), timeout=_ASK_TIMEOUT)
+    except pykka.ActorDeadError as ex:
+        raise ApiError("conflict", "the engine is stopping") from ex
+    return {"policy_tag": p.policy_tag, "probe_triggered": bool(started)}
 
 
 def _dns_lookup(core: EngineCore, p: HostnameParams) -> dict[str, Any]:
@@ -229,7 +259,6 @@ def _dns_cache(core: EngineCore, p: DnsCacheParams) -> dict[str, Any]:
     return dns.dns_cache_result(core.resolver, p.domain, p.limit)
 
 
-_GROUPS = "policy groups and health probes (not built yet)"
 _FAKE_IP = "fake-ip answers (runtime.dns.answer fake_ip, not built yet)"
 _TUN = "the TUN inbound (not built yet)"
 _RELOAD = "hot reload of a full configuration (not built yet)"
@@ -241,14 +270,14 @@ COMMANDS: dict[str, Command] = {
         Command("mode.set", "admin", ModeSetParams, _mode_set),
         Command("config.validate", "config", ConfigParams, _config_validate),
         Command("diagnostics.trace_route", "admin", TraceRouteParams, _trace_route),
-        Command("policies.select", "control", PolicySelectParams, missing=_GROUPS),
-        Command("policies.probe", "control", PolicyTagParams, missing=_GROUPS),
+        Command("policies.select", "control", PolicySelectParams, _policies_select),
+        Command("policies.probe", "control", PolicyTagParams, _policies_probe),
         Command("config.apply", "config", ConfigParams, missing=_RELOAD),
         Command("config.apply_runtime", "config", ConfigParams, missing=_RELOAD),
         Command("tun.start", "admin", TunStartParams, missing=_TUN),
         Command("tun.stop", "admin", NoParams, missing=_TUN),
         Command("diagnostics.probe_target", "admin", TargetTagParams, _probe_target),
-        Command("diagnostics.probe_outbound", "admin", ProbeOutboundParams, missing=_GROUPS),
+        Command("diagnostics.probe_outbound", "admin", ProbeOutboundParams, _probe_outbound),
         Command("diagnostics.dns_lookup", "admin", HostnameParams, _dns_lookup),
         Command("diagnostics.dns_cache", "admin", DnsCacheParams, _dns_cache),
         Command("diagnostics.fakeip_lookup", "read", FakeIpParams, missing=_FAKE_IP),

@@ -28,9 +28,13 @@ Decisions this module makes where the spec leaves room:
   ``port``/``source_port`` items are strings ``"443"``/``"8000-8100"``; integers are
   accepted and normalised to strings. ``domain``/``domain_suffix`` items must not start
   with ``.``; ``domain_regex`` is compiled case-insensitively (routing does the same).
-- ``url_test``/``fallback`` ``url`` is optional: ``null`` means "``runtime.latency_test_url``,
-  else the engine's built-in probe URL". When given it must be ``http://``.
-  ``interval_seconds`` defaults to 300 for both kinds.
+- ``url_test``/``fallback``/``load_balance`` ``url`` is optional: ``null`` means
+  "``runtime.latency_test_url``, else the engine's built-in probe URL". When given it must
+  be an ASCII ``http://`` URL with a host (probes send HEAD without TLS).
+  ``interval_seconds`` defaults to 300 for all three; load_balance probes too, because it
+  spreads over healthy members only.
+- Relay hops are socks5, http or shadowsocks outbounds (not groups: a chain's hops must
+  be fixed to be shown and dialled), and a shadowsocks hop can only be the last.
 - Shadowsocks ``method`` defaults to ``chacha20-ietf-poly1305``; ``password`` is required
   (a shared secret has no sensible default).
 - ``users`` absent or ``null`` means no authentication; present it must be non-empty.
@@ -79,6 +83,7 @@ from pydantic import (
 )
 
 from spliceway.errors import ApiError, Detail
+from spliceway.policy import parse_probe_url
 
 __all__ = [
     "CONDITION_KEYS",
@@ -344,7 +349,18 @@ RemotePort = Annotated[int, Strict(), Field(ge=1, le=65535)]
 Timeout = Annotated[int, Strict(), Field(ge=1)]
 IpAddr = Annotated[str, Strict(), AfterValidator(_check_ip_address)]
 Cidr = Annotated[str, Strict(), AfterValidator(_check_cidr)]
-HttpUrl = Annotated[str, Strict(), AfterValidator(_check_http_url)]
+
+
+def _check_probe_url(value: str) -> str:
+    try:
+        parse_probe_url(value)
+    except ValueError as ex:
+        raise ValueError(f"{ex} (got {value!r})") from None
+    return value
+
+
+#: A URL probed with HEAD through an outbound: plain ``http://`` only.
+ProbeUrl = Annotated[str, Strict(), AfterValidator(_check_probe_url)]
 EnvName = Annotated[str, Strict(), AfterValidator(_check_env_name)]
 Credential = Annotated[str, Strict(), AfterValidator(_check_credential)]
 Percent = Annotated[
@@ -522,7 +538,7 @@ class UrlTestGroup(_Model):
     tag: Tag
     kind: Literal["url_test"]
     outbounds: Members
-    url: HttpUrl | None = None
+    url: ProbeUrl | None = None
     interval_seconds: PosInt = 300
     tolerance_ms: NonNegInt = 50
 
@@ -533,7 +549,7 @@ class FallbackGroup(_Model):
     tag: Tag
     kind: Literal["fallback"]
     outbounds: Members
-    url: HttpUrl | None = None
+    url: ProbeUrl | None = None
     interval_seconds: PosInt = 300
 
 
@@ -552,6 +568,8 @@ class LoadBalanceGroup(_Model):
     kind: Literal["load_balance"]
     outbounds: Members
     strategy: Literal["round_robin", "consistent_hashing", "sticky_sessions"] = "round_robin"
+    url: ProbeUrl | None = None
+    interval_seconds: PosInt = 300
 
 
 AnyGroup = SelectorGroup | UrlTestGroup | FallbackGroup | RelayGroup | LoadBalanceGroup
@@ -677,7 +695,7 @@ class Runtime(_Model):
     log_files: tuple[NonEmptyStr, ...] = ()
     udp_upstream_idle_timeout_seconds: PosInt = 300
     tcp_idle_timeout_seconds: PosInt = 600
-    latency_test_url: HttpUrl | None = None
+    latency_test_url: ProbeUrl | None = None
     network: NetworkSettings = Field(default_factory=NetworkSettings)
     stats_interval_ms: Annotated[int, Strict(), Field(ge=100)] = 1000
     event_ring_capacity: PosInt = 8192
@@ -975,6 +993,10 @@ def _string_items(value: Any, path: str) -> Iterator[tuple[str, str]]:
                 yield item, f"{path}[{j}]"
 
 
+#: Outbound protocols a relay group can dial through.
+RELAY_HOP_PROTOCOLS = frozenset({"socks5", "http", "shadowsocks"})
+
+
 class _Checker:
     """Collects cross-check problems for one raw document."""
 
@@ -984,6 +1006,7 @@ class _Checker:
         self.inbound_tags: set[str] = set()
         self.targets: set[str] = {BUILTIN_DIRECT}
         self.group_index: dict[str, int] = {}
+        self.protocols: dict[str, Any] = {}
 
     def add(self, message: str, path: str) -> None:
         self.details.append(Detail(message, path))
@@ -1056,6 +1079,8 @@ class _Checker:
                     first[tag] = path.removesuffix(".tag")
                     if section == "outbound_groups":
                         self.group_index[tag] = i
+                    else:
+                        self.protocols[tag] = item.get("protocol")
         self.targets |= set(first)
 
     def check_outbounds(self) -> None:
@@ -1081,6 +1106,8 @@ class _Checker:
                     self.add(f"member {tag!r} is listed twice", path)
                 seen.add(tag)
                 self.ref(tag, path)
+            if g.get("kind") == "relay":
+                self.check_relay_hops(members, f"outbound_groups[{i}].outbounds")
             default = _str(g.get("default"))
             if g.get("kind") == "selector" and default is not None and default not in seen:
                 self.add(
@@ -1095,6 +1122,35 @@ class _Checker:
                     if isinstance(m, str) and m in self.group_index
                 ]
         self.check_cycles(edges)
+
+    def check_relay_hops(self, members: list[Any] | tuple[Any, ...], path: str) -> None:
+        """Relay hops are proxy outbounds; a shadowsocks hop can only be the last."""
+        last = len(members) - 1
+        for j, tag in enumerate(members):
+            if not isinstance(tag, str):
+                continue
+            if tag in self.group_index:
+                self.add(
+                    f"relay hop {tag!r} is a group; hops must be socks5, http or "
+                    "shadowsocks outbounds",
+                    f"{path}[{j}]",
+                )
+                continue
+            protocol = self.protocols.get(tag, "direct" if tag == BUILTIN_DIRECT else None)
+            if protocol is None:
+                continue  # unknown tags are reported by ref()
+            if protocol not in RELAY_HOP_PROTOCOLS:
+                self.add(
+                    f"relay hop {tag!r} has protocol {protocol!r}; hops must be socks5, http "
+                    "or shadowsocks outbounds",
+                    f"{path}[{j}]",
+                )
+            elif protocol == "shadowsocks" and j != last:
+                self.add(
+                    f"shadowsocks hop {tag!r} must be the last hop of a relay "
+                    "(its stream is encrypted end to end)",
+                    f"{path}[{j}]",
+                )
 
     def check_cycles(self, edges: dict[str, list[tuple[str, str]]]) -> None:
         """Report each back edge of a depth-first walk as one cycle."""

@@ -1,11 +1,18 @@
-"""``diagnostics.probe_target`` (interface.md 4.2 rule 9): can the engine reach a server?
+"""Diagnostics that dial (interface.md 4.2 rules 9, 10): probe_target, probe_outbound.
 
-One direct TCP connection attempt from the engine host to the outbound's
+``probe_target`` asks whether the engine can reach an outbound's server: one
+direct TCP connection attempt from the engine host to the outbound's
 ``server:port``, no proxy protocol, no TLS, within 2 s for resolution and
 connection together. It is the outbounds' own ``open_tcp`` (engine resolver,
 each address in turn, one deadline), run on the dispatcher loop. An unreachable
 server is a result (``reachable: false`` with ``error``), never an error; only
-an unknown tag is.
+an unknown tag is. Groups and relays have no fixed server.
+
+``probe_outbound`` is one latency probe *through* an outbound or group (its
+current choice): HEAD for an ``http://`` URL, first byte, 5 s. The URL is
+``runtime.latency_test_url`` when configured, else the command's ``url``, else
+the built-in default; a ``url`` given while ``latency_test_url`` wins is still
+checked, so a malformed request is reported rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -13,32 +20,37 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spliceway.dns import Resolver
-from spliceway.errors import not_found
+from spliceway import policy
+from spliceway.errors import invalid_argument, not_found
 from spliceway.outbounds import DialError, open_tcp
+from spliceway.probe import probe
+
+if TYPE_CHECKING:
+    from spliceway.engine_core import EngineCore
 
 PROBE_TARGET_TIMEOUT_S = 2.0
 NO_FIXED_SERVER = "outbound has no probeable fixed server"
 
 
+def _known(core: EngineCore, target_tag: str) -> None:
+    if target_tag not in core.outbounds and target_tag not in core.policies:
+        raise not_found(f"outbound or group {target_tag!r} does not exist")
+
+
 def probe_target(
-    outbounds: dict[str, Any],
-    resolver: Resolver,
-    loop: asyncio.AbstractEventLoop,
-    target_tag: str,
-    timeout: float = PROBE_TARGET_TIMEOUT_S,
+    core: EngineCore, target_tag: str, timeout: float = PROBE_TARGET_TIMEOUT_S
 ) -> dict[str, Any]:
     """The ``diagnostics.probe_target`` result for ``target_tag``; blocks up to ``timeout``.
 
-    Called from a thread other than ``loop``'s.
+    Called from a thread other than the dispatcher's.
     """
-    outbound = outbounds.get(target_tag)
-    if outbound is None:
-        raise not_found(f"outbound {target_tag!r} does not exist")
+    _known(core, target_tag)
+    outbound = core.outbounds.get(target_tag)
     server: str | None = getattr(outbound, "server", None)
     port: int | None = getattr(outbound, "port", None)
+    loop, resolver = core.dispatcher.loop, core.resolver
     result: dict[str, Any] = {
         "target_tag": target_tag,
         "server": server,
@@ -67,3 +79,30 @@ def probe_target(
     result["reachable"] = True
     result["latency_ms"] = round((time.monotonic() - started) * 1000, 3)
     return result
+
+
+def probe_outbound(core: EngineCore, target_tag: str, url: str | None) -> dict[str, Any]:
+    """The ``diagnostics.probe_outbound`` result; blocks up to the 5 s probe budget."""
+    _known(core, target_tag)
+    if url is not None:
+        try:
+            policy.parse_probe_url(url)
+        except ValueError as ex:
+            raise invalid_argument(f"url: {ex}", "params.url") from ex
+    chosen = core.config.runtime.latency_test_url or url or policy.DEFAULT_PROBE_URL
+    parsed = policy.parse_probe_url(chosen)
+    loop = core.dispatcher.loop
+    outbound = core.leaf_outbound(target_tag)
+    result = asyncio.run_coroutine_threadsafe(probe(loop, outbound, parsed), loop).result(
+        policy.PROBE_TIMEOUT_S + 1.0
+    )
+    answer: dict[str, Any] = {
+        "target_tag": target_tag,
+        "url": chosen,
+        "via": "through_proxy",
+        "reachable": result.reachable,
+        "latency_ms": result.latency_ms,
+    }
+    if result.error is not None:
+        answer["error"] = result.error
+    return answer

@@ -20,7 +20,7 @@ from typing import Any
 
 import pykka
 
-from spliceway import __version__, routing
+from spliceway import __version__, policy, routing
 from spliceway.actors.bridge import RelayBridge
 from spliceway.actors.dispatcher import Dispatcher
 from spliceway.actors.flow import FlowActor
@@ -31,7 +31,12 @@ from spliceway.dns import Resolver
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
 from spliceway.inbound import Users
-from spliceway.outbounds import BUILT_PROTOCOLS, DirectOutbound, Outbound, build_outbound
+from spliceway.outbounds import (
+    DirectOutbound,
+    Outbound,
+    build_outbound,
+    build_relay,
+)
 from spliceway.runtime import Counters, FlowTable, RouteState
 
 logger = logging.getLogger(__name__)
@@ -72,6 +77,18 @@ class EngineCore:
         }
         for spec in config.outbounds:
             self.outbounds[spec.tag] = build_outbound(spec, self.resolver)
+        # A relay group is a leaf outbound whose hops are other outbounds.
+        for group in config.outbound_groups:
+            if group.kind == "relay":
+                hops = [self.outbounds[m] for m in group.outbounds]
+                self.outbounds[group.tag] = build_relay(group.tag, hops)
+        latency_url = runtime.latency_test_url
+        self.policies = policy.PolicyTable(
+            [
+                policy.initial_view(g, policy.probe_url_for(getattr(g, "url", None), latency_url))
+                for g in config.outbound_groups
+            ]
+        )
         self.route_state = RouteState(
             mode=config.mode.kind,
             mode_outbound=config.mode.outbound,
@@ -94,6 +111,8 @@ class EngineCore:
         self.dispatcher = Dispatcher()
         self.bridge: RelayBridge
         self.supervisor: pykka.ActorRef[EngineSupervisor] | None = None
+        #: One PolicyGroupActor per group, started by the supervisor.
+        self.group_actors: dict[str, pykka.ActorRef[Any]] = {}
         self.running = False
 
     # -- lifecycle -----------------------------------------------------------------
@@ -147,13 +166,6 @@ class EngineCore:
 
     def _refuse_unbuilt(self) -> None:
         missing = []
-        if self.config.outbound_groups:
-            missing.append("outbound_groups (policy groups are not built yet)")
-        missing.extend(
-            f"outbound {ob.tag!r} protocol {ob.protocol} (not built yet)"
-            for ob in self.config.outbounds
-            if ob.protocol not in BUILT_PROTOCOLS
-        )
         if self.config.api.event_sinks:
             missing.append("api.event_sinks (webhook/jsonl delivery is not built yet)")
         if self.config.runtime.tun is not None:
@@ -224,6 +236,10 @@ class EngineCore:
             "bytes_down": down,
             "udp_upstream": dict(c.udp),
         }
+
+    def leaf_outbound(self, tag: str) -> Outbound:
+        """The outbound ``tag`` (an outbound or a group) uses now."""
+        return self.outbounds[self.policies.resolve(tag)[-1]]
 
     def set_mode(self, mode: str, outbound: str | None) -> None:
         """Swap the routing mode (called by the supervisor after validation)."""

@@ -8,8 +8,15 @@ stage, a stable code and the reply each inbound protocol should send. Names
 (targets and upstream proxy servers) are resolved through the engine's
 ``runtime.dns`` resolver, given to each outbound at construction.
 
-New outbound kinds (shadowsocks, relay chains) plug in by implementing
-``Outbound`` and registering in ``build_outbound``.
+Proxy outbounds (socks5, http, shadowsocks) split into "reach the proxy" and
+``negotiate`` (its handshake over an already connected socket), so a relay
+chain dials its first hop and then negotiates each hop through the ones before
+it. Shadowsocks cannot be spliced: its ``Dialed`` carries the session
+(``SealedSession``) the C relay continues with.
+
+``DialError.member_down`` tells a failure of the outbound itself (its server
+unreachable, its handshake broken) from the outbound reporting that the target
+failed: only the former marks a policy group member unhealthy.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, Protocol
 
 from spliceway.dns import ResolveError, Resolver
 from spliceway.errors import ApiError
-from spliceway.protocols import NEED_MORE, ProtocolError, socks5
+from spliceway.protocols import NEED_MORE, ProtocolError, shadowsocks, socks5
 from spliceway.protocols import http as http_proto
 
 #: SOCKS5 reply code for a failure code (RFC 1928 6).
@@ -45,13 +52,21 @@ class DialError(Exception):
     """An outbound could not establish the connection."""
 
     def __init__(
-        self, code: str, message: str, *, stage: str = "connect", remote: str | None = None
+        self,
+        code: str,
+        message: str,
+        *,
+        stage: str = "connect",
+        remote: str | None = None,
+        member_down: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.stage = stage
         self.remote = remote
+        #: The outbound itself failed (not the target behind it).
+        self.member_down = member_down
 
     @property
     def socks_reply(self) -> int:
@@ -62,6 +77,15 @@ class DialError(Exception):
     def http_status(self) -> int:
         """The HTTP status an inbound sends for this failure."""
         return _HTTP_STATUS.get(self.code, 502)
+
+
+@dataclass(frozen=True, slots=True)
+class SealedSession:
+    """A shadowsocks session whose salt and header are already on the wire."""
+
+    cipher: str
+    master_key: bytes
+    encryptor: shadowsocks.Encryptor
 
 
 @dataclass(slots=True)
@@ -76,6 +100,8 @@ class Dialed:
     rx_bytes: int = 0
     leftover: bytes = b""
     relay_chain: list[str] = field(default_factory=list)
+    #: Set when the upstream speaks shadowsocks: bytes must be sealed, not spliced.
+    sealed: SealedSession | None = None
 
 
 class Outbound(Protocol):
@@ -219,8 +245,6 @@ class _ProxyOutbound(abc.ABC):
         tag: str,
         server: str,
         port: int,
-        username: str | None = None,
-        password: str | None = None,
         connect_timeout_ms: int = 5000,
         *,
         resolver: Resolver,
@@ -229,38 +253,97 @@ class _ProxyOutbound(abc.ABC):
         self.resolver = resolver
         self.server = server
         self.port = port
-        self.username = username
-        self.password = password
         self.connect_timeout = connect_timeout_ms / 1000
 
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
         """Connect to the proxy and run its handshake, within ``connect_timeout_ms``."""
         deadline = loop.time() + self.connect_timeout
-        sock, _ = await open_tcp(loop, self.server, self.port, deadline, self.resolver)
+        sock = await self.reach(loop, deadline)
+        return await self.through(loop, sock, host, port, deadline)
+
+    async def reach(self, loop: asyncio.AbstractEventLoop, deadline: float) -> socket.socket:
+        """A connected socket to this proxy's server (a failure is the member's)."""
+        try:
+            sock, _ = await open_tcp(loop, self.server, self.port, deadline, self.resolver)
+        except DialError as ex:
+            ex.member_down = True
+            raise
+        return sock
+
+    async def through(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        host: str,
+        port: int,
+        deadline: float,
+        pending: bytes = b"",
+    ) -> Dialed:
+        """Run the handshake for ``host:port`` on ``sock`` (connected to this proxy,
+        possibly through earlier hops) before ``deadline``; closes ``sock`` on failure.
+
+        ``pending`` holds bytes already read from ``sock`` past the previous hop's reply.
+        """
         try:
             async with asyncio.timeout_at(deadline):
-                return await self.negotiate(loop, sock, host, port)
+                return await self.negotiate(loop, sock, host, port, bytearray(pending))
         except TimeoutError as ex:
             sock.close()
-            raise DialError("connect_timeout", f"proxy {self.tag} handshake timed out") from ex
+            raise DialError(
+                "connect_timeout", f"proxy {self.tag} handshake timed out", member_down=True
+            ) from ex
         except BaseException:
             sock.close()
             raise
 
     @abc.abstractmethod
     async def negotiate(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        host: str,
+        port: int,
+        buf: bytearray,
     ) -> Dialed:
         """The proxy protocol's handshake on a connected socket (no timeout of its own)."""
 
+    def _broken(self, ex: ProtocolError) -> DialError:
+        return DialError(
+            "protocol_error", f"proxy {self.tag}: {ex}", stage="handshake", member_down=True
+        )
 
-class Socks5Outbound(_ProxyOutbound):
+
+class _CredentialedProxy(_ProxyOutbound):
+    """A socks5 or http proxy, optionally with a username and password."""
+
+    def __init__(
+        self,
+        tag: str,
+        server: str,
+        port: int,
+        username: str | None = None,
+        password: str | None = None,
+        connect_timeout_ms: int = 5000,
+        *,
+        resolver: Resolver,
+    ) -> None:
+        super().__init__(tag, server, port, connect_timeout_ms, resolver=resolver)
+        self.username = username
+        self.password = password
+
+
+class Socks5Outbound(_CredentialedProxy):
     """Connects through an upstream SOCKS5 proxy (optionally with user/password)."""
 
     protocol = "socks5"
 
     async def negotiate(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        host: str,
+        port: int,
+        buf: bytearray,
     ) -> Dialed:
         """SOCKS5 handshake on a connected socket (no timeout of its own)."""
         with_auth = self.username is not None
@@ -268,48 +351,55 @@ class Socks5Outbound(_ProxyOutbound):
         # before their method selection, and a lost request costs a whole timeout.
         greeting = socks5.client_greeting(with_auth)
         tx = len(greeting)
+        # Bytes already in buf were counted by whoever read them (the previous hop).
+        consumed = -len(buf)
         await loop.sock_sendall(sock, greeting)
-        buf = bytearray()
         try:
             sel = await _recv_until(loop, sock, buf, socks5.parse_method_selection)
             del buf[: sel.consumed]
-            rx = sel.consumed
+            consumed += sel.consumed
             if with_auth:
                 if sel.method != socks5.METHOD_USERPASS:
-                    raise DialError("auth_failed", f"proxy {self.tag} refused user/password auth")
+                    raise DialError(
+                        "auth_failed",
+                        f"proxy {self.tag} refused user/password auth",
+                        member_down=True,
+                    )
                 auth = socks5.client_userpass(self.username or "", self.password or "")
                 await loop.sock_sendall(sock, auth)
                 tx += len(auth)
                 status = await _recv_until(loop, sock, buf, socks5.parse_userpass_status)
                 del buf[: status.consumed]
-                rx += status.consumed
+                consumed += status.consumed
                 if not status.ok:
-                    raise DialError("auth_failed", f"proxy {self.tag} rejected the credentials")
+                    raise DialError(
+                        "auth_failed",
+                        f"proxy {self.tag} rejected the credentials",
+                        member_down=True,
+                    )
             elif sel.method != socks5.METHOD_NO_AUTH:
-                raise DialError("auth_failed", f"proxy {self.tag} requires authentication")
+                raise DialError(
+                    "auth_failed", f"proxy {self.tag} requires authentication", member_down=True
+                )
             request = socks5.client_connect(host, port)
             await loop.sock_sendall(sock, request)
             tx += len(request)
             reply = await _recv_until(loop, sock, buf, socks5.parse_reply)
         except ProtocolError as ex:
-            raise DialError("protocol_error", f"proxy {self.tag}: {ex}", stage="handshake") from ex
-        rx += reply.consumed
+            raise self._broken(ex) from ex
         if reply.code != socks5.REP_SUCCEEDED:
             raise DialError(
                 _SOCKS_REPLY_NAMES.get(reply.code, "upstream_rejected"),
                 f"proxy {self.tag} answered SOCKS5 reply {reply.code} for {host}:{port}",
                 remote=f"{self.server}:{self.port}",
             )
-        leftover = bytes(buf[reply.consumed :])
-        rx += len(leftover)
         return Dialed(
             sock,
             self.server,
             self.port,
             tx_bytes=tx,
-            rx_bytes=rx,
-            leftover=leftover,
-            relay_chain=[self.tag],
+            rx_bytes=consumed + len(buf),
+            leftover=bytes(buf[reply.consumed :]),
         )
 
 
@@ -322,23 +412,28 @@ _SOCKS_REPLY_NAMES = {
 }
 
 
-class HttpOutbound(_ProxyOutbound):
+class HttpOutbound(_CredentialedProxy):
     """Connects through an upstream HTTP proxy with CONNECT (optionally Basic auth)."""
 
     protocol = "http"
 
     async def negotiate(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        host: str,
+        port: int,
+        buf: bytearray,
     ) -> Dialed:
         """CONNECT on a connected socket (no timeout of its own)."""
         credentials = (self.username, self.password or "") if self.username is not None else None
         request = http_proto.connect_request(host, port, credentials)
+        already = len(buf)
         await loop.sock_sendall(sock, request)
-        buf = bytearray()
         try:
             head = await _recv_until(loop, sock, buf, http_proto.parse_response_head)
         except ProtocolError as ex:
-            raise DialError("protocol_error", f"proxy {self.tag}: {ex}", stage="handshake") from ex
+            raise self._broken(ex) from ex
         if not 200 <= head.status < 300:
             raise DialError(
                 "upstream_rejected",
@@ -350,15 +445,111 @@ class HttpOutbound(_ProxyOutbound):
             self.server,
             self.port,
             tx_bytes=len(request),
-            rx_bytes=len(buf),
+            rx_bytes=len(buf) - already,
             leftover=bytes(buf[head.consumed :]),
-            relay_chain=[self.tag],
         )
 
 
-_PROXIES: dict[str, type[_ProxyOutbound]] = {"socks5": Socks5Outbound, "http": HttpOutbound}
+class ShadowsocksOutbound(_ProxyOutbound):
+    """Connects through a Shadowsocks AEAD server (SIP004).
+
+    The salt and the sealed target header go out at dial time, without waiting
+    for the first client byte; the session then moves to the C relay's copy path.
+    """
+
+    protocol = "shadowsocks"
+
+    def __init__(
+        self,
+        tag: str,
+        server: str,
+        port: int,
+        method: str,
+        password: str,
+        connect_timeout_ms: int = 5000,
+        *,
+        resolver: Resolver,
+    ) -> None:
+        super().__init__(tag, server, port, connect_timeout_ms, resolver=resolver)
+        self.cipher = shadowsocks.CIPHERS[method]
+        self.master_key = shadowsocks.master_key(password, self.cipher.key_size)
+
+    async def negotiate(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        host: str,
+        port: int,
+        buf: bytearray,
+    ) -> Dialed:
+        """Send the salt and the sealed target; the server answers nothing until data."""
+        if buf:
+            raise DialError(
+                "protocol_error",
+                f"proxy {self.tag}: unexpected bytes before the shadowsocks session",
+                stage="handshake",
+                member_down=True,
+            )
+        encryptor = shadowsocks.Encryptor(self.cipher, self.master_key)
+        header = encryptor.header + encryptor.seal(shadowsocks.target_header(host, port))
+        await loop.sock_sendall(sock, header)
+        return Dialed(
+            sock,
+            self.server,
+            self.port,
+            tx_bytes=len(header),
+            sealed=SealedSession(self.cipher.name, self.master_key, encryptor),
+        )
+
+
+class RelayOutbound:
+    """A relay group: dials its first hop, then each next hop through the ones before.
+
+    Every hop but the last is asked to connect to the next hop's server; the last
+    is asked for the target. Each hop's handshake has its own ``connect_timeout_ms``.
+    Any failure on a hop but the last means a hop of the chain is down.
+    """
+
+    protocol = "relay"
+    chained = True
+    server: str | None = None
+    port: int | None = None
+
+    def __init__(self, tag: str, hops: list[_ProxyOutbound]) -> None:
+        self.tag = tag
+        self.hops = hops
+        self.relay_chain = [hop.tag for hop in hops]
+
+    async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
+        """Open the chain hop by hop and ask the last hop for ``host:port``."""
+        first = self.hops[0]
+        sock = await first.reach(loop, loop.time() + first.connect_timeout)
+        tx = rx = 0
+        pending = b""
+        dialed: Dialed | None = None
+        for i, hop in enumerate(self.hops):
+            last = i == len(self.hops) - 1
+            nxt = self.hops[i + 1] if not last else None
+            want_host, want_port = (host, port) if nxt is None else (nxt.server, nxt.port)
+            deadline = loop.time() + (nxt or hop).connect_timeout
+            try:
+                dialed = await hop.through(loop, sock, want_host, want_port, deadline, pending)
+            except DialError as ex:
+                if not last:
+                    ex.member_down = True
+                raise
+            tx += dialed.tx_bytes
+            rx += dialed.rx_bytes
+            pending = dialed.leftover
+        assert dialed is not None
+        dialed.tx_bytes, dialed.rx_bytes = tx, rx
+        dialed.relay_chain = list(self.relay_chain)
+        return dialed
+
+
+_PROXIES: dict[str, type[_CredentialedProxy]] = {"socks5": Socks5Outbound, "http": HttpOutbound}
 #: The outbound protocols :func:`build_outbound` can build.
-BUILT_PROTOCOLS = frozenset({"direct", "block", *_PROXIES})
+BUILT_PROTOCOLS = frozenset({"direct", "block", "shadowsocks", *_PROXIES})
 
 
 def build_outbound(spec: Any, resolver: Resolver) -> Outbound:
@@ -372,8 +563,32 @@ def build_outbound(spec: Any, resolver: Resolver) -> Outbound:
         return DirectOutbound(spec.tag, timeout, resolver=resolver)
     if kind == "block":
         return BlockOutbound(spec.tag)
+    if kind == "shadowsocks":
+        return ShadowsocksOutbound(
+            spec.tag,
+            spec.server,
+            spec.port,
+            spec.method,
+            spec.password,
+            timeout,
+            resolver=resolver,
+        )
     proxy = _PROXIES.get(kind)
     if proxy is not None:
         args = (spec.tag, spec.server, spec.port, spec.username, spec.password, timeout)
         return proxy(*args, resolver=resolver)
     raise ApiError("unsupported", f"outbound protocol {kind!r} is not built")
+
+
+def build_relay(tag: str, hops: list[Outbound]) -> RelayOutbound:
+    """The outbound of a relay group over already built hop outbounds.
+
+    Config validation guarantees the hops are proxy outbounds and that a
+    shadowsocks hop can only be the last.
+    """
+    proxies = []
+    for hop in hops:
+        if not isinstance(hop, _ProxyOutbound):
+            raise ApiError("invalid_argument", f"relay {tag!r}: hop {hop.tag!r} is not a proxy")
+        proxies.append(hop)
+    return RelayOutbound(tag, proxies)

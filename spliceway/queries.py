@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from spliceway.commands import PERMISSIONS
 from spliceway.errors import invalid_argument, not_found
+from spliceway.policy import POLICY_KINDS
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore
@@ -99,13 +100,14 @@ def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     outbounds = [
         {"tag": ob.tag, "protocol": ob.protocol, "server": ob.server, "port": ob.port}
         for ob in core.outbounds.values()
+        if ob.tag not in core.policies  # a relay group's outbound is a group
     ]
     return {
         "mode": {"kind": route.mode, "outbound": route.mode_outbound},
         "rule_count": len(cfg.rules),
         "listeners": listeners,
         "outbounds": outbounds,
-        "outbound_groups": [],
+        "outbound_groups": [core.policies.snapshot(v.tag) for v in core.policies.views()],
     }
 
 
@@ -118,11 +120,16 @@ def _tun_status(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _policies(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    return {"policies": []}
+    table = core.policies
+    return {"policies": [table.snapshot(v.tag) for v in table.views() if v.kind in POLICY_KINDS]}
 
 
 def _policy(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    raise not_found(f"policy {params.get('policy_tag')!r} does not exist")
+    tag = params.get("policy_tag")
+    view = core.policies.get(tag) if isinstance(tag, str) else None
+    if view is None or view.kind not in POLICY_KINDS:
+        raise not_found(f"policy {tag!r} does not exist")
+    return core.policies.snapshot(view.tag)
 
 
 def _sinks(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:

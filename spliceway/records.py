@@ -33,6 +33,9 @@ class Traffic:
     inbound_tx_bytes: int = 0
     outbound_rx_bytes: int = 0
     outbound_tx_bytes: int = 0
+    #: The upstream side carries ciphertext (shadowsocks): user bytes going up are
+    #: what the relay read from the client, not what it wrote to the upstream.
+    sealed: bool = False
 
     def with_relay(self, c: Any) -> Traffic:
         """These counts (taken at hand-off) plus what the relay moved since (``relay.Counters``).
@@ -41,12 +44,13 @@ class Traffic:
         outbound one; relayed user bytes are what the relay wrote to each side.
         """
         return Traffic(
-            bytes_up=self.bytes_up + c.upstream_tx,
+            bytes_up=self.bytes_up + (c.client_rx if self.sealed else c.upstream_tx),
             bytes_down=self.bytes_down + c.client_tx,
             inbound_rx_bytes=self.inbound_rx_bytes + c.client_rx,
             inbound_tx_bytes=self.inbound_tx_bytes + c.client_tx,
             outbound_rx_bytes=self.outbound_rx_bytes + c.upstream_rx,
             outbound_tx_bytes=self.outbound_tx_bytes + c.upstream_tx,
+            sealed=self.sealed,
         )
 
     def to_dict(self) -> dict[str, Any]:

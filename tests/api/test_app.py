@@ -82,7 +82,9 @@ def test_capabilities(client: falcon.testing.TestClient) -> None:
     assert socks["inbound"]["tcp"] == {"supported": True, "level": "supported", "notes": []}
     assert socks["inbound"]["udp"]["supported"] is False
     assert socks["mux"]["level"] == "not_applicable"
-    assert protocols["shadowsocks"]["compiled"] is False
+    assert protocols["shadowsocks"]["compiled"] is True
+    assert protocols["shadowsocks"]["outbound"]["tcp"]["supported"] is True
+    assert protocols["tun"]["compiled"] is False
     for item in result["protocols"]:
         assert set(item) == {
             "protocol",
@@ -99,8 +101,10 @@ def test_capabilities(client: falcon.testing.TestClient) -> None:
     methods = {c["method"]: c for c in result["commands"]}
     assert methods["flows.close"]["available"] is True
     assert methods["diagnostics.trace_route"]["available"] is True
-    assert methods["policies.select"]["available"] is False
-    assert "policy groups" in methods["policies.select"]["missing"]
+    for method in ("policies.select", "policies.probe", "diagnostics.probe_outbound"):
+        assert methods[method]["available"] is True
+    assert methods["tun.start"]["available"] is False
+    assert "TUN" in methods["tun.start"]["missing"]
     for lim in result["global_limitations"]:
         assert set(lim) == {"code", "message"}
 

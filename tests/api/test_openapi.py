@@ -50,7 +50,7 @@ VALID_PARAMS: dict[str, dict[str, Any]] = {
     "mode.set": {"mode": "direct"},
     "config.validate": {"config": base_config()},
     "diagnostics.trace_route": {"target": "x.blocked.test", "port": 443},
-    "policies.select": {"policy_tag": "auto", "target_tag": "direct"},
+    "policies.select": {"policy_tag": "proxy", "target_tag": "direct"},
     "policies.probe": {"policy_tag": "auto"},
     "config.apply": {"config": base_config()},
     "config.apply_runtime": {"config": base_config()},
@@ -303,10 +303,22 @@ def dns_url() -> Iterator[str]:
         yield server.udp_url
 
 
-def _engine_config(dns_url: str) -> dict[str, Any]:
-    """Control API on a free port (no key, spec limits), rules so routes can match, local DNS."""
+def _engine_config(dns_url: str, origin: tuple[str, int]) -> dict[str, Any]:
+    """Control API on a free port (no key, spec limits), rules so routes can match, local DNS,
+    and one group of each kind (probing the origin)."""
     cfg = control_config()
     cfg["runtime"]["dns"] = {"servers": [dns_url]}
+    cfg["runtime"]["latency_test_url"] = f"http://{origin[0]}:{origin[1]}/generate_204"
+    cfg["outbounds"].append(
+        {"tag": "dead-hop", "protocol": "socks5", "server": "127.0.0.1", "port": free_port()}
+    )
+    cfg["outbound_groups"] = [
+        {"tag": "proxy", "kind": "selector", "outbounds": ["auto", "direct"]},
+        {"tag": "auto", "kind": "url_test", "outbounds": ["direct", "dead-hop"]},
+        {"tag": "fb", "kind": "fallback", "outbounds": ["dead-hop", "direct"]},
+        {"tag": "lb", "kind": "load_balance", "outbounds": ["direct", "dead-hop"]},
+        {"tag": "chain", "kind": "relay", "outbounds": ["dead-hop"]},
+    ]
     cfg["rules"] = [
         {"domain_suffix": ["blocked.test"], "action": "block"},
         {"ip_cidr": ["127.0.0.0/8"], "outbound": "direct"},
@@ -327,7 +339,7 @@ class Traffic:
 @pytest.fixture
 def traffic(make_engine, origin, dns_url) -> Iterator[Traffic]:
     """Completed flows (relayed via socks5 and http, failed, blocked) and one open flow."""
-    engine = make_engine(_engine_config(dns_url))
+    engine = make_engine(_engine_config(dns_url, origin))
     api = Api(engine.control_url)
     socks = engine.listen_address("socks-in")
     assert b"x" * 2000 in _socks_get(socks, *origin)
@@ -568,12 +580,19 @@ def test_queries_conform_after_real_traffic(traffic) -> None:
     api.check("GET", f"{V1}/flows", 400, path=f"{V1}/flows?limit=10001")
     api.check("GET", f"{V1}/flows", 400, path=f"{V1}/flows?limit=ten")
     api.check("GET", f"{V1}/flows/{{flow_id}}", 404, path=f"{V1}/flows/no-such-flow")
-    api.check("GET", f"{V1}/policies/{{policy_tag}}", 404, path=f"{V1}/policies/auto")
+    policies = {p["tag"]: p for p in api.get(f"{V1}/policies")["policies"]}
+    assert set(policies) == {"proxy", "auto", "fb", "lb"}  # a relay is no policy
+    for tag in policies:
+        api.get(f"{V1}/policies/{{policy_tag}}", f"{V1}/policies/{tag}")
+    groups = {g["tag"]: g for g in api.get(f"{V1}/config")["outbound_groups"]}
+    assert groups["chain"]["effective_chains"] == [["dead-hop"]]
+    api.check("GET", f"{V1}/policies/{{policy_tag}}", 404, path=f"{V1}/policies/chain")
+    api.check("GET", f"{V1}/policies/{{policy_tag}}", 404, path=f"{V1}/policies/nope")
     api.check("GET", f"{V1}/openapi.json", 200)
     answered = {template for method, template, status in api.seen if status == 200}
     queries = {p for p, item in DOC["paths"].items() if "get" in item}
-    # The stream has a test of its own; no policy exists until policy groups are built.
-    assert queries - answered == {f"{V1}/events/stream", f"{V1}/policies/{{policy_tag}}"}
+    # The stream has a test of its own.
+    assert queries - answered == {f"{V1}/events/stream"}
 
 
 def test_event_stream_frames_conform(traffic) -> None:

@@ -218,18 +218,9 @@ def test_sniffed_tls_sni_feeds_domain_rules(make_engine):
 def test_unbuilt_features_are_refused_as_api_errors_at_construction():
     from spliceway import Engine
 
-    cfg = base_config(
-        outbounds=[
-            {
-                "tag": "ss",
-                "protocol": "shadowsocks",
-                "server": "127.0.0.1",
-                "port": 1,
-                "password": "x",
-            },
-        ]
-    )
+    cfg = base_config()
+    cfg["runtime"] = {"dns": {"answer": {"type": "fake_ip"}}}
     with pytest.raises(ApiError) as info:
         Engine(cfg)
     assert info.value.code == "unsupported"
-    assert "shadowsocks" in info.value.message
+    assert "fake_ip" in info.value.message

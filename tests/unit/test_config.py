@@ -559,8 +559,40 @@ INVALID = [
     ),
     (
         "duplicate group member",
-        {"outbound_groups": [{"tag": "a", "kind": "relay", "outbounds": ["direct", "direct"]}]},
+        {"outbound_groups": [{"tag": "a", "kind": "selector", "outbounds": ["direct", "direct"]}]},
         ["outbound_groups[0].outbounds[1]"],
+    ),
+    (
+        "relay hop that is not a proxy",
+        {
+            "outbounds": [{"tag": "s", "protocol": "socks5", "server": "h", "port": 1}],
+            "outbound_groups": [
+                {"tag": "g", "kind": "selector", "outbounds": ["s"]},
+                {"tag": "a", "kind": "relay", "outbounds": ["s", "direct", "g"]},
+            ],
+        },
+        ["outbound_groups[1].outbounds[1]", "outbound_groups[1].outbounds[2]"],
+    ),
+    (
+        "shadowsocks relay hop before the last",
+        {
+            "outbounds": [
+                {"tag": "s", "protocol": "socks5", "server": "h", "port": 1},
+                {"tag": "ss", "protocol": "shadowsocks", "server": "h", "port": 2, "password": "p"},
+            ],
+            "outbound_groups": [{"tag": "a", "kind": "relay", "outbounds": ["ss", "s"]}],
+        },
+        ["outbound_groups[0].outbounds[0]"],
+    ),
+    (
+        "probe url that is not plain http",
+        {
+            "outbound_groups": [
+                {"tag": "a", "kind": "url_test", "outbounds": ["direct"], "url": "https://x/"},
+                {"tag": "b", "kind": "load_balance", "outbounds": ["direct"], "url": "http://x/ y"},
+            ],
+        },
+        ["outbound_groups[0].url", "outbound_groups[1].url"],
     ),
     (
         "selector default not a member",
@@ -598,7 +630,7 @@ INVALID = [
         "outbound and group share a tag",
         {
             "outbounds": [HOP],
-            "outbound_groups": [{"tag": "hop", "kind": "relay", "outbounds": ["direct"]}],
+            "outbound_groups": [{"tag": "hop", "kind": "selector", "outbounds": ["direct"]}],
         },
         ["outbound_groups[0].tag"],
     ),
@@ -607,7 +639,7 @@ INVALID = [
     (
         "direct tag on a group",
         {
-            "outbound_groups": [{"tag": "direct", "kind": "relay", "outbounds": ["block"]}],
+            "outbound_groups": [{"tag": "direct", "kind": "selector", "outbounds": ["block"]}],
             "outbounds": [{"tag": "block", "protocol": "block"}],
         },
         ["outbound_groups[0].tag"],
@@ -636,7 +668,7 @@ INVALID = [
     ),
     (
         "self cycle",
-        {"outbound_groups": [{"tag": "a", "kind": "relay", "outbounds": ["a"]}]},
+        {"outbound_groups": [{"tag": "a", "kind": "selector", "outbounds": ["a"]}]},
         ["outbound_groups[0].outbounds[0]"],
     ),
     (
@@ -781,8 +813,8 @@ def test_invalid_document_reports_field_path(doc, paths):
         (
             {
                 "outbound_groups": [
-                    {"tag": "a", "kind": "relay", "outbounds": ["b"]},
-                    {"tag": "b", "kind": "relay", "outbounds": ["a"]},
+                    {"tag": "a", "kind": "fallback", "outbounds": ["b"]},
+                    {"tag": "b", "kind": "fallback", "outbounds": ["a"]},
                 ]
             },
             "outbound_groups[1].outbounds[0]",

@@ -1,0 +1,197 @@
+"""PolicyGroupActor: owns one policy group's selection and probe state.
+
+It runs on the dispatcher loop like the flows, so probe rounds are tasks that
+dial through the same outbounds the flows use. It is the only writer of its
+group's :class:`~spliceway.policy.GroupView`, published to the engine's
+``PolicyTable`` after every change, and it emits ``policy.selected`` (selector)
+and ``policy.probe.completed`` (each finished round of a probing group).
+
+Rounds start at startup, every ``interval_seconds``, on ``policies.probe`` and
+when a flow reports that a member failed to dial; at most one runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from spliceway.actors.dispatcher import LoopActor
+
+from spliceway import policy
+from spliceway.errors import ApiError
+from spliceway.events import now_ms
+from spliceway.probe import ProbeResult, probe
+
+if TYPE_CHECKING:
+    from spliceway.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+class SelectMember(NamedTuple):
+    """``policies.select``: use ``target`` (a direct member of this selector)."""
+
+    target: str
+
+
+class ProbeNow(NamedTuple):
+    """Start a probe round unless one is running; answers whether it started."""
+
+    trigger: str
+
+
+class MemberFailed(NamedTuple):
+    """A flow could not dial through ``member``: mark it down and probe again."""
+
+    member: str
+    error: str
+
+
+class PolicyGroupActor(LoopActor):
+    """One outbound group (any kind); probing kinds also run probe rounds."""
+
+    def __init__(self, core: EngineCore, view: policy.GroupView) -> None:
+        super().__init__(core.dispatcher)
+        self.core = core
+        self.tag = view.tag
+        self._round: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def view(self) -> policy.GroupView:
+        """This group's current (published) view."""
+        view = self.core.policies.get(self.tag)
+        assert view is not None
+        return view
+
+    def on_start(self) -> None:
+        """Probing groups start their first round and their interval timer."""
+        if self.view.probing:
+            self._start_round("startup")
+            self._arm_timer()
+
+    def on_stop(self) -> None:
+        """Cancel the timer and any running round."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._round is not None and not self._round.done():
+            self._round.cancel()
+
+    def on_receive(self, message: Any) -> Any:
+        """Handle selection, probe requests and dial-failure reports."""
+        if isinstance(message, SelectMember):
+            return self._select(message.target)
+        if isinstance(message, ProbeNow):
+            return self._start_round(message.trigger)
+        if isinstance(message, MemberFailed):
+            self._member_failed(message.member, message.error)
+        return None
+
+    # -- selector ------------------------------------------------------------------
+
+    def _select(self, target: str) -> dict[str, Any]:
+        view = self.view
+        if view.kind != "selector":
+            raise ApiError(
+                "invalid_argument",
+                f"policy {self.tag!r} is a {view.kind} group; only a selector can be selected",
+                field_path="params.policy_tag",
+            )
+        if target not in view.members:
+            raise ApiError(
+                "invalid_argument",
+                f"{target!r} is not a member of selector {self.tag!r} "
+                f"(members: {', '.join(view.members)})",
+                field_path="params.target_tag",
+            )
+        previous = view.selected
+        self.core.policies.publish(dataclasses.replace(view, selected=target))
+        self.core.log.emit(
+            "policy.selected",
+            {
+                "policy_tag": self.tag,
+                "policy_kind": view.kind,
+                "selected": target,
+                "previous": previous,
+            },
+        )
+        return {"policy_tag": self.tag, "selected": target}
+
+    # -- health ---------------------------------------------------------------------
+
+    def _member_failed(self, member: str, error: str) -> None:
+        view = self.view
+        if not view.probing or member not in view.members:
+            return
+        self.core.policies.publish(policy.mark_down(view, member, error, now_ms()))
+        self._start_round("dial_failure")
+
+    def _arm_timer(self) -> None:
+        interval = self.view.interval_seconds
+        if interval:
+            self._timer = self.dispatcher.loop.call_later(interval, self._on_timer)
+
+    def _on_timer(self) -> None:
+        if self.actor_stopped.is_set():
+            return
+        self._start_round("scheduled")
+        self._arm_timer()
+
+    def _start_round(self, trigger: str) -> bool:
+        if not self.view.probing or (self._round is not None and not self._round.done()):
+            return False
+        self._round = self.dispatcher.spawn(self._run_round(trigger))
+        return True
+
+    async def _run_round(self, trigger: str) -> None:
+        try:
+            await self._probe_members(trigger)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("probe round of %s failed", self.tag)
+
+    async def _probe_members(self, trigger: str) -> None:
+        view = self.view
+        core = self.core
+        assert view.url is not None
+        url = policy.parse_probe_url(view.url)
+        loop = self.dispatcher.loop
+        started = now_ms()
+        results: list[ProbeResult] = await asyncio.gather(
+            *(probe(loop, core.leaf_outbound(m), url) for m in view.members)
+        )
+        if self.actor_stopped.is_set():
+            return
+        completed = now_ms()
+        updates = {
+            m: policy.MemberHealth(r.reachable, r.latency_ms, completed, r.error)
+            for m, r in zip(view.members, results, strict=True)
+        }
+        # Take the view again: a selection or a dial failure may have landed meanwhile.
+        updated = policy.with_health(self.view, updates, completed)
+        core.policies.publish(updated)
+        core.log.emit(
+            "policy.probe.completed",
+            {
+                "policy_tag": self.tag,
+                "trigger": trigger,
+                "url": view.url,
+                "started_at_unix_ms": started,
+                "completed_at_unix_ms": completed,
+                "duration_ms": completed - started,
+                "selected": updated.selected,
+                "members": [
+                    {
+                        "target_tag": m,
+                        "healthy": r.reachable,
+                        "latency_ms": r.latency_ms,
+                        "error": r.error,
+                    }
+                    for m, r in zip(view.members, results, strict=True)
+                ],
+            },
+        )

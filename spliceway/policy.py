@@ -1,0 +1,326 @@
+"""Policy groups: selection rules, member health, chains and snapshots (the pure parts).
+
+A group's live state is a :class:`GroupView`, an immutable value that only its
+``PolicyGroupActor`` replaces (``PolicyTable.publish``). Flows resolve their
+route target through the current views on the dispatcher thread without asking
+any actor: a route target that names a group walks selected members down to a
+leaf outbound, and the tags walked are the flow's ``route.selection_chain``.
+
+Decisions where the spec leaves room:
+
+- Until its first probe round a member counts as healthy with unknown latency,
+  so a fresh url_test or fallback uses its first member (as mihomo does).
+- url_test keeps its current member while that member is healthy and at most
+  ``tolerance_ms`` slower than the fastest; with no healthy measured member it
+  keeps the current one unless that one is known dead.
+- fallback with every member dead uses its first member: some traffic must go
+  somewhere, and the failure that follows triggers the next probe round.
+- load_balance spreads over healthy members (all members when none is healthy).
+  ``consistent_hashing`` (by target host) and ``sticky_sessions`` (by source IP)
+  use rendezvous hashing, so a member going down moves only its own share.
+- A relay group is a leaf: its hops are the flow's ``path.relay_chain``.
+- ``effective_chains`` stop at a nested load_balance group (its own snapshot
+  lists its chains): which member a flow gets depends on the flow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+#: Used when neither the group, ``runtime.latency_test_url`` nor the command names a URL.
+DEFAULT_PROBE_URL = "http://www.gstatic.com/generate_204"
+#: Per-member budget of one probe (interface.md 4.2 rule 2 and 10).
+PROBE_TIMEOUT_S = 5.0
+#: Kinds that probe their members and track health.
+PROBING_KINDS = frozenset({"url_test", "fallback", "load_balance"})
+#: Kinds ``GET /api/v1/policies`` reports (interface.md 2.7); relay groups are in /config.
+POLICY_KINDS = frozenset({"selector", "fallback", "url_test", "load_balance"})
+#: ``policy.probe.completed`` triggers; ``dial_failure`` extends the spec's three.
+TRIGGERS = ("startup", "scheduled", "manual", "dial_failure")
+
+
+@dataclass(frozen=True, slots=True)
+class MemberHealth:
+    """What the last probe (or dial failure) said about one member."""
+
+    healthy: bool = True
+    latency_ms: float | None = None
+    last_checked_unix_ms: int | None = None
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """One group's state as flows and queries see it."""
+
+    tag: str
+    kind: str
+    members: tuple[str, ...]
+    selected: str | None
+    health: Mapping[str, MemberHealth]
+    last_checked_unix_ms: int | None = None
+    url: str | None = None
+    interval_seconds: int | None = None
+    tolerance_ms: int | None = None
+    strategy: str | None = None
+
+    @property
+    def probing(self) -> bool:
+        """True for kinds that probe their members."""
+        return self.kind in PROBING_KINDS
+
+    def candidates(self) -> tuple[str, ...]:
+        """The members a load_balance group spreads over: healthy ones, else all."""
+        healthy = tuple(m for m in self.members if self.health[m].healthy)
+        return healthy or self.members
+
+
+def initial_view(spec: Any, url: str | None) -> GroupView:
+    """The state of a group from its validated config entry, before any probe."""
+    members = tuple(spec.outbounds)
+    kind = spec.kind
+    view = GroupView(
+        tag=spec.tag,
+        kind=kind,
+        members=members,
+        selected=None,
+        health=MappingProxyType(dict.fromkeys(members, MemberHealth())),
+        url=url if kind in PROBING_KINDS else None,
+        interval_seconds=getattr(spec, "interval_seconds", None) if kind in PROBING_KINDS else None,
+        tolerance_ms=getattr(spec, "tolerance_ms", None),
+        strategy=getattr(spec, "strategy", None),
+    )
+    if kind == "selector":
+        return replace(view, selected=spec.default)
+    return replace(view, selected=choose(view, None))
+
+
+def probe_url_for(spec_url: str | None, latency_test_url: str | None) -> str:
+    """The URL a group probes: its own, else ``runtime.latency_test_url``, else the default."""
+    return spec_url or latency_test_url or DEFAULT_PROBE_URL
+
+
+def choose(view: GroupView, current: str | None) -> str | None:
+    """The member a url_test or fallback group uses now (None for other kinds)."""
+    members, health = view.members, view.health
+    if view.kind == "fallback":
+        return next((m for m in members if health[m].healthy), members[0])
+    if view.kind != "url_test":
+        return None
+    measured = [m for m in members if health[m].healthy and health[m].latency_ms is not None]
+    if not measured:
+        alive = [m for m in members if health[m].healthy]
+        if current in alive:
+            return current
+        return alive[0] if alive else (current or members[0])
+    # min() keeps the first of equal latencies, so ties go to list order.
+    best = min(measured, key=lambda m: health[m].latency_ms or 0.0)
+    if current in measured:
+        gain = (health[current].latency_ms or 0.0) - (health[best].latency_ms or 0.0)
+        if gain <= (view.tolerance_ms or 0):
+            return current
+    return best
+
+
+def with_health(view: GroupView, updates: Mapping[str, MemberHealth], now_ms: int) -> GroupView:
+    """``view`` with new member health, reselected by its kind's rule."""
+    health = dict(view.health)
+    health.update(updates)
+    updated = replace(view, health=MappingProxyType(health), last_checked_unix_ms=now_ms)
+    if view.kind in ("url_test", "fallback"):
+        return replace(updated, selected=choose(updated, view.selected))
+    return updated
+
+
+def mark_down(view: GroupView, member: str, error: str, now_ms: int) -> GroupView:
+    """``view`` after ``member`` failed to dial: unhealthy at once, latency unknown."""
+    down = MemberHealth(False, None, now_ms, error)
+    health = dict(view.health)
+    health[member] = down
+    updated = replace(view, health=MappingProxyType(health))
+    if view.kind in ("url_test", "fallback"):
+        return replace(updated, selected=choose(updated, view.selected))
+    return updated
+
+
+def _hrw(key: str, members: tuple[str, ...]) -> str:
+    def weight(member: str) -> bytes:
+        return hashlib.blake2b(f"{key}\0{member}".encode(), digest_size=8).digest()
+
+    return max(members, key=weight)
+
+
+class PolicyTable:
+    """The current view of every group, shared by flows (readers) and group actors.
+
+    Views are immutable and replaced whole; the only other mutable state is the
+    round-robin position of each load_balance group.
+    """
+
+    def __init__(self, views: list[GroupView]) -> None:
+        self._views: dict[str, GroupView] = {v.tag: v for v in views}
+        self._order = [v.tag for v in views]
+        self._round_robin = {v.tag: itertools.count() for v in views}
+        self._lock = threading.Lock()
+
+    def publish(self, view: GroupView) -> None:
+        """Replace a group's view (called by its actor only)."""
+        with self._lock:
+            views = dict(self._views)
+            views[view.tag] = view
+            self._views = views
+
+    def get(self, tag: str) -> GroupView | None:
+        """The current view of ``tag``, or None when it is not a group."""
+        return self._views.get(tag)
+
+    def views(self) -> list[GroupView]:
+        """Every group's current view, in config order."""
+        views = self._views
+        return [views[t] for t in self._order]
+
+    def __contains__(self, tag: object) -> bool:
+        return tag in self._views
+
+    def _pick(self, view: GroupView, host: str, source_ip: str) -> str:
+        if view.kind != "load_balance":
+            assert view.selected is not None
+            return view.selected
+        candidates = view.candidates()
+        if view.strategy == "consistent_hashing":
+            return _hrw(host, candidates)
+        if view.strategy == "sticky_sessions":
+            return _hrw(source_ip, candidates)
+        return candidates[next(self._round_robin[view.tag]) % len(candidates)]
+
+    def resolve(self, tag: str, host: str = "", source_ip: str = "") -> list[str]:
+        """The selection chain from ``tag`` to its leaf outbound for a flow to ``host``
+        from ``source_ip`` (just ``[tag]`` for an outbound or a relay)."""
+        return _walk(self._views, tag, lambda v: self._pick(v, host, source_ip))
+
+    def effective_chains(self, tag: str) -> list[list[str]]:
+        """The chains group ``tag`` would use now (decisions 2), ``[[tag]]`` for an outbound."""
+        views = self._views
+        view = views.get(tag)
+        if view is None:
+            return [[tag]]
+        if view.kind == "relay":
+            return [list(view.members)]
+        if view.kind == "load_balance":
+            return [[tag, *_walk(views, m, _static)] for m in view.candidates()]
+        return [_walk(views, tag, _static)]
+
+    def latency_ms(self, tag: str) -> float | None:
+        """A group's latency: its selected member's (None when unknown or not probed)."""
+        view = self._views.get(tag)
+        if view is None or view.selected is None:
+            return None
+        if view.selected in self._views:
+            return self.latency_ms(view.selected)
+        return view.health[view.selected].latency_ms if view.probing else None
+
+    def snapshot(self, tag: str) -> dict[str, Any]:
+        """The PolicySnapshot of group ``tag`` (decisions 2): 2.4's group fields and more."""
+        view = self._views[tag]
+        members = []
+        if view.probing:
+            for m in view.members:
+                h = view.health[m]
+                members.append(
+                    {
+                        "member_tag": m,
+                        "healthy": h.healthy,
+                        "latency_ms": h.latency_ms,
+                        "last_checked_unix_ms": h.last_checked_unix_ms,
+                        "last_error": h.last_error,
+                        "effective_chains": self.effective_chains(m),
+                    }
+                )
+        snap: dict[str, Any] = {
+            "tag": view.tag,
+            "kind": view.kind,
+            "outbounds": list(view.members),
+            "selected": view.selected,
+            "latency_ms": self.latency_ms(tag),
+            "last_checked_unix_ms": view.last_checked_unix_ms,
+            "effective_chains": self.effective_chains(tag),
+            "url_test_members": members,
+        }
+        if view.probing:
+            snap["url"] = view.url
+            snap["interval_seconds"] = view.interval_seconds
+        if view.kind == "url_test":
+            snap["tolerance_ms"] = view.tolerance_ms
+        if view.kind == "load_balance":
+            snap["strategy"] = view.strategy
+        return snap
+
+
+def _static(view: GroupView) -> str | None:
+    # A load_balance group's pick depends on the flow: a display walk stops there.
+    return None if view.kind == "load_balance" else view.selected
+
+
+def _walk(
+    views: Mapping[str, GroupView], tag: str, pick: Callable[[GroupView], str | None]
+) -> list[str]:
+    chain = [tag]
+    view = views.get(tag)
+    # Config validation rejects cycles, so the walk ends at a leaf.
+    while view is not None and view.kind != "relay":
+        nxt = pick(view)
+        if nxt is None:
+            break
+        chain.append(nxt)
+        view = views.get(nxt)
+    return chain
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeUrl:
+    """A parsed ``http://`` probe URL."""
+
+    url: str
+    host: str
+    port: int
+    target: str = field(default="/")
+
+    def head_request(self) -> bytes:
+        """The HEAD request a probe sends (the connection closes after the answer)."""
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        if self.port != 80:
+            host = f"{host}:{self.port}"
+        return (
+            f"HEAD {self.target} HTTP/1.1\r\nHost: {host}\r\n"
+            "User-Agent: spliceway-probe\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+        ).encode("ascii")
+
+
+def parse_probe_url(url: str) -> ProbeUrl:
+    """Parse a probe URL; only plain ``http://`` with a host is accepted (ValueError)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as ex:
+        raise ValueError(f"not a valid URL: {ex}") from ex
+    if parts.scheme.lower() != "http":
+        raise ValueError("only http:// URLs can be probed")
+    if not parts.hostname:
+        raise ValueError("the URL has no host")
+    if any(c in url for c in "\r\n \t"):
+        raise ValueError("the URL contains whitespace")
+    try:
+        url.encode("ascii")
+    except UnicodeEncodeError as ex:
+        raise ValueError("the URL must be ASCII (percent-encode the rest)") from ex
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    return ProbeUrl(url, parts.hostname, port or 80, target)
