@@ -80,6 +80,11 @@ class LoopbackServer:
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         threading.Thread(target=self._serve, daemon=True).start()
 
+    @property
+    def port(self) -> int:
+        """The port it listens on."""
+        return self.address[1]
+
     def _serve(self) -> None:
         while True:
             try:

@@ -92,10 +92,6 @@ class CountingForwarder(LoopbackServer):
         self._lock = threading.Lock()
         super().__init__()
 
-    @property
-    def port(self) -> int:
-        return self.address[1]
-
     def handle(self, client: socket.socket) -> None:
         upstream = socket.create_connection(self.target)
         with self._lock:
