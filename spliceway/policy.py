@@ -130,21 +130,19 @@ def choose(view: GroupView, current: str | None) -> str | None:
 
 
 def with_health(view: GroupView, updates: Mapping[str, MemberHealth], now_ms: int) -> GroupView:
-    """``view`` with new member health, reselected by its kind's rule."""
-    health = dict(view.health)
-    health.update(updates)
-    updated = replace(view, health=MappingProxyType(health), last_checked_unix_ms=now_ms)
-    if view.kind in ("url_test", "fallback"):
-        return replace(updated, selected=choose(updated, view.selected))
-    return updated
+    """``view`` after a probe round: new member health, reselected by its kind's rule."""
+    return _reselected(view, updates, last_checked_unix_ms=now_ms)
 
 
 def mark_down(view: GroupView, member: str, error: str, now_ms: int) -> GroupView:
     """``view`` after ``member`` failed to dial: unhealthy at once, latency unknown."""
-    down = MemberHealth(False, None, now_ms, error)
+    return _reselected(view, {member: MemberHealth(False, None, now_ms, error)})
+
+
+def _reselected(view: GroupView, updates: Mapping[str, MemberHealth], **changes: Any) -> GroupView:
     health = dict(view.health)
-    health[member] = down
-    updated = replace(view, health=MappingProxyType(health))
+    health.update(updates)
+    updated = replace(view, health=MappingProxyType(health), **changes)
     if view.kind in ("url_test", "fallback"):
         return replace(updated, selected=choose(updated, view.selected))
     return updated
