@@ -466,9 +466,12 @@ class Bench:
         return out
 
     def check(self, subj: Subject) -> dict:
-        """Hold 2 tunnels through ``subj`` (echo verified) and read who is connected to whom."""
+        """Hold 2 tunnels through ``subj`` (echo verified) and read who is connected to whom
+        (counts above those seen before, so a closing tunnel of an earlier check is not one)."""
         assert self.server is not None
         conns = 2
+        pairs = subj.expect + subj.forbid
+        before = {label: established_remote_ports(pid).count(port) for label, pid, port in pairs}
         cmd = [
             str(self.tools["loadgen"]),
             "hold",
@@ -497,8 +500,8 @@ class Bench:
             first = e2e.read_line(p, 15) or {}
             time.sleep(0.1)
             seen = {
-                label: established_remote_ports(pid).count(port)
-                for label, pid, port in subj.expect + subj.forbid
+                label: established_remote_ports(pid).count(port) - before[label]
+                for label, pid, port in pairs
             }
             with contextlib.suppress(OSError):
                 assert p.stdin is not None
