@@ -125,6 +125,9 @@ class EngineCore:
         self.bridge = RelayBridge(self.dispatcher)
         self.dispatcher.run_sync(self.bridge.attach)
         self.supervisor = EngineSupervisor.start(self, sockets)
+        # Its on_start runs on the dispatcher; a proxied read is answered only after it,
+        # so the group actors (policies.* commands) exist once start() returns.
+        self.supervisor.proxy().listeners.get(timeout=_STOP_GRACE_S)
         self.running = True
         self.log.emit(
             "engine.started",

@@ -318,7 +318,9 @@ def parse_probe_url(url: str) -> ProbeUrl:
         url.encode("ascii")
     except UnicodeEncodeError as ex:
         raise ValueError("the URL must be ASCII (percent-encode the rest)") from ex
+    if port == 0:
+        raise ValueError("port 0 cannot be probed")
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
-    return ProbeUrl(url, parts.hostname, port or 80, target)
+    return ProbeUrl(url, parts.hostname, 80 if port is None else port, target)

@@ -97,6 +97,10 @@ class LoopbackServer:
         raise NotImplementedError
 
     def close(self) -> None:
+        # close() alone does not wake a thread blocked in accept(), which would then
+        # take one more connection; shutting the listener down refuses at once.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
     def __enter__(self) -> Self:
