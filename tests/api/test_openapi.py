@@ -354,10 +354,15 @@ def traffic(make_engine, origin, dns_url) -> Iterator[Traffic]:
         while b"x" * 5000 not in received:
             received += sock.recv(65536)
 
+        source_port = sock.getsockname()[1]
+
         def open_flow() -> str | None:
+            # Earlier flows may still be finishing: find this socket's flow by its port.
             flows = api.get(f"{V1}/flows")["active_flows"]
-            active = [f for f in flows if f["state"] == "active"]
-            return active[0]["flow_id"] if active else None
+            mine = [
+                f for f in flows if f["state"] == "active" and f["source"]["port"] == source_port
+            ]
+            return mine[0]["flow_id"] if mine else None
 
         flow_id = wait_until(open_flow)
 
