@@ -360,6 +360,17 @@ def _bad_stream(kind: str, srv: SsServer, good: bytes) -> tuple[bytes, int, bool
     """(server bytes, plaintext the client must get, FIN after them) for one failure."""
     key_size = CIPHERS[srv.name].key_size
     head = srv.sealed(good)  # salt + one good chunk
+    if kind in ("length_zero", "length_oversize"):
+        # Lengths SIP004 forbids, sealed with the right key and nonce.  A zero
+        # length gets its (empty) payload's tag and a FIN too, so accepting it
+        # would end the flow cleanly instead of failing.
+        aead = CIPHERS[srv.name].aead(srv.enc.subkey)
+        nonce = srv.enc.nonce_counter
+        value = 0 if kind == "length_zero" else MAX_PAYLOAD + 1
+        forged = aead.encrypt(nonce.to_bytes(12, "little"), value.to_bytes(2, "big"), None)
+        if value == 0:
+            forged += aead.encrypt((nonce + 1).to_bytes(12, "little"), b"", None)
+        return head + forged, len(good), value == 0
     nxt = srv.enc.seal(b"B" * 300)
     if kind == "salt":
         return _flip(head, 3), 0, False
@@ -367,13 +378,6 @@ def _bad_stream(kind: str, srv: SsServer, good: bytes) -> tuple[bytes, int, bool
         return head + _flip(nxt, 2 + 5), len(good), False
     if kind == "payload":
         return head + _flip(nxt, OVERHEAD // 2 + 10), len(good), False
-    if kind in ("length_zero", "length_oversize"):
-        value = 0 if kind == "length_zero" else MAX_PAYLOAD + 1
-        nonce = srv.enc.nonce_counter.to_bytes(12, "little")
-        forged = (
-            CIPHERS[srv.name].aead(srv.enc.subkey).encrypt(nonce, value.to_bytes(2, "big"), None)
-        )
-        return head + forged, len(good), False
     if kind == "cut_salt":
         return head[: key_size - 5], 0, True
     if kind == "cut_length":
