@@ -8,6 +8,13 @@ The relay's CPU is read from its own threads (named sw-relay-N) in /proc.
     python benchmarks/bench_relay_raw.py --conns 8 --seconds 3
     python benchmarks/bench_relay_raw.py --pipe-sizes 65536,262144,1048576
     python benchmarks/bench_relay_raw.py --transport unix --copy
+    python benchmarks/bench_relay_raw.py --aead --aead-bytes 1073741824
+
+``--aead`` instead measures one flow at a time: plaintext goodput of the C
+Shadowsocks AEAD path per cipher, sealing (client -> upstream) and opening
+(upstream -> client), next to a spliced flow moving the same bytes.  The opened
+stream is sealed once in Python (``--aead-stream`` bytes of plaintext) and
+replayed on fresh flows until ``--aead-bytes`` have been relayed.
 
 Only 127.0.0.1 / socketpairs are used; every run stops by itself.
 """
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 
 from run_e2e import read_stat
 
+from spliceway.protocols.shadowsocks import CIPHERS, Encryptor, master_key
 from spliceway.relay import Relay
 
 CHUNK = 8 << 20
@@ -171,6 +179,138 @@ def run_relay(
         return Result(label, nbytes, elapsed, cpu)
 
 
+def send_bounded(sock: socket.socket, src: int, size: int, nbytes: int) -> None:
+    """sendfile() nbytes from the memfd src (size bytes, repeated), then FIN."""
+    sock.settimeout(None)
+    left = nbytes
+    for _ in range(1 << 40):
+        if left <= 0:
+            break
+        sent = os.sendfile(sock.fileno(), src, 0, min(size, left))
+        if sent <= 0:
+            raise OSError("sendfile made no progress")
+        left -= sent
+    sock.shutdown(socket.SHUT_WR)
+
+
+def sink_to_eof(sock: socket.socket) -> int:
+    """splice() everything until EOF into /dev/null; returns the byte count."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    r, w = os.pipe()
+    total = 0
+    try:
+        for _ in range(1 << 40):
+            n = os.splice(sock.fileno(), w, 1 << 20)
+            if n == 0:
+                return total
+            total += n
+            while n:
+                n -= os.splice(r, devnull, n)
+    finally:
+        for fd in (r, w, devnull):
+            os.close(fd)
+    return total
+
+
+def one_flow(
+    relay: Relay,
+    transport: str,
+    cipher: str | None,
+    direction: str,
+    src: tuple[int, int],
+    total: int,
+) -> tuple[int, float]:
+    """One flow carries ``total`` bytes of the memfd ``src`` (fd, size), repeated,
+    app client -> app server (``up``) or back (``down``) until EOF; returns
+    (plaintext bytes the relay moved, seconds until the sink saw EOF)."""
+    (outer,), close_outer = make_pairs(1, transport)
+    (inner,), close_inner = make_pairs(1, transport)
+    (client, rc), (ru, server) = outer, inner
+    try:
+        if cipher is None:
+            relay.add(rc.detach(), ru.detach())
+        else:
+            info = CIPHERS[cipher]
+            key = master_key("bench", info.key_size)
+            enc = Encryptor(info, key)
+            ru.sendall(enc.header + enc.seal(b"\x01\x7f\x00\x00\x01\x00\x50"))
+            relay.add_aead(
+                rc.detach(),
+                ru.detach(),
+                cipher=cipher,
+                master_key=key,
+                enc_subkey=enc.subkey,
+                enc_nonce=enc.nonce_counter,
+            )
+        src_sock, dst_sock = (client, server) if direction == "up" else (server, client)
+        sinker = threading.Thread(target=sink_to_eof, args=(dst_sock,))
+        start = time.monotonic()
+        sinker.start()
+        send_bounded(src_sock, src[0], src[1], total)
+        sinker.join(600)
+        elapsed = time.monotonic() - start
+        dst_sock.shutdown(socket.SHUT_WR)  # the other direction ends too: DONE
+        done = relay.wait(30)
+        if not done or done[0].cause.name != "DONE":
+            raise RuntimeError(f"flow did not complete cleanly: {done}")
+        counters = done[0].counters
+        return (counters.client_rx if direction == "up" else counters.client_tx), elapsed
+    finally:
+        close_outer()
+        close_inner()
+
+
+def sealed_stream(cipher: str, plain_src: int, plain_size: int) -> tuple[int, int]:
+    """A memfd holding a server's stream (salt + chunks) for plain_size bytes of plain_src."""
+    info = CIPHERS[cipher]
+    enc = Encryptor(info, master_key("bench", info.key_size))
+    fd = os.memfd_create(f"bench-{cipher}")
+    os.write(fd, enc.header)
+    size = len(enc.header)
+    plain = os.pread(plain_src, 1 << 20, 0)
+    for _ in range(plain_size >> 20):
+        blob = enc.seal(plain)
+        os.write(fd, blob)
+        size += len(blob)
+    return fd, size
+
+
+def run_aead_bench(args: argparse.Namespace) -> None:
+    nbytes, stream_plain = args.aead_bytes, min(args.aead_stream, args.aead_bytes)
+    names = [c for c in args.aead_ciphers.split(",") if c]
+    src = source_fd()
+    rows: list[tuple[str, str, int, float, float]] = []
+    with Relay(loops=1) as relay:
+        for cipher in [None, *names]:
+            for direction in ("up", "down"):
+                label = cipher or "spliced"
+                c0 = relay_cpu_seconds()
+                moved, elapsed = 0, 0.0
+                if cipher is None or direction == "up":
+                    moved, elapsed = one_flow(
+                        relay, args.transport, cipher, direction, (src, CHUNK), nbytes
+                    )
+                else:
+                    stream = sealed_stream(cipher, src, stream_plain)
+                    try:
+                        for _ in range(max(1, nbytes // stream_plain)):
+                            m, e = one_flow(
+                                relay, args.transport, cipher, direction, stream, stream[1]
+                            )
+                            moved, elapsed = moved + m, elapsed + e
+                    finally:
+                        os.close(stream[0])
+                cpu = relay_cpu_seconds() - c0
+                rows.append((label, direction, moved, elapsed, cpu))
+    os.close(src)
+    print(f"one flow at a time over {args.transport}, {nbytes / 1e9:.2f} GB per row, 1 relay loop")
+    print(f"{'flow':<24}{'direction':<18}{'MB/s':>10}{'relay CPU s/GB':>16}")
+    for label, direction, moved, elapsed, cpu in rows:
+        what = "client->upstream" if direction == "up" else "upstream->client"
+        rate = moved / elapsed / 1e6
+        print(f"{label:<24}{what:<18}{rate:>10.0f}{cpu / (moved / 1e9):>16.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conns", type=int, default=8)
@@ -182,7 +322,18 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=1, help="interleaved rounds; the best round is shown"
     )
+    ap.add_argument(
+        "--aead", action="store_true", help="one-flow goodput of the Shadowsocks AEAD path"
+    )
+    ap.add_argument("--aead-bytes", type=int, default=1 << 30, help="plaintext bytes per row")
+    ap.add_argument(
+        "--aead-stream", type=int, default=64 << 20, help="plaintext of the replayed server stream"
+    )
+    ap.add_argument("--aead-ciphers", default=",".join(sorted(CIPHERS)))
     args = ap.parse_args()
+    if args.aead:
+        run_aead_bench(args)
+        return
 
     src = source_fd()
     best: dict[str, Result] = {}
