@@ -37,7 +37,7 @@ from spliceway.relay import Cause, Completion, RelayError
 from tests.csrc import test_relay as base
 from tests.csrc.test_relay import Env, Link, fd_closed, poll_until, recv_eof, recv_exact
 from tests.helpers.servers import EchoServer
-from tests.helpers.upstreams import free_port, upstream_process
+from tests.helpers.upstreams import ss_server
 
 make_env = base.make_env  # the fixtures, shared with test_relay.py
 env = base.env
@@ -695,16 +695,13 @@ def test_bridge_hand_off_aead_delivers_completion(env: Env) -> None:
 
 
 @pytest.fixture(params=NAMES)
-def ss_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
-    method = request.param
-    port = free_port()
-    args = ["ss-server", "-s", "127.0.0.1", "-p", str(port), "-k", "secret", "-m", method]
-    with upstream_process(args, port):
-        yield method, port
+def ss(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
+    with ss_server(request.param) as port:
+        yield request.param, port
 
 
-def test_interop_ss_server_echo_5mb(env: Env, ss_server: tuple[str, int]) -> None:
-    name, port = ss_server
+def test_interop_ss_server_echo_5mb(env: Env, ss: tuple[str, int]) -> None:
+    name, port = ss
     cipher = CIPHERS[name]
     key = master_key("secret", cipher.key_size)
     with EchoServer() as echo:

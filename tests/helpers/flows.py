@@ -17,6 +17,27 @@ def curl(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
     )
 
 
+def socks_fetch(engine: Any, origin: tuple[str, int], size: int) -> tuple[int, int, int]:
+    """curl ``/bytes/{size}`` from ``origin`` through the engine's socks-in inbound.
+
+    Asserts a 200 with ``size`` body bytes; returns ``(header, body, request)`` byte
+    counts as curl saw them, for exact comparison with the flow's record.
+    """
+    result = curl(
+        "--socks5-hostname",
+        "{}:{}".format(*engine.listen_address("socks-in")),
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code} %{size_download} %{size_header} %{size_request}",
+        f"http://127.0.0.1:{origin[1]}/bytes/{size}",
+    )
+    assert result.returncode == 0, result.stderr
+    code, body, header, request = map(int, result.stdout.split())
+    assert (code, body) == (200, size)
+    return header, body, request
+
+
 def completed_events(sub, count: int = 1) -> list[dict]:
     """The next ``count`` flow.completed events of a subscription."""
     out = []

@@ -61,6 +61,15 @@ def microsocks(auth: tuple[str, str] | None = None) -> Iterator[int]:
 
 
 @contextmanager
+def ss_server(method: str, password: str = "secret") -> Iterator[int]:
+    """Debian's ss-server (shadowsocks-libev, TCP) on 127.0.0.1; yields its port."""
+    port = free_port()
+    args = ["ss-server", "-s", "127.0.0.1", "-p", str(port), "-k", password, "-m", method]
+    with upstream_process(args, port) as p:
+        yield p
+
+
+@contextmanager
 def tinyproxy(tmp: Path, auth: tuple[str, str] | None = None) -> Iterator[int]:
     """Debian's tinyproxy on 127.0.0.1 (CONNECT to any port); yields its port."""
     port = free_port()

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from tests.conftest import base_config
-from tests.helpers.flows import completed, curl
+from tests.helpers.flows import completed, curl, socks_fetch
 from tests.helpers.upstreams import CountingForwarder, microsocks, tinyproxy
 
 
@@ -20,18 +20,7 @@ def engine_via(make_engine, outbound: dict):
 
 
 def fetch_through(engine, origin, size: int = 50_000):
-    result = curl(
-        "--socks5-hostname",
-        "{}:{}".format(*engine.listen_address("socks-in")),
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code} %{size_download} %{size_header} %{size_request}",
-        f"http://127.0.0.1:{origin[1]}/bytes/{size}",
-    )
-    assert result.returncode == 0, result.stderr
-    code, body, header, request = map(int, result.stdout.split())
-    assert (code, body) == (200, size)
+    header, body, request = socks_fetch(engine, origin, size)
     (done,) = completed(engine)
     record = done["payload"]["record"]
     assert record["traffic"]["bytes_down"] == header + body

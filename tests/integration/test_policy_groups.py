@@ -25,7 +25,7 @@ from spliceway.diagnostics import NO_FIXED_SERVER
 from spliceway.policy import GroupView, MemberHealth, PolicyTable
 from spliceway.protocols import socks5
 from tests.conftest import base_config, wait_until
-from tests.helpers.flows import curl
+from tests.helpers.flows import curl, socks_fetch
 from tests.helpers.servers import LoopbackServer
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import CountingForwarder, free_port, microsocks, tinyproxy
@@ -533,18 +533,7 @@ def test_relay_chain_microsocks_then_tinyproxy(make_engine, origin, socks_ports,
             ],
             "proxy",
         )
-        result = curl(
-            "--socks5-hostname",
-            "{}:{}".format(*engine.listen_address("socks-in")),
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code} %{size_download} %{size_header} %{size_request}",
-            f"http://127.0.0.1:{origin[1]}/bytes/{size}",
-        )
-        assert result.returncode == 0, result.stderr
-        code, body, header, request = map(int, result.stdout.split())
-        assert (code, body) == (200, size)
+        header, body, request = socks_fetch(engine, origin, size)
         (record,) = wait_until(lambda: completed_records(engine))
         traffic = record["traffic"]
         assert (traffic["bytes_down"], traffic["bytes_up"]) == (header + body, request)

@@ -14,20 +14,17 @@ from spliceway.protocols.shadowsocks import (
     master_key,
     target_header,
 )
-from tests.helpers.upstreams import free_port, upstream_process
+from tests.helpers.upstreams import ss_server
 
 
 @pytest.fixture(params=sorted(CIPHERS))
-def ss_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
-    method = request.param
-    port = free_port()
-    args = ["ss-server", "-s", "127.0.0.1", "-p", str(port), "-k", "secret", "-m", method]
-    with upstream_process(args, port):
-        yield method, port
+def ss(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
+    with ss_server(request.param) as port:
+        yield request.param, port
 
 
-def test_request_through_ss_server(ss_server: tuple[str, int], origin: tuple[str, int]) -> None:
-    method, port = ss_server
+def test_request_through_ss_server(ss: tuple[str, int], origin: tuple[str, int]) -> None:
+    method, port = ss
     cipher = CIPHERS[method]
     key = master_key("secret", cipher.key_size)
     enc, dec = Encryptor(cipher, key), Decryptor(cipher, key)

@@ -21,21 +21,15 @@ from tests.conftest import base_config
 from tests.helpers.flows import completed, curl
 from tests.helpers.servers import CountingPeer, EchoServer
 from tests.helpers.socks import socks5_connect
-from tests.helpers.upstreams import CountingForwarder, free_port, microsocks, upstream_process
+from tests.helpers.upstreams import CountingForwarder, microsocks, ss_server
 
 PASSWORD = "secret"
-
-
-def _ss_server(method: str, password: str = PASSWORD) -> Any:
-    port = free_port()
-    args = ["ss-server", "-s", "127.0.0.1", "-p", str(port), "-k", password, "-m", method]
-    return upstream_process(args, port)
 
 
 @pytest.fixture(params=sorted(CIPHERS))
 def ss_forwarded(request: pytest.FixtureRequest) -> Iterator[tuple[str, CountingForwarder]]:
     """An ss-server for one method behind a forwarder that counts what the engine sent it."""
-    with _ss_server(request.param) as port, CountingForwarder(("127.0.0.1", port)) as fwd:
+    with ss_server(request.param) as port, CountingForwarder(("127.0.0.1", port)) as fwd:
         yield request.param, fwd
 
 
@@ -69,17 +63,23 @@ def _recv_all(sock: socket.socket, expect: int) -> bytes:
     return b"".join(chunks)
 
 
+def _echo_through(engine: Any, echo: EchoServer, payload: bytes) -> bytes:
+    """Send ``payload`` to ``echo`` through the engine's socks-in while reading it back."""
+    sock = socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", echo.port)
+    with sock:
+        sender = threading.Thread(target=sock.sendall, args=(payload,))
+        sender.start()
+        echoed = _recv_all(sock, len(payload))
+        sender.join(10)
+    return echoed
+
+
 def test_echo_through_ss_server_is_byte_exact(make_engine, ss_forwarded) -> None:
     method, fwd = ss_forwarded
     engine = _engine_via_ss(make_engine, method, fwd.port)
     payload = os.urandom(3 * 1024 * 1024 + 17)
     with EchoServer() as echo:
-        sock = socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", echo.port)
-        with sock:
-            sender = threading.Thread(target=sock.sendall, args=(payload,))
-            sender.start()
-            echoed = _recv_all(sock, len(payload))
-            sender.join(10)
+        echoed = _echo_through(engine, echo, payload)
     assert echoed == payload
     (done,) = completed(engine)
     record = done["payload"]["record"]
@@ -140,7 +140,7 @@ def test_http_forward_request_is_sealed_before_the_hand_off(
 
 def test_wrong_password_is_seen_by_probe_outbound(make_engine, origin) -> None:
     method = "chacha20-ietf-poly1305"
-    with _ss_server(method, password="not-the-engine's") as port:
+    with ss_server(method, password="not-the-engine's") as port:
         engine = _engine_via_ss(make_engine, method, port)
         result = engine.execute(
             "diagnostics.probe_outbound",
@@ -169,7 +169,7 @@ def test_relay_chain_ending_in_shadowsocks(make_engine) -> None:
     with (
         microsocks() as socks_port,
         CountingForwarder(("127.0.0.1", socks_port)) as hop_fwd,
-        _ss_server(method) as ss_port,
+        ss_server(method) as ss_port,
         EchoServer() as echo,
     ):
         cfg = base_config()
@@ -180,13 +180,7 @@ def test_relay_chain_ending_in_shadowsocks(make_engine) -> None:
         cfg["outbound_groups"] = [{"tag": "chain", "kind": "relay", "outbounds": ["hop-a", "ss"]}]
         cfg["route"] = {"final": "chain"}
         engine = make_engine(cfg)
-        sock = socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", echo.port)
-        with sock:
-            sender = threading.Thread(target=sock.sendall, args=(payload,))
-            sender.start()
-            echoed = _recv_all(sock, len(payload))
-            sender.join(10)
-        assert echoed == payload
+        assert _echo_through(engine, echo, payload) == payload
         (done,) = completed(engine)
     record = done["payload"]["record"]
     assert record["path"]["outbound"] == {"tag": "chain", "protocol": "relay"}
