@@ -517,6 +517,21 @@ static int sock_error(int fd)
     return err;
 }
 
+/* Half-close: the source of direction D reached EOF and everything is written,
+ * so end the destination's write side (once). */
+static int shut_dest(struct flow *f, struct dir *D, int t, int *side)
+{
+    if (D->shut)
+        return 0;
+    D->shut = true;
+    if (shutdown(f->fd[t], SHUT_WR) < 0) {
+        int e = sock_error(f->fd[t]);
+        *side = t;
+        return e ? e : errno;
+    }
+    return 0;
+}
+
 /* Sends buf[0..n) to side t; what the socket does not take is copied to D's
  * (empty) stash.  Returns 0 or a positive errno with *side set. */
 static int send_or_stash(struct loop *L, struct flow *f, struct dir *D, int t,
@@ -802,15 +817,7 @@ static int aead_pump(struct loop *L, struct flow *f, int d, size_t *budget, int 
                 *side = s;
                 return EBADMSG;
             }
-            if (!D->shut) {
-                D->shut = true;
-                if (shutdown(f->fd[t], SHUT_WR) < 0) {
-                    int e = sock_error(f->fd[t]);
-                    *side = t;
-                    return e ? e : errno;
-                }
-            }
-            return 0;
+            return shut_dest(f, D, t, side);
         }
         /* Not while the destination is full: the stash would only grow. */
         if (!f->rd[s] || *budget == 0 || !f->wr[t])
@@ -1015,15 +1022,7 @@ static int dir_pump(struct loop *L, struct flow *f, int d, size_t *budget, int *
         }
 
         if (D->eof) {
-            if (!D->shut) {
-                D->shut = true;
-                if (shutdown(f->fd[t], SHUT_WR) < 0) {
-                    int e = sock_error(f->fd[t]);
-                    *side = t;
-                    return e ? e : errno;
-                }
-            }
-            return 0;
+            return shut_dest(f, D, t, side);
         }
         if (!f->rd[s] || *budget == 0)
             return 0;
