@@ -258,20 +258,15 @@ def _port_to_str(value: Any) -> Any:
     return value
 
 
-def _check_http_url(value: str, schemes: tuple[str, ...] = ("http",)) -> str:
+def _check_webhook_url(value: str) -> str:
     try:
         parts = urlsplit(value)
         _ = parts.port  # raises ValueError on a bad port
     except ValueError:
         raise ValueError(f"{value!r} is not a valid URL") from None
-    if parts.scheme not in schemes or not parts.hostname:
-        wanted = " or ".join(f"{s}://" for s in schemes)
-        raise ValueError(f"must be an {wanted} URL with a host (got {value!r})")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host (got {value!r})")
     return value
-
-
-def _check_webhook_url(value: str) -> str:
-    return _check_http_url(value, ("http", "https"))
 
 
 def _check_env_name(value: str) -> str:

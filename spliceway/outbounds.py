@@ -312,6 +312,9 @@ class _ProxyOutbound(abc.ABC):
             "protocol_error", f"proxy {self.tag}: {ex}", stage="handshake", member_down=True
         )
 
+    def _auth_failed(self, what: str) -> DialError:
+        return DialError("auth_failed", f"proxy {self.tag} {what}", member_down=True)
+
 
 class _CredentialedProxy(_ProxyOutbound):
     """A socks5 or http proxy, optionally with a username and password."""
@@ -360,11 +363,7 @@ class Socks5Outbound(_CredentialedProxy):
             consumed += sel.consumed
             if with_auth:
                 if sel.method != socks5.METHOD_USERPASS:
-                    raise DialError(
-                        "auth_failed",
-                        f"proxy {self.tag} refused user/password auth",
-                        member_down=True,
-                    )
+                    raise self._auth_failed("refused user/password auth")
                 auth = socks5.client_userpass(self.username or "", self.password or "")
                 await loop.sock_sendall(sock, auth)
                 tx += len(auth)
@@ -372,15 +371,9 @@ class Socks5Outbound(_CredentialedProxy):
                 del buf[: status.consumed]
                 consumed += status.consumed
                 if not status.ok:
-                    raise DialError(
-                        "auth_failed",
-                        f"proxy {self.tag} rejected the credentials",
-                        member_down=True,
-                    )
+                    raise self._auth_failed("rejected the credentials")
             elif sel.method != socks5.METHOD_NO_AUTH:
-                raise DialError(
-                    "auth_failed", f"proxy {self.tag} requires authentication", member_down=True
-                )
+                raise self._auth_failed("requires authentication")
             request = socks5.client_connect(host, port)
             await loop.sock_sendall(sock, request)
             tx += len(request)
@@ -527,15 +520,13 @@ class RelayOutbound:
         tx = rx = 0
         pending = b""
         dialed: Dialed | None = None
-        for i, hop in enumerate(self.hops):
-            last = i == len(self.hops) - 1
-            nxt = self.hops[i + 1] if not last else None
+        for hop, nxt in zip(self.hops, [*self.hops[1:], None], strict=True):
             want_host, want_port = (host, port) if nxt is None else (nxt.server, nxt.port)
             deadline = loop.time() + (nxt or hop).connect_timeout
             try:
                 dialed = await hop.through(loop, sock, want_host, want_port, deadline, pending)
             except DialError as ex:
-                if not last:
+                if nxt is not None:
                     ex.member_down = True
                 raise
             tx += dialed.tx_bytes
@@ -586,9 +577,6 @@ def build_relay(tag: str, hops: list[Outbound]) -> RelayOutbound:
     Config validation guarantees the hops are proxy outbounds and that a
     shadowsocks hop can only be the last.
     """
-    proxies = []
-    for hop in hops:
-        if not isinstance(hop, _ProxyOutbound):
-            raise ApiError("invalid_argument", f"relay {tag!r}: hop {hop.tag!r} is not a proxy")
-        proxies.append(hop)
+    proxies = [hop for hop in hops if isinstance(hop, _ProxyOutbound)]
+    assert len(proxies) == len(hops), f"relay {tag!r} has a hop that is not a proxy"
     return RelayOutbound(tag, proxies)
