@@ -163,8 +163,8 @@ class PolicyTable:
     """
 
     def __init__(self, views: list[GroupView]) -> None:
+        # Replacing a key keeps its place, so iteration stays in config order.
         self._views: dict[str, GroupView] = {v.tag: v for v in views}
-        self._order = [v.tag for v in views]
         self._round_robin = {v.tag: itertools.count() for v in views}
         self._lock = threading.Lock()
 
@@ -181,8 +181,7 @@ class PolicyTable:
 
     def views(self) -> list[GroupView]:
         """Every group's current view, in config order."""
-        views = self._views
-        return [views[t] for t in self._order]
+        return list(self._views.values())
 
     def __contains__(self, tag: object) -> bool:
         return tag in self._views
