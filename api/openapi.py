@@ -350,7 +350,7 @@ def _config_summary() -> Schema:
             "outbounds": array(
                 obj({"tag": STR, "protocol": STR, "server": nullable(STR), "port": nullable(PORT)})
             ),
-            "outbound_groups": array(ref("OutboundGroup")),
+            "outbound_groups": array(ref("PolicySnapshot")),
         },
         description="The running configuration, summarised (interface.md 2.4).",
     )
@@ -1038,7 +1038,6 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
             description="Liveness (interface.md 2.2).",
         ),
         "Capabilities": _capabilities(),
-        "OutboundGroup": policy,
         "ConfigSummary": _config_summary(),
         "Stats": _stats(),
         "Runtime": _runtime(),
