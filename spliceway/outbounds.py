@@ -539,8 +539,6 @@ class RelayOutbound:
 
 
 _PROXIES: dict[str, type[_CredentialedProxy]] = {"socks5": Socks5Outbound, "http": HttpOutbound}
-#: The outbound protocols :func:`build_outbound` can build.
-BUILT_PROTOCOLS = frozenset({"direct", "block", "shadowsocks", *_PROXIES})
 
 
 def build_outbound(spec: Any, resolver: Resolver) -> Outbound:
