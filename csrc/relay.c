@@ -564,6 +564,34 @@ static int send_or_stash(struct loop *L, struct flow *f, struct dir *D, int t,
     return 0;
 }
 
+/* Writes D's stash to side t until it is empty or the socket is full (then
+ * f->wr[t] is cleared).  Returns 0 or a positive errno with *side set. */
+static int stash_flush(struct loop *L, struct flow *f, struct dir *D, int t, int *side)
+{
+    while (D->stash_len > 0) {
+        if (!f->wr[t])
+            return 0;
+        ssize_t n = send_nosig(f->fd[t], D->stash + D->stash_off, D->stash_len - D->stash_off);
+        if (n > 0) {
+            ctr_add(f, ctr_tx(t), (uint64_t)n);
+            touch(L, f);
+            D->stash_off += (uint32_t)n;
+            if (D->stash_off == D->stash_len)
+                stash_free(D);
+            continue;
+        }
+        if (n == 0 || errno == EAGAIN) {
+            f->wr[t] = false;
+            return 0;
+        }
+        if (errno != EINTR) {
+            *side = t;
+            return errno;
+        }
+    }
+    return 0;
+}
+
 /* ---- Shadowsocks AEAD --------------------------------------------------- */
 
 static pthread_once_t crypto_once = PTHREAD_ONCE_INIT;
@@ -791,25 +819,9 @@ static int aead_pump(struct loop *L, struct flow *f, int d, size_t *budget, int 
 
     for (;;) {
         if (D->stash_len > 0) {
-            if (!f->wr[t])
-                return 0;
-            ssize_t n = send_nosig(f->fd[t], D->stash + D->stash_off, D->stash_len - D->stash_off);
-            if (n > 0) {
-                ctr_add(f, ctr_tx(t), (uint64_t)n);
-                touch(L, f);
-                D->stash_off += (uint32_t)n;
-                if (D->stash_off == D->stash_len)
-                    stash_free(D);
-                continue;
-            }
-            if (n == 0 || errno == EAGAIN) {
-                f->wr[t] = false;
-                return 0;
-            }
-            if (errno == EINTR)
-                continue;
-            *side = t;
-            return errno;
+            int e = stash_flush(L, f, D, t, side);
+            if (e || D->stash_len > 0)
+                return e;
         }
 
         if (D->eof) {
@@ -980,26 +992,21 @@ static int dir_pump(struct loop *L, struct flow *f, int d, size_t *budget, int *
     /* Each pass either moves bytes, stops on EAGAIN, or changes state; the
      * reads are bounded by the budget and the writes by what was read. */
     for (;;) {
-        if (D->inpipe > 0 || D->stash_len > 0) {
+        if (D->stash_len > 0) {
+            int e = stash_flush(L, f, D, t, side);
+            if (e || D->stash_len > 0)
+                return e;
+        }
+        if (D->inpipe > 0) {
             if (!f->wr[t])
                 return 0;
-            ssize_t n;
-            if (D->stash_len > 0)
-                n = send_nosig(f->fd[t], D->stash + D->stash_off, D->stash_len - D->stash_off);
-            else
-                n = splice(D->pipe_r, NULL, f->fd[t], NULL, D->inpipe, SPLICE_FLAGS);
+            ssize_t n = splice(D->pipe_r, NULL, f->fd[t], NULL, D->inpipe, SPLICE_FLAGS);
             if (n > 0) {
                 ctr_add(f, ctr_tx(t), (uint64_t)n);
                 touch(L, f);
-                if (D->stash_len > 0) {
-                    D->stash_off += (uint32_t)n;
-                    if (D->stash_off == D->stash_len)
-                        stash_free(D);
-                } else {
-                    D->inpipe -= (uint32_t)n;
-                    if (D->inpipe == 0)
-                        pipe_put(L, D);
-                }
+                D->inpipe -= (uint32_t)n;
+                if (D->inpipe == 0)
+                    pipe_put(L, D);
                 continue;
             }
             if (n == 0 || errno == EAGAIN) {
@@ -1008,7 +1015,7 @@ static int dir_pump(struct loop *L, struct flow *f, int d, size_t *budget, int *
             }
             if (errno == EINTR)
                 continue;
-            if (errno == EINVAL && D->stash_len == 0) {
+            if (errno == EINVAL) {
                 int e = pipe_to_stash(L, D);
                 if (e) {
                     *side = -1;
