@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from spliceway._relay import ffi, lib
+from spliceway.protocols.shadowsocks import CIPHERS
 
 __all__ = [
     "ABI_VERSION",
@@ -43,11 +44,11 @@ _INT_MAX = (1 << 31) - 1
 _WAIT_SLICE_MS = 1000
 _SIDES: dict[int, str | None] = {0: "client", 1: "upstream"}
 _FINISHED = (errno_mod.ENOENT, errno_mod.ESTALE, errno_mod.ESHUTDOWN)
-#: Shadowsocks AEAD method name -> (enum sw_aead_cipher, key and salt size).
-_AEAD_CIPHERS: dict[str, tuple[int, int]] = {
-    "aes-128-gcm": (1, 16),
-    "aes-256-gcm": (2, 32),
-    "chacha20-ietf-poly1305": (3, 32),
+#: Shadowsocks AEAD method name -> enum sw_aead_cipher (key sizes: the codec's CIPHERS).
+_AEAD_CODES: dict[str, int] = {
+    "aes-128-gcm": lib.SW_AEAD_AES_128_GCM,
+    "aes-256-gcm": lib.SW_AEAD_AES_256_GCM,
+    "chacha20-ietf-poly1305": lib.SW_AEAD_CHACHA20_POLY1305,
 }
 
 
@@ -120,6 +121,15 @@ def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
     return value
 
 
+def _flow_args(client_fd: int, upstream_fd: int, idle_timeout_ms: int) -> None:
+    """The checks :meth:`Relay.add` and :meth:`Relay.add_aead` share."""
+    _int_arg("client_fd", client_fd, 0, _INT_MAX)
+    _int_arg("upstream_fd", upstream_fd, 0, _INT_MAX)
+    _int_arg("idle_timeout_ms", idle_timeout_ms, 0, _U32_MAX)
+    if client_fd == upstream_fd:
+        raise ValueError("client_fd and upstream_fd must differ")
+
+
 class Relay:
     """A set of C event loops relaying socket pairs; thread-safe.
 
@@ -175,11 +185,7 @@ class Relay:
         first.  On failure a :class:`RelayError` is raised and the caller still
         owns both.  ``idle_timeout_ms`` 0 means no idle timeout.
         """
-        _int_arg("client_fd", client_fd, 0, _INT_MAX)
-        _int_arg("upstream_fd", upstream_fd, 0, _INT_MAX)
-        _int_arg("idle_timeout_ms", idle_timeout_ms, 0, _U32_MAX)
-        if client_fd == upstream_fd:
-            raise ValueError("client_fd and upstream_fd must differ")
+        _flow_args(client_fd, upstream_fd, idle_timeout_ms)
         out = ffi.new("uint64_t *")
         _check(lib.sw_relay_add(self._ptr, client_fd, upstream_fd, idle_timeout_ms, out), "add")
         return int(out[0])
@@ -205,17 +211,14 @@ class Relay:
         A failed tag or a stream cut mid-chunk completes the flow with
         ``Cause.ERROR``, ``errno.EBADMSG`` on the upstream side.
         """
-        _int_arg("client_fd", client_fd, 0, _INT_MAX)
-        _int_arg("upstream_fd", upstream_fd, 0, _INT_MAX)
-        _int_arg("idle_timeout_ms", idle_timeout_ms, 0, _U32_MAX)
-        if client_fd == upstream_fd:
-            raise ValueError("client_fd and upstream_fd must differ")
+        _flow_args(client_fd, upstream_fd, idle_timeout_ms)
         try:
-            code, key_size = _AEAD_CIPHERS[cipher]
+            code = _AEAD_CODES[cipher]
         except (KeyError, TypeError):
             raise ValueError(
-                f"cipher must be one of {', '.join(sorted(_AEAD_CIPHERS))}, got {cipher!r}"
+                f"cipher must be one of {', '.join(sorted(_AEAD_CODES))}, got {cipher!r}"
             ) from None
+        key_size = CIPHERS[cipher].key_size
         for name, key in (("master_key", master_key), ("enc_subkey", enc_subkey)):
             if not isinstance(key, bytes | bytearray | memoryview):
                 raise TypeError(f"{name} must be bytes, not {type(key).__name__}")
