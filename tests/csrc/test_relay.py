@@ -100,6 +100,26 @@ def poll_until(pred: Callable[[], object], timeout: float = 10.0, what: str = "c
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def run(*targets: Callable[[], object], timeout: float = 30.0) -> None:
+    """Runs the targets on threads, joins them and re-raises the first failure."""
+    errors: list[BaseException] = []
+
+    def wrap(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "threads hung"
+    if errors:
+        raise errors[0]
+
+
 def recv_exact(sock: socket.socket, n: int, timeout: float = 20.0) -> bytes:
     sock.settimeout(timeout)
     buf = bytearray()

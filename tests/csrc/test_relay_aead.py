@@ -18,7 +18,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pykka
@@ -35,7 +35,15 @@ from spliceway.protocols.shadowsocks import (
 )
 from spliceway.relay import Cause, Completion, RelayError
 from tests.csrc import test_relay as base
-from tests.csrc.test_relay import Env, Link, fd_closed, poll_until, recv_eof, recv_exact
+from tests.csrc.test_relay import (
+    Env,
+    Link,
+    fd_closed,
+    poll_until,
+    recv_eof,
+    recv_exact,
+    run,
+)
 from tests.helpers.servers import EchoServer
 from tests.helpers.upstreams import ss_server
 
@@ -162,26 +170,6 @@ def add_aead(
 def sealed_size(n: int) -> int:
     """Ciphertext for n plaintext bytes sealed in one go."""
     return n + OVERHEAD * math.ceil(n / MAX_PAYLOAD)
-
-
-def run(*targets: Callable[[], object], timeout: float = 30.0) -> None:
-    """Runs the targets on threads, joins them and re-raises the first failure."""
-    errors: list[BaseException] = []
-
-    def wrap(fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except BaseException as e:  # re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrap, args=(t,)) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "threads hung"
-    if errors:
-        raise errors[0]
 
 
 def counters4(env: Env, h: int) -> tuple[int, ...] | None:

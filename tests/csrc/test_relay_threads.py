@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import time
@@ -12,31 +13,16 @@ import pytest
 
 from spliceway.relay import Cause, Completion, RelayError
 from tests.csrc import test_relay as base
-from tests.csrc.test_relay import Env, Link, recv_exact
+from tests.csrc.test_relay import Env, Link, recv_exact, run
 
 make_env = base.make_env  # the fixture, shared with test_relay.py
 
 THREADS = 8
 
 
-def run_threads(n: int, target: Callable[[int], None], timeout: float = 30.0) -> None:
-    """Runs target(i) on n threads and re-raises the first failure."""
-    errors: list[BaseException] = []
-
-    def wrap(i: int) -> None:
-        try:
-            target(i)
-        except BaseException as e:  # re-raised below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrap, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "worker threads hung"
-    if errors:
-        raise errors[0]
+def run_threads(target: Callable[[int], None]) -> None:
+    """Runs target(i) for i < THREADS on threads of their own (see run)."""
+    run(*(functools.partial(target, i) for i in range(THREADS)))
 
 
 def test_concurrent_add_close_and_counters(make_env: Callable[..., Env]) -> None:
@@ -59,7 +45,7 @@ def test_concurrent_add_close_and_counters(make_env: Callable[..., Env]) -> None
                 assert c[:4] == (0, 0, 0, 0)
         assert len(env.relay.counters_many(handles[i])) == per_thread
 
-    run_threads(THREADS, worker)
+    run_threads(worker)
     all_handles = [h for hs in handles for h in hs]
     assert len(set(all_handles)) == THREADS * per_thread
 
@@ -105,7 +91,7 @@ def test_many_threads_close_the_same_flow(make_env: Callable[..., Env]) -> None:
             barrier.wait(10)
             results.append(env.relay.request_close(h))
 
-        run_threads(THREADS, closer)
+        run_threads(closer)
         assert any(results)  # at least the first one found it open
         assert env.completion(h).cause is Cause.CLOSED
         assert env.relay.request_close(h) is False
