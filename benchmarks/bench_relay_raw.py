@@ -79,6 +79,23 @@ def source_fd() -> int:
     return fd
 
 
+def sink_to_eof(sock: socket.socket, received: list[int], i: int = 0) -> None:
+    """splice() everything until EOF into /dev/null, counting the bytes in received[i]."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    r, w = os.pipe()
+    try:
+        for _ in range(1 << 40):
+            n = os.splice(sock.fileno(), w, 1 << 20)
+            if n == 0:
+                return
+            received[i] += n
+            while n:
+                n -= os.splice(r, devnull, n)
+    finally:
+        for fd in (r, w, devnull):
+            os.close(fd)
+
+
 def stream(
     pairs: list[tuple[socket.socket, socket.socket]], seconds: float, src: int
 ) -> tuple[int, float, float]:
@@ -87,7 +104,6 @@ def stream(
     All three are measured over the same window, after a warm-up."""
     stop = threading.Event()
     received = [0] * len(pairs)
-    devnull = os.open(os.devnull, os.O_WRONLY)
 
     def send(sock: socket.socket) -> None:
         sock.settimeout(None)
@@ -99,21 +115,9 @@ def stream(
                 return
         sock.shutdown(socket.SHUT_WR)
 
-    def sink(i: int, sock: socket.socket) -> None:
-        r, w = os.pipe()
-        try:
-            for _ in range(1 << 40):
-                n = os.splice(sock.fileno(), w, 1 << 20)
-                if n == 0:
-                    return
-                received[i] += n
-                while n:
-                    n -= os.splice(r, devnull, n)
-        finally:
-            os.close(r)
-            os.close(w)
-
-    threads = [threading.Thread(target=sink, args=(i, p[1])) for i, p in enumerate(pairs)]
+    threads = [
+        threading.Thread(target=sink_to_eof, args=(p[1], received, i)) for i, p in enumerate(pairs)
+    ]
     threads += [threading.Thread(target=send, args=(p[0],)) for p in pairs]
     for t in threads:
         t.start()
@@ -124,7 +128,6 @@ def stream(
     stop.set()
     for t in threads:
         t.join(60)
-    os.close(devnull)
     return b1 - b0, t1 - t0, c1 - c0
 
 
@@ -193,25 +196,6 @@ def send_bounded(sock: socket.socket, src: int, size: int, nbytes: int) -> None:
     sock.shutdown(socket.SHUT_WR)
 
 
-def sink_to_eof(sock: socket.socket) -> int:
-    """splice() everything until EOF into /dev/null; returns the byte count."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    r, w = os.pipe()
-    total = 0
-    try:
-        for _ in range(1 << 40):
-            n = os.splice(sock.fileno(), w, 1 << 20)
-            if n == 0:
-                return total
-            total += n
-            while n:
-                n -= os.splice(r, devnull, n)
-    finally:
-        for fd in (r, w, devnull):
-            os.close(fd)
-    return total
-
-
 def one_flow(
     relay: Relay,
     transport: str,
@@ -243,7 +227,7 @@ def one_flow(
                 enc_nonce=enc.nonce_counter,
             )
         src_sock, dst_sock = (client, server) if direction == "up" else (server, client)
-        sinker = threading.Thread(target=sink_to_eof, args=(dst_sock,))
+        sinker = threading.Thread(target=sink_to_eof, args=(dst_sock, [0]))
         start = time.monotonic()
         sinker.start()
         send_bounded(src_sock, src[0], src[1], total)
