@@ -55,7 +55,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import re
 import secrets
 import shutil
@@ -70,9 +69,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-import bench_control as bc  # noqa: E402  (proc_table/top_cpu: who used the CPU during a run)
 import run_e2e as e2e  # noqa: E402  (shared tooling: build, tinyserver, engine launch, /proc)
-from run_e2e import ROOT, log  # noqa: E402
+from run_e2e import log  # noqa: E402
 
 CIPHERS = ("aes-128-gcm", "aes-256-gcm", "chacha20-ietf-poly1305")
 SW = "spliceway"
@@ -124,16 +122,13 @@ class Peer:
 
 
 class Engine:
-    """A spliceway engine (``run_e2e.spliceway_launch_cmd``) with one socks5 inbound."""
+    """A spliceway engine (``run_e2e.start_spliceway``) with one socks5 inbound."""
 
     def __init__(self, name: str, config: dict, tmp: Path) -> None:
         self.name, self.config = name, config
-        cfg = tmp / f"{name}.json"
-        cfg.write_text(json.dumps(config, indent=1))
-        self.cmd, self.launch = e2e.spliceway_launch_cmd(cfg)
-        self.m = e2e.Managed(SW, self.cmd, cwd=ROOT)
         self.log_path = tmp / f"{name}.log"
-        self.m.keep_log(self.log_path)
+        self.m, self.launch = e2e.start_spliceway(config, tmp / f"{name}.json", self.log_path)
+        self.cmd = self.m.cmd
         self.pid = self.m.pid
         self.port = 0
 
@@ -187,29 +182,22 @@ def package_version(pkg: str) -> str:
 # --------------------------------------------------------------------------- configs
 
 
-def socks_inbound() -> dict:
-    return {"tag": "socks-in", "protocol": "socks5", "listen": {"address": "127.0.0.1", "port": 0}}
-
-
-NO_API = {"control": {"enabled": False}, "ipc": {"enabled": False}}
-
-
 def spliceway_relay_config(port_a: int, port_b: int) -> dict:
     return {
-        "inbounds": [socks_inbound()],
+        "inbounds": [e2e.socks_inbound()],
         "outbounds": [
             {"tag": "hop-a", "protocol": "socks5", "server": "127.0.0.1", "port": port_a},
             {"tag": "hop-b", "protocol": "socks5", "server": "127.0.0.1", "port": port_b},
         ],
         "outbound_groups": [{"tag": "chain", "kind": "relay", "outbounds": ["hop-a", "hop-b"]}],
         "route": {"final": "chain"},
-        "api": NO_API,
+        "api": e2e.NO_API,
     }
 
 
 def spliceway_ss_config(port: int, method: str, password: str) -> dict:
     return {
-        "inbounds": [socks_inbound()],
+        "inbounds": [e2e.socks_inbound()],
         "outbounds": [
             {
                 "tag": "ss",
@@ -221,7 +209,7 @@ def spliceway_ss_config(port: int, method: str, password: str) -> dict:
             }
         ],
         "route": {"final": "ss"},
-        "api": NO_API,
+        "api": e2e.NO_API,
     }
 
 
@@ -327,35 +315,17 @@ class Bench:
         self.server: e2e.Server | None = None
         self.pids: list[int] = []  # every long-running process we started
         self.quiet = e2e.QuietWait(args, self.our_cpu)
-        self.retries = args.retries
+        self.retries = e2e.RetryBudget(args.retries)
         self.deadline = time.monotonic() + args.time_budget
         self.cut = 0  # repetitions skipped because the time budget was spent
         self.sizes: dict[tuple[str, str], int] = {}  # (subject, bulk case) -> bytes per run
 
     def our_cpu(self) -> float:
         t = os.times()
-        total = t.user + t.system
-        for pid in self.pids:
-            with contextlib.suppress(OSError):
-                total += e2e.proc_cpu_s(pid)
-        return total
+        return t.user + t.system + e2e.pids_cpu_s(self.pids)
 
     def loadgen(self, argv: list[str], timeout: float) -> dict:
-        cmd = [str(self.tools["loadgen"]), *argv]
-        try:
-            r = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                preexec_fn=e2e.raise_nofile,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as ex:
-            raise SystemExit(f"loadgen exceeded {timeout:.0f}s: {cmd}") from ex
-        if r.returncode != 0 or not r.stdout.strip():
-            raise SystemExit(f"loadgen failed ({r.returncode}): {cmd}\n{r.stderr}")
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        return e2e.run_loadgen([str(self.tools["loadgen"]), *argv], timeout)
 
     def argv(self, case: Case, port: int, total: int | None = None) -> tuple[list[str], float]:
         """loadgen arguments for ``case`` through the socks5 port ``port``; a bulk run moves
@@ -368,25 +338,16 @@ class Bench:
             secs = 0.5 if total == 0 else a.rate_seconds
             return e2e.rate_argv(self.server.rate, port, case.conns, secs, threads), secs + 30
         assert total
-        argv = [
-            "bulk",
-            "--target",
-            f"127.0.0.1:{self.server.bulk}",
-            "--socks",
-            f"127.0.0.1:{port}",
-            "--conns",
-            str(case.conns),
-            "--bytes",
-            str(max(1 << 20, total // case.conns)),
-            "--dir",
+        argv = e2e.bulk_argv(
+            self.server.bulk,
+            port,
+            case.conns,
+            total,
             case.direction,
-            "--max-seconds",
-            str(a.bulk_max_seconds),
-            "--buf",
-            str(256 * 1024),
-            "--threads",
-            str(threads),
-        ]
+            a.bulk_max_seconds,
+            256 * 1024,
+            threads,
+        )
         return argv, a.bulk_max_seconds + 30
 
     def run(self, subj: Subject, case: Case) -> dict:
@@ -395,7 +356,7 @@ class Bench:
         waited, frac = self.quiet() if self.args.quiet_wait > 0 else (0.0, -1.0)
         argv, timeout = self.argv(case, subj.port, self.sizes.get((subj.name, case.key)))
         watched = [subj.pid, *subj.hop_pids, self.server.pid]
-        pt0 = bc.proc_table()
+        pt0 = e2e.proc_table()
         c0 = {pid: e2e.proc_cpu_s(pid) for pid in watched}
         o0, m0, k0 = self.our_cpu(), e2e.machine_cpu()[0], e2e.kernel_threads_cpu()
         t0 = time.monotonic()
@@ -403,7 +364,7 @@ class Bench:
         wall = time.monotonic() - t0
         o1, m1, k1 = self.our_cpu(), e2e.machine_cpu()[0], e2e.kernel_threads_cpu()
         c1 = {pid: e2e.proc_cpu_s(pid) for pid in watched}
-        top = bc.top_cpu(pt0, bc.proc_table(), {os.getpid(), *self.pids})
+        top = e2e.top_cpu(pt0, e2e.proc_table(), {os.getpid(), *self.pids})
         for row in top:
             row["ours"] = row["ours"] or row["name"] == "loadgen"
         res["top_cpu"] = top
@@ -451,13 +412,9 @@ class Bench:
                 k = rep % len(subjects)  # rotate: A B / B A / A B ... (A B C / B C A / ...)
                 order = subjects[k:] + subjects[:k]
                 for subj in order:
-                    for attempt in range(2):
-                        res = self.run(subj, case)
+                    for res in self.retries.runs(lambda s=subj, c=case: self.run(s, c)):
                         runs[subj.name].append(res)
                         log(f"  {tag} {describe(case, subj.name, res)}")
-                        if not res["disturbed"] or attempt == 1 or self.retries <= 0:
-                            break
-                        self.retries -= 1
             out[case.key] = {
                 "case": case.__dict__,
                 "subjects": {name: summarise(case, rs) for name, rs in runs.items()},
@@ -472,32 +429,11 @@ class Bench:
         conns = 2
         pairs = subj.expect + subj.forbid
         before = {label: established_remote_ports(pid).count(port) for label, pid, port in pairs}
-        cmd = [
-            str(self.tools["loadgen"]),
-            "hold",
-            "--target",
-            f"127.0.0.1:{self.server.idle}",
-            "--socks",
-            f"127.0.0.1:{subj.port}",
-            "--conns",
-            str(conns),
-            "--payload",
-            "16",
-            "--hold-seconds",
-            "20",
-            "--timeout-ms",
-            "5000",
-        ]
-        p = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=e2e.raise_nofile,
+        p = e2e.start_hold(
+            [str(self.tools["loadgen"])], self.server.idle, subj.port, conns, 20, 5000
         )
         try:
-            first = e2e.read_line(p, 15) or {}
+            first = e2e.read_json_line(p, 15) or {}
             time.sleep(0.1)
             seen = {
                 label: established_remote_ports(pid).count(port) - before[label]
@@ -1006,10 +942,7 @@ def main(argv: list[str] | None = None) -> int:
         "ciphers": a.ciphers if "ss" in a.parts else [],
         "loadgen_threads": a.loadgen_threads,
         "server_threads": a.server_threads,
-        "nproc": os.cpu_count(),
-        "cpu_model": e2e.cpu_model(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
+        **e2e.host_meta(),
         "git": e2e.git_info(),
         "loadavg_start": os.getloadavg(),
         "versions": {p: package_version(p) for p in ("v2ray", "microsocks", "shadowsocks-libev")},

@@ -34,7 +34,6 @@ import http.client
 import itertools
 import json
 import os
-import platform
 import re
 import resource
 import selectors
@@ -59,31 +58,6 @@ QUERY_LIMIT_PER_S = 100  # api/limits.py Limits.queries_per_second (burst = rate
 TARGET_SSE_P99_MS = 20.0
 TARGET_DROP_PCT = 10.0
 CONTROL_RE = re.compile(r"control API listening on http://([0-9.]+):(\d+)/")
-
-
-def proc_table() -> dict[int, tuple[str, float]]:
-    """pid -> (command name, CPU seconds) of every process, to name the CPU users of a run."""
-    out = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            name, _, cpu_s = e2e.read_stat(f"/proc/{entry.name}/stat")
-        except OSError:
-            continue
-        out[int(entry.name)] = (name, cpu_s)
-    return out
-
-
-def top_cpu(before: dict, after: dict, ours: set[int], n: int = 6) -> list[dict]:
-    """The processes that used the most CPU between two ``proc_table`` snapshots."""
-    rows = []
-    for pid, (name, cpu) in after.items():
-        used = cpu - before.get(pid, (name, 0.0))[1]
-        if used >= 0.05:
-            rows.append({"pid": pid, "name": name, "cpu_s": round(used, 2), "ours": pid in ours})
-    rows.sort(key=lambda r: -r["cpu_s"])
-    return rows[:n]
 
 
 def pct(values: list[float], p: float) -> float | None:
@@ -309,29 +283,6 @@ def stats_client_main(argv: list[str]) -> int:
 # =========================================================================== runner side
 
 
-def read_line(proc: subprocess.Popen, timeout: float) -> str | None:
-    """One line of a child's stdout within ``timeout`` (None on timeout or EOF)."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    end = time.monotonic() + timeout
-    buf = b""
-    while b"\n" not in buf:
-        left = end - time.monotonic()
-        if left <= 0:
-            return None
-        sel = selectors.DefaultSelector()
-        sel.register(fd, selectors.EVENT_READ)
-        ready = sel.select(left)
-        sel.close()
-        if not ready:
-            return None
-        data = os.read(fd, 4096)
-        if not data:
-            return None
-        buf += data
-    return buf.split(b"\n", 1)[0].decode()
-
-
 class Children:
     """Every helper process started by the runner, stopped by pid in ``finally``."""
 
@@ -354,13 +305,7 @@ class Engine:
 
     def __init__(self, tmp: Path, log_path: Path, ring: int) -> None:
         cfg = {
-            "inbounds": [
-                {
-                    "tag": "socks-in",
-                    "protocol": "socks5",
-                    "listen": {"address": "127.0.0.1", "port": 0},
-                }
-            ],
+            "inbounds": [e2e.socks_inbound()],
             "outbounds": [{"tag": "direct", "protocol": "direct"}],
             "runtime": {"stats_interval_ms": 1000, "event_ring_capacity": ring},
             "api": {
@@ -373,23 +318,17 @@ class Engine:
             },
         }
         self.config = cfg
-        path = tmp / "spliceway-control.json"
-        path.write_text(json.dumps(cfg, indent=1))
-        cmd, self.launch = e2e.spliceway_launch_cmd(path)
-        self.m = e2e.Managed("spliceway", cmd, cwd=ROOT)
-        self.m.keep_log(log_path)
+        self.m, self.launch = e2e.start_spliceway(cfg, tmp / "spliceway-control.json", log_path)
         self.log_path = log_path
         # The CLI logs the inbound's line, then the control API's: wait for the second.
         m2 = self.m.wait_for(CONTROL_RE, 30)
-        m1 = next(
-            (e2e.LISTEN_RE.search(x) for x in list(self.m.lines) if e2e.LISTEN_RE.search(x)), None
-        )
+        m1 = next(filter(None, map(e2e.LISTEN_RE.search, list(self.m.lines))), None)
         if m1 is None or m2 is None or not self.m.alive():
             self.m.abort("spliceway did not report its socks5 and control ports")
         self.socks_port = int(m1.group(2))
         self.api_port = int(m2.group(2))
         self.pid = self.m.pid
-        self.cmd = cmd
+        self.cmd = self.m.cmd
 
     def get(self, path: str, timeout: float = 5.0) -> tuple[int, dict | None]:
         c = http.client.HTTPConnection("127.0.0.1", self.api_port, timeout=timeout)
@@ -455,9 +394,7 @@ class Bench:
             raise SystemExit(f"loadgen exceeded {timeout:.0f}s: {cmd}") from ex
         finally:
             e2e.stop_child(p)
-        if p.returncode != 0 or not out.strip():
-            raise SystemExit(f"loadgen failed ({p.returncode}): {cmd}\n{err}")
-        return json.loads(out.strip().splitlines()[-1])
+        return e2e.loadgen_result(cmd, p.returncode, out, err)
 
     def rate_argv(self, conc: int, duration: float, threads: int, rate: float = 0) -> list[str]:
         assert self.server is not None and self.engine is not None
@@ -487,10 +424,10 @@ class Bench:
             cmd = self.client_cmd("_sse", "--max-seconds", str(max_s), "--out", str(out))
             if types:
                 cmd += ["--types", types]
-            p = self.kids.start(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            p = self.kids.start(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             readers.append((p, out))
         for p, _ in readers:
-            line = read_line(p, 30)
+            line = e2e.read_line(p, 30)
             if line != "ready 200":
                 raise SystemExit(f"SSE reader did not open its stream: {line!r}")
         return readers
@@ -538,16 +475,33 @@ class Bench:
         }
 
     def our_cpu(self, extra_pids: tuple[int, ...] | list[int] = ()) -> float:
-        total = os.times().user + os.times().system
-        for pid in [self.engine.pid, self.server.pid, *extra_pids]:
-            with contextlib.suppress(OSError):
-                total += e2e.proc_cpu_s(pid)
-        return total
+        t = os.times()
+        return t.user + t.system + e2e.pids_cpu_s([self.engine.pid, self.server.pid, *extra_pids])
 
     def wait_quiet(self) -> tuple[float, float]:
         """Wait (bounded) until other processes use < --quiet-threshold of the CPUs."""
         waited, frac = self.quiet()
         return round(waited, 2), round(frac, 3)
+
+    def watched_loadgen(
+        self, argv: list[str], timeout: float, pids: list[int]
+    ) -> tuple[dict, dict]:
+        """One loadgen run, and what it cost: wall time, the engine's CPU, the CPU of processes
+        that are not ours (``pids``: our helpers running alongside) and the biggest CPU users."""
+        eng = self.engine
+        m0, k0, c0 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu(pids)
+        e0, pt0 = e2e.proc_cpu_s(eng.pid), e2e.proc_table()
+        t0 = time.monotonic()
+        lg = self.loadgen(argv, timeout)
+        wall = time.monotonic() - t0
+        e1, pt1 = e2e.proc_cpu_s(eng.pid), e2e.proc_table()
+        m1, k1, c1 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu(pids)
+        return lg, {
+            "wall": wall,
+            "engine_cpu_s": e1 - e0,
+            "other_cpu_s": max(0.0, (m1 - m0) - (c1 - c0) - lg["cpu_s"] - (k1 - k0)),
+            "top_cpu": e2e.top_cpu(pt0, pt1, self.our_pids(pids)),
+        }
 
     # ------------------------------------------------------------------ 1. SSE latency
 
@@ -559,15 +513,11 @@ class Bench:
         readers = self.start_readers(SSE_STREAMS, a.sse_types, secs + 60)
         before = eng.wait_idle()
         pids = [p.pid for p, _ in readers]
-        m0, k0, c0 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu(pids)
-        e0, pt0 = e2e.proc_cpu_s(eng.pid), proc_table()
-        lg = self.loadgen(self.rate_argv(256, secs, 1, rate), secs + 30)
-        e1, pt1 = e2e.proc_cpu_s(eng.pid), proc_table()
-        m1, k1, c1 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu(pids)
+        lg, cost = self.watched_loadgen(self.rate_argv(256, secs, 1, rate), secs + 30, pids)
         after = eng.wait_idle()
         time.sleep(1.5)  # the last events (and one stats.sampled) reach every stream
         streams = self.finish_readers(readers)
-        other = max(0.0, (m1 - m0) - (c1 - c0) - lg["cpu_s"] - (k1 - k0))
+        other = cost["other_cpu_s"]
         started = after["total_started"] - before["total_started"]
         res = {
             "rate_target": rate,
@@ -578,14 +528,14 @@ class Bench:
             "engine_completed": after["completed_sessions"] - before["completed_sessions"],
             "engine_failed": after["failed_sessions"] - before["failed_sessions"],
             "engine_flows_per_s": round(started / lg["seconds"], 1) if lg["seconds"] else None,
-            "engine_cpu_s": round(e1 - e0, 3),
+            "engine_cpu_s": round(cost["engine_cpu_s"], 3),
             "other_cpu_s": round(other, 3),
-            "top_cpu": top_cpu(pt0, pt1, self.our_pids(pids)),
+            "top_cpu": cost["top_cpu"],
             "quiet_wait_s": waited,
             "other_share_before": other_before,
         }
         res.update(analyse_streams(streams, started, filtered=bool(a.sse_types)))
-        res["disturbed"] = other > 0.10 * lg["seconds"] * (os.cpu_count() or 1)
+        res["disturbed"] = e2e.others_busy(other, lg["seconds"])
         return res
 
     # ------------------------------------------------------------ 2. conn/s under control load
@@ -607,20 +557,16 @@ class Bench:
             stats_procs = self.start_stats_clients(1, a.stats_rate, secs, start_at)
             time.sleep(max(0.0, start_at - time.time()))
         pids = [p.pid for p, _ in readers] + [p.pid for p in stats_procs]
-        m0, k0, c0 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu(pids)
-        e0, pt0 = e2e.proc_cpu_s(eng.pid), proc_table()
-        t0 = time.monotonic()
-        lg = self.loadgen(self.rate_argv(64, secs, a.loadgen_threads), secs + 30)
-        wall = time.monotonic() - t0
-        e1, pt1 = e2e.proc_cpu_s(eng.pid), proc_table()
-        m1, k1, c1 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu(pids)
+        argv = self.rate_argv(64, secs, a.loadgen_threads)
+        lg, cost = self.watched_loadgen(argv, secs + 30, pids)
+        wall, eng_cpu = cost["wall"], cost["engine_cpu_s"]
         res: dict = {
             "kind": kind,
             "loadgen": lg,
             "conn_per_s": lg["conn_per_s"],
             "wall_s": round(wall, 3),
-            "engine_cpu_s": round(e1 - e0, 3),
-            "engine_cpu_us_per_flow": round(1e6 * (e1 - e0) / lg["count"], 1)
+            "engine_cpu_s": round(eng_cpu, 3),
+            "engine_cpu_us_per_flow": round(1e6 * eng_cpu / lg["count"], 1)
             if lg["count"]
             else None,
             "quiet_wait_s": waited,
@@ -646,10 +592,10 @@ class Bench:
             streams = self.finish_readers(readers)
             started = after["total_started"] - before["total_started"]
             res["sse"] = analyse_streams(streams, started)
-        other = max(0.0, (m1 - m0) - (c1 - c0) - lg["cpu_s"] - (k1 - k0))
+        other = cost["other_cpu_s"]
         res["other_cpu_s"] = round(other, 3)
-        res["top_cpu"] = top_cpu(pt0, pt1, self.our_pids(pids))
-        res["disturbed"] = other > 0.10 * wall * (os.cpu_count() or 1)
+        res["top_cpu"] = cost["top_cpu"]
+        res["disturbed"] = e2e.others_busy(other, wall)
         time.sleep(1.0)  # let the server release the stream slots and the query bucket refill
         return res
 
@@ -1135,10 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {
             "timestamp": stamp,
             "quick": q,
-            "nproc": os.cpu_count(),
-            "cpu_model": e2e.cpu_model(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
+            **e2e.host_meta(),
             "git": e2e.git_info(),
             "loadavg_before": os.getloadavg(),
             "sse_streams": SSE_STREAMS,

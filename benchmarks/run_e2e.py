@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -65,12 +65,17 @@ PEERS = {
     "rss_kib_per_flow": "pproxy 8.7, microsocks 10.5, v2ray 36",
 }
 
+
+def socks_inbound() -> dict:
+    """The engine's socks5 inbound on 127.0.0.1 with an OS-chosen port (read from its log)."""
+    return {"tag": "socks-in", "protocol": "socks5", "listen": {"address": "127.0.0.1", "port": 0}}
+
+
+NO_API = {"control": {"enabled": False}, "ipc": {"enabled": False}}
 SPLICEWAY_CONFIG = {
-    "inbounds": [
-        {"tag": "socks-in", "protocol": "socks5", "listen": {"address": "127.0.0.1", "port": 0}}
-    ],
+    "inbounds": [socks_inbound()],
     "outbounds": [{"tag": "direct", "protocol": "direct"}],
-    "api": {"control": {"enabled": False}, "ipc": {"enabled": False}},
+    "api": NO_API,
 }
 LISTEN_RE = re.compile(r"inbound \S+ \(socks5\) listening on ([0-9.]+):(\d+)")
 # Shim for a tree that is not pip-installed: spliceway.actors/api/connector live at the
@@ -130,6 +135,15 @@ def proc_cpu_s(pid: int) -> float:
     return read_stat(f"/proc/{pid}/stat")[2]
 
 
+def pids_cpu_s(pids: Iterable[int]) -> float:
+    """CPU seconds of the given processes (one that has gone counts 0)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += proc_cpu_s(pid)
+    return total
+
+
 def proc_rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -160,19 +174,35 @@ def machine_cpu() -> tuple[float, float]:
     return (user + nice + system) / CLK_TCK, (user + nice + system + irq + softirq) / CLK_TCK
 
 
-def kernel_threads_cpu() -> float:
-    """CPU seconds of all kernel threads (ksoftirqd doing loopback work, kworkers, ...)."""
-    total = 0.0
+def proc_table() -> dict[int, tuple[str, int, float]]:
+    """pid -> (command name, parent pid, CPU seconds) of every process."""
+    out = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            _, ppid, cpu = read_stat(f"/proc/{entry.name}/stat")
+            out[int(entry.name)] = read_stat(f"/proc/{entry.name}/stat")
         except OSError:
             continue
-        if ppid == 2 or entry.name == "2":  # children of kthreadd
-            total += cpu
-    return total
+    return out
+
+
+def top_cpu(before: dict, after: dict, ours: set[int], n: int = 6) -> list[dict]:
+    """The processes that used the most CPU between two ``proc_table`` snapshots."""
+    rows = []
+    for pid, (name, _, cpu) in after.items():
+        used = cpu - before.get(pid, (name, 0, 0.0))[2]
+        if used >= 0.05:
+            rows.append({"pid": pid, "name": name, "cpu_s": round(used, 2), "ours": pid in ours})
+    rows.sort(key=lambda r: -r["cpu_s"])
+    return rows[:n]
+
+
+def kernel_threads_cpu() -> float:
+    """CPU seconds of all kernel threads (ksoftirqd doing loopback work, kworkers, ...)."""
+    return sum(  # kthreadd (pid 2) and its children
+        cpu for pid, (_, ppid, cpu) in proc_table().items() if ppid == 2 or pid == 2
+    )
 
 
 def affinity(pid: int) -> str:
@@ -398,20 +428,28 @@ def spliceway_launch_cmd(cfg: Path) -> tuple[list[str], str]:
     return [sys.executable, "-c", code], "in-tree shim (not pip-installed)"
 
 
+def start_spliceway(
+    config: dict, cfg: Path, log_path: Path | None, prefix: list[str] | None = None
+) -> tuple[Managed, str]:
+    """The engine on ``config`` (written to ``cfg``), its stderr kept in ``log_path``;
+    (the child, how it was launched)."""
+    cfg.write_text(json.dumps(config, indent=1))
+    base, launch = spliceway_launch_cmd(cfg)
+    m = Managed("spliceway", [*(prefix or []), *base], cwd=ROOT)
+    if log_path:
+        m.keep_log(log_path)
+    return m, launch
+
+
 class Proxy:
     """The proxy under test, started as its own process."""
 
     def __init__(self, kind: str, pin: str | None, tmp: Path, log_path: Path | None = None) -> None:
         self.kind = kind
-        self.launch = ""
         if kind == "spliceway":
-            cfg = tmp / "spliceway.json"
-            cfg.write_text(json.dumps(SPLICEWAY_CONFIG, indent=1))
-            base, self.launch = spliceway_launch_cmd(cfg)
-            cmd = [*taskset_prefix(pin), *base]
-            self.m = Managed("spliceway", cmd, cwd=ROOT)
-            if log_path:
-                self.m.keep_log(log_path)
+            self.m, self.launch = start_spliceway(
+                SPLICEWAY_CONFIG, tmp / "spliceway.json", log_path, taskset_prefix(pin)
+            )
             m = self.m.wait_for(LISTEN_RE, 30)
             if m is None or not self.m.alive():
                 self.m.abort("spliceway did not report its socks5 port")
@@ -510,6 +548,112 @@ def rate_argv(
     ]
 
 
+def bulk_argv(
+    target_port: int,
+    socks_port: int | None,
+    conns: int,
+    total_bytes: int,
+    direction: str,
+    max_seconds: float,
+    buf: int,
+    threads: int,
+) -> list[str]:
+    """``loadgen bulk`` against tinyserver's bulk listener, ``total_bytes`` split over the
+    connections (at least 1 MiB each), through the SOCKS5 proxy on ``socks_port`` when given."""
+    socks = ["--socks", f"127.0.0.1:{socks_port}"] if socks_port else []
+    return [
+        "bulk",
+        "--target",
+        f"127.0.0.1:{target_port}",
+        *socks,
+        "--conns",
+        str(conns),
+        "--bytes",
+        str(max(1 << 20, total_bytes // conns)),
+        "--dir",
+        direction,
+        "--max-seconds",
+        str(max_seconds),
+        "--buf",
+        str(buf),
+        "--threads",
+        str(threads),
+    ]
+
+
+def loadgen_result(cmd: list[str], returncode: int, out: str, err: str) -> dict:
+    """The JSON line a finished loadgen printed last; exits the benchmark if it failed."""
+    if returncode != 0 or not out.strip():
+        raise SystemExit(f"loadgen failed ({returncode}): {cmd}\n{err}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_loadgen(cmd: list[str], timeout: float) -> dict:
+    """Run loadgen to the end (raised fd limit) and return its JSON result."""
+    try:
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=raise_nofile
+        )
+    except subprocess.TimeoutExpired as ex:
+        raise SystemExit(f"loadgen exceeded {timeout:.0f}s: {cmd}") from ex
+    return loadgen_result(cmd, r.returncode, r.stdout, r.stderr)
+
+
+def start_hold(
+    loadgen: list[str],
+    target_port: int,
+    socks_port: int,
+    conns: int,
+    hold_seconds: float,
+    timeout_ms: int,
+    inflight: int | None = None,
+) -> subprocess.Popen:
+    """``loadgen hold``: ``conns`` tunnels through the SOCKS5 proxy to tinyserver's idle
+    (echo) listener, 16 bytes echoed each; it prints a JSON line once they are up, and
+    closes them on a line on its stdin."""
+    cmd = [
+        *loadgen,
+        "hold",
+        "--target",
+        f"127.0.0.1:{target_port}",
+        "--socks",
+        f"127.0.0.1:{socks_port}",
+        "--conns",
+        str(conns),
+        *(["--inflight", str(inflight)] if inflight else []),
+        "--payload",
+        "16",
+        "--hold-seconds",
+        str(hold_seconds),
+        "--timeout-ms",
+        str(timeout_ms),
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=raise_nofile,
+    )
+
+
+class RetryBudget:
+    """How many runs that other processes disturbed may still be repeated (--retries)."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def runs(self, run: Callable[[], dict]) -> Iterator[dict]:
+        """``run()``'s result, then a second run's if other processes disturbed the first and
+        the budget lasts (the caller keeps both; the disturbed one is marked)."""
+        res = run()
+        yield res
+        if res["disturbed"] and self.left > 0:
+            self.left -= 1
+            yield run()
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace, tools: dict[str, Path]) -> None:
         self.args = args
@@ -517,27 +661,13 @@ class Runner:
         self.server: Server | None = None
         self.proxy: Proxy | None = None
         self.wait_quiet = QuietWait(args, self.our_cpu)
-        self.retries = args.retries
+        self.retries = RetryBudget(args.retries)
 
-    def loadgen(self, argv: list[str], timeout: float) -> dict:
-        cmd = [*taskset_prefix(self.args.pin_load), str(self.tools["loadgen"]), *argv]
-        try:
-            r = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=raise_nofile
-            )
-        except subprocess.TimeoutExpired as ex:
-            raise SystemExit(f"loadgen exceeded {timeout:.0f}s: {cmd}") from ex
-        if r.returncode != 0 or not r.stdout.strip():
-            raise SystemExit(f"loadgen failed ({r.returncode}): {cmd}\n{r.stderr}")
-        return json.loads(r.stdout.strip().splitlines()[-1])
+    def loadgen_cmd(self) -> list[str]:
+        return [*taskset_prefix(self.args.pin_load), str(self.tools["loadgen"])]
 
     def our_cpu(self) -> float:
-        pids = [self.server.pid] + ([self.proxy.pid] if self.proxy else [])
-        total = 0.0
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                total += proc_cpu_s(pid)
-        return total
+        return pids_cpu_s([self.server.pid] + ([self.proxy.pid] if self.proxy else []))
 
     def measured(self, via_proxy: bool, argv: list[str], timeout: float) -> dict:
         """One loadgen run with the CPU used by proxy, server and the rest of the machine."""
@@ -548,7 +678,7 @@ class Runner:
         m0, b0 = machine_cpu()
         k0 = kernel_threads_cpu()
         t0 = time.monotonic()
-        res = self.loadgen(argv, timeout)
+        res = run_loadgen([*self.loadgen_cmd(), *argv], timeout)
         wall = time.monotonic() - t0
         m1, b1 = machine_cpu()
         k1 = kernel_threads_cpu()
@@ -566,36 +696,25 @@ class Runner:
         res["other_cpu_s"] = round(max(0.0, (m1 - m0) - ours - (k1 - k0)), 3)
         res["quiet_wait_s"] = round(waited, 2)
         res["other_share_before"] = round(before_frac, 3)
+        res["disturbed"] = disturbed(res)
         return res
 
     def _socks_port(self, via_proxy: bool) -> int | None:
         return self.proxy.port if via_proxy and self.proxy else None
 
-    def _socks(self, via_proxy: bool) -> list[str]:
-        port = self._socks_port(via_proxy)
-        return ["--socks", f"127.0.0.1:{port}"] if port else []
-
     def bulk(self, via_proxy: bool, conns: int, direction: str, total_bytes: int) -> dict:
-        per = max(1 << 20, total_bytes // conns)
-        argv = [
-            "bulk",
-            "--target",
-            f"127.0.0.1:{self.server.bulk}",
-            *self._socks(via_proxy),
-            "--conns",
-            str(conns),
-            "--bytes",
-            str(per),
-            "--dir",
+        a = self.args
+        argv = bulk_argv(
+            self.server.bulk,
+            self._socks_port(via_proxy),
+            conns,
+            total_bytes,
             direction,
-            "--max-seconds",
-            str(self.args.bulk_max_seconds),
-            "--buf",
-            str(self.args.buf),
-            "--threads",
-            str(min(conns, self.args.loadgen_threads)),
-        ]
-        return self.measured(via_proxy, argv, self.args.bulk_max_seconds + 30)
+            a.bulk_max_seconds,
+            a.buf,
+            min(conns, a.loadgen_threads),
+        )
+        return self.measured(via_proxy, argv, a.bulk_max_seconds + 30)
 
     def rate(self, via_proxy: bool, conc: int, duration: float, warmup: float = 0.0) -> dict:
         argv = rate_argv(
@@ -608,42 +727,27 @@ class Runner:
         return self.measured(via_proxy, [*argv, "--warmup", str(warmup)], duration + warmup + 30)
 
     def hold(self, flows: int, hold_seconds: float) -> subprocess.Popen:
-        cmd = [
-            *taskset_prefix(self.args.pin_load),
-            str(self.tools["loadgen"]),
-            "hold",
-            "--target",
-            f"127.0.0.1:{self.server.idle}",
-            *self._socks(True),
-            "--conns",
-            str(flows),
-            "--inflight",
-            "128",
-            "--payload",
-            "16",
-            "--hold-seconds",
-            str(hold_seconds),
-            "--timeout-ms",
-            "10000",
-        ]
-        return subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=raise_nofile,
+        return start_hold(
+            self.loadgen_cmd(), self.server.idle, self.proxy.port, flows, hold_seconds, 10000, 128
         )
 
 
-def read_line(proc: subprocess.Popen, timeout: float) -> dict | None:
+def read_line(proc: subprocess.Popen, timeout: float) -> str | None:
+    """One line of a child's (text) stdout within ``timeout``, without its newline
+    (None on timeout, EOF or a blank line)."""
     box: list[str] = []
     t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
     t.start()
     t.join(timeout)
     if not box or not box[0].strip():
         return None
-    return json.loads(box[0])
+    return box[0].rstrip("\n")
+
+
+def read_json_line(proc: subprocess.Popen, timeout: float) -> dict | None:
+    """The JSON object on one line of a child's stdout within ``timeout`` (else None)."""
+    line = read_line(proc, timeout)
+    return json.loads(line) if line else None
 
 
 def median(values: list[float]) -> float:
@@ -660,29 +764,26 @@ def spread(values: list[float]) -> float:
 # --------------------------------------------------------------------------- measurements
 
 
+def others_busy(other_cpu_s: float, wall_s: float) -> bool:
+    """Other processes used more than 10% of the machine during a run of ``wall_s``."""
+    return other_cpu_s > 0.10 * wall_s * (os.cpu_count() or 1)
+
+
 def disturbed(res: dict) -> bool:
     """Other processes used more than 10% of the machine during the run."""
-    return res["other_cpu_s"] > 0.10 * res["wall_s"] * (os.cpu_count() or 1)
+    return others_busy(res["other_cpu_s"], res["wall_s"])
 
 
 def repeat(r: Runner, reps: int, run, describe) -> dict[str, list[dict]]:
-    """``reps`` runs of each path, interleaved (direct, proxy, proxy, direct, ...).
-
-    A run that other processes disturbed is repeated once while the retry budget
-    (--retries) lasts; both are kept, the disturbed one marked.
-    """
+    """``reps`` runs of each path, interleaved (direct, proxy, proxy, direct, ...), a
+    disturbed one repeated once while the retry budget lasts (``RetryBudget``)."""
     runs: dict[str, list[dict]] = {"direct": [], "proxy": []}
     for rep in range(reps):
         order = ("direct", "proxy") if rep % 2 == 0 else ("proxy", "direct")
         for path in order:
-            for attempt in range(2):
-                res = run(path == "proxy")
-                res["disturbed"] = disturbed(res)
+            for res in r.retries.runs(lambda path=path: run(path == "proxy")):
                 runs[path].append(res)
                 log(describe(path, res) + ("  (disturbed)" if res["disturbed"] else ""))
-                if not res["disturbed"] or attempt == 1 or r.retries <= 0:
-                    break
-                r.retries -= 1
     return runs
 
 
@@ -821,7 +922,7 @@ def run_rss(r: Runner, flows: int, warm_flows: int) -> dict:
     # first-use caches are in the "before" figure, not charged to the flows.
     if warm_flows:
         hp = r.hold(warm_flows, 30)
-        first = read_line(hp, 60)
+        first = read_json_line(hp, 60)
         hp.stdin.write("\n")
         hp.stdin.flush()
         hp.communicate(timeout=30)
@@ -832,7 +933,7 @@ def run_rss(r: Runner, flows: int, warm_flows: int) -> dict:
     thr_before = proc_threads(proxy.pid)
     hp = r.hold(flows, 120)
     t0 = time.monotonic()
-    first = read_line(hp, 90)
+    first = read_json_line(hp, 90)
     if first is None:
         hp.kill()
         hp.communicate()
@@ -1089,6 +1190,16 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
+def host_meta() -> dict:
+    """The machine and Python a benchmark ran on, for its JSON."""
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
 def publish(res: dict, text: str, base: Path) -> None:
     """The table and the total time on stdout, every figure in ``<base>.json``."""
     print(text)
@@ -1193,10 +1304,7 @@ def main(argv: list[str] | None = None) -> int:
             "rate_seconds": args.rate_seconds,
             "bulk_mib": args.bulk_mib,
             "flows": args.flows,
-            "nproc": os.cpu_count(),
-            "cpu_model": cpu_model(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
+            **host_meta(),
             "loadavg_start": os.getloadavg(),
             "pin_proxy": args.pin_proxy,
             "pin_load": args.pin_load,
