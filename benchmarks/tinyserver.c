@@ -182,6 +182,24 @@ static void on_rate(conn *c, uint32_t events) {
     close_conn(c);
 }
 
+/* Bulk: reads (upload) or writes (download) c->remaining bytes of g_bulk_buf:
+ * 1 all moved, 0 waiting for the socket, -1 EOF or failed (closed). */
+static int bulk_move(conn *c, int upload) {
+    while (c->remaining > 0) {
+        size_t want = c->remaining < BULK_BUF ? c->remaining : BULK_BUF;
+        ssize_t n = upload ? read(c->fd, g_bulk_buf, want) : write(c->fd, g_bulk_buf, want);
+        if (n > 0) {
+            c->remaining -= (uint64_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+        close_conn(c); /* EOF or error before the whole transfer */
+        return -1;
+    }
+    return 1;
+}
+
 static void on_bulk(conn *c, uint32_t events) {
     (void)events;
     if (c->state == 0) {
@@ -213,18 +231,7 @@ static void on_bulk(conn *c, uint32_t events) {
         }
     }
     if (c->state == 1) {
-        while (c->remaining > 0) {
-            size_t want = c->remaining < BULK_BUF ? c->remaining : BULK_BUF;
-            ssize_t n = read(c->fd, g_bulk_buf, want);
-            if (n > 0) {
-                c->remaining -= (uint64_t)n;
-                continue;
-            }
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-            close_conn(c); /* EOF or error before the whole upload */
-            return;
-        }
+        if (bulk_move(c, 1) <= 0) return;
         c->state = 3;
         c->sent = 0;
     }
@@ -237,18 +244,7 @@ static void on_bulk(conn *c, uint32_t events) {
         return;
     }
     if (c->state == 2) {
-        while (c->remaining > 0) {
-            size_t want = c->remaining < BULK_BUF ? c->remaining : BULK_BUF;
-            ssize_t n = write(c->fd, g_bulk_buf, want);
-            if (n > 0) {
-                c->remaining -= (uint64_t)n;
-                continue;
-            }
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-            close_conn(c);
-            return;
-        }
+        if (bulk_move(c, 0) <= 0) return;
         INC(g_bulk_done);
         close_conn(c); /* FIN follows the queued data */
     }
