@@ -265,6 +265,29 @@ static int read_small(conn *c) {
     return 1;
 }
 
+/* read_small for a reply that ends an exchange: 1 complete, 0 not yet or
+ * failed (counted as E_SHORT, closed). */
+static int read_reply(conn *c) {
+    int r = read_small(c);
+    if (r < 0) fail(c, E_SHORT, errno);
+    return r > 0;
+}
+
+/* A measured exchange completed: its latency counts and the connection closes. */
+static void conn_done(conn *c) {
+    record_lat(now_ns() - c->t0);
+    g_done++;
+    close_conn(c);
+}
+
+/* epoll_wait on this thread's set; EINTR counts as no event, other errors are fatal. */
+static int wait_events(struct epoll_event *evs, int max, int timeout_ms) {
+    int n = epoll_wait(g_ep, evs, max, timeout_ms);
+    if (n >= 0) return n;
+    if (errno != EINTR) die("epoll_wait");
+    return 0;
+}
+
 static void app_start(conn *c);
 
 static void on_connected(conn *c) {
@@ -407,11 +430,10 @@ static void on_resp(conn *c) {
         return;
     }
     if (c->t0 >= g_measure_from) {
-        record_lat(now_ns() - c->t0);
-        g_done++;
-    } else {
-        g_warm_done++;
+        conn_done(c);
+        return;
     }
+    g_warm_done++;
     close_conn(c);
 }
 
@@ -436,15 +458,7 @@ static void on_up_send(conn *c) {
 }
 
 static void on_up_ack(conn *c) {
-    int r = read_small(c);
-    if (r == 0) return;
-    if (r < 0) {
-        fail(c, E_SHORT, errno);
-        return;
-    }
-    record_lat(now_ns() - c->t0);
-    g_done++;
-    close_conn(c);
+    if (read_reply(c)) conn_done(c);
 }
 
 static void on_down(conn *c) {
@@ -453,20 +467,13 @@ static void on_down(conn *c) {
         fail(c, E_SHORT, 0);
         return;
     }
-    record_lat(now_ns() - c->t0);
-    g_done++;
-    close_conn(c);
+    conn_done(c);
 }
 
 static TLS uint64_t g_established, g_dropped;
 
 static void on_echo(conn *c) {
-    int r = read_small(c);
-    if (r == 0) return;
-    if (r < 0) {
-        fail(c, E_SHORT, errno);
-        return;
-    }
+    if (!read_reply(c)) return;
     record_lat(now_ns() - c->t0);
     g_established++;
     c->state = S_HELD;
@@ -657,11 +664,7 @@ static void *rate_worker(void *arg) {
         } else if (paced && !stopping) {
             wait_ms = 1; /* due but no free slot: look again soon */
         }
-        int n = epoll_wait(g_ep, evs, 1024, wait_ms);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            die("epoll_wait");
-        }
+        int n = wait_events(evs, 1024, wait_ms);
         now = now_ns();
         for (int i = 0; i < n; i++) dispatch(&g_conns[evs[i].data.u32]);
         if (now - last_scan > 100000000ull) {
@@ -696,11 +699,7 @@ static void *bulk_worker(void *arg) {
             truncated = 1;
             break;
         }
-        int n = epoll_wait(g_ep, evs, 256, 50);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            die("epoll_wait");
-        }
+        int n = wait_events(evs, 256, 50);
         for (int i = 0; i < n; i++) dispatch(&g_conns[evs[i].data.u32]);
         now = now_ns();
         if (now - last_scan > 100000000ull) {
@@ -810,11 +809,7 @@ static int run_hold(void) {
             start_conn(&g_conns[next++]);
             inflight++;
         }
-        int n = epoll_wait(g_ep, evs, 1024, 20);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            die("epoll_wait");
-        }
+        int n = wait_events(evs, 1024, 20);
         for (int i = 0; i < n; i++) dispatch(&g_conns[evs[i].data.u32]);
         now = now_ns();
         if (now - last_scan > 100000000ull) {
@@ -839,11 +834,7 @@ static int run_hold(void) {
     uint64_t hold_end = now_ns() + (uint64_t)(g_hold_seconds * 1e9);
     int done = 0;
     while (!done && now_ns() < hold_end) {
-        int n = epoll_wait(g_ep, evs, 1024, 100);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            die("epoll_wait");
-        }
+        int n = wait_events(evs, 1024, 100);
         for (int i = 0; i < n; i++) {
             if (evs[i].data.u32 == UINT32_MAX) {
                 done = 1;
