@@ -23,6 +23,8 @@ from spliceway.relay import Completion, Counters, Relay
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher
 
+    from spliceway.outbounds import SealedSession
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,39 +55,30 @@ class RelayBridge:
         self._attached = True
 
     def hand_off(
-        self, client_fd: int, upstream_fd: int, idle_timeout_ms: int, actor: pykka.ActorRef[Any]
-    ) -> int:
-        """Give both fds to the relay (dispatcher thread); on success the relay owns them."""
-        handle = self.relay.add(client_fd, upstream_fd, idle_timeout_ms)
-        self._actors[handle] = actor
-        return handle
-
-    def hand_off_aead(
         self,
         client_fd: int,
         upstream_fd: int,
         idle_timeout_ms: int,
         actor: pykka.ActorRef[Any],
-        *,
-        cipher: str,
-        master_key: bytes,
-        enc_subkey: bytes,
-        enc_nonce: int,
+        sealed: SealedSession | None = None,
     ) -> int:
-        """:meth:`hand_off` for a Shadowsocks AEAD upstream (see ``Relay.add_aead``).
+        """Give both fds to the relay (dispatcher thread); on success the relay owns them.
 
-        The caller has sent its salt and sealed header; the relay continues the
-        session from ``enc_nonce`` with ``enc_subkey``. Same completion delivery.
+        With ``sealed`` the upstream speaks shadowsocks: the caller has sent its salt
+        and sealed header, and the relay's AEAD path continues that session.
         """
-        handle = self.relay.add_aead(
-            client_fd,
-            upstream_fd,
-            idle_timeout_ms,
-            cipher=cipher,
-            master_key=master_key,
-            enc_subkey=enc_subkey,
-            enc_nonce=enc_nonce,
-        )
+        if sealed is None:
+            handle = self.relay.add(client_fd, upstream_fd, idle_timeout_ms)
+        else:
+            handle = self.relay.add_aead(
+                client_fd,
+                upstream_fd,
+                idle_timeout_ms,
+                cipher=sealed.cipher,
+                master_key=sealed.master_key,
+                enc_subkey=sealed.encryptor.subkey,
+                enc_nonce=sealed.encryptor.nonce_counter,
+            )
         self._actors[handle] = actor
         return handle
 

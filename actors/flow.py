@@ -354,21 +354,10 @@ class FlowActor(LoopActor):
         client_fd = self.client.detach()
         upstream_fd = self.upstream.detach()
         self.client = self.upstream = None
-        bridge, idle = self.core.bridge, self.core.tcp_idle_timeout_ms
         try:
-            if sealed is None:
-                self.handle = bridge.hand_off(client_fd, upstream_fd, idle, self.actor_ref)
-            else:
-                self.handle = bridge.hand_off_aead(
-                    client_fd,
-                    upstream_fd,
-                    idle,
-                    self.actor_ref,
-                    cipher=sealed.cipher,
-                    master_key=sealed.master_key,
-                    enc_subkey=sealed.encryptor.subkey,
-                    enc_nonce=sealed.encryptor.nonce_counter,
-                )
+            self.handle = self.core.bridge.hand_off(
+                client_fd, upstream_fd, self.core.tcp_idle_timeout_ms, self.actor_ref, sealed
+            )
         except OSError:
             for fd in (client_fd, upstream_fd):
                 with contextlib.suppress(OSError):

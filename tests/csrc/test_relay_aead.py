@@ -624,9 +624,11 @@ def test_enc_nonce_continues_python_sealing(env: Env) -> None:
     assert env.completion(h).cause is Cause.CLOSED
 
 
-def test_bridge_hand_off_aead_delivers_completion(env: Env) -> None:
+def test_bridge_hand_off_of_a_sealed_session_delivers_completion(env: Env) -> None:
     from spliceway.actors.bridge import RelayBridge
     from spliceway.actors.dispatcher import Dispatcher
+
+    from spliceway.outbounds import SealedSession
 
     received: list[object] = []
     got = threading.Event()
@@ -648,15 +650,8 @@ def test_bridge_hand_off_aead_delivers_completion(env: Env) -> None:
         enc = Encryptor(cipher, key)
         write_all(link.ufd, enc.header + enc.seal(HEADER))
         handle = dispatcher.run_sync(
-            lambda: bridge.hand_off_aead(
-                link.cfd,
-                link.ufd,
-                0,
-                actor,
-                cipher="aes-128-gcm",
-                master_key=key,
-                enc_subkey=enc.subkey,
-                enc_nonce=enc.nonce_counter,
+            lambda: bridge.hand_off(
+                link.cfd, link.ufd, 0, actor, SealedSession("aes-128-gcm", key, enc)
             )
         )
         srv = SsServer(link.server, "aes-128-gcm", key)
