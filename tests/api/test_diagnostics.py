@@ -17,6 +17,7 @@ from tests.api.conftest import RELAXED
 from tests.api.test_openapi import validate_response
 from tests.conftest import base_config
 from tests.helpers.dnsserver import dns_server
+from tests.helpers.upstreams import black_hole, free_port
 
 
 def call(client: falcon.testing.TestClient, method: str, params: dict[str, Any]) -> Any:
@@ -35,38 +36,19 @@ def listener() -> Iterator[socket.socket]:
 
 
 @pytest.fixture
-def black_hole() -> Iterator[int]:
-    """A loopback port whose full backlog drops SYNs, so connecting times out."""
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(0)
-    fillers = []
-    for _ in range(4):
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex(hole.getsockname())
-        fillers.append(s)
-    yield hole.getsockname()[1]
-    for s in fillers:
-        s.close()
-    hole.close()
-
-
-@pytest.fixture
 def zone_engine(
-    make_engine: Callable[..., Any], listener: socket.socket, black_hole: int
+    make_engine: Callable[..., Any], listener: socket.socket
 ) -> Iterator[falcon.testing.TestClient]:
     port = listener.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
-    with dns_server({"proxy.test": ["127.0.0.1"], "multi.test": ["127.0.0.2", "127.0.0.3"]}) as dns:
+    closed = free_port()
+    zone = {"proxy.test": ["127.0.0.1"], "multi.test": ["127.0.0.2", "127.0.0.3"]}
+    with black_hole() as hole, dns_server(zone) as dns:
         cfg = base_config(
             outbounds=[
                 {"tag": "direct", "protocol": "direct"},
                 {"tag": "up", "protocol": "socks5", "server": "proxy.test", "port": port},
                 {"tag": "refused", "protocol": "socks5", "server": "127.0.0.1", "port": closed},
-                {"tag": "hole", "protocol": "http", "server": "127.0.0.1", "port": black_hole},
+                {"tag": "hole", "protocol": "http", "server": "127.0.0.1", "port": hole},
                 {"tag": "unknown-name", "protocol": "http", "server": "nx.test", "port": 80},
             ],
             runtime={"dns": {"servers": [dns.udp_url], "cache": {"max_entries": 16}}},
@@ -120,8 +102,11 @@ def test_dns_lookup_and_cache(zone_engine: falcon.testing.TestClient) -> None:
     found = call(zone_engine, "diagnostics.dns_lookup", {"hostname": "multi.test"}).json["result"]
     # DNS answers are sets: the server may rotate their order.
     assert sorted(found["resolved_addresses"]) == ["127.0.0.2", "127.0.0.3"]
-    assert found == {"hostname": "multi.test", "resolved_addresses": found["resolved_addresses"],
-                     "count": 2}
+    assert found == {
+        "hostname": "multi.test",
+        "resolved_addresses": found["resolved_addresses"],
+        "count": 2,
+    }
     missing = call(zone_engine, "diagnostics.dns_lookup", {"hostname": "nx.test"}).json["result"]
     assert missing["resolved_addresses"] == [] and missing["count"] == 0 and missing["error"]
     bad = call(zone_engine, "diagnostics.dns_lookup", {"hostname": "a..b"})

@@ -32,7 +32,7 @@ from spliceway.config import EVENT_TYPES
 from tests.api.conftest import control_config
 from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
-from tests.helpers.socks import socks5_connect
+from tests.helpers.socks import recv_all, socks5_connect
 from tests.helpers.upstreams import free_port
 
 DOC = openapi_document()
@@ -258,17 +258,10 @@ class Api:
 # ---------------------------------------------------------------------------
 
 
-def _read_all(sock: socket.socket) -> bytes:
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
-
-
 def _socks_get(proxy: tuple[str, int], host: str, port: int, path: str = "/bytes/2000") -> bytes:
     with socks5_connect(proxy, host, port) as sock:
         sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        return _read_all(sock)
+        return recv_all(sock)
 
 
 def _socks_attempt(proxy: tuple[str, int], host: str, port: int) -> None:
@@ -280,7 +273,7 @@ def _socks_attempt(proxy: tuple[str, int], host: str, port: int) -> None:
     with sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         with contextlib.suppress(OSError):
-            _read_all(sock)
+            recv_all(sock)
 
 
 def _http_proxy_get(proxy: tuple[str, int], origin: tuple[str, int]) -> bytes:
@@ -289,7 +282,7 @@ def _http_proxy_get(proxy: tuple[str, int], origin: tuple[str, int]) -> bytes:
         sock.sendall(
             f"GET http://{host}/host HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
         )
-        return _read_all(sock)
+        return recv_all(sock)
 
 
 #: The zone of the local DNS server the engines resolve through (no real DNS in tests).

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import re
+import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,8 +18,8 @@ from spliceway import Engine
 from spliceway.errors import ApiError
 from tests.api.conftest import control_config
 from tests.api.sse_client import Stream
+from tests.helpers.program import SPLICEWAY, wait_for_line
 
-SPLICEWAY = [sys.executable, "-m", "spliceway"]
 KEY = "s3cret-admin-key"
 
 
@@ -173,7 +172,7 @@ def test_control_port_in_use_fails_the_start_and_leaves_nothing_running(
 def test_cli_run_serves_the_api_and_refuses_an_unset_key(tmp_path: Any) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(control_config(api_key_env="SW_TEST_NEVER_SET")))
-    env = {k: v for k, v in __import__("os").environ.items() if k != "SW_TEST_NEVER_SET"}
+    env = {k: v for k, v in os.environ.items() if k != "SW_TEST_NEVER_SET"}
     proc = subprocess.run(
         [*SPLICEWAY, "run", "-c", str(path)], capture_output=True, text=True, timeout=60, env=env
     )
@@ -185,16 +184,8 @@ def test_cli_run_serves_the_api_and_refuses_an_unset_key(tmp_path: Any) -> None:
         [*SPLICEWAY, "run", "-c", str(path)], stderr=subprocess.PIPE, text=True
     )
     try:
-        url = None
-        deadline = time.monotonic() + 30
-        while url is None and time.monotonic() < deadline:
-            line = proc2.stderr.readline() if proc2.stderr else ""
-            if not line:
-                break
-            match = re.search(r"control API listening on (http://\S+)/api/v1/", line)
-            if match:
-                url = match.group(1)
-        assert url, "engine never reported its control API"
+        pattern = r"control API listening on (http://\S+)/api/v1/"
+        url = wait_for_line(proc2, pattern, timeout=30).group(1)
         status, body, _ = _status(f"{url}/api/v1/health")
         assert status == 200 and body["result"]["healthy"] is True
         proc2.send_signal(signal.SIGTERM)

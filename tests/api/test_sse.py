@@ -14,7 +14,7 @@ from spliceway.api.server import ControlServer
 from tests.api.conftest import RELAXED
 from tests.api.sse_client import Stream
 from tests.conftest import wait_until
-from tests.helpers.socks import socks5_connect
+from tests.helpers.socks import recv_all, socks5_connect
 
 LIFECYCLE = ("flow.started", "flow.routed", "flow.completed")
 TYPES = {"types": ",".join(LIFECYCLE)}
@@ -24,8 +24,7 @@ def run_flow(engine: Any, origin: tuple[str, int]) -> None:
     """One complete request through the socks5 inbound (three lifecycle events)."""
     with socks5_connect(engine.listen_address("socks-in"), *origin) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: o\r\nConnection: close\r\n\r\n")
-        while sock.recv(65536):
-            pass
+        recv_all(sock)
 
 
 def ring(engine: Any, after: int, types: tuple[str, ...] = LIFECYCLE) -> list[dict[str, Any]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
+from tests.conftest import base_config
+
 
 def curl(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
     """Run curl (10 s transfer limit) and capture its output as text."""
@@ -17,20 +19,37 @@ def curl(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
     )
 
 
+def socks_curl(
+    engine: Any, url: str, *args: str, inbound: str = "socks-in"
+) -> subprocess.CompletedProcess[str]:
+    """curl ``url`` through the engine's SOCKS5 (or mixed) ``inbound``; the engine resolves."""
+    return curl("--socks5-hostname", "{}:{}".format(*engine.listen_address(inbound)), *args, url)
+
+
+def proxy_curl(
+    engine: Any, url: str, *args: str, inbound: str = "http-in"
+) -> subprocess.CompletedProcess[str]:
+    """curl ``url`` with the engine's HTTP (or mixed) ``inbound`` as its proxy."""
+    return curl("-x", "http://{}:{}".format(*engine.listen_address(inbound)), *args, url)
+
+
+#: curl arguments that discard the body and print only the status code.
+STATUS_ONLY = ("-o", "/dev/null", "-w", "%{http_code}")
+
+
 def socks_fetch(engine: Any, origin: tuple[str, int], size: int) -> tuple[int, int, int]:
     """curl ``/bytes/{size}`` from ``origin`` through the engine's socks-in inbound.
 
     Asserts a 200 with ``size`` body bytes; returns ``(header, body, request)`` byte
     counts as curl saw them, for exact comparison with the flow's record.
     """
-    result = curl(
-        "--socks5-hostname",
-        "{}:{}".format(*engine.listen_address("socks-in")),
+    result = socks_curl(
+        engine,
+        f"http://127.0.0.1:{origin[1]}/bytes/{size}",
         "-o",
         "/dev/null",
         "-w",
         "%{http_code} %{size_download} %{size_header} %{size_request}",
-        f"http://127.0.0.1:{origin[1]}/bytes/{size}",
     )
     assert result.returncode == 0, result.stderr
     code, body, header, request = map(int, result.stdout.split())
@@ -63,3 +82,21 @@ def flow_events(engine: Any, flow_id: str | None = None) -> list[dict]:
         if e["event_type"].startswith("flow.")
         and (flow_id is None or e["payload"]["record"]["flow_id"] == flow_id)
     ]
+
+
+def in_start_order(engine: Any, done: list[dict]) -> list[dict]:
+    """flow.completed events ``done`` sorted by when their flows started (a relayed flow
+    may complete after a later, refused one)."""
+    started = [
+        e["payload"]["flow_id"] for e in flow_events(engine) if e["event_type"] == "flow.started"
+    ]
+    return sorted(done, key=lambda e: started.index(e["payload"]["flow_id"]))
+
+
+def engine_via(make_engine: Any, outbound: dict[str, Any]) -> Any:
+    """An engine (direct plus ``outbound``) that routes every flow to ``outbound``."""
+    cfg = base_config(
+        outbounds=[{"tag": "direct", "protocol": "direct"}, outbound],
+        route={"final": outbound["tag"]},
+    )
+    return make_engine(cfg)

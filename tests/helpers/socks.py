@@ -16,6 +16,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+def recv_all(sock: socket.socket) -> bytes:
+    """Everything ``sock`` receives until the peer closes."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
 def socks5_connect(
     proxy: tuple[str, int],
     host: str,

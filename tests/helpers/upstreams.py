@@ -22,6 +22,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def black_hole() -> Iterator[int]:
+    """A loopback port whose full backlog drops SYNs, so connecting to it times out.
+
+    The listener never accepts; with backlog 0 and a few pending connections filling
+    it, the kernel drops further SYNs. Yields the port.
+    """
+    hole = socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(0)
+        for _ in range(4):
+            s = socket.socket()
+            fillers.append(s)
+            s.setblocking(False)
+            s.connect_ex(hole.getsockname())
+        yield hole.getsockname()[1]
+    finally:
+        for s in fillers:
+            s.close()
+        hole.close()
+
+
 def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import subprocess
-import sys
-import time
 
 import pytest
 
 from tests.helpers.flows import curl
-
-SPLICEWAY = [sys.executable, "-m", "spliceway"]
+from tests.helpers.program import SPLICEWAY, wait_for_line
 
 
 def spliceway(*args: str) -> subprocess.CompletedProcess[str]:
@@ -43,26 +39,12 @@ def socks_config(port: int = 0) -> dict:
     }
 
 
-def read_listening_port(proc: subprocess.Popen, timeout: float = 20) -> int:
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        seen.append(line)
-        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-        if match:
-            return int(match.group(1))
-    raise AssertionError(f"engine never reported its port: {seen}")
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_run_serves_and_stops_cleanly_on_signal(tmp_path, origin, signum):
     config = write_config(tmp_path, socks_config())
     proc = subprocess.Popen([*SPLICEWAY, "run", "-c", config], stderr=subprocess.PIPE, text=True)
     try:
-        port = read_listening_port(proc)
+        port = int(wait_for_line(proc, r"listening on 127\.0\.0\.1:(\d+)").group(1))
         result = curl("--socks5-hostname", f"127.0.0.1:{port}", f"http://127.0.0.1:{origin[1]}/")
         assert result.stdout == "hello from origin\n"
         proc.send_signal(signum)

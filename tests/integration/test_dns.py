@@ -12,7 +12,7 @@ from spliceway.config import DnsSettings
 from spliceway.dns import ResolveError, Resolver, dns_cache_result, dns_lookup_result
 from tests.conftest import base_config
 from tests.helpers.dnsserver import DnsServer, dead_udp_port, dns_server
-from tests.helpers.flows import completed, curl
+from tests.helpers.flows import STATUS_ONLY, completed, socks_curl
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import free_port, microsocks
 
@@ -202,15 +202,7 @@ def dns_config(server: DnsServer, **overrides: object) -> dict:
 
 
 def fetch(engine, url: str) -> None:
-    result = curl(
-        "--socks5-hostname",
-        "{}:{}".format(*engine.listen_address("socks-in")),
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code}",
-        url,
-    )
+    result = socks_curl(engine, url, *STATUS_ONLY)
     assert (result.returncode, result.stdout) == (0, "200"), result.stderr
 
 

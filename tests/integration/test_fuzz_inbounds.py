@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import base_config, wait_until
-from tests.helpers.flows import curl
+from tests.helpers.flows import socks_curl
 
 # Whatever a fuzzed request asks for, nothing is dialled: every route ends in block.
 FUZZ_CONFIG = base_config(route={"final": "block"})
@@ -63,7 +63,5 @@ def test_fuzzed_handshakes_never_crash_an_actor(make_engine, origin, caplog):
     assert not errors, [r.getMessage() for r in errors]
     # Still serving, with the same rules.
     engine.execute("mode.set", {"mode": "direct"})
-    result = curl(
-        "--socks5-hostname", "{}:{}".format(*addresses[2]), f"http://127.0.0.1:{origin[1]}/"
-    )
+    result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/", inbound="mixed-in")
     assert result.stdout == "hello from origin\n"

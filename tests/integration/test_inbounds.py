@@ -8,25 +8,21 @@ import socket
 import pytest
 
 from tests.conftest import base_config, wait_until
-from tests.helpers.flows import completed, curl, flow_events
+from tests.helpers.flows import completed, flow_events, proxy_curl, socks_curl
 from tests.helpers.servers import CountingPeer
-from tests.helpers.socks import socks5_connect
+from tests.helpers.socks import recv_all, socks5_connect
 from tests.helpers.upstreams import free_port
-
-# test_dns imports these two from here.
 
 
 def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
     engine = make_engine()
-    host, port = engine.listen_address("socks-in")
-    result = curl(
-        "--socks5-hostname",
-        f"{host}:{port}",
+    result = socks_curl(
+        engine,
+        f"http://127.0.0.1:{origin[1]}/bytes/12345",
         "-o",
         "/dev/null",
         "-w",
         "%{http_code} %{size_request} %{size_header} %{size_download}",
-        f"http://127.0.0.1:{origin[1]}/bytes/12345",
     )
     assert result.returncode == 0, result.stderr
     code, size_request, size_header, size_download = map(int, result.stdout.split())
@@ -50,8 +46,7 @@ def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
 
 def test_flow_lifecycle_events_in_order_with_growing_revisions(make_engine, origin):
     engine = make_engine()
-    host, port = engine.listen_address("mixed-in")
-    result = curl("--socks5-hostname", f"{host}:{port}", f"http://127.0.0.1:{origin[1]}/")
+    result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/", inbound="mixed-in")
     assert result.returncode == 0, result.stderr
     completed(engine)
     wanted = flow_events(engine)
@@ -74,13 +69,12 @@ def test_flow_lifecycle_events_in_order_with_growing_revisions(make_engine, orig
 @pytest.mark.parametrize("inbound", ["http-in", "mixed-in"])
 def test_curl_http_forward_proxy(make_engine, origin, inbound):
     engine = make_engine()
-    host, port = engine.listen_address(inbound)
-    result = curl(
-        "-x",
-        f"http://{host}:{port}",
+    result = proxy_curl(
+        engine,
+        f"http://127.0.0.1:{origin[1]}/host",
         "-w",
         "\n%{http_code} %{size_header} %{size_download}",
-        f"http://127.0.0.1:{origin[1]}/host",
+        inbound=inbound,
     )
     assert result.returncode == 0, result.stderr
     body, status = result.stdout.rsplit("\n", 1)
@@ -97,16 +91,15 @@ def test_curl_http_forward_proxy(make_engine, origin, inbound):
 @pytest.mark.parametrize("inbound", ["http-in", "mixed-in"])
 def test_curl_http_connect_tunnel(make_engine, origin, inbound):
     engine = make_engine()
-    host, port = engine.listen_address(inbound)
-    result = curl(
+    result = proxy_curl(
+        engine,
+        f"http://127.0.0.1:{origin[1]}/bytes/777",
         "-p",
-        "-x",
-        f"http://{host}:{port}",
         "-o",
         "/dev/null",
         "-w",
         "%{http_code} %{size_download}",
-        f"http://127.0.0.1:{origin[1]}/bytes/777",
+        inbound=inbound,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["200", "777"]
@@ -166,7 +159,7 @@ def test_malformed_socks5_gets_error_and_close_then_engine_still_serves(make_eng
         assert sock.recv(2) == b"\x05\x00"
         sock.sendall(b"\x05\x03\x00\x01\x00\x00\x00\x00\x00\x00")
         assert sock.recv(64)[:2] == b"\x05\x07"
-    result = curl("--socks5-hostname", "{}:{}".format(*address), f"http://127.0.0.1:{origin[1]}/")
+    result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
     assert result.returncode == 0, result.stderr
     assert engine.query("stats")["total_started"] == 1
 
@@ -175,9 +168,7 @@ def test_malformed_http_head_gets_400(make_engine):
     engine = make_engine()
     with socket.create_connection(engine.listen_address("http-in"), timeout=5) as sock:
         sock.sendall(b"GET\x00 nonsense\r\n\r\n")
-        data = b""
-        while chunk := sock.recv(4096):
-            data += chunk
+        data = recv_all(sock)
     assert data.startswith(b"HTTP/1.1 400 ")
     assert engine.query("stats")["total_started"] == 0
 

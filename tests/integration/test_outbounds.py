@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-from tests.conftest import base_config
-from tests.helpers.flows import completed, curl, socks_fetch
-from tests.helpers.upstreams import CountingForwarder, microsocks, tinyproxy
-
-
-def engine_via(make_engine, outbound: dict):
-    cfg = base_config(
-        outbounds=[{"tag": "direct", "protocol": "direct"}, outbound],
-        route={"final": outbound["tag"]},
-    )
-    return make_engine(cfg)
+from tests.helpers.flows import (
+    STATUS_ONLY,
+    completed,
+    engine_via,
+    proxy_curl,
+    socks_curl,
+    socks_fetch,
+)
+from tests.helpers.upstreams import CountingForwarder, black_hole, microsocks, tinyproxy
 
 
 def fetch_through(engine, origin, size: int = 50_000):
@@ -81,11 +77,7 @@ def test_socks5_outbound_with_wrong_password_fails_the_flow(make_engine, origin)
                 "password": "bad",
             },
         )
-        result = curl(
-            "--socks5-hostname",
-            "{}:{}".format(*engine.listen_address("socks-in")),
-            f"http://127.0.0.1:{origin[1]}/",
-        )
+        result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
         assert result.returncode != 0
         (done,) = completed(engine)
     failure = done["payload"]["record"]["result"]["failure"]
@@ -98,15 +90,7 @@ def test_http_outbound_rejected_connect_fails_the_flow(make_engine, origin, tmp_
         engine = engine_via(
             make_engine, {"tag": "up", "protocol": "http", "server": "127.0.0.1", "port": port}
         )
-        result = curl(
-            "-x",
-            "http://{}:{}".format(*engine.listen_address("http-in")),
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            f"http://127.0.0.1:{origin[1]}/",
-        )
+        result = proxy_curl(engine, f"http://127.0.0.1:{origin[1]}/", *STATUS_ONLY)
         assert result.stdout == "502"
         (done,) = completed(engine)
     failure = done["payload"]["record"]["result"]["failure"]
@@ -115,38 +99,20 @@ def test_http_outbound_rejected_connect_fails_the_flow(make_engine, origin, tmp_
 
 
 def test_unreachable_upstream_times_out_as_configured(make_engine, origin):
-    # A listener that never accepts fills its backlog; with backlog 0 the SYN is dropped.
-    black_hole = socket.socket()
-    black_hole.bind(("127.0.0.1", 0))
-    black_hole.listen(0)
-    fillers = []
-    try:
-        for _ in range(4):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(black_hole.getsockname())
-            fillers.append(s)
+    with black_hole() as port:
         engine = engine_via(
             make_engine,
             {
                 "tag": "up",
                 "protocol": "socks5",
                 "server": "127.0.0.1",
-                "port": black_hole.getsockname()[1],
+                "port": port,
                 "connect_timeout_ms": 300,
             },
         )
-        result = curl(
-            "--socks5-hostname",
-            "{}:{}".format(*engine.listen_address("socks-in")),
-            f"http://127.0.0.1:{origin[1]}/",
-        )
+        result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
         assert result.returncode != 0
         (done,) = completed(engine)
-    finally:
-        for s in fillers:
-            s.close()
-        black_hole.close()
     record = done["payload"]["record"]
     assert record["result"]["failure"]["code"] == "connect_timeout"
     assert record["timing"]["duration_ms"] < 3000

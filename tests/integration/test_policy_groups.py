@@ -24,8 +24,9 @@ from spliceway import ApiError
 from spliceway.diagnostics import NO_FIXED_SERVER
 from spliceway.policy import GroupView, MemberHealth, PolicyTable
 from spliceway.protocols import socks5
+from tests.api.conftest import control_config
 from tests.conftest import base_config, wait_until
-from tests.helpers.flows import curl, socks_fetch
+from tests.helpers.flows import STATUS_ONLY, socks_curl, socks_fetch
 from tests.helpers.servers import LoopbackServer
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import CountingForwarder, free_port, microsocks, tinyproxy
@@ -144,15 +145,7 @@ def completed_records(engine) -> list[dict[str, Any]]:
 def fetch(engine, origin, path: str = "/bytes/20000", *, ok: bool = True) -> dict[str, Any]:
     """curl ``path`` from the origin through the engine's SOCKS5 inbound; the flow's record."""
     before = len(completed_records(engine))
-    result = curl(
-        "--socks5-hostname",
-        "{}:{}".format(*engine.listen_address("socks-in")),
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code}",
-        f"http://127.0.0.1:{origin[1]}{path}",
-    )
+    result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}{path}", *STATUS_ONLY)
     assert (result.returncode == 0) == ok, (result.returncode, result.stderr)
     if ok:
         assert result.stdout == "200"
@@ -808,13 +801,9 @@ def test_policies_over_http_match_engine_query(make_engine, origin, forwarders):
             {"tag": "chain", "kind": "relay", "outbounds": ["a", "b"]},
         ],
         route={"final": "proxy"},
+        api=control_config()["api"],
     )
     cfg["runtime"]["latency_test_url"] = probe_url(origin)
-    cfg["api"]["control"] = {
-        "enabled": True,
-        "listen": {"address": "127.0.0.1", "port": 0},
-        "api_key_env": None,
-    }
     engine = make_engine(cfg)
     for tag in ("auto", "fb", "lb"):
         wait_round(engine, tag, "startup")

@@ -9,7 +9,15 @@ import pytest
 
 from spliceway import ApiError
 from tests.conftest import base_config
-from tests.helpers.flows import completed, curl, flow_events
+from tests.helpers.flows import (
+    STATUS_ONLY,
+    completed,
+    curl,
+    flow_events,
+    in_start_order,
+    proxy_curl,
+    socks_curl,
+)
 from tests.helpers.socks import socks5_connect
 
 
@@ -30,26 +38,14 @@ def test_block_rule_refuses_with_socks_not_allowed_and_emits_no_routed(make_engi
     assert types == ["flow.started", "flow.completed"]
     assert engine.query("stats")["blocked_sessions"] == 1
     # A host outside the suffix is not blocked.
-    result = curl(
-        "--socks5-hostname",
-        "{}:{}".format(*engine.listen_address("socks-in")),
-        f"http://127.0.0.1:{origin[1]}/",
-    )
+    result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
     assert result.returncode == 0, result.stderr
 
 
 def test_block_rule_through_http_inbound_answers_403(make_engine):
     cfg = base_config(rules=[{"domain": ["deny.test"], "action": "block"}])
     engine = make_engine(cfg)
-    result = curl(
-        "-x",
-        "http://{}:{}".format(*engine.listen_address("http-in")),
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code}",
-        "http://deny.test/",
-    )
+    result = proxy_curl(engine, "http://deny.test/", *STATUS_ONLY)
     assert result.stdout == "403"
 
 
@@ -61,12 +57,11 @@ def test_rule_routes_to_named_outbound_and_records_the_match(make_engine, origin
         route={"final": "block"},
     )
     engine = make_engine(cfg)
-    address = engine.listen_address("socks-in")
-    result = curl("--socks5-hostname", "{}:{}".format(*address), f"http://127.0.0.1:{origin[1]}/")
+    result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
     assert result.returncode == 0, result.stderr
     with pytest.raises(ConnectionError, match="socks reply 2"):
-        socks5_connect(address, "127.0.0.1", 9)
-    first, second = completed(engine, 2)
+        socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", 9)
+    first, second = in_start_order(engine, completed(engine, 2))
     assert first["payload"]["record"]["route"]["matched_rule"] == {
         "index": 0,
         "condition": f"port={origin[1]},network=tcp",
@@ -88,7 +83,7 @@ def test_modes_switch_routing_for_new_flows(make_engine, origin):
             socks5_connect(address, "localhost", origin[1])
 
     def relayed() -> None:
-        result = curl("--socks5-hostname", "{}:{}".format(*address), url)
+        result = socks_curl(engine, url)
         assert result.returncode == 0, result.stderr
 
     blocked()
@@ -103,12 +98,7 @@ def test_modes_switch_routing_for_new_flows(make_engine, origin):
     assert engine.execute("mode.set", {"mode": "rule"}) == {"accepted": True}
     blocked()
 
-    done = completed(engine, 5)
-    # A relayed flow may complete after the next (blocked) one: order by start.
-    started = [
-        e["payload"]["flow_id"] for e in flow_events(engine) if e["event_type"] == "flow.started"
-    ]
-    done.sort(key=lambda e: started.index(e["payload"]["flow_id"]))
+    done = in_start_order(engine, completed(engine, 5))
     modes = [e["payload"]["record"]["route"]["mode"] for e in done]
     assert modes == ["rule", "direct", "global", "global", "rule"]
     outcomes = [e["payload"]["record"]["result"]["outcome"] for e in done]
@@ -213,14 +203,3 @@ def test_sniffed_tls_sni_feeds_domain_rules(make_engine):
     record = done["payload"]["record"]
     assert record["target"]["sniffed_host"] == "www.sni-blocked.test"
     assert record["result"]["outcome"] == "blocked"
-
-
-def test_unbuilt_features_are_refused_as_api_errors_at_construction():
-    from spliceway import Engine
-
-    cfg = base_config()
-    cfg["runtime"] = {"dns": {"answer": {"type": "fake_ip"}}}
-    with pytest.raises(ApiError) as info:
-        Engine(cfg)
-    assert info.value.code == "unsupported"
-    assert "fake_ip" in info.value.message

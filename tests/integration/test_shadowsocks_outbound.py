@@ -11,14 +11,14 @@ import hashlib
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from spliceway.protocols.shadowsocks import CIPHERS
 from tests.conftest import base_config
-from tests.helpers.flows import completed, curl
+from tests.helpers.flows import completed, engine_via, proxy_curl
 from tests.helpers.servers import CountingPeer, EchoServer
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import CountingForwarder, microsocks, ss_server
@@ -42,13 +42,6 @@ def _ss_outbound(method: str, port: int, tag: str = "ss") -> dict[str, Any]:
         "method": method,
         "password": PASSWORD,
     }
-
-
-def _engine_via_ss(make_engine: Callable[..., Any], method: str, port: int) -> Any:
-    cfg = base_config()
-    cfg["outbounds"].append(_ss_outbound(method, port))
-    cfg["route"] = {"final": "ss"}
-    return make_engine(cfg)
 
 
 def _recv_all(sock: socket.socket, expect: int) -> bytes:
@@ -76,7 +69,7 @@ def _echo_through(engine: Any, echo: EchoServer, payload: bytes) -> bytes:
 
 def test_echo_through_ss_server_is_byte_exact(make_engine, ss_forwarded) -> None:
     method, fwd = ss_forwarded
-    engine = _engine_via_ss(make_engine, method, fwd.port)
+    engine = engine_via(make_engine, _ss_outbound(method, fwd.port))
     payload = os.urandom(3 * 1024 * 1024 + 17)
     with EchoServer() as echo:
         echoed = _echo_through(engine, echo, payload)
@@ -104,7 +97,7 @@ def test_upload_then_half_close_delivers_every_byte(make_engine, ss_forwarded) -
     # half-close here; the relay's own half-close is tested against the codec in
     # tests/csrc/test_relay_aead.py.
     method, fwd = ss_forwarded
-    engine = _engine_via_ss(make_engine, method, fwd.port)
+    engine = engine_via(make_engine, _ss_outbound(method, fwd.port))
     upload = os.urandom(1_000_003)
     with CountingPeer() as peer:
         sock = socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", peer.port)
@@ -126,10 +119,9 @@ def test_http_forward_request_is_sealed_before_the_hand_off(
 ) -> None:
     # An absolute-URI request arrives with the handshake: the engine seals it itself.
     method, fwd = ss_forwarded
-    engine = _engine_via_ss(make_engine, method, fwd.port)
-    host, port = engine.listen_address("http-in")
+    engine = engine_via(make_engine, _ss_outbound(method, fwd.port))
     url = f"http://{origin[0]}:{origin[1]}/bytes/200000"
-    result = curl("-s", "-x", f"http://{host}:{port}", url)
+    result = proxy_curl(engine, url)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "x" * 200000
     (done,) = completed(engine)
@@ -141,7 +133,7 @@ def test_http_forward_request_is_sealed_before_the_hand_off(
 def test_wrong_password_is_seen_by_probe_outbound(make_engine, origin) -> None:
     method = "chacha20-ietf-poly1305"
     with ss_server(method, password="not-the-engine's") as port:
-        engine = _engine_via_ss(make_engine, method, port)
+        engine = engine_via(make_engine, _ss_outbound(method, port))
         result = engine.execute(
             "diagnostics.probe_outbound",
             {"target_tag": "ss", "url": f"http://{origin[0]}:{origin[1]}/generate_204"},
@@ -154,7 +146,7 @@ def test_wrong_password_is_seen_by_probe_outbound(make_engine, origin) -> None:
 
 def test_probe_outbound_through_ss_reaches_the_origin(make_engine, ss_forwarded, origin) -> None:
     method, fwd = ss_forwarded
-    engine = _engine_via_ss(make_engine, method, fwd.port)
+    engine = engine_via(make_engine, _ss_outbound(method, fwd.port))
     url = f"http://{origin[0]}:{origin[1]}/generate_204"
     result = engine.execute("diagnostics.probe_outbound", {"target_tag": "ss", "url": url})
     assert result["reachable"] is True, result
