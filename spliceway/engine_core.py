@@ -1,10 +1,11 @@
 """EngineCore: the running engine's parts, wired together, and its start/stop order.
 
 The public face is ``spliceway.Engine`` (engine.py); transports and the command
-table reach the engine through an ``EngineCore``. Start order: bind every
-inbound (all or nothing), dispatcher, relay bridge, supervisor (listeners,
-sampler), then ``engine.started``. Stop reverses it, and every flow still open
-completes with exactly one ``flow.completed`` before ``engine.stopped``.
+table reach the engine through an ``EngineCore``. Start order: the connector
+(outbox lock and recovery, sink actors), bind every inbound (all or nothing),
+dispatcher, relay bridge, supervisor (listeners, sampler), then ``engine.started``.
+Stop reverses it, and every flow still open completes with exactly one
+``flow.completed`` before ``engine.stopped``, which the sinks still take in.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from spliceway.actors.flow import FlowActor
 from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
 from spliceway.config import Config
+from spliceway.connector.service import Connector
 from spliceway.dns import Resolver
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
@@ -67,6 +69,7 @@ class EngineCore:
         self.build_id = BUILD_ID
         runtime = config.runtime
         self.log = EventLog(runtime.event_ring_capacity)
+        self.connector = Connector(config.api, self.log)
         self.flow_id_prefix = f"{secrets.token_hex(4)}-"
         self.flows = FlowTable()
         self.counters = Counters()
@@ -119,7 +122,13 @@ class EngineCore:
 
     def start(self) -> None:
         """Bind every inbound and start the actors; raises ApiError on failure."""
-        sockets = self._bind_all()
+        # The outbox first: a second engine on the same outbox must fail before binding.
+        self.connector.start()
+        try:
+            sockets = self._bind_all()
+        except BaseException:
+            self.connector.stop()
+            raise
         self.started_at_unix_ms = now_ms()
         self.dispatcher.start()
         self.bridge = RelayBridge(self.dispatcher)
@@ -159,6 +168,7 @@ class EngineCore:
         if reason is not None:
             payload["reason"] = reason
         self.log.emit("engine.stopped", payload)
+        self.connector.stop()
         self.dispatcher.stop()
         self.log.close_all()
 
@@ -169,8 +179,6 @@ class EngineCore:
 
     def _refuse_unbuilt(self) -> None:
         missing = []
-        if self.config.api.event_sinks:
-            missing.append("api.event_sinks (webhook/jsonl delivery is not built yet)")
         if self.config.runtime.tun is not None:
             missing.append("runtime.tun (the TUN inbound is not built yet)")
         if self.config.runtime.dns.listen is not None:

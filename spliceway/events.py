@@ -203,6 +203,20 @@ class EventLog:
             "capacity": self.capacity,
         }
 
+    def read_after(self, sequence: int, limit: int) -> tuple[list[Envelope], int]:
+        """Up to ``limit`` ring events after ``sequence``, oldest first, and the oldest
+        sequence the ring still holds (a reader whose cursor is below it lost events).
+        Walks from the newest end, so a reader that keeps up pays only for what is new."""
+        newer: list[Envelope] = []
+        with self._lock:
+            for envelope in reversed(self._ring):
+                if envelope["sequence"] <= sequence:
+                    break
+                newer.append(envelope)
+            oldest = self._ring[0]["sequence"] if self._ring else self._seq + 1
+        newer.reverse()
+        return newer[:limit], oldest
+
     def snapshot_bounds(self) -> tuple[int, int]:
         """``(oldest_sequence, latest_sequence)`` of the ring, without copying it."""
         with self._lock:

@@ -133,7 +133,7 @@ def _policy(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sinks(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    return {"sinks": []}
+    return {"sinks": core.connector.status()}
 
 
 def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,176 @@
+"""The connector's intake: moves events from the event log into each sink's outbox.
+
+Each sink has a cursor into the event log (a sequence). Every few milliseconds
+the intake reads the events after each cursor, keeps those the sink's filter
+wants, stamps the sink's ``source_id`` into the envelope, and appends the
+bodies to the sink's outbox, then commits (fsync). Only after the commit does
+the cursor move, so an event is either durable for the sink or still in the
+event log. When the disk gate refuses the write (``write_blocked``) or a write
+fails, the cursor stays and the events wait in the log; if the log evicts them
+first, each one lost is a replay gap, counted and never reset.
+
+The intake is a plain thread rather than an actor because its whole job is a
+timed loop over shared, append-only state; it never blocks on a receiver, so a
+hung webhook cannot delay anyone's group commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from spliceway.connector import segments
+from spliceway.connector.diskgate import DiskGate, Storage
+from spliceway.connector.outbox import MemoryOutbox, Outbox
+
+from spliceway.events import SNAPSHOT, EventLog, normalize_types
+
+logger = logging.getLogger(__name__)
+
+#: Commit cadence: far inside the 100 ms group-commit bound even with a slow fsync.
+INTERVAL_S = 0.01
+_BATCH = 4096
+_ERROR_BACKOFF_S = (0.1, 1.0)
+
+
+@dataclass(slots=True)
+class Feed:
+    """The intake's state for one sink. Written by the intake thread only."""
+
+    tag: str
+    types: frozenset[str] | None
+    source_id: str | None
+    outbox: Outbox
+    #: Called after a commit made new events available (wakes the sink).
+    notify: Callable[[], None] = lambda: None
+    cursor: int = 0
+    replay_gaps: int = 0
+    write_blocked: bool = False
+    last_write_error: str | None = None
+    retry_at: float = 0.0
+    _error_delay: float = field(default=_ERROR_BACKOFF_S[0])
+
+    @classmethod
+    def for_sink(
+        cls, tag: str, events: tuple[str, ...], source_id: str | None, outbox: Outbox
+    ) -> Feed:
+        """A feed for a sink registration's filter and source id."""
+        return cls(tag, normalize_types(events), source_id, outbox)
+
+
+def encode(envelope: dict[str, Any], source_id: str | None) -> bytes:
+    """The body a sink delivers for ``envelope``: the envelope with its ``source_id``."""
+    if source_id is None:
+        return orjson.dumps(envelope)
+    return orjson.dumps({**envelope, "source_id": source_id})
+
+
+class Intake:
+    """The thread that feeds every sink's outbox from the event log."""
+
+    def __init__(self, log: EventLog, feeds: list[Feed], gate: DiskGate | None) -> None:
+        self.log = log
+        self.feeds = feeds
+        self.gate = gate
+        self.storage: Storage | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread = threading.Thread(target=self._run, name="spliceway-intake", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread, then take in what the log still holds (engine.stopped too)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.pump()
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                self.pump()
+            except Exception:  # a bug here must not end durable intake for good
+                logger.exception("connector intake failed; retrying")
+
+    def pump(self) -> None:
+        """One round over every feed."""
+        with self._lock:
+            now = time.monotonic()
+            for feed in self.feeds:
+                if feed.retry_at <= now:
+                    self._feed(feed)
+
+    def read_storage(self) -> Storage | None:
+        """Free space of the outbox filesystem now (None without an outbox)."""
+        if self.gate is None:
+            return None
+        try:
+            self.storage = self.gate.read()
+        except OSError as ex:
+            logger.warning("cannot read free space of %s: %s", self.gate.path, ex)
+        return self.storage
+
+    def _feed(self, feed: Feed) -> None:
+        events, oldest = self.log.read_after(feed.cursor, _BATCH)
+        if oldest > feed.cursor + 1:
+            # The log evicted events this sink never took: they can never be delivered.
+            feed.replay_gaps += oldest - feed.cursor - 1
+            feed.cursor = oldest - 1
+        if not events:
+            return
+        batch = [
+            (e["sequence"], encode(e, feed.source_id))
+            for e in events
+            if e["event_type"] != SNAPSHOT and (feed.types is None or e["event_type"] in feed.types)
+        ]
+        last = events[-1]["sequence"]
+        if not batch:
+            feed.cursor = last
+            return
+        fits = self._room(feed, batch)
+        feed.write_blocked = fits < len(batch)
+        if fits == 0:
+            return
+        if fits < len(batch):
+            last = batch[fits][0] - 1
+            batch = batch[:fits]
+        try:
+            feed.outbox.append([body for _, body in batch])
+            feed.outbox.commit()
+        except OSError as ex:
+            # Fail closed: nothing of this batch counts as written; try again later.
+            feed.last_write_error = f"outbox write failed: {ex.strerror or ex}"
+            feed.write_blocked = True
+            feed.retry_at = time.monotonic() + feed._error_delay
+            feed._error_delay = min(feed._error_delay * 2, _ERROR_BACKOFF_S[1])
+            logger.warning("sink %s: %s", feed.tag, feed.last_write_error)
+            return
+        feed.last_write_error = None
+        feed._error_delay = _ERROR_BACKOFF_S[0]
+        feed.cursor = last
+        feed.notify()
+
+    def _room(self, feed: Feed, batch: list[tuple[int, bytes]]) -> int:
+        """How many of ``batch`` the gate lets this sink write now."""
+        if isinstance(feed.outbox, MemoryOutbox):
+            return max(0, min(len(batch), feed.outbox.capacity - feed.outbox.pending))
+        storage = self.read_storage()
+        if storage is None:
+            return len(batch)
+        room = storage.available_bytes - storage.reserve_bytes
+        used = 0
+        for n, (_, body) in enumerate(batch):
+            used += len(body) + segments.HEADER_SIZE
+            if used > room:
+                return n
+        return len(batch)

@@ -1,0 +1,705 @@
+"""The durable outbox: each sink's undelivered events, on disk, in order.
+
+Contract
+--------
+- **Accepted means durable.** The connector's intake appends a batch of event
+  bodies and then ``commit()``s it: ``fdatasync`` of every segment written, and
+  of the directory when a segment was created. Only committed records are given
+  to the sink (``take``), and only after ``commit()`` returns may the intake
+  advance its cursor in the event log. The intake commits every few
+  milliseconds, well inside the 100 ms group-commit bound.
+- **Leaves only after a 2xx and a durable ACK.** The sink ``ack``s records in
+  order; ``flush_acks()`` writes the ACK ledger in place and ``fdatasync``s it;
+  only then are fully acknowledged segments unlinked (ledger first, unlink
+  second, so a crash in between leaves a segment the next start deletes).
+- **Recovery** reads the ledger (two checksummed slots), then scans every
+  segment: a record with an id at or below the ACK is done; the rest are
+  delivered again, with the same body and so the same ``event_id``. A damaged
+  region in the middle is skipped and the records it held are counted exactly
+  from the id gap; damage running to the end of the newest segment is a write
+  the crash tore before it was committed, and is truncated. Missing segments
+  show up as id gaps too. Nothing in recovery raises for damaged data, so a
+  bad file can never make the engine crash-loop.
+- **Dead letters** go to their own segment log (``dead/``), fsynced before the
+  original is acknowledged; they are kept, never compacted.
+- **One process.** ``OutboxStore`` holds an exclusive ``flock`` on ``LOCK`` for
+  its lifetime; a second engine on the same path is refused at start.
+
+Layout::
+
+    <outbox_path>/FORMAT                 "spliceway-outbox 1"
+    <outbox_path>/LOCK                   flock'd by the running engine (holds its pid)
+    <outbox_path>/sinks/t-<tag>/ledger   ACK ledger (ledger.py)
+    <outbox_path>/sinks/t-<tag>/seg-*.log    records (segments.py)
+    <outbox_path>/sinks/t-<tag>/dead/seg-*.log  dead letters
+
+Threads: the intake calls ``append``/``commit``; the sink actor calls ``take``,
+``ack``, ``flush_acks`` and ``dead_letter``. A lock guards what both touch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import struct
+import threading
+import urllib.parse
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from spliceway.connector import segments
+from spliceway.connector.ledger import Ledger, read_ledger
+
+from spliceway.errors import ApiError
+
+FORMAT = b"spliceway-outbox 1\n"
+#: Segments are the unit of reclaiming space.
+SEGMENT_BYTES = 16 * 1024 * 1024
+#: A fully acknowledged segment at least this big is closed early, so a small
+#: disk gets its space back without waiting for the segment to fill.
+RECLAIM_BYTES = 1024 * 1024
+_READ_CHUNK = 1024 * 1024
+#: Without an outbox, sinks hold at most this many events in memory; past it the
+#: intake stops taking events for that sink, as it does when the disk is full.
+MEMORY_CAPACITY = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One accepted event body, as the sink delivers it."""
+
+    record_id: int
+    body: bytes
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What opening the outbox found (``outbox_recovery`` in the sinks resource)."""
+
+    #: ``clean``, ``repaired`` (damage was found and worked around) or ``failed``.
+    state: str = "clean"
+    recovered_records: int = 0
+    lost_records: int = 0
+    damaged_regions: int = 0
+    truncated_bytes: int = 0
+    damaged_ledger_slots: int = 0
+    unreadable_segments: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON shape."""
+        return {
+            "state": self.state,
+            "recovered_records": self.recovered_records,
+            "lost_records": self.lost_records,
+            "damaged_regions": self.damaged_regions,
+            "truncated_bytes": self.truncated_bytes,
+            "damaged_ledger_slots": self.damaged_ledger_slots,
+            "unreadable_segments": self.unreadable_segments,
+            "errors": list(self.errors),
+        }
+
+
+class Outbox(Protocol):
+    """What the intake and a sink need from an outbox (disk or memory)."""
+
+    durable: bool
+    recovery: Recovery
+
+    @property
+    def pending(self) -> int: ...
+    @property
+    def dead_letters(self) -> int: ...
+    def append(self, bodies: Sequence[bytes]) -> None: ...
+    def commit(self) -> int: ...
+    def take(self, limit: int) -> list[Item]: ...
+    def ack(self, record_id: int) -> None: ...
+    def flush_acks(self) -> int: ...
+    def dead_letter(self, item: Item, meta: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sink_dir_name(tag: str) -> str:
+    """Directory name for a sink tag: any tag, no path tricks."""
+    return "t-" + urllib.parse.quote(tag, safe="")
+
+
+@dataclass(slots=True)
+class _Segment:
+    first_id: int
+    path: str
+    #: Highest record id written to it (0 if none yet).
+    last_id: int = 0
+
+
+@dataclass(slots=True)
+class _Scan:
+    """One segment as recovery read it."""
+
+    seg: _Segment
+    size: int
+    first_pending_offset: int | None = None
+
+
+class SegmentLog:
+    """An append-only log of records in segment files (no durability policy of its own)."""
+
+    def __init__(self, directory: str, *, readonly: bool, segment_bytes: int) -> None:
+        self.directory = directory
+        self.readonly = readonly
+        self.segment_bytes = segment_bytes
+        self.segments: list[_Segment] = []
+        self._fd: int | None = None
+        self._size = 0
+        self.next_id = 1
+        self._dirty: set[int] = set()
+        self._created = False
+
+    # -- recovery -------------------------------------------------------------------
+
+    def recover(self, acked_id: int, recovery: Recovery) -> tuple[int, tuple[int, int]]:
+        """Scan every segment; return ``(records pending above acked_id, read position)``.
+
+        The read position is ``(segment first id, offset)`` of the first pending record.
+        """
+        scans: list[_Scan] = []
+        found = segments.list_segments(self.directory)
+        expect = acked_id + 1
+        pending = 0
+        for index, (first_id, path) in enumerate(found):
+            seg = _Segment(first_id, path)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as ex:
+                recovery.unreadable_segments += 1
+                recovery.errors.append(f"{os.path.basename(path)}: {ex.strerror or ex}")
+                continue
+            scan = _Scan(seg, len(data))
+            last = index == len(found) - 1
+            for item in segments.scan(data):
+                if isinstance(item, segments.Damage):
+                    if last and item.end == len(data):
+                        # Never committed: the crash tore the write it was in.
+                        recovery.truncated_bytes += item.end - item.start
+                        scan.size = item.start
+                    else:
+                        recovery.damaged_regions += 1
+                    continue
+                seg.last_id = max(seg.last_id, item.record_id)
+                self.next_id = max(self.next_id, item.record_id + 1)
+                if item.record_id <= acked_id:
+                    continue
+                if item.record_id > expect:
+                    recovery.lost_records += item.record_id - expect
+                expect = max(expect, item.record_id + 1)
+                pending += 1
+                if scan.first_pending_offset is None:
+                    scan.first_pending_offset = item.offset
+            self.next_id = max(self.next_id, first_id)
+            if not self.readonly and scan.size < len(data):
+                with open(path, "r+b") as f:
+                    f.truncate(scan.size)
+                    os.fsync(f.fileno())
+            scans.append(scan)
+        self.next_id = max(self.next_id, acked_id + 1)
+        recovery.recovered_records = pending
+        position = (self.next_id, 0)
+        for scan in scans:
+            if scan.first_pending_offset is not None:
+                position = (scan.seg.first_id, scan.first_pending_offset)
+                break
+        self.segments = [s.seg for s in scans]
+        if scans:
+            self._size = scans[-1].size
+            if not self.readonly:
+                self._open_active(scans[-1].seg, scans[-1].size)
+        return pending, position
+
+    # -- writing (intake thread) ----------------------------------------------------
+
+    def _open_active(self, seg: _Segment, size: int) -> None:
+        self._fd = os.open(seg.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._size = size
+
+    def _rotate(self) -> None:
+        if self._fd is not None:
+            self._dirty.add(self._fd)
+        seg = _Segment(
+            self.next_id, os.path.join(self.directory, segments.segment_name(self.next_id))
+        )
+        self._open_active(seg, 0)
+        self.segments.append(seg)
+        self._created = True
+
+    def append(self, payloads: Sequence[bytes], reclaimable: bool) -> None:
+        """Write records with the next ids (not yet durable). A full segment, or a fully
+        acknowledged one past ``RECLAIM_BYTES`` (``reclaimable``), is closed first."""
+        size = sum(len(p) for p in payloads) + segments.HEADER_SIZE * len(payloads)
+        if self._fd is None or (
+            self._size > 0
+            and (
+                self._size + size > self.segment_bytes
+                or (reclaimable and self._size >= RECLAIM_BYTES)
+            )
+        ):
+            self._rotate()
+        assert self._fd is not None
+        framed = []
+        for payload in payloads:
+            framed.append(segments.frame(self.next_id, payload))
+            self.next_id += 1
+        view = memoryview(b"".join(framed))
+        while view:
+            n = os.pwrite(self._fd, view, self._size)
+            self._size += n
+            view = view[n:]
+        self._dirty.add(self._fd)
+        self.segments[-1].last_id = self.next_id - 1
+
+    def sync(self) -> None:
+        """``fdatasync`` what was written since the last sync (and the directory if a
+        segment was created)."""
+        for fd in self._dirty:
+            os.fdatasync(fd)
+        old = [fd for fd in self._dirty if fd != self._fd]
+        self._dirty.clear()
+        for fd in old:
+            os.close(fd)
+        if self._created:
+            _fsync_dir(self.directory)
+            self._created = False
+
+    def end(self) -> tuple[int, int]:
+        """Position after the last written record."""
+        if not self.segments:
+            return (self.next_id, 0)
+        return (self.segments[-1].first_id, self._size)
+
+    def truncate_to(self, position: tuple[int, int]) -> None:
+        """Undo unsynced writes back to ``position`` (a failed commit)."""
+        first_id, offset = position
+        while self.segments and self.segments[-1].first_id > first_id:
+            seg = self.segments.pop()
+            with contextlib.suppress(OSError):
+                os.unlink(seg.path)
+        for fd in list(self._dirty):
+            if fd != self._fd:
+                os.close(fd)
+        self._dirty.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self.segments:
+            seg = self.segments[-1]
+            self._open_active(seg, offset)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, offset)  # type: ignore[arg-type]
+
+    # -- reading (sink thread) ------------------------------------------------------
+
+    def read(
+        self, position: tuple[int, int], limit_pos: tuple[int, int], limit: int
+    ) -> tuple[list[segments.Record], tuple[int, int]]:
+        """Up to ``limit`` records from ``position`` up to ``limit_pos``; returns them
+        and the position after them."""
+        out: list[segments.Record] = []
+        segs = list(self.segments)
+        first_id, offset = position
+        while len(out) < limit:
+            index = next((i for i, s in enumerate(segs) if s.first_id >= first_id), None)
+            if index is None:
+                break
+            seg = segs[index]
+            if seg.first_id != first_id:
+                offset = 0
+            first_id = seg.first_id
+            if seg.first_id == limit_pos[0]:
+                end = limit_pos[1]
+            elif seg.first_id > limit_pos[0]:
+                break
+            else:
+                end = os.path.getsize(seg.path)
+            if offset >= end:
+                if index + 1 < len(segs) and segs[index + 1].first_id <= limit_pos[0]:
+                    first_id, offset = segs[index + 1].first_id, 0
+                    continue
+                break
+            records, offset = _read_range(seg.path, offset, end, limit - len(out))
+            out.extend(records)
+        return out, (first_id, offset)
+
+    def delete_through(self, acked_id: int) -> int:
+        """Unlink every segment, but the active one, whose records are all at or below
+        ``acked_id``; returns how many."""
+        removed = 0
+        while len(self.segments) > 1 and self.segments[1].first_id - 1 <= acked_id:
+            seg = self.segments.pop(0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(seg.path)
+            removed += 1
+        if removed:
+            _fsync_dir(self.directory)
+        return removed
+
+    def close(self) -> None:
+        """Close open files."""
+        for fd in self._dirty:
+            if fd != self._fd:
+                os.close(fd)
+        self._dirty.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_range(path: str, start: int, end: int, limit: int) -> tuple[list[segments.Record], int]:
+    """Records in ``[start, end)`` of a segment, at most ``limit``; skips damage."""
+    out: list[segments.Record] = []
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(min(end - start, _READ_CHUNK))
+        pos = 0
+        while len(out) < limit and pos < len(data):
+            item = next(segments.scan(data, pos))
+            if isinstance(item, segments.Damage):
+                if item.end == len(data) and start + len(data) < end:
+                    # The chunk cut a record (or the resync point lies beyond it).
+                    data += f.read(end - start - len(data))
+                    continue
+                pos = item.end
+                continue
+            out.append(item)
+            pos = item.end
+    return out, start + pos
+
+
+class DiskOutbox:
+    """One sink's outbox in ``directory`` (see the module contract)."""
+
+    durable = True
+
+    def __init__(
+        self, directory: str, *, readonly: bool = False, segment_bytes: int = SEGMENT_BYTES
+    ) -> None:
+        self.directory = directory
+        self.readonly = readonly
+        if not readonly:
+            os.makedirs(os.path.join(directory, "dead"), exist_ok=True)
+        self.recovery = Recovery()
+        self._lock = threading.Lock()
+        ledger_path = os.path.join(directory, "ledger")
+        if readonly:
+            state = read_ledger(ledger_path)
+            self._ledger: Ledger | None = None
+            acked = state.acked_id
+            self.recovery.damaged_ledger_slots = state.damaged_slots
+        else:
+            self._ledger = Ledger(ledger_path)
+            acked = self._ledger.acked_id
+            self.recovery.damaged_ledger_slots = self._ledger.damaged_slots
+        self._durable_acked = acked
+        self._acked = acked
+        self._acked_since_flush = 0
+        self._log = SegmentLog(directory, readonly=readonly, segment_bytes=segment_bytes)
+        held, self._read_pos = self._log.recover(acked, self.recovery)
+        self._held = held
+        self._committed = self._log.end()
+        self._uncommitted = 0
+        self._uncommitted_start = self._committed
+        self._uncommitted_first = self._log.next_id
+        dead_dir = os.path.join(directory, "dead")
+        self._dead = SegmentLog(dead_dir, readonly=readonly, segment_bytes=segment_bytes)
+        dead_recovery = Recovery()
+        self._dead_count, _ = self._dead.recover(0, dead_recovery)
+        self.recovery.damaged_regions += dead_recovery.damaged_regions
+        r = self.recovery
+        if (
+            r.lost_records
+            or r.damaged_regions
+            or r.truncated_bytes
+            or r.unreadable_segments
+            or r.damaged_ledger_slots
+        ):
+            r.state = "repaired"
+
+    # -- intake side ----------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Events accepted and not yet durably acknowledged (the whole disk backlog)."""
+        return self._held + self._uncommitted
+
+    @property
+    def dead_letters(self) -> int:
+        """Dead letters kept on disk."""
+        return self._dead_count
+
+    def append(self, bodies: Sequence[bytes]) -> None:
+        """Write ``bodies`` as records; durable only after ``commit``. Raises OSError."""
+        if not bodies:
+            return
+        if not self._uncommitted:
+            self._uncommitted_start = self._log.end()
+            self._uncommitted_first = self._log.next_id
+        reclaimable = self._durable_acked >= self._log.next_id - 1
+        try:
+            with self._lock:
+                self._log.append(bodies, reclaimable)
+        except OSError:
+            self._rollback()
+            raise
+        self._uncommitted += len(bodies)
+
+    def commit(self) -> int:
+        """Make appended records durable and visible to ``take``; returns how many.
+        On failure nothing appended since the last commit counts as written."""
+        if not self._uncommitted:
+            return 0
+        try:
+            self._log.sync()
+        except OSError:
+            # After a failed fsync the written pages' fate is unknown: drop them.
+            self._rollback()
+            raise
+        n = self._uncommitted
+        with self._lock:
+            self._committed = self._log.end()
+            self._held += n
+            self._uncommitted = 0
+        return n
+
+    def _rollback(self) -> None:
+        with self._lock:
+            self._log.truncate_to(self._uncommitted_start)
+        self._log.next_id = self._uncommitted_first
+        self._uncommitted = 0
+
+    # -- sink side ------------------------------------------------------------------
+
+    def take(self, limit: int) -> list[Item]:
+        """The next committed records after those already taken, at most ``limit``."""
+        with self._lock:
+            committed = self._committed
+        records, self._read_pos = self._log.read(self._read_pos, committed, limit)
+        return [Item(r.record_id, r.payload) for r in records if r.record_id > self._acked]
+
+    def ack(self, record_id: int) -> None:
+        """The record is delivered (or disposed of); in memory until ``flush_acks``."""
+        self._acked = max(self._acked, record_id)
+        self._acked_since_flush += 1
+
+    def flush_acks(self) -> int:
+        """Write the ACK ledger durably, then reclaim whole acknowledged segments.
+        Returns how many ACKs became durable; raises OSError (ACKs stay pending)."""
+        if self._ledger is None or self._acked == self._durable_acked:
+            return 0
+        self._ledger.write(self._acked)
+        n = self._acked_since_flush
+        with self._lock:
+            self._durable_acked = self._acked
+            self._held -= n
+            self._acked_since_flush = 0
+            self._log.delete_through(self._durable_acked)
+        return n
+
+    @property
+    def unflushed_acks(self) -> int:
+        """ACKs not yet durable."""
+        return self._acked_since_flush
+
+    def dead_letter(self, item: Item, meta: dict[str, Any]) -> None:
+        """Keep ``item`` with why it failed, durably, before the caller acks it."""
+        header = orjson.dumps(meta)
+        self._dead.append([struct.pack("<I", len(header)) + header + item.body], False)
+        self._dead.sync()
+        self._dead_count += 1
+
+    def iter_dead_letters(self) -> Iterator[tuple[dict[str, Any], bytes]]:
+        """Every dead letter: ``(meta, body)``."""
+        position = (0, 0)
+        while True:
+            records, position = self._dead.read(position, self._dead.end(), 256)
+            if not records:
+                return
+            for r in records:
+                (n,) = struct.unpack_from("<I", r.payload)
+                yield orjson.loads(r.payload[4 : 4 + n]), r.payload[4 + n :]
+
+    def close(self) -> None:
+        """Close files (ACKs not flushed stay unacknowledged: redelivered next start)."""
+        self._log.close()
+        self._dead.close()
+        if self._ledger is not None:
+            self._ledger.close()
+
+
+class MemoryOutbox:
+    """A sink's queue when no ``api.outbox_path`` is configured: not durable."""
+
+    durable = False
+
+    def __init__(self, capacity: int = MEMORY_CAPACITY) -> None:
+        self.capacity = capacity
+        self.recovery = Recovery()
+        self._items: deque[Item] = deque()
+        self._next_id = 1
+        self._read = 0
+        self._lock = threading.Lock()
+        self._dead = 0
+
+    @property
+    def pending(self) -> int:
+        """Events accepted and not yet delivered."""
+        return len(self._items)
+
+    @property
+    def dead_letters(self) -> int:
+        """Events that failed for good (kept only as a count without an outbox)."""
+        return self._dead
+
+    @property
+    def unflushed_acks(self) -> int:
+        """Always 0: a memory ACK is final at once."""
+        return 0
+
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more events fit."""
+        return len(self._items) + n <= self.capacity
+
+    def append(self, bodies: Sequence[bytes]) -> None:
+        """Queue ``bodies``."""
+        with self._lock:
+            for body in bodies:
+                self._items.append(Item(self._next_id, body))
+                self._next_id += 1
+
+    def commit(self) -> int:
+        """Nothing to make durable."""
+        return 0
+
+    def take(self, limit: int) -> list[Item]:
+        """The next queued items after those already taken."""
+        with self._lock:
+            out = []
+            while self._read < len(self._items) and len(out) < limit:
+                out.append(self._items[self._read])
+                self._read += 1
+        return out
+
+    def ack(self, record_id: int) -> None:
+        """Drop the head item (items are acked in order)."""
+        with self._lock:
+            if self._items and self._items[0].record_id == record_id:
+                self._items.popleft()
+                self._read -= 1
+
+    def flush_acks(self) -> int:
+        """Nothing to flush."""
+        return 0
+
+    def dead_letter(self, item: Item, meta: dict[str, Any]) -> None:
+        """Count it; without an outbox there is nowhere to keep it."""
+        self._dead += 1
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class OutboxStore:
+    """The outbox directory: format marker, process lock, one ``DiskOutbox`` per sink."""
+
+    def __init__(
+        self, path: str, *, readonly: bool = False, segment_bytes: int = SEGMENT_BYTES
+    ) -> None:
+        self.path = path
+        self.readonly = readonly
+        self.segment_bytes = segment_bytes
+        self._lock_fd: int | None = None
+        try:
+            if not readonly:
+                os.makedirs(os.path.join(path, "sinks"), exist_ok=True)
+            self._check_format()
+            self._take_lock()
+        except OSError as ex:
+            raise ApiError(
+                "internal",
+                f"cannot open the outbox at {path}: {ex.strerror or ex}",
+                field_path="api.outbox_path",
+            ) from ex
+
+    def _check_format(self) -> None:
+        marker = os.path.join(self.path, "FORMAT")
+        try:
+            with open(marker, "rb") as f:
+                found = f.read(64)
+        except FileNotFoundError:
+            if self.readonly:
+                raise ApiError(
+                    "not_found", f"no outbox at {self.path}", field_path="api.outbox_path"
+                ) from None
+            with open(marker, "wb") as f:
+                f.write(FORMAT)
+                os.fsync(f.fileno())
+            _fsync_dir(self.path)
+            return
+        if found != FORMAT:
+            raise ApiError(
+                "unsupported",
+                f"the outbox at {self.path} has format {found.strip()[:40]!r}; this build reads "
+                f"{FORMAT.strip()!r} and will not touch it",
+                field_path="api.outbox_path",
+            )
+
+    def _take_lock(self) -> None:
+        lock_path = os.path.join(self.path, "LOCK")
+        flags = os.O_RDONLY if self.readonly else os.O_RDWR | os.O_CREAT
+        try:
+            fd = os.open(lock_path, flags | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            return  # read-only look at an outbox no engine ever locked
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.readonly else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError as ex:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if ex.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ApiError(
+                    "conflict",
+                    f"the outbox at {self.path} is in use by a running spliceway (pid {holder})",
+                    field_path="api.outbox_path",
+                ) from None
+            raise
+        if not self.readonly:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def sink_directory(self, tag: str) -> str:
+        """Where sink ``tag`` keeps its files."""
+        return os.path.join(self.path, "sinks", sink_dir_name(tag))
+
+    def open_sink(self, tag: str) -> DiskOutbox:
+        """The outbox of sink ``tag`` (recovered)."""
+        return DiskOutbox(
+            self.sink_directory(tag), readonly=self.readonly, segment_bytes=self.segment_bytes
+        )
+
+    def close(self) -> None:
+        """Release the process lock."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

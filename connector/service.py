@@ -1,0 +1,203 @@
+"""The Connector: the engine's event sinks, their outboxes and the intake, as one part.
+
+Start: open the outbox directory (lock, recovery), one outbox per sink, then
+one ``SinkActor`` per registration, then the intake. Stop (after the engine's
+last event, engine.stopped, is in the log): the intake takes in what the log
+still holds, the sinks get a short grace to deliver it, then each in-flight
+request is aborted, the actors stop (making their ACKs durable) and the outbox
+lock is released. Undelivered events stay in the outbox for the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pykka
+from spliceway.actors.sink import SinkActor, SinkState
+from spliceway.connector.diskgate import DiskGate
+from spliceway.connector.intake import Feed, Intake
+from spliceway.connector.jsonl import JsonlWriter
+from spliceway.connector.outbox import MemoryOutbox, Outbox, OutboxStore
+from spliceway.connector.policy import DeliveryPolicy
+from spliceway.connector.webhook import WebhookClient
+
+from spliceway.config import Api, JsonlSink, Sink
+from spliceway.errors import ApiError
+from spliceway.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+#: How long stop waits for sinks that are still making progress.
+STOP_GRACE_S = 3.0
+_STALL_S = 0.5
+
+
+@dataclass(slots=True)
+class SinkSlot:
+    """One registration and the parts that serve it."""
+
+    spec: Sink
+    outbox: Outbox
+    feed: Feed
+    state: SinkState
+    transport: WebhookClient | JsonlWriter
+    ref: pykka.ActorRef[SinkActor] | None = None
+
+
+class Connector:
+    """Every configured sink of one engine."""
+
+    def __init__(self, api: Api, log: EventLog) -> None:
+        self.api = api
+        self.log = log
+        self.policy = DeliveryPolicy.from_config(api.dispatcher)
+        self.store: OutboxStore | None = None
+        self.gate: DiskGate | None = None
+        self.slots: list[SinkSlot] = []
+        self.intake: Intake | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any sink is configured."""
+        return bool(self.api.event_sinks)
+
+    def start(self) -> None:
+        """Open the outbox and start every sink; raises ApiError (nothing left running)."""
+        if not self.enabled:
+            return
+        try:
+            self._open()
+        except BaseException:
+            self._close_all()
+            raise
+        for slot in self.slots:
+            slot.ref = SinkActor.start(
+                slot.spec.tag,
+                slot.transport,
+                slot.outbox,
+                slot.feed,
+                self.policy,
+                slot.state,
+                self.gate,
+            )
+        self.intake = Intake(self.log, [s.feed for s in self.slots], self.gate)
+        self.intake.start()
+
+    def _open(self) -> None:
+        api = self.api
+        if api.outbox_path is not None:
+            self.store = OutboxStore(api.outbox_path)
+            self.gate = DiskGate(
+                api.outbox_path, api.outbox_min_free_bytes, api.outbox_min_free_percent
+            )
+        for i, spec in enumerate(api.event_sinks):
+            outbox: Outbox = self.store.open_sink(spec.tag) if self.store else MemoryOutbox()
+            transport: WebhookClient | JsonlWriter
+            try:
+                if isinstance(spec, JsonlSink):
+                    transport = JsonlWriter(spec.path)
+                else:
+                    transport = WebhookClient(
+                        spec.url, spec.headers, api.dispatcher.request_timeout_ms
+                    )
+            except (OSError, ValueError) as ex:
+                outbox.close()
+                raise ApiError(
+                    "invalid_argument",
+                    f"sink {spec.tag!r} cannot start: {ex}",
+                    field_path=f"api.event_sinks[{i}]",
+                ) from ex
+            source_id = getattr(spec, "source_id", None)
+            feed = Feed.for_sink(spec.tag, spec.events, source_id, outbox)
+            self.slots.append(SinkSlot(spec, outbox, feed, SinkState(), transport))
+            if outbox.recovery.state != "clean":
+                logger.warning(
+                    "sink %s: outbox recovered with damage: %s", spec.tag, outbox.recovery.to_dict()
+                )
+
+    def stop(self) -> None:
+        """Take in the log's last events, let sinks deliver briefly, then stop them."""
+        if self.intake is not None:
+            self.intake.stop()
+            self.intake = None
+        self._drain()
+        for slot in self.slots:
+            slot.transport.abort() if isinstance(slot.transport, WebhookClient) else None
+        for slot in self.slots:
+            if slot.ref is not None:
+                with contextlib.suppress(pykka.ActorDeadError):
+                    slot.ref.stop(timeout=STOP_GRACE_S)
+        self._close_all()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + STOP_GRACE_S
+        last = self._backlog()
+        progress_at = time.monotonic()
+        while last and time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = self._backlog()
+            if now < last:
+                progress_at = time.monotonic()
+            elif time.monotonic() - progress_at > _STALL_S:
+                return
+            last = now
+
+    def _backlog(self) -> int:
+        return sum(s.outbox.pending - s.outbox.unflushed_acks for s in self.slots)
+
+    def _close_all(self) -> None:
+        for slot in self.slots:
+            with contextlib.suppress(OSError):
+                slot.outbox.close()
+        self.slots = []
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    # -- the sinks resource -----------------------------------------------------------
+
+    def status(self) -> list[dict[str, Any]]:
+        """``GET /api/v1/sinks`` items (interface.md 2.8)."""
+        storage = None
+        if self.gate is not None:
+            with contextlib.suppress(OSError):
+                storage = self.gate.read()
+        return [sink_status(slot, storage) for slot in self.slots]
+
+
+def sink_status(slot: SinkSlot, storage: Any) -> dict[str, Any]:
+    """One sink's status item."""
+    s, feed, outbox = slot.state, slot.feed, slot.outbox
+    pending = outbox.pending
+    item: dict[str, Any] = {
+        "name": slot.spec.tag,
+        "type": slot.spec.type,
+        "pending": pending,
+        "total_delivered": s.total_delivered,
+        "total_failed": s.total_failed,
+        "total_dead_lettered": s.total_dead_lettered,
+        "total_discarded": s.total_discarded,
+        "dead_letters": outbox.dead_letters,
+        "replay_gaps": feed.replay_gaps,
+        "cursor_sequence": feed.cursor,
+        "last_success_at_unix_ms": s.last_success_at_unix_ms,
+        "last_failure_at_unix_ms": s.last_failure_at_unix_ms,
+        "last_error": feed.last_write_error or s.last_error,
+    }
+    if storage is not None:
+        item["outbox_storage"] = storage.to_dict(feed.write_blocked)
+    busy = pending or s.in_flight or s.retry_pending or s.ack_retry_pending
+    if busy:
+        item["delivery"] = {
+            "in_flight": s.in_flight,
+            "retry_pending": s.retry_pending,
+            "ack_retry_pending": s.ack_retry_pending,
+            "durable_pending": pending if outbox.durable else 0,
+            "next_retry_at_unix_ms": s.next_retry_at_unix_ms,
+        }
+    item["outbox_recovery"] = outbox.recovery.to_dict()
+    return item
