@@ -580,14 +580,31 @@ def _sink() -> Schema:
     return obj(
         {
             "name": STR,
+            "type": {"type": "string", "enum": ["webhook", "jsonl"]},
             "pending": COUNT,
             "total_delivered": COUNT,
             "total_failed": COUNT,
+            "total_dead_lettered": COUNT,
+            "total_discarded": COUNT,
+            "dead_letters": COUNT,
             "replay_gaps": COUNT,
+            "cursor_sequence": COUNT,
             "last_success_at_unix_ms": nullable(UNIX_MS),
             "last_failure_at_unix_ms": nullable(UNIX_MS),
             "last_error": nullable(STR),
-            "outbox_recovery": OPEN_OBJECT,
+            "outbox_recovery": obj(
+                {
+                    "state": {"type": "string", "enum": ["clean", "repaired", "failed"]},
+                    "recovered_records": COUNT,
+                    "lost_records": COUNT,
+                    "damaged_regions": COUNT,
+                    "truncated_bytes": COUNT,
+                    "damaged_ledger_slots": COUNT,
+                    "unreadable_segments": COUNT,
+                    "errors": array(STR),
+                },
+                description="What opening the outbox found; counts are of this start.",
+            ),
         },
         {
             "outbox_storage": obj(
@@ -609,7 +626,11 @@ def _sink() -> Schema:
                 }
             ),
         },
-        description="One event sink's delivery state (interface.md 2.8).",
+        description=(
+            "One event sink's delivery state (interface.md 2.8). Extensions: type, "
+            "total_dead_lettered, total_discarded, dead_letters (kept on disk now), "
+            "cursor_sequence (the last event-log sequence this sink has taken in)."
+        ),
     )
 
 

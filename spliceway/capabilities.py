@@ -20,7 +20,7 @@ API_ID = "service.api.v1"
 CONFIG_ID = "spliceway.config.v1"
 
 #: Features built in this version (decisions 2 lists the full set a complete
-#: build offers; event_sinks, outbox and ipc join when they are built).
+#: build offers; ipc joins when it is built).
 FEATURES = (
     "query",
     "config_snapshot",
@@ -28,11 +28,20 @@ FEATURES = (
     "flow_snapshot",
     "policy_snapshot",
     "event_stream",
+    "event_sinks",
+    "outbox",
     "commands",
     "openapi",
 )
 
-BUILD_FEATURES = ("splice-relay", "aead-copy-relay", "http-api", "policy-groups")
+BUILD_FEATURES = (
+    "splice-relay",
+    "aead-copy-relay",
+    "http-api",
+    "policy-groups",
+    "webhook-sinks",
+    "durable-outbox",
+)
 
 
 _BASELINES = {
@@ -141,7 +150,10 @@ GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
         "code": "relay_hops_fixed",
         "message": "relay group hops must be socks5, http or shadowsocks outbounds, not groups",
     },
-    {"code": "event_sinks_not_built", "message": "api.event_sinks are refused at start"},
+    {
+        "code": "dead_letter_replay_not_built",
+        "message": "dead letters are kept and listed (spliceway connector state), not re-sent",
+    },
     {"code": "ipc_not_built", "message": "the local IPC control socket is not built"},
     {"code": "grpc_not_built", "message": "the gRPC control API is not built"},
     {"code": "hot_reload_not_built", "message": "config.apply and config.apply_runtime"},
@@ -161,7 +173,7 @@ def capabilities(permissions: Iterable[str], api_enabled: bool = True) -> dict[s
             {"kind": "ipc", "enabled": False},
             {"kind": "grpc", "enabled": False},
         ],
-        "sinks": [{"kind": "webhook", "enabled": False}, {"kind": "jsonl", "enabled": False}],
+        "sinks": [{"kind": "webhook", "enabled": True}, {"kind": "jsonl", "enabled": True}],
         "features": list(FEATURES),
         # Deep copies: the tables share their level objects, and callers may mutate.
         "protocols": copy.deepcopy(list(PROTOCOLS)),

@@ -3,8 +3,11 @@
 Subcommands in this build: ``run [-c FILE]`` (foreground engine and, when
 ``api.control`` is enabled, its HTTP control API; SIGINT/SIGTERM stop it
 cleanly with exit 0), ``validate FILE`` (offline; exit 0, or 1 with one
-line per problem) and ``build-info``. Exit status 2 means the engine could not
-start (port in use, invalid or unsupported configuration).
+line per problem), ``connector state [--json] FILE`` and ``connector
+dead-letters [--json] FILE`` (read the outbox the file names while the engine is
+stopped; exit 1 with the error code when it cannot) and ``build-info``. Exit
+status 2 means the engine could not start (port in use, outbox locked by another
+engine, invalid or unsupported configuration).
 """
 
 from __future__ import annotations
@@ -44,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="validate a configuration file offline")
     validate.add_argument("file")
     sub.add_parser("build-info", help="print what this build contains")
+    connector = sub.add_parser("connector", help="inspect the event sinks' outbox offline")
+    what = connector.add_subparsers(dest="connector_command", required=True)
+    for name, text in (
+        ("state", "each sink's pending events, dead letters and storage state"),
+        ("dead-letters", "every dead letter, with why it failed"),
+    ):
+        cmd = what.add_parser(name, help=text)
+        cmd.add_argument("--json", action="store_true", help="print JSON")
+        cmd.add_argument("file", help="the engine's configuration file")
     return parser
 
 
@@ -129,6 +141,43 @@ def cmd_run(config_path: str | None) -> int:
     return EXIT_OK
 
 
+def cmd_connector(command: str, path: str, as_json: bool) -> int:
+    """``spliceway connector state|dead-letters [--json] FILE``."""
+    from spliceway.config import load_config_file
+    from spliceway.connector import inspect
+
+    try:
+        config = load_config_file(path)
+        if command == "state":
+            state = inspect.outbox_state(config)
+            if as_json:
+                print(orjson.dumps(state, option=orjson.OPT_INDENT_2).decode())
+                return EXIT_OK
+            print(f"outbox {state['outbox_path']}")
+            print(f"{'SINK':<20} {'TYPE':<8} {'PENDING':>9} {'DEAD':>6} {'BLOCKED':<8} RECOVERY")
+            for s in state["sinks"]:
+                print(
+                    f"{s['name']:<20} {s['type']:<8} {s['pending']:>9} {s['dead_letters']:>6} "
+                    f"{str(s['outbox_storage']['write_blocked']).lower():<8} "
+                    f"{s['outbox_recovery']['state']}"
+                )
+            return EXIT_OK
+        for letter in inspect.dead_letters(config):
+            if as_json:
+                print(orjson.dumps(letter).decode())
+            else:
+                print(
+                    f"{letter['sink']} {letter['event_id']} {letter['event_type']} "
+                    f"attempts={letter.get('attempts')} reason={letter.get('reason')}"
+                )
+    except ApiError as ex:
+        print(f"spliceway: {ex.code}: {ex.message}", file=sys.stderr)
+        for line in _problems(ex) if ex.details else []:
+            print(f"spliceway: {line}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
 def cmd_build_info() -> int:
     """``spliceway build-info``: version and what was compiled in."""
     from spliceway import relay
@@ -150,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_validate(args.file)
     if args.command == "run":
         return cmd_run(args.config)
+    if args.command == "connector":
+        return cmd_connector(args.connector_command, args.file, args.json)
     return cmd_build_info()
 
 
