@@ -439,3 +439,126 @@ def test_receiver_wait_for_reports_a_shortfall(receiver):
         receiver.wait_for(1, timeout=0.05)
 
 
+
+
+def test_a_body_larger_than_the_socket_buffer_is_sent_whole(receiver, client_for):
+    body = b'{"event_id":"big","pad":"' + b"x" * (8 * 1024 * 1024) + b'"}'
+    client = client_for(receiver.url, timeout_ms=5000)
+    assert client.post(body).status == 200
+    assert client.post(b'{"event_id":"small"}').status == 200
+    assert [r.body for r in receiver.wait_for(2)] == [body, b'{"event_id":"small"}']
+    assert receiver.connections == 1
+
+
+@pytest.fixture(scope="module")
+def tls_pair():
+    """A server context with a fresh self-signed cert for 127.0.0.1, and a client trusting it."""
+    import datetime
+    import ipaddress
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cert_path, key_path = f"{tmp}/cert.pem", f"{tmp}/key.pem"
+        with open(cert_path, "wb") as f:
+            f.write(cert_pem)
+        with open(key_path, "wb") as f:
+            f.write(key_pem)
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server.load_cert_chain(cert_path, key_path)
+    client = ssl.create_default_context(cadata=cert_pem.decode())
+    return server, client
+
+
+def tls_handler(server_ctx, inner):
+    def handler(server, conn):
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            inner(server, tls)
+
+    return handler
+
+
+def test_https_keep_alive_with_a_trusted_cert(tls_pair, raw_server, client_for):
+    server_ctx, client_ctx = tls_pair
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    server = raw_server(tls_handler(server_ctx, serve_forever(answer)))
+    client = client_for(server.url.replace("http://", "https://"), ssl_context=client_ctx)
+    assert [client.post(b'{"n":%d}' % i).status for i in range(3)] == [200, 200, 200]
+    assert server.connections == 1
+    assert server.captured[0].endswith(b'\r\n\r\n{"n":0}')
+
+
+def test_https_with_an_untrusted_cert_is_a_tls_failure(tls_pair, raw_server, client_for):
+    server_ctx, _ = tls_pair
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    server = raw_server(tls_handler(server_ctx, serve_forever(answer)))
+    client = client_for(server.url.replace("http://", "https://"))
+    with pytest.raises(DeliveryError, match=r"^tls failure: .*certificate"):
+        client.post(b"{}")
+
+
+def test_https_timeout_and_abort(tls_pair, raw_server, client_for):
+    server_ctx, client_ctx = tls_pair
+    requests = []
+    second_request = threading.Event()
+
+    def silent(server, tls):
+        requests.append(read_request(tls))
+        if len(requests) == 2:
+            second_request.set()
+        server.stop.wait()
+
+    server = raw_server(tls_handler(server_ctx, silent))
+    url = server.url.replace("http://", "https://")
+    quick = client_for(url, timeout_ms=300, ssl_context=client_ctx)
+    start = time.monotonic()
+    with pytest.raises(DeliveryError, match="timeout after 300 ms"):
+        quick.post(b"{}")
+    assert 0.29 <= time.monotonic() - start < 0.8
+
+    slow = client_for(url, timeout_ms=10_000, ssl_context=client_ctx)
+    errors = []
+
+    def post():
+        try:
+            slow.post(b"{}")
+        except DeliveryError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    assert second_request.wait(5)
+    slow.abort()
+    thread.join(timeout=2)
+    assert not thread.is_alive()
+    assert errors == ["aborted"]
