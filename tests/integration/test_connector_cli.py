@@ -1,0 +1,105 @@
+"""``spliceway connector state|dead-letters``: the outbox read offline, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import base_config
+from tests.helpers.program import SPLICEWAY
+from tests.helpers.upstreams import free_port
+
+
+def _sink_config(tmp_path, **dispatcher) -> tuple[dict, str]:
+    cfg = base_config()
+    cfg["api"].update(
+        {
+            "event_sinks": [
+                # Nothing listens there: every event stays pending.
+                {"type": "webhook", "tag": "central", "url": f"http://127.0.0.1:{free_port()}/h"},
+                {"type": "jsonl", "tag": "audit", "path": str(tmp_path / "audit.jsonl")},
+            ],
+            "outbox_path": str(tmp_path / "outbox"),
+            "outbox_min_free_bytes": 0,
+            "outbox_min_free_percent": 0,
+            "dispatcher": {"backoff_initial_ms": 50, "backoff_max_ms": 100, **dispatcher},
+        }
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return cfg, str(path)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SPLICEWAY, *args], capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def test_state_counts_the_backlog_an_engine_left(tmp_path, make_engine):
+    cfg, path = _sink_config(tmp_path)
+    engine = make_engine(cfg)
+    engine.stop()
+    done = _cli("connector", "state", "--json", path)
+    assert done.returncode == 0, done.stderr
+    state = json.loads(done.stdout)
+    assert state["outbox_path"] == str(tmp_path / "outbox")
+    sinks = {s["name"]: s for s in state["sinks"]}
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    # engine.started, engine.stopped and any stats.sampled in between: all still pending
+    # for the webhook; the JSONL sink wrote them all and has nothing pending.
+    assert sinks["central"]["pending"] == len(lines) >= 2
+    assert sinks["audit"]["pending"] == 0
+    assert sinks["central"]["dead_letters"] == 0
+    assert sinks["central"]["outbox_storage"]["write_blocked"] is False
+    assert sinks["central"]["outbox_recovery"]["state"] == "clean"
+    table = _cli("connector", "state", path)
+    assert table.returncode == 0
+    assert "central" in table.stdout and "webhook" in table.stdout
+
+
+def test_state_refuses_while_an_engine_holds_the_outbox(tmp_path, make_engine):
+    cfg, path = _sink_config(tmp_path)
+    make_engine(cfg)
+    done = _cli("connector", "state", "--json", path)
+    assert done.returncode == 1
+    assert "conflict" in done.stderr and "in use by a running spliceway" in done.stderr
+
+
+def test_state_without_an_outbox_is_an_error(tmp_path):
+    cfg = base_config()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    done = _cli("connector", "state", "--json", str(path))
+    assert done.returncode == 1
+    assert "not_found" in done.stderr and "api.outbox_path" in done.stderr
+
+
+@pytest.mark.parametrize("policy", ["dead_letter", "retry_forever"])
+def test_dead_letters_are_listed_with_their_reason(tmp_path, make_engine, policy):
+    from tests.helpers.receiver import Receiver, Reply
+
+    with Receiver() as rx:
+        rx.default = Reply(status=400)
+        cfg, path = _sink_config(tmp_path, on_exhausted=policy, retry_threshold=2)
+        cfg["api"]["event_sinks"][0]["url"] = rx.url
+        cfg["api"]["event_sinks"][0]["events"] = ["engine.started"]
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        engine = make_engine(cfg)
+        rx.wait_for(1)
+        engine.stop()
+        # A 400 is never retried, under either policy.
+        assert len(rx.requests) == 1
+    done = _cli("connector", "dead-letters", "--json", path)
+    assert done.returncode == 0, done.stderr
+    letters = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(letters) == 1
+    (letter,) = letters
+    assert letter["sink"] == "central"
+    assert letter["event_type"] == "engine.started"
+    assert letter["status"] == 400
+    assert letter["attempts"] == 1
+    assert letter["envelope"]["event_id"] == letter["event_id"]
+    assert json.loads(rx.requests[0].body) == letter["envelope"]
