@@ -296,10 +296,18 @@ def dns_url() -> Iterator[str]:
         yield server.udp_url
 
 
-def _engine_config(dns_url: str, origin: tuple[str, int]) -> dict[str, Any]:
+def _engine_config(dns_url: str, origin: tuple[str, int], outbox: str) -> dict[str, Any]:
     """Control API on a free port (no key, spec limits), rules so routes can match, local DNS,
-    and one group of each kind (probing the origin)."""
+    one group of each kind (probing the origin), and two sinks: a webhook nobody answers
+    (its events stay pending in the outbox) and a JSONL file."""
     cfg = control_config()
+    cfg["api"]["event_sinks"] = [
+        {"type": "webhook", "tag": "down", "url": f"http://127.0.0.1:{free_port()}/hook"},
+        {"type": "jsonl", "tag": "file", "path": f"{outbox}/events.jsonl"},
+    ]
+    cfg["api"]["outbox_path"] = f"{outbox}/outbox"
+    cfg["api"]["outbox_min_free_bytes"] = 0
+    cfg["api"]["outbox_min_free_percent"] = 0
     cfg["runtime"]["dns"] = {"servers": [dns_url]}
     cfg["runtime"]["latency_test_url"] = f"http://{origin[0]}:{origin[1]}/generate_204"
     cfg["outbounds"].append(
@@ -330,9 +338,9 @@ class Traffic:
 
 
 @pytest.fixture
-def traffic(make_engine, origin, dns_url) -> Iterator[Traffic]:
+def traffic(make_engine, origin, dns_url, tmp_path) -> Iterator[Traffic]:
     """Completed flows (relayed via socks5 and http, failed, blocked) and one open flow."""
-    engine = make_engine(_engine_config(dns_url, origin))
+    engine = make_engine(_engine_config(dns_url, origin, str(tmp_path)))
     api = Api(engine.control_url)
     socks = engine.listen_address("socks-in")
     assert b"x" * 2000 in _socks_get(socks, *origin)
@@ -551,6 +559,9 @@ def test_queries_conform_after_real_traffic(traffic) -> None:
     api = traffic.api
     for name in ("health", "capabilities", "config", "policies", "sinks", "tun_status"):
         api.get(f"{V1}/{name}")
+    sinks = {s["name"]: s for s in api.get(f"{V1}/sinks")["sinks"]}
+    assert sinks["down"]["pending"] > 0 and "delivery" in sinks["down"]
+    assert sinks["down"]["outbox_storage"]["write_blocked"] is False
     assert api.get(f"{V1}/config")["listeners"][0]["listen_port"] > 0
 
     flows = api.get(f"{V1}/flows")["active_flows"]
