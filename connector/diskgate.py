@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 
 MIB = 1024 * 1024
 _MAINTENANCE_FLOOR = 64 * MIB
@@ -20,9 +21,10 @@ _MAINTENANCE_FLOOR = 64 * MIB
 
 def reserves(total_bytes: int, min_free_bytes: int, min_free_percent: float) -> tuple[int, int]:
     """``(reserve, maintenance reserve)`` in bytes for a filesystem of ``total_bytes``."""
-    by_percent = -(
-        -int(total_bytes * min_free_percent * 1000) // 100_000
-    )  # ceil, exact for 0.001 %
+    # Exact: the percent as written (its shortest decimal form), in integers. Float
+    # products lose bytes past 2**53 (a 1 TB disk at a fractional percent).
+    percent = Fraction(repr(float(min_free_percent)))
+    by_percent = -(-total_bytes * percent.numerator // (100 * percent.denominator))  # ceil
     reserve = max(min_free_bytes, by_percent)
     maintenance = min(reserve, max(_MAINTENANCE_FLOOR, reserve // 4))
     return reserve, maintenance
