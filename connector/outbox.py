@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import struct
 import threading
@@ -67,6 +68,8 @@ _READ_CHUNK = 1024 * 1024
 #: Without an outbox, sinks hold at most this many events in memory; past it the
 #: intake stops taking events for that sink, as it does when the disk is full.
 MEMORY_CAPACITY = 100_000
+#: Longest percent-encoded tag used as is (file names are at most 255 bytes).
+_MAX_QUOTED = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +136,15 @@ def _fsync_dir(path: str) -> None:
 
 
 def sink_dir_name(tag: str) -> str:
-    """Directory name for a sink tag: any tag, no path tricks."""
-    return "t-" + urllib.parse.quote(tag, safe="")
+    """Directory name for a sink tag: any tag, no path tricks, within NAME_MAX.
+
+    Percent-encoding is injective; a name too long for a directory keeps a prefix
+    and the tag's SHA-256 after ``%h``, which percent-encoding never produces."""
+    raw = tag.encode("utf-8", "surrogatepass")
+    quoted = urllib.parse.quote(raw, safe="")
+    if len(quoted) <= _MAX_QUOTED:
+        return "t-" + quoted
+    return "t-" + quoted[:120] + "%h" + hashlib.sha256(raw).hexdigest()
 
 
 @dataclass(slots=True)
@@ -217,7 +227,9 @@ class SegmentLog:
             scans.append(scan)
         self.next_id = max(self.next_id, acked_id + 1)
         recovery.recovered_records = pending
-        position = (self.next_id, 0)
+        # Nothing pending: the reader starts at the end of the log, which the next
+        # append may well extend in place (not at a segment yet to be created).
+        position = (scans[-1].seg.first_id, scans[-1].size) if scans else (self.next_id, 0)
         for scan in scans:
             if scan.first_pending_offset is not None:
                 position = (scan.seg.first_id, scan.first_pending_offset)
@@ -227,6 +239,11 @@ class SegmentLog:
             self._size = scans[-1].size
             if not self.readonly:
                 self._open_active(scans[-1].seg, scans[-1].size)
+                # A crash between the ledger write and the unlinks left these behind.
+                try:
+                    self.delete_through(acked_id)
+                except OSError as ex:
+                    recovery.errors.append(f"cannot delete acknowledged segments: {ex}")
         return pending, position
 
     # -- writing (intake thread) ----------------------------------------------------
@@ -248,7 +265,8 @@ class SegmentLog:
     def append(self, payloads: Sequence[bytes], reclaimable: bool) -> None:
         """Write records with the next ids (not yet durable). A full segment, or a fully
         acknowledged one past ``RECLAIM_BYTES`` (``reclaimable``), is closed first."""
-        size = sum(len(p) for p in payloads) + segments.HEADER_SIZE * len(payloads)
+        framed = [segments.frame(self.next_id + i, p) for i, p in enumerate(payloads)]
+        size = sum(len(f) for f in framed)
         if self._fd is None or (
             self._size > 0
             and (
@@ -258,10 +276,7 @@ class SegmentLog:
         ):
             self._rotate()
         assert self._fd is not None
-        framed = []
-        for payload in payloads:
-            framed.append(segments.frame(self.next_id, payload))
-            self.next_id += 1
+        self.next_id += len(framed)
         view = memoryview(b"".join(framed))
         while view:
             n = os.pwrite(self._fd, view, self._size)
@@ -338,7 +353,10 @@ class SegmentLog:
                     first_id, offset = segs[index + 1].first_id, 0
                     continue
                 break
-            records, offset = _read_range(seg.path, offset, end, limit - len(out))
+            records, new_offset = _read_range(seg.path, offset, end, limit - len(out))
+            if not records and new_offset == offset:
+                break  # the file ends early (changed under us): nothing more to read
+            offset = new_offset
             out.extend(records)
         return out, (first_id, offset)
 
@@ -499,7 +517,9 @@ class DiskOutbox:
 
     def ack(self, record_id: int) -> None:
         """The record is delivered (or disposed of); in memory until ``flush_acks``."""
-        self._acked = max(self._acked, record_id)
+        if record_id <= self._acked:
+            return  # already acknowledged: counting it again would skew ``pending``
+        self._acked = record_id
         self._acked_since_flush += 1
 
     def flush_acks(self) -> int:
@@ -524,8 +544,16 @@ class DiskOutbox:
     def dead_letter(self, item: Item, meta: dict[str, Any]) -> None:
         """Keep ``item`` with why it failed, durably, before the caller acks it."""
         header = orjson.dumps(meta)
-        self._dead.append([struct.pack("<I", len(header)) + header + item.body], False)
-        self._dead.sync()
+        start, first = self._dead.end(), self._dead.next_id
+        try:
+            self._dead.append([struct.pack("<I", len(header)) + header + item.body], False)
+            self._dead.sync()
+        except OSError:
+            # Like a failed commit: drop the partial write, so a retry does not
+            # append behind garbage (a damaged region at the next start).
+            self._dead.truncate_to(start)
+            self._dead.next_id = first
+            raise
         self._dead_count += 1
 
     def iter_dead_letters(self) -> Iterator[tuple[dict[str, Any], bytes]]:
@@ -605,7 +633,7 @@ class MemoryOutbox:
         with self._lock:
             if self._items and self._items[0].record_id == record_id:
                 self._items.popleft()
-                self._read -= 1
+                self._read = max(0, self._read - 1)
 
     def flush_acks(self) -> int:
         """Nothing to flush."""
@@ -630,18 +658,25 @@ class OutboxStore:
         self.segment_bytes = segment_bytes
         self._lock_fd: int | None = None
         try:
+            # Look before touching anything: an outbox of another format stays as is.
+            new = self._check_format()
+            if not readonly:
+                os.makedirs(path, exist_ok=True)
+            self._take_lock()
+            if new and not readonly:
+                self._write_format()
             if not readonly:
                 os.makedirs(os.path.join(path, "sinks"), exist_ok=True)
-            self._check_format()
-            self._take_lock()
         except OSError as ex:
+            self.close()
             raise ApiError(
                 "internal",
                 f"cannot open the outbox at {path}: {ex.strerror or ex}",
                 field_path="api.outbox_path",
             ) from ex
 
-    def _check_format(self) -> None:
+    def _check_format(self) -> bool:
+        """Whether the outbox is new (no marker yet); raises ApiError for another format."""
         marker = os.path.join(self.path, "FORMAT")
         try:
             with open(marker, "rb") as f:
@@ -651,11 +686,7 @@ class OutboxStore:
                 raise ApiError(
                     "not_found", f"no outbox at {self.path}", field_path="api.outbox_path"
                 ) from None
-            with open(marker, "wb") as f:
-                f.write(FORMAT)
-                os.fsync(f.fileno())
-            _fsync_dir(self.path)
-            return
+            return True
         if found != FORMAT:
             raise ApiError(
                 "unsupported",
@@ -663,6 +694,17 @@ class OutboxStore:
                 f"{FORMAT.strip()!r} and will not touch it",
                 field_path="api.outbox_path",
             )
+        return False
+
+    def _write_format(self) -> None:
+        """Write the marker whole or not at all (a torn one would read as a foreign format)."""
+        marker = os.path.join(self.path, "FORMAT")
+        tmp = marker + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(FORMAT)
+            os.fsync(f.fileno())
+        os.replace(tmp, marker)
+        _fsync_dir(self.path)
 
     def _take_lock(self) -> None:
         lock_path = os.path.join(self.path, "LOCK")
