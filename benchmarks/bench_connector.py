@@ -786,6 +786,8 @@ class Bench:
         hook = self.hook(0, ids, 3600)
         cfg_a = engine_config([], None)
         cfg_b = engine_config([webhook("flows", hook.port, FLOW_EVENTS)], outbox)
+        outbox_c = a.outbox_dir / f"outbox-conns-c-{os.getpid()}"
+        cfg_c = engine_config([webhook("flows", e2e.free_port(), FLOW_EVENTS)], outbox_c)
         out: dict = {
             "seconds": secs,
             "conc": 64,
@@ -794,18 +796,23 @@ class Bench:
             "outbox_fs": fs_type(outbox),
             "config_a": cfg_a,
             "config_b": cfg_b,
+            "breakdown": a.breakdown,
         }
         ea = self.engine("engine-conns-a", cfg_a)
         eb = self.engine("engine-conns-b", cfg_b)
         engines = {"a": ea, "b": eb}
+        if a.breakdown:  # c: the same sink, nothing listening: outbox intake, no deliveries
+            shutil.rmtree(outbox_c, ignore_errors=True)
+            outbox_c.mkdir(parents=True)
+            out["config_c"] = cfg_c
+            engines["c"] = self.engine("engine-conns-c", cfg_c)
+        order = ("a", "b", "c") if a.breakdown else ("a", "b")
         try:
-            for e in (ea, eb):  # warm-up (not recorded)
+            for e in engines.values():  # warm-up (not recorded)
                 w = self.loadgen(self.rate_argv(e, 16, 1.0), 40)
                 log(f"  warm-up {e.name}: {w['conn_per_s']:.0f} conn/s")
             self.wait_pending(eb, 0, a.drain_timeout)
-            plan = [
-                k for rep in range(a.reps) for k in (("a", "b") if rep % 2 == 0 else ("b", "a"))
-            ]
+            plan = [k for rep in range(a.reps) for k in (order if rep % 2 == 0 else order[::-1])]
             runs = []
             budget = e2e.RetryBudget(a.retries)
             for kind in plan:
@@ -814,7 +821,7 @@ class Bench:
                     runs.append(r)
                     log(describe_conn_run(r))
             out["runs"] = runs
-            for kind in ("a", "b"):
+            for kind in order:
                 rs = [r for r in runs if r["kind"] == kind]
                 clean = e2e.undisturbed(rs)
                 vals = [r["conn_per_s"] for r in clean]
@@ -832,6 +839,10 @@ class Bench:
             out["drop_pct_median"] = round(100.0 * (1 - mb / ma), 1) if ma else None
             ba, bb = out["a"]["best_conn_per_s"], out["b"]["best_conn_per_s"]
             out["drop_pct_best"] = round(100.0 * (1 - bb / ba), 1) if ba else None
+            if "c" in out and ma:
+                out["c"]["drop_pct_median"] = round(
+                    100.0 * (1 - out["c"]["median_conn_per_s"] / ma), 1
+                )
             self.wait_pending(eb, 0, a.drain_timeout)
             out["hook_stop"] = self.stop_hook(hook)
             final = eb.sinks()
@@ -841,11 +852,12 @@ class Bench:
         finally:
             if hook in self.hooks:
                 self.stop_hook(hook)
-            for e in (ea, eb):
+            for e in engines.values():
                 if e in self.engines:
                     out[f"engine_stop_{e.name[-1]}"] = self.stop_engine(e)
             if not a.keep_outbox:
                 shutil.rmtree(outbox, ignore_errors=True)
+                shutil.rmtree(outbox_c, ignore_errors=True)
         return out
 
     def conn_run(self, kind: str, e: Engine, eb: Engine, hook: Hook, secs: float) -> dict:
@@ -854,6 +866,7 @@ class Bench:
         pre_wait, _, pre_drained = self.wait_pending(eb, 0, a.drain_timeout)
         waited, other_before = self.quiet() if a.quiet_wait > 0 else (0.0, -1.0)
         sb0 = eb.sinks()[0]
+        sc0 = e.sinks()[0] if kind == "c" else {}
         e.wait_idle()
         h0 = hook.cpu()
         m0, k0, o0 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu()
@@ -865,6 +878,7 @@ class Bench:
         h1 = hook.cpu()
         cb1 = eb.cpu() if e is not eb else 0.0
         sb1 = eb.sinks()[0]
+        sc1 = e.sinks()[0] if kind == "c" else {}
         other = max(0.0, (m1 - m0) - (o1 - o0) - lg["cpu_s"] - (k1 - k0))
         wall = lg["seconds"] or secs
         res: dict = {
@@ -886,6 +900,10 @@ class Bench:
             "pre_drained": pre_drained,
             "disturbed": e2e.others_busy(other, wall),
         }
+        if kind == "c":
+            res["outbox_written_in_run"] = sc1["pending"] - sc0["pending"]
+            res["written_per_s_in_run"] = round(res["outbox_written_in_run"] / wall, 1)
+            res["pending_at_end"] = sc1["pending"]
         if kind == "b":
             res["delivered_in_run"] = sb1["total_delivered"] - sb0["total_delivered"]
             res["delivered_per_s_in_run"] = round(res["delivered_in_run"] / wall, 1)
@@ -910,6 +928,8 @@ def describe_conn_run(r: dict) -> str:
             f"  delivered {r['delivered_in_run']} in run, pending at end "
             f"{r['pending_at_end']}, caught up in {r['catch_up_s']}s"
         )
+    if r["kind"] == "c":
+        line += f"  outbox +{r['outbox_written_in_run']} events (no receiver)"
     return line + ("  (disturbed)" if r["disturbed"] else "")
 
 
@@ -1047,6 +1067,11 @@ def report(res: dict) -> str:
                     f"{r['delivered_per_s_in_run']:>9.0f}{r['pending_at_end']:>12}"
                     f"{r['catch_up_s']:>11.1f}{r['receiver_cpu_s']:>9.2f}"
                 )
+            elif r["kind"] == "c":
+                row += (
+                    f"{'w ' + format(r['written_per_s_in_run'], '.0f'):>9}"
+                    f"{'+' + str(r['outbox_written_in_run']):>12}"
+                )
             L.append(row.rstrip(" |"))
         drop = u.get("drop_pct_median")
         L.append(
@@ -1058,7 +1083,14 @@ def report(res: dict) -> str:
         L.append(
             f"   engine CPU per flow (median): a {u['a']['median_engine_us_per_flow']} us, b "
             f"{u['b']['median_engine_us_per_flow']} us"
+            + (f", c {u['c']['median_engine_us_per_flow']} us" if "c" in u else "")
         )
+        if "c" in u:
+            L.append(
+                f"   breakdown: c = the same sink with nothing listening (events written to the "
+                f"outbox, none delivered): median {u['c']['median_conn_per_s']:.0f} conn/s, drop "
+                f"{f1(u['c'].get('drop_pct_median'))} % vs a"
+            )
         sf, c = u.get("sink_final"), u.get("ids") or {}
         if sf:
             L.append(
@@ -1076,6 +1108,11 @@ def report(res: dict) -> str:
             "   catch-up = until pending reached 0 (waited out before the next run); * = "
             "disturbed (left out of the medians)"
         )
+        if "c" in u:
+            L.append(
+                "   c rows: w N = events written to the outbox per second, +N = its pending growth"
+                " in the run"
+            )
     notes = res.get("notes") or []
     if notes:
         L.append("")
@@ -1190,6 +1227,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--tick-ms", type=int, default=100, help="hookserver's stats interval (drain timeline)"
     )
+    ap.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        help="conns also runs engine c: the same sink with nothing listening (outbox intake "
+        "without deliveries); default on, off with --quick",
+    )
     ap.add_argument("--loadgen-threads", type=int, default=2)
     ap.add_argument("--server-threads", type=int, default=2)
     ap.add_argument(
@@ -1225,6 +1268,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.conn_seconds = a.conn_seconds or (3.0 if q else 5.0)
     if a.quiet_budget is None:
         a.quiet_budget = 10.0 if q else 40.0
+    if a.breakdown is None:
+        a.breakdown = not q
     if a.retries is None:
         a.retries = 1 if q else 4
     return a
