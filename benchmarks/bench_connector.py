@@ -34,7 +34,10 @@ tinyserver (C) make the flows.  Measured:
    one hookserver receiving), both running side by side, runs interleaved
    A B B A A B ... (``--reps`` each); medians of the undisturbed runs, the
    drop (target < 10 %), B's pending at the end of each run and how long the
-   sink took to catch up (waited out before the next run), replay_gaps.
+   sink took to catch up (waited out before the next run), replay_gaps.  With
+   ``--breakdown`` (the full run's default) engine C joins: the same sink with
+   nothing listening, so its events reach the outbox but are never delivered
+   (A B C, C B A, ...): the outbox intake's share of B's cost.
 
 Prints tables and writes benchmarks/results/<timestamp>-connector.json (every
 sample, per-run loadgen JSON, the configs, the git revision, load average) and
