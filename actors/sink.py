@@ -94,6 +94,9 @@ class SinkActor(pykka.ThreadingActor):
         self._attempts = 0
         self._first_attempt_ms = 0
         self._retry_at = 0.0
+        #: The head event's failure was final but its dead letter is not written yet:
+        #: ``(reason, status)``. It is never posted again; only the write is retried.
+        self._disposal: tuple[str, int | None] | None = None
         self._timer: threading.Timer | None = None
         self._ack_due = 0.0
         self._rng = random.Random()
@@ -149,7 +152,9 @@ class SinkActor(pykka.ThreadingActor):
             if now >= until:
                 self.actor_ref.tell(_PUMP)
                 break
-            if isinstance(self.transport, JsonlWriter):
+            if self._disposal is not None:
+                self._give_up(self._queue[0], *self._disposal)
+            elif isinstance(self.transport, JsonlWriter):
                 self._append_lines()
             else:
                 self._post_head()
@@ -201,7 +206,8 @@ class SinkActor(pykka.ThreadingActor):
                 self._retry_later(step.delay_ms)
             else:
                 for item in items:
-                    self._give_up(item, self.state.last_error or "write failed", None)
+                    if not self._give_up(item, self.state.last_error or "write failed", None):
+                        break
             return
         self._acknowledge(items)
 
@@ -231,7 +237,7 @@ class SinkActor(pykka.ThreadingActor):
         self.state.retry_pending = 1
         self.state.next_retry_at_unix_ms = now_ms() + delay_ms
 
-    def _give_up(self, item: Item, reason: str, status: int | None) -> None:
+    def _give_up(self, item: Item, reason: str, status: int | None) -> bool:
         """The exhaustion policy: discard (counted) or keep as a dead letter. Under
         ``retry_forever`` a non-retryable event is dead-lettered: never silently dropped."""
         if self.policy.on_exhausted == "discard":
@@ -252,10 +258,11 @@ class SinkActor(pykka.ThreadingActor):
                         raise OSError(28, "no space above the emergency reserve")
                 self.outbox.dead_letter(item, meta)
             except OSError as ex:
-                # Keep the event rather than lose it; try the dead letter again later.
+                # Keep the event rather than lose it; write the dead letter again later.
+                self._disposal = (reason, status)
                 self.state.last_error = f"dead letter not written: {ex.strerror or ex}"
                 self._retry_later(self.policy.backoff_initial_ms)
-                return
+                return False
             self.state.total_dead_lettered += 1
             logger.warning(
                 "sink %s: event dead-lettered (%s): %s", self.tag, reason, _event_id(item.body)
@@ -263,8 +270,10 @@ class SinkActor(pykka.ThreadingActor):
         self.outbox.ack(item.record_id)
         self._queue.popleft()
         self._attempts = 0
+        self._disposal = None
         self.state.retry_pending = 0
         self.state.next_retry_at_unix_ms = None
+        return True
 
     def _flush_acks(self) -> None:
         try:

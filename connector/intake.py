@@ -49,6 +49,8 @@ class Feed:
     #: Called after a commit made new events available (wakes the sink).
     notify: Callable[[], None] = lambda: None
     cursor: int = 0
+    #: Events this sink's filter selects with a sequence up to ``cursor``.
+    selected: int = 0
     replay_gaps: int = 0
     write_blocked: bool = False
     last_write_error: str | None = None
@@ -123,8 +125,11 @@ class Intake:
     def _feed(self, feed: Feed) -> None:
         events, oldest = self.log.read_after(feed.cursor, _BATCH)
         if oldest > feed.cursor + 1:
-            # The log evicted events this sink never took: they can never be delivered.
-            feed.replay_gaps += oldest - feed.cursor - 1
+            # The log evicted events this sink never took: those its filter selects can
+            # never be delivered.
+            before = self.log.count_before(oldest, feed.types)
+            feed.replay_gaps += before - feed.selected
+            feed.selected = before
             feed.cursor = oldest - 1
         if not events:
             return
@@ -158,6 +163,7 @@ class Intake:
         feed.last_write_error = None
         feed._error_delay = _ERROR_BACKOFF_S[0]
         feed.cursor = last
+        feed.selected += len(batch)
         feed.notify()
 
     def _room(self, feed: Feed, batch: list[tuple[int, bytes]]) -> int:

@@ -154,6 +154,9 @@ class EventLog:
         self._seq = 0
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
+        #: Events emitted per type since start: lets a filtered reader that fell behind
+        #: the ring count exactly how many of *its* events it lost.
+        self._type_counts: dict[str, int] = {}
 
     @property
     def latest_sequence(self) -> int:
@@ -186,6 +189,7 @@ class EventLog:
                 "payload": payload,
             }
             self._ring.append(envelope)
+            self._type_counts[event_type] = self._type_counts.get(event_type, 0) + 1
             for sub in self._subs:
                 sub._offer(envelope)
         return envelope
@@ -216,6 +220,18 @@ class EventLog:
             oldest = self._ring[0]["sequence"] if self._ring else self._seq + 1
         newer.reverse()
         return newer[:limit], oldest
+
+    def count_before(self, sequence: int, types: frozenset[str] | None) -> int:
+        """How many events with a sequence below ``sequence`` have one of ``types``
+        (all events when ``None``), evicted ones included."""
+        with self._lock:
+            if types is None:
+                return min(sequence - 1, self._seq)
+            total = sum(self._type_counts.get(t, 0) for t in types)
+            later = sum(
+                1 for e in self._ring if e["sequence"] >= sequence and e["event_type"] in types
+            )
+        return total - later
 
     def snapshot_bounds(self) -> tuple[int, int]:
         """``(oldest_sequence, latest_sequence)`` of the ring, without copying it."""
