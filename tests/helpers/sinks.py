@@ -308,17 +308,26 @@ def segment_files(outbox: Path, tag: str) -> list[Path]:
     return sorted(sink_dir(outbox, tag).glob("seg-*.log"))
 
 
-def read_records(path: Path) -> list[SegmentRecord]:
-    """Every record of an undamaged segment file (asserts it is undamaged)."""
+def read_records(path: Path, *, torn_tail: bool = False) -> list[SegmentRecord]:
+    """Every record of a segment file. Asserts the file is undamaged, but for a torn tail
+    when ``torn_tail`` (what a crash mid-write leaves): reading stops there."""
     data = path.read_bytes()
     out = []
     pos = 0
     while pos < len(data):
-        magic, length, record_id, crc = _HEADER.unpack_from(data, pos)
-        assert magic == _MAGIC, f"{path}: no record at {pos}"
-        end = pos + _HEADER.size + length
-        payload = data[pos + _HEADER.size : end]
-        assert zlib.crc32(payload, zlib.crc32(struct.pack("<IQ", length, record_id))) == crc
+        valid = pos + _HEADER.size <= len(data)
+        if valid:
+            magic, length, record_id, crc = _HEADER.unpack_from(data, pos)
+            end = pos + _HEADER.size + length
+            payload = data[pos + _HEADER.size : end]
+            valid = (
+                magic == _MAGIC
+                and end <= len(data)
+                and zlib.crc32(payload, zlib.crc32(struct.pack("<IQ", length, record_id))) == crc
+            )
+        if not valid:
+            assert torn_tail, f"{path}: no valid record at {pos}"
+            break
         out.append(SegmentRecord(record_id, pos, end, payload))
         pos = end
     return out
@@ -331,3 +340,31 @@ def flip_byte(path: Path, offset: int) -> None:
         (byte,) = f.read(1)
         f.seek(offset)
         f.write(bytes([byte ^ 0xFF]))
+
+
+def durable_acked_id(path: Path) -> int:
+    """The ACK of the newest valid ledger slot (0 without one)."""
+    raw = path.read_bytes() if path.exists() else b""
+    best = (0, 0)
+    for i in range(2):
+        body = raw[i * 512 : i * 512 + 20]
+        if len(body) < 20 or len(raw) < i * 512 + 24:
+            continue
+        magic, generation, acked = struct.unpack("<IQQ", body)
+        (crc,) = struct.unpack_from("<I", raw, i * 512 + 20)
+        if magic == 0x31475753 and zlib.crc32(body) == crc:
+            best = max(best, (generation, acked))
+    return best[1]
+
+
+def read_ledger_slots(path: Path) -> list[tuple[int, int]]:
+    """``(generation, acked id)`` of both slots of an ACK ledger (asserts both are valid)."""
+    raw = path.read_bytes()
+    slots = []
+    for i in range(2):
+        body = raw[i * 512 : i * 512 + 20]
+        magic, generation, acked = struct.unpack("<IQQ", body)
+        (crc,) = struct.unpack_from("<I", raw, i * 512 + 20)
+        assert magic == 0x31475753 and zlib.crc32(body) == crc, f"slot {i} invalid"
+        slots.append((generation, acked))
+    return slots

@@ -28,14 +28,17 @@ from tests.helpers.receiver import Receiver, Reply
 from tests.helpers.sinks import (
     EngineProcess,
     assert_at_least_once,
+    durable_acked_id,
     expected_body,
     flip_byte,
     freeze_process,
     group_bodies,
+    read_ledger_slots,
     read_records,
     ring_events,
     segment_files,
     sink_config,
+    sink_dir,
     status_of,
     unread_bytes_from,
     wait_for,
@@ -79,6 +82,14 @@ def wait_durable(engine, name: str = "hook", completed: int = 0) -> dict:
     latest = ring["latest_sequence"]
     wait_for(lambda: hook(engine, name)["cursor_sequence"] >= latest, 10, "the cursor")
     return ring
+
+
+def group_first(requests) -> dict[str, bytes]:
+    """The first body of each event_id among ``requests``."""
+    out: dict[str, bytes] = {}
+    for event_id, bodies in group_bodies(r.body for r in requests).items():
+        out[event_id] = bodies[0]
+    return out
 
 
 def expected_from(ring: dict, types: tuple[str, ...] = ()) -> dict[str, bytes]:
@@ -353,6 +364,7 @@ def test_sigkill_at_random_moments_loses_no_accepted_event(tmp_path, origin):
     note = f"(seed {seed})"
     outbox = tmp_path / "outbox"
     expected: dict[str, bytes] = {}
+    answered: set[bytes] = set()  # bodies the receiver answered 200
     slow = Reply(200, before=lambda _request: time.sleep(0.02))
     modes = {"fail": Reply(503), "hang": Reply(hang=True), "slow": slow}
     with Receiver() as rx:
@@ -365,6 +377,7 @@ def test_sigkill_at_random_moments_loses_no_accepted_event(tmp_path, origin):
         for run in range(3):
             mode = rng.choice(sorted(modes))
             rx.default = modes[mode]
+            first_request = len(rx.requests)
             engine = EngineProcess(cfg, tmp_path, f"run{run}")
             stop = threading.Event()
             traffic: threading.Thread | None = None
@@ -388,6 +401,17 @@ def test_sigkill_at_random_moments_loses_no_accepted_event(tmp_path, origin):
                 traffic.start()
                 rx.wait_for(len(rx.requests) + rng.randint(0, 3), timeout=20)
                 engine.kill()
+                # What the dead engine left: every record above the durable ACK is owed;
+                # every record at or below it must have been answered 2xx already.
+                acked = durable_acked_id(sink_dir(outbox, "hook") / "ledger")
+                if mode == "slow":
+                    answered.update(r.body for r in rx.requests[first_request:])
+                for segment in segment_files(outbox, "hook"):
+                    for record in read_records(segment, torn_tail=True):
+                        if record.record_id > acked:
+                            expected[json.loads(record.payload)["event_id"]] = record.payload
+                        else:
+                            assert record.payload in answered, f"ACKed, never answered {note}"
             finally:
                 stop.set()
                 if traffic is not None:
@@ -551,6 +575,43 @@ def test_torn_and_corrupted_outbox_is_repaired_and_counted(make_engine, origin, 
         wait_idle(third)
         later = group_bodies(r.body for r in rx.requests[before:])
         assert later.keys() == expected_from(ring3).keys(), "an old event was sent again"
+
+
+def test_damaged_newest_ack_slot_falls_back_to_the_older_one(make_engine, origin, tmp_path):
+    """The ledger's newest slot is damaged: the next start uses the older slot, reports the
+    damaged slot, and delivers the events after the older ACK again (duplicates with the
+    same bytes, never a loss)."""
+    outbox = tmp_path / "outbox"
+    with Receiver() as rx:
+        cfg = sink_config([webhook("hook", rx.url)], outbox)
+        engine = make_engine(cfg)
+        rx.wait_for(1)
+        wait_idle(engine)  # the ACK of engine.started is durable
+        flows(engine, origin, 2)
+        wait_durable(engine, completed=2)
+        rx.wait_for(7)
+        wait_idle(engine)
+        engine.stop()
+        first_run = len(rx.requests)
+        slots = read_ledger_slots(sink_dir(outbox, "hook") / "ledger")
+        (old_gen, old_acked), (new_gen, new_acked) = sorted(slots)
+        assert new_gen == old_gen + 1 and new_acked == first_run > old_acked
+        newest = slots.index((new_gen, new_acked))
+        flip_byte(sink_dir(outbox, "hook") / "ledger", newest * 512 + 12)
+
+        again = make_engine(cfg)
+        recovery = hook(again)["outbox_recovery"]
+        assert recovery["state"] == "repaired"
+        assert recovery["damaged_ledger_slots"] == 1
+        assert recovery["recovered_records"] == new_acked - old_acked
+        assert recovery["lost_records"] == 0
+        resent = new_acked - old_acked
+        rx.wait_for(first_run + resent + 1)
+        wait_idle(again)
+        delivered = group_bodies(r.body for r in rx.requests)
+        assert_at_least_once(delivered, group_first(rx.requests[:first_run]))
+        twice = [eid for eid, bodies in delivered.items() if len(bodies) == 2]
+        assert len(twice) == resent
 
 
 # -- a full disk ------------------------------------------------------------------------
@@ -746,12 +807,6 @@ def test_full_disk_keeps_a_rejected_event_until_its_dead_letter_fits(small_fs, m
         rx.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: when the dead letter of a 4xx cannot be written (disk at the "
-    "reserve) the sink re-POSTs the rejected event every backoff_initial_ms instead of "
-    "retrying only the dead-letter write (actors/sink.py _give_up -> _retry_later)",
-)
 def test_full_disk_does_not_post_a_rejected_event_again(small_fs, make_engine):
     """A 4xx is never retried, also when its dead letter has to wait for disk space:
     exactly one request, total_failed 1."""
@@ -776,11 +831,6 @@ def test_full_disk_does_not_post_a_rejected_event_again(small_fs, make_engine):
         rx.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: replay_gaps of a filtered sink counts every evicted event, also "
-    "those its filter never selects (connector/intake.py _feed: oldest - cursor - 1)",
-)
 def test_replay_gaps_of_a_filtered_sink_count_only_its_events(small_fs, make_engine, origin):
     """A sink that takes only flow.completed loses, when the ring evicts while the disk is
     full, only the flow.completed events among the evicted ones: replay_gaps counts those
