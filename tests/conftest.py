@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pykka
@@ -87,3 +89,31 @@ def fd_count() -> int:
 def thread_count() -> int:
     """Live Python threads of this process."""
     return threading.active_count()
+
+
+@pytest.fixture
+def tmpfs(tmp_path) -> Iterator[Callable[[str], Path]]:
+    """Mount real size-limited tmpfs filesystems (``tmpfs("8m")``); all unmounted after the
+    test. Skips only where mounting is not permitted (not root)."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"fs{len(mounted)}"
+        mnt.mkdir()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            text = result.stderr.lower()
+            if os.geteuid() != 0 or "permission denied" in text or "not permitted" in text:
+                pytest.skip(f"cannot mount a tmpfs here (EPERM): {result.stderr.strip()}")
+            pytest.fail(f"mount failed: {result.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -16,7 +16,6 @@ import random
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -618,25 +617,9 @@ def test_damaged_newest_ack_slot_falls_back_to_the_older_one(make_engine, origin
 
 
 @pytest.fixture
-def small_fs(tmp_path) -> Iterator[Path]:
+def small_fs(tmpfs) -> Path:
     """A real 8 MiB tmpfs, unmounted after the test."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        text = result.stderr.lower()
-        if os.geteuid() != 0 or "permission denied" in text or "not permitted" in text:
-            pytest.skip(f"cannot mount a tmpfs here (EPERM): {result.stderr.strip()}")
-        pytest.fail(f"mount failed: {result.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+    return tmpfs("8m")
 
 
 def _fill(fs: Path, engine, name: str = "hook") -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from fractions import Fraction
 
 import pytest
@@ -19,29 +18,6 @@ _PERCENT = st.integers(0, 100_000).map(lambda m: m / 1000)
 
 def _ceil(x: Fraction) -> int:
     return -(-x.numerator // x.denominator)
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    mounted = []
-
-    def mount(size):
-        mnt = tmp_path / f"fs{len(mounted)}"
-        mnt.mkdir()
-        r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-        mounted.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in mounted:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_reserve_examples():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
 import tempfile
 
 import pytest
@@ -85,29 +84,6 @@ def snapshot(root):
             data = None if os.path.isdir(p) else open(p, "rb").read()  # noqa: SIM115
             out[os.path.relpath(p, root)] = (data, st_.st_mtime_ns, st_.st_size)
     return out
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    mounted = []
-
-    def mount(size):
-        mnt = tmp_path / f"fs{len(mounted)}"
-        mnt.mkdir()
-        r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-        mounted.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in mounted:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def fill_disk(directory):
