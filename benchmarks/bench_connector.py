@@ -70,7 +70,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import run_e2e as e2e  # noqa: E402  (shared tooling: build, tinyserver, engine launch, /proc)
-from bench_control import API, CONTROL_RE  # noqa: E402
+from bench_control import API, CONTROL_RE, f1, header, ok  # noqa: E402
 from run_e2e import BUILD, log  # noqa: E402
 
 TARGET_EVENTS_PER_S = 3000.0  # per sink, draining the outbox
@@ -104,14 +104,6 @@ def _r(x: float | None, nd: int = 1) -> float | None:
 
 def f0(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
-
-
-def f1(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
-def ok(flag: bool) -> str:
-    return "ok" if flag else "MISS"
 
 
 def fs_type(path: Path) -> str:
@@ -941,22 +933,8 @@ def describe_conn_run(r: dict) -> str:
 
 def report(res: dict) -> str:
     meta = res["meta"]
-    L: list[str] = []
-    L.append(
-        f"spliceway connector benchmark  {meta['timestamp']}  engine: {meta.get('launch', '?')}"
-        f"  ({'quick' if meta['quick'] else 'full'})"
-    )
-    L.append(
-        f"machine: {meta['nproc']} CPUs ({meta['cpu_model']}), kernel {meta['kernel']}, "
-        f"Python {meta['python']}; git {meta['git']}"
-    )
-    la0, la1 = meta["loadavg_before"], meta.get("loadavg_after")
-    L.append(
-        "loadavg before "
-        + " ".join(f"{x:.2f}" for x in la0)
-        + ("  after " + " ".join(f"{x:.2f}" for x in la1) if la1 else "")
-        + f"; outbox on {meta['outbox_fs']}"
-    )
+    L = header("connector", meta)
+    L[-1] += f"; outbox on {meta['outbox_fs']}"
     dl = res.get("deliveries") or []
     if dl:
         L.append("")

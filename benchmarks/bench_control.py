@@ -784,23 +784,23 @@ def f1(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def report(res: dict) -> str:
-    meta = res["meta"]
-    L: list[str] = []
-    L.append(
-        f"spliceway control-plane benchmark  {meta['timestamp']}  engine: {meta['launch']}"
-        f"  ({'quick' if meta['quick'] else 'full'})"
-    )
-    L.append(
-        f"machine: {meta['nproc']} CPUs ({meta['cpu_model']}), kernel {meta['kernel']}, "
-        f"Python {meta['python']}; git {meta['git']}"
-    )
+def header(kind: str, meta: dict) -> list[str]:
+    """A report's first lines: title and engine, machine, loadavg before/after."""
     la0, la1 = meta["loadavg_before"], meta.get("loadavg_after")
-    L.append(
+    return [
+        f"spliceway {kind} benchmark  {meta['timestamp']}  engine: {meta.get('launch', '?')}"
+        f"  ({'quick' if meta['quick'] else 'full'})",
+        f"machine: {meta['nproc']} CPUs ({meta['cpu_model']}), kernel {meta['kernel']}, "
+        f"Python {meta['python']}; git {meta['git']}",
         "loadavg before "
         + " ".join(f"{x:.2f}" for x in la0)
-        + ("  after " + " ".join(f"{x:.2f}" for x in la1) if la1 else "")
-    )
+        + ("  after " + " ".join(f"{x:.2f}" for x in la1) if la1 else ""),
+    ]
+
+
+def report(res: dict) -> str:
+    meta = res["meta"]
+    L = header("control-plane", meta)
     s = res.get("sse")
     if s:
         lg = s["loadgen"]
