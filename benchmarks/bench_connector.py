@@ -69,8 +69,9 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
+import bench_control  # noqa: E402
 import run_e2e as e2e  # noqa: E402  (shared tooling: build, tinyserver, engine launch, /proc)
-from bench_control import API, CONTROL_RE, f1, header, ok  # noqa: E402
+from bench_control import API, f1, header, ok  # noqa: E402
 from run_e2e import BUILD, log  # noqa: E402
 
 TARGET_EVENTS_PER_S = 3000.0  # per sink, draining the outbox
@@ -199,26 +200,13 @@ class Hook:
         return {"exit": self.proc.returncode, "killed": killed, "final": self.final}
 
 
-class Engine:
-    """``python -m spliceway run -c CFG`` with a socks5 inbound and the control API."""
+class Engine(bench_control.Engine):
+    """bench_control's engine, with sinks, polled with retries past any failed GET."""
 
-    def __init__(self, name: str, config: dict, tmp: Path, log_path: Path) -> None:
-        self.name, self.config, self.log_path = name, config, log_path
-        self.m, self.launch = e2e.start_spliceway(config, tmp / f"{name}.json", log_path)
-        m2 = self.m.wait_for(CONTROL_RE, 30)
-        m1 = next(filter(None, map(e2e.LISTEN_RE.search, list(self.m.lines))), None)
-        if m1 is None or m2 is None or not self.m.alive():
-            refusal = [x for x in self.m.lines if "cannot run" in x or "unsupported" in x]
-            if refusal:
-                self.m.stop(3)
-                raise SystemExit(f"{name}: the engine refused the config: {refusal[0]}")
-            self.m.abort(f"{name}: spliceway did not report its socks5 and control ports")
-        self.socks_port = int(m1.group(2))
-        self.api_port = int(m2.group(2))
-        self.pid = self.m.pid
-        self.cmd = self.m.cmd
+    idle_timeout_s = 15.0
+    stop_timeout_s = 20.0
 
-    def get(self, path: str, tries: int = 20) -> dict:
+    def result(self, path: str, tries: int = 20) -> dict:
         """The ``result`` of GET ``path``, retried (bounded) past a 429 or a slow answer."""
         last = ""
         for _ in range(tries):
@@ -242,42 +230,17 @@ class Engine:
         raise SystemExit(f"{self.name}: GET {path} kept failing: {last}")
 
     def sinks(self) -> list[dict]:
-        return self.get(f"{API}/sinks")["sinks"]
+        return self.result(f"{API}/sinks")["sinks"]
 
     def stats(self) -> dict:
-        return self.get(f"{API}/stats")
-
-    def wait_idle(self, timeout: float = 15.0) -> dict:
-        end = time.monotonic() + timeout
-        st = self.stats()
-        while st.get("active_sessions") and time.monotonic() < end:
-            time.sleep(0.2)
-            st = self.stats()
-        return st
+        return self.result(f"{API}/stats")
 
     def cpu(self) -> float:
         return family_cpu_s(self.pid)
 
-    def stop(self) -> dict:
-        info = self.m.stop(20)
-        info.update(
-            self.m.stderr_report(),
-            warnings=[x for x in self.m.lines if " WARNING " in x][:10],
-            warning_count=sum(1 for x in self.m.lines if " WARNING " in x),
-            log=str(self.log_path),
-        )
-        return info
-
 
 def engine_config(sinks: list[dict], outbox: Path | None) -> dict:
-    api: dict = {
-        "control": {
-            "enabled": True,
-            "listen": {"address": "127.0.0.1", "port": 0},
-            "api_key_env": None,
-        },
-        "ipc": {"enabled": False},
-    }
+    api: dict = {"control": bench_control.control_api(), "ipc": {"enabled": False}}
     if sinks:
         api.update(
             event_sinks=sinks,

@@ -300,31 +300,29 @@ class Children:
         self.procs = [p for p in self.procs if p.poll() is None]
 
 
+def control_api() -> dict:
+    """``api.control`` on 127.0.0.1 with an OS-chosen port (read from the log), no key."""
+    return {"enabled": True, "listen": {"address": "127.0.0.1", "port": 0}, "api_key_env": None}
+
+
 class Engine:
     """``python -m spliceway run -c CFG`` with a socks5 inbound and the control API."""
 
-    def __init__(self, tmp: Path, log_path: Path, ring: int) -> None:
-        cfg = {
-            "inbounds": [e2e.socks_inbound()],
-            "outbounds": [{"tag": "direct", "protocol": "direct"}],
-            "runtime": {"stats_interval_ms": 1000, "event_ring_capacity": ring},
-            "api": {
-                "control": {
-                    "enabled": True,
-                    "listen": {"address": "127.0.0.1", "port": 0},
-                    "api_key_env": None,
-                },
-                "ipc": {"enabled": False},
-            },
-        }
-        self.config = cfg
-        self.m, self.launch = e2e.start_spliceway(cfg, tmp / "spliceway-control.json", log_path)
-        self.log_path = log_path
+    idle_timeout_s = 10.0  # wait_idle's bound
+    stop_timeout_s = 10.0
+
+    def __init__(self, name: str, config: dict, tmp: Path, log_path: Path) -> None:
+        self.name, self.config, self.log_path = name, config, log_path
+        self.m, self.launch = e2e.start_spliceway(config, tmp / f"{name}.json", log_path)
         # The CLI logs the inbound's line, then the control API's: wait for the second.
         m2 = self.m.wait_for(CONTROL_RE, 30)
         m1 = next(filter(None, map(e2e.LISTEN_RE.search, list(self.m.lines))), None)
         if m1 is None or m2 is None or not self.m.alive():
-            self.m.abort("spliceway did not report its socks5 and control ports")
+            refusal = [x for x in self.m.lines if "cannot run" in x or "unsupported" in x]
+            if refusal:
+                self.m.stop(3)
+                raise SystemExit(f"{name}: the engine refused the config: {refusal[0]}")
+            self.m.abort(f"{name}: spliceway did not report its socks5 and control ports")
         self.socks_port = int(m1.group(2))
         self.api_port = int(m2.group(2))
         self.pid = self.m.pid
@@ -352,17 +350,17 @@ class Engine:
             time.sleep(0.2)
         raise SystemExit(f"GET {API}/stats kept failing (last status {status})")
 
-    def wait_idle(self, timeout: float = 10.0) -> dict:
-        """Stats once no flow is active (or after ``timeout``)."""
-        end = time.monotonic() + timeout
+    def wait_idle(self) -> dict:
+        """Stats once no flow is active (or after ``idle_timeout_s``)."""
+        end = time.monotonic() + self.idle_timeout_s
         st = self.stats()
-        while st["active_sessions"] and time.monotonic() < end:
+        while st.get("active_sessions") and time.monotonic() < end:
             time.sleep(0.2)
             st = self.stats()
         return st
 
     def stop(self) -> dict:
-        info = self.m.stop(10)
+        info = self.m.stop(self.stop_timeout_s)
         info.update(
             self.m.stderr_report(),
             warnings=[x for x in self.m.lines if " WARNING " in x][:10],
@@ -1103,7 +1101,13 @@ def main(argv: list[str] | None = None) -> int:
         b = Bench(args, tools, tmp)
         try:
             b.server = e2e.Server(tools["tinyserver"], None, 900, args.server_threads)
-            b.engine = Engine(tmp, Path(f"{base}.proxy.log"), args.ring)
+            config = {
+                "inbounds": [e2e.socks_inbound()],
+                "outbounds": [{"tag": "direct", "protocol": "direct"}],
+                "runtime": {"stats_interval_ms": 1000, "event_ring_capacity": args.ring},
+                "api": {"control": control_api(), "ipc": {"enabled": False}},
+            }
+            b.engine = Engine("spliceway-control", config, tmp, Path(f"{base}.proxy.log"))
             res["meta"]["launch"] = b.engine.launch
             res["meta"]["engine_cmd"] = b.engine.cmd
             res["meta"]["engine_config"] = b.engine.config
