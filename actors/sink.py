@@ -100,6 +100,8 @@ class SinkActor(pykka.ThreadingActor):
         self._timer: threading.Timer | None = None
         self._ack_due = 0.0
         self._rng = random.Random()
+        jsonl = isinstance(transport, JsonlWriter)
+        self._deliver = self._append_lines if jsonl else self._post_head
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -153,11 +155,9 @@ class SinkActor(pykka.ThreadingActor):
                 self.actor_ref.tell(_PUMP)
                 break
             if self._disposal is not None:
-                self._give_up(self._queue[0], *self._disposal)
-            elif isinstance(self.transport, JsonlWriter):
-                self._append_lines()
+                self._give_up(self._queue[0], Action.DEAD_LETTER, *self._disposal)
             else:
-                self._post_head()
+                self._deliver()
             if self.outbox.unflushed_acks and time.monotonic() >= self._ack_due:
                 self._flush_acks()
 
@@ -193,7 +193,7 @@ class SinkActor(pykka.ThreadingActor):
         if step.action is Action.RETRY:
             self._retry_later(step.delay_ms)
         else:
-            self._give_up(item, error or f"HTTP {status}", status)
+            self._give_up(item, step.action, error or f"HTTP {status}", status)
 
     def _append_lines(self) -> None:
         items = list(self._queue)
@@ -205,25 +205,31 @@ class SinkActor(pykka.ThreadingActor):
             if step.action is Action.RETRY:
                 self._retry_later(step.delay_ms)
             else:
+                reason = self.state.last_error or "write failed"
                 for item in items:
-                    if not self._give_up(item, self.state.last_error or "write failed", None):
+                    if not self._give_up(item, step.action, reason, None):
                         break
             return
         self._acknowledge(items)
 
-    def _acknowledge(self, items: list[Item]) -> None:
+    def _finish(self, items: list[Item]) -> None:
+        """The head ``items`` are done (delivered or disposed of): ack them in order."""
         for item in items:
             self.outbox.ack(item.record_id)
             self._queue.popleft()
+        if self.outbox.unflushed_acks == len(items):
+            self._ack_due = time.monotonic() + ACK_INTERVAL_S
+        self._attempts = 0
+        self._disposal = None
+        self.state.retry_pending = 0
+        self.state.next_retry_at_unix_ms = None
+
+    def _acknowledge(self, items: list[Item]) -> None:
+        self._finish(items)
         s = self.state
         s.total_delivered += len(items)
         s.last_success_at_unix_ms = now_ms()
         s.last_error = None
-        s.retry_pending = 0
-        s.next_retry_at_unix_ms = None
-        self._attempts = 0
-        if self.outbox.unflushed_acks == len(items):
-            self._ack_due = time.monotonic() + ACK_INTERVAL_S
 
     def _failed(self, error: str) -> None:
         s = self.state
@@ -237,10 +243,10 @@ class SinkActor(pykka.ThreadingActor):
         self.state.retry_pending = 1
         self.state.next_retry_at_unix_ms = now_ms() + delay_ms
 
-    def _give_up(self, item: Item, reason: str, status: int | None) -> bool:
-        """The exhaustion policy: discard (counted) or keep as a dead letter. Under
-        ``retry_forever`` a non-retryable event is dead-lettered: never silently dropped."""
-        if self.policy.on_exhausted == "discard":
+    def _give_up(self, item: Item, action: Action, reason: str, status: int | None) -> bool:
+        """Apply the exhaustion policy's ``action`` (``next_step`` chose it): discard
+        (counted) or keep as a dead letter. False when the dead letter must wait."""
+        if action is Action.DISCARD:
             self.state.total_discarded += 1
         else:
             meta = {
@@ -252,7 +258,7 @@ class SinkActor(pykka.ThreadingActor):
                 "record_id": item.record_id,
             }
             try:
-                if self.gate is not None and self.outbox.durable:
+                if self.gate is not None:
                     storage = self.gate.read()
                     if not storage.allows_maintenance(len(item.body) + 1024):
                         raise OSError(28, "no space above the emergency reserve")
@@ -267,12 +273,7 @@ class SinkActor(pykka.ThreadingActor):
             logger.warning(
                 "sink %s: event dead-lettered (%s): %s", self.tag, reason, _event_id(item.body)
             )
-        self.outbox.ack(item.record_id)
-        self._queue.popleft()
-        self._attempts = 0
-        self._disposal = None
-        self.state.retry_pending = 0
-        self.state.next_retry_at_unix_ms = None
+        self._finish([item])
         return True
 
     def _flush_acks(self) -> None:
