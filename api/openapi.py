@@ -594,7 +594,7 @@ def _sink() -> Schema:
             "last_error": nullable(STR),
             "outbox_recovery": obj(
                 {
-                    "state": {"type": "string", "enum": ["clean", "repaired", "failed"]},
+                    "state": {"type": "string", "enum": ["clean", "repaired"]},
                     "recovered_records": COUNT,
                     "lost_records": COUNT,
                     "damaged_regions": COUNT,

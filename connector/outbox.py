@@ -49,7 +49,7 @@ import threading
 import urllib.parse
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import orjson
@@ -84,7 +84,7 @@ class Item:
 class Recovery:
     """What opening the outbox found (``outbox_recovery`` in the sinks resource)."""
 
-    #: ``clean``, ``repaired`` (damage was found and worked around) or ``failed``.
+    #: ``clean``, or ``repaired`` (damage was found and worked around).
     state: str = "clean"
     recovered_records: int = 0
     lost_records: int = 0
@@ -96,16 +96,7 @@ class Recovery:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON shape."""
-        return {
-            "state": self.state,
-            "recovered_records": self.recovered_records,
-            "lost_records": self.lost_records,
-            "damaged_regions": self.damaged_regions,
-            "truncated_bytes": self.truncated_bytes,
-            "damaged_ledger_slots": self.damaged_ledger_slots,
-            "unreadable_segments": self.unreadable_segments,
-            "errors": list(self.errors),
-        }
+        return asdict(self)
 
 
 class Outbox(Protocol):
@@ -311,13 +302,7 @@ class SegmentLog:
             seg = self.segments.pop()
             with contextlib.suppress(OSError):
                 os.unlink(seg.path)
-        for fd in list(self._dirty):
-            if fd != self._fd:
-                os.close(fd)
-        self._dirty.clear()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self.close()
         if self.segments:
             seg = self.segments[-1]
             self._open_active(seg, offset)
@@ -374,7 +359,7 @@ class SegmentLog:
         return removed
 
     def close(self) -> None:
-        """Close open files."""
+        """Close open files (unsynced writes are not made durable)."""
         for fd in self._dirty:
             if fd != self._fd:
                 os.close(fd)
@@ -603,10 +588,6 @@ class MemoryOutbox:
     def unflushed_acks(self) -> int:
         """Always 0: a memory ACK is final at once."""
         return 0
-
-    def has_room(self, n: int) -> bool:
-        """Whether ``n`` more events fit."""
-        return len(self._items) + n <= self.capacity
 
     def append(self, bodies: Sequence[bytes]) -> None:
         """Queue ``bodies``."""
