@@ -69,11 +69,10 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import run_e2e as e2e  # noqa: E402  (shared tooling: engine launch command, preexec)
+from bench_control import CONTROL_RE, control_api  # noqa: E402
 from run_e2e import RESULTS, ROOT, log  # noqa: E402
 
 EVENTS = ["flow.started", "flow.routed", "flow.completed", "engine.started"]
-LISTEN_RE = e2e.LISTEN_RE
-CONTROL_RE = re.compile(r"control API listening on http://([0-9.]+):(\d+)/")
 DAMAGE_RE = re.compile(r"sink (\S+): outbox recovered with damage")
 FLAG_RE = re.compile(r"\b(ERROR|CRITICAL|Traceback)\b")
 LOG_CAP = 8 << 20  # bytes of engine stderr kept in results/ over the whole run
@@ -395,7 +394,7 @@ class EngineProc:
                 self.damage_warnings.append(line[:600])
             if FLAG_RE.search(line) and len(self.flagged) < 20:
                 self.flagged.append(line[:300])
-            if self.socks_port is None and (m := LISTEN_RE.search(line)):
+            if self.socks_port is None and (m := e2e.LISTEN_RE.search(line)):
                 self.socks_port = int(m.group(2))
             if self.api_port is None and (m := CONTROL_RE.search(line)):
                 self.api_port = int(m.group(2))
@@ -684,16 +683,10 @@ class Oracle:
 
 def make_config(receiver_url: str, jsonl_path: Path, outbox: Path) -> dict[str, Any]:
     return {
-        "inbounds": [
-            {"tag": "socks-in", "protocol": "socks5", "listen": {"address": "127.0.0.1", "port": 0}}
-        ],
+        "inbounds": [e2e.socks_inbound()],
         "outbounds": [{"tag": "direct", "protocol": "direct"}],
         "api": {
-            "control": {
-                "enabled": True,
-                "listen": {"address": "127.0.0.1", "port": 0},
-                "api_key_env": None,
-            },
+            "control": control_api(),
             "ipc": {"enabled": False},
             "event_sinks": [
                 {"type": "webhook", "tag": "hook", "url": receiver_url, "events": EVENTS},
@@ -754,13 +747,6 @@ def offline_state(cmd_prefix: list[str], cfg: Path) -> dict[str, Any] | None:
         return json.loads(p.stdout) if p.returncode == 0 else {"error": p.stderr.strip()[-500:]}
     except (subprocess.TimeoutExpired, ValueError) as ex:
         return {"error": str(ex)}
-
-
-def git_rev() -> str:
-    p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    rev = p.stdout.strip() or "?"
-    d = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
-    return rev + ("+dirty" if d.stdout.strip() else "")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -896,7 +882,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "meta": {
             "timestamp": stamp,
-            "git": git_rev(),
+            "git": e2e.git_info(),
             "python": sys.version.split()[0],
             "machine": platform.node(),
             "cpus": os.cpu_count(),
