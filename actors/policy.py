@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from spliceway.actors.dispatcher import LoopActor
 
 from spliceway import policy
-from spliceway.errors import ApiError
+from spliceway.errors import invalid_argument
 from spliceway.events import now_ms
 from spliceway.probe import ProbeResult, probe
 
@@ -95,14 +95,12 @@ class PolicyGroupActor(LoopActor):
     def _select(self, target: str) -> dict[str, Any]:
         view = self.view
         if view.kind != "selector":
-            raise ApiError(
-                "invalid_argument",
+            raise invalid_argument(
                 f"policy {self.tag!r} is a {view.kind} group; only a selector can be selected",
                 field_path="params.policy_tag",
             )
         if target not in view.members:
-            raise ApiError(
-                "invalid_argument",
+            raise invalid_argument(
                 f"{target!r} is not a member of selector {self.tag!r} "
                 f"(members: {', '.join(view.members)})",
                 field_path="params.target_tag",

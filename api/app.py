@@ -32,7 +32,7 @@ from spliceway.api.sse import (
 
 from spliceway import commands, queries
 from spliceway.capabilities import API_ID, capabilities
-from spliceway.errors import ApiError, code_for_http_status
+from spliceway.errors import ApiError, code_for_http_status, invalid_argument
 
 if TYPE_CHECKING:
     from spliceway.engine import Engine
@@ -199,24 +199,22 @@ class _Commands:
         declared_too_large = (req.content_length or 0) > MAX_BODY_BYTES
         raw = b"" if declared_too_large else req.bounded_stream.read(MAX_BODY_BYTES + 1)
         if declared_too_large or len(raw) > MAX_BODY_BYTES:
-            raise ApiError("invalid_argument", f"body larger than {MAX_BODY_BYTES} bytes")
+            raise invalid_argument(f"body larger than {MAX_BODY_BYTES} bytes")
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as ex:
-            raise ApiError("invalid_argument", f"body is not JSON: {ex}") from ex
+            raise invalid_argument(f"body is not JSON: {ex}") from ex
         if not isinstance(body, dict):
-            raise ApiError("invalid_argument", "body must be a JSON object")
+            raise invalid_argument("body must be a JSON object")
         request_id = body.get("id")
         if request_id is not None and (
             isinstance(request_id, bool) or not isinstance(request_id, str | int | float)
         ):
-            raise ApiError(
-                "invalid_argument", "id must be a string, a number or null", field_path="id"
-            )
+            raise invalid_argument("id must be a string, a number or null", field_path="id")
         req.context.request_id = request_id
         for key in body:
             if key not in _COMMAND_KEYS:
-                raise ApiError("invalid_argument", f"unknown field {key!r}", field_path=key)
+                raise invalid_argument(f"unknown field {key!r}", field_path=key)
         result = commands.execute(
             self._state.core,
             body.get("method"),

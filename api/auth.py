@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from spliceway.commands import PERMISSIONS, grants
 from spliceway.config import ControlApi
-from spliceway.errors import ApiError
+from spliceway.errors import ApiError, invalid_argument
 
 ALL_PERMISSIONS = frozenset(PERMISSIONS)
 
@@ -75,8 +75,7 @@ class KeyTable:
         for i, spec in enumerate(control.keys):
             value = env.get(spec.key_env)
             if not value:
-                raise ApiError(
-                    "invalid_argument",
+                raise invalid_argument(
                     f"environment variable {spec.key_env} (api.control.keys[{i}].key_env) "
                     "is not set",
                     field_path=f"api.control.keys[{i}].key_env",

@@ -21,7 +21,7 @@ from spliceway import config as config_module
 from spliceway import diagnostics, dns, policy, routing
 from spliceway.actors.messages import CloseFlow
 from spliceway.actors.policy import ProbeNow, SelectMember
-from spliceway.errors import ApiError, invalid_argument
+from spliceway.errors import ApiError, invalid_argument, not_found
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore
@@ -157,13 +157,13 @@ class Command:
 def _flows_close(core: EngineCore, p: FlowsCloseParams) -> dict[str, Any]:
     entry = core.flows.get(p.flow_id)
     if entry is None:
-        raise ApiError("not_found", f"flow {p.flow_id!r} is not active")
+        raise not_found(f"flow {p.flow_id!r} is not active")
     try:
         closed = entry.actor.ask(CloseFlow(), timeout=_ASK_TIMEOUT)
     except pykka.ActorDeadError:
         closed = False
     if not closed:
-        raise ApiError("not_found", f"flow {p.flow_id!r} already ended")
+        raise not_found(f"flow {p.flow_id!r} already ended")
     return {"flow_id": p.flow_id, "closed": True}
 
 
@@ -229,7 +229,7 @@ def _group_actor(core: EngineCore, tag: str, kinds: Iterable[str]) -> pykka.Acto
     view = core.policies.get(tag)
     actor = core.group_actors.get(tag)
     if view is None or actor is None or view.kind not in kinds:
-        raise ApiError("not_found", f"no {' or '.join(sorted(kinds))} policy {tag!r}")
+        raise not_found(f"no {' or '.join(sorted(kinds))} policy {tag!r}")
     return actor
 
 

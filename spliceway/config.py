@@ -82,7 +82,7 @@ from pydantic import (
     model_validator,
 )
 
-from spliceway.errors import ApiError, Detail
+from spliceway.errors import ApiError, Detail, invalid_argument
 from spliceway.policy import parse_probe_url
 
 __all__ = [
@@ -732,8 +732,7 @@ class ControlApi(_Model):
         env = os.environ if environ is None else environ
         value = env.get(self.api_key_env)
         if not value:
-            raise ApiError(
-                "invalid_argument",
+            raise invalid_argument(
                 f"environment variable {self.api_key_env} (api.control.api_key_env) is not set",
                 field_path="api.control.api_key_env",
             )

@@ -28,7 +28,7 @@ from spliceway.api.auth import KeyTable
 from spliceway.api.server import ControlServer
 from spliceway.config import Config, default_config, load_config_file, parse_config
 from spliceway.engine_core import EngineCore
-from spliceway.errors import ApiError
+from spliceway.errors import ApiError, not_found
 from spliceway.events import Subscription
 
 
@@ -104,13 +104,13 @@ class Engine:
         for spec, bound in zip(self._core.inbounds, self._core.bound, strict=True):
             if tag is None or spec.tag == tag:
                 return bound
-        raise ApiError("not_found", f"no inbound {tag!r}")
+        raise not_found(f"no inbound {tag!r}")
 
     @property
     def control_url(self) -> str:
         """Base URL (``http://host:port``) of the running HTTP control API."""
         if self._control is None:
-            raise ApiError("not_found", "the HTTP control API is not running")
+            raise not_found("the HTTP control API is not running")
         return self._control.base_url
 
     def query(self, name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from spliceway.dns.resolver import InvalidHostname, ResolveError, Resolver
-from spliceway.errors import ApiError
+from spliceway.errors import invalid_argument
 
 __all__ = ["dns_cache_result", "dns_lookup_result"]
 
@@ -23,14 +23,12 @@ def dns_lookup_result(resolver: Resolver, hostname: Any) -> dict[str, Any]:
     ``params.hostname``. Blocks the calling thread (HTTP worker threads call it).
     """
     if not isinstance(hostname, str):
-        raise ApiError(
-            "invalid_argument", "hostname must be a string", field_path="params.hostname"
-        )
+        raise invalid_argument("hostname must be a string", field_path="params.hostname")
     result: dict[str, Any] = {"hostname": hostname}
     try:
         addresses = resolver.lookup(hostname)
     except InvalidHostname as ex:
-        raise ApiError("invalid_argument", str(ex), field_path="params.hostname") from ex
+        raise invalid_argument(str(ex), field_path="params.hostname") from ex
     except ResolveError as ex:
         return result | {"resolved_addresses": [], "count": 0, "error": str(ex)}
     result |= {"resolved_addresses": addresses, "count": len(addresses)}
@@ -52,15 +50,11 @@ def dns_cache_result(resolver: Resolver, domain: Any = None, limit: Any = 256) -
     no entries). ``domain`` is echoed as given and matched case-insensitively.
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise ApiError(
-            "invalid_argument", "limit must be a non-negative integer", field_path="params.limit"
-        )
+        raise invalid_argument("limit must be a non-negative integer", field_path="params.limit")
     enabled = resolver.cache_enabled
     if domain is not None:
         if not isinstance(domain, str) or not domain:
-            raise ApiError(
-                "invalid_argument", "domain must be a non-empty string", field_path="params.domain"
-            )
+            raise invalid_argument("domain must be a non-empty string", field_path="params.domain")
         entry = resolver.cache_entry(domain)
         return {
             "enabled": enabled,
