@@ -169,7 +169,7 @@ class Intake:
     def _room(self, feed: Feed, batch: list[tuple[int, bytes]]) -> int:
         """How many of ``batch`` the gate lets this sink write now."""
         if isinstance(feed.outbox, MemoryOutbox):
-            return max(0, min(len(batch), feed.outbox.capacity - feed.outbox.pending))
+            return min(len(batch), feed.outbox.room())
         storage = self.read_storage()
         if storage is None:
             return len(batch)

@@ -589,6 +589,14 @@ class MemoryOutbox:
         """Always 0: a memory ACK is final at once."""
         return 0
 
+    def room(self) -> int:
+        """How many more events fit."""
+        return max(0, self.capacity - len(self._items))
+
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more events fit."""
+        return n <= self.room()
+
     def append(self, bodies: Sequence[bytes]) -> None:
         """Queue ``bodies``."""
         with self._lock:
