@@ -299,9 +299,16 @@ static int64_t clock_ms(clockid_t id)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* A flow's public handle (handle_slot() splits it again); its epoll cookies
+ * add the side in bit 31, which slot indices never reach. */
+static inline uint64_t flow_handle(uint32_t gen, uint32_t idx)
+{
+    return ((uint64_t)gen << 32) | idx;
+}
+
 static inline uint64_t cookie(uint32_t gen, int side, uint32_t idx)
 {
-    return ((uint64_t)gen << 32) | ((uint64_t)side << 31) | idx;
+    return flow_handle(gen, idx) | ((uint64_t)side << 31);
 }
 
 static inline int ctr_rx(int side) { return side == 0 ? C_CLIENT_RX : C_UP_RX; }
@@ -943,7 +950,7 @@ static void flow_complete(struct loop *L, struct flow *f, int cause, int err, in
     uint32_t gen = atomic_load_explicit(&f->gen, memory_order_relaxed);
     sw_completion c;
     memset(&c, 0, sizeof c);
-    c.handle = ((uint64_t)gen << 32) | (uint64_t)(f - r->flows);
+    c.handle = flow_handle(gen, (uint32_t)(f - r->flows));
     c.cause = cause;
     c.err = err;
     c.side = side;
@@ -1685,7 +1692,7 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
     atomic_fetch_add_explicit(&L->nflows, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&r->active, 1, memory_order_relaxed);
     atomic_store_explicit(&f->gen, gen, memory_order_release);
-    *handle_out = ((uint64_t)gen << 32) | idx;
+    *handle_out = flow_handle(gen, idx);
 
     pthread_mutex_lock(&L->req_lock);
     bool wake = req_post(L, f, REQ_ADOPT);
