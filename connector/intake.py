@@ -82,7 +82,6 @@ class Intake:
         self.storage: Storage | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def start(self) -> None:
         """Start the thread."""
@@ -105,12 +104,11 @@ class Intake:
                 logger.exception("connector intake failed; retrying")
 
     def pump(self) -> None:
-        """One round over every feed."""
-        with self._lock:
-            now = time.monotonic()
-            for feed in self.feeds:
-                if feed.retry_at <= now:
-                    self._feed(feed)
+        """One round over every feed (on the intake thread, or after it stopped)."""
+        now = time.monotonic()
+        for feed in self.feeds:
+            if feed.retry_at <= now:
+                self._feed(feed)
 
     def read_storage(self) -> Storage | None:
         """Free space of the outbox filesystem now (None without an outbox)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import pykka
 from spliceway.actors.sink import SinkActor, SinkState
-from spliceway.connector.diskgate import DiskGate
+from spliceway.connector.diskgate import DiskGate, Storage
 from spliceway.connector.intake import Feed, Intake
 from spliceway.connector.jsonl import JsonlWriter
 from spliceway.connector.outbox import MemoryOutbox, Outbox, OutboxStore
@@ -126,7 +126,8 @@ class Connector:
             self.intake = None
         self._drain()
         for slot in self.slots:
-            slot.transport.abort() if isinstance(slot.transport, WebhookClient) else None
+            if isinstance(slot.transport, WebhookClient):
+                slot.transport.abort()
         for slot in self.slots:
             if slot.ref is not None:
                 with contextlib.suppress(pykka.ActorDeadError):
@@ -169,7 +170,7 @@ class Connector:
         return [sink_status(slot, storage) for slot in self.slots]
 
 
-def sink_status(slot: SinkSlot, storage: Any) -> dict[str, Any]:
+def sink_status(slot: SinkSlot, storage: Storage | None) -> dict[str, Any]:
     """One sink's status item."""
     s, feed, outbox = slot.state, slot.feed, slot.outbox
     pending = outbox.pending
