@@ -69,15 +69,18 @@ def _no_leftover_actors() -> Iterator[None]:
     assert not leftover, f"actors left running: {leftover}"
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
+def wait_until(
+    predicate: Callable[[], Any], timeout: float = 10.0, what: str = "", *, interval: float = 0.01
+) -> Any:
+    """Poll ``predicate`` until truthy (its value is returned); fail after ``timeout``,
+    naming ``what`` was awaited."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
+            raise AssertionError(f"not within {timeout} s: {what or predicate}")
         time.sleep(interval)
 
 

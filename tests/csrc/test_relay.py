@@ -28,6 +28,7 @@ from spliceway.relay import (
     RelayError,
     native_abi_version,
 )
+from tests.conftest import wait_until
 
 MiB = 1 << 20
 
@@ -89,15 +90,6 @@ class Env:
 
     def completion(self, handle: int, timeout: float = 20.0) -> Completion:
         return self.completions([handle], timeout)[handle]
-
-
-def poll_until(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def run(*targets: Callable[[], object], timeout: float = 30.0) -> None:
@@ -231,7 +223,7 @@ def test_both_directions_exact_counters(env: Env) -> None:
     assert recv_exact(link.client, len(down)) == down
     expected = (len(up), len(down), len(down), len(up))
     # The app can read bytes an instant before the relay thread counts them.
-    poll_until(lambda: env.relay.counters(h)[:4] == expected, what="exact counters")
+    wait_until(lambda: env.relay.counters(h)[:4] == expected, what="exact counters")
     c = env.relay.counters(h)
     assert c is not None
     assert abs(c.last_activity_unix_ms - time.time() * 1000) < 60_000
@@ -634,7 +626,7 @@ def test_bulk_flow_does_not_starve_small_one(make_env: Callable[..., Env]) -> No
     for t in threads:
         t.start()
     try:
-        poll_until(lambda: (env.relay.counters(h_bulk) or (0,))[0] > 32 * MiB, what="bulk")
+        wait_until(lambda: (env.relay.counters(h_bulk) or (0,))[0] > 32 * MiB, what="bulk")
         start = time.monotonic()
         for i in range(50):
             chat.client.sendall(struct.pack("<I", i))

@@ -34,12 +34,12 @@ from spliceway.protocols.shadowsocks import (
     target_header,
 )
 from spliceway.relay import Cause, Completion, RelayError
+from tests.conftest import wait_until
 from tests.csrc import test_relay as base
 from tests.csrc.test_relay import (
     Env,
     Link,
     fd_closed,
-    poll_until,
     recv_eof,
     recv_exact,
     run,
@@ -246,7 +246,7 @@ def test_server_stream_split_at_every_boundary(env: Env, name: str) -> None:
         pos += len(frag)
         opened += len(reference.feed(frag))
         want = (0, opened, pos, 0)
-        poll_until(lambda w=want: counters4(env, flow.handle) == w, what=f"counters {want}")
+        wait_until(lambda w=want: counters4(env, flow.handle) == w, what=f"counters {want}")
     link.server.sendall(stream[pos:])
     opened += len(reference.feed(stream[pos:]))
     total = sum(map(len, pieces))
@@ -272,14 +272,14 @@ def test_exact_counters_per_message(env: Env, name: str) -> None:
         assert srv.recv_plain(size) == msg
         expected[0] += size
         expected[3] += sealed_size(size)
-        poll_until(lambda: counters4(env, flow.handle) == tuple(expected), what="up counters")
+        wait_until(lambda: counters4(env, flow.handle) == tuple(expected), what="up counters")
         assert srv.ct_in - flow.pre == expected[3]
         reply = os.urandom(size // 2 + 1)
         srv.send(reply)
         assert recv_exact(link.client, len(reply)) == reply
         expected[1] += len(reply)
         expected[2] = srv.ct_out
-        poll_until(lambda: counters4(env, flow.handle) == tuple(expected), what="down counters")
+        wait_until(lambda: counters4(env, flow.handle) == tuple(expected), what="down counters")
     assert expected[2] == CIPHERS[name].key_size + sum(
         sealed_size(n // 2 + 1) for n in (1, 100, 5000, MAX_PAYLOAD, MAX_PAYLOAD + 1, 40000)
     )
@@ -438,7 +438,7 @@ def test_backpressure_bounds_buffering(env: Env, name: str) -> None:
         time.sleep(0.05)
         return a is not None and a == counters4(env, flow.handle) and 0 not in a
 
-    poll_until(stalled, what="both directions stalled")
+    wait_until(stalled, what="both directions stalled")
     c = env.relay.counters(flow.handle)
     assert c is not None
     assert c.client_rx < total and c.upstream_rx < total + 32
@@ -487,7 +487,7 @@ def test_request_close_mid_chunk(env: Env) -> None:
     srv, link = flow.server, flow.link
     blob = srv.sealed(b"x" * 5000)
     link.server.sendall(blob[: len(blob) - 7])  # the relay holds a partial chunk
-    poll_until(lambda: counters4(env, flow.handle) == (0, 0, len(blob) - 7, 0), what="read")
+    wait_until(lambda: counters4(env, flow.handle) == (0, 0, len(blob) - 7, 0), what="read")
     assert env.relay.request_close(flow.handle) is True
     done = env.completion(flow.handle)
     assert done.cause is Cause.CLOSED
@@ -514,7 +514,7 @@ def test_shutdown_with_open_aead_flows(env: Env) -> None:
 
     filler = threading.Thread(target=fill)
     filler.start()
-    poll_until(lambda: (env.relay.counters(flows[4].handle) or (0,) * 4)[1] > MiB, what="fill")
+    wait_until(lambda: (env.relay.counters(flows[4].handle) or (0,) * 4)[1] > MiB, what="fill")
     env.relay.close()
     done = {c.handle: c for c in env.relay.drain()}
     assert set(done) == {f.handle for f in flows}

@@ -10,17 +10,16 @@ import re
 import signal
 import struct
 import subprocess
-import time
 import urllib.request
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from tests.conftest import base_config
+from tests.conftest import base_config, wait_until
 from tests.helpers.program import SPLICEWAY
 
 #: A stats interval no test outlives: no stats.sampled events unless a test wants them.
@@ -168,18 +167,6 @@ def assert_at_least_once(delivered: dict[str, list[bytes]], expected: dict[str, 
             )
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Poll ``predicate`` until truthy (its value is returned); fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what or predicate}")
-        time.sleep(0.01)
-
-
 # -- the engine as a program ------------------------------------------------------------
 
 
@@ -215,7 +202,7 @@ class EngineProcess:
                 raise AssertionError(f"engine exited {self.proc.returncode}: {text}")
             return False
 
-        wait_for(ready, timeout, "the engine's listening lines")
+        wait_until(ready, timeout, "the engine's listening lines")
         return self
 
     def log(self) -> str:
@@ -266,7 +253,7 @@ def freeze_process(pid: int, timeout: float = 5) -> None:
                     return False
         return True
 
-    wait_for(stopped, timeout, f"every thread of {pid} stopped")
+    wait_until(stopped, timeout, f"every thread of {pid} stopped")
 
 
 def unread_bytes_from(remote_port: int) -> int:

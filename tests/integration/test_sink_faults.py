@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from spliceway.connector.outbox import OutboxStore
 
+from tests.conftest import wait_until
 from tests.helpers.flows import curl, socks_curl
 from tests.helpers.receiver import Receiver, Reply
 from tests.helpers.sinks import (
@@ -40,7 +41,6 @@ from tests.helpers.sinks import (
     sink_dir,
     status_of,
     unread_bytes_from,
-    wait_for,
     webhook,
 )
 from tests.helpers.upstreams import free_port
@@ -65,7 +65,7 @@ def wait_idle(engine, name: str = "hook", timeout: float = 10) -> dict:
         item = hook(engine, name)
         return item if item["pending"] == 0 and "delivery" not in item else None
 
-    return wait_for(idle, timeout, f"sink {name} idle")
+    return wait_until(idle, timeout, f"sink {name} idle")
 
 
 def wait_durable(engine, name: str = "hook", completed: int = 0) -> dict:
@@ -77,9 +77,9 @@ def wait_durable(engine, name: str = "hook", completed: int = 0) -> dict:
         done = sum(e["event_type"] == "flow.completed" for e in ring["events"])
         return ring if done >= completed else None
 
-    ring = wait_for(ready, 10, f"{completed} flow.completed events")
+    ring = wait_until(ready, 10, f"{completed} flow.completed events")
     latest = ring["latest_sequence"]
-    wait_for(lambda: hook(engine, name)["cursor_sequence"] >= latest, 10, "the cursor")
+    wait_until(lambda: hook(engine, name)["cursor_sequence"] >= latest, 10, "the cursor")
     return ring
 
 
@@ -111,7 +111,7 @@ def test_500_then_429_with_retry_after_then_200(make_engine, tmp_path):
         )
         engine = make_engine(cfg)
         first = rx.wait_for(2)
-        waiting = wait_for(
+        waiting = wait_until(
             lambda: (s := hook(engine))["last_error"] == "HTTP 429" and s,
             2,
             "the retry after the 429",
@@ -198,7 +198,7 @@ def test_retry_budget_then_on_exhausted(make_engine, tmp_path, on_exhausted):
         )
         engine = make_engine(cfg)
         rx.wait_for(3)
-        item = wait_for(
+        item = wait_until(
             lambda: (s := hook(engine))["total_failed"] == 3 and "delivery" not in s and s,
             5,
             "the event settled",
@@ -390,7 +390,7 @@ def test_sigkill_at_random_moments_loses_no_accepted_event(tmp_path, origin):
                         f"http://127.0.0.1:{origin[1]}/",
                     )
                 ring = engine.get("events")
-                wait_for(partial(_accepted, engine, ring["latest_sequence"]), 10, note)
+                wait_until(partial(_accepted, engine, ring["latest_sequence"]), 10, note)
                 expected.update({e["event_id"]: expected_body(e) for e in ring_events(ring)})
                 assert engine.sink("hook")["pending"] > 0 or mode == "slow", note
                 # More flows while the kill lands, after a random number of deliveries.
@@ -422,12 +422,12 @@ def test_sigkill_at_random_moments_loses_no_accepted_event(tmp_path, origin):
             final.wait_started()
             item = final.sink("hook")
             _recovery_after_kill(item)
-            wait_for(
+            wait_until(
                 lambda: expected.keys() <= rx.bodies_by_event_id().keys(),
                 20,
                 f"every accepted event delivered {note}",
             )
-            item = wait_for(
+            item = wait_until(
                 lambda: (s := final.sink("hook"))["pending"] == 0 and s, 10, f"idle {note}"
             )
             assert item["total_dead_lettered"] == item["total_discarded"] == 0
@@ -458,7 +458,7 @@ def test_sigkill_between_the_2xx_and_the_durable_ack_redelivers(tmp_path, origin
         try:
             first.wait_started()
             acked = rx.wait_for(1)[0]  # engine.started
-            wait_for(lambda: first.sink("hook")["pending"] == 0, 10, "a durable ACK")
+            wait_until(lambda: first.sink("hook")["pending"] == 0, 10, "a durable ACK")
             rx.script(Reply(200, before=freeze))
             # The flow's client is frozen with the engine: it runs on its own and is
             # ended after the kill.
@@ -478,7 +478,7 @@ def test_sigkill_between_the_2xx_and_the_durable_ack_redelivers(tmp_path, origin
             assert held.wait(10), "the flow's first event never reached the receiver"
             target = rx.requests[1]
             assert json.loads(target.body)["event_type"] == "flow.started"
-            wait_for(lambda: unread_bytes_from(rx.port) > 0, 5, "the 200 in the engine's socket")
+            wait_until(lambda: unread_bytes_from(rx.port) > 0, 5, "the 200 in the engine's socket")
             assert len(rx.requests) == 2, "the frozen engine went on delivering"
             first.kill()
         finally:
@@ -493,7 +493,7 @@ def test_sigkill_between_the_2xx_and_the_durable_ack_redelivers(tmp_path, origin
             recovery = second.sink("hook")["outbox_recovery"]
             assert recovery["recovered_records"] >= 1
             _recovery_after_kill(second.sink("hook"))
-            wait_for(
+            wait_until(
                 lambda: len(rx.bodies_by_event_id().get(target_id, [])) >= 2,
                 10,
                 "the event redelivered",
@@ -654,8 +654,8 @@ def test_full_disk_blocks_writes_keeps_acks_and_resumes(small_fs, make_engine, o
             assert accepted["outbox_storage"]["write_blocked"] is False
             filler = _fill(small_fs, engine)
             flows(engine, origin, 2)
-            wait_for(lambda: engine.query("events")["latest_sequence"] == 13, 5, "13 events")
-            blocked = wait_for(
+            wait_until(lambda: engine.query("events")["latest_sequence"] == 13, 5, "13 events")
+            blocked = wait_until(
                 lambda: (s := hook(engine))["outbox_storage"]["write_blocked"] and s,
                 5,
                 "write_blocked",
@@ -663,7 +663,7 @@ def test_full_disk_blocks_writes_keeps_acks_and_resumes(small_fs, make_engine, o
             assert blocked["cursor_sequence"] == accepted["cursor_sequence"] == 7
             assert blocked["pending"] == 7
             flows(engine, origin, 1)
-            wait_for(lambda: engine.query("events")["latest_sequence"] == 16, 5, "3 events")
+            wait_until(lambda: engine.query("events")["latest_sequence"] == 16, 5, "3 events")
             still = hook(engine)
             assert still["cursor_sequence"] == 7 and still["pending"] == 7
             assert still["dead_letters"] == still["total_discarded"] == still["replay_gaps"] == 0
@@ -672,7 +672,7 @@ def test_full_disk_blocks_writes_keeps_acks_and_resumes(small_fs, make_engine, o
             # The receiver comes back: the 7 accepted events are delivered and their ACKs
             # written although the disk is full.
             rx.default = Reply(200)
-            drained = wait_for(
+            drained = wait_until(
                 lambda: (s := hook(engine))["pending"] == 0 and s, 10, "ACKs on a full disk"
             )
             assert drained["total_delivered"] == 7
@@ -681,7 +681,7 @@ def test_full_disk_blocks_writes_keeps_acks_and_resumes(small_fs, make_engine, o
             assert drained["last_error"] is None
 
             filler.unlink()
-            wait_for(
+            wait_until(
                 lambda: hook(engine)["cursor_sequence"] == 16, 5, "writes resumed after the space"
             )
             ring = engine.query("events")
@@ -715,13 +715,13 @@ def test_ring_eviction_while_blocked_counts_replay_gaps(small_fs, make_engine, o
             wait_idle(engine)
             filler = _fill(small_fs, engine)
             flows(engine, origin, 8)  # 24 events: 8 more than the ring holds
-            wait_for(lambda: engine.query("events")["latest_sequence"] == 28, 5, "28 events")
-            wait_for(lambda: hook(engine)["outbox_storage"]["write_blocked"], 5, "write_blocked")
+            wait_until(lambda: engine.query("events")["latest_sequence"] == 28, 5, "28 events")
+            wait_until(lambda: hook(engine)["outbox_storage"]["write_blocked"], 5, "write_blocked")
             ring = engine.query("events")
             assert ring["oldest_sequence"] == 13
             assert hook(engine)["total_delivered"] == 4
             filler.unlink()
-            wait_for(lambda: hook(engine)["cursor_sequence"] == 28, 5, "writes resumed")
+            wait_until(lambda: hook(engine)["cursor_sequence"] == 28, 5, "writes resumed")
             rx.wait_for(4 + 16)
             item = wait_idle(engine)
             assert item["replay_gaps"] == 8, "events 5..12 were evicted before they were written"
@@ -764,7 +764,7 @@ def test_full_disk_keeps_a_rejected_event_until_its_dead_letter_fits(small_fs, m
     space returns it becomes a durable dead letter."""
     rx, engine, filler = _rejected_on_a_full_disk(small_fs, make_engine, Reply(400))
     try:
-        kept = wait_for(
+        kept = wait_until(
             lambda: (
                 (s := hook(engine))["last_error"]
                 and s["last_error"].startswith("dead letter not written")
@@ -777,7 +777,7 @@ def test_full_disk_keeps_a_rejected_event_until_its_dead_letter_fits(small_fs, m
         assert kept["total_dead_lettered"] == kept["dead_letters"] == kept["total_discarded"] == 0
         assert kept["delivery"]["retry_pending"] == 1
         filler.unlink()
-        item = wait_for(
+        item = wait_until(
             lambda: (s := hook(engine))["dead_letters"] == 1 and s, 5, "the dead letter written"
         )
         assert item["total_dead_lettered"] == 1
@@ -795,14 +795,14 @@ def test_full_disk_does_not_post_a_rejected_event_again(small_fs, make_engine):
     exactly one request, total_failed 1."""
     rx, engine, filler = _rejected_on_a_full_disk(small_fs, make_engine, Reply(200))
     try:
-        wait_for(
+        wait_until(
             lambda: (hook(engine)["last_error"] or "").startswith("dead letter not written"),
             5,
             "the dead letter refused",
         )
         # Several retry periods pass while the disk stays full.
         deadline = time.monotonic() + 0.5
-        wait_for(lambda: time.monotonic() > deadline or len(rx.requests) > 1, 2)
+        wait_until(lambda: time.monotonic() > deadline or len(rx.requests) > 1, 2)
         filler.unlink()
         item = wait_idle(engine)
         assert len(rx.requests) == 1, f"the rejected event was posted {len(rx.requests)} times"
@@ -838,7 +838,9 @@ def test_replay_gaps_of_a_filtered_sink_count_only_its_events(small_fs, make_eng
                     got = sub.get_many(timeout=5)
                     assert got, f"the subscription stopped at {len(seen)} events"
                     seen.extend(got)
-            wait_for(lambda: hook(engine, "picky")["outbox_storage"]["write_blocked"], 5, "blocked")
+            wait_until(
+                lambda: hook(engine, "picky")["outbox_storage"]["write_blocked"], 5, "blocked"
+            )
             oldest = engine.query("events")["oldest_sequence"]
             assert oldest == 13
             lost = [

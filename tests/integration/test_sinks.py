@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from spliceway import ApiError, Engine
+from tests.conftest import wait_until
 from tests.helpers.flows import socks_curl
 from tests.helpers.program import SPLICEWAY
 from tests.helpers.receiver import Receiver, Reply
@@ -28,7 +29,6 @@ from tests.helpers.sinks import (
     ring_events,
     sink_config,
     status_of,
-    wait_for,
     webhook,
 )
 from tests.helpers.socks import socks5_connect
@@ -70,7 +70,7 @@ def wait_completed(engine, n: int) -> dict:
         count = sum(e["event_type"] == "flow.completed" for e in ring["events"])
         return ring if count >= n else None
 
-    return wait_for(done, 10, f"{n} flow.completed events")
+    return wait_until(done, 10, f"{n} flow.completed events")
 
 
 def test_every_event_type_is_delivered_once_as_the_ring_has_it(make_engine, origin, tmp_path):
@@ -110,8 +110,8 @@ def test_every_event_type_is_delivered_once_as_the_ring_has_it(make_engine, orig
                     ring = engine.query("events")["events"]
                     return any(e["event_type"] == "flow.updated" for e in ring)
 
-                wait_for(updated, 10, "a flow.updated event")
-            wait_for(
+                wait_until(updated, 10, "a flow.updated event")
+            wait_until(
                 lambda: (
                     {"policy.probe.completed", "stats.sampled"}
                     <= {e["event_type"] for e in engine.query("events")["events"]}
@@ -187,7 +187,7 @@ def test_sinks_resource_reports_exact_counts_after_n_flows(make_engine, origin, 
             doc = get_json(url)
             return doc if all(s["pending"] == 0 for s in doc["sinks"]) else None
 
-        doc = wait_for(idle, 10, "both sinks idle")
+        doc = wait_until(idle, 10, "both sinks idle")
         assert [s["name"] for s in doc["sinks"]] == ["hook", "audit"]
         for item, delivered in (
             (status_of(doc, "hook"), len(events)),
@@ -229,7 +229,7 @@ def test_busy_sink_reports_its_delivery_stage(make_engine, tmp_path):
             )
         )
         rx.wait_for(1)
-        item = wait_for(
+        item = wait_until(
             lambda: (s := status_of(engine.query("sinks"), "hook")).get("delivery") and s,
             5,
             "a delivery block",
@@ -255,7 +255,7 @@ def test_memory_outbox_delivers_and_reports_no_storage(make_engine, origin, tmp_
             {e["event_id"]: expected_body(e) for e in events},
         )
         assert len(rx.requests) == len(events)
-        doc = wait_for(
+        doc = wait_until(
             lambda: (
                 (d := engine.query("sinks")) and all(s["pending"] == 0 for s in d["sinks"]) and d
             ),
@@ -301,7 +301,7 @@ def test_second_engine_on_the_same_outbox_is_refused_with_conflict(make_engine, 
         # The first engine still owns the outbox and delivers.
         flows(first, origin, 1)
         rx.wait_for(4)
-        wait_for(
+        wait_until(
             lambda: status_of(first.query("sinks"), "hook")["total_delivered"] == 4,
             5,
             "the first engine's four deliveries counted",
