@@ -30,7 +30,7 @@ from spliceway.connector.diskgate import DiskGate
 from spliceway.connector.intake import Feed
 from spliceway.connector.jsonl import JsonlWriter
 from spliceway.connector.outbox import Item, Outbox
-from spliceway.connector.policy import Action, DeliveryPolicy, next_step
+from spliceway.connector.policy import Action, DeliveryPolicy, Verdict, classify, next_step
 from spliceway.connector.webhook import DeliveryError, WebhookClient
 
 from spliceway.events import now_ms
@@ -185,7 +185,7 @@ class SinkActor(pykka.ThreadingActor):
             status, retry_after, error = None, None, str(ex)
         finally:
             self.state.in_flight = 0
-        if status is not None and 200 <= status < 300:
+        if classify(status) is Verdict.ACK:
             self._acknowledge([item])
             return
         self._failed(error or f"HTTP {status}")

@@ -172,8 +172,9 @@ def cmd_connector(command: str, path: str, as_json: bool) -> int:
                 )
     except ApiError as ex:
         print(f"spliceway: {ex.code}: {ex.message}", file=sys.stderr)
-        for line in _problems(ex) if ex.details else []:
-            print(f"spliceway: {line}", file=sys.stderr)
+        if ex.details:
+            for line in _problems(ex):
+                print(f"spliceway: {line}", file=sys.stderr)
         return EXIT_INVALID
     return EXIT_OK
 
