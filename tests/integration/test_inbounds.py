@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from tests.conftest import base_config, wait_until
-from tests.helpers.flows import completed, flow_events, proxy_curl, socks_curl
+from tests.helpers.flows import completed, flow_events, proxy_curl, socks_curl, socks_fetch
 from tests.helpers.servers import CountingPeer
 from tests.helpers.socks import recv_all, socks5_connect
 from tests.helpers.upstreams import free_port
@@ -16,17 +16,7 @@ from tests.helpers.upstreams import free_port
 
 def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
     engine = make_engine()
-    result = socks_curl(
-        engine,
-        f"http://127.0.0.1:{origin[1]}/bytes/12345",
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code} %{size_request} %{size_header} %{size_download}",
-    )
-    assert result.returncode == 0, result.stderr
-    code, size_request, size_header, size_download = map(int, result.stdout.split())
-    assert (code, size_download) == (200, 12345)
+    size_header, size_download, size_request = socks_fetch(engine, origin, 12345)
     (done,) = completed(engine)
     record = done["payload"]["record"]
     assert record["state"] == "completed"
