@@ -101,6 +101,21 @@ class RawServer:
         self._listener.close()
 
 
+def post_in_thread(client: WebhookClient) -> tuple[threading.Thread, list[str]]:
+    """Start ``client.post(b"{}")`` on a thread; the list collects its DeliveryError text."""
+    errors: list[str] = []
+
+    def post():
+        try:
+            client.post(b"{}")
+        except DeliveryError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread, errors
+
+
 @pytest.fixture
 def raw_server():
     servers = []
@@ -339,23 +354,13 @@ def test_connection_refused(client_for):
 def test_abort_unblocks_a_hung_post_from_another_thread(receiver, client_for):
     receiver.script(Reply(hang=True))
     client = client_for(receiver.url, timeout_ms=10_000)
-    outcome = []
-
-    def post():
-        start = time.monotonic()
-        try:
-            client.post(b"{}")
-        except DeliveryError as exc:
-            outcome.append((str(exc), time.monotonic() - start))
-
-    thread = threading.Thread(target=post)
-    thread.start()
+    thread, errors = post_in_thread(client)
     receiver.wait_for(1)
     aborted_at = time.monotonic()
     client.abort()
     thread.join(timeout=5)
     assert not thread.is_alive()
-    assert outcome and outcome[0][0] == "aborted"
+    assert errors == ["aborted"]
     assert time.monotonic() - aborted_at < 0.5
     with pytest.raises(DeliveryError, match=r"^aborted$"):
         client.post(b"{}")
@@ -413,16 +418,7 @@ def test_receiver_records_before_replying_and_runs_before_hooks(receiver, client
 def test_receiver_serves_concurrent_connections(receiver):
     receiver.script(Reply(hang=True))
     hung = WebhookClient(receiver.url, None, 5000)
-    errors = []
-
-    def post():
-        try:
-            hung.post(b"{}")
-        except DeliveryError as exc:
-            errors.append(str(exc))
-
-    thread = threading.Thread(target=post)
-    thread.start()
+    thread, errors = post_in_thread(hung)
     receiver.wait_for(1)
     other = WebhookClient(receiver.url, None, 2000)
     assert other.post(b"{}").status == 200
@@ -547,16 +543,7 @@ def test_https_timeout_and_abort(tls_pair, raw_server, client_for):
     assert 0.29 <= time.monotonic() - start < 0.8
 
     slow = client_for(url, timeout_ms=10_000, ssl_context=client_ctx)
-    errors = []
-
-    def post():
-        try:
-            slow.post(b"{}")
-        except DeliveryError as exc:
-            errors.append(str(exc))
-
-    thread = threading.Thread(target=post)
-    thread.start()
+    thread, errors = post_in_thread(slow)
     assert second_request.wait(5)
     slow.abort()
     thread.join(timeout=2)
