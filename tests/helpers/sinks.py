@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from tests.conftest import base_config, wait_until
+from tests.helpers.flows import socks_curl
 from tests.helpers.program import SPLICEWAY
 
 #: A stats interval no test outlives: no stats.sampled events unless a test wants them.
@@ -165,6 +166,24 @@ def assert_at_least_once(delivered: dict[str, list[bytes]], expected: dict[str, 
             assert bodies[0] == expected[event_id], (
                 f"{event_id}: delivered {bodies[0][:300]!r}, expected {expected[event_id][:300]!r}"
             )
+
+
+def flows(engine: Any, origin: tuple[str, int], n: int) -> None:
+    """``n`` flows through the engine's socks-in, each answered by ``origin``."""
+    for _ in range(n):
+        result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
+        assert result.stdout == "hello from origin\n", result.stderr
+
+
+def wait_completed(engine: Any, n: int) -> dict[str, Any]:
+    """The ring once it holds ``n`` flow.completed events."""
+
+    def done() -> dict[str, Any] | None:
+        ring = engine.query("events")
+        count = sum(e["event_type"] == "flow.completed" for e in ring["events"])
+        return ring if count >= n else None
+
+    return wait_until(done, 10, f"{n} flow.completed events")
 
 
 # -- the engine as a program ------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 from spliceway.connector.outbox import OutboxStore
 
 from tests.conftest import wait_until
-from tests.helpers.flows import curl, socks_curl
+from tests.helpers.flows import curl
 from tests.helpers.receiver import Receiver, Reply
 from tests.helpers.sinks import (
     EngineProcess,
@@ -31,6 +31,7 @@ from tests.helpers.sinks import (
     durable_acked_id,
     expected_body,
     flip_byte,
+    flows,
     freeze_process,
     group_bodies,
     read_ledger_slots,
@@ -41,6 +42,7 @@ from tests.helpers.sinks import (
     sink_dir,
     status_of,
     unread_bytes_from,
+    wait_completed,
     webhook,
 )
 from tests.helpers.upstreams import free_port
@@ -50,12 +52,6 @@ MIB = 1024 * 1024
 
 def hook(engine, name: str = "hook") -> dict:
     return status_of(engine.query("sinks"), name)
-
-
-def flows(engine, origin, n: int) -> None:
-    for _ in range(n):
-        result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
-        assert result.stdout == "hello from origin\n", result.stderr
 
 
 def wait_idle(engine, name: str = "hook", timeout: float = 10) -> dict:
@@ -72,12 +68,7 @@ def wait_durable(engine, name: str = "hook", completed: int = 0) -> dict:
     """The ring once it holds ``completed`` flow.completed events and sink ``name``'s
     cursor reached its latest sequence (all accepted)."""
 
-    def ready() -> dict | None:
-        ring = engine.query("events")
-        done = sum(e["event_type"] == "flow.completed" for e in ring["events"])
-        return ring if done >= completed else None
-
-    ring = wait_until(ready, 10, f"{completed} flow.completed events")
+    ring = wait_completed(engine, completed)
     latest = ring["latest_sequence"]
     wait_until(lambda: hook(engine, name)["cursor_sequence"] >= latest, 10, "the cursor")
     return ring

@@ -12,7 +12,6 @@ import pytest
 
 from spliceway import ApiError, Engine
 from tests.conftest import wait_until
-from tests.helpers.flows import socks_curl
 from tests.helpers.program import SPLICEWAY
 from tests.helpers.receiver import Receiver, Reply
 from tests.helpers.servers import EchoServer
@@ -24,11 +23,13 @@ from tests.helpers.sinks import (
     STORAGE_KEYS,
     assert_at_least_once,
     expected_body,
+    flows,
     group_bodies,
     jsonl,
     ring_events,
     sink_config,
     status_of,
+    wait_completed,
     webhook,
 )
 from tests.helpers.socks import socks5_connect
@@ -54,23 +55,6 @@ def get_json(url: str) -> dict:
         doc = json.loads(answer.read())
     assert doc["ok"] is True, doc
     return doc["result"]
-
-
-def flows(engine, origin, n: int) -> None:
-    for _ in range(n):
-        result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
-        assert result.stdout == "hello from origin\n", result.stderr
-
-
-def wait_completed(engine, n: int) -> dict:
-    """The ring once it holds ``n`` flow.completed events."""
-
-    def done() -> dict | None:
-        ring = engine.query("events")
-        count = sum(e["event_type"] == "flow.completed" for e in ring["events"])
-        return ring if count >= n else None
-
-    return wait_until(done, 10, f"{n} flow.completed events")
 
 
 def test_every_event_type_is_delivered_once_as_the_ring_has_it(make_engine, origin, tmp_path):
