@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -104,14 +104,7 @@ class Receiver:
 
     def bodies_by_event_id(self) -> dict[str, list[bytes]]:
         """Request bodies grouped by their JSON ``event_id``, to spot loss and duplicates."""
-        grouped: dict[str, list[bytes]] = {}
-        for request in self.requests:
-            try:
-                event_id = json.loads(request.body)["event_id"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise AssertionError(f"body without an event_id: {request.body[:200]!r}") from exc
-            grouped.setdefault(str(event_id), []).append(request.body)
-        return grouped
+        return group_bodies(r.body for r in self.requests)
 
     def close(self) -> None:
         """Stop accepting, release hung requests, close every connection, join the threads."""
@@ -213,6 +206,18 @@ class Receiver:
             self._received.append(request)
             self._changed.notify_all()
             return self._script.popleft() if self._script else self.default
+
+
+def group_bodies(bodies: Iterable[bytes]) -> dict[str, list[bytes]]:
+    """Bodies grouped by their JSON ``event_id``."""
+    grouped: dict[str, list[bytes]] = {}
+    for body in bodies:
+        try:
+            event_id = json.loads(body)["event_id"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AssertionError(f"body without an event_id: {body[:200]!r}") from exc
+        grouped.setdefault(str(event_id), []).append(body)
+    return grouped
 
 
 def _wants_close(request: Received, reply: Reply) -> bool:

@@ -147,14 +147,6 @@ def ring_events(events_doc: dict[str, Any], types: Iterable[str] = ()) -> list[d
     ]
 
 
-def group_bodies(bodies: Iterable[bytes]) -> dict[str, list[bytes]]:
-    """Bodies by their ``event_id``."""
-    grouped: dict[str, list[bytes]] = {}
-    for body in bodies:
-        grouped.setdefault(str(json.loads(body)["event_id"]), []).append(body)
-    return grouped
-
-
 def assert_at_least_once(delivered: dict[str, list[bytes]], expected: dict[str, bytes]) -> None:
     """The oracle: every expected event arrived at least once, every copy of an event
     is byte-identical, and equal to the expected body."""

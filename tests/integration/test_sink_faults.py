@@ -24,7 +24,7 @@ from spliceway.connector.outbox import OutboxStore
 
 from tests.conftest import wait_until
 from tests.helpers.flows import curl
-from tests.helpers.receiver import Receiver, Reply
+from tests.helpers.receiver import Receiver, Reply, group_bodies
 from tests.helpers.sinks import (
     EngineProcess,
     assert_at_least_once,
@@ -33,7 +33,6 @@ from tests.helpers.sinks import (
     flip_byte,
     flows,
     freeze_process,
-    group_bodies,
     read_ledger_slots,
     read_records,
     ring_events,
@@ -124,7 +123,7 @@ def test_500_then_429_with_retry_after_then_200(make_engine, tmp_path):
         assert item["last_success_at_unix_ms"] >= item["last_failure_at_unix_ms"]
         assert item["total_dead_lettered"] == item["total_discarded"] == item["dead_letters"] == 0
         ring = engine.query("events")
-        assert_at_least_once(group_bodies(r.body for r in rx.requests), expected_from(ring))
+        assert_at_least_once(rx.bodies_by_event_id(), expected_from(ring))
         assert len({r.body for r in requests}) == 1, "the retries carry the same bytes"
         assert len(rx.requests) == 3
 
@@ -156,7 +155,7 @@ def test_400_is_never_retried(make_engine, origin, tmp_path, on_exhausted, dead,
         assert item["dead_letters"] == dead
         assert item["total_discarded"] == discarded
         assert item["last_error"] is None
-        delivered = group_bodies(r.body for r in rx.requests)
+        delivered = rx.bodies_by_event_id()
         assert_at_least_once(delivered, expected_from(ring))
         assert all(len(b) == 1 for b in delivered.values()), "a rejected event was retried"
         assert len(rx.requests) == len(events)
@@ -241,7 +240,7 @@ def test_301_is_not_followed(make_engine, origin, tmp_path):
         assert item["total_delivered"] == len(events) - 1
         assert elsewhere.requests == []
         assert elsewhere.connections == 0
-        delivered = group_bodies(r.body for r in rx.requests)
+        delivered = rx.bodies_by_event_id()
         assert_at_least_once(delivered, expected_from(ring))
         assert len(rx.requests) == len(events)
 
@@ -268,7 +267,7 @@ def test_hung_receiver_times_out_and_is_retried(make_engine, tmp_path):
         assert item["total_delivered"] == 1
         assert item["last_error"] is None
         assert_at_least_once(
-            group_bodies(r.body for r in rx.requests), expected_from(engine.query("events"))
+            rx.bodies_by_event_id(), expected_from(engine.query("events"))
         )
         assert len(rx.requests) == 3
 
@@ -285,7 +284,7 @@ def test_reset_mid_response_is_retried(make_engine, tmp_path):
         assert item["total_delivered"] == 1
         assert requests[0].body == requests[1].body
         assert_at_least_once(
-            group_bodies(r.body for r in rx.requests), expected_from(engine.query("events"))
+            rx.bodies_by_event_id(), expected_from(engine.query("events"))
         )
         assert len(rx.requests) == 2
         assert rx.connections == 2
@@ -309,7 +308,7 @@ def test_a_hung_sink_does_not_hold_up_another(make_engine, origin, tmp_path):
         rx.wait_for(len(events))
         item = wait_idle(engine)
         assert item["total_delivered"] == len(events)
-        assert_at_least_once(group_bodies(r.body for r in rx.requests), expected_from(ring))
+        assert_at_least_once(rx.bodies_by_event_id(), expected_from(ring))
         blocked = hook(engine, "stuck")
         assert blocked["delivery"]["in_flight"] == 1
         assert blocked["pending"] == len(events)
@@ -598,7 +597,7 @@ def test_damaged_newest_ack_slot_falls_back_to_the_older_one(make_engine, origin
         resent = new_acked - old_acked
         rx.wait_for(first_run + resent + 1)
         wait_idle(again)
-        delivered = group_bodies(r.body for r in rx.requests)
+        delivered = rx.bodies_by_event_id()
         assert_at_least_once(delivered, group_first(rx.requests[:first_run]))
         twice = [eid for eid, bodies in delivered.items() if len(bodies) == 2]
         assert len(twice) == resent

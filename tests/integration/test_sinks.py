@@ -24,7 +24,6 @@ from tests.helpers.sinks import (
     assert_at_least_once,
     expected_body,
     flows,
-    group_bodies,
     jsonl,
     ring_events,
     sink_config,
@@ -108,7 +107,7 @@ def test_every_event_type_is_delivered_once_as_the_ring_has_it(make_engine, orig
         selected = ring_events(ring)
         rx.wait_for(len(selected))
         engine.stop()
-        delivered = group_bodies(r.body for r in rx.requests)
+        delivered = rx.bodies_by_event_id()
         # Every ring event (from before the stop) arrived, byte-identical to the ring.
         expected = {e["event_id"]: expected_body(e) for e in selected}
         assert_at_least_once(delivered, expected)
@@ -235,7 +234,7 @@ def test_memory_outbox_delivers_and_reports_no_storage(make_engine, origin, tmp_
         events = ring_events(wait_completed(engine, 2))
         rx.wait_for(len(events))
         assert_at_least_once(
-            group_bodies(r.body for r in rx.requests),
+            rx.bodies_by_event_id(),
             {e["event_id"]: expected_body(e) for e in events},
         )
         assert len(rx.requests) == len(events)
