@@ -13,7 +13,7 @@ from spliceway.api.server import ControlServer
 
 from tests.api.conftest import RELAXED
 from tests.api.sse_client import Stream
-from tests.conftest import wait_until
+from tests.conftest import base_config, wait_until
 from tests.helpers.socks import recv_all, socks5_connect
 
 LIFECYCLE = ("flow.started", "flow.routed", "flow.completed")
@@ -188,8 +188,6 @@ def test_sixth_stream_is_refused_and_a_dropped_client_frees_its_slot(
 
 
 def test_keepalive_comments_on_an_idle_stream(make_engine: Callable[..., Any]) -> None:
-    from tests.conftest import base_config
-
     engine = make_engine(base_config(runtime={"stats_interval_ms": 60000}))
     app = create_app(engine, keys=KeyTable([]), limits=RELAXED, keepalive_s=0.2)
     server = ControlServer(app, "127.0.0.1", 0)
