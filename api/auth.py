@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from spliceway.commands import PERMISSIONS, grants
-from spliceway.config import ControlApi
-from spliceway.errors import ApiError, invalid_argument
+from spliceway.config import ControlApi, check_environment_details, control_environment_problems
+from spliceway.errors import ApiError
 
 ALL_PERMISSIONS = frozenset(PERMISSIONS)
 
@@ -66,21 +66,16 @@ class KeyTable:
 
     @classmethod
     def from_config(cls, control: ControlApi, environ: Mapping[str, str] | None = None) -> KeyTable:
-        """Read every key from the environment; an unset variable is an error naming it."""
+        """Read every key from the environment; unset variables are one error naming each."""
         env = os.environ if environ is None else environ
+        check_environment_details(control_environment_problems(control, env))
         keys: list[tuple[str, str, frozenset[str]]] = []
         admin = control.read_api_key(env)
         if admin is not None:
             keys.append(("admin", admin, frozenset({"admin"})))
-        for i, spec in enumerate(control.keys):
-            value = env.get(spec.key_env)
-            if not value:
-                raise invalid_argument(
-                    f"environment variable {spec.key_env} (api.control.keys[{i}].key_env) "
-                    "is not set",
-                    field_path=f"api.control.keys[{i}].key_env",
-                )
-            keys.append((spec.name, value, frozenset(spec.permissions)))
+        keys.extend(
+            (spec.name, env[spec.key_env], frozenset(spec.permissions)) for spec in control.keys
+        )
         return cls(keys)
 
     @property

@@ -82,7 +82,7 @@ from pydantic import (
     model_validator,
 )
 
-from spliceway.errors import ApiError, Detail, invalid_argument
+from spliceway.errors import ApiError, Detail
 from spliceway.policy import parse_probe_url
 
 __all__ = [
@@ -122,8 +122,12 @@ __all__ = [
     "TunSettings",
     "UrlTestGroup",
     "WebhookSink",
+    "check_environment",
+    "check_environment_details",
+    "control_environment_problems",
     "default_config",
     "default_ipc_path",
+    "environment_problems",
     "load_config_file",
     "parse_config",
     "parse_dns_server",
@@ -725,16 +729,15 @@ class ControlApi(_Model):
         """The admin token, or ``None`` when ``api_key_env`` is null.
 
         Raises ``ApiError(invalid_argument)`` naming the variable when it is not set
-        (decisions 1.1: the engine then refuses to start, exit status 2).
+        (the engine then refuses to start, exit status 2); see :func:`environment_problems`.
         """
         if self.api_key_env is None:
             return None
         env = os.environ if environ is None else environ
         value = env.get(self.api_key_env)
         if not value:
-            raise invalid_argument(
-                f"environment variable {self.api_key_env} (api.control.api_key_env) is not set",
-                field_path="api.control.api_key_env",
+            check_environment_details(
+                [_unset_variable(self.api_key_env, "api.control.api_key_env")]
             )
         return value
 
@@ -1282,6 +1285,55 @@ def parse_config(doc: object) -> Config:
     if details or cfg is None:
         raise _invalid(details or [Detail("configuration is invalid")])
     return cfg
+
+
+def _unset_variable(name: str, field_path: str) -> Detail:
+    if field_path == "api.control.api_key_env":
+        remedy = (
+            f'export {name}=<the key clients must send>, or set "api_key_env": null in '
+            "api.control for a control API without a key (keep it on loopback)"
+        )
+    else:
+        remedy = f"export {name}=<the key>, or remove this entry"
+    return Detail(f"environment variable {name} is not set: {remedy}", field_path)
+
+
+def control_environment_problems(
+    control: ControlApi, environ: Mapping[str, str] | None = None
+) -> list[Detail]:
+    """The control API's key variables (``api_key_env``, ``keys[].key_env``) that are unset."""
+    env = os.environ if environ is None else environ
+    problems: list[Detail] = []
+    if control.api_key_env is not None and not env.get(control.api_key_env):
+        problems.append(_unset_variable(control.api_key_env, "api.control.api_key_env"))
+    for i, key in enumerate(control.keys):
+        if not env.get(key.key_env):
+            problems.append(_unset_variable(key.key_env, f"api.control.keys[{i}].key_env"))
+    return problems
+
+
+def environment_problems(config: Config, environ: Mapping[str, str] | None = None) -> list[Detail]:
+    """Every environment variable ``config`` needs at start that is unset or empty.
+
+    The document can be valid while its environment is not: ``spliceway validate``
+    reports these beside the document's own problems, and the engine refuses to start
+    on any of them (the control API's keys are read only when it is enabled).
+    """
+    control = config.api.control
+    return control_environment_problems(control, environ) if control.enabled else []
+
+
+def check_environment(config: Config, environ: Mapping[str, str] | None = None) -> None:
+    """Raise ``invalid_argument`` listing every problem :func:`environment_problems` finds."""
+    check_environment_details(environment_problems(config, environ))
+
+
+def check_environment_details(problems: list[Detail]) -> None:
+    """Raise ``invalid_argument`` (field path of the first) when ``problems`` is not empty."""
+    if problems:
+        error = _invalid(problems, "the configuration names environment variables that are not set")
+        error.field_path = problems[0].field_path
+        raise error
 
 
 class _DuplicateKeyError(ValueError):
