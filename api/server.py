@@ -11,6 +11,8 @@ flush, close every channel, join the loop, then the workers.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -37,27 +39,31 @@ class ControlServer:
     def __init__(self, app: ControlApp, address: str, port: int) -> None:
         self._state = app.state
         threads = self._state.limits.sse_streams + _SPARE_THREADS
+        # Bound here, before Waitress builds anything: if the port is taken, no worker
+        # thread, trigger pipe or socket of a half-made server is left behind.
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
         try:
-            self._server = create_server(
-                app,
-                host=address,
-                port=port,
-                threads=threads,
-                channel_request_lookahead=1,
-                # A slow SSE reader blocks its own worker after 1 MiB instead of
-                # buffering up to Waitress's default 16 MiB per connection.
-                outbuf_high_watermark=_OUTBUF_HIGH_WATERMARK,
-                ident="spliceway",
-                expose_tracebacks=False,
-                clear_untrusted_proxy_headers=True,
-                asyncore_use_poll=True,
-            )
+            sock = socket.create_server((address, port), family=family, backlog=1024)
         except OSError as ex:
             raise ApiError(
                 "conflict",
-                f"control API cannot listen on {address}:{port}: {ex.strerror or ex}",
+                f"control API cannot listen on {address}:{port}: "
+                f"{os.strerror(ex.errno) if ex.errno else ex}",
                 field_path="api.control.listen",
             ) from ex
+        self._server = create_server(
+            app,
+            sockets=[sock],
+            threads=threads,
+            channel_request_lookahead=1,
+            # A slow SSE reader blocks its own worker after 1 MiB instead of
+            # buffering up to Waitress's default 16 MiB per connection.
+            outbuf_high_watermark=_OUTBUF_HIGH_WATERMARK,
+            ident="spliceway",
+            expose_tracebacks=False,
+            clear_untrusted_proxy_headers=True,
+            asyncore_use_poll=True,
+        )
         self.address: tuple[str, int] = (
             self._server.effective_host,  # type: ignore[union-attr]
             int(self._server.effective_port),  # type: ignore[union-attr]

@@ -8,6 +8,8 @@ A stream is a WSGI iterable the server drains on one of its worker threads:
   continues exactly after the baseline);
 - a comment line every ``keepalive_s`` (at most 15 s) keeps proxies from
   timing out an idle stream;
+- at engine stop, ``engine.stopped`` is the last frame of every stream, whatever
+  its ``types`` filter, and then the response ends;
 - a slot of the concurrency limit is held from acceptance until the server
   calls ``close()``, which it does for every response, however it ended; the
   stream also notices a vanished client between frames (Waitress's
@@ -125,7 +127,14 @@ class EventStream:
                 yield b"".join(self._frames.frame(e) for e in batch)
                 last_write = time.monotonic()
                 continue
-            if self._sub.closed or self._disconnected():
+            if self._sub.closed:
+                final = self._sub.ended_by
+                # engine.stopped ends every stream, filter or not, so a client can tell
+                # a shutdown from a dropped connection.
+                if final is not None and not self._sub.accepts(final["event_type"]):
+                    yield self._frames.frame(final)
+                return
+            if self._disconnected():
                 return
             if time.monotonic() - last_write >= self._keepalive_s:
                 yield b": keep-alive\n\n"

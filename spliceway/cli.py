@@ -1,13 +1,16 @@
-"""The ``spliceway`` command line (decisions 6).
+"""The ``spliceway`` command line (docs/running.md).
 
 Subcommands in this build: ``run [-c FILE]`` (foreground engine and, when
 ``api.control`` is enabled, its HTTP control API; SIGINT/SIGTERM stop it
-cleanly with exit 0), ``validate FILE`` (offline; exit 0, or 1 with one
-line per problem), ``connector state [--json] FILE`` and ``connector
-dead-letters [--json] FILE`` (read the outbox the file names while the engine is
-stopped; exit 1 with the error code when it cannot) and ``build-info``. Exit
-status 2 means the engine could not start (port in use, outbox locked by another
-engine, invalid or unsupported configuration).
+cleanly with exit 0; SIGHUP is logged and ignored until hot reload is built),
+``validate FILE`` (offline, the environment variables the file names included;
+exit 0, or 1 with one line per problem), ``config-schema`` (the configuration's
+JSON Schema), ``connector state [--json] FILE`` and ``connector dead-letters
+[--json] FILE`` (read the outbox the file names while the engine is stopped;
+exit 1 with the error code when it cannot) and ``build-info``. Exit status 2
+means the engine could not start (invalid configuration, an unset key
+variable, a port in use, the outbox locked by another engine, an unsupported
+setting); the reason is printed one problem per line, never as a traceback.
 """
 
 from __future__ import annotations
@@ -44,8 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the engine in the foreground")
     run.add_argument("-c", "--config", help="configuration file (default: the embedded default)")
-    validate = sub.add_parser("validate", help="validate a configuration file offline")
+    validate = sub.add_parser(
+        "validate", help="check a configuration file and the environment variables it names"
+    )
     validate.add_argument("file")
+    sub.add_parser("config-schema", help="print the configuration's JSON Schema")
     sub.add_parser("build-info", help="print what this build contains")
     connector = sub.add_parser("connector", help="inspect the event sinks' outbox offline")
     what = connector.add_subparsers(dest="connector_command", required=True)
@@ -66,17 +72,46 @@ def _problems(err: ApiError) -> list[str]:
 
 
 def cmd_validate(path: str) -> int:
-    """``spliceway validate FILE``."""
-    from spliceway.config import load_config_file
+    """``spliceway validate FILE``: the document's problems, then its environment's."""
+    from spliceway.config import environment_problems, load_config_file
 
     try:
-        load_config_file(path)
+        config = load_config_file(path)
     except ApiError as ex:
         for line in _problems(ex):
             print(line)
         return EXIT_INVALID
+    unset = environment_problems(config)
+    if unset:
+        for detail in unset:
+            print(f"{detail.field_path}: {detail.message}")
+        return EXIT_INVALID
     print(f"{path}: valid")
     return EXIT_OK
+
+
+def cmd_config_schema() -> int:
+    """``spliceway config-schema``: the JSON Schema of the configuration document."""
+    from spliceway.config import Config
+
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        **Config.model_json_schema(),
+        "title": "spliceway configuration",
+    }
+    print(orjson.dumps(schema, option=orjson.OPT_INDENT_2).decode())
+    return EXIT_OK
+
+
+def _cannot_start(ex: ApiError) -> int:
+    if ex.details and len(ex.details) > 1:
+        print(f"spliceway: cannot start: {ex.code}: {ex.message}", file=sys.stderr)
+        for line in _problems(ex):
+            print(f"spliceway: {line}", file=sys.stderr)
+    else:
+        where = f"{ex.field_path}: " if ex.field_path else ""
+        print(f"spliceway: cannot start: {ex.code}: {where}{ex.message}", file=sys.stderr)
+    return EXIT_START_FAILED
 
 
 def _setup_logging(config: Any) -> None:
@@ -107,15 +142,17 @@ def cmd_run(config_path: str | None) -> int:
             print(f"spliceway: invalid configuration: {line}", file=sys.stderr)
         return EXIT_START_FAILED
     _setup_logging(config)
-    stop = threading.Event()
+    log = logging.getLogger("spliceway")
+    # Handlers only record the signal; the main loop acts on it, outside signal context.
     received: list[int] = []
+    wake = threading.Event()
 
     def _on_signal(signum: int, frame: object) -> None:
         received.append(signum)
-        stop.set()
+        wake.set()
 
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
     try:
         import pykka.debug
 
@@ -126,19 +163,39 @@ def cmd_run(config_path: str | None) -> int:
         engine = Engine(config, config_path=config_path)
         engine.start()
     except ApiError as ex:
-        print(f"spliceway: {ex.code}: {ex.message}", file=sys.stderr)
-        return EXIT_START_FAILED
-    log = logging.getLogger("spliceway")
+        return _cannot_start(ex)
+    except Exception as ex:
+        log.debug("start failed", exc_info=True)
+        return _cannot_start(ApiError("internal", f"{type(ex).__name__}: {ex}"))
     for spec, (address, port) in zip(engine.core.inbounds, engine.core.bound, strict=True):
         log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
     if config.api.control.enabled:
         log.info("control API listening on %s/api/v1/", engine.control_url)
-    while not stop.wait(1.0):
-        pass
+    stop_signal: int | None = None
+    while stop_signal is None:
+        wake.wait()
+        wake.clear()
+        while received:
+            signum = received.pop(0)
+            if signum == signal.SIGHUP:
+                _ignore_sighup(engine, log)
+            elif stop_signal is None:
+                stop_signal = signum
     engine.stop(reason="signal")
-    name = signal.Signals(received[0]).name if received else "signal"
-    log.info("engine stopped on %s", name)
+    log.info("engine stopped on %s", signal.Signals(stop_signal).name)
     return EXIT_OK
+
+
+SIGHUP_IGNORED = "sighup_ignored"
+
+
+def _ignore_sighup(engine: Any, log: logging.Logger) -> None:
+    message = (
+        "SIGHUP received: hot reload is not built in this version; "
+        "the running configuration is kept"
+    )
+    log.warning("%s", message)
+    engine.core.log.emit("engine.warning", {"code": SIGHUP_IGNORED, "message": message})
 
 
 def cmd_connector(command: str, path: str, as_json: bool) -> int:
@@ -200,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_validate(args.file)
     if args.command == "run":
         return cmd_run(args.config)
+    if args.command == "config-schema":
+        return cmd_config_schema()
     if args.command == "connector":
         return cmd_connector(args.connector_command, args.file, args.json)
     return cmd_build_info()

@@ -406,29 +406,53 @@ class Mode(_Model):
     """``mode``: ``rule`` (rules then final), ``global`` (all to ``outbound``), ``direct``."""
 
     kind: Literal["rule", "global", "direct"] = "rule"
+    """How new flows are routed: `rule` tries `rules` in order, then `route.final`; `global`
+    sends every flow to `mode.outbound`; `direct` sends every flow to the built-in `direct`
+    outbound. The `mode.set` command changes it while the engine runs (not written back to
+    the file).
+    """
     outbound: Tag | None = None
+    """Outbound or group tag every flow takes when `kind` is `global` (required then); not used
+    by the other kinds.
+    """
 
 
 class Listen(_Model):
     """A listen address whose port is required (inbounds, ``runtime.dns.listen``)."""
 
     address: IpAddr = "127.0.0.1"
+    """IP address to bind (`0.0.0.0` or `::` for every interface), or `localhost`."""
     port: ListenPort
+    """TCP port to bind; `0` lets the operating system choose a free one (`GET /api/v1/config`
+    shows the port it chose).
+    """
 
 
 class ControlListen(_Model):
     """``api.control.listen`` (defaults 127.0.0.1:9090)."""
 
     address: IpAddr = "127.0.0.1"
+    """IP address the control API binds (`0.0.0.0` or `::` for every interface), or
+    `localhost`. Keep it on loopback unless a key is configured.
+    """
     port: ListenPort = 9090
+    """TCP port of the control API; `0` lets the operating system choose."""
 
 
 class InboundUser(_Model):
     """One user of an authenticating inbound; ``principal_key`` defaults to the username."""
 
     username: Credential
+    """User name the client sends (SOCKS5 username/password or HTTP `Proxy-Authorization:
+    Basic`), 1 to 255 UTF-8 bytes, unique on its inbound, no `:` on `http` and `mixed`
+    inbounds.
+    """
     password: Credential
+    """Password of this user, 1 to 255 UTF-8 bytes."""
     principal_key: NonEmptyStr
+    """Identity recorded for this user's flows (the events' `principal_key`, the `flows` query
+    filter) and matched by rules' `principal_key`. Defaults to `username`.
+    """
 
     @model_validator(mode="before")
     @classmethod
@@ -440,12 +464,32 @@ class Inbound(_Model):
     """An inbound listener (``socks5``, ``http`` or ``mixed``)."""
 
     tag: Tag
+    """Name of this inbound, unique among inbounds; flow records, the `flows` query filter and
+    rules' `inbound_tag` refer to it.
+    """
     protocol: Literal["socks5", "http", "mixed"]
+    """What clients speak: `socks5` (CONNECT), `http` (CONNECT and absolute-URI forwarding) or
+    `mixed` (both on one port, told apart by the first byte).
+    """
     listen: Listen
+    """Where to accept connections."""
     udp: SBool = True
+    """Reserved for UDP relay (SOCKS5 UDP ASSOCIATE), which this build does not have: UDP
+    ASSOCIATE is refused whatever this says.
+    """
     sniff: SBool = True
+    """Peek at the client's first bytes for a TLS SNI or HTTP Host, so domain rules can match a
+    flow that names an IP address. Turn it off for server-first protocols (SSH, SMTP), which
+    would otherwise wait `sniff_timeout_ms`.
+    """
     sniff_timeout_ms: NonNegInt = 300
+    """Longest wait for the client's first bytes when sniffing, in milliseconds; `0` does not
+    wait (only bytes that came with the request are examined).
+    """
     users: Annotated[tuple[InboundUser, ...], Field(min_length=1)] | None = None
+    """Accepted credentials; `null` (or absent) accepts every client without authentication.
+    When given it must not be empty.
+    """
 
 
 # ---------------------------------------------------------------------------
@@ -457,53 +501,89 @@ class DirectOutbound(_Model):
     """Connect to the target itself."""
 
     tag: Tag
+    """Name of this outbound, unique among outbounds and groups. `direct` names the built-in
+    direct outbound, which exists even when not listed.
+    """
     protocol: Literal["direct"]
+    """`direct`: connect to the target itself."""
     connect_timeout_ms: Timeout = 5000
+    """Budget for resolving the target and connecting to it, in milliseconds; when it runs out
+    the flow fails with code `connect_timeout`.
+    """
 
 
 class BlockOutbound(_Model):
     """Refuse the flow."""
 
     tag: Tag
+    """Name of this outbound, unique among outbounds and groups."""
     protocol: Literal["block"]
+    """`block`: refuse every flow routed here (outcome `blocked`)."""
 
 
 class Socks5Outbound(_Model):
     """An upstream SOCKS5 proxy (optional RFC 1929 credentials, both or neither)."""
 
     tag: Tag
+    """Name of this outbound, unique among outbounds and groups."""
     protocol: Literal["socks5"]
+    """`socks5`: reach targets through a SOCKS5 proxy (CONNECT)."""
     server: NonEmptyStr
+    """Host name or IP address of the proxy, resolved with `runtime.dns`."""
     port: RemotePort
+    """TCP port of the proxy."""
     username: Credential | None = None
+    """RFC 1929 user name (1 to 255 UTF-8 bytes); set `username` and `password` together or
+    neither (`null`: no authentication).
+    """
     password: Credential | None = None
+    """RFC 1929 password (1 to 255 UTF-8 bytes); required when `username` is set."""
     connect_timeout_ms: Timeout = 5000
+    """Budget for reaching the proxy and completing its handshake, in milliseconds."""
 
 
 class HttpOutbound(_Model):
     """An upstream HTTP proxy used with CONNECT (optional Basic credentials)."""
 
     tag: Tag
+    """Name of this outbound, unique among outbounds and groups."""
     protocol: Literal["http"]
+    """`http`: reach targets through an HTTP proxy with CONNECT (plain HTTP to the proxy, no
+    TLS).
+    """
     server: NonEmptyStr
+    """Host name or IP address of the proxy, resolved with `runtime.dns`."""
     port: RemotePort
+    """TCP port of the proxy."""
     username: NonEmptyStr | None = None
+    """User name sent as `Proxy-Authorization: Basic`; set `username` and `password` together
+    or neither (`null`: no authentication).
+    """
     password: SStr | None = None
+    """Password for Basic authentication (may be empty); required when `username` is set."""
     connect_timeout_ms: Timeout = 5000
+    """Budget for reaching the proxy and getting its answer to CONNECT, in milliseconds."""
 
 
 class ShadowsocksOutbound(_Model):
     """An upstream Shadowsocks (AEAD) server."""
 
     tag: Tag
+    """Name of this outbound, unique among outbounds and groups."""
     protocol: Literal["shadowsocks"]
+    """`shadowsocks`: reach targets through a Shadowsocks AEAD server."""
     server: NonEmptyStr
+    """Host name or IP address of the server, resolved with `runtime.dns`."""
     port: RemotePort
+    """TCP port of the server."""
     method: Literal["aes-128-gcm", "aes-256-gcm", "chacha20-ietf-poly1305"] = (
         "chacha20-ietf-poly1305"
     )
+    """AEAD cipher; must match the server's."""
     password: NonEmptyStr
+    """Shared secret the session keys are derived from; must match the server's."""
     connect_timeout_ms: Timeout = 5000
+    """Budget for reaching the server and opening the session, in milliseconds."""
 
 
 AnyOutbound = DirectOutbound | BlockOutbound | Socks5Outbound | HttpOutbound | ShadowsocksOutbound
@@ -521,9 +601,15 @@ class SelectorGroup(_Model):
     """Manually selected member; ``default`` is the initial selection (first member)."""
 
     tag: Tag
+    """Name of this group, unique among outbounds and groups."""
     kind: Literal["selector"]
+    """`selector`: flows take the member chosen by hand (command `policies.select`)."""
     outbounds: Members
+    """Members: outbound or group tags, each at most once."""
     default: Tag
+    """Member selected at start; defaults to the first member. A selection made with
+    `policies.select` lasts until the engine stops.
+    """
 
     @model_validator(mode="before")
     @classmethod
@@ -535,40 +621,81 @@ class UrlTestGroup(_Model):
     """Lowest-latency healthy member, re-probed every ``interval_seconds``."""
 
     tag: Tag
+    """Name of this group, unique among outbounds and groups."""
     kind: Literal["url_test"]
+    """`url_test`: flows take the healthy member with the lowest probe latency."""
     outbounds: Members
+    """Members: outbound or group tags, each at most once, probed in every round."""
     url: ProbeUrl | None = None
+    """Plain `http://` URL probed with `HEAD` through each member. `null` uses
+    `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
+    """
     interval_seconds: PosInt = 300
+    """Seconds between scheduled probe rounds (rounds also run at start, on `policies.probe`
+    and when a flow fails to dial a member).
+    """
     tolerance_ms: NonNegInt = 50
+    """Keep the current member while it is healthy and at most this many milliseconds slower
+    than the fastest, so small jitter does not move traffic.
+    """
 
 
 class FallbackGroup(_Model):
     """First healthy member in order."""
 
     tag: Tag
+    """Name of this group, unique among outbounds and groups."""
     kind: Literal["fallback"]
+    """`fallback`: flows take the first healthy member in list order."""
     outbounds: Members
+    """Members in order of preference: outbound or group tags, each at most once."""
     url: ProbeUrl | None = None
+    """Plain `http://` URL probed with `HEAD` through each member. `null` uses
+    `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
+    """
     interval_seconds: PosInt = 300
+    """Seconds between scheduled probe rounds (rounds also run at start and when a flow fails
+    to dial a member).
+    """
 
 
 class RelayGroup(_Model):
     """A chain: members are dialled through one another in order."""
 
     tag: Tag
+    """Name of this group, unique among outbounds and groups."""
     kind: Literal["relay"]
+    """`relay`: a chain; each flow is dialled through every member in turn."""
     outbounds: Members
+    """Hops in dialling order: `socks5`, `http` or `shadowsocks` outbounds (not groups); a
+    `shadowsocks` hop can only be the last.
+    """
 
 
 class LoadBalanceGroup(_Model):
     """Spread flows over the healthy members."""
 
     tag: Tag
+    """Name of this group, unique among outbounds and groups."""
     kind: Literal["load_balance"]
+    """`load_balance`: flows are spread over the healthy members (over all members when none is
+    healthy).
+    """
     outbounds: Members
+    """Members: outbound or group tags, each at most once."""
     strategy: Literal["round_robin", "consistent_hashing", "sticky_sessions"] = "round_robin"
+    """How a member is picked: `round_robin` (in turn), `consistent_hashing` (by target host:
+    one host keeps its member) or `sticky_sessions` (by source IP: one client keeps its
+    member).
+    """
     url: ProbeUrl | None = None
+    """Plain `http://` URL probed with `HEAD` through each member. `null` uses
+    `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
+    """
     interval_seconds: PosInt = 300
+    """Seconds between scheduled probe rounds (rounds also run at start and when a flow fails
+    to dial a member).
+    """
 
 
 AnyGroup = SelectorGroup | UrlTestGroup | FallbackGroup | RelayGroup | LoadBalanceGroup
@@ -584,19 +711,49 @@ class Rule(_Model):
     """One routing rule: all named conditions must match (a list matches when any item does)."""
 
     domain: DomainList | None = None
+    """Target host names matched exactly (case-insensitive, trailing dot ignored); the sniffed
+    host is tried too. A single string or a list.
+    """
     domain_suffix: DomainList | None = None
+    """Domain suffixes: `example.com` matches `example.com` and `www.example.com`, never
+    `badexample.com`. The sniffed host is tried too. A single string or a list.
+    """
     domain_keyword: KeywordList | None = None
+    """Substrings of the target (or sniffed) host name. A single string or a list."""
     domain_regex: RegexList | None = None
+    """Regular expressions searched in the target (or sniffed) host name, case-insensitive
+    (Python `re` syntax). A single string or a list.
+    """
     ip_cidr: CidrList | None = None
+    """Networks (`10.0.0.0/8`, `2001:db8::/32`) containing the target, when the client asked
+    for an IP address (names are not resolved for this). A single string or a list.
+    """
     source_ip_cidr: CidrList | None = None
+    """Networks containing the client's address. A single string or a list."""
     port: PortList | None = None
+    """Target ports: `"443"` or an inclusive range `"8000-8100"` (integers are accepted too). A
+    single item or a list.
+    """
     source_port: PortList | None = None
+    """Client source ports, written like `port`. A single item or a list."""
     network: Literal["tcp", "udp"] | None = None
+    """`tcp` or `udp` (every flow of this build is `tcp`)."""
     inbound_tag: NameList | None = None
+    """Tags of the inbounds the flow arrived on. A single string or a list."""
     principal_key: NameList | None = None
+    """Principal keys of authenticated users (see `inbounds[].users`); a flow without a user
+    never matches. A single string or a list.
+    """
     process_name: NameList | None = None
+    """Names of the local client process. This build cannot see processes, so a rule that names
+    one never matches. A single string or a list.
+    """
     action: Literal["route", "block"] = "route"
+    """`route` sends a matching flow to `outbound`; `block` refuses it (outcome `blocked`)."""
     outbound: Tag | None = None
+    """Outbound or group tag for a matching flow; required when `action` is `route`, not
+    allowed when it is `block`.
+    """
 
     def conditions(self) -> dict[str, tuple[str, ...] | str]:
         """The conditions this rule names, in :data:`CONDITION_KEYS` order."""
@@ -621,6 +778,7 @@ class Route(_Model):
     """``route``: ``final`` is used when no rule matches."""
 
     final: Tag = BUILTIN_DIRECT
+    """Outbound or group tag for flows that no rule matches (mode `rule`)."""
 
 
 # ---------------------------------------------------------------------------
@@ -632,28 +790,44 @@ class NetworkSettings(_Model):
     """``runtime.network``."""
 
     mtu: Annotated[int, Strict(), Field(ge=68, le=65535)] = 1500
+    """Link MTU in bytes for the TUN device when `runtime.tun.mtu` is null; not used by this
+    build (TUN is not built).
+    """
 
 
 class DnsCache(_Model):
     """``runtime.dns.cache`` (present = cache enabled)."""
 
     max_entries: PosInt = 4096
+    """Most names kept; the least recently used name is evicted first."""
     min_ttl_seconds: NonNegInt | None = None
+    """Keep answers at least this many seconds whatever their TTL; `null` keeps the TTL as
+    received.
+    """
     max_ttl_seconds: NonNegInt | None = None
+    """Keep answers at most this many seconds whatever their TTL; `null` keeps the TTL as
+    received. Must not be below `min_ttl_seconds`.
+    """
 
 
 class RealAnswer(_Model):
     """Answer with real addresses."""
 
     type: Literal["real"]
+    """`real`: names resolve to their real addresses."""
 
 
 class FakeIpAnswer(_Model):
     """Answer with synthetic addresses from ``fake_ip_range``."""
 
     type: Literal["fake_ip"]
+    """`fake_ip`: names resolve to synthetic addresses. Not built: the engine refuses to start
+    with it.
+    """
     fake_ip_range: Cidr = "198.18.0.0/15"
+    """Network the synthetic addresses are taken from."""
     persist_path: NonEmptyStr | None = None
+    """File keeping the name-to-address table across restarts; `null` keeps it in memory only."""
 
 
 class DnsSettings(_Model):
@@ -663,43 +837,88 @@ class DnsSettings(_Model):
         tuple[Annotated[str, Strict(), AfterValidator(_check_dns_server)], ...],
         Field(min_length=1),
     ] = ("system",)
+    """Servers asked in order: `system` (the C library's resolver: /etc/hosts, resolv.conf),
+    `udp://IP[:PORT]` or `tcp://IP[:PORT]` (IPv6 in brackets, port 53 by default). A timeout
+    or server error moves on to the next; a definitive "no such name" does not. Every
+    outbound resolves through them.
+    """
     cache: DnsCache | None = Field(default_factory=DnsCache)
+    """Answer cache (positive answers only); `null` turns it off."""
     answer: Annotated[RealAnswer | FakeIpAnswer, Field(discriminator="type")] = Field(
         default_factory=lambda: RealAnswer(type="real")
     )
+    """What kind of addresses names resolve to."""
     listen: Listen | None = None
+    """Address of a DNS server for clients; not built: the engine refuses to start when this is
+    not `null`.
+    """
 
 
 class TunSettings(_Model):
     """``runtime.tun``: the ``tun.start`` parameters of interface.md 4.4."""
 
     addr: Annotated[str, Strict(), AfterValidator(_check_interface_address)]
+    """Address of the TUN device, an IP or IP/prefix."""
     tag: Tag
+    """Inbound tag of flows arriving through the TUN device."""
     name: NonEmptyStr | None = None
+    """Device name; `null` lets the system choose."""
     mask: Annotated[str, Strict(), AfterValidator(_check_netmask)] = "255.255.255.0"
+    """IPv4 netmask of `addr`."""
     mtu: Annotated[int, Strict(), Field(ge=68, le=65535)] | None = None
+    """Device MTU in bytes; `null` uses `runtime.network.mtu`."""
     secondary_addr: Annotated[str, Strict(), AfterValidator(_check_interface_address)] | None = None
+    """A second device address (e.g. IPv6 next to IPv4); `null` for none."""
     include_cidrs: tuple[Cidr, ...] = ()
+    """Networks routed into the device; empty routes everything."""
     exclude_cidrs: tuple[Cidr, ...] = ()
+    """Networks kept out of the device."""
     auto_route: SBool = True
+    """Install the routes to the device."""
     dual_stack: SBool = True
+    """Capture IPv6 as well as IPv4."""
     strict_route: SBool = True
+    """Keep traffic from leaking around the device."""
     dns_hijack: SBool = True
+    """Answer DNS queries sent through the device."""
 
 
 class Runtime(_Model):
     """``runtime``."""
 
     log_level: Literal["trace", "debug", "info", "warn", "error"] = "info"
+    """Lowest level logged: `trace` (same as `debug` in this build), `debug`, `info`, `warn` or
+    `error`.
+    """
     log_files: tuple[NonEmptyStr, ...] = ()
+    """Files the log is appended to, in addition to standard error."""
     udp_upstream_idle_timeout_seconds: PosInt = 300
+    """Seconds an idle UDP upstream association is kept. UDP relay is not built: the value is
+    only reported by `GET /api/v1/runtime`.
+    """
     tcp_idle_timeout_seconds: PosInt = 600
+    """A relayed TCP flow that moves no byte in either direction for this many seconds is
+    closed (close reason `idle_timeout`).
+    """
     latency_test_url: ProbeUrl | None = None
+    """Plain `http://` URL for probing groups that set no `url` of their own, and for
+    `diagnostics.probe_outbound` (where it wins over the command's `url`). `null`:
+    `http://www.gstatic.com/generate_204`.
+    """
     network: NetworkSettings = Field(default_factory=NetworkSettings)
+    """Network settings."""
     stats_interval_ms: Annotated[int, Strict(), Field(ge=100)] = 1000
+    """Sampling period in milliseconds: each sample emits `stats.sampled`, and `flow.updated`
+    for every flow whose byte counts moved.
+    """
     event_ring_capacity: PosInt = 8192
+    """Events kept in memory (the ring behind `GET /api/v1/events`, stream resume and the
+    sinks' intake); the oldest is dropped when it is full.
+    """
     dns: DnsSettings = Field(default_factory=DnsSettings)
+    """The engine's resolver."""
     tun: TunSettings | None = None
+    """TUN inbound; not built: the engine refuses to start when this is not `null`."""
 
 
 # ---------------------------------------------------------------------------
@@ -713,17 +932,31 @@ class ApiKeySpec(_Model):
     """Extension ``api.control.keys[]``: a scoped key read from ``key_env``."""
 
     name: Tag
+    """Name of this key, unique among `keys`."""
     key_env: EnvName
+    """Environment variable holding the key; while the control API is enabled, the engine
+    refuses to start when it is unset or empty.
+    """
     permissions: Annotated[tuple[Permission, ...], Field(min_length=1)]
+    """What the key may do: `read` (every query and the event stream), `control`, `config` and
+    `admin` (everything) guard commands; see the command reference.
+    """
 
 
 class ControlApi(_Model):
     """``api.control``: the HTTP control listener."""
 
     enabled: SBool = True
+    """Serve the HTTP control API."""
     listen: ControlListen = Field(default_factory=ControlListen)
+    """Where the control API listens."""
     api_key_env: EnvName | None = DEFAULT_API_KEY_ENV
+    """Environment variable holding the admin key (every permission). While `enabled`, the
+    engine refuses to start when it is unset or empty. `null` means no admin key: with no
+    `keys` either, the API asks for no key at all (keep it on loopback).
+    """
     keys: tuple[ApiKeySpec, ...] = ()
+    """Additional keys, each with its own permissions."""
 
     def read_api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The admin token, or ``None`` when ``api_key_env`` is null.
@@ -746,7 +979,11 @@ class IpcApi(_Model):
     """``api.ipc``; ``path`` null means :func:`default_ipc_path`."""
 
     enabled: SBool = True
+    """Serve the local control socket; not built yet, so this has no effect."""
     path: NonEmptyStr | None = None
+    """Socket path; `null` means `$XDG_RUNTIME_DIR/spliceway/control.sock`, else
+    `/tmp/spliceway-<uid>/control.sock`.
+    """
 
     def resolved_path(self) -> str:
         """The socket path to use."""
@@ -757,6 +994,7 @@ class GrpcApi(_Model):
     """``api.grpc`` (needs the ``grpc`` extra)."""
 
     enabled: SBool = False
+    """Serve the gRPC control API; not built, so this has no effect."""
 
 
 EventFilter = tuple[Annotated[str, Strict(), AfterValidator(_check_event_type)], ...]
@@ -766,20 +1004,40 @@ class WebhookSink(_Model):
     """A webhook registration (interface.md 2.12, 4.6)."""
 
     type: Literal["webhook"]
+    """`webhook`: POST each event to `url`."""
     tag: Tag
+    """Name of this sink, unique among sinks; `GET /api/v1/sinks` and the outbox use it."""
     url: Annotated[str, Strict(), AfterValidator(_check_webhook_url)]
+    """`http://` or `https://` URL each event is POSTed to as one JSON envelope (redirects are
+    not followed).
+    """
     events: EventFilter = ()
+    """Event types this sink takes (`"*"` or an empty list: every type). `flow.snapshot` never
+    reaches a sink.
+    """
     source_id: NonEmptyStr | None = None
+    """Written into the `source_id` of every envelope this sink sends, to tell engines apart;
+    `null` leaves it `null`.
+    """
     headers: dict[SStr, SStr] | None = None
+    """Extra request headers, e.g. `Authorization` for the receiver to authenticate the engine;
+    they override the default `Content-Type` and `User-Agent`.
+    """
 
 
 class JsonlSink(_Model):
     """Append one envelope per line to ``path``."""
 
     type: Literal["jsonl"]
+    """`jsonl`: append each event to a file."""
     tag: Tag
+    """Name of this sink, unique among sinks; `GET /api/v1/sinks` and the outbox use it."""
     path: NonEmptyStr
+    """File the envelopes are appended to, one JSON object per line."""
     events: EventFilter = ()
+    """Event types this sink takes (`"*"` or an empty list: every type). `flow.snapshot` never
+    reaches a sink.
+    """
 
 
 Sink = Annotated[WebhookSink | JsonlSink, Field(discriminator="type")]
@@ -789,23 +1047,47 @@ class Dispatcher(_Model):
     """``api.dispatcher``: delivery timeouts, backoff and exhaustion behaviour."""
 
     request_timeout_ms: Timeout = 10000
+    """Deadline of one webhook POST (connect, send and the whole answer), in milliseconds."""
     backoff_initial_ms: PosInt = 500
+    """Upper bound of the first retry delay, in milliseconds; the bound doubles per failure and
+    each delay is random below it (full jitter). Must not exceed `backoff_max_ms`.
+    """
     backoff_max_ms: PosInt = 60000
+    """Largest retry delay, in milliseconds, also the cap on a receiver's `Retry-After`."""
     retry_threshold: PosInt = 10
+    """Attempts one event gets before `on_exhausted` applies."""
     on_exhausted: Literal["retry_forever", "dead_letter", "discard"] = "retry_forever"
+    """What happens to an event out of attempts, or at once to one the receiver refused (a
+    status other than 2xx, 429 and 5xx): `retry_forever` keeps retrying retryable failures
+    (a refused event becomes a dead letter), `dead_letter` keeps it on disk (`spliceway
+    connector dead-letters`), `discard` counts and drops it.
+    """
 
 
 class Api(_Model):
     """``api``."""
 
     control: ControlApi = Field(default_factory=ControlApi)
+    """The HTTP control API."""
     ipc: IpcApi = Field(default_factory=IpcApi)
+    """The local control socket (not built)."""
     grpc: GrpcApi = Field(default_factory=GrpcApi)
+    """The gRPC control API (not built)."""
     event_sinks: tuple[Sink, ...] = ()
+    """Where events are delivered, each sink on its own."""
     outbox_path: NonEmptyStr | None = None
+    """Directory of the durable outbox: events for the sinks are written and fsynced there
+    before delivery and survive a crash or restart; one engine per directory. `null` queues
+    them in memory (at most 100,000 per sink, lost at exit).
+    """
     dispatcher: Dispatcher = Field(default_factory=Dispatcher)
+    """Retry and timeout settings of webhook deliveries."""
     outbox_min_free_bytes: NonNegInt = 1073741824
+    """Free disk space, in bytes, the outbox leaves alone; below the reserve new events wait in
+    the event ring instead of being written.
+    """
     outbox_min_free_percent: Percent = 5
+    """The same reserve as a percentage of the filesystem size; the larger of the two applies."""
 
 
 # ---------------------------------------------------------------------------
@@ -823,13 +1105,21 @@ class Config(_Model):
     """
 
     mode: Mode = Field(default_factory=Mode)
+    """The routing mode."""
     inbounds: tuple[Inbound, ...] = ()
+    """Listeners that accept client connections."""
     outbounds: tuple[Outbound, ...] = ()
+    """Ways to reach targets. The built-in `direct` outbound exists even when not listed."""
     outbound_groups: tuple[OutboundGroup, ...] = ()
+    """Groups that choose among outbounds (or other groups) or chain them."""
     rules: tuple[Rule, ...] = ()
+    """Routing rules, tried in order in mode `rule`; the first match wins."""
     route: Route = Field(default_factory=Route)
+    """What happens to flows no rule matches."""
     runtime: Runtime = Field(default_factory=Runtime)
+    """Logging, timeouts, sampling, the event ring and DNS."""
     api: Api = Field(default_factory=Api)
+    """Control API, event sinks and their outbox."""
 
     _outbounds: dict[str, AnyOutbound] = PrivateAttr(default_factory=dict)
     _groups: dict[str, AnyGroup] = PrivateAttr(default_factory=dict)
@@ -1331,7 +1621,12 @@ def check_environment(config: Config, environ: Mapping[str, str] | None = None) 
 def check_environment_details(problems: list[Detail]) -> None:
     """Raise ``invalid_argument`` (field path of the first) when ``problems`` is not empty."""
     if problems:
-        error = _invalid(problems, "the configuration names environment variables that are not set")
+        message = (
+            problems[0].message
+            if len(problems) == 1
+            else f"{len(problems)} environment variables the configuration names are not set"
+        )
+        error = _invalid(problems, message)
         error.field_path = problems[0].field_path
         raise error
 

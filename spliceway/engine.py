@@ -85,13 +85,15 @@ class Engine:
         return self
 
     def stop(self, reason: str | None = None) -> None:
-        """Stop the control API, stop accepting, complete every flow, emit
-        engine.stopped, join all threads."""
+        """Stop accepting, complete every flow, emit engine.stopped, end every event
+        stream after that event, stop the control API, join all threads."""
         with self._lock:
+            # The core first: open SSE streams still run, so engine.stopped is their
+            # last frame; the control API stops once they have ended.
+            self._core.stop(reason)
             if self._control is not None:
                 self._control.stop()
                 self._control = None
-            self._core.stop(reason)
 
     def __enter__(self) -> Engine:
         return self.start()

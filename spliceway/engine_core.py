@@ -111,7 +111,9 @@ class EngineCore:
         ]
         self.bound: list[tuple[str, int]] = []
         self.started_at_unix_ms = 0
-        self.dispatcher = Dispatcher()
+        # Made in start(): its event loop holds a socket pair that only a started
+        # engine's stop() closes, so an engine that never starts must not own one.
+        self.dispatcher: Dispatcher
         self.bridge: RelayBridge
         self.supervisor: pykka.ActorRef[EngineSupervisor] | None = None
         #: One PolicyGroupActor per group, started by the supervisor.
@@ -130,13 +132,20 @@ class EngineCore:
             self.connector.stop()
             raise
         self.started_at_unix_ms = now_ms()
+        self.dispatcher = Dispatcher()
         self.dispatcher.start()
-        self.bridge = RelayBridge(self.dispatcher)
-        self.dispatcher.run_sync(self.bridge.attach)
-        self.supervisor = EngineSupervisor.start(self, sockets)
-        # Its on_start runs on the dispatcher; a proxied read is answered only after it,
-        # so the group actors (policies.* commands) exist once start() returns.
-        self.supervisor.proxy().listeners.get(timeout=_STOP_GRACE_S)
+        attached = False
+        try:
+            self.bridge = RelayBridge(self.dispatcher)
+            self.dispatcher.run_sync(self.bridge.attach)
+            attached = True
+            self.supervisor = EngineSupervisor.start(self, sockets)
+            # Its on_start runs on the dispatcher; a proxied read is answered only after it,
+            # so the group actors (policies.* commands) exist once start() returns.
+            self.supervisor.proxy().listeners.get(timeout=_STOP_GRACE_S)
+        except BaseException:
+            self._abort_start(sockets, attached)
+            raise
         self.running = True
         self.log.emit(
             "engine.started",
@@ -167,10 +176,25 @@ class EngineCore:
         payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
         if reason is not None:
             payload["reason"] = reason
-        self.log.emit("engine.stopped", payload)
+        stopped = self.log.emit("engine.stopped", payload)
         self.connector.stop()
         self.dispatcher.stop()
-        self.log.close_all()
+        self.log.close_all(ended_by=stopped)
+
+    def _abort_start(self, sockets: list[socket.socket], attached: bool) -> None:
+        """Undo a start that failed after binding: nothing may be left running or open."""
+        if self.supervisor is not None:
+            with contextlib.suppress(Exception):
+                self.supervisor.stop(timeout=_STOP_GRACE_S)
+            self.supervisor = None
+        if attached:
+            with contextlib.suppress(Exception):
+                self.bridge.shutdown()
+                self.dispatcher.run_sync(self.bridge.detach)
+        for sock in sockets:
+            sock.close()
+        self.dispatcher.stop()
+        self.connector.stop()
 
     def _await_flows_drained(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S

@@ -10,6 +10,9 @@ Contract (interface.md 2.10, 6; decisions 3):
 - Delivery to a subscriber never blocks the emitter: a subscriber that falls
   ``max_pending`` events behind is closed with ``overflowed`` set; it can resume
   from the ring by sequence.
+- At engine stop every open subscription is closed with ``ended_by`` set to the
+  ``engine.stopped`` envelope, so a stream transport can make it the last frame
+  even when the subscriber's filter leaves that type out.
 """
 
 from __future__ import annotations
@@ -73,10 +76,16 @@ class Subscription:
         self._close_lock = threading.Lock()
         self.closed = False
         self.overflowed = False
+        #: The ``engine.stopped`` envelope when the engine's stop closed this subscription.
+        self.ended_by: Envelope | None = None
+
+    def accepts(self, event_type: str) -> bool:
+        """Whether this subscription's filter lets ``event_type`` through."""
+        return self.types is None or event_type in self.types
 
     def _offer(self, envelope: Envelope) -> None:
         """Called by the log under its lock; never blocks."""
-        if self.closed or (self.types is not None and envelope["event_type"] not in self.types):
+        if self.closed or not self.accepts(envelope["event_type"]):
             return
         if self._queue.qsize() >= self._max_pending:
             self.overflowed = True
@@ -88,11 +97,12 @@ class Subscription:
         for envelope in envelopes:
             self._queue.put(envelope)
 
-    def _mark_closed(self) -> None:
+    def _mark_closed(self, ended_by: Envelope | None = None) -> None:
         with self._close_lock:
             if self.closed:
                 return
             self.closed = True
+            self.ended_by = ended_by
         # None marks the end: everything queued before it is still delivered.
         self._queue.put(None)
 
@@ -125,10 +135,11 @@ class Subscription:
             out.append(item)
         return out
 
-    def close(self) -> None:
-        """Detach from the log and wake any waiting reader."""
+    def close(self, ended_by: Envelope | None = None) -> None:
+        """Detach from the log and wake any waiting reader; ``ended_by`` is the event that
+        ended the feed (``engine.stopped``), recorded unless it was already closed."""
         self._log._detach(self)
-        self._mark_closed()
+        self._mark_closed(ended_by)
 
     def __iter__(self) -> Iterator[Envelope]:
         while True:
@@ -291,9 +302,9 @@ class EventLog:
             if sub in self._subs:
                 self._subs.remove(sub)
 
-    def close_all(self) -> None:
-        """Close every live subscription (engine stop)."""
+    def close_all(self, ended_by: Envelope | None = None) -> None:
+        """Close every live subscription (engine stop, after ``ended_by``: engine.stopped)."""
         with self._lock:
             subs = list(self._subs)
         for sub in subs:
-            sub.close()
+            sub.close(ended_by)

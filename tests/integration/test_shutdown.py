@@ -1,0 +1,97 @@
+"""How an engine ends: engine.stopped closes every event stream; SIGHUP does not end it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from tests.api.conftest import control_config
+from tests.api.sse_client import Stream
+from tests.helpers.flows import curl
+from tests.helpers.program import SPLICEWAY, wait_for_line
+
+
+def drain(stream: Stream) -> list[dict[str, Any]]:
+    """Every envelope the stream still sends, until the server ends it."""
+    return [orjson.loads(event.data) for event in stream.events()]
+
+
+def test_engine_stopped_is_the_last_frame_of_every_stream(
+    make_engine: Callable[..., Any], origin: tuple[str, int]
+) -> None:
+    engine = make_engine(control_config())
+    filters: list[dict[str, str] | None] = [
+        None,
+        {"types": "flow.completed"},
+        {"types": "stats.sampled,flow.started"},
+        {"types": "engine.stopped"},
+    ]
+    streams = [Stream(engine.control_url, params) for params in filters]
+    try:
+        host, port = engine.listen_address("socks-in")
+        fetched = curl("--socks5-hostname", f"{host}:{port}", f"http://127.0.0.1:{origin[1]}/")
+        assert fetched.returncode == 0, fetched.stderr
+        engine.stop(reason="signal")
+        received = [drain(stream) for stream in streams]
+    finally:
+        for stream in streams:
+            stream.close()
+    for params, envelopes in zip(filters, received, strict=True):
+        types = [e["event_type"] for e in envelopes]
+        assert types, params
+        assert types[-1] == "engine.stopped", (params, types)
+        assert types.count("engine.stopped") == 1, (params, types)
+        assert envelopes[-1]["payload"]["reason"] == "signal"
+    unfiltered = [e["event_type"] for e in received[0]]
+    assert "flow.completed" in unfiltered
+    # A filtered stream gets its types (and the flow.snapshot baseline they imply),
+    # then the one final frame.
+    assert [e["event_type"] for e in received[1]][0] == "flow.snapshot"
+    assert {e["event_type"] for e in received[1][1:-1]} == {"flow.completed"}
+    assert [e["event_type"] for e in received[1]].count("flow.completed") == 1
+    # Its sequence is the real one, so the frame is the same event every stream saw.
+    assert len({stream_events[-1]["event_id"] for stream_events in received}) == 1
+
+
+def _write(tmp_path, doc: dict[str, Any]) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_sighup_is_logged_and_ignored_and_sigterm_still_stops_cleanly(tmp_path, origin) -> None:
+    doc = control_config()
+    config = _write(tmp_path, doc)
+    env = {k: v for k, v in os.environ.items() if k != "SPLICEWAY_API_KEY"}
+    proc = subprocess.Popen(
+        [*SPLICEWAY, "run", "-c", config], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        socks = wait_for_line(proc, r"inbound socks-in \(socks5\) listening on (\S+)").group(1)
+        base = wait_for_line(proc, r"control API listening on (http://\S+)/api/v1/").group(1)
+        with Stream(base, {"types": "engine.warning,engine.stopped"}) as stream:
+            proc.send_signal(signal.SIGHUP)
+            event, warning = stream.next_envelope()
+            assert event.event == "engine.warning"
+            assert warning["payload"]["code"] == "sighup_ignored"
+            wait_for_line(proc, r"WARNING spliceway: SIGHUP received")
+            assert proc.poll() is None
+            # Still serving after the SIGHUP.
+            fetched = curl("--socks5-hostname", socks, f"http://127.0.0.1:{origin[1]}/")
+            assert fetched.stdout == "hello from origin\n", fetched.stderr
+            proc.send_signal(signal.SIGTERM)
+            rest = drain(stream)
+            assert [e["event_type"] for e in rest] == ["engine.stopped"]
+            assert rest[0]["payload"]["reason"] == "signal"
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
