@@ -23,7 +23,7 @@ from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, RelayFinished, StopFlow, TrafficSample
 from spliceway.actors.policy import MemberFailed
 
-from spliceway import records, routing
+from spliceway import flowlog, records, routing
 from spliceway.events import now_ms
 from spliceway.inbound import Handshake, HandshakeFailed
 from spliceway.inbound import accept as accept_handshake
@@ -486,6 +486,7 @@ class FlowActor(LoopActor):
         elif outcome == records.BLOCKED:
             c.blocked_sessions += 1
         self._publish("flow.completed", records.lifecycle_payload, occurred=s.ended_at_unix_ms)
+        flowlog.log_completed(s)
 
     def _finish(self) -> None:
         self._teardown()

@@ -1,0 +1,69 @@
+"""The per-flow log line: fixed key order, logfmt quoting, level by outcome."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from spliceway import flowlog, records
+from spliceway.records import Failure, FlowState
+
+
+def completed(**changes) -> FlowState:
+    state = FlowState(
+        flow_id="ab12-7",
+        inbound_tag="mixed-in",
+        inbound_protocol="mixed",
+        source_ip="127.0.0.1",
+        source_port=50000,
+        started_at_unix_ms=1_000,
+        mode="rule",
+        target_host="example.com",
+        target_port=443,
+        outbound_tag="direct",
+        ended_at_unix_ms=1_012,
+        outcome=records.DIRECT_RELAYED,
+    )
+    for key, value in changes.items():
+        setattr(state, key, value)
+    return state
+
+
+def test_relayed_flow_line_has_every_key_in_order() -> None:
+    state = completed()
+    state.traffic.bytes_up, state.traffic.bytes_down = 100, 2048
+    assert flowlog.line(state) == (
+        "flow=ab12-7 outcome=direct_relayed inbound=mixed-in source=127.0.0.1:50000 "
+        "target=example.com:443 outbound=direct up=100 down=2048 duration_ms=12"
+    )
+    assert flowlog.level_for(state) == logging.DEBUG
+
+
+def test_failed_flow_line_names_stage_code_and_quotes_the_message() -> None:
+    state = completed(
+        outcome=records.FAILED,
+        close_reason=records.UPSTREAM_ERROR,
+        outbound_tag="hop-a",
+        failure=Failure("connect", "connection_refused", 'refused by "hop-a" at 10.0.0.1'),
+    )
+    assert flowlog.line(state).endswith(
+        "outbound=hop-a up=0 down=0 duration_ms=12 close_reason=upstream_error "
+        'stage=connect code=connection_refused error="refused by \\"hop-a\\" at 10.0.0.1"'
+    )
+    assert flowlog.level_for(state) == logging.INFO
+
+
+@pytest.mark.parametrize(
+    ("rule", "shown"), [({"index": 3, "condition": "x"}, "3"), (None, "final")]
+)
+def test_blocked_flow_line_names_the_rule(rule, shown) -> None:
+    state = completed(outcome=records.BLOCKED, outbound_tag=None, matched_rule=rule)
+    assert flowlog.line(state).endswith(f"outbound=- up=0 down=0 duration_ms=12 rule={shown}")
+    assert flowlog.level_for(state) == logging.INFO
+
+
+def test_ipv6_endpoints_are_bracketed_and_spaces_quoted() -> None:
+    state = completed(source_ip="::1", target_host="2001:db8::1", inbound_tag="in tag")
+    line = flowlog.line(state)
+    assert 'inbound="in tag" source=[::1]:50000 target=[2001:db8::1]:443' in line
