@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +98,128 @@ def test_invalid_config_for_run_exits_2(tmp_path):
     result = spliceway("run", "-c", config)
     assert result.returncode == 2
     assert "inbounds[0]" in result.stderr
+
+
+def spliceway_dev(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the program under ``-X dev``, which prints every leaked socket, pipe or event
+    loop as a ResourceWarning: a failed start must leave nothing behind."""
+    return subprocess.run(
+        [sys.executable, "-X", "dev", "-m", "spliceway", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env=env,
+    )
+
+
+def without_key_variable() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "SPLICEWAY_API_KEY"}
+
+
+RELAY_CONFIG = {
+    "inbounds": [{"tag": "in", "protocol": "socks5", "listen": {"port": 0}}],
+    "outbounds": [
+        {"tag": "a", "protocol": "socks5", "server": "127.0.0.1", "port": 1080},
+        {"tag": "b", "protocol": "http", "server": "127.0.0.1", "port": 3128},
+    ],
+    "outbound_groups": [{"tag": "chain", "kind": "relay", "outbounds": ["a", "b"]}],
+}
+
+
+@pytest.mark.parametrize("doc", [{}, RELAY_CONFIG], ids=["empty", "relay-group"])
+def test_unset_key_variable_is_one_kind_line_and_exit_2(tmp_path, doc):
+    config = write_config(tmp_path, doc)
+    result = spliceway_dev("run", "-c", config, env=without_key_variable())
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        "spliceway: cannot start: invalid_argument: api.control.api_key_env: environment "
+        "variable SPLICEWAY_API_KEY is not set: export SPLICEWAY_API_KEY=<the key clients "
+        'must send>, or set "api_key_env": null in api.control for a control API without a '
+        "key (keep it on loopback)"
+    ]
+    # validate says the same, with the same field path, instead of calling it valid.
+    checked = spliceway_dev("validate", config, env=without_key_variable())
+    assert checked.returncode == 1
+    assert checked.stdout.startswith(
+        "api.control.api_key_env: environment variable SPLICEWAY_API_KEY is not set"
+    )
+
+
+def test_validate_lists_every_unset_key_variable(tmp_path):
+    doc = socks_config()
+    doc["api"]["control"] = {
+        "enabled": True,
+        "api_key_env": "SW_TEST_ADMIN_UNSET",
+        "keys": [{"name": "dash", "key_env": "SW_TEST_DASH_UNSET", "permissions": ["read"]}],
+    }
+    result = spliceway("validate", write_config(tmp_path, doc))
+    assert result.returncode == 1
+    paths = [line.split(":", 1)[0] for line in result.stdout.splitlines()]
+    assert paths == ["api.control.api_key_env", "api.control.keys[0].key_env"]
+
+
+def test_key_variable_set_or_null_starts(tmp_path):
+    env = {**without_key_variable(), "SW_TEST_KEY_SET": "k"}
+    for control in ({"api_key_env": "SW_TEST_KEY_SET"}, {"api_key_env": None}):
+        doc = socks_config()
+        doc["api"]["control"] = {"listen": {"port": 0}, **control}
+        checked = subprocess.run(
+            [*SPLICEWAY, "validate", write_config(tmp_path, doc)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            env=env,
+        )
+        assert checked.returncode == 0, checked.stdout
+
+
+def _taken_port_config(kind: str, port: int) -> dict:
+    doc = socks_config(port if kind == "inbound" else 0)
+    if kind == "control":
+        doc["api"]["control"] = {"api_key_env": None, "listen": {"port": port}}
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("inbound", "cannot start: conflict: inbounds[0].listen: inbound 'socks-in' cannot listen"),
+        ("control", "cannot start: conflict: api.control.listen: control API cannot listen"),
+        ("tun", "cannot start: unsupported: this build cannot run: runtime.tun"),
+        ("invalid", "invalid configuration: inbounds[0].listen: required key is missing"),
+    ],
+)
+def test_every_failed_start_is_one_line_with_nothing_leaked(tmp_path, case, expected):
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        if case in ("inbound", "control"):
+            doc = _taken_port_config(case, port)
+        elif case == "tun":
+            doc = socks_config()
+            doc["runtime"] = {"tun": {"addr": "172.19.0.1/30", "tag": "tun-in"}}
+        else:
+            doc = {"inbounds": [{"tag": "x", "protocol": "socks5"}]}
+        result = spliceway_dev("run", "-c", write_config(tmp_path, doc))
+    finally:
+        taken.close()
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"spliceway: {expected}"), lines
+
+
+def test_config_schema_is_the_json_schema_of_the_document():
+    import jsonschema
+
+    result = spliceway("config-schema")
+    assert result.returncode == 0
+    schema = json.loads(result.stdout)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    validator = jsonschema.Draft202012Validator(schema)
+    validator.validate(socks_config())
+    errors = list(validator.iter_errors({"inbounds": [{"tag": "x", "protocol": "gopher"}]}))
+    assert errors
