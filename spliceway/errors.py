@@ -25,8 +25,10 @@ HTTP_STATUS: dict[str, int] = {
 
 
 #: The code for an HTTP status that arrives without one (an HTTP framework's own
-#: routing errors): the table read backwards, leaving out the codes that only
-#: the engine itself can mean, plus the two statuses the table has no code for.
+#: routing errors, and the statuses the HTTP transport itself answers): the table
+#: read backwards, leaving out the codes that only the engine itself can mean, plus
+#: the three statuses the table has no code for. 415 is the control API's answer to
+#: a command body that is not declared ``application/json``.
 _CODE_FOR_STATUS: dict[int, str] = {
     **{
         status: code
@@ -35,6 +37,7 @@ _CODE_FOR_STATUS: dict[int, str] = {
     },
     405: "unsupported",
     413: "invalid_argument",
+    415: "invalid_argument",
 }
 
 
@@ -79,8 +82,9 @@ class ApiError(Exception):
         self.field_path = field_path
         self.details = details
         self.cause = cause
-        # Only HTTP routing itself overrides the table: a wrong method is
-        # ``unsupported`` with 405, not 501 (decisions 2).
+        # Only the HTTP transport itself overrides the table: a wrong method is
+        # ``unsupported`` with 405, not 501; a command body of the wrong media type
+        # is ``invalid_argument`` with 415, not 400 (see ``code_for_http_status``).
         self._http_status = http_status
 
     @property
