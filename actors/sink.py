@@ -45,7 +45,7 @@ _TAKE = 256
 
 @dataclass(slots=True)
 class SinkState:
-    """Delivery counters and stages of one sink (interface.md 2.8)."""
+    """Delivery counters and stages of one sink (docs/http-api.md, sinks)."""
 
     total_delivered: int = 0
     total_failed: int = 0

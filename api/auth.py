@@ -1,6 +1,6 @@
 """Who is calling: API keys from the environment, and the permissions they grant.
 
-Contract (interface.md 5, decisions 2):
+Contract (docs/security.md):
 - No key configured (``api_key_env`` null and no ``api.control.keys``): no
   authentication, every permission granted.
 - Otherwise every request carries ``Authorization: Bearer <key>`` or

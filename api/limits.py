@@ -1,4 +1,4 @@
-"""Request-rate and concurrency limits of the control API (interface.md 8, decisions 2).
+"""Request-rate and concurrency limits of the control API (docs/security.md, rate limits).
 
 Limits are per engine: token buckets whose burst equals their rate. Over a
 limit the caller gets 429 ``rate_limited`` with ``Retry-After`` in whole seconds

@@ -1,4 +1,4 @@
-"""``GET /api/v1/events/stream``: Server-Sent Events with resume (interface.md 4.3, decisions 3).
+"""``GET /api/v1/events/stream``: Server-Sent Events with resume (docs/events.md).
 
 A stream is a WSGI iterable the server drains on one of its worker threads:
 - frames are ``id: <sequence>``, ``event: <type>``, ``data: <envelope JSON>``;

@@ -1,4 +1,4 @@
-"""The outbox's free-space gate (interface.md 3.5, 8).
+"""The outbox's free-space gate (README, "Event sinks and the outbox").
 
 Before each new durable write the free space of the outbox's filesystem is read.
 The reserve is the larger of ``outbox_min_free_bytes`` and total times the percent; a

@@ -162,7 +162,7 @@ class Connector:
     # -- the sinks resource -----------------------------------------------------------
 
     def status(self) -> list[dict[str, Any]]:
-        """``GET /api/v1/sinks`` items (interface.md 2.8)."""
+        """``GET /api/v1/sinks`` items (docs/http-api.md, sinks)."""
         storage = None
         if self.gate is not None:
             with contextlib.suppress(OSError):

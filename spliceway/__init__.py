@@ -1,7 +1,7 @@
 """spliceway: a proxy engine with a C splice relay, actors, and a durable event pipeline.
 
 Map of the package:
-- ``engine``      the public ``Engine`` facade for embedding (decisions 7)
+- ``engine``      the public ``Engine`` facade for embedding (README, "Embedding")
 - ``engine_core`` the running engine's parts and their start/stop order
 - ``config``      the configuration schema (pydantic), validation with field paths
 - ``routing``     pure rule matching and route decisions

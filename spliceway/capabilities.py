@@ -1,4 +1,4 @@
-"""The capabilities resource (interface.md 2.3, decisions 2): what this build can do.
+"""The capabilities resource (docs/http-api.md): what this build can do.
 
 Everything here describes the build as it is, derived from the same tables the
 engine dispatches through (commands, error codes), so a client that matches on
@@ -19,7 +19,7 @@ from spliceway.events import SCHEMA_ID
 API_ID = "service.api.v1"
 CONFIG_ID = "spliceway.config.v1"
 
-#: Features built in this version (decisions 2 lists the full set a complete
+#: Features built in this version (the full set a complete
 #: build offers; ipc joins when it is built).
 FEATURES = (
     "query",

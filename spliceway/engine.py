@@ -116,12 +116,12 @@ class Engine:
         return self._control.base_url
 
     def query(self, name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Answer a query of interface.md 4.1 by name (``health``, ``stats``, ``flows``...)."""
+        """Answer a query (docs/http-api.md) by name (``health``, ``stats``, ``flows``...)."""
         self._require_running()
         return queries.run_query(self._core, name, params)
 
     def execute(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Run a command of interface.md 4.2 through the engine's one command table."""
+        """Run a command (docs/commands.md) through the engine's one command table."""
         self._require_running()
         return commands.execute(self._core, method, {} if params is None else params)
 

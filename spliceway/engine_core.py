@@ -244,7 +244,7 @@ class EngineCore:
     # -- state read by queries --------------------------------------------------------
 
     def stats_snapshot(self) -> dict[str, Any]:
-        """The stats resource (interface.md 2.6), live."""
+        """The stats resource (docs/http-api.md), live."""
         c = self.counters
         up, down = c.completed_bytes_up, c.completed_bytes_down
         entries = self.flows.entries()

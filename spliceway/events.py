@@ -1,6 +1,6 @@
 """The event log: a bounded ring of envelopes with sequences, and live subscriptions.
 
-Contract (interface.md 2.10, 6; decisions 3):
+Contract (docs/events.md):
 - ``sequence`` starts at 1 per engine start and grows by one per event entering
   the ring; ``event_id`` is ``<random epoch>-<sequence>``, unique across starts.
 - Subscribers are attached under the log's lock, so a catch-up read from the
@@ -206,7 +206,7 @@ class EventLog:
         return envelope
 
     def snapshot(self) -> dict[str, Any]:
-        """The ring as ``GET /api/v1/events`` returns it (decisions 2)."""
+        """The ring as ``GET /api/v1/events`` returns it (docs/http-api.md)."""
         with self._lock:
             events = list(self._ring)
             latest = self._seq

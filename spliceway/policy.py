@@ -36,11 +36,11 @@ from typing import Any
 
 #: Used when neither the group, ``runtime.latency_test_url`` nor the command names a URL.
 DEFAULT_PROBE_URL = "http://www.gstatic.com/generate_204"
-#: Per-member budget of one probe (interface.md 4.2 rule 2 and 10).
+#: Per-member budget of one probe (``policies.probe``, ``diagnostics.probe_outbound``).
 PROBE_TIMEOUT_S = 5.0
 #: Kinds that probe their members and track health.
 PROBING_KINDS = frozenset({"url_test", "fallback", "load_balance"})
-#: Kinds ``GET /api/v1/policies`` reports (interface.md 2.7); relay groups are in /config.
+#: Kinds ``GET /api/v1/policies`` reports ; relay groups are in /config.
 POLICY_KINDS = frozenset({"selector", "fallback", "url_test", "load_balance"})
 #: ``policy.probe.completed`` triggers; ``dial_failure`` extends the spec's three.
 TRIGGERS = ("startup", "scheduled", "manual", "dial_failure")
@@ -203,7 +203,7 @@ class PolicyTable:
         return _walk(self._views, tag, lambda v: self._pick(v, host, source_ip))
 
     def effective_chains(self, tag: str) -> list[list[str]]:
-        """The chains group ``tag`` would use now (decisions 2), ``[[tag]]`` for an outbound."""
+        """The chains group ``tag`` would use now, ``[[tag]]`` for an outbound."""
         views = self._views
         view = views.get(tag)
         if view is None:
@@ -224,7 +224,7 @@ class PolicyTable:
         return view.health[view.selected].latency_ms if view.probing else None
 
     def snapshot(self, tag: str) -> dict[str, Any]:
-        """The PolicySnapshot of group ``tag`` (decisions 2): 2.4's group fields and more."""
+        """The PolicySnapshot of group ``tag``: the config summary's group fields and more."""
         view = self._views[tag]
         members = []
         if view.probing:

@@ -1,4 +1,4 @@
-"""FlowRecords (interface.md 2.11) and the flow event payloads built from them (6.1).
+"""FlowRecords and the flow event payloads built from them (docs/events.md).
 
 A ``FlowState`` is the mutable state a FlowActor owns; ``render`` turns it into
 the immutable record dict that events and queries carry. Everything here is
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Outcomes of a completed flow (interface.md 3.1).
+#: Outcomes of a completed flow (docs/events.md, "Outcomes").
 DIRECT_RELAYED = "direct_relayed"
 CHAINED_RELAYED = "chained_relayed"
 BLOCKED = "blocked"
@@ -124,7 +124,7 @@ class FlowState:
     failure: Failure | None = None
 
     def render(self) -> dict[str, Any]:
-        """The FlowRecord of interface.md 2.11 for the current revision."""
+        """The FlowRecord (docs/events.md) for the current revision."""
         target: dict[str, Any] = {"host": self.target_host, "port": self.target_port}
         if self.resolved_ip is not None:
             target["resolved_ip"] = self.resolved_ip
@@ -231,7 +231,7 @@ def lifecycle_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any
 
 
 def updated_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any]:
-    """Payload of flow.updated (interface.md 6.1)."""
+    """Payload of flow.updated (docs/events.md)."""
     t = state.traffic
     return {
         "flow_id": state.flow_id,

@@ -1,6 +1,7 @@
 """Rule matching: pure functions from configuration rules and flow facts to a route decision.
 
-Spec: decisions.md 1 (rules of the format), interface.md 4.2 rule 14 (``matched_rule``).
+Reference: docs/configuration.md (rules), docs/commands.md (``diagnostics.trace_route``'s
+``matched_rule``).
 No I/O. :func:`compile_rules` does all the work that does not depend on the flow (domain
 and suffix sets, compiled regexes, sorted IP intervals, port sets, condition text, the
 decision each rule returns) once per configuration. :func:`decide` runs per connection:

@@ -1,6 +1,6 @@
 """State shared between the engine's actors and its query surface.
 
-Ownership rules (DESIGN.md "actors own state"):
+Ownership rules (actors own state; nothing else mutates it):
 - ``FlowTable`` entries are written only by the FlowActor they describe; other
   threads read the published record dict, which is never mutated after it is
   published (each revision publishes a new dict).
@@ -84,7 +84,7 @@ class FlowTable:
         return len(self._flows)
 
 
-#: The ``udp_upstream`` counters of the stats resource (interface.md 2.6).
+#: The ``udp_upstream`` counters of the stats resource (docs/http-api.md, stats).
 UDP_COUNTERS = (
     "active_associations",
     "created_associations",
@@ -102,7 +102,7 @@ UDP_COUNTERS = (
 
 @dataclass(slots=True)
 class Counters:
-    """Cumulative flow counters of interface.md 2.6 (TCP part)."""
+    """Cumulative flow counters of the stats resource (TCP part)."""
 
     total_started: int = 0
     completed_sessions: int = 0
