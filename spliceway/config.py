@@ -62,7 +62,7 @@ import ipaddress
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -83,6 +83,7 @@ from pydantic import (
 )
 
 from spliceway.errors import ApiError, Detail
+from spliceway.event_catalogue import EVENT_CATALOGUE
 from spliceway.policy import parse_probe_url
 
 __all__ = [
@@ -152,25 +153,8 @@ CONDITION_KEYS: tuple[str, ...] = (
     "process_name",
 )
 
-#: Event types of interface.md 6 (valid in a sink's ``events`` filter, with ``"*"``).
-EVENT_TYPES: frozenset[str] = frozenset(
-    {
-        "engine.started",
-        "engine.stopped",
-        "engine.warning",
-        "config.changed",
-        "flow.started",
-        "flow.snapshot",
-        "flow.routed",
-        "flow.updated",
-        "flow.completed",
-        "policy.selected",
-        "policy.probe.completed",
-        "stats.sampled",
-        "ipc.connected",
-        "ipc.disconnected",
-    }
-)
+#: Every event type (valid in a sink's ``events`` filter, with ``"*"``): the catalogue's names.
+EVENT_TYPES: frozenset[str] = frozenset(EVENT_CATALOGUE)
 
 BUILTIN_DIRECT = "direct"
 
@@ -382,7 +366,32 @@ NameList = _cond_list(NonEmptyStr)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Field docstrings are the descriptions of the JSON Schema (``spliceway config-schema``)
+    # and of docs/configuration.md.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+def _schema_optional(*names: str) -> Callable[[dict[str, Any]], None]:
+    """JSON Schema hook: ``names`` are filled in by a before-validator, so they may be omitted."""
+
+    def hook(schema: dict[str, Any]) -> None:
+        schema["required"] = [n for n in schema.get("required", ()) if n not in names]
+
+    return hook
+
+
+def _rule_schema(schema: dict[str, Any]) -> None:
+    """JSON Schema hook of ``Rule``: list conditions also take a single item (see ``_one_or_many``),
+    and port items may be integers."""
+    for key in CONDITION_KEYS:
+        prop = schema["properties"][key]
+        many = next((s for s in prop.get("anyOf", ()) if s.get("type") == "array"), None)
+        if many is None:
+            continue  # network: a single string
+        item = many["items"]
+        if key in ("port", "source_port"):
+            item = {"anyOf": [item, {"type": "integer", "minimum": 0, "maximum": 65535}]}
+        prop["anyOf"] = [item, {"type": "array", "items": item, "minItems": 1}, {"type": "null"}]
 
 
 def _fill_from(data: Any, key: str, source: str, *, first: bool = False) -> Any:
@@ -441,6 +450,8 @@ class ControlListen(_Model):
 
 class InboundUser(_Model):
     """One user of an authenticating inbound; ``principal_key`` defaults to the username."""
+
+    model_config = ConfigDict(json_schema_extra=_schema_optional("principal_key"))
 
     username: Credential
     """User name the client sends (SOCKS5 username/password or HTTP `Proxy-Authorization:
@@ -600,6 +611,8 @@ Members = Annotated[tuple[Tag, ...], Field(min_length=1)]
 class SelectorGroup(_Model):
     """Manually selected member; ``default`` is the initial selection (first member)."""
 
+    model_config = ConfigDict(json_schema_extra=_schema_optional("default"))
+
     tag: Tag
     """Name of this group, unique among outbounds and groups."""
     kind: Literal["selector"]
@@ -709,6 +722,8 @@ OutboundGroup = Annotated[AnyGroup, Field(discriminator="kind")]
 
 class Rule(_Model):
     """One routing rule: all named conditions must match (a list matches when any item does)."""
+
+    model_config = ConfigDict(json_schema_extra=_rule_schema)
 
     domain: DomainList | None = None
     """Target host names matched exactly (case-insensitive, trailing dot ignored); the sniffed
@@ -855,7 +870,7 @@ class DnsSettings(_Model):
 
 
 class TunSettings(_Model):
-    """``runtime.tun``: the ``tun.start`` parameters of interface.md 4.4."""
+    """``runtime.tun``: a TUN inbound, set like the ``tun.start`` parameters (not built)."""
 
     addr: Annotated[str, Strict(), AfterValidator(_check_interface_address)]
     """Address of the TUN device, an IP or IP/prefix."""
@@ -1001,7 +1016,7 @@ EventFilter = tuple[Annotated[str, Strict(), AfterValidator(_check_event_type)],
 
 
 class WebhookSink(_Model):
-    """A webhook registration (interface.md 2.12, 4.6)."""
+    """POST every selected event, one JSON envelope per request, to ``url``."""
 
     type: Literal["webhook"]
     """`webhook`: POST each event to `url`."""
@@ -1663,6 +1678,39 @@ def _decode_json(text: str, source: str) -> Any:
         ) from None
 
 
+@functools.cache
+def _yaml_loader() -> Any:
+    """PyYAML's SafeLoader, except that a mapping may not give a key twice (as in JSON).
+
+    The check runs on the composed nodes, before merge keys are applied, so ``<<``
+    keeps its meaning: a mapping may override keys it merges in, and the mappings it
+    merges may share keys (the first one listed wins). A key written twice in one
+    mapping, ``<<`` included, is an error at the line and column of the second one.
+    """
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def compose_mapping_node(self, anchor: Any) -> Any:
+            node = super().compose_mapping_node(anchor)
+            first: dict[tuple[str, str], Any] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = (key_node.tag, key_node.value)
+                if key in first:
+                    raise yaml.composer.ComposerError(
+                        "while composing a mapping",
+                        node.start_mark,
+                        f"duplicate key {key_node.value!r} in a mapping "
+                        f"(first given at line {first[key].line + 1})",
+                        key_node.start_mark,
+                    )
+                first[key] = key_node.start_mark
+            return node
+
+    return UniqueKeyLoader
+
+
 def _decode_yaml(text: str, source: str) -> Any:
     try:
         import yaml  # optional dependency
@@ -1670,7 +1718,7 @@ def _decode_yaml(text: str, source: str) -> Any:
         detail = Detail(f"{source}: YAML configuration needs PyYAML (pip install pyyaml)")
         raise _invalid([detail], "YAML configuration is not supported") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

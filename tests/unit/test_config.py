@@ -23,7 +23,7 @@ from spliceway.config import (
 )
 from spliceway.errors import ApiError
 
-# The example of decisions.md section 1, copied verbatim (tests never read ../shared).
+# A complete example configuration using every section.
 EXAMPLE = {
     "mode": {"kind": "rule", "outbound": None},
     "inbounds": [
@@ -982,3 +982,88 @@ def test_config_is_hashable_free_of_side_effects():
     b = parse_config(copy.deepcopy(EXAMPLE))
     assert a == b
     assert isinstance(a, Config)
+
+
+# ---------------------------------------------------------------------------
+# YAML: a key given twice is an error, as in JSON
+# ---------------------------------------------------------------------------
+
+
+def _yaml_problem(tmp_path, text):
+    pytest.importorskip("yaml")
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ApiError) as info:
+        load_config_file(path)
+    err = info.value
+    assert err.code == "invalid_argument"
+    assert err.message == "configuration file is not valid YAML"
+    assert len(err.details) == 1
+    return str(path), err.details[0].message
+
+
+def test_yaml_duplicate_top_level_key(tmp_path):
+    path, message = _yaml_problem(
+        tmp_path, "mode: {kind: rule}\nroute: {final: direct}\nmode: {kind: direct}\n"
+    )
+    assert message == (
+        f"{path}: line 3, column 1: duplicate key 'mode' in a mapping (first given at line 1)"
+    )
+
+
+def test_yaml_duplicate_nested_key(tmp_path):
+    path, message = _yaml_problem(
+        tmp_path,
+        "inbounds:\n"
+        "  - tag: in\n"
+        "    protocol: http\n"
+        "    listen:\n"
+        "      port: 3128\n"
+        "      port: 3129\n",
+    )
+    assert message == (
+        f"{path}: line 6, column 7: duplicate key 'port' in a mapping (first given at line 5)"
+    )
+
+
+def test_yaml_duplicate_key_in_flow_mapping(tmp_path):
+    _, message = _yaml_problem(tmp_path, "runtime: {log_level: info, log_level: debug}\n")
+    assert "line 1, column 28: duplicate key 'log_level'" in message
+
+
+def test_yaml_without_duplicates_still_loads(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "c.yml"
+    path.write_text(
+        "inbounds:\n"
+        "  - {tag: a, protocol: socks5, listen: {port: 1080}}\n"
+        "  - {tag: b, protocol: http, listen: {port: 3128}}\n"
+        "route: {final: direct}\n"
+    )
+    cfg = load_config_file(path)
+    assert [ib.tag for ib in cfg.inbounds] == ["a", "b"]
+
+
+def test_yaml_merge_key_may_override_merged_keys(tmp_path):
+    """``<<`` keeps its meaning: keys merged in may be overridden, merged maps may overlap."""
+    pytest.importorskip("yaml")
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "outbounds:\n"
+        "  - &hop {tag: hop-a, protocol: socks5, server: 127.0.0.1, port: 1080}\n"
+        "  - <<: *hop\n"
+        "    tag: hop-b\n"
+        "    port: 1081\n"
+        "  - <<: [{tag: hop-c, port: 1082}, *hop]\n"
+    )
+    cfg = load_config_file(path)
+    assert [(o.tag, o.port) for o in cfg.outbounds] == [
+        ("hop-a", 1080),
+        ("hop-b", 1081),
+        ("hop-c", 1082),
+    ]
+
+
+def test_yaml_merge_key_twice_is_a_duplicate(tmp_path):
+    _, message = _yaml_problem(tmp_path, "mode:\n  <<: {kind: global}\n  <<: {outbound: direct}\n")
+    assert "line 3, column 3: duplicate key '<<'" in message
