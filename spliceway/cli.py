@@ -41,11 +41,36 @@ _LOG_LEVELS = {
 }
 
 
+_EPILOG = """\
+exit status: 0 success; 1 validate or a connector command found problems;
+             2 the engine could not start (one line per problem on stderr)
+reference:   docs/running.md, docs/configuration.md and docs/ in the source
+             distribution; spliceway config-schema prints the JSON Schema
+"""
+
+_RUN_EPILOG = """\
+signals: SIGINT, SIGTERM  stop cleanly (every flow completes, engine.stopped), exit 0
+         SIGHUP           logged and ignored (hot reload is not built yet)
+         SIGUSR1          write every thread's stack to the log
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spliceway", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="spliceway",
+        description="spliceway: a proxy engine with a C splice relay, exact flow events and "
+        "a durable event outbox.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"spliceway {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the engine in the foreground")
+    run = sub.add_parser(
+        "run",
+        help="run the engine in the foreground",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("-c", "--config", help="configuration file (default: the embedded default)")
     validate = sub.add_parser(
         "validate", help="check a configuration file and the environment variables it names"
