@@ -1,15 +1,26 @@
 """The one query table: every read-only resource of interface.md 4.1 by name.
 
-``Engine.query`` and (later) the HTTP and IPC transports resolve names here.
+``Engine.query``, the HTTP transport and (later) IPC resolve names here, through
+``run_query``. Each entry declares the parameters its query accepts (a path
+parameter such as ``flow_id`` counts as one); any other parameter is
+``invalid_argument`` naming it, so nothing a caller sends is silently ignored.
 Queries read published snapshots; none of them changes state.
+
+``events`` filters the ring: ``types`` (comma-separated allow-list, as the SSE
+stream's), ``since`` (only events with a greater sequence) and ``limit`` (at most
+this many, 1..EVENTS_LIMIT_MAX, the oldest matching ones first, so a client pages
+forward with ``since`` = the last sequence it got). ``oldest_sequence`` and
+``latest_sequence`` always describe the ring, not the filtered list.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from spliceway.api.sse import parse_types
 from spliceway.commands import PERMISSIONS
 from spliceway.errors import invalid_argument, not_found
 from spliceway.policy import POLICY_KINDS
@@ -19,9 +30,36 @@ if TYPE_CHECKING:
 
 FLOWS_LIMIT_DEFAULT = 100
 FLOWS_LIMIT_MAX = 10000
+#: Upper bound of ``events``'s ``limit`` (fixed, whatever the ring's configured capacity);
+#: without ``limit`` every matching event in the ring is returned.
+EVENTS_LIMIT_MAX = 10000
 RECENT_COMPLETED = 32
 
 Query = Callable[["EngineCore", dict[str, Any]], dict[str, Any]]
+
+
+def _integer(params: dict[str, Any], name: str, low: int, high: int | None) -> int | None:
+    """``params[name]`` as an int in ``low..high`` (None when absent).
+
+    An int, or a string of ASCII digits as a transport delivers it; anything else,
+    blank included, is ``invalid_argument`` naming the parameter.
+    """
+    if name not in params:
+        return None
+    value = params[name]
+    # isascii: str.isdigit() also accepts '²' and fullwidth digits, which int() rejects.
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    in_range = (
+        not isinstance(value, bool)
+        and isinstance(value, int)
+        and low <= value
+        and (high is None or value <= high)
+    )
+    if not in_range:
+        bounds = f"{low}..{high}" if high is not None else f">= {low}"
+        raise invalid_argument(f"{name} must be an integer {bounds}", name)
+    return int(value)
 
 
 def _health(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
@@ -60,12 +98,9 @@ def _runtime(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _flows(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    limit = params.get("limit", FLOWS_LIMIT_DEFAULT)
-    # isascii: str.isdigit() also accepts '²' and fullwidth digits, which int() rejects.
-    if isinstance(limit, str) and limit.isascii() and limit.isdigit():
-        limit = int(limit)
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= FLOWS_LIMIT_MAX:
-        raise invalid_argument(f"limit must be an integer 1..{FLOWS_LIMIT_MAX}", "limit")
+    limit = _integer(params, "limit", 1, FLOWS_LIMIT_MAX)
+    if limit is None:
+        limit = FLOWS_LIMIT_DEFAULT
     inbound_tag = params.get("inbound_tag")
     principal_key = params.get("principal_key")
     out = []
@@ -111,8 +146,39 @@ def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _event_types(params: dict[str, Any]) -> frozenset[str] | None:
+    """The ``types`` allow-list (None: every type), validated as the SSE stream's."""
+    raw = params.get("types")
+    if raw is None:
+        return None
+    if isinstance(raw, list | tuple) and all(isinstance(t, str) for t in raw):
+        raw = ",".join(raw)
+    if not isinstance(raw, str):
+        raise invalid_argument("types must be a comma-separated list of event types", "types")
+    types = parse_types(raw)
+    if types is None or "*" in types:
+        return None
+    return frozenset(types)
+
+
 def _events(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    return core.log.snapshot()
+    types = _event_types(params)
+    since = _integer(params, "since", 0, None)
+    limit = _integer(params, "limit", 1, EVENTS_LIMIT_MAX)
+    # One snapshot: the bounds and the events are of the same instant.
+    ring = core.log.snapshot()
+    if types is None and since is None and limit is None:
+        return ring
+    selected = []
+    for envelope in ring["events"]:
+        if since is not None and envelope["sequence"] <= since:
+            continue
+        if types is not None and envelope["event_type"] not in types:
+            continue
+        selected.append(envelope)
+        if limit is not None and len(selected) >= limit:
+            break
+    return {**ring, "events": selected}
 
 
 def _tun_status(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
@@ -144,25 +210,51 @@ def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     return capabilities(PERMISSIONS, api_enabled=core.config.api.control.enabled)
 
 
-QUERIES: dict[str, Query] = {
-    "health": _health,
-    "capabilities": _capabilities,
-    "config": _config,
-    "runtime": _runtime,
-    "stats": _stats,
-    "flows": _flows,
-    "flow": _flow,
-    "policies": _policies,
-    "policy": _policy,
-    "sinks": _sinks,
-    "tun_status": _tun_status,
-    "events": _events,
+@dataclass(frozen=True, slots=True)
+class QuerySpec:
+    """One entry of the table: the function and the parameters it accepts."""
+
+    run: Query
+    params: tuple[str, ...] = ()
+
+
+QUERIES: dict[str, QuerySpec] = {
+    "health": QuerySpec(_health),
+    "capabilities": QuerySpec(_capabilities),
+    "config": QuerySpec(_config),
+    "runtime": QuerySpec(_runtime),
+    "stats": QuerySpec(_stats),
+    "flows": QuerySpec(_flows, ("limit", "inbound_tag", "principal_key")),
+    "flow": QuerySpec(_flow, ("flow_id",)),
+    "policies": QuerySpec(_policies),
+    "policy": QuerySpec(_policy, ("policy_tag",)),
+    "sinks": QuerySpec(_sinks),
+    "tun_status": QuerySpec(_tun_status),
+    "events": QuerySpec(_events, ("types", "since", "limit")),
 }
+
+
+def reject_unknown(params: dict[str, Any], accepted: tuple[str, ...], where: str) -> None:
+    """Raise ``invalid_argument`` (``field_path``: the name) for the first parameter of
+    ``params`` not in ``accepted``; the message names it and lists what ``where`` accepts."""
+    for key in params:
+        if key not in accepted:
+            listed = f"it accepts: {', '.join(accepted)}" if accepted else "it accepts none"
+            raise invalid_argument(f"unknown parameter {key!r} for {where}; {listed}", str(key))
+
+
+def check_params(name: str, params: dict[str, Any]) -> QuerySpec:
+    """The table entry of query ``name``, after checking that ``params`` names only what
+    it declares; raises ``not_found`` for an unknown query, ``invalid_argument`` for an
+    undeclared parameter."""
+    spec = QUERIES.get(name)
+    if spec is None:
+        raise not_found(f"unknown query {name!r}")
+    reject_unknown(params, spec.params, f"query {name!r}")
+    return spec
 
 
 def run_query(core: EngineCore, name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Answer one named query; raises ApiError for unknown names and bad parameters."""
-    query = QUERIES.get(name)
-    if query is None:
-        raise not_found(f"unknown query {name!r}")
-    return query(core, params or {})
+    params = params or {}
+    return check_params(name, params).run(core, params)
