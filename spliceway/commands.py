@@ -11,7 +11,7 @@ naming what is missing, and capabilities list it as such.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import pykka
@@ -41,7 +41,10 @@ _ASK_TIMEOUT = 10.0
 class _Params(BaseModel):
     # strict: JSON ``true`` is not port 1 and ``"80"`` is not 80; a controller's
     # type mistake is reported, not coerced.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # Field docstrings are the parameters' descriptions (OpenAPI, docs/commands.md).
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True
+    )
 
 
 class NoParams(_Params):
@@ -52,91 +55,125 @@ class FlowsCloseParams(_Params):
     """``flows.close``."""
 
     flow_id: str
+    """Identifier of an open flow (its record's `flow_id`, e.g. from `GET /api/v1/flows`)."""
 
 
 class ModeSetParams(_Params):
     """``mode.set``."""
 
     mode: Literal["rule", "global", "direct"]
+    """Routing mode for flows that start from now on; open flows keep their route."""
     outbound: str | None = None
+    """Outbound or group tag every flow takes in mode `global` (required then); must be
+    absent or null for the other modes."""
 
 
 class ConfigParams(_Params):
     """``config.validate`` / ``config.apply`` / ``config.apply_runtime``."""
 
     config: dict[str, Any]
+    """A whole configuration document, as a configuration file holds it."""
 
 
 class TraceRouteParams(_Params):
     """``diagnostics.trace_route``."""
 
     target: str = Field(min_length=1)
+    """Host name or IP address, as a client would ask for it."""
     port: int = Field(ge=0, le=65535)
+    """Target port."""
     protocol: Literal["tcp", "udp"] = "tcp"
+    """Network the `network` rule condition sees."""
     inbound_tag: str | None = None
+    """Route as if the flow arrived on this inbound; null: on none, so rules naming an
+    inbound do not match."""
 
 
 class PolicySelectParams(_Params):
     """``policies.select``."""
 
     policy_tag: str
+    """Tag of a `selector` group."""
     target_tag: str
+    """The member to select: one of the group's `outbounds`."""
 
 
 class PolicyTagParams(_Params):
     """``policies.probe``."""
 
     policy_tag: str
+    """Tag of a `url_test` group."""
 
 
 class TargetTagParams(_Params):
     """``diagnostics.probe_target``."""
 
     target_tag: str
+    """Tag of an outbound (groups and relays have no fixed server; the result says so)."""
 
 
 class ProbeOutboundParams(_Params):
     """``diagnostics.probe_outbound``."""
 
     target_tag: str
+    """Tag of an outbound or group (a group is probed through its current choice)."""
     url: str | None = None
+    """Plain `http://` URL to probe; `runtime.latency_test_url` wins when it is configured
+    (a url given then is still checked). Null: `http://www.gstatic.com/generate_204`."""
 
 
 class HostnameParams(_Params):
     """``diagnostics.dns_lookup``."""
 
     hostname: str = Field(min_length=1)
+    """Name to resolve through `runtime.dns` (cached answers are used, new ones cached)."""
 
 
 class DnsCacheParams(_Params):
     """``diagnostics.dns_cache``."""
 
     domain: str | None = None
+    """One name to look up in the cache (case-insensitive); null lists the cache."""
     limit: int = Field(default=256, ge=1)
+    """Most entries listed, the most recently used first (without `domain`)."""
 
 
 class FakeIpParams(_Params):
     """``diagnostics.fakeip_lookup`` / ``fakeip.clear``."""
 
     domain: str | None = None
+    """A domain name: look up its fake address (or clear its entry)."""
     ip: str | None = None
+    """A fake address: look up its domain (or clear its entry)."""
 
 
 class TunStartParams(_Params):
-    """``tun.start`` (interface.md 4.4)."""
+    """``tun.start``: the settings of ``runtime.tun``."""
 
     addr: str
+    """Address of the TUN device, an IP or IP/prefix."""
     tag: str
+    """Inbound tag of flows arriving through the device."""
     name: str | None = None
+    """Device name; null lets the system choose."""
     mask: str = "255.255.255.0"
+    """IPv4 netmask of `addr`."""
     mtu: int | None = None
+    """Device MTU in bytes; null uses `runtime.network.mtu`."""
     secondary_addr: str | None = None
+    """A second device address; null for none."""
     include_cidrs: list[str] = []
+    """Networks routed into the device; empty routes everything."""
     exclude_cidrs: list[str] = []
+    """Networks kept out of the device."""
     auto_route: bool = True
+    """Install the routes to the device."""
     dual_stack: bool = True
+    """Capture IPv6 as well as IPv4."""
     strict_route: bool = True
+    """Keep traffic from leaking around the device."""
     dns_hijack: bool = True
+    """Answer DNS queries sent through the device."""
 
 
 Handler = Callable[["EngineCore", Any], dict[str, Any]]
@@ -152,6 +189,14 @@ class Command:
     handler: Handler | None = None
     #: Why the command is not available in this build (None when it is).
     missing: str | None = None
+    #: What the command does, in one line (docs/commands.md).
+    summary: str = ""
+    #: ``(code, when)`` for each error the command itself can answer. Every command can
+    #: also answer ``invalid_argument`` for bad params and ``permission_denied``; one with
+    #: ``missing`` set answers ``unsupported`` once its params are valid.
+    errors: tuple[tuple[str, str], ...] = ()
+    #: Example params for the documentation.
+    example: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def _flows_close(core: EngineCore, p: FlowsCloseParams) -> dict[str, Any]:
@@ -263,25 +308,187 @@ _FAKE_IP = "fake-ip answers (runtime.dns.answer fake_ip, not built yet)"
 _TUN = "the TUN inbound (not built yet)"
 _RELOAD = "hot reload of a full configuration (not built yet)"
 
+_STOPPING = ("conflict", "The engine is stopping.")
+
 COMMANDS: dict[str, Command] = {
     c.method: c
     for c in (
-        Command("flows.close", "control", FlowsCloseParams, _flows_close),
-        Command("mode.set", "admin", ModeSetParams, _mode_set),
-        Command("config.validate", "config", ConfigParams, _config_validate),
-        Command("diagnostics.trace_route", "admin", TraceRouteParams, _trace_route),
-        Command("policies.select", "control", PolicySelectParams, _policies_select),
-        Command("policies.probe", "control", PolicyTagParams, _policies_probe),
-        Command("config.apply", "config", ConfigParams, missing=_RELOAD),
-        Command("config.apply_runtime", "config", ConfigParams, missing=_RELOAD),
-        Command("tun.start", "admin", TunStartParams, missing=_TUN),
-        Command("tun.stop", "admin", NoParams, missing=_TUN),
-        Command("diagnostics.probe_target", "admin", TargetTagParams, _probe_target),
-        Command("diagnostics.probe_outbound", "admin", ProbeOutboundParams, _probe_outbound),
-        Command("diagnostics.dns_lookup", "admin", HostnameParams, _dns_lookup),
-        Command("diagnostics.dns_cache", "admin", DnsCacheParams, _dns_cache),
-        Command("diagnostics.fakeip_lookup", "read", FakeIpParams, missing=_FAKE_IP),
-        Command("fakeip.clear", "admin", FakeIpParams, missing=_FAKE_IP),
+        Command(
+            "flows.close",
+            "control",
+            FlowsCloseParams,
+            _flows_close,
+            summary="Close one open flow: it completes with outcome `cancelled`, close reason "
+            "`manual`.",
+            errors=(
+                (
+                    "not_found",
+                    "No open flow has this `flow_id`, or it ended before it could be closed.",
+                ),
+            ),
+            example={"flow_id": "3f2a9c1e-17"},
+        ),
+        Command(
+            "mode.set",
+            "admin",
+            ModeSetParams,
+            _mode_set,
+            summary="Switch the routing mode for new flows (open flows keep their route; the "
+            "file is not changed, a restart goes back to it).",
+            errors=(
+                (
+                    "invalid_argument",
+                    "`params.outbound`: missing for mode `global`, naming no outbound or "
+                    "group, or given for another mode.",
+                ),
+            ),
+            example={"mode": "global", "outbound": "direct"},
+        ),
+        Command(
+            "config.validate",
+            "config",
+            ConfigParams,
+            _config_validate,
+            summary="Check a configuration document without applying it (environment "
+            "variables are not checked).",
+            errors=(
+                (
+                    "invalid_argument",
+                    "The document is invalid: `cause` sums up, `details[]` lists every "
+                    "problem with its `field_path` inside the document (e.g. "
+                    "`inbounds[0].listen.port`).",
+                ),
+            ),
+            example={"config": {"route": {"final": "direct"}}},
+        ),
+        Command(
+            "diagnostics.trace_route",
+            "admin",
+            TraceRouteParams,
+            _trace_route,
+            summary="Show how a flow to `target:port` would be routed now, without opening "
+            "one (rules on the source, principal, process or sniffed host do not match).",
+            example={"target": "example.com", "port": 443},
+        ),
+        Command(
+            "policies.select",
+            "control",
+            PolicySelectParams,
+            _policies_select,
+            summary="Choose the member a `selector` group gives new flows; emits "
+            "`policy.selected`. Lasts until the engine stops.",
+            errors=(
+                (
+                    "not_found",
+                    "No selector, url_test, fallback or load_balance group has this `policy_tag`.",
+                ),
+                ("invalid_argument", "`params.policy_tag`: the group is not a selector."),
+                ("invalid_argument", "`params.target_tag`: not a member of the group."),
+                _STOPPING,
+            ),
+            example={"policy_tag": "proxy", "target_tag": "auto"},
+        ),
+        Command(
+            "policies.probe",
+            "control",
+            PolicyTagParams,
+            _policies_probe,
+            summary="Start a probe round of a `url_test` group now (`probe_triggered` is "
+            "false when one is already running); it ends with `policy.probe.completed`.",
+            errors=(
+                ("not_found", "No `url_test` group has this `policy_tag`."),
+                _STOPPING,
+            ),
+            example={"policy_tag": "auto"},
+        ),
+        Command(
+            "config.apply",
+            "config",
+            ConfigParams,
+            missing=_RELOAD,
+            summary="Replace the running configuration and save it to the source file.",
+            example={"config": {"route": {"final": "direct"}}},
+        ),
+        Command(
+            "config.apply_runtime",
+            "config",
+            ConfigParams,
+            missing=_RELOAD,
+            summary="Replace the running configuration without saving it.",
+            example={"config": {"route": {"final": "direct"}}},
+        ),
+        Command(
+            "tun.start",
+            "admin",
+            TunStartParams,
+            missing=_TUN,
+            summary="Start the TUN inbound.",
+            example={"addr": "198.18.0.1/15", "tag": "tun-in"},
+        ),
+        Command(
+            "tun.stop",
+            "admin",
+            NoParams,
+            missing=_TUN,
+            summary="Stop the TUN inbound.",
+        ),
+        Command(
+            "diagnostics.probe_target",
+            "admin",
+            TargetTagParams,
+            _probe_target,
+            summary="Try one TCP connection from the engine host to an outbound's "
+            "`server:port` (no proxy protocol, 2 s); unreachable is a result, not an error.",
+            errors=(("not_found", "No outbound or group has this `target_tag`."),),
+            example={"target_tag": "hop-a"},
+        ),
+        Command(
+            "diagnostics.probe_outbound",
+            "admin",
+            ProbeOutboundParams,
+            _probe_outbound,
+            summary="Time one `HEAD` request through an outbound or group (5 s); a failed "
+            "probe is a result, not an error.",
+            errors=(
+                ("not_found", "No outbound or group has this `target_tag`."),
+                ("invalid_argument", "`params.url`: not a plain `http://` URL with a host."),
+            ),
+            example={"target_tag": "proxy"},
+        ),
+        Command(
+            "diagnostics.dns_lookup",
+            "admin",
+            HostnameParams,
+            _dns_lookup,
+            summary="Resolve a name with the engine's resolver; a name that does not resolve "
+            "is a result with `error`.",
+            errors=(("invalid_argument", "`params.hostname`: not a valid host name."),),
+            example={"hostname": "example.com"},
+        ),
+        Command(
+            "diagnostics.dns_cache",
+            "admin",
+            DnsCacheParams,
+            _dns_cache,
+            summary="List the resolver's cache, or show one name's entry.",
+            errors=(("invalid_argument", "`params.domain`: an empty string."),),
+            example={"domain": "example.com"},
+        ),
+        Command(
+            "diagnostics.fakeip_lookup",
+            "read",
+            FakeIpParams,
+            missing=_FAKE_IP,
+            summary="Find the fake address of a name, or the name of a fake address.",
+            example={"domain": "example.com"},
+        ),
+        Command(
+            "fakeip.clear",
+            "admin",
+            FakeIpParams,
+            missing=_FAKE_IP,
+            summary="Forget fake-ip assignments.",
+        ),
     )
 }
 
