@@ -3,15 +3,39 @@
 ``create_app(engine)`` builds it; ``api.server`` serves it on Waitress. Every
 response carries the envelope ``{api_id, id, ok, result | error}`` and
 ``Access-Control-Allow-Origin: *`` (the SSE stream and the OpenAPI document
-are bodies of their own formats). One gate authenticates, authorises and
-rate-limits every request before routing; one error handler turns every
+are bodies of their own formats). One gate checks, authenticates, authorises
+and rate-limits every request before routing; one error handler turns every
 failure, Falcon's own routing errors included, into the envelope and the
 status of ``spliceway.errors``.
+
+Browser protection (the gate; see docs/security.md). With no key configured
+anyone who can reach the port may call the API, so a web page must not be
+able to act through a visitor's browser. Every request, preflights included,
+is then refused with 403 ``permission_denied`` when
+- its ``Host`` names neither the listen address nor a loopback name
+  (``localhost``, ``*.localhost``, 127.0.0.0/8, ``[::1]``; any IP literal when
+  listening on a wildcard address) with the bound port (no port: 80), which
+  stops DNS rebinding;
+- its ``Origin`` is not ``http://`` + that ``Host`` (compared without case);
+  ``Origin: null`` included;
+- its ``Sec-Fetch-Site`` is neither ``same-origin`` nor ``none`` (no-cors GETs,
+  which carry no Origin).
+With a key configured none of this applies: the key is the protection, and
+cross-origin callers holding it work. Whatever the keys, ``POST
+/api/v1/commands`` needs ``Content-Type: application/json`` (415
+``invalid_argument`` otherwise, checked before the body is read): that is the
+one type a browser will not send cross-origin without a preflight.
+
+Query strings: no endpoint ignores a parameter. A name given twice, or one
+the endpoint does not declare (the query table's declarations for queries),
+is 400 ``invalid_argument`` naming it; blank values are kept, not dropped.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,6 +69,15 @@ COMMANDS_PATH = f"{PREFIX}/commands"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 _ALLOW_HEADERS = "Authorization, X-Service-Api-Key, Content-Type, Last-Event-ID"
 _COMMAND_KEYS = frozenset({"id", "method", "params"})
+_STREAM_PARAMS = ("types", "since")
+#: ``host[:port]`` as a Host header carries it: a DNS name or IPv4 literal, or a
+#: bracketed IPv6 literal; an ASCII decimal port.
+_HOST_RE = re.compile(
+    r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9][A-Za-z0-9.-]*))(?::(?P<port>[0-9]{1,5}))?"
+)
+_SAME_SITE = frozenset({"same-origin", "none"})
+_CONFIGURE_KEY = "configure a key (api.control.api_key_env or api.control.keys) to allow"
+_SEE = "see docs/security.md"
 
 
 def envelope_ok(result: Any, request_id: Any = None) -> bytes:
@@ -65,6 +98,11 @@ class ControlState:
     keys: KeyTable
     limits: Limits
     keepalive_s: float
+    #: The bound ``(address, port)`` the app answers on: set by ``ControlServer`` once
+    #: it has bound (or by ``create_app(listen=...)``). None: the address is unknown
+    #: (only loopback names pass the Host check) and the port is the WSGI
+    #: server's ``SERVER_PORT``.
+    listen: tuple[str, int] | None = None
     query_bucket: TokenBucket = field(init=False)
     command_bucket: TokenBucket = field(init=False)
     sse_slots: Slots = field(init=False)
@@ -96,14 +134,100 @@ def _principal(req: falcon.Request) -> Principal:
     return principal
 
 
+def _host_refusal(host: str, listen: tuple[str | None, int]) -> str | None:
+    """Why ``host`` (a Host header) is not this API's own, or None when it is."""
+    bound_address, bound_port = listen
+    match = _HOST_RE.fullmatch(host)
+    if match is None:
+        return "is not a valid host[:port]"
+    port = int(match["port"]) if match["port"] else 80
+    name = (match["v6"] or match["name"]).lower()
+    if port != bound_port:
+        return f"names port {port}, but this API listens on port {bound_port}"
+    if match["name"] is not None and (name == "localhost" or name.endswith(".localhost")):
+        return None
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return (
+            "is not a loopback name (a foreign name that resolves to this machine is "
+            "how DNS rebinding reaches it)"
+        )
+    if match["v6"] is not None and ip.version != 6:
+        return "is not a valid host[:port]"
+    if ip.is_loopback:
+        return None
+    if bound_address is not None:
+        bound = ipaddress.ip_address(bound_address)
+        if bound.is_unspecified or ip == bound:
+            return None
+    return "is neither this API's listen address nor a loopback address"
+
+
+def _refuse_foreign(req: falcon.Request, listen: tuple[str, int] | None) -> None:
+    """Refuse (403) a request a keyless API must not answer: foreign Host, Origin or site."""
+    if listen is None:
+        listen_or_env: tuple[str | None, int] = (None, int(req.env.get("SERVER_PORT") or 80))
+    else:
+        listen_or_env = listen
+    host = req.get_header("Host")
+    if host is not None:
+        problem = _host_refusal(host, listen_or_env)
+        if problem is not None:
+            raise ApiError(
+                "permission_denied",
+                f"request refused: Host {host} {problem}; a control API without a key "
+                "answers only requests addressed to localhost, a loopback address or its "
+                f"listen address, on its port; {_CONFIGURE_KEY} other hosts ({_SEE})",
+            )
+    origin = req.get_header("Origin")
+    if origin is not None:
+        own = f"http://{host}" if host is not None else None
+        if own is None or origin.lower() != own.lower():
+            this = f" ({own})" if own is not None else ""
+            raise ApiError(
+                "permission_denied",
+                f"cross-origin request refused: Origin {origin} is not this API's origin{this}; "
+                "a control API without a key accepts only same-origin requests; "
+                f"{_CONFIGURE_KEY} cross-origin callers ({_SEE})",
+            )
+    site = req.get_header("Sec-Fetch-Site")
+    if site is not None and site.strip().lower() not in _SAME_SITE:
+        raise ApiError(
+            "permission_denied",
+            f"cross-site request refused: Sec-Fetch-Site is {site}; a control API without "
+            f"a key accepts only same-origin requests; {_CONFIGURE_KEY} cross-site callers "
+            f"({_SEE})",
+        )
+
+
+def _require_json(req: falcon.Request) -> None:
+    """Refuse (415) a command whose body is not declared ``application/json``."""
+    declared = req.content_type
+    media = (declared or "").split(";", 1)[0].strip().lower()
+    if media != falcon.MEDIA_JSON:
+        got = f"Content-Type {declared}" if declared else "no Content-Type"
+        raise ApiError(
+            "invalid_argument",
+            f"POST {COMMANDS_PATH} needs Content-Type: application/json (this request has "
+            f"{got}); send the JSON body with that header",
+            field_path="Content-Type",
+            http_status=415,
+        )
+
+
 class _Gate:
-    """Middleware: CORS, preflight, authentication, read permission, rate limits."""
+    """Middleware: browser protection, CORS, preflight, authentication, read permission,
+    the command body's media type, rate limits."""
 
     def __init__(self, state: ControlState) -> None:
         self._state = state
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.request_id = None
+        state = self._state
+        if not state.keys.required:
+            _refuse_foreign(req, state.listen)
         if req.method == "OPTIONS":
             resp.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
             resp.set_header("Access-Control-Allow-Headers", _ALLOW_HEADERS)
@@ -111,7 +235,6 @@ class _Gate:
             _send(resp, envelope_ok({}))
             resp.complete = True
             return
-        state = self._state
         principal = state.keys.authenticate(
             req.get_header("Authorization"), req.get_header("X-Service-Api-Key")
         )
@@ -119,6 +242,9 @@ class _Gate:
         is_command = req.path == COMMANDS_PATH and req.method == "POST"
         if not is_command and not principal.grants("read"):
             raise ApiError("permission_denied", "this endpoint needs the read permission")
+        if is_command:
+            # Before the rate limit: a request refused for its form spends no command token.
+            _require_json(req)
         bucket = state.command_bucket if is_command else state.query_bucket
         wait = bucket.take()
         if wait:
@@ -128,7 +254,7 @@ class _Gate:
     def process_response(
         self, req: falcon.Request, resp: falcon.Response, resource: object, ok: bool
     ) -> None:
-        # Falcon runs this for every response, errors and preflights included.
+        # Falcon runs this for every response, errors, refusals and preflights included.
         resp.set_header("Access-Control-Allow-Origin", "*")
 
 
@@ -163,20 +289,32 @@ def _on_exception(req: falcon.Request, resp: falcon.Response, ex: Exception, par
     _send(resp, envelope_error(error, getattr(req.context, "request_id", None)), 500)
 
 
-class _Query:
-    """A plain query resource answered from the engine's query table."""
+def _query_args(req: falcon.Request) -> dict[str, str]:
+    """The query string, one value per name (blank values kept); a name given twice is
+    ``invalid_argument`` naming it."""
+    args: dict[str, str] = {}
+    for name, value in req.params.items():
+        if isinstance(value, list):
+            raise invalid_argument(
+                f"query parameter {name!r} is given {len(value)} times; give it once", name
+            )
+        args[name] = value
+    return args
 
-    def __init__(self, state: ControlState, name: str, params: tuple[str, ...] = ()) -> None:
+
+class _Query:
+    """A query resource answered from the engine's query table (which checks the names)."""
+
+    def __init__(self, state: ControlState, name: str) -> None:
         self._state = state
         self._name = name
-        self._params = params
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, **path: str) -> None:
-        args: dict[str, Any] = dict(path)
-        for key in self._params:
-            value = req.get_param(key)
-            if value is not None:
-                args[key] = value
+        args: dict[str, Any] = _query_args(req)
+        for key, value in path.items():
+            if key in args:
+                raise invalid_argument(f"{key} is given both in the path and in the query", key)
+            args[key] = value
         _send(resp, envelope_ok(queries.run_query(self._state.core, self._name, args)))
 
 
@@ -185,6 +323,7 @@ class _Capabilities:
         self._state = state
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        queries.check_params("capabilities", _query_args(req))
         enabled = self._state.core.config.api.control.enabled
         perms = _principal(req).effective_permissions
         _send(resp, envelope_ok(capabilities(perms, api_enabled=enabled)))
@@ -195,6 +334,7 @@ class _Commands:
         self._state = state
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        queries.reject_unknown(_query_args(req), (), f"POST {COMMANDS_PATH}")
         # A declared length over the cap is refused before reading any of it.
         declared_too_large = (req.content_length or 0) > MAX_BODY_BYTES
         raw = b"" if declared_too_large else req.bounded_stream.read(MAX_BODY_BYTES + 1)
@@ -230,8 +370,12 @@ class _EventStream:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         state = self._state
-        types = parse_types(req.get_param("types"))
-        since = parse_since(req.get_param("since"), req.get_header("Last-Event-ID"))
+        args = _query_args(req)
+        queries.reject_unknown(args, _STREAM_PARAMS, f"GET {PREFIX}/events/stream")
+        if args.get("since") == "":
+            raise invalid_argument("since must be a non-negative event sequence", "since")
+        types = parse_types(args.get("types"))
+        since = parse_since(args.get("since"), req.get_header("Last-Event-ID"))
         if not state.sse_slots.acquire():
             raise RateLimited(f"at most {state.sse_slots.capacity} concurrent event streams", 1.0)
         try:
@@ -260,6 +404,7 @@ class _OpenApi:
         self._body = orjson.dumps(openapi_document())
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        queries.reject_unknown(_query_args(req), (), f"GET {PREFIX}/openapi.json")
         _send(resp, self._body)
 
 
@@ -275,26 +420,39 @@ def create_app(
     keys: KeyTable | None = None,
     limits: Limits | None = None,
     keepalive_s: float = KEEPALIVE_S,
+    listen: tuple[str, int] | None = None,
 ) -> ControlApp:
     """The control API's WSGI app for ``engine``.
 
     ``keys`` defaults to the keys ``api.control`` names in the environment;
     ``limits`` to interface.md 8 (tests and benchmarks may pass others).
+    ``listen`` is the bound ``(address, port)`` the keyless Host check accepts;
+    ``ControlServer`` sets it once it has bound, so only an app served by another
+    WSGI server needs it (without it, only loopback names pass, on ``SERVER_PORT``).
     """
     core = engine.core
     if keys is None:
         keys = KeyTable.from_config(core.config.api.control)
-    state = ControlState(core, keys, limits or Limits(), keepalive_s)
+    state = ControlState(core, keys, limits or Limits(), keepalive_s, listen)
     app = ControlApp(middleware=[_Gate(state)])
     app.req_options.strip_url_path_trailing_slash = True
+    # Falcon's default, stated: a blank ``?x=`` reaches the checks instead of vanishing.
+    app.req_options.keep_blank_qs_values = True
     app.resp_options.default_media_type = falcon.MEDIA_JSON
-    plain = ("health", "config", "runtime", "stats", "policies", "sinks", "tun_status", "events")
+    plain = (
+        "health",
+        "config",
+        "runtime",
+        "stats",
+        "flows",
+        "policies",
+        "sinks",
+        "tun_status",
+        "events",
+    )
     for name in plain:
         app.add_route(f"{PREFIX}/{name}", _Query(state, name))
     app.add_route(f"{PREFIX}/capabilities", _Capabilities(state))
-    app.add_route(
-        f"{PREFIX}/flows", _Query(state, "flows", ("limit", "inbound_tag", "principal_key"))
-    )
     app.add_route(f"{PREFIX}/flows/{{flow_id}}", _Query(state, "flow"))
     app.add_route(f"{PREFIX}/policies/{{policy_tag}}", _Query(state, "policy"))
     app.add_route(COMMANDS_PATH, _Commands(state))

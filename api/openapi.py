@@ -4,8 +4,10 @@ The document is built here in Python from small schema helpers, and from the
 same tables the engine dispatches through, so it cannot drift from them:
 - every command's ``params`` schema is its pydantic model's JSON schema
   (``spliceway.commands.COMMANDS``), one ``components.schemas.<Model>`` each;
-- the error ``code`` enum of each HTTP status comes from ``spliceway.errors.HTTP_STATUS``;
-- event types come from ``spliceway.config.EVENT_TYPES``.
+- the error ``code`` enum of each HTTP status comes from ``spliceway.errors`` (its
+  table, and ``code_for_http_status`` for the statuses only HTTP answers: 405, 415);
+- event types come from ``spliceway.config.EVENT_TYPES``; the bounds of ``limit``
+  from ``spliceway.queries``.
 
 Result shapes are closed (``additionalProperties: false``) wherever the
 contract fixes them, so validating real responses against this document is a
@@ -23,10 +25,10 @@ from typing import Any
 from spliceway.capabilities import API_ID
 from spliceway.commands import COMMANDS, PERMISSIONS
 from spliceway.config import EVENT_TYPES
-from spliceway.errors import HTTP_STATUS
+from spliceway.errors import HTTP_STATUS, code_for_http_status
 from spliceway.events import SCHEMA_ID as EVENT_SCHEMA_ID
 from spliceway.policy import TRIGGERS
-from spliceway.queries import FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
+from spliceway.queries import EVENTS_LIMIT_MAX, FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
 from spliceway.runtime import UDP_COUNTERS
 
 Schema = dict[str, Any]
@@ -149,11 +151,25 @@ _API_ERROR = obj(
 
 #: Error statuses documented per operation, their response component and description.
 _ERROR_RESPONSES: dict[int, tuple[str, str]] = {
-    400: ("BadRequest", "invalid_argument: a parameter or the body is not valid."),
+    400: (
+        "BadRequest",
+        "invalid_argument: a parameter or the body is not valid, or a query parameter is "
+        "unknown to this endpoint or given twice (field_path names it).",
+    ),
     401: ("Unauthenticated", "unauthenticated: a key is required and none (or a wrong one) came."),
-    403: ("PermissionDenied", "permission_denied: the key lacks the permission this needs."),
+    403: (
+        "PermissionDenied",
+        "permission_denied: the key lacks the permission this needs; or, with no key "
+        "configured, a browser-protection refusal (foreign Host, cross-origin Origin, "
+        "cross-site Sec-Fetch-Site; see the document's description).",
+    ),
     404: ("NotFound", "not_found: no such resource (or no such endpoint)."),
     405: ("MethodNotAllowed", "unsupported: this path does not answer this method (see Allow)."),
+    415: (
+        "UnsupportedMediaType",
+        "invalid_argument (field_path Content-Type): the command body was not sent as "
+        "Content-Type: application/json.",
+    ),
     429: (
         "RateLimited",
         "rate_limited: over a rate or concurrency limit; retry after Retry-After.",
@@ -164,10 +180,10 @@ _ERROR_RESPONSES: dict[int, tuple[str, str]] = {
 
 
 def _codes_for(status: int) -> list[str]:
-    if status == 405:
-        # HTTP routing overrides the table: a wrong method is unsupported with 405.
-        return ["unsupported"]
-    return [code for code, mapped in HTTP_STATUS.items() if mapped == status]
+    codes = [code for code, mapped in HTTP_STATUS.items() if mapped == status]
+    # Statuses only HTTP answers (405 unsupported, 415 invalid_argument) are not in
+    # the table; errors.code_for_http_status names their code.
+    return codes or [code_for_http_status(status)]
 
 
 def success_envelope(result: Schema) -> Schema:
@@ -852,6 +868,10 @@ def _options(op_id: str) -> Schema:
     return {
         "operationId": op_id,
         "summary": "CORS preflight (never authenticated or rate limited).",
+        "description": (
+            "With no key configured, a preflight from another origin (or to a foreign "
+            "Host) is refused with 403, as the request itself would be."
+        ),
         "tags": ["cors"],
         "security": [],
         "responses": {
@@ -864,7 +884,8 @@ def _options(op_id: str) -> Schema:
                     "AccessControlMaxAge",
                 ),
                 "content": {_JSON: {"schema": ref("PreflightEnvelope")}},
-            }
+            },
+            "403": {"$ref": "#/components/responses/PermissionDenied"},
         },
     }
 
@@ -900,10 +921,27 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
         _query_param("inbound_tag", STR, "Only flows of this inbound."),
         _query_param("principal_key", STR, "Only flows of this principal."),
     ]
+    types_schema = array(enum([*sorted(EVENT_TYPES), "*"]))
+    events_params = [
+        _query_param(
+            "types",
+            types_schema,
+            "Comma-separated event types to return (default, blank or *: every type).",
+            style="form",
+            explode=False,
+        ),
+        _query_param("since", integer(0), "Only events whose sequence is greater than this."),
+        _query_param(
+            "limit",
+            integer(1, EVENTS_LIMIT_MAX),
+            "At most this many events, the oldest matching ones first "
+            "(default: every matching event in the ring).",
+        ),
+    ]
     stream_params = [
         _query_param(
             "types",
-            array(enum([*sorted(EVENT_TYPES), "*"])),
+            types_schema,
             "Comma-separated event types to receive (default: every type).",
             style="form",
             explode=False,
@@ -921,6 +959,7 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
             "schema": integer(0),
         },
     ]
+    # Every query answers 400 for a query parameter it does not declare, or one given twice.
     queries: dict[str, tuple[str, str, Schema, tuple[int, ...], list[Schema] | None]] = {
         "health": ("getHealth", "Liveness of the engine.", ref("Health"), (), None),
         "capabilities": (
@@ -933,7 +972,7 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
         "config": ("getConfig", "The running configuration.", ref("ConfigSummary"), (), None),
         "runtime": ("getRuntime", "The runtime snapshot.", ref("Runtime"), (), None),
         "stats": ("getStats", "Cumulative counters.", ref("Stats"), (), None),
-        "flows": ("listFlows", "Active flows.", ref("FlowList"), (400,), flows_params),
+        "flows": ("listFlows", "Active flows.", ref("FlowList"), (), flows_params),
         "flows/{flow_id}": (
             "getFlow",
             "One active flow.",
@@ -951,7 +990,13 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
         ),
         "sinks": ("listSinks", "Event sinks.", ref("SinkList"), (), None),
         "tun_status": ("getTunStatus", "The TUN inbound.", ref("TunStatus"), (), None),
-        "events": ("getEvents", "The event ring.", ref("EventRing"), (), None),
+        "events": (
+            "getEvents",
+            "The event ring, optionally filtered.",
+            ref("EventRing"),
+            (),
+            events_params,
+        ),
     }
     paths: dict[str, Schema] = {}
     for name, (op_id, summary, result, errors, parameters) in queries.items():
@@ -959,16 +1004,24 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
         in_path = [p for p in parameters or () if p["in"] == "path"]
         in_query = [p for p in parameters or () if p["in"] != "path"]
         item: Schema = {"parameters": in_path} if in_path else {}
-        item["get"] = _get(op_id, summary, result, *errors, parameters=in_query)
+        item["get"] = _get(op_id, summary, result, 400, *errors, parameters=in_query)
         item["options"] = _options(options_id)
         paths[f"{PREFIX}/{name}"] = item
+    paths[f"{PREFIX}/events"]["get"]["description"] = (
+        "The ring's events, oldest first, filtered by `types`, `since` and `limit`: "
+        f"at most `limit` (1..{EVENTS_LIMIT_MAX}) events, the oldest matching ones after "
+        "`since`, so a client pages forward by passing the last sequence it got as the "
+        "next `since`. `oldest_sequence`, `latest_sequence` and `capacity` describe the "
+        "ring itself, not the filtered list."
+    )
     paths[f"{PREFIX}/events/stream"] = {
         "get": {
             "operationId": "streamEvents",
             "summary": "Live events as Server-Sent Events, with resume.",
             "description": (
                 "Frames are `id: <sequence>`, `event: <type>`, `data: <EventEnvelope JSON>`. "
-                "At most 5 concurrent streams; the 6th is answered 429."
+                "At most 5 concurrent streams; the 6th is answered 429. Query parameters "
+                "other than `types` and `since` are refused (400)."
             ),
             "tags": ["events"],
             "parameters": stream_params,
@@ -990,8 +1043,11 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
             "operationId": "executeCommand",
             "summary": "Run one command of the command table.",
             "description": (
-                "Commands whose subsystem is not built answer 501 unsupported; "
-                "params are validated (400) before that."
+                "The body must be sent with `Content-Type: application/json` (parameters "
+                "such as `charset` allowed); any other type, or none, is answered 415 "
+                "before the body is read. Commands whose subsystem is not built answer "
+                "501 unsupported; params are validated (400) before that. The endpoint "
+                "takes no query parameters (400)."
             ),
             "tags": ["commands"],
             "requestBody": {
@@ -999,7 +1055,7 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
                 "content": {_JSON: {"schema": ref("CommandRequest")}},
             },
             "responses": _responses(
-                {"200": _ok(command_result, "The command's result.")}, 400, 404, 501
+                {"200": _ok(command_result, "The command's result.")}, 400, 404, 415, 501
             ),
         },
         "options": _options("optionsExecuteCommand"),
@@ -1008,6 +1064,7 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
         "get": {
             "operationId": "getOpenApi",
             "summary": "This document (raw, not enveloped).",
+            "description": "Takes no query parameters (400).",
             "tags": ["meta"],
             "responses": _responses(
                 {
@@ -1024,7 +1081,8 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
                             }
                         },
                     }
-                }
+                },
+                400,
             ),
         },
         "options": _options("optionsGetOpenApi"),
@@ -1102,6 +1160,31 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
     }
 
 
+_DESCRIPTION = (
+    "Every response is the envelope {api_id, id, ok, result | error}, except the SSE "
+    "stream and this document, and every response carries "
+    "`Access-Control-Allow-Origin: *`. "
+    "An engine with no API key configured needs no authentication; otherwise send the "
+    "key as a bearer token or in X-Service-Api-Key.\n\n"
+    "Browser protection with no key configured (see docs/security.md): anyone who can "
+    "reach the port may call the API, so a web page must not be able to call it through "
+    "a visitor's browser. Every request, CORS preflights included, is refused with 403 "
+    "permission_denied when (1) its `Host` names neither the listen address nor a "
+    "loopback name (`localhost`, `*.localhost`, 127.0.0.0/8, `[::1]`; any IP literal "
+    "when the API listens on a wildcard address), or names another port than the bound "
+    "one (no port means 80): this stops DNS rebinding; (2) its `Origin` is present and "
+    "is not `http://` followed by that `Host` (compared without case; `Origin: null` is "
+    "refused); (3) its `Sec-Fetch-Site` is present and is neither `same-origin` nor "
+    "`none`. Requests without these headers (curl, scripts) are unaffected. With a key "
+    "configured none of these checks apply: cross-origin callers that hold a key work.\n\n"
+    "Whatever the keys, `POST /api/v1/commands` needs `Content-Type: application/json` "
+    "(415 invalid_argument otherwise, field_path `Content-Type`), the one body type a "
+    "browser will not send cross-origin without a preflight. No endpoint ignores a "
+    "query parameter: one it does not declare, or one given twice, is 400 "
+    "invalid_argument with the parameter's name as field_path."
+)
+
+
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1.0 document of every control API endpoint.
 
@@ -1115,12 +1198,7 @@ def openapi_document() -> dict[str, Any]:
         "info": {
             "title": "spliceway control API",
             "version": "1",
-            "description": (
-                "Every response is the envelope {api_id, id, ok, result | error} "
-                "(interface.md 2.1), except the SSE stream and this document. "
-                "An engine with no API key configured needs no authentication; otherwise "
-                "send the key as a bearer token or in X-Service-Api-Key."
-            ),
+            "description": _DESCRIPTION,
         },
         "servers": [{"url": "/"}],
         "security": _SECURITY,

@@ -68,6 +68,9 @@ class ControlServer:
             self._server.effective_host,  # type: ignore[union-attr]
             int(self._server.effective_port),  # type: ignore[union-attr]
         )
+        # The app's keyless Host check accepts the address and port actually bound
+        # (port 0 in the config becomes the port the kernel chose).
+        self._state.listen = self.address
         self._thread = threading.Thread(
             target=self._server.run, name="spliceway-control-http", daemon=True
         )

@@ -6,6 +6,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import falcon.testing
 import pytest
 from spliceway.api.app import ControlApp, create_app
 from spliceway.api.auth import KeyTable
@@ -15,6 +16,16 @@ from tests.conftest import base_config
 
 #: Limits high enough that a test issuing many requests never trips them by accident.
 RELAXED = Limits(queries_per_second=100000.0, commands_per_second=100000.0, sse_streams=5)
+
+#: What a local caller sends with a command body.
+JSON_BODY = {"Content-Type": "application/json"}
+
+
+def local_client(app: ControlApp) -> falcon.testing.TestClient:
+    """A TestClient that addresses the app as a local caller does (``Host: 127.0.0.1``,
+    TestClient's port 80). Its default Host, ``falconframework.org``, is a foreign
+    name, which a keyless API refuses (DNS rebinding protection)."""
+    return falcon.testing.TestClient(app, headers={"Host": "127.0.0.1"})
 
 
 def control_config(**control: Any) -> dict[str, Any]:

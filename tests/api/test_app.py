@@ -13,6 +13,7 @@ from spliceway.api.auth import KeyTable
 from spliceway.api.limits import Limits
 
 from spliceway.errors import HTTP_STATUS
+from tests.api.conftest import JSON_BODY, local_client
 from tests.conftest import base_config, wait_until
 from tests.helpers.socks import socks5_connect
 
@@ -24,7 +25,7 @@ ERROR_ENVELOPE_KEYS = {"api_id", "id", "ok", "error"}
 @pytest.fixture
 def client(app_for: Callable[..., Any]) -> falcon.testing.TestClient:
     """A TestClient over a running engine, no key, relaxed limits."""
-    return falcon.testing.TestClient(app_for())
+    return local_client(app_for())
 
 
 def ok(result: falcon.testing.Result) -> dict[str, Any]:
@@ -53,7 +54,9 @@ def command(
     client: falcon.testing.TestClient, body: Any, headers: dict[str, str] | None = None
 ) -> falcon.testing.Result:
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
-    return client.simulate_post(f"{API}/commands", body=raw, headers=headers)
+    return client.simulate_post(
+        f"{API}/commands", body=raw, headers={**JSON_BODY, **(headers or {})}
+    )
 
 
 # -- queries -------------------------------------------------------------------------
@@ -113,7 +116,7 @@ def test_config_reports_bound_ports(make_engine: Callable[..., Any]) -> None:
     from spliceway.api.app import create_app
 
     engine = make_engine(base_config())
-    client = falcon.testing.TestClient(create_app(engine, keys=KeyTable([])))
+    client = local_client(create_app(engine, keys=KeyTable([])))
     result = ok(client.simulate_get(f"{API}/config"))
     assert result["mode"] == {"kind": "rule", "outbound": None}
     assert result["rule_count"] == 0
@@ -164,7 +167,7 @@ def two_flows(
         }
     )
     engine = make_engine(cfg)
-    client = falcon.testing.TestClient(create_app(engine, keys=KeyTable([])))
+    client = local_client(create_app(engine, keys=KeyTable([])))
     socks = [
         socks5_connect(engine.listen_address("socks-in"), *origin),
         socks5_connect(engine.listen_address("auth-in"), *origin, auth=("u", "p")),
@@ -226,13 +229,26 @@ def test_wrong_method_is_405_unsupported(
 
 
 def test_preflight(client: falcon.testing.TestClient) -> None:
+    # Keyless: only the API's own origin (http:// + its Host) gets a preflight answer.
     result = client.simulate_options(
+        f"{API}/commands",
+        headers={"Origin": "http://127.0.0.1", "Access-Control-Request-Method": "POST"},
+    )
+    assert ok(result) == {}
+    assert "POST" in result.headers["Access-Control-Allow-Methods"]
+    assert "X-Service-Api-Key" in result.headers["Access-Control-Allow-Headers"]
+    assert "Content-Type" in result.headers["Access-Control-Allow-Headers"]
+
+
+def test_preflight_from_another_origin_with_a_key_configured(
+    scoped: falcon.testing.TestClient,
+) -> None:
+    result = scoped.simulate_options(
         f"{API}/commands",
         headers={"Origin": "http://dash.example", "Access-Control-Request-Method": "POST"},
     )
     assert ok(result) == {}
     assert "POST" in result.headers["Access-Control-Allow-Methods"]
-    assert "X-Service-Api-Key" in result.headers["Access-Control-Allow-Headers"]
 
 
 # -- commands -------------------------------------------------------------------------
@@ -387,7 +403,7 @@ def scoped(app_for: Callable[..., Any]) -> falcon.testing.TestClient:
             ("cfg", "config-key", frozenset({"config"})),
         ]
     )
-    return falcon.testing.TestClient(app_for(keys=keys))
+    return local_client(app_for(keys=keys))
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -436,9 +452,7 @@ def test_unauthenticated(scoped: falcon.testing.TestClient, headers: dict[str, s
 
 
 def test_rate_limits_in_process(app_for: Callable[..., Any]) -> None:
-    client = falcon.testing.TestClient(
-        app_for(limits=Limits(queries_per_second=3, commands_per_second=2))
-    )
+    client = local_client(app_for(limits=Limits(queries_per_second=3, commands_per_second=2)))
     statuses = [client.simulate_get(f"{API}/health").status_code for _ in range(6)]
     assert statuses[:3] == [200, 200, 200] and 429 in statuses[3:]
     result = client.simulate_get(f"{API}/health")

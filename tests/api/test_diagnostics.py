@@ -13,7 +13,7 @@ import pytest
 from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
 
-from tests.api.conftest import RELAXED
+from tests.api.conftest import JSON_BODY, RELAXED, local_client
 from tests.api.test_openapi import validate_response
 from tests.conftest import base_config
 from tests.helpers.dnsserver import dns_server
@@ -22,7 +22,9 @@ from tests.helpers.upstreams import black_hole, free_port
 
 def call(client: falcon.testing.TestClient, method: str, params: dict[str, Any]) -> Any:
     return client.simulate_post(
-        "/api/v1/commands", body=orjson.dumps({"method": method, "params": params})
+        "/api/v1/commands",
+        body=orjson.dumps({"method": method, "params": params}),
+        headers=JSON_BODY,
     )
 
 
@@ -54,7 +56,7 @@ def zone_engine(
             runtime={"dns": {"servers": [dns.udp_url], "cache": {"max_entries": 16}}},
         )
         engine = make_engine(cfg)
-        yield falcon.testing.TestClient(create_app(engine, keys=KeyTable([]), limits=RELAXED))
+        yield local_client(create_app(engine, keys=KeyTable([]), limits=RELAXED))
 
 
 def test_probe_target_reachable_through_the_engine_resolver(

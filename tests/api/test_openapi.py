@@ -29,7 +29,7 @@ from spliceway.api.openapi import command_component, openapi_document
 
 from spliceway.commands import COMMANDS
 from spliceway.config import EVENT_TYPES
-from tests.api.conftest import control_config
+from tests.api.conftest import control_config, local_client
 from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.socks import recv_all, socks5_connect
@@ -830,9 +830,7 @@ def test_non_ascii_digits_are_invalid_argument(base_url, template, path, headers
 
 
 def test_app_serves_the_same_document_without_a_listener(app_for) -> None:
-    from falcon import testing
-
-    client = testing.TestClient(app_for())
+    client = local_client(app_for())
     result = client.simulate_get(f"{V1}/openapi.json")
     assert result.status_code == 200
     assert result.json == json.loads(json.dumps(DOC))

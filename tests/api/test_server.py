@@ -112,7 +112,8 @@ def test_sse_needs_the_key(keyed: str) -> None:
 
 
 def _status(url: str, data: bytes | None = None) -> tuple[int, dict[str, Any], str | None]:
-    req = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    headers = {"Content-Type": "application/json"} if data else {}
+    req = urllib.request.Request(url, data=data, method="POST" if data else "GET", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read()), None
