@@ -9,10 +9,16 @@ server is a result (``reachable: false`` with ``error``), never an error; only
 an unknown tag is. Groups and relays have no fixed server.
 
 ``probe_outbound`` is one latency probe *through* an outbound or group (its
-current choice): HEAD for an ``http://`` URL, first byte, 5 s. The URL is
-``runtime.latency_test_url`` when configured, else the command's ``url``, else
-the built-in default; a ``url`` given while ``latency_test_url`` wins is still
-checked, so a malformed request is reported rather than silently ignored.
+current choice): HEAD for an ``http://`` URL, first byte, 5 s. The URL, first
+that applies:
+1. ``runtime.latency_test_url`` when configured (it always wins);
+2. the command's ``url``;
+3. when ``target_tag`` is a url_test, fallback or load_balance group, the
+   ``url`` that group configures for its own probes;
+4. the built-in default (``policy.DEFAULT_PROBE_URL``).
+The result's ``url`` is the URL actually probed. A ``url`` given while
+``latency_test_url`` wins is still checked, so a malformed request is reported
+rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -81,6 +87,18 @@ def probe_target(
     return result
 
 
+def _group_probe_url(core: EngineCore, target_tag: str) -> str | None:
+    """The ``url`` probing group ``target_tag`` configures, or None (not a probing group,
+    or one without a url of its own)."""
+    for group in core.config.outbound_groups:
+        if group.tag == target_tag:
+            if group.kind not in policy.PROBING_KINDS:
+                return None
+            own: str | None = getattr(group, "url", None)
+            return own
+    return None
+
+
 def probe_outbound(core: EngineCore, target_tag: str, url: str | None) -> dict[str, Any]:
     """The ``diagnostics.probe_outbound`` result; blocks up to the 5 s probe budget."""
     _known(core, target_tag)
@@ -89,7 +107,12 @@ def probe_outbound(core: EngineCore, target_tag: str, url: str | None) -> dict[s
             policy.parse_probe_url(url)
         except ValueError as ex:
             raise invalid_argument(f"url: {ex}", "params.url") from ex
-    chosen = core.config.runtime.latency_test_url or url or policy.DEFAULT_PROBE_URL
+    chosen = (
+        core.config.runtime.latency_test_url
+        or url
+        or _group_probe_url(core, target_tag)
+        or policy.DEFAULT_PROBE_URL
+    )
     parsed = policy.parse_probe_url(chosen)
     loop = core.dispatcher.loop
     outbound = core.leaf_outbound(target_tag)
