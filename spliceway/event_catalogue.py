@@ -258,11 +258,14 @@ FLOW_RECORD_FIELDS: tuple[PayloadField, ...] = (
         "One of the close reasons below, when one applies.",
         required=False,
     ),
+    _f("result.failure", "object", "Why a failed flow failed.", required=False),
+    _f("result.failure.stage", "string", "Where it failed: one of the stages below."),
+    _f("result.failure.code", "string", "What failed: one of the codes below."),
+    _f("result.failure.message", "string", "The same in words, for people."),
     _f(
-        "result.failure",
+        "result.failure.remote",
         "object",
-        "`{stage, code, message, remote?}` for a failed flow: the stage and code listed "
-        "below, a human-readable message and the `{host, port?}` that failed.",
+        "`{host, port?}` of the peer that failed (the target, or a proxy), when known.",
         required=False,
     ),
 )
@@ -359,7 +362,7 @@ _EVENTS: tuple[EventType, ...] = (
     EventType(
         "engine.started",
         "The engine started: every inbound is bound and every actor runs.",
-        "Once per start; the first event (sequence 1).",
+        "Once per start.",
         True,
         (
             _f("build_id", "string", "`spliceway-<version>`."),
