@@ -119,7 +119,7 @@ class ProbeOutboundParams(_Params):
     """Tag of an outbound or group (a group is probed through its current choice)."""
     url: str | None = None
     """Plain `http://` URL to probe; `runtime.latency_test_url` wins when it is configured
-    (a url given then is still checked). Null: `http://www.gstatic.com/generate_204`."""
+    (a url given then is still checked). The result's `url` is the URL probed."""
 
 
 class HostnameParams(_Params):
@@ -326,7 +326,7 @@ COMMANDS: dict[str, Command] = {
                     "No open flow has this `flow_id`, or it ended before it could be closed.",
                 ),
             ),
-            example={"flow_id": "3f2a9c1e-17"},
+            example={"flow_id": "3f2a9c1e-0-17"},
         ),
         Command(
             "mode.set",
