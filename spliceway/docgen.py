@@ -24,9 +24,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from spliceway.api.limits import Limits
 from spliceway.api.openapi import command_component, openapi_document
+from spliceway.api.sse import KEEPALIVE_S
 from spliceway.commands import COMMANDS, PERMISSIONS, Command
-from spliceway.config import Config, parse_config
+from spliceway.config import Config, Runtime, parse_config
 from spliceway.errors import HTTP_STATUS
 from spliceway.event_catalogue import (
     CLOSE_REASONS,
@@ -39,6 +41,7 @@ from spliceway.event_catalogue import (
     OUTCOMES,
     PayloadField,
 )
+from spliceway.queries import EVENTS_LIMIT_MAX
 
 __all__ = [
     "CONFIG_EXAMPLE",
@@ -597,7 +600,7 @@ The engine reports what happens as events: flows starting, being routed, moving
 bytes and ending; policy groups choosing members; periodic statistics; the engine
 starting and stopping. Every event is one JSON object, the *envelope*, with the
 type's own fields in `payload`. Events enter a ring of the last
-`runtime.event_ring_capacity` events (8192 by default), numbered by `sequence`.
+`runtime.event_ring_capacity` events ({ring} by default), numbered by `sequence`.
 """
 
 _EVENTS_CONSUMING = """\
@@ -622,9 +625,9 @@ curl -N -H "Authorization: Bearer $SPLICEWAY_API_KEY" \\
   includes a flow type. Its `id` is its watermark: the latest sequence at that moment,
   so a client that reconnects with the last id it saw continues exactly after what it
   has, without gaps or duplicates.
-- A comment line (`: keep-alive`) every 10 s keeps idle connections open through
+- A comment line (`: keep-alive`) every {keepalive:g} s keeps idle connections open through
   proxies.
-- At most 5 streams at once per engine; the 6th is answered 429 `rate_limited`.
+- At most {streams} streams at once per engine; one more is answered 429 `rate_limited`.
 - **`engine.stopped` is the last frame of every open stream**, whatever its `types`
   filter; then the response ends. A stream that ends without it lost its connection.
 - A client that falls far behind (twice the ring capacity) is disconnected; it resumes
@@ -634,7 +637,7 @@ curl -N -H "Authorization: Bearer $SPLICEWAY_API_KEY" \\
 
 Returns `{{"events": [...], "oldest_sequence", "latest_sequence", "capacity"}}`. Parameters:
 `types` (comma-separated allow-list, as above), `since` (only events with a greater
-`sequence`) and `limit` (at most this many, 1..10000), oldest first, so a client pages
+`sequence`) and `limit` (at most this many, 1..{events_max}), oldest first, so a client pages
 forward with `since` = the last sequence it got. `oldest_sequence` and
 `latest_sequence` describe the whole ring. `flow.snapshot` is never in the ring.
 
@@ -694,7 +697,9 @@ def render_events() -> str:
         ],
     )
     parts = [
-        _EVENTS_INTRO.format(notice=_NOTICE),
+        _EVENTS_INTRO.format(
+            notice=_NOTICE, ring=Runtime.model_fields["event_ring_capacity"].default
+        ),
         "## The envelope",
         _table(header, _payload_rows(ENVELOPE_FIELDS)),
         "## Event types",
@@ -725,7 +730,12 @@ def render_events() -> str:
         "### Failures",
         _described(FAILURE_STAGES, "`result.failure.stage`"),
         _described(FAILURE_CODES, "`result.failure.code`"),
-        _EVENTS_CONSUMING.format(url=API_URL),
+        _EVENTS_CONSUMING.format(
+            url=API_URL,
+            keepalive=KEEPALIVE_S,
+            streams=Limits().sse_streams,
+            events_max=EVENTS_LIMIT_MAX,
+        ),
     ]
     return "\n\n".join(p.rstrip("\n") for p in parts) + "\n"
 
