@@ -17,7 +17,7 @@ from tests.api.conftest import JSON_BODY, RELAXED, local_client
 from tests.api.test_openapi import validate_response
 from tests.conftest import base_config
 from tests.helpers.dnsserver import dns_server
-from tests.helpers.upstreams import black_hole, free_port
+from tests.helpers.upstreams import black_hole, refused_port
 
 
 def call(client: falcon.testing.TestClient, method: str, params: dict[str, Any]) -> Any:
@@ -42,7 +42,7 @@ def zone_engine(
     make_engine: Callable[..., Any], listener: socket.socket
 ) -> Iterator[falcon.testing.TestClient]:
     port = listener.getsockname()[1]
-    closed = free_port()
+    closed = refused_port()
     zone = {"proxy.test": ["127.0.0.1"], "multi.test": ["127.0.0.2", "127.0.0.3"]}
     with black_hole() as hole, dns_server(zone) as dns:
         cfg = base_config(

@@ -33,7 +33,7 @@ from tests.api.conftest import control_config, local_client
 from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.socks import recv_all, socks5_connect
-from tests.helpers.upstreams import free_port
+from tests.helpers.upstreams import refused_port
 
 DOC = openapi_document()
 _URI = "urn:spliceway:control-api:openapi"
@@ -302,7 +302,7 @@ def _engine_config(dns_url: str, origin: tuple[str, int], outbox: str) -> dict[s
     (its events stay pending in the outbox) and a JSONL file."""
     cfg = control_config()
     cfg["api"]["event_sinks"] = [
-        {"type": "webhook", "tag": "down", "url": f"http://127.0.0.1:{free_port()}/hook"},
+        {"type": "webhook", "tag": "down", "url": f"http://127.0.0.1:{refused_port()}/hook"},
         {"type": "jsonl", "tag": "file", "path": f"{outbox}/events.jsonl"},
     ]
     cfg["api"]["outbox_path"] = f"{outbox}/outbox"
@@ -311,7 +311,7 @@ def _engine_config(dns_url: str, origin: tuple[str, int], outbox: str) -> dict[s
     cfg["runtime"]["dns"] = {"servers": [dns_url]}
     cfg["runtime"]["latency_test_url"] = f"http://{origin[0]}:{origin[1]}/generate_204"
     cfg["outbounds"].append(
-        {"tag": "dead-hop", "protocol": "socks5", "server": "127.0.0.1", "port": free_port()}
+        {"tag": "dead-hop", "protocol": "socks5", "server": "127.0.0.1", "port": refused_port()}
     )
     cfg["outbound_groups"] = [
         {"tag": "proxy", "kind": "selector", "outbounds": ["auto", "direct"]},
@@ -345,7 +345,7 @@ def traffic(make_engine, origin, dns_url, tmp_path) -> Iterator[Traffic]:
     socks = engine.listen_address("socks-in")
     assert b"x" * 2000 in _socks_get(socks, *origin)
     assert origin[0].encode() in _http_proxy_get(engine.listen_address("http-in"), origin)
-    _socks_attempt(socks, "127.0.0.1", free_port())  # refused: a failed flow
+    _socks_attempt(socks, "127.0.0.1", refused_port())  # refused: a failed flow
     _socks_attempt(socks, "x.blocked.test", 80)  # a blocked flow
     sock = socks5_connect(socks, *origin)
     try:

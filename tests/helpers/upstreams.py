@@ -17,9 +17,27 @@ from tests.helpers.servers import LoopbackServer
 
 
 def free_port() -> int:
+    """A loopback port free now, for a server the test is about to start on it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: Sockets behind refused_port(), held for the whole test run.
+_REFUSING: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A loopback port where every connection is refused for the rest of the run.
+
+    Bound and never listening, and held open: a port that was merely free when the
+    test looked can since have become some socket's ephemeral port, and a connect to
+    it then succeeds (a TCP self-connect, or someone else's listener).
+    """
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _REFUSING.append(sock)
+    return int(sock.getsockname()[1])
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import base_config
 from tests.helpers.program import SPLICEWAY
-from tests.helpers.upstreams import free_port
+from tests.helpers.upstreams import refused_port
 
 
 def _sink_config(tmp_path, **dispatcher) -> tuple[dict, str]:
@@ -18,7 +18,7 @@ def _sink_config(tmp_path, **dispatcher) -> tuple[dict, str]:
         {
             "event_sinks": [
                 # Nothing listens there: every event stays pending.
-                {"type": "webhook", "tag": "central", "url": f"http://127.0.0.1:{free_port()}/h"},
+                {"type": "webhook", "tag": "central", "url": f"http://127.0.0.1:{refused_port()}/h"},
                 {"type": "jsonl", "tag": "audit", "path": str(tmp_path / "audit.jsonl")},
             ],
             "outbox_path": str(tmp_path / "outbox"),

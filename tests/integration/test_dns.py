@@ -14,7 +14,7 @@ from tests.conftest import base_config
 from tests.helpers.dnsserver import DnsServer, dead_udp_port, dns_server
 from tests.helpers.flows import STATUS_ONLY, completed, socks_curl
 from tests.helpers.socks import socks5_connect
-from tests.helpers.upstreams import free_port, microsocks
+from tests.helpers.upstreams import microsocks, refused_port
 
 ZONE = {
     "both.test": ["10.1.0.1", "fd00::1"],
@@ -80,7 +80,7 @@ def test_falls_back_when_first_udp_server_never_answers(server):
 
 
 def test_falls_back_when_first_tcp_server_refuses(server):
-    r = resolver(f"tcp://127.0.0.1:{free_port()}", server.tcp_url)
+    r = resolver(f"tcp://127.0.0.1:{refused_port()}", server.tcp_url)
     assert asyncio.run(r.resolve("both.test")) == ["10.1.0.1", "fd00::1"]
 
 
@@ -94,7 +94,7 @@ def test_falls_back_on_servfail(server):
 
 def test_every_server_failing_is_a_resolve_error(server):
     server.fail = True
-    r = resolver(server.udp_url, f"tcp://127.0.0.1:{free_port()}")
+    r = resolver(server.udp_url, f"tcp://127.0.0.1:{refused_port()}")
     with pytest.raises(ResolveError, match=r"cannot resolve both\.test") as info:
         r.lookup("both.test")
     assert server.udp_url in str(info.value)

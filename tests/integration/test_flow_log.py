@@ -6,21 +6,15 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 
 import pytest
 
 from tests.helpers.flows import curl
 from tests.helpers.program import SPLICEWAY, wait_for_line
+from tests.helpers.upstreams import refused_port
 
 FLOW_LINE = re.compile(r" (INFO|DEBUG) spliceway\.flow: (flow=\S+ .*)$")
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_three_flows(tmp_path, origin, log_level: str) -> list[tuple[str, dict[str, str]]]:
@@ -41,7 +35,7 @@ def run_three_flows(tmp_path, origin, log_level: str) -> list[tuple[str, dict[st
         assert ok.stdout == "hello from origin\n", ok.stderr
         blocked = curl("--socks5-hostname", proxy, "http://www.blocked.test/")
         assert blocked.returncode != 0
-        failed = curl("--socks5-hostname", proxy, f"http://127.0.0.1:{closed_port()}/")
+        failed = curl("--socks5-hostname", proxy, f"http://127.0.0.1:{refused_port()}/")
         assert failed.returncode != 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0

@@ -11,7 +11,7 @@ from tests.conftest import base_config, wait_until
 from tests.helpers.flows import completed, flow_events, proxy_curl, socks_curl, socks_fetch
 from tests.helpers.servers import CountingPeer
 from tests.helpers.socks import recv_all, socks5_connect
-from tests.helpers.upstreams import free_port
+from tests.helpers.upstreams import refused_port
 
 
 def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
@@ -172,7 +172,7 @@ def test_connect_refused_is_a_failed_flow_with_socks_reply(make_engine):
         )
     )
     with pytest.raises(ConnectionError, match="socks reply 5"):
-        socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", free_port())
+        socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", refused_port())
     (done,) = completed(engine)
     result = done["payload"]["record"]["result"]
     assert result["outcome"] == "failed"

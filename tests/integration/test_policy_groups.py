@@ -29,7 +29,7 @@ from tests.conftest import base_config, wait_until
 from tests.helpers.flows import STATUS_ONLY, socks_curl, socks_fetch
 from tests.helpers.servers import LoopbackServer
 from tests.helpers.socks import socks5_connect
-from tests.helpers.upstreams import CountingForwarder, free_port, microsocks, tinyproxy
+from tests.helpers.upstreams import CountingForwarder, microsocks, refused_port, tinyproxy
 
 # -- upstreams ----------------------------------------------------------------------
 
@@ -221,7 +221,7 @@ def test_selector_select_changes_the_route(make_engine, origin, forwarders):
 
 
 def test_policy_command_errors(make_engine, origin):
-    dead = free_port()
+    dead = refused_port()
     engine = group_engine(
         make_engine,
         [socks_out("dead", dead)],
@@ -563,7 +563,7 @@ def test_relay_with_a_dead_hop_is_a_dead_fallback_member(make_engine, origin, so
     with CountingForwarder(("127.0.0.1", socks_ports[0])) as fa:
         engine = group_engine(
             make_engine,
-            [socks_out("hop-a", fa.port), socks_out("hop-dead", free_port())],
+            [socks_out("hop-a", fa.port), socks_out("hop-dead", refused_port())],
             [
                 {"tag": "fb", "kind": "fallback", "outbounds": ["chain", "direct"]},
                 {"tag": "chain", "kind": "relay", "outbounds": ["hop-a", "hop-dead"]},
@@ -703,7 +703,7 @@ def test_load_balance_consistent_hashing(make_engine, origin, forwarders, socks_
 
 def test_probe_outbound_and_probe_target(make_engine, origin, forwarders):
     fa, _ = forwarders
-    dead = free_port()
+    dead = refused_port()
     engine = group_engine(
         make_engine,
         [socks_out("up", fa.port), socks_out("dead", dead)],
@@ -762,7 +762,7 @@ def test_probe_outbound_prefers_the_runtime_latency_url(make_engine, origin):
     runtime_url = probe_url(origin)
     engine = group_engine(make_engine, [], [], "direct", latency_test_url=runtime_url)
     # params.url names a port nothing listens on: were it used, the probe would fail.
-    asked = f"http://127.0.0.1:{free_port()}/elsewhere"
+    asked = f"http://127.0.0.1:{refused_port()}/elsewhere"
     answer = engine.execute("diagnostics.probe_outbound", {"target_tag": "direct", "url": asked})
     assert (answer["url"], answer["reachable"]) == (runtime_url, True)
     answer = engine.execute("diagnostics.probe_outbound", {"target_tag": "direct"})

@@ -52,7 +52,7 @@ def test_engine_stopped_is_the_last_frame_of_every_stream(
     assert "flow.completed" in unfiltered
     # A filtered stream gets its types (and the flow.snapshot baseline they imply),
     # then the one final frame.
-    assert [e["event_type"] for e in received[1]][0] == "flow.snapshot"
+    assert received[1][0]["event_type"] == "flow.snapshot"
     assert {e["event_type"] for e in received[1][1:-1]} == {"flow.completed"}
     assert [e["event_type"] for e in received[1]].count("flow.completed") == 1
     # Its sequence is the real one, so the frame is the same event every stream saw.

@@ -44,7 +44,7 @@ from tests.helpers.sinks import (
     wait_completed,
     webhook,
 )
-from tests.helpers.upstreams import free_port
+from tests.helpers.upstreams import refused_port
 
 MIB = 1024 * 1024
 
@@ -506,7 +506,7 @@ def test_torn_and_corrupted_outbox_is_repaired_and_counted(make_engine, origin, 
     event (the bytes the outbox held), counts the lost record and the truncated bytes, and
     runs on; the start after that finds nothing left to resend."""
     outbox = tmp_path / "outbox"
-    down = f"http://127.0.0.1:{free_port()}/hook"
+    down = f"http://127.0.0.1:{refused_port()}/hook"
     engine = make_engine(sink_config([webhook("hook", down)], outbox))
     flows(engine, origin, 3)
     ring = wait_durable(engine, completed=3)

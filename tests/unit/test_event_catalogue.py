@@ -37,7 +37,7 @@ from tests.helpers.flows import socks_fetch
 from tests.helpers.program import SPLICEWAY, wait_for_line
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import socks5_connect
-from tests.helpers.upstreams import free_port
+from tests.helpers.upstreams import refused_port
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
@@ -173,7 +173,7 @@ def _exchange(sock: socket.socket, rounds: int, pause: float) -> None:
 
 
 def test_every_emitted_payload_matches_the_catalogue(make_engine, origin):
-    closed = free_port()
+    closed = refused_port()
     config = base_config(
         outbounds=[
             {"tag": "direct", "protocol": "direct"},
