@@ -1,4 +1,4 @@
-"""The HTTP control API: a Falcon WSGI app over the engine (interface.md 2.1, 4, 5, 7, 8).
+"""The HTTP control API: a Falcon WSGI app over the engine (docs/http-api.md, docs/security.md).
 
 ``create_app(engine)`` builds it; ``api.server`` serves it on Waitress. Every
 response carries the envelope ``{api_id, id, ok, result | error}`` and
@@ -81,12 +81,12 @@ _SEE = "see docs/security.md"
 
 
 def envelope_ok(result: Any, request_id: Any = None) -> bytes:
-    """A success envelope (interface.md 2.1)."""
+    """A success envelope."""
     return orjson.dumps({"api_id": API_ID, "id": request_id, "ok": True, "result": result})
 
 
 def envelope_error(error: ApiError, request_id: Any = None) -> bytes:
-    """An error envelope (interface.md 2.1)."""
+    """An error envelope."""
     return orjson.dumps({"api_id": API_ID, "id": request_id, "ok": False, "error": error.to_dict()})
 
 
@@ -425,7 +425,7 @@ def create_app(
     """The control API's WSGI app for ``engine``.
 
     ``keys`` defaults to the keys ``api.control`` names in the environment;
-    ``limits`` to interface.md 8 (tests and benchmarks may pass others).
+    ``limits`` to the documented limits (tests and benchmarks may pass others).
     ``listen`` is the bound ``(address, port)`` the keyless Host check accepts;
     ``ControlServer`` sets it once it has bound, so only an app served by another
     WSGI server needs it (without it, only loopback names pass, on ``SERVER_PORT``).

@@ -11,8 +11,8 @@ same tables the engine dispatches through, so it cannot drift from them:
 
 Result shapes are closed (``additionalProperties: false``) wherever the
 contract fixes them, so validating real responses against this document is a
-real check. Every response, success or error, is the envelope of interface.md
-2.1: ``{api_id, id, ok, result}`` or ``{api_id, id, ok, error}``; the SSE
+real check. Every response, success or error, is the envelope
+``{api_id, id, ok, result}`` or ``{api_id, id, ok, error}``; the SSE
 stream and this document itself are the two bodies of their own formats.
 """
 
@@ -131,7 +131,7 @@ def command_component(method: str, suffix: str) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Envelope and errors (interface.md 2.1, 7)
+# Envelope and errors
 # ---------------------------------------------------------------------------
 
 _REQUEST_ID: Schema = {
@@ -190,7 +190,7 @@ def success_envelope(result: Schema) -> Schema:
     """The success envelope carrying ``result``."""
     return obj(
         {"api_id": const(API_ID), "id": _REQUEST_ID, "ok": const(True), "result": result},
-        description="Success envelope (interface.md 2.1).",
+        description="Success envelope.",
     )
 
 
@@ -205,7 +205,7 @@ def error_envelope(status: int) -> Schema:
                 "allOf": [ref("ApiError"), {"properties": {"code": enum(_codes_for(status))}}]
             },
         },
-        description=f"Error envelope for HTTP {status} (interface.md 2.1, 7).",
+        description=f"Error envelope for HTTP {status}.",
     )
 
 
@@ -256,7 +256,7 @@ def _ok(result: Schema, description: str) -> Schema:
 
 
 # ---------------------------------------------------------------------------
-# Resource schemas (interface.md 2.x)
+# Resource schemas
 # ---------------------------------------------------------------------------
 
 
@@ -320,7 +320,7 @@ def _capabilities() -> Schema:
             ),
             "global_limitations": array(ref("Limitation")),
         },
-        description="What this build can do (interface.md 2.3).",
+        description="What this build can do.",
     )
 
 
@@ -368,7 +368,7 @@ def _config_summary() -> Schema:
             ),
             "outbound_groups": array(ref("PolicySnapshot")),
         },
-        description="The running configuration, summarised (interface.md 2.4).",
+        description="The running configuration, summarised.",
     )
 
 
@@ -390,7 +390,7 @@ def _stats() -> Schema:
             **dict.fromkeys(counters, COUNT),
             "udp_upstream": obj(dict.fromkeys(udp, COUNT)),
         },
-        description="Cumulative counters (interface.md 2.6).",
+        description="Cumulative counters.",
     )
 
 
@@ -407,7 +407,7 @@ def _runtime() -> Schema:
             "recent_completed_sessions": array(ref("FlowRecord")),
         },
         {"config_path": string(description="Present when the engine was started from a file.")},
-        description="The runtime snapshot (interface.md 2.5).",
+        description="The runtime snapshot.",
     )
 
 
@@ -487,7 +487,7 @@ def _flow_record() -> Schema:
                 description="Present exactly when state is completed.",
             )
         },
-        description="A flow (interface.md 2.11); result only once completed.",
+        description="A flow (FlowRecord); result only once completed.",
     )
     record["if"] = {"properties": {"state": const("completed")}, "required": ["state"]}
     record["then"] = {
@@ -512,7 +512,7 @@ def _event_envelope() -> Schema:
             "labels": {"type": "object", "additionalProperties": STR},
             "payload": OPEN_OBJECT,
         },
-        description="An event (interface.md 2.10, 6); flow events carry the FlowRecord.",
+        description="An event; flow events carry the FlowRecord.",
     )
     envelope["allOf"] = [
         {
@@ -643,7 +643,7 @@ def _sink() -> Schema:
             ),
         },
         description=(
-            "One event sink's delivery state (interface.md 2.8). Extensions: type, "
+            "One event sink's delivery state. Extensions: type, "
             "total_dead_lettered, total_discarded, dead_letters (kept on disk now), "
             "cursor_sequence (the last event-log sequence this sink has taken in)."
         ),
@@ -690,11 +690,11 @@ def _tun_status() -> Schema:
         description="A running TUN inbound; egress_interface* fields name the egress device.",
     )
     running["patternProperties"] = {"^egress_interface": {}}
-    return {"oneOf": [stopped, running], "description": "The TUN inbound (interface.md 2.9)."}
+    return {"oneOf": [stopped, running], "description": "The TUN inbound."}
 
 
 # ---------------------------------------------------------------------------
-# Commands (interface.md 4.2)
+# Commands
 # ---------------------------------------------------------------------------
 
 
@@ -1099,7 +1099,7 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
             "strategy": enum(["round_robin", "consistent_hashing", "sticky_sessions"]),
             "url": STR,
         },
-        description="A group's live state (interface.md 2.4, 2.7; decisions 2).",
+        description="A group's live state.",
     )
     schemas: dict[str, Schema] = {
         "ApiError": _API_ERROR,
@@ -1114,7 +1114,7 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
         "Limitation": _limitation(),
         "Health": obj(
             {"engine_build_id": STR, "started_at_unix_ms": UNIX_MS, "healthy": BOOL},
-            description="Liveness (interface.md 2.2).",
+            description="Liveness.",
         ),
         "Capabilities": _capabilities(),
         "ConfigSummary": _config_summary(),
@@ -1135,7 +1135,7 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
                 "latest_sequence": COUNT,
                 "capacity": integer(1),
             },
-            description="The event ring (interface.md 4.1, decisions 2).",
+            description="The event ring.",
         ),
         "CommandRequest": command_request,
         **command_components,

@@ -117,14 +117,9 @@ def cmd_validate(path: str) -> int:
 
 def cmd_config_schema() -> int:
     """``spliceway config-schema``: the JSON Schema of the configuration document."""
-    from spliceway.config import Config
+    from spliceway.config import config_schema
 
-    schema = {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        **Config.model_json_schema(),
-        "title": "spliceway configuration",
-    }
-    print(orjson.dumps(schema, option=orjson.OPT_INDENT_2).decode())
+    print(orjson.dumps(config_schema(), option=orjson.OPT_INDENT_2).decode())
     return EXIT_OK
 
 

@@ -1,7 +1,7 @@
 """The configuration document: pydantic models, cross-checks, loading, the embedded default.
 
-Spec: decisions.md 1 and 1.1 (format, required keys, defaults), interface.md 4.2 rule 4
-(``invalid_argument`` with ``cause`` and one ``details[]`` item per problem).
+Reference: docs/configuration.md. Errors are ``invalid_argument`` with ``cause`` and one
+``details[]`` item per problem.
 
 Validation runs in two passes over the same document and reports every problem found:
 
@@ -125,6 +125,7 @@ __all__ = [
     "WebhookSink",
     "check_environment",
     "check_environment_details",
+    "config_schema",
     "control_environment_problems",
     "default_config",
     "default_ipc_path",
@@ -1747,9 +1748,18 @@ def load_config_file(path: str | os.PathLike[str]) -> Config:
     return parse_config(doc)
 
 
+def config_schema() -> dict[str, Any]:
+    """The configuration's JSON Schema (draft 2020-12), as ``spliceway config-schema`` prints it."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        **Config.model_json_schema(),
+        "title": "spliceway configuration",
+    }
+
+
 @functools.cache
 def default_config() -> Config:
-    """The embedded default (decisions 1): mixed 127.0.0.1:7890, direct + block, no token."""
+    """The embedded default: mixed 127.0.0.1:7890, direct + block, a keyless control API."""
     text = resources.files("spliceway").joinpath("default_config.json").read_text("utf-8")
     return parse_config(_decode_json(text, "default_config.json"))
 

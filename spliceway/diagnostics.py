@@ -1,4 +1,4 @@
-"""Diagnostics that dial (interface.md 4.2 rules 9, 10): probe_target, probe_outbound.
+"""Diagnostics that dial (docs/commands.md): probe_target, probe_outbound.
 
 ``probe_target`` asks whether the engine can reach an outbound's server: one
 direct TCP connection attempt from the engine host to the outbound's

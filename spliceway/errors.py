@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: Stable error codes and the HTTP status each maps to (interface.md 7, decisions 2).
+#: Stable error codes and the HTTP status each maps to (docs/http-api.md, "Errors").
 HTTP_STATUS: dict[str, int] = {
     "invalid_argument": 400,
     "unauthenticated": 401,

@@ -1,4 +1,4 @@
-"""The one query table: every read-only resource of interface.md 4.1 by name.
+"""The one query table: every read-only resource of the control API by name (docs/http-api.md).
 
 ``Engine.query``, the HTTP transport and (later) IPC resolve names here, through
 ``run_query``. Each entry declares the parameters its query accepts (a path
@@ -203,7 +203,7 @@ def _sinks(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    # Embedding and IPC callers hold every permission (decisions 4); HTTP renders
+    # Embedding and IPC callers hold every permission; HTTP renders
     # capabilities itself with the caller's own grants.
     from spliceway.capabilities import capabilities
 

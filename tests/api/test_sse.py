@@ -1,4 +1,4 @@
-"""SSE on a real Waitress server, read with sseclient-py (interface.md 4.3, decisions 3)."""
+"""SSE on a real Waitress server, read with sseclient-py (docs/events.md)."""
 
 from __future__ import annotations
 

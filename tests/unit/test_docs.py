@@ -11,7 +11,7 @@ import pytest
 
 from spliceway import docgen
 from spliceway.commands import COMMANDS
-from spliceway.config import Config, default_config, parse_config
+from spliceway.config import Config, config_schema, default_config, parse_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -115,7 +115,7 @@ def test_every_command_is_documented():
 
 
 def test_the_schema_and_the_example():
-    schema = docgen.config_schema()
+    schema = config_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     validator = jsonschema.Draft202012Validator(schema)
     for document in (docgen.CONFIG_EXAMPLE, default_config().to_dict()):
