@@ -139,6 +139,12 @@ class EngineCore:
             self.bridge = RelayBridge(self.dispatcher)
             self.dispatcher.run_sync(self.bridge.attach)
             attached = True
+            # Before the actors start: a group's startup probe round must not be the
+            # ring's first event.
+            self.log.emit(
+                "engine.started",
+                {"build_id": self.build_id, "started_at_unix_ms": self.started_at_unix_ms},
+            )
             self.supervisor = EngineSupervisor.start(self, sockets)
             # Its on_start runs on the dispatcher; a proxied read is answered only after it,
             # so the group actors (policies.* commands) exist once start() returns.
@@ -147,10 +153,6 @@ class EngineCore:
             self._abort_start(sockets, attached)
             raise
         self.running = True
-        self.log.emit(
-            "engine.started",
-            {"build_id": self.build_id, "started_at_unix_ms": self.started_at_unix_ms},
-        )
 
     def stop(self, reason: str | None = None) -> None:
         """Stop accepting, complete every open flow, emit engine.stopped, join threads."""
@@ -193,6 +195,9 @@ class EngineCore:
                 self.dispatcher.run_sync(self.bridge.detach)
         for sock in sockets:
             sock.close()
+        if self.log.latest_sequence:
+            # engine.started went out; every start a consumer saw has its stop.
+            self.log.emit("engine.stopped", {"stopped_at_unix_ms": now_ms()})
         self.dispatcher.stop()
         self.connector.stop()
 

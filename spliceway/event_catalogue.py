@@ -361,7 +361,8 @@ _STATS: tuple[PayloadField, ...] = (
 _EVENTS: tuple[EventType, ...] = (
     EventType(
         "engine.started",
-        "The engine started: every inbound is bound and every actor runs.",
+        "The engine started: every inbound is bound; the actors are starting. Always the "
+        "first event of an engine start (sequence 1).",
         "Once per start.",
         True,
         (

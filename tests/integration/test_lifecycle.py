@@ -157,3 +157,30 @@ def test_many_concurrent_flows_beyond_fd_1024(make_engine):
         server.close()
     wait_until(lambda: engine.query("stats")["active_sessions"] == 0, timeout=30)
     assert engine.query("stats")["failed_sessions"] == 0
+
+
+def test_engine_started_is_the_first_event_even_with_startup_probes(make_engine):
+    """A url_test group probes at start; its round (fast against a refused port) must
+    still come after engine.started, sequence 1."""
+    from tests.helpers.upstreams import refused_port
+
+    dead = refused_port()
+    config = base_config(
+        outbounds=[
+            {"tag": "dead-a", "protocol": "socks5", "server": "127.0.0.1", "port": dead},
+            {"tag": "dead-b", "protocol": "http", "server": "127.0.0.1", "port": dead},
+        ],
+        outbound_groups=[{"tag": "auto", "kind": "url_test", "outbounds": ["dead-a", "dead-b"]}],
+    )
+    for _ in range(5):
+        engine = make_engine(config)
+        wait_until(
+            lambda engine=engine: any(
+                e["event_type"] == "policy.probe.completed"
+                for e in engine.query("events")["events"]
+            ),
+            what="the startup probe round",
+        )
+        first = engine.query("events")["events"][0]
+        assert (first["sequence"], first["event_type"]) == (1, "engine.started")
+        engine.stop()
