@@ -431,7 +431,8 @@ class FlowActor(LoopActor):
     def _relayed_outcome(self) -> str:
         s = self.state
         assert s is not None
-        if s.outbound_tag is None:
+        # Stopped before the hand-off (while dialling or sniffing): nothing was relayed.
+        if s.outbound_tag is None or s.state != "active":
             return records.CANCELLED
         chained = self.core.outbounds[s.outbound_tag].chained
         return records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED

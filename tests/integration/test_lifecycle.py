@@ -184,3 +184,25 @@ def test_engine_started_is_the_first_event_even_with_startup_probes(make_engine)
         first = engine.query("events")["events"][0]
         assert (first["sequence"], first["event_type"]) == (1, "engine.started")
         engine.stop()
+
+
+def test_engine_stop_while_dialling_completes_the_flow_as_cancelled(make_engine):
+    """A flow stopped before its relay started was not relayed, whatever its route."""
+    from tests.helpers.upstreams import black_hole
+
+    with black_hole() as hole:
+        engine = make_engine()
+        sub = engine.subscribe(["flow.routed", "flow.completed", "flow.started"], timeout=10)
+        client = socket.create_connection(engine.listen_address("socks-in"), timeout=10)
+        with client:
+            client.sendall(b"\x05\x01\x00")
+            assert client.recv(2) == b"\x05\x00"
+            client.sendall(b"\x05\x01\x00\x01\x7f\x00\x00\x01" + hole.to_bytes(2, "big"))
+            started = next(iter(sub))
+            assert started["event_type"] == "flow.started"
+            engine.stop()
+        done = [e for e in sub if e["event_type"] == "flow.completed"]
+    assert len(done) == 1
+    record = done[0]["payload"]["record"]
+    assert record["result"]["outcome"] == "cancelled"
+    assert record["path"]["outbound"]["tag"] == "direct"
