@@ -104,8 +104,8 @@ OUTCOMES: dict[str, str] = {
     "relay chain).",
     "blocked": "Refused by a `block` rule, a `block` outbound or a group that chose one.",
     "failed": "The upstream could not be reached, or failed while relaying (see `result.failure`).",
-    "cancelled": "Closed by the `flows.close` command (close reason `manual`), or stopped "
-    "before it was routed.",
+    "cancelled": "Closed by the `flows.close` command (close reason `manual`), or ended by "
+    "an engine stop before its relay started (while it was routed, dialled or sniffed).",
 }
 
 #: ``result.close_reason`` values.
