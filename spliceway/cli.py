@@ -19,7 +19,6 @@ import argparse
 import logging
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,16 +162,11 @@ def cmd_run(config_path: str | None) -> int:
         return EXIT_START_FAILED
     _setup_logging(config)
     log = logging.getLogger("spliceway")
-    # Handlers only record the signal; the main loop acts on it, outside signal context.
-    received: list[int] = []
-    wake = threading.Event()
-
-    def _on_signal(signum: int, frame: object) -> None:
-        received.append(signum)
-        wake.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _on_signal)
+    # Blocked in this thread before the engine starts any, so every thread inherits the
+    # mask and only sigwait() below takes these signals, synchronously. (A handler would
+    # run only when the main thread executes bytecode, and a signal delivered to another
+    # thread does not wake a main thread blocked on a lock.)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _CONTROL_SIGNALS)
     try:
         import pykka.debug
 
@@ -191,21 +185,15 @@ def cmd_run(config_path: str | None) -> int:
         log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
     if config.api.control.enabled:
         log.info("control API listening on %s/api/v1/", engine.control_url)
-    stop_signal: int | None = None
-    while stop_signal is None:
-        wake.wait()
-        wake.clear()
-        while received:
-            signum = received.pop(0)
-            if signum == signal.SIGHUP:
-                _ignore_sighup(engine, log)
-            elif stop_signal is None:
-                stop_signal = signum
+    while (signum := signal.sigwait(_CONTROL_SIGNALS)) == signal.SIGHUP:
+        _ignore_sighup(engine, log)
+    # Signals that arrive during the stop stay blocked and pending: they change nothing.
     engine.stop(reason="signal")
-    log.info("engine stopped on %s", signal.Signals(stop_signal).name)
+    log.info("engine stopped on %s", signal.Signals(signum).name)
     return EXIT_OK
 
 
+_CONTROL_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 SIGHUP_IGNORED = "sighup_ignored"
 
 

@@ -7,12 +7,14 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from tests.api.conftest import control_config
 from tests.api.sse_client import Stream
+from tests.conftest import wait_until
 from tests.helpers.flows import curl
 from tests.helpers.program import SPLICEWAY, wait_for_line
 
@@ -89,6 +91,41 @@ def test_sighup_is_logged_and_ignored_and_sigterm_still_stops_cleanly(tmp_path, 
             rest = drain(stream)
             assert [e["event_type"] for e in rest] == ["engine.stopped"]
             assert rest[0]["payload"]["reason"] == "signal"
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
+def test_every_engine_thread_leaves_the_control_signals_to_the_main_thread(tmp_path):
+    """SIGINT/SIGTERM/SIGHUP are blocked in every thread and taken by sigwait() in the
+    main one: a process-directed signal can then never land on a worker thread, where
+    it would not wake a main thread blocked on a lock (the engine hung until SIGKILL)."""
+    config = _write(tmp_path, control_config())
+    env = {k: v for k, v in os.environ.items() if k != "SPLICEWAY_API_KEY"}
+    proc = subprocess.Popen(
+        [*SPLICEWAY, "run", "-c", config], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        wait_for_line(proc, r"control API listening on")
+        wanted = (
+            (1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+        )
+        # The main thread is the one waiting for them (sigwait unblocks what it waits for
+        # while it sleeps, so its own mask reads 0 then).
+        wait_until(
+            lambda: "sigtimedwait" in Path(f"/proc/{proc.pid}/wchan").read_text(),
+            what="the main thread in sigwait()",
+        )
+        tasks = [t for t in os.listdir(f"/proc/{proc.pid}/task") if t != str(proc.pid)]
+        assert len(tasks) > 5  # dispatcher, relay loops, Waitress workers, actors...
+        for tid in tasks:
+            with open(f"/proc/{proc.pid}/task/{tid}/status") as status:
+                blocked = next(line for line in status if line.startswith("SigBlk:"))
+            assert int(blocked.split()[1], 16) & wanted == wanted, (tid, blocked)
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
     finally:
         if proc.poll() is None:
