@@ -1161,6 +1161,9 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
 
 
 _DESCRIPTION = (
+    "The reference in prose is in the project's docs/: http-api.md (this API), "
+    "commands.md (every command), events.md (every event and its payload), "
+    "security.md (keys, permissions, browser protection).\n\n"
     "Every response is the envelope {api_id, id, ok, result | error}, except the SSE "
     "stream and this document, and every response carries "
     "`Access-Control-Allow-Origin: *`. "
