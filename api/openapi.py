@@ -26,10 +26,10 @@ from spliceway.capabilities import API_ID
 from spliceway.commands import COMMANDS, PERMISSIONS
 from spliceway.config import EVENT_TYPES
 from spliceway.errors import HTTP_STATUS, code_for_http_status
+from spliceway.event_catalogue import UDP_COUNTERS
 from spliceway.events import SCHEMA_ID as EVENT_SCHEMA_ID
 from spliceway.policy import TRIGGERS
 from spliceway.queries import EVENTS_LIMIT_MAX, FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
-from spliceway.runtime import UDP_COUNTERS
 
 Schema = dict[str, Any]
 

@@ -16,6 +16,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The ``udp_upstream`` counters of the stats resource (docs/http-api.md, stats).
+UDP_COUNTERS = (
+    "active_associations",
+    "created_associations",
+    "reused_associations",
+    "closed_associations",
+    "idle_timeouts",
+    "dropped_associations",
+    "failed_association_attempts",
+    "send_failures",
+    "recv_failures",
+    "packets_sent",
+    "packets_received",
+)
+
+
 __all__ = [
     "CLOSE_REASONS",
     "ENGINE_WARNING_CODES",
@@ -330,19 +346,6 @@ _COMPLETED: tuple[PayloadField, ...] = (
     ),
 )
 
-_UDP_COUNTERS = (
-    "active_associations",
-    "created_associations",
-    "reused_associations",
-    "closed_associations",
-    "idle_timeouts",
-    "dropped_associations",
-    "failed_association_attempts",
-    "send_failures",
-    "recv_failures",
-    "packets_sent",
-    "packets_received",
-)
 
 _STATS: tuple[PayloadField, ...] = (
     _f("active_sessions", _COUNT, "Flows open now."),
@@ -355,7 +358,7 @@ _STATS: tuple[PayloadField, ...] = (
     _f("bytes_up", _COUNT, "Payload bytes towards targets, open flows included."),
     _f("bytes_down", _COUNT, "Payload bytes towards clients, open flows included."),
     _f("udp_upstream", "object", "UDP association counters; all 0 (UDP is not built)."),
-    *(_f(f"udp_upstream.{name}", _COUNT, "0 in this build.") for name in _UDP_COUNTERS),
+    *(_f(f"udp_upstream.{name}", _COUNT, "0 in this build.") for name in UDP_COUNTERS),
 )
 
 _EVENTS: tuple[EventType, ...] = (

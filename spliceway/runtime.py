@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spliceway import routing
+from spliceway.event_catalogue import UDP_COUNTERS
 
 if TYPE_CHECKING:
     import pykka
@@ -82,22 +83,6 @@ class FlowTable:
 
     def __len__(self) -> int:
         return len(self._flows)
-
-
-#: The ``udp_upstream`` counters of the stats resource (docs/http-api.md, stats).
-UDP_COUNTERS = (
-    "active_associations",
-    "created_associations",
-    "reused_associations",
-    "closed_associations",
-    "idle_timeouts",
-    "dropped_associations",
-    "failed_association_attempts",
-    "send_failures",
-    "recv_failures",
-    "packets_sent",
-    "packets_received",
-)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from spliceway import Engine
 from spliceway.errors import ApiError
 from tests.api.conftest import control_config
 from tests.api.sse_client import Stream
-from tests.helpers.program import SPLICEWAY, wait_for_line
+from tests.helpers.program import SPLICEWAY, running, wait_for_line
 
 KEY = "s3cret-admin-key"
 
@@ -181,17 +181,10 @@ def test_cli_run_serves_the_api_and_refuses_an_unset_key(tmp_path: Any) -> None:
     assert "SW_TEST_NEVER_SET" in proc.stderr
 
     path.write_text(json.dumps(control_config()))
-    proc2 = subprocess.Popen(
-        [*SPLICEWAY, "run", "-c", str(path)], stderr=subprocess.PIPE, text=True
-    )
-    try:
+    with running(path) as proc2:
         pattern = r"control API listening on (http://\S+)/api/v1/"
         url = wait_for_line(proc2, pattern, timeout=30).group(1)
         status, body, _ = _status(f"{url}/api/v1/health")
         assert status == 200 and body["result"]["healthy"] is True
         proc2.send_signal(signal.SIGTERM)
         assert proc2.wait(timeout=30) == 0
-    finally:
-        if proc2.poll() is None:
-            proc2.kill()
-            proc2.wait()

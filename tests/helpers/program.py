@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 SPLICEWAY = [sys.executable, "-m", "spliceway"]
 
@@ -22,3 +25,27 @@ def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float = 20) -> 
         if match := re.search(pattern, line):
             return match
     raise AssertionError(f"no stderr line matched {pattern!r}: {seen}")
+
+
+def environ_without(*names: str) -> dict[str, str]:
+    """This process's environment less ``names`` (a new user's shell has no key set)."""
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+@contextmanager
+def running(
+    config: str | os.PathLike[str], env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """``spliceway run -c config`` with its stderr piped as text; killed on the way out
+    if the test did not stop it, and its stderr closed either way."""
+    proc = subprocess.Popen(
+        [*SPLICEWAY, "run", "-c", os.fspath(config)], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -12,7 +11,7 @@ import sys
 import pytest
 
 from tests.helpers.flows import curl
-from tests.helpers.program import SPLICEWAY, wait_for_line
+from tests.helpers.program import SPLICEWAY, environ_without, running, wait_for_line
 
 
 def spliceway(*args: str) -> subprocess.CompletedProcess[str]:
@@ -44,8 +43,7 @@ def socks_config(port: int = 0) -> dict:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_run_serves_and_stops_cleanly_on_signal(tmp_path, origin, signum):
     config = write_config(tmp_path, socks_config())
-    proc = subprocess.Popen([*SPLICEWAY, "run", "-c", config], stderr=subprocess.PIPE, text=True)
-    try:
+    with running(config) as proc:
         port = int(wait_for_line(proc, r"listening on 127\.0\.0\.1:(\d+)").group(1))
         result = curl("--socks5-hostname", f"127.0.0.1:{port}", f"http://127.0.0.1:{origin[1]}/")
         assert result.stdout == "hello from origin\n"
@@ -53,11 +51,6 @@ def test_run_serves_and_stops_cleanly_on_signal(tmp_path, origin, signum):
         assert proc.wait(20) == 0
         rest = proc.stderr.read()
         assert f"engine stopped on {signal.Signals(signum).name}" in rest
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
 
 
 def test_run_with_port_in_use_is_one_line_and_exit_2(tmp_path):
@@ -113,10 +106,6 @@ def spliceway_dev(*args: str, env: dict[str, str] | None = None) -> subprocess.C
     )
 
 
-def without_key_variable() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "SPLICEWAY_API_KEY"}
-
-
 RELAY_CONFIG = {
     "inbounds": [{"tag": "in", "protocol": "socks5", "listen": {"port": 0}}],
     "outbounds": [
@@ -130,7 +119,7 @@ RELAY_CONFIG = {
 @pytest.mark.parametrize("doc", [{}, RELAY_CONFIG], ids=["empty", "relay-group"])
 def test_unset_key_variable_is_one_kind_line_and_exit_2(tmp_path, doc):
     config = write_config(tmp_path, doc)
-    result = spliceway_dev("run", "-c", config, env=without_key_variable())
+    result = spliceway_dev("run", "-c", config, env=environ_without("SPLICEWAY_API_KEY"))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines == [
@@ -140,7 +129,7 @@ def test_unset_key_variable_is_one_kind_line_and_exit_2(tmp_path, doc):
         "key (keep it on loopback)"
     ]
     # validate says the same, with the same field path, instead of calling it valid.
-    checked = spliceway_dev("validate", config, env=without_key_variable())
+    checked = spliceway_dev("validate", config, env=environ_without("SPLICEWAY_API_KEY"))
     assert checked.returncode == 1
     assert checked.stdout.startswith(
         "api.control.api_key_env: environment variable SPLICEWAY_API_KEY is not set"
@@ -161,7 +150,7 @@ def test_validate_lists_every_unset_key_variable(tmp_path):
 
 
 def test_key_variable_set_or_null_starts(tmp_path):
-    env = {**without_key_variable(), "SW_TEST_KEY_SET": "k"}
+    env = {**environ_without("SPLICEWAY_API_KEY"), "SW_TEST_KEY_SET": "k"}
     for control in ({"api_key_env": "SW_TEST_KEY_SET"}, {"api_key_env": None}):
         doc = socks_config()
         doc["api"]["control"] = {"listen": {"port": 0}, **control}

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 
 import pytest
 
 from tests.helpers.flows import curl
-from tests.helpers.program import SPLICEWAY, wait_for_line
+from tests.helpers.program import running, wait_for_line
 from tests.helpers.upstreams import refused_port
 
 FLOW_LINE = re.compile(r" (INFO|DEBUG) spliceway\.flow: (flow=\S+ .*)$")
@@ -28,8 +27,7 @@ def run_three_flows(tmp_path, origin, log_level: str) -> list[tuple[str, dict[st
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(doc))
-    proc = subprocess.Popen([*SPLICEWAY, "run", "-c", str(path)], stderr=subprocess.PIPE, text=True)
-    try:
+    with running(path) as proc:
         proxy = wait_for_line(proc, r"listening on (127\.0\.0\.1:\d+)").group(1)
         ok = curl("--socks5-hostname", proxy, f"http://127.0.0.1:{origin[1]}/")
         assert ok.stdout == "hello from origin\n", ok.stderr
@@ -40,11 +38,6 @@ def run_three_flows(tmp_path, origin, log_level: str) -> list[tuple[str, dict[st
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
         stderr = proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
     lines = []
     for text in stderr.splitlines():
         if match := FLOW_LINE.search(text):

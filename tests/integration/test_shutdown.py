@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from tests.api.conftest import control_config
 from tests.api.sse_client import Stream
 from tests.conftest import wait_until
 from tests.helpers.flows import curl
-from tests.helpers.program import SPLICEWAY, wait_for_line
+from tests.helpers.program import environ_without, running, wait_for_line
 
 
 def drain(stream: Stream) -> list[dict[str, Any]]:
@@ -70,11 +69,7 @@ def _write(tmp_path, doc: dict[str, Any]) -> str:
 def test_sighup_is_logged_and_ignored_and_sigterm_still_stops_cleanly(tmp_path, origin) -> None:
     doc = control_config()
     config = _write(tmp_path, doc)
-    env = {k: v for k, v in os.environ.items() if k != "SPLICEWAY_API_KEY"}
-    proc = subprocess.Popen(
-        [*SPLICEWAY, "run", "-c", config], stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
+    with running(config, environ_without("SPLICEWAY_API_KEY")) as proc:
         socks = wait_for_line(proc, r"inbound socks-in \(socks5\) listening on (\S+)").group(1)
         base = wait_for_line(proc, r"control API listening on (http://\S+)/api/v1/").group(1)
         with Stream(base, {"types": "engine.warning,engine.stopped"}) as stream:
@@ -92,11 +87,6 @@ def test_sighup_is_logged_and_ignored_and_sigterm_still_stops_cleanly(tmp_path, 
             assert [e["event_type"] for e in rest] == ["engine.stopped"]
             assert rest[0]["payload"]["reason"] == "signal"
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
 
 
 def test_every_engine_thread_leaves_the_control_signals_to_the_main_thread(tmp_path):
@@ -104,11 +94,7 @@ def test_every_engine_thread_leaves_the_control_signals_to_the_main_thread(tmp_p
     main one: a process-directed signal can then never land on a worker thread, where
     it would not wake a main thread blocked on a lock (the engine hung until SIGKILL)."""
     config = _write(tmp_path, control_config())
-    env = {k: v for k, v in os.environ.items() if k != "SPLICEWAY_API_KEY"}
-    proc = subprocess.Popen(
-        [*SPLICEWAY, "run", "-c", config], stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
+    with running(config, environ_without("SPLICEWAY_API_KEY")) as proc:
         wait_for_line(proc, r"control API listening on")
         wanted = (
             (1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
@@ -127,8 +113,3 @@ def test_every_engine_thread_leaves_the_control_signals_to_the_main_thread(tmp_p
             assert int(blocked.split()[1], 16) & wanted == wanted, (tid, blocked)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()

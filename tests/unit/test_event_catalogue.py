@@ -11,10 +11,8 @@ SIGHUP.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
 import time
 import urllib.request
 from typing import Any
@@ -34,7 +32,7 @@ from spliceway.event_catalogue import (
 )
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import socks_fetch
-from tests.helpers.program import SPLICEWAY, wait_for_line
+from tests.helpers.program import environ_without, running, wait_for_line
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import refused_port
@@ -240,11 +238,7 @@ def test_engine_warning_payload_from_the_program(tmp_path):
     config["api"]["control"] = {"listen": {"port": 0}, "api_key_env": None}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    env = {k: v for k, v in os.environ.items() if k != "SPLICEWAY_API_KEY"}
-    proc = subprocess.Popen(
-        [*SPLICEWAY, "run", "-c", str(path)], stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
+    with running(path, environ_without("SPLICEWAY_API_KEY")) as proc:
         base = wait_for_line(proc, r"control API listening on (http://\S+)/api/v1/").group(1)
         proc.send_signal(signal.SIGHUP)
         wait_for_line(proc, r"WARNING spliceway: SIGHUP received")
@@ -260,8 +254,3 @@ def test_engine_warning_payload_from_the_program(tmp_path):
         assert warning["payload"]["code"] == "sighup_ignored"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
