@@ -90,10 +90,12 @@ class Engine:
         with self._lock:
             # The core first: open SSE streams still run, so engine.stopped is their
             # last frame; the control API stops once they have ended.
-            self._core.stop(reason)
-            if self._control is not None:
-                self._control.stop()
-                self._control = None
+            try:
+                self._core.stop(reason)
+            finally:
+                if self._control is not None:
+                    self._control.stop()
+                    self._control = None
 
     def __enter__(self) -> Engine:
         return self.start()
