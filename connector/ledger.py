@@ -87,5 +87,7 @@ class Ledger:
         self.acked_id = acked_id
 
     def close(self) -> None:
-        """Close the file."""
-        os.close(self._fd)
+        """Close the file; idempotent (a second close must never hit a reused fd number)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
