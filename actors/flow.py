@@ -431,8 +431,10 @@ class FlowActor(LoopActor):
     def _relayed_outcome(self) -> str:
         s = self.state
         assert s is not None
-        # Stopped before the hand-off (while dialling or sniffing): nothing was relayed.
-        if s.outbound_tag is None or s.state != "active":
+        # Stopped before its upstream connection existed (while routing or dialling):
+        # there was never a path to relay over. (Once dialled, the client has been told
+        # the tunnel is open, even if sniffing still holds the hand-off.)
+        if s.outbound_tag is None or (s.state != "active" and self.upstream is None):
             return records.CANCELLED
         chained = self.core.outbounds[s.outbound_tag].chained
         return records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED

@@ -121,7 +121,7 @@ OUTCOMES: dict[str, str] = {
     "blocked": "Refused by a `block` rule, a `block` outbound or a group that chose one.",
     "failed": "The upstream could not be reached, or failed while relaying (see `result.failure`).",
     "cancelled": "Closed by the `flows.close` command (close reason `manual`), or ended by "
-    "an engine stop before its relay started (while it was routed, dialled or sniffed).",
+    "an engine stop before its upstream connection was made (while it was routed or dialled).",
 }
 
 #: ``result.close_reason`` values.

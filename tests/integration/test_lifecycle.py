@@ -187,7 +187,9 @@ def test_engine_started_is_the_first_event_even_with_startup_probes(make_engine)
 
 
 def test_engine_stop_while_dialling_completes_the_flow_as_cancelled(make_engine):
-    """A flow stopped before its relay started was not relayed, whatever its route."""
+    """A flow stopped before its upstream connection existed was not relayed, whatever
+    its route (a dialled flow that is still sniffing counts as relayed: see
+    test_engine_stop_completes_every_open_flow)."""
     from tests.helpers.upstreams import black_hole
 
     with black_hole() as hole:
