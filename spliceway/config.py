@@ -1709,6 +1709,38 @@ def _yaml_loader() -> Any:
                 first[key] = key_node.start_mark
             return node
 
+        def flatten_mapping(self, node: Any) -> None:
+            # The merge-key rules themselves, not PyYAML's: 6.0.4 changed which of two
+            # merged mappings wins a shared key (the later one), against the rule that
+            # the one listed first wins; the same file must mean the same config on
+            # every PyYAML this package allows.
+            merged: list[list[Any]] = []
+            own: list[Any] = []
+            for key_node, value_node in node.value:
+                if key_node.tag != "tag:yaml.org,2002:merge":
+                    if key_node.tag == "tag:yaml.org,2002:value":
+                        key_node.tag = "tag:yaml.org,2002:str"
+                    own.append((key_node, value_node))
+                    continue
+                sources = (
+                    value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                )
+                for source in sources:
+                    if not isinstance(source, yaml.MappingNode):
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping",
+                            node.start_mark,
+                            f"expected a mapping or a list of mappings to merge, but found "
+                            f"{source.id}",
+                            source.start_mark,
+                        )
+                    self.flatten_mapping(source)
+                    merged.append(source.value)
+            if merged:
+                # Later pairs win when the dict is built: the mappings listed last go
+                # first, and the mapping's own keys after them all.
+                node.value = [pair for pairs in reversed(merged) for pair in pairs] + own
+
     return UniqueKeyLoader
 
 
