@@ -256,6 +256,7 @@ class _Gate:
     ) -> None:
         # Falcon runs this for every response, errors, refusals and preflights included.
         resp.set_header("Access-Control-Allow-Origin", "*")
+        resp.set_header("Access-Control-Expose-Headers", "Retry-After, WWW-Authenticate")
 
 
 def _on_api_error(req: falcon.Request, resp: falcon.Response, ex: ApiError, params: Any) -> None:

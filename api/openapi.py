@@ -165,6 +165,10 @@ _ERROR_RESPONSES: dict[int, tuple[str, str]] = {
     ),
     404: ("NotFound", "not_found: no such resource (or no such endpoint)."),
     405: ("MethodNotAllowed", "unsupported: this path does not answer this method (see Allow)."),
+    409: (
+        "Conflict",
+        "conflict: the state does not allow it now (for commands: the engine is stopping).",
+    ),
     415: (
         "UnsupportedMediaType",
         "invalid_argument (field_path Content-Type): the command body was not sent as "
@@ -1055,7 +1059,7 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
                 "content": {_JSON: {"schema": ref("CommandRequest")}},
             },
             "responses": _responses(
-                {"200": _ok(command_result, "The command's result.")}, 400, 404, 415, 501
+                {"200": _ok(command_result, "The command's result.")}, 400, 404, 409, 415, 501
             ),
         },
         "options": _options("optionsExecuteCommand"),

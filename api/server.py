@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from waitress import wasyncore
 from waitress.server import create_server
@@ -51,7 +51,26 @@ class ControlServer:
                 f"{os.strerror(ex.errno) if ex.errno else ex}",
                 field_path="api.control.listen",
             ) from ex
-        self._server = create_server(
+        try:
+            self._server = self._create(app, sock, threads)
+        except BaseException:
+            sock.close()
+            raise
+        self.address: tuple[str, int] = (
+            self._server.effective_host,  # type: ignore[union-attr]
+            int(self._server.effective_port),  # type: ignore[union-attr]
+        )
+        # The app's keyless Host check accepts the address and port actually bound
+        # (port 0 in the config becomes the port the kernel chose).
+        self._state.listen = self.address
+        self._accepting = True
+        self._thread = threading.Thread(
+            target=self._server.run, name="spliceway-control-http", daemon=True
+        )
+
+    @staticmethod
+    def _create(app: ControlApp, sock: socket.socket, threads: int) -> Any:
+        return create_server(
             app,
             sockets=[sock],
             threads=threads,
@@ -63,16 +82,6 @@ class ControlServer:
             expose_tracebacks=False,
             clear_untrusted_proxy_headers=True,
             asyncore_use_poll=True,
-        )
-        self.address: tuple[str, int] = (
-            self._server.effective_host,  # type: ignore[union-attr]
-            int(self._server.effective_port),  # type: ignore[union-attr]
-        )
-        # The app's keyless Host check accepts the address and port actually bound
-        # (port 0 in the config becomes the port the kernel chose).
-        self._state.listen = self.address
-        self._thread = threading.Thread(
-            target=self._server.run, name="spliceway-control-http", daemon=True
         )
 
     @property
@@ -86,6 +95,16 @@ class ControlServer:
         """Start serving."""
         self._thread.start()
 
+    def stop_accepting(self) -> None:
+        """Close the listening socket; open connections (and event streams) go on.
+        Idempotent."""
+        if not self._accepting:
+            return
+        self._accepting = False
+        server = self._server
+        # dispatcher.close, not server.close, which would also close the trigger.
+        server.trigger.pull_trigger(lambda: wasyncore.dispatcher.close(server))  # type: ignore[union-attr]
+
     def stop(self) -> None:
         """Stop serving and join every thread the server started.
 
@@ -93,9 +112,7 @@ class ControlServer:
         connection closes), so a client sees the end of the stream, not a reset.
         """
         server = self._server
-        # No new connections while the open ones finish.
-        # (dispatcher.close, not server.close, which would also close the trigger.)
-        server.trigger.pull_trigger(lambda: wasyncore.dispatcher.close(server))  # type: ignore[union-attr]
+        self.stop_accepting()
         self._state.close_streams()
         deadline = time.monotonic() + _DRAIN_S
         while (server.task_dispatcher.active_count or _unflushed(server)) and (

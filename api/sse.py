@@ -128,6 +128,8 @@ class EventStream:
                 last_write = time.monotonic()
                 continue
             if self._sub.closed:
+                if not self._sub.ended:
+                    continue  # closed while this wait timed out: what is queued goes first
                 final = self._sub.ended_by
                 # engine.stopped ends every stream, filter or not, so a client can tell
                 # a shutdown from a dropped connection.

@@ -152,7 +152,6 @@ def _setup_logging(config: Any) -> None:
 def cmd_run(config_path: str | None) -> int:
     """``spliceway run [-c FILE]``: run until SIGINT or SIGTERM."""
     from spliceway.config import default_config, load_config_file
-    from spliceway.engine import Engine
 
     try:
         config = load_config_file(config_path) if config_path else default_config()
@@ -166,7 +165,20 @@ def cmd_run(config_path: str | None) -> int:
     # mask and only sigwait() below takes these signals, synchronously. (A handler would
     # run only when the main thread executes bytecode, and a signal delivered to another
     # thread does not wake a main thread blocked on a lock.)
-    signal.pthread_sigmask(signal.SIG_BLOCK, _CONTROL_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _CONTROL_SIGNALS)
+    try:
+        return _run_until_signal(config, config_path, log)
+    finally:
+        # Signals that came during the stop are taken here, so unblocking cannot turn
+        # them into a late KeyboardInterrupt or termination of a caller of main().
+        for pending in signal.sigpending() & _CONTROL_SIGNALS:
+            signal.sigwait({pending})
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger) -> int:
+    from spliceway.engine import Engine
+
     try:
         import pykka.debug
 

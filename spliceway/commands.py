@@ -519,4 +519,7 @@ def execute(
         raise _validation_error(ex) from ex
     if command.handler is None:
         raise ApiError("unsupported", f"{method} needs {command.missing}")
+    if not core.running:
+        # A control connection opened before the stop may still send commands.
+        raise ApiError("conflict", "the engine is not running (it is stopping)")
     return command.handler(core, parsed)

@@ -1647,6 +1647,10 @@ def check_environment_details(problems: list[Detail]) -> None:
         raise error
 
 
+_NOT_JSON = "configuration file is not valid JSON"
+_NOT_YAML = "configuration file is not valid YAML"
+
+
 class _DuplicateKeyError(ValueError):
     pass
 
@@ -1673,6 +1677,8 @@ def _decode_json(text: str, source: str) -> Any:
     except _DuplicateKeyError as exc:
         detail = Detail(f"{source}: duplicate key {exc.args[0]!r} in an object")
         raise _invalid([detail], "configuration file is not valid JSON") from None
+    except RecursionError:
+        raise _invalid([Detail(f"{source}: nested too deeply")], _NOT_JSON) from None
     except ValueError as exc:
         raise _invalid(
             [Detail(f"{source}: {exc}")], "configuration file is not valid JSON"
@@ -1691,6 +1697,10 @@ def _yaml_loader() -> Any:
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
+        def __init__(self, stream: Any) -> None:
+            super().__init__(stream)
+            self._flattening: set[int] = set()
+
         def compose_mapping_node(self, anchor: Any) -> Any:
             node = super().compose_mapping_node(anchor)
             first: dict[tuple[str, str], Any] = {}
@@ -1716,6 +1726,26 @@ def _yaml_loader() -> Any:
             # every PyYAML this package allows.
             merged: list[list[Any]] = []
             own: list[Any] = []
+            # An anchor merged into itself (`&a {<<: *a}`) would recurse without end.
+            flattening = self._flattening
+            if id(node) in flattening:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    "a mapping merges itself (through an alias of its own anchor)",
+                    node.start_mark,
+                )
+            flattening.add(id(node))
+            try:
+                self._flatten(node, merged, own)
+            finally:
+                flattening.discard(id(node))
+            if merged:
+                # Later pairs win when the dict is built: the mappings listed last go
+                # first, and the mapping's own keys after them all.
+                node.value = [pair for pairs in reversed(merged) for pair in pairs] + own
+
+        def _flatten(self, node: Any, merged: list[list[Any]], own: list[Any]) -> None:
             for key_node, value_node in node.value:
                 if key_node.tag != "tag:yaml.org,2002:merge":
                     if key_node.tag == "tag:yaml.org,2002:value":
@@ -1736,10 +1766,6 @@ def _yaml_loader() -> Any:
                         )
                     self.flatten_mapping(source)
                     merged.append(source.value)
-            if merged:
-                # Later pairs win when the dict is built: the mappings listed last go
-                # first, and the mapping's own keys after them all.
-                node.value = [pair for pairs in reversed(merged) for pair in pairs] + own
 
     return UniqueKeyLoader
 
@@ -1752,6 +1778,8 @@ def _decode_yaml(text: str, source: str) -> Any:
         raise _invalid([detail], "YAML configuration is not supported") from None
     try:
         return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader: no arbitrary objects
+    except RecursionError:
+        raise _invalid([Detail(f"{source}: nested too deeply")], _NOT_YAML) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

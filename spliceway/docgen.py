@@ -451,8 +451,9 @@ caller's key holds the command's permission (else `permission_denied`), the
 parameters are valid: no unknown key, every required one present, each of its type,
 without conversion (`"80"` is not a port; else `invalid_argument` with `field_path`
 `params.<name>`). A command that this build does not have then answers 501
-`unsupported`, naming what is missing. `GET /api/v1/capabilities` lists every command
-with `available`.
+`unsupported`, naming what is missing; any other answers 409 `conflict` while the
+engine is stopping (a control connection opened before the stop can still send one).
+`GET /api/v1/capabilities` lists every command with `available`.
 
 The examples use the admin key from `SPLICEWAY_API_KEY`; leave the header out when the
 control API has no key.
@@ -525,6 +526,8 @@ def _error_rows(command: Command) -> list[list[str]]:
         rows.append(
             ["`unsupported`", "501", f"Always, once the params are valid: needs {command.missing}."]
         )
+    elif all(code != "conflict" for code, _ in command.errors):
+        rows.append(["`conflict`", "409", "The engine is stopping."])
     return rows
 
 

@@ -88,8 +88,11 @@ class Engine:
         """Stop accepting, complete every flow, emit engine.stopped, end every event
         stream after that event, stop the control API, join all threads."""
         with self._lock:
-            # The core first: open SSE streams still run, so engine.stopped is their
-            # last frame; the control API stops once they have ended.
+            # No new control connections; the open ones (SSE streams among them) go on
+            # while the core stops, so engine.stopped is the streams' last frame, and
+            # the control API stops once they have ended.
+            if self._control is not None:
+                self._control.stop_accepting()
             try:
                 self._core.stop(reason)
             finally:

@@ -134,11 +134,11 @@ class EngineCore:
         self.started_at_unix_ms = now_ms()
         self.dispatcher = Dispatcher()
         self.dispatcher.start()
-        attached = False
+        bridge: RelayBridge | None = None
         try:
-            self.bridge = RelayBridge(self.dispatcher)
-            self.dispatcher.run_sync(self.bridge.attach)
-            attached = True
+            bridge = RelayBridge(self.dispatcher)
+            self.dispatcher.run_sync(bridge.attach)
+            self.bridge = bridge
             # Before the actors start: a group's startup probe round must not be the
             # ring's first event.
             self.log.emit(
@@ -150,7 +150,7 @@ class EngineCore:
             # so the group actors (policies.* commands) exist once start() returns.
             self.supervisor.proxy().listeners.get(timeout=_STOP_GRACE_S)
         except BaseException:
-            self._abort_start(sockets, attached)
+            self._abort_start(sockets, bridge)
             raise
         self.running = True
 
@@ -183,23 +183,28 @@ class EngineCore:
         self.dispatcher.stop()
         self.log.close_all(ended_by=stopped)
 
-    def _abort_start(self, sockets: list[socket.socket], attached: bool) -> None:
+    def _abort_start(self, sockets: list[socket.socket], bridge: RelayBridge | None) -> None:
         """Undo a start that failed after binding: nothing may be left running or open."""
         if self.supervisor is not None:
             with contextlib.suppress(Exception):
                 self.supervisor.stop(timeout=_STOP_GRACE_S)
             self.supervisor = None
-        if attached:
+        if bridge is not None:
             with contextlib.suppress(Exception):
-                self.bridge.shutdown()
-                self.dispatcher.run_sync(self.bridge.detach)
+                bridge.shutdown()
+                self.dispatcher.run_sync(bridge.detach)
+            # The relay (its completion eventfd) is freed with the last reference to it.
+            with contextlib.suppress(AttributeError):
+                del self.bridge
         for sock in sockets:
             sock.close()
+        stopped = None
         if self.log.latest_sequence:
             # engine.started went out; every start a consumer saw has its stop.
-            self.log.emit("engine.stopped", {"stopped_at_unix_ms": now_ms()})
+            stopped = self.log.emit("engine.stopped", {"stopped_at_unix_ms": now_ms()})
         self.dispatcher.stop()
         self.connector.stop()
+        self.log.close_all(ended_by=stopped)
 
     def _await_flows_drained(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S

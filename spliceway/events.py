@@ -79,6 +79,11 @@ class Subscription:
         #: The ``engine.stopped`` envelope when the engine's stop closed this subscription.
         self.ended_by: Envelope | None = None
 
+    @property
+    def ended(self) -> bool:
+        """Closed, and every event queued before the close has been read."""
+        return self._ended
+
     def accepts(self, event_type: str) -> bool:
         """Whether this subscription's filter lets ``event_type`` through."""
         return self.types is None or event_type in self.types

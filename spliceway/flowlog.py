@@ -25,11 +25,21 @@ logger = logging.getLogger("spliceway.flow")
 _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/[]@,+*")
 
 
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n"}
+
+
+def _hex(c: str) -> str:
+    code = ord(c)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def _value(raw: object) -> str:
     text = "-" if raw is None or raw == "" else str(raw)
     if all(c in _PLAIN for c in text):
         return text
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    # A target host is whatever the client sent: control characters (a forged second
+    # log line, a terminal escape) are written as escapes, never raw.
+    escaped = "".join(_ESCAPES.get(c) or (c if c.isprintable() else _hex(c)) for c in text)
     return f'"{escaped}"'
 
 

@@ -208,3 +208,28 @@ def test_engine_stop_while_dialling_completes_the_flow_as_cancelled(make_engine)
     record = done[0]["payload"]["record"]
     assert record["result"]["outcome"] == "cancelled"
     assert record["path"]["outbound"]["tag"] == "direct"
+
+
+def test_a_start_that_fails_after_engine_started_ends_every_subscription(monkeypatch):
+    """engine.started already went out: a subscriber gets engine.stopped and then its end,
+    and every socket and thread of the half-started engine is released."""
+    from spliceway import Engine
+    from spliceway.engine_core import EngineSupervisor
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("supervisor refused to start")
+
+    engine = Engine(base_config())
+    sub = engine.subscribe()
+    fds, threads = fd_count(), thread_count()
+    monkeypatch.setattr(EngineSupervisor, "start", refuse)
+    with pytest.raises(RuntimeError, match="supervisor refused"):
+        engine.start()
+    got = [sub.get(timeout=5), sub.get(timeout=5), sub.get(timeout=5)]
+    assert [e["event_type"] if e else None for e in got] == [
+        "engine.started",
+        "engine.stopped",
+        None,
+    ]
+    assert sub.ended
+    wait_until(lambda: fd_count() <= fds and thread_count() <= threads, timeout=10)

@@ -113,3 +113,31 @@ def test_every_engine_thread_leaves_the_control_signals_to_the_main_thread(tmp_p
             assert int(blocked.split()[1], 16) & wanted == wanted, (tid, blocked)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+def test_commands_on_a_connection_open_while_the_engine_stops_are_conflicts(make_engine):
+    """The control API outlives the core's stop (its streams must still get
+    engine.stopped), so a keep-alive connection opened before can still send commands:
+    each is 409 conflict, never a 500 from a dead actor or a closed event loop."""
+    import http.client
+
+    engine = make_engine(control_config())
+    host, port = engine.control_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/api/v1/health")
+    assert conn.getresponse().read()
+    engine.core.stop()  # the core alone: the control server is still up
+    try:
+        for method, params in [
+            ("mode.set", {"mode": "direct"}),
+            ("diagnostics.probe_target", {"target_tag": "direct"}),
+            ("diagnostics.probe_outbound", {"target_tag": "direct"}),
+            ("flows.close", {"flow_id": "gone"}),
+        ]:
+            body = json.dumps({"method": method, "params": params})
+            conn.request("POST", "/api/v1/commands", body, {"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            envelope = json.loads(answer.read())
+            assert (answer.status, envelope["error"]["code"]) == (409, "conflict"), envelope
+    finally:
+        conn.close()

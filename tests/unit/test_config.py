@@ -1067,3 +1067,32 @@ def test_yaml_merge_key_may_override_merged_keys(tmp_path):
 def test_yaml_merge_key_twice_is_a_duplicate(tmp_path):
     _, message = _yaml_problem(tmp_path, "mode:\n  <<: {kind: global}\n  <<: {outbound: direct}\n")
     assert "line 3, column 3: duplicate key '<<'" in message
+
+
+def test_yaml_anchor_merged_into_itself_is_an_error_not_a_crash(tmp_path):
+    source, message = _yaml_problem(tmp_path, "route: &a {final: direct, <<: *a}\n")
+    assert message == f"{source}: line 1, column 8: a mapping merges itself " + (
+        "(through an alias of its own anchor)"
+    )
+
+
+def test_yaml_merge_of_a_scalar_is_an_error(tmp_path):
+    _, message = _yaml_problem(tmp_path, "route:\n  <<: 5\n")
+    assert "expected a mapping or a list of mappings to merge, but found scalar" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("c.json", '{"rules": ' + "[" * 5000 + "]" * 5000 + "}"),
+        ("c.yaml", "rules: " + "[" * 5000 + "]" * 5000 + "\n"),
+    ],
+)
+def test_absurd_nesting_is_reported_not_a_crash(tmp_path, name, text):
+    if name.endswith(".yaml"):
+        pytest.importorskip("yaml")
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ApiError) as info:
+        load_config_file(path)
+    assert [d.message for d in info.value.details] == [f"{path}: nested too deeply"]

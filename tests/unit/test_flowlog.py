@@ -67,3 +67,10 @@ def test_ipv6_endpoints_are_bracketed_and_spaces_quoted() -> None:
     state = completed(source_ip="::1", target_host="2001:db8::1", inbound_tag="in tag")
     line = flowlog.line(state)
     assert 'inbound="in tag" source=[::1]:50000 target=[2001:db8::1]:443' in line
+
+
+def test_control_characters_from_the_client_are_escaped_never_raw() -> None:
+    state = completed(target_host="a\rb\x1b[31m\u2028c\nd")
+    line = flowlog.line(state)
+    assert 'target="a\\x0db\\x1b[31m\\u2028c\\nd:443"' in line
+    assert line.isprintable()
