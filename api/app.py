@@ -51,12 +51,12 @@ from spliceway.api.sse import (
     FrameCache,
     open_stream,
     parse_since,
-    parse_types,
 )
 
 from spliceway import commands, queries
 from spliceway.capabilities import API_ID, capabilities
 from spliceway.errors import ApiError, code_for_http_status, invalid_argument
+from spliceway.events import parse_types
 
 if TYPE_CHECKING:
     from spliceway.engine import Engine

@@ -26,7 +26,6 @@ from typing import Any
 
 import orjson
 
-from spliceway.config import EVENT_TYPES
 from spliceway.errors import invalid_argument
 from spliceway.events import Envelope, EventLog, Subscription
 
@@ -38,17 +37,6 @@ KEEPALIVE_S = 10.0
 LINGER_S = 0.005
 _POLL_S = 0.25
 _BATCH = 1024
-
-
-def parse_types(raw: str | None) -> list[str] | None:
-    """The ``types`` query parameter as an allow-list (None: every type)."""
-    if raw is None or not raw.strip():
-        return None
-    types = [t.strip() for t in raw.split(",") if t.strip()]
-    for t in types:
-        if t != "*" and t not in EVENT_TYPES:
-            raise invalid_argument(f"unknown event type {t!r}", "types")
-    return types
 
 
 def parse_since(query: str | None, header: str | None) -> int | None:

@@ -97,18 +97,13 @@ def _problems(err: ApiError) -> list[str]:
 
 def cmd_validate(path: str) -> int:
     """``spliceway validate FILE``: the document's problems, then its environment's."""
-    from spliceway.config import environment_problems, load_config_file
+    from spliceway.config import check_environment, load_config_file
 
     try:
-        config = load_config_file(path)
+        check_environment(load_config_file(path))
     except ApiError as ex:
         for line in _problems(ex):
             print(line)
-        return EXIT_INVALID
-    unset = environment_problems(config)
-    if unset:
-        for detail in unset:
-            print(f"{detail.field_path}: {detail.message}")
         return EXIT_INVALID
     print(f"{path}: valid")
     return EXIT_OK
@@ -123,13 +118,13 @@ def cmd_config_schema() -> int:
 
 
 def _cannot_start(ex: ApiError) -> int:
-    if ex.details and len(ex.details) > 1:
-        print(f"spliceway: cannot start: {ex.code}: {ex.message}", file=sys.stderr)
-        for line in _problems(ex):
-            print(f"spliceway: {line}", file=sys.stderr)
+    lines = _problems(ex)
+    if len(lines) == 1:
+        print(f"spliceway: cannot start: {ex.code}: {lines[0]}", file=sys.stderr)
     else:
-        where = f"{ex.field_path}: " if ex.field_path else ""
-        print(f"spliceway: cannot start: {ex.code}: {where}{ex.message}", file=sys.stderr)
+        print(f"spliceway: cannot start: {ex.code}: {ex.message}", file=sys.stderr)
+        for line in lines:
+            print(f"spliceway: {line}", file=sys.stderr)
     return EXIT_START_FAILED
 
 

@@ -308,8 +308,6 @@ _FAKE_IP = "fake-ip answers (runtime.dns.answer fake_ip, not built yet)"
 _TUN = "the TUN inbound (not built yet)"
 _RELOAD = "hot reload of a full configuration (not built yet)"
 
-_STOPPING = ("conflict", "The engine is stopping.")
-
 COMMANDS: dict[str, Command] = {
     c.method: c
     for c in (
@@ -384,7 +382,6 @@ COMMANDS: dict[str, Command] = {
                 ),
                 ("invalid_argument", "`params.policy_tag`: the group is not a selector."),
                 ("invalid_argument", "`params.target_tag`: not a member of the group."),
-                _STOPPING,
             ),
             example={"policy_tag": "proxy", "target_tag": "auto"},
         ),
@@ -395,10 +392,7 @@ COMMANDS: dict[str, Command] = {
             _policies_probe,
             summary="Start a probe round of a `url_test` group now (`probe_triggered` is "
             "false when one is already running); it ends with `policy.probe.completed`.",
-            errors=(
-                ("not_found", "No `url_test` group has this `policy_tag`."),
-                _STOPPING,
-            ),
+            errors=(("not_found", "No `url_test` group has this `policy_tag`."),),
             example={"policy_tag": "auto"},
         ),
         Command(

@@ -1724,48 +1724,51 @@ def _yaml_loader() -> Any:
             # merged mappings wins a shared key (the later one), against the rule that
             # the one listed first wins; the same file must mean the same config on
             # every PyYAML this package allows.
-            merged: list[list[Any]] = []
-            own: list[Any] = []
-            # An anchor merged into itself (`&a {<<: *a}`) would recurse without end.
-            flattening = self._flattening
-            if id(node) in flattening:
+            if id(node) in self._flattening:
+                # An anchor merged into itself (`&a {<<: *a}`) would recurse without end.
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
                     node.start_mark,
                     "a mapping merges itself (through an alias of its own anchor)",
                     node.start_mark,
                 )
-            flattening.add(id(node))
+            self._flattening.add(id(node))
             try:
-                self._flatten(node, merged, own)
+                merged = [
+                    pairs
+                    for key, value in node.value
+                    if _is_merge(key)
+                    for pairs in self._merged(node, value)
+                ]
             finally:
-                flattening.discard(id(node))
+                self._flattening.discard(id(node))
+            own = [(key, value) for key, value in node.value if not _is_merge(key)]
+            for key, _ in own:
+                if key.tag == "tag:yaml.org,2002:value":
+                    key.tag = "tag:yaml.org,2002:str"
             if merged:
                 # Later pairs win when the dict is built: the mappings listed last go
                 # first, and the mapping's own keys after them all.
                 node.value = [pair for pairs in reversed(merged) for pair in pairs] + own
 
-        def _flatten(self, node: Any, merged: list[list[Any]], own: list[Any]) -> None:
-            for key_node, value_node in node.value:
-                if key_node.tag != "tag:yaml.org,2002:merge":
-                    if key_node.tag == "tag:yaml.org,2002:value":
-                        key_node.tag = "tag:yaml.org,2002:str"
-                    own.append((key_node, value_node))
-                    continue
-                sources = (
-                    value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
-                )
-                for source in sources:
-                    if not isinstance(source, yaml.MappingNode):
-                        raise yaml.constructor.ConstructorError(
-                            "while constructing a mapping",
-                            node.start_mark,
-                            f"expected a mapping or a list of mappings to merge, but found "
-                            f"{source.id}",
-                            source.start_mark,
-                        )
-                    self.flatten_mapping(source)
-                    merged.append(source.value)
+        def _merged(self, node: Any, value: Any) -> list[list[Any]]:
+            """The flattened pairs of each mapping one ``<<`` names, in the order listed."""
+            sources = value.value if isinstance(value, yaml.SequenceNode) else [value]
+            out = []
+            for source in sources:
+                if not isinstance(source, yaml.MappingNode):
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"expected a mapping or a list of mappings to merge, but found {source.id}",
+                        source.start_mark,
+                    )
+                self.flatten_mapping(source)
+                out.append(source.value)
+            return out
+
+    def _is_merge(key_node: Any) -> bool:
+        return bool(key_node.tag == "tag:yaml.org,2002:merge")
 
     return UniqueKeyLoader
 

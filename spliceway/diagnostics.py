@@ -90,13 +90,11 @@ def probe_target(
 def _group_probe_url(core: EngineCore, target_tag: str) -> str | None:
     """The ``url`` probing group ``target_tag`` configures, or None (not a probing group,
     or one without a url of its own)."""
-    for group in core.config.outbound_groups:
-        if group.tag == target_tag:
-            if group.kind not in policy.PROBING_KINDS:
-                return None
-            own: str | None = getattr(group, "url", None)
-            return own
-    return None
+    group = core.config.find_group(target_tag)
+    if group is None or group.kind not in policy.PROBING_KINDS:
+        return None
+    own: str | None = getattr(group, "url", None)
+    return own
 
 
 def probe_outbound(core: EngineCore, target_tag: str, url: str | None) -> dict[str, Any]:

@@ -526,7 +526,7 @@ def _error_rows(command: Command) -> list[list[str]]:
         rows.append(
             ["`unsupported`", "501", f"Always, once the params are valid: needs {command.missing}."]
         )
-    elif all(code != "conflict" for code, _ in command.errors):
+    else:
         rows.append(["`conflict`", "409", "The engine is stopping."])
     return rows
 

@@ -178,10 +178,16 @@ class EngineCore:
         payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
         if reason is not None:
             payload["reason"] = reason
-        stopped = self.log.emit("engine.stopped", payload)
+        self._finish(payload)
+
+    def _finish(self, stopped: dict[str, Any] | None) -> None:
+        """The last steps of a stop, or of a start undone: emit engine.stopped (with
+        payload ``stopped``, unless None), stop the sinks and the dispatcher, and end every
+        subscription after that event."""
+        last = self.log.emit("engine.stopped", stopped) if stopped is not None else None
         self.connector.stop()
         self.dispatcher.stop()
-        self.log.close_all(ended_by=stopped)
+        self.log.close_all(ended_by=last)
 
     def _abort_start(self, sockets: list[socket.socket], bridge: RelayBridge | None) -> None:
         """Undo a start that failed after binding: nothing may be left running or open."""
@@ -198,13 +204,8 @@ class EngineCore:
                 del self.bridge
         for sock in sockets:
             sock.close()
-        stopped = None
-        if self.log.latest_sequence:
-            # engine.started went out; every start a consumer saw has its stop.
-            stopped = self.log.emit("engine.stopped", {"stopped_at_unix_ms": now_ms()})
-        self.dispatcher.stop()
-        self.connector.stop()
-        self.log.close_all(ended_by=stopped)
+        # Once engine.started went out, every start a consumer saw has its stop.
+        self._finish({"stopped_at_unix_ms": now_ms()} if self.log.latest_sequence else None)
 
     def _await_flows_drained(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S

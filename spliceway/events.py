@@ -25,6 +25,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from spliceway.errors import invalid_argument
+from spliceway.event_catalogue import EVENT_CATALOGUE
+
 SCHEMA_ID = "service.event.v1"
 SNAPSHOT = "flow.snapshot"
 FLOW_TYPES = frozenset(
@@ -46,6 +49,19 @@ def normalize_types(types: Iterable[str] | None) -> frozenset[str] | None:
     if not wanted or "*" in wanted:
         return None
     return wanted
+
+
+def parse_types(raw: str | None) -> list[str] | None:
+    """A ``types`` parameter (comma-separated) as an allow-list (None: every type); an
+    unknown type is ``invalid_argument`` on ``types``. The SSE stream and the events
+    query both read it."""
+    if raw is None or not raw.strip():
+        return None
+    types = [t.strip() for t in raw.split(",") if t.strip()]
+    for t in types:
+        if t != "*" and t not in EVENT_CATALOGUE:
+            raise invalid_argument(f"unknown event type {t!r}", "types")
+    return types
 
 
 def wants_flow_snapshot(types: frozenset[str] | None) -> bool:

@@ -40,7 +40,7 @@ DEFAULT_PROBE_URL = "http://www.gstatic.com/generate_204"
 PROBE_TIMEOUT_S = 5.0
 #: Kinds that probe their members and track health.
 PROBING_KINDS = frozenset({"url_test", "fallback", "load_balance"})
-#: Kinds ``GET /api/v1/policies`` reports ; relay groups are in /config.
+#: Kinds ``GET /api/v1/policies`` reports; relay groups are in /config.
 POLICY_KINDS = frozenset({"selector", "fallback", "url_test", "load_balance"})
 #: ``policy.probe.completed`` triggers; ``dial_failure`` extends the spec's three.
 TRIGGERS = ("startup", "scheduled", "manual", "dial_failure")

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from spliceway.api.sse import parse_types
 from spliceway.commands import PERMISSIONS
 from spliceway.errors import invalid_argument, not_found
+from spliceway.events import normalize_types, parse_types
 from spliceway.policy import POLICY_KINDS
 
 if TYPE_CHECKING:
@@ -155,10 +155,7 @@ def _event_types(params: dict[str, Any]) -> frozenset[str] | None:
         raw = ",".join(raw)
     if not isinstance(raw, str):
         raise invalid_argument("types must be a comma-separated list of event types", "types")
-    types = parse_types(raw)
-    if types is None or "*" in types:
-        return None
-    return frozenset(types)
+    return normalize_types(parse_types(raw))
 
 
 def _events(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
@@ -167,8 +164,6 @@ def _events(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     limit = _integer(params, "limit", 1, EVENTS_LIMIT_MAX)
     # One snapshot: the bounds and the events are of the same instant.
     ring = core.log.snapshot()
-    if types is None and since is None and limit is None:
-        return ring
     selected = []
     for envelope in ring["events"]:
         if since is not None and envelope["sequence"] <= since:
