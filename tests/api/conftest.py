@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import http.client
+import json
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -64,3 +67,24 @@ def app_for(make_engine: Callable[..., Any]) -> Callable[..., ControlApp]:
         return create_app(engine, keys=keys or KeyTable([]), limits=limits)
 
     return _make
+
+
+def send(
+    base_url: str,
+    method: str,
+    path: str,
+    *,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """One request with exactly ``headers`` (plus the Host http.client derives unless
+    given, and Content-Length for a body): status, lower-cased headers, JSON body."""
+    url = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(raw)
+    finally:
+        conn.close()

@@ -11,7 +11,6 @@ checked to have changed nothing, and every response to carry
 
 from __future__ import annotations
 
-import http.client
 import json
 import subprocess
 import urllib.parse
@@ -23,7 +22,7 @@ import pytest
 from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
 
-from tests.api.conftest import RELAXED, control_config
+from tests.api.conftest import RELAXED, control_config, send
 from tests.api.sse_client import Stream
 from tests.api.test_openapi import validate_response
 
@@ -36,27 +35,6 @@ GLOBAL_BLOCK = json.dumps(
 RULE_MODE = {"kind": "rule", "outbound": None}
 GLOBAL_BLOCK_MODE = {"kind": "global", "outbound": "block"}
 KEY = "browser-test-key"
-
-
-def send(
-    base_url: str,
-    method: str,
-    path: str,
-    *,
-    body: bytes | None = None,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, str], dict[str, Any]]:
-    """One request with exactly ``headers`` (plus the Host http.client derives unless
-    given, and Content-Length for a body): status, lower-cased headers, JSON body."""
-    url = urllib.parse.urlsplit(base_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        raw = resp.read()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(raw)
-    finally:
-        conn.close()
 
 
 def port_of(base_url: str) -> int:

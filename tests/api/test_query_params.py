@@ -9,9 +9,6 @@ Real engines, their real Waitress listener, ``http.client``.
 
 from __future__ import annotations
 
-import http.client
-import json
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +16,7 @@ import pytest
 
 from spliceway.errors import ApiError
 from spliceway.queries import EVENTS_LIMIT_MAX, QUERIES
-from tests.api.conftest import control_config
+from tests.api.conftest import control_config, send
 from tests.api.test_openapi import DOC
 from tests.conftest import wait_until
 from tests.helpers.flows import socks_fetch
@@ -29,17 +26,11 @@ API = "/api/v1"
 
 def get(base_url: str, path: str, method: str = "GET") -> tuple[int, dict[str, Any]]:
     """Status and JSON body of one request (as curl sends it: no Origin)."""
-    url = urllib.parse.urlsplit(base_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-    try:
-        headers = {"Content-Type": "application/json"} if method == "POST" else {}
-        body = b'{"method": "tun.stop", "params": {}}' if method == "POST" else None
-        conn.request(method, path, body=body, headers=headers)
-        resp = conn.getresponse()
-        assert resp.getheader("Access-Control-Allow-Origin") == "*"
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
+    headers = {"Content-Type": "application/json"} if method == "POST" else {}
+    body = b'{"method": "tun.stop", "params": {}}' if method == "POST" else None
+    status, answer_headers, answer = send(base_url, method, path, body=body, headers=headers)
+    assert answer_headers["access-control-allow-origin"] == "*"
+    return status, answer
 
 
 def bad(base_url: str, path: str, field: str, method: str = "GET") -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 SPLICEWAY = [sys.executable, "-m", "spliceway"]
 
@@ -25,6 +28,13 @@ def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float = 20) -> 
         if match := re.search(pattern, line):
             return match
     raise AssertionError(f"no stderr line matched {pattern!r}: {seen}")
+
+
+def write_config(tmp_path: Path, doc: dict[str, Any]) -> str:
+    """``doc`` as ``tmp_path/config.json``; its path."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
 
 
 def environ_without(*names: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ import socketserver
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Self
+from typing import Self, TypeVar
 
 
 class _OriginHandler(http.server.BaseHTTPRequestHandler):
@@ -53,18 +53,27 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
+_S = TypeVar("_S", bound=socketserver.BaseServer)
+
+
 @contextmanager
-def http_origin() -> Iterator[tuple[str, int]]:
-    """An HTTP/1.1 origin on 127.0.0.1: /bytes/N, /host, POST echo of length+sha256."""
-    server = _Server(("127.0.0.1", 0), _OriginHandler)
+def serving(server: _S) -> Iterator[_S]:
+    """``server`` answering on a thread of its own; shut down, closed and joined on exit."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield server.server_address[:2]
+        yield server
     finally:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@contextmanager
+def http_origin() -> Iterator[tuple[str, int]]:
+    """An HTTP/1.1 origin on 127.0.0.1: /bytes/N, /host, POST echo of length+sha256."""
+    with serving(_Server(("127.0.0.1", 0), _OriginHandler)) as server:
+        yield server.server_address[:2]
 
 
 class LoopbackServer:

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.api.conftest import control_config
+from tests.helpers.servers import serving
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -75,15 +75,8 @@ def page_server(page: Callable[[], bytes]) -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as server:
         yield f"http://127.0.0.1:{server.server_address[1]}/attack.html"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def visit(url: str, profile: Path) -> dict[str, str]:

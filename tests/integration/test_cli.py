@@ -11,7 +11,13 @@ import sys
 import pytest
 
 from tests.helpers.flows import curl
-from tests.helpers.program import SPLICEWAY, environ_without, running, wait_for_line
+from tests.helpers.program import (
+    SPLICEWAY,
+    environ_without,
+    running,
+    wait_for_line,
+    write_config,
+)
 
 
 def spliceway(*args: str) -> subprocess.CompletedProcess[str]:
@@ -19,12 +25,6 @@ def spliceway(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*SPLICEWAY, *args], capture_output=True, text=True, timeout=30, check=False
     )
-
-
-def write_config(tmp_path, doc) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(doc))
-    return str(path)
 
 
 def socks_config(port: int = 0) -> dict:

@@ -3,14 +3,13 @@ was blocked, at debug for every flow."""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 
 import pytest
 
 from tests.helpers.flows import curl
-from tests.helpers.program import running, wait_for_line
+from tests.helpers.program import running, wait_for_line, write_config
 from tests.helpers.upstreams import refused_port
 
 FLOW_LINE = re.compile(r" (INFO|DEBUG) spliceway\.flow: (flow=\S+ .*)$")
@@ -25,9 +24,7 @@ def run_three_flows(tmp_path, origin, log_level: str) -> list[tuple[str, dict[st
         "runtime": {"log_level": log_level},
         "api": {"control": {"enabled": False}, "ipc": {"enabled": False}},
     }
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(doc))
-    with running(path) as proc:
+    with running(write_config(tmp_path, doc)) as proc:
         proxy = wait_for_line(proc, r"listening on (127\.0\.0\.1:\d+)").group(1)
         ok = curl("--socks5-hostname", proxy, f"http://127.0.0.1:{origin[1]}/")
         assert ok.stdout == "hello from origin\n", ok.stderr

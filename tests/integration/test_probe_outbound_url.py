@@ -14,13 +14,13 @@ import json
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 from tests.api.conftest import control_config
 from tests.conftest import wait_until
+from tests.helpers.servers import serving
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
@@ -61,22 +61,9 @@ class RecordingOrigin(http.server.ThreadingHTTPServer):
         return taken
 
 
-@contextmanager
-def recording_origin() -> Iterator[RecordingOrigin]:
-    server = RecordingOrigin()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-
 @pytest.fixture
 def origins() -> Iterator[tuple[RecordingOrigin, RecordingOrigin]]:
-    with recording_origin() as a, recording_origin() as b:
+    with serving(RecordingOrigin()) as a, serving(RecordingOrigin()) as b:
         yield a, b
 
 

@@ -15,7 +15,7 @@ from tests.api.conftest import control_config
 from tests.api.sse_client import Stream
 from tests.conftest import wait_until
 from tests.helpers.flows import curl
-from tests.helpers.program import environ_without, running, wait_for_line
+from tests.helpers.program import environ_without, running, wait_for_line, write_config
 
 
 def drain(stream: Stream) -> list[dict[str, Any]]:
@@ -60,15 +60,9 @@ def test_engine_stopped_is_the_last_frame_of_every_stream(
     assert len({stream_events[-1]["event_id"] for stream_events in received}) == 1
 
 
-def _write(tmp_path, doc: dict[str, Any]) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(doc))
-    return str(path)
-
-
 def test_sighup_is_logged_and_ignored_and_sigterm_still_stops_cleanly(tmp_path, origin) -> None:
     doc = control_config()
-    config = _write(tmp_path, doc)
+    config = write_config(tmp_path, doc)
     with running(config, environ_without("SPLICEWAY_API_KEY")) as proc:
         socks = wait_for_line(proc, r"inbound socks-in \(socks5\) listening on (\S+)").group(1)
         base = wait_for_line(proc, r"control API listening on (http://\S+)/api/v1/").group(1)
@@ -93,7 +87,7 @@ def test_every_engine_thread_leaves_the_control_signals_to_the_main_thread(tmp_p
     """SIGINT/SIGTERM/SIGHUP are blocked in every thread and taken by sigwait() in the
     main one: a process-directed signal can then never land on a worker thread, where
     it would not wake a main thread blocked on a lock (the engine hung until SIGKILL)."""
-    config = _write(tmp_path, control_config())
+    config = write_config(tmp_path, control_config())
     with running(config, environ_without("SPLICEWAY_API_KEY")) as proc:
         wait_for_line(proc, r"control API listening on")
         wanted = (

@@ -32,7 +32,7 @@ from spliceway.event_catalogue import (
 )
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import socks_fetch
-from tests.helpers.program import environ_without, running, wait_for_line
+from tests.helpers.program import environ_without, running, wait_for_line, write_config
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import refused_port
@@ -236,8 +236,7 @@ def test_every_emitted_payload_matches_the_catalogue(make_engine, origin):
 def test_engine_warning_payload_from_the_program(tmp_path):
     config = base_config()
     config["api"]["control"] = {"listen": {"port": 0}, "api_key_env": None}
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
+    path = write_config(tmp_path, config)
     with running(path, environ_without("SPLICEWAY_API_KEY")) as proc:
         base = wait_for_line(proc, r"control API listening on (http://\S+)/api/v1/").group(1)
         proc.send_signal(signal.SIGHUP)
