@@ -1,4 +1,4 @@
-"""Micro benchmarks of the pure per-flow Python work (parsers, sniffing, routing).
+"""Micro benchmarks of the pure per-flow Python work (parsers, sniffing, routing, flow log).
 
     python -m pytest benchmarks/test_micro.py --benchmark-only
 
@@ -10,12 +10,15 @@ the end-to-end cost per connection is in ``run_e2e.py`` (proxy CPU us/conn).
 
 from __future__ import annotations
 
+import logging
 import struct
 
 import pytest
 
+from spliceway import flowlog, records
 from spliceway.config import Rule
 from spliceway.protocols import http, sniff, socks5
+from spliceway.records import FlowState
 from spliceway.routing import FlowFacts, compile_rules, decide
 
 pytest.importorskip("pytest_benchmark")
@@ -140,3 +143,39 @@ def test_route_rules_final(benchmark, n, facts):
     ruleset = compile_rules(_rules(n))
     d = benchmark(decide, ruleset, "rule", None, "direct", facts)
     assert d.target == "direct" and d.matched_rule is None
+
+
+def _completed_flow(outcome: str) -> FlowState:
+    state = FlowState(
+        flow_id="3f2a9c1e-0-17",
+        inbound_tag="mixed-in",
+        inbound_protocol="mixed",
+        source_ip="127.0.0.1",
+        source_port=53422,
+        started_at_unix_ms=1_000,
+        mode="rule",
+        target_host="example.com",
+        target_port=443,
+        outbound_tag="hop-a",
+        ended_at_unix_ms=1_012,
+        outcome=outcome,
+    )
+    if outcome == records.FAILED:
+        state.close_reason = records.UPSTREAM_ERROR
+        state.failure = records.Failure("connect", "connection_refused", "connection refused")
+    return state
+
+
+def test_flow_log_of_a_relayed_flow_at_info(benchmark):
+    """What every relayed flow pays at the default level: its line is skipped."""
+    logging.getLogger("spliceway.flow").setLevel(logging.INFO)
+    state = _completed_flow(records.DIRECT_RELAYED)
+    assert flowlog.level_for(state) == logging.DEBUG
+    benchmark(flowlog.log_completed, state)
+
+
+def test_flow_log_line_of_a_failed_flow(benchmark):
+    """Formatting one line (a failed flow at info, every flow at debug)."""
+    state = _completed_flow(records.FAILED)
+    line = benchmark(flowlog.line, state)
+    assert line.endswith('code=connection_refused error="connection refused"')
