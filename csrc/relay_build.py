@@ -1,7 +1,8 @@
 """cffi build script for ``spliceway._relay`` (named by setup.py's ``cffi_modules``).
 
-The cdef is the marked section of ``relay.h`` itself, so the declarations Python
-sees can never drift from the ones the C code is compiled against.
+The cdef is the marked section of each module's header (``relay.h``, ``parse.h``,
+``route.h``, ``conn.h``) itself, so the declarations Python sees can never drift
+from the ones the C code is compiled against.
 
 ``SPLICEWAY_RELAY_SANITIZE=address`` (or ``thread``, ``undefined``, comma
 separated) builds an instrumented debug extension; load it with the matching
@@ -30,12 +31,19 @@ def _rel(path: pathlib.Path) -> str:
         return str(path)
 
 
+#: The C modules linked into the extension, each a ``.c`` with its ``.h``.
+MODULES = ("relay", "parse", "route")
+
+
 def _cdef_text() -> str:
-    header = (_HERE / "relay.h").read_text(encoding="utf-8")
-    match = re.search(r"/\* SW_CDEF_BEGIN \*/(.*)/\* SW_CDEF_END \*/", header, re.S)
-    if match is None:
-        raise RuntimeError("csrc/relay.h lacks the SW_CDEF_BEGIN/SW_CDEF_END markers")
-    return match.group(1)
+    parts = []
+    for name in MODULES:
+        header = (_HERE / f"{name}.h").read_text(encoding="utf-8")
+        match = re.search(r"/\* SW_CDEF_BEGIN \*/(.*)/\* SW_CDEF_END \*/", header, re.S)
+        if match is None:
+            raise RuntimeError(f"csrc/{name}.h lacks the SW_CDEF_BEGIN/SW_CDEF_END markers")
+        parts.append(match.group(1))
+    return "\n".join(parts)
 
 
 def _flags() -> tuple[list[str], list[str]]:
@@ -57,10 +65,10 @@ def _make_builder(*, absolute: bool) -> FFI:
     builder.cdef(_cdef_text())
     builder.set_source(
         "spliceway._relay",
-        '#include "relay.h"',
-        sources=[path(_HERE / "relay.c")],
+        "".join(f'#include "{name}.h"\n' for name in MODULES),
+        sources=[path(_HERE / f"{name}.c") for name in MODULES],
         include_dirs=[path(_HERE)],
-        depends=[path(_HERE / "relay.h")],
+        depends=[path(_HERE / f"{name}.h") for name in MODULES],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         # libcrypto (OpenSSL 3, Debian libssl-dev) for the Shadowsocks AEAD flows.

@@ -1,0 +1,98 @@
+/*
+ * spliceway C handshake and sniff parsers: pure functions over the bytes a
+ * client sent so far, used by the C connection path (conn.c).  The Python
+ * parsers in spliceway/protocols/ are their reference: for every input a C
+ * parser either gives the same verdict, fields and error reply as the Python
+ * one, or answers SW_PARSE_DEFER ("let Python handle this connection"), which
+ * is always allowed and never wrong.  tests/csrc/test_parse_diff.py holds them
+ * to that with Hypothesis; benchmarks/fuzz_parse.c fuzzes them under ASan/UBSan.
+ *
+ * Status values are the return codes (never -errno: these never fail).
+ * Everything between the SW_CDEF markers is part of the cffi cdef.
+ */
+#ifndef SW_PARSE_H
+#define SW_PARSE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* SW_CDEF_BEGIN */
+
+enum sw_parse_status {
+    SW_PARSE_OK = 0,        /* a complete message; `consumed` bytes used */
+    SW_PARSE_NEED_MORE = 1, /* incomplete; call again with more bytes */
+    SW_PARSE_ERROR = 2,     /* malformed: send `reply` (reply_len may be 0), close */
+    SW_PARSE_DEFER = 3      /* not decided here: hand the connection to Python */
+};
+
+/* Longest error reply a parser writes (a SOCKS5 reply is 10 bytes). */
+#define SW_PARSE_REPLY_MAX 16
+/* Longest host text: a SOCKS5 domain is <= 255 bytes; IPv6 text < 46. */
+#define SW_HOST_MAX 256
+
+typedef struct sw_s5_greeting {
+    uint32_t consumed;
+    uint8_t no_auth;  /* method 0x00 offered */
+    uint8_t userpass; /* method 0x02 offered */
+} sw_s5_greeting;
+
+typedef struct sw_s5_userpass {
+    uint32_t consumed;
+    /* offsets into the caller's buffer; both strings validated as UTF-8 */
+    uint16_t user_off;
+    uint16_t user_len;
+    uint16_t pass_off;
+    uint16_t pass_len;
+} sw_s5_userpass;
+
+typedef struct sw_s5_request {
+    uint32_t consumed;
+    uint8_t command;  /* as sent: the caller answers unknown commands */
+    uint8_t atyp;     /* 1 IPv4, 3 domain, 4 IPv6 */
+    uint16_t port;
+    uint16_t host_len;
+    char host[256];   /* NUL-terminated text, exactly Python's Request.host */
+} sw_s5_request;
+
+typedef struct sw_http_connect {
+    uint32_t consumed;   /* the whole head, blank line included */
+    uint16_t port;
+    uint16_t host_len;
+    char host[256];      /* exactly Python's connect_authority() host */
+    uint8_t has_creds;   /* a well-formed Proxy-Authorization: Basic */
+    uint16_t user_len;
+    uint16_t pass_len;
+    char user[256];      /* decoded credentials (UTF-8), NUL-terminated */
+    char pass[256];
+} sw_http_connect;
+
+typedef struct sw_sniffed {
+    uint16_t host_len;
+    char host[256];      /* exactly Python's Sniffed.host */
+} sw_sniffed;
+
+/* SOCKS5 (RFC 1928/1929), server side.  On SW_PARSE_ERROR `reply` holds
+ * reply_len bytes to send before closing (Python's ProtocolError.reply; 0 =
+ * None).  `reply` must have room for SW_PARSE_REPLY_MAX bytes. */
+int sw_parse_s5_greeting(const uint8_t *buf, size_t len, sw_s5_greeting *out,
+                         uint8_t *reply, size_t *reply_len);
+int sw_parse_s5_userpass(const uint8_t *buf, size_t len, sw_s5_userpass *out,
+                         uint8_t *reply, size_t *reply_len);
+int sw_parse_s5_request(const uint8_t *buf, size_t len, sw_s5_request *out,
+                        uint8_t *reply, size_t *reply_len);
+
+/* An HTTP/1.x CONNECT head.  SW_PARSE_OK only when Python's
+ * parse_request_head + connect_authority (+ proxy_basic_credentials) accept
+ * the same bytes with the same result; SW_PARSE_NEED_MORE only when Python
+ * would also want more; anything else (another method, an oddity C does not
+ * check, any error, a head longer than `len` allows) is SW_PARSE_DEFER: C
+ * never answers an HTTP error itself. */
+int sw_parse_http_connect(const uint8_t *buf, size_t len, sw_http_connect *out);
+
+/* Python's sniff.sniff(): SW_PARSE_OK with a host, SW_PARSE_NEED_MORE, or
+ * SW_PARSE_ERROR for None (nothing sniffable). */
+int sw_sniff(const uint8_t *buf, size_t len, sw_sniffed *out);
+
+/* SW_CDEF_END */
+
+#endif /* SW_PARSE_H */

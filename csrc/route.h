@@ -1,0 +1,144 @@
+/*
+ * spliceway compiled route tables: what Python decided about routing (rules,
+ * mode, the outbound each route target currently leads to), compiled into an
+ * immutable structure the C connection path reads without a lock.
+ *
+ * Life of a table: sw_table_new, then the sw_table_* builders (single
+ * thread, Python, at config/selection change time), then sw_table_seal, which
+ * builds the indexes.  A sealed table is immutable and may be read by any
+ * number of threads; conn.c publishes it with an atomic pointer swap and frees
+ * the old one once every loop has passed a quiescent point.
+ *
+ * The reference is spliceway/routing.py (decide()).  sw_table_decide either
+ * gives the same rule index / target as routing.decide, or SW_ROUTE_DEFER
+ * when the first rule that could match needs a condition C does not check
+ * (domain_regex, process_name): tests/csrc/test_route_diff.py holds it to
+ * that on random configs x targets.
+ */
+#ifndef SW_ROUTE_H
+#define SW_ROUTE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* SW_CDEF_BEGIN */
+
+typedef struct sw_table sw_table;
+
+enum sw_route_action {
+    SW_ROUTE_ROUTE = 1, /* go to `target` */
+    SW_ROUTE_BLOCK = 2, /* a block rule matched */
+    SW_ROUTE_DEFER = 3  /* Python must decide */
+};
+
+enum sw_mode_kind {
+    SW_MODE_RULE = 1,
+    SW_MODE_GLOBAL = 2, /* everything to mode_target */
+    SW_MODE_DIRECT = 3  /* everything to mode_target (Python passes "direct"'s index) */
+};
+
+enum sw_cond_field {
+    SW_COND_DST = 0,    /* ip_cidr / port: the target */
+    SW_COND_SRC = 1     /* source_ip_cidr / source_port */
+};
+
+enum sw_domain_kind {
+    SW_DOMAIN_EXACT = 1,   /* domain */
+    SW_DOMAIN_SUFFIX = 2,  /* domain_suffix */
+    SW_DOMAIN_KEYWORD = 3  /* domain_keyword */
+};
+
+enum sw_network {
+    SW_NET_TCP = 1,
+    SW_NET_UDP = 2
+};
+
+/* What an outbound target is to the C path. */
+enum sw_out_kind {
+    SW_OUT_DEFER = 0,   /* Python dials it (shadowsocks, relay chains, load_balance...) */
+    SW_OUT_DIRECT = 1,
+    SW_OUT_BLOCK = 2,
+    SW_OUT_SOCKS5 = 3,
+    SW_OUT_HTTP = 4
+};
+
+#define SW_NO_PRINCIPAL 4294967295
+
+typedef struct sw_route_query {
+    const char *host;      /* target host text as the handshake gave it */
+    uint32_t host_len;
+    const char *sniffed;   /* sniffed host or NULL */
+    uint32_t sniffed_len;
+    uint16_t port;
+    uint16_t source_port;
+    uint8_t source_family; /* 4, 6 or 0 (unknown) */
+    uint8_t network;       /* enum sw_network */
+    uint8_t reserved[2];
+    uint8_t source_ip[16]; /* 4 bytes for IPv4 (IPv4-mapped already unmapped) */
+    uint32_t inbound;      /* inbound index (config order) */
+    uint32_t principal;    /* principal id, SW_NO_PRINCIPAL when none */
+} sw_route_query;
+
+typedef struct sw_route_result {
+    int32_t action;  /* enum sw_route_action */
+    int32_t rule;    /* matched rule index, -1 when none (final, global, direct) */
+    int32_t target;  /* target index when action is SW_ROUTE_ROUTE, else -1 */
+    int32_t reserved;
+} sw_route_result;
+
+/* nrules rules and ntargets targets, all initially empty; epoch is an opaque
+ * number Python uses to find its own mirror of the table. */
+int sw_table_new(uint32_t nrules, uint32_t ntargets, uint64_t epoch, sw_table **out);
+void sw_table_free(sw_table *table);
+uint64_t sw_table_epoch(const sw_table *table);
+
+/* kind: enum sw_mode_kind.  final_target: the "no rule matched" target of
+ * rule mode; mode_target: the global/direct target (-1 in rule mode). */
+int sw_table_set_mode(sw_table *table, int kind, int32_t mode_target, int32_t final_target);
+/* action: SW_ROUTE_ROUTE (with target) or SW_ROUTE_BLOCK (target -1). */
+int sw_table_rule(sw_table *table, uint32_t rule, int action, int32_t target);
+/* Conditions: a rule matches when every condition kind it has matches; within
+ * a kind, any item.  Several calls of the same kind add items. */
+int sw_table_cond_domain(sw_table *table, uint32_t rule, int kind, const char *value);
+int sw_table_cond_cidr(sw_table *table, uint32_t rule, int field, int family,
+                       const uint8_t *addr, int prefix);
+int sw_table_cond_port(sw_table *table, uint32_t rule, int field, uint16_t lo, uint16_t hi);
+int sw_table_cond_network(sw_table *table, uint32_t rule, int network);
+int sw_table_cond_inbound(sw_table *table, uint32_t rule, uint32_t inbound);
+int sw_table_cond_principal(sw_table *table, uint32_t rule, uint32_t principal);
+/* The rule also has a condition only Python can check (domain_regex,
+ * process_name): reaching it with every other condition matching defers. */
+int sw_table_cond_opaque(sw_table *table, uint32_t rule);
+/* Target `index`: kind enum sw_out_kind; server/port/user/pass for socks5 and
+ * http (user NULL = no credentials); server is an IP literal or a name
+ * looked up in the DNS cache.  Strings are copied. */
+int sw_table_target(sw_table *table, uint32_t index, int kind, const char *server,
+                    uint16_t port, const char *user, const char *pass,
+                    uint32_t connect_timeout_ms);
+/* Builds the indexes; afterwards only sw_table_decide and the getters. */
+int sw_table_seal(sw_table *table);
+
+/* Route one flow.  Returns 0, or -EINVAL for an unsealed table. */
+int sw_table_decide(const sw_table *table, const sw_route_query *query, sw_route_result *out);
+/* Index of the first rule with a domain condition (nrules when none): a
+ * sniffed host can change a decision only if this is below the matched rule. */
+int32_t sw_table_first_domain_rule(const sw_table *table);
+
+/* SW_CDEF_END */
+
+/* For conn.c (not part of the cdef). */
+typedef struct sw_target_info {
+    int kind;               /* enum sw_out_kind */
+    const char *server;     /* NUL-terminated; NULL for direct/block/defer */
+    uint16_t port;
+    const char *user;       /* NULL = no credentials */
+    const char *pass;
+    uint32_t connect_timeout_ms;
+} sw_target_info;
+
+/* NULL when index is out of range. */
+const sw_target_info *sw_table_target_info(const sw_table *table, uint32_t index);
+/* The mode kind (enum sw_mode_kind). */
+int sw_table_mode(const sw_table *table);
+
+#endif /* SW_ROUTE_H */
