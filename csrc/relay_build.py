@@ -32,7 +32,7 @@ def _rel(path: pathlib.Path) -> str:
 
 
 #: The C modules linked into the extension, each a ``.c`` with its ``.h``.
-MODULES = ("relay", "parse", "route")
+MODULES = ("relay", "parse", "route", "conn")
 
 
 def _cdef_text() -> str:

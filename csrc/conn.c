@@ -1,0 +1,2164 @@
+/*
+ * spliceway C connection path.  See conn.h for the contract; this file
+ * explains the choices behind it.
+ *
+ * Threads
+ *   Each loop is a pthread with its own epoll set and owns the connections it
+ *   accepted until they are handed to the relay, deferred to Python or closed.
+ *   Listening sockets are in every loop's epoll set (EPOLLEXCLUSIVE, so one
+ *   connection wakes one loop).  Other threads reach a loop only through its
+ *   command list (mutex + eventfd): close a flow, a barrier for unlisten, stop.
+ *
+ * Records
+ *   One single-producer ring per loop.  A loop accepts a connection only if
+ *   the ring has room for two records per connection it holds (STARTED, then
+ *   ROUTED or ENDED), counted in `promised`: so a record never waits for room,
+ *   and a full ring pauses accepting until Python drains (sw_conn_drain wakes
+ *   paused loops).  The relay's completion of a routed flow comes through the
+ *   relay's own queue; Python matches the two by the relay handle.
+ *
+ * Tables
+ *   The route table is read through an atomic pointer.  A loop publishes the
+ *   global epoch it has seen at the top of every iteration and 0 while it
+ *   sleeps in epoll_wait (holding no table then); a replaced table is freed
+ *   once every loop that is awake has seen an epoch at least its retirement
+ *   epoch (quiescent-state reclamation).  Connections that wait across
+ *   iterations copy what they need from the table (target kind, address,
+ *   credentials) instead of keeping a pointer.
+ *
+ * Timers
+ *   One deadline per connection (handshake, sniff or connect), kept in a
+ *   binary min-heap per loop: O(log n) per change, and the loop sleeps until
+ *   the earliest.
+ */
+#define _GNU_SOURCE
+#include "conn.h"
+#include "parse.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+enum {
+    MAX_LISTENERS = 256,
+    EVENTS_MAX = 128,
+    /* Accepts per listener wake-up before the loop serves the others. */
+    ACCEPT_BATCH = 64,
+    BUF_INITIAL = 512,
+    /* Records promised per held connection: STARTED + ROUTED or ENDED. */
+    RECORDS_PER_FLOW = 2,
+    DNS_BUCKETS = 1024,
+    DNS_MAX_ENTRIES = 8192,
+};
+
+#define DEFAULT_RING 8192u
+
+/* epoll cookie types: the cookie points at a struct whose first member is one. */
+enum ep_type { EP_WAKE = 1, EP_LISTENER, EP_CLIENT, EP_UPSTREAM };
+
+enum state {
+    ST_HS_FIRST = 1,  /* mixed: waiting for the first byte */
+    ST_S5_GREETING,
+    ST_S5_USERPASS,
+    ST_S5_REQUEST,
+    ST_HTTP_HEAD,
+    ST_SNIFF_PRE,     /* replied; sniffing before the route is final */
+    ST_CONNECT,       /* non-blocking connect in progress */
+    ST_UP_S5_METHOD,  /* upstream socks5: waiting for the method selection */
+    ST_UP_S5_AUTH,    /* upstream socks5: waiting for the user/password status */
+    ST_UP_S5_REPLY,   /* upstream socks5: waiting for the CONNECT reply */
+    ST_SNIFF_POST,    /* replied; sniffing before the hand-off */
+    ST_FLUSH,         /* writing early client bytes upstream */
+};
+
+struct ep {
+    int type;
+};
+
+struct user {
+    char *name;
+    char *pass;
+    size_t pass_len;
+    uint32_t principal;
+};
+
+struct listener {
+    struct ep ep;
+    int fd;
+    uint32_t index;
+    _Atomic int active;
+    sw_listener_opts opts;
+    struct user *users;
+    size_t nusers;
+};
+
+struct cconn {
+    struct ep ep_client;      /* .type EP_CLIENT */
+    struct ep ep_up;          /* .type EP_UPSTREAM */
+    struct cloop *loop;
+    struct listener *listener;
+    struct cconn *next_dead;  /* freed at the end of the epoll batch */
+    struct cconn *prev, *next;/* the loop's list of held connections */
+    int cfd, ufd;
+    int state;
+    bool dead, replied, started;
+    uint8_t promise;          /* records this connection may still write */
+    uint8_t proto;            /* 1 socks5, 2 http */
+    uint8_t auth;
+    uint32_t principal;
+    uint64_t flow;
+    uint64_t started_ms;
+    uint64_t deadline;        /* monotonic ms, 0 = none */
+    size_t heap_idx;          /* SIZE_MAX when not in the heap */
+    uint8_t *buf;
+    uint32_t len, cap, consumed;
+    uint32_t crx, ctx, urx, utx, early;
+    uint8_t src_family;
+    uint16_t src_port;
+    uint8_t src_ip[16];
+    uint16_t port, host_len, sniffed_len;
+    char host[SW_HOST_MAX];
+    char sniffed[SW_HOST_MAX];
+    /* the route, copied from the table */
+    uint64_t epoch;
+    sw_route_result rr;
+    int out_kind;
+    uint32_t connect_timeout_ms;
+    struct sockaddr_storage up_addr;
+    socklen_t up_addr_len;
+    char *up_user, *up_pass; /* socks5 upstream credentials (copied) */
+    uint8_t up_buf[600];
+    uint32_t up_len;
+};
+
+struct cmd {
+    struct cmd *next;
+    int kind;                 /* CMD_CLOSE, CMD_BARRIER */
+    uint64_t flow;
+    int done;                 /* barrier: set by the loop */
+};
+enum { CMD_CLOSE = 1, CMD_BARRIER = 2 };
+
+struct ring {
+    sw_conn_record *slots;
+    size_t bytes;
+    uint32_t mask;
+    _Atomic uint32_t head;    /* written by the loop */
+    _Atomic uint32_t tail;    /* written by the consumer */
+};
+
+struct cloop {
+    struct ep wake_ep;
+    sw_conn *conn;
+    pthread_t thread;
+    bool started;
+    int epfd;
+    int wakefd;
+    pthread_mutex_t cmd_lock;
+    pthread_cond_t cmd_cond;
+    struct cmd *cmds;
+    _Atomic int stop;
+    _Atomic uint64_t seen;    /* epoch seen this iteration, 0 while asleep */
+    _Atomic int paused;       /* accepting paused for ring room */
+    struct ring ring;
+    uint32_t promised;        /* records held connections may still write */
+    struct cconn **heap;
+    size_t heap_len, heap_cap;
+    struct cconn *held;       /* list of held connections */
+    struct cconn *dead;
+    bool published;           /* a record went into the ring this iteration */
+    bool accept_more;         /* a listener's batch ended before EAGAIN */
+    uint8_t peek[SW_CONN_RAW_MAX + 8];
+};
+
+struct retired {
+    struct retired *next;
+    sw_table *table;
+    uint64_t epoch;
+};
+
+struct dns_entry {
+    struct dns_entry *next;
+    uint64_t expires;         /* monotonic ms */
+    int family;
+    uint8_t addr[16];
+    char host[];
+};
+
+struct deferred_item {
+    struct deferred_item *next;
+    sw_deferred d;
+};
+
+struct sw_conn {
+    sw_relay *relay;
+    int nloops;
+    struct cloop *loops;
+    int efd;                  /* readable while records or deferrals are pending */
+    _Atomic uint64_t next_flow;
+    _Atomic(sw_table *) table;
+    _Atomic uint64_t epoch;
+    pthread_mutex_t retire_lock;
+    struct retired *retired;
+    struct listener *listeners[MAX_LISTENERS];
+    pthread_mutex_t listen_lock;
+    pthread_mutex_t dns_lock;
+    struct dns_entry *dns[DNS_BUCKETS];
+    size_t dns_count;
+    pthread_mutex_t defer_lock;
+    struct deferred_item *defer_head, *defer_tail;
+    pthread_mutex_t drain_lock;
+    _Atomic int shut;
+    struct {
+        _Atomic uint64_t accepted, handshake_failed, deferred, started, routed, ended,
+            accept_paused, accept_errors;
+    } stats;
+};
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static uint64_t real_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void signal_efd(int fd)
+{
+    uint64_t one = 1;
+    ssize_t n = write(fd, &one, sizeof one);
+    (void)n; /* EAGAIN: the counter is already non-zero, which is all we need */
+}
+
+static uint32_t hash_str(const char *s)
+{
+    uint32_t h = 2166136261u;
+    for (; *s; s++)
+        h = (h ^ (uint8_t)*s) * 16777619u;
+    return h;
+}
+
+/* Writes all of `data` to a non-blocking socket or fails: handshake replies
+ * are a few bytes on a fresh socket, so a short write means the client
+ * stopped reading, which ends the connection like any other client error. */
+static int write_all(int fd, const void *data, size_t len)
+{
+    const uint8_t *p = data;
+    while (len) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* ---- timers (min-heap by deadline) --------------------------------------- */
+
+static void heap_swap(struct cloop *L, size_t a, size_t b)
+{
+    struct cconn *t = L->heap[a];
+    L->heap[a] = L->heap[b];
+    L->heap[b] = t;
+    L->heap[a]->heap_idx = a;
+    L->heap[b]->heap_idx = b;
+}
+
+static void heap_up(struct cloop *L, size_t i)
+{
+    while (i > 0) {
+        size_t p = (i - 1) / 2;
+        if (L->heap[p]->deadline <= L->heap[i]->deadline)
+            break;
+        heap_swap(L, i, p);
+        i = p;
+    }
+}
+
+static void heap_down(struct cloop *L, size_t i)
+{
+    for (;;) {
+        size_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < L->heap_len && L->heap[l]->deadline < L->heap[m]->deadline)
+            m = l;
+        if (r < L->heap_len && L->heap[r]->deadline < L->heap[m]->deadline)
+            m = r;
+        if (m == i)
+            return;
+        heap_swap(L, i, m);
+        i = m;
+    }
+}
+
+static void timer_clear(struct cconn *c)
+{
+    struct cloop *L = c->loop;
+    size_t i = c->heap_idx;
+    if (i == SIZE_MAX)
+        return;
+    c->heap_idx = SIZE_MAX;
+    c->deadline = 0;
+    L->heap_len--;
+    if (i == L->heap_len)
+        return;
+    L->heap[i] = L->heap[L->heap_len];
+    L->heap[i]->heap_idx = i;
+    heap_up(L, i);
+    heap_down(L, L->heap[i]->heap_idx);
+}
+
+static int timer_set(struct cconn *c, uint64_t deadline)
+{
+    struct cloop *L = c->loop;
+    timer_clear(c);
+    if (L->heap_len == L->heap_cap) {
+        size_t cap = L->heap_cap ? L->heap_cap * 2 : 256;
+        struct cconn **h = realloc(L->heap, cap * sizeof *h);
+        if (!h)
+            return -ENOMEM;
+        L->heap = h;
+        L->heap_cap = cap;
+    }
+    c->deadline = deadline;
+    c->heap_idx = L->heap_len;
+    L->heap[L->heap_len++] = c;
+    heap_up(L, c->heap_idx);
+    return 0;
+}
+
+/* ---- records ------------------------------------------------------------- */
+
+static uint32_t ring_used(struct ring *R)
+{
+    return atomic_load_explicit(&R->head, memory_order_relaxed) -
+           atomic_load_explicit(&R->tail, memory_order_acquire);
+}
+
+/* Room for one more held connection's records? */
+static bool ring_has_room(struct cloop *L)
+{
+    uint32_t cap = L->ring.mask + 1;
+    return ring_used(&L->ring) + L->promised + RECORDS_PER_FLOW <= cap;
+}
+
+static sw_conn_record *record_begin(struct cconn *c, uint32_t kind)
+{
+    struct ring *R = &c->loop->ring;
+    uint32_t head = atomic_load_explicit(&R->head, memory_order_relaxed);
+    sw_conn_record *r = &R->slots[head & R->mask];
+    memset(r, 0, offsetof(sw_conn_record, name));
+    r->name[0] = 0;
+    r->flow = c->flow;
+    r->at_unix_ms = real_ms();
+    r->kind = kind;
+    r->inbound = c->listener->index;
+    r->principal = c->principal;
+    r->rule = c->rr.rule;
+    r->target = c->rr.target;
+    r->action = c->rr.action;
+    r->epoch = c->epoch;
+    r->client_rx = c->crx;
+    r->client_tx = c->ctx;
+    r->upstream_rx = c->urx;
+    r->upstream_tx = c->utx;
+    r->early = c->early;
+    r->port = c->port;
+    r->source_port = c->src_port;
+    r->protocol = c->proto;
+    r->auth = c->auth;
+    r->source_family = c->src_family;
+    r->replied = c->replied;
+    memcpy(r->source_ip, c->src_ip, 16);
+    return r;
+}
+
+static void record_name(sw_conn_record *r, const char *s, uint16_t len)
+{
+    memcpy(r->name, s, len);
+    r->name[len] = 0;
+    r->name_len = len;
+}
+
+static void record_commit(struct cconn *c)
+{
+    struct cloop *L = c->loop;
+    struct ring *R = &L->ring;
+    atomic_store_explicit(&R->head, atomic_load_explicit(&R->head, memory_order_relaxed) + 1,
+                          memory_order_release);
+    L->promised--;
+    c->promise--;
+    L->published = true;
+}
+
+/* ---- connection lifetime ------------------------------------------------- */
+
+static void conn_release(struct cconn *c)
+{
+    struct cloop *L = c->loop;
+    if (c->dead)
+        return;
+    c->dead = true;
+    timer_clear(c);
+    if (c->cfd >= 0)
+        close(c->cfd);
+    if (c->ufd >= 0)
+        close(c->ufd);
+    c->cfd = c->ufd = -1;
+    /* Records it promised and will no longer write. */
+    L->promised -= c->promise;
+    c->promise = 0;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        L->held = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    c->next_dead = L->dead;
+    L->dead = c;
+}
+
+static void conn_free_dead(struct cloop *L)
+{
+    while (L->dead) {
+        struct cconn *c = L->dead;
+        L->dead = c->next_dead;
+        free(c->buf);
+        free(c->up_user);
+        free(c->up_pass);
+        free(c);
+    }
+}
+
+/* A connection that never became a flow (handshake failure, client gone). */
+static void conn_drop(struct cconn *c)
+{
+    atomic_fetch_add_explicit(&c->loop->conn->stats.handshake_failed, 1, memory_order_relaxed);
+    conn_release(c);
+}
+
+/* End a started flow before the relay: one ENDED record, then close. */
+static void conn_end(struct cconn *c, uint32_t end, int err, int detail)
+{
+    sw_conn_record *r = record_begin(c, SW_REC_ENDED);
+    r->end = end;
+    r->err = err;
+    r->detail = detail;
+    record_commit(c);
+    atomic_fetch_add_explicit(&c->loop->conn->stats.ended, 1, memory_order_relaxed);
+    conn_release(c);
+}
+
+/* ---- DNS answer cache ---------------------------------------------------- */
+
+static bool dns_get(sw_conn *conn, const char *host, struct sockaddr_storage *ss,
+                    socklen_t *sslen, uint16_t port)
+{
+    uint32_t b = hash_str(host) % DNS_BUCKETS;
+    uint64_t now = mono_ms();
+    bool found = false;
+    pthread_mutex_lock(&conn->dns_lock);
+    for (struct dns_entry *e = conn->dns[b]; e; e = e->next) {
+        if (e->expires > now && strcmp(e->host, host) == 0) {
+            memset(ss, 0, sizeof *ss);
+            if (e->family == 4) {
+                struct sockaddr_in *sin = (struct sockaddr_in *)ss;
+                sin->sin_family = AF_INET;
+                sin->sin_port = htons(port);
+                memcpy(&sin->sin_addr, e->addr, 4);
+                *sslen = sizeof *sin;
+            } else {
+                struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)ss;
+                sin6->sin6_family = AF_INET6;
+                sin6->sin6_port = htons(port);
+                memcpy(&sin6->sin6_addr, e->addr, 16);
+                *sslen = sizeof *sin6;
+            }
+            found = true;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&conn->dns_lock);
+    return found;
+}
+
+static void dns_purge_locked(sw_conn *conn, uint64_t now)
+{
+    for (size_t b = 0; b < DNS_BUCKETS; b++) {
+        struct dns_entry **pp = &conn->dns[b];
+        while (*pp) {
+            struct dns_entry *e = *pp;
+            if (e->expires <= now) {
+                *pp = e->next;
+                free(e);
+                conn->dns_count--;
+            } else {
+                pp = &e->next;
+            }
+        }
+    }
+}
+
+int sw_conn_dns_put(sw_conn *conn, const char *host, int family, const uint8_t *addr,
+                    uint32_t ttl_ms)
+{
+    if (!conn || !host || !addr || (family != 4 && family != 6))
+        return -EINVAL;
+    size_t n = strlen(host);
+    if (n == 0 || n >= SW_HOST_MAX)
+        return -EINVAL;
+    uint64_t now = mono_ms();
+    uint32_t b = hash_str(host) % DNS_BUCKETS;
+    pthread_mutex_lock(&conn->dns_lock);
+    struct dns_entry *e = conn->dns[b];
+    for (; e; e = e->next)
+        if (strcmp(e->host, host) == 0)
+            break;
+    if (!e) {
+        if (conn->dns_count >= DNS_MAX_ENTRIES)
+            dns_purge_locked(conn, now);
+        if (conn->dns_count >= DNS_MAX_ENTRIES) {
+            pthread_mutex_unlock(&conn->dns_lock);
+            return -ENOSPC;
+        }
+        e = calloc(1, sizeof *e + n + 1);
+        if (!e) {
+            pthread_mutex_unlock(&conn->dns_lock);
+            return -ENOMEM;
+        }
+        memcpy(e->host, host, n + 1);
+        e->next = conn->dns[b];
+        conn->dns[b] = e;
+        conn->dns_count++;
+    }
+    e->family = family;
+    memcpy(e->addr, addr, family == 4 ? 4 : 16);
+    e->expires = now + ttl_ms;
+    pthread_mutex_unlock(&conn->dns_lock);
+    return 0;
+}
+
+/* ---- deferral -------------------------------------------------------------- */
+
+static void conn_defer(struct cconn *c, uint32_t stage)
+{
+    sw_conn *conn = c->loop->conn;
+    struct deferred_item *it = malloc(sizeof *it);
+    if (!it) {
+        conn_drop(c);
+        return;
+    }
+    sw_deferred *d = &it->d;
+    memset(d, 0, offsetof(sw_deferred, raw));
+    d->fd = c->cfd;
+    d->stage = stage;
+    d->inbound = c->listener->index;
+    d->protocol = c->proto;
+    d->principal = c->principal;
+    d->auth = c->auth;
+    d->client_rx = c->crx;
+    d->client_tx = c->ctx;
+    d->started_unix_ms = c->started_ms;
+    d->port = c->port;
+    d->source_port = c->src_port;
+    d->source_family = c->src_family;
+    d->replied = c->replied;
+    memcpy(d->source_ip, c->src_ip, 16);
+    d->host_len = c->host_len;
+    memcpy(d->host, c->host, c->host_len);
+    d->host[c->host_len] = 0;
+    d->sniffed_len = c->sniffed_len;
+    memcpy(d->sniffed, c->sniffed, c->sniffed_len);
+    d->sniffed[c->sniffed_len] = 0;
+    uint32_t from = stage == SW_DEFER_HANDSHAKE ? 0 : c->consumed;
+    d->raw_len = c->len - from;
+    memcpy(d->raw, c->buf + from, d->raw_len);
+    it->next = NULL;
+    /* The fd is Python's now: take it out of our epoll set before anyone can
+     * close it, and forget it so conn_release does not close it. */
+    epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->cfd, NULL);
+    c->cfd = -1;
+    pthread_mutex_lock(&conn->defer_lock);
+    if (conn->defer_tail)
+        conn->defer_tail->next = it;
+    else
+        conn->defer_head = it;
+    conn->defer_tail = it;
+    pthread_mutex_unlock(&conn->defer_lock);
+    atomic_fetch_add_explicit(&conn->stats.deferred, 1, memory_order_relaxed);
+    signal_efd(conn->efd);
+    conn_release(c);
+}
+
+int sw_conn_take_deferred(sw_conn *conn, sw_deferred *out)
+{
+    if (!conn || !out)
+        return -EINVAL;
+    pthread_mutex_lock(&conn->defer_lock);
+    struct deferred_item *it = conn->defer_head;
+    if (it) {
+        conn->defer_head = it->next;
+        if (!conn->defer_head)
+            conn->defer_tail = NULL;
+    }
+    pthread_mutex_unlock(&conn->defer_lock);
+    if (!it)
+        return 0;
+    memcpy(out, &it->d, offsetof(sw_deferred, raw) + it->d.raw_len);
+    free(it);
+    return 1;
+}
+
+/* ---- reading the client ----------------------------------------------------- */
+
+/* Reads what is available into c->buf (bounded by SW_CONN_RAW_MAX).
+ * Returns >0 bytes read, 0 on EAGAIN with nothing new, -1 on EOF or error,
+ * -2 when the buffer is full. */
+static int client_read(struct cconn *c)
+{
+    int total = 0;
+    for (;;) {
+        if (c->len == c->cap) {
+            if (c->cap >= SW_CONN_RAW_MAX)
+                return total ? total : -2;
+            uint32_t cap = c->cap ? c->cap * 4 : BUF_INITIAL;
+            if (cap > SW_CONN_RAW_MAX)
+                cap = SW_CONN_RAW_MAX;
+            uint8_t *b = realloc(c->buf, cap);
+            if (!b)
+                return -1;
+            c->buf = b;
+            c->cap = cap;
+        }
+        ssize_t n = recv(c->cfd, c->buf + c->len, c->cap - c->len, 0);
+        if (n > 0) {
+            c->len += (uint32_t)n;
+            c->crx += (uint32_t)n;
+            total += (int)n;
+            if ((uint32_t)n < c->cap - c->len + (uint32_t)n)
+                return total; /* short read: the socket is drained */
+            continue;
+        }
+        if (n == 0)
+            return -1;
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN)
+            return total;
+        return -1;
+    }
+}
+
+static int client_send(struct cconn *c, const void *data, size_t len)
+{
+    int rc = write_all(c->cfd, data, len);
+    if (rc == 0)
+        c->ctx += (uint32_t)len;
+    return rc;
+}
+
+/* ---- replies ---------------------------------------------------------------- */
+
+static const uint8_t S5_SUCCESS[10] = {5, 0, 0, 1, 0, 0, 0, 0, 0, 0};
+static const char HTTP_ESTABLISHED[] = "HTTP/1.1 200 Connection established\r\n\r\n";
+
+static int success_reply(struct cconn *c)
+{
+    if (c->proto == 1)
+        return client_send(c, S5_SUCCESS, sizeof S5_SUCCESS);
+    return client_send(c, HTTP_ESTABLISHED, sizeof HTTP_ESTABLISHED - 1);
+}
+
+static const char *http_phrase(int status)
+{
+    switch (status) {
+    case 403:
+        return "Forbidden";
+    case 502:
+        return "Bad Gateway";
+    case 504:
+        return "Gateway Timeout";
+    default:
+        return "";
+    }
+}
+
+/* The failure reply the Python inbound sends (Handshake.failure_reply): a
+ * SOCKS5 reply code, or an HTTP error with the message as its body. */
+static void failure_reply(struct cconn *c, int socks_code, int http_status, const char *message)
+{
+    if (c->replied)
+        return;
+    if (c->proto == 1) {
+        uint8_t r[10] = {5, (uint8_t)socks_code, 0, 1, 0, 0, 0, 0, 0, 0};
+        (void)client_send(c, r, sizeof r);
+        return;
+    }
+    char out[1024];
+    size_t body = strlen(message) + 1;
+    int n = snprintf(out, sizeof out,
+                     "HTTP/1.1 %d %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n%s\n",
+                     http_status, http_phrase(http_status), body, message);
+    if (n > 0 && (size_t)n < sizeof out)
+        (void)client_send(c, out, (size_t)n);
+}
+
+/* ---- sniffing ----------------------------------------------------------------- */
+
+enum sniff_result { SNIFF_DONE, SNIFF_WAIT };
+
+/* Peek at the client's first bytes (they stay in the socket for the relay).
+ * Early bytes C already holds are sniffed instead, as the Python path does. */
+static int sniff_step(struct cconn *c)
+{
+    sw_sniffed s;
+    if (c->len > c->consumed) {
+        if (sw_sniff(c->buf + c->consumed, c->len - c->consumed, &s) == SW_PARSE_OK) {
+            memcpy(c->sniffed, s.host, s.host_len);
+            c->sniffed_len = s.host_len;
+        }
+        return SNIFF_DONE;
+    }
+    ssize_t n = recv(c->cfd, c->loop->peek, SW_CONN_RAW_MAX + 5, MSG_PEEK | MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR))
+        return SNIFF_WAIT;
+    if (n <= 0)
+        return SNIFF_DONE;
+    int rc = sw_sniff(c->loop->peek, (size_t)n, &s);
+    if (rc == SW_PARSE_NEED_MORE)
+        return SNIFF_WAIT;
+    if (rc == SW_PARSE_OK) {
+        memcpy(c->sniffed, s.host, s.host_len);
+        c->sniffed_len = s.host_len;
+    }
+    return SNIFF_DONE;
+}
+
+/* ---- routing and dialling -------------------------------------------------------- */
+
+static void start_flow(struct cconn *c);
+static void proceed_after_reply(struct cconn *c);
+static void hand_off(struct cconn *c);
+
+static bool parse_ip_literal(const char *host, struct sockaddr_storage *ss, socklen_t *len,
+                             uint16_t port)
+{
+    memset(ss, 0, sizeof *ss);
+    struct sockaddr_in *sin = (struct sockaddr_in *)ss;
+    if (inet_pton(AF_INET, host, &sin->sin_addr) == 1) {
+        sin->sin_family = AF_INET;
+        sin->sin_port = htons(port);
+        *len = sizeof *sin;
+        return true;
+    }
+    struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)ss;
+    if (inet_pton(AF_INET6, host, &sin6->sin6_addr) == 1) {
+        sin6->sin6_family = AF_INET6;
+        sin6->sin6_port = htons(port);
+        *len = sizeof *sin6;
+        return true;
+    }
+    return false;
+}
+
+static const sw_table *table_now(sw_conn *conn)
+{
+    return atomic_load_explicit(&conn->table, memory_order_seq_cst);
+}
+
+/* Decide the route; returns false when the flow was deferred. */
+static bool decide(struct cconn *c)
+{
+    const sw_table *t = table_now(c->loop->conn);
+    if (!t)
+        return false;
+    sw_route_query q;
+    memset(&q, 0, sizeof q);
+    q.host = c->host;
+    q.host_len = c->host_len;
+    if (c->sniffed_len) {
+        q.sniffed = c->sniffed;
+        q.sniffed_len = c->sniffed_len;
+    }
+    q.port = c->port;
+    q.source_port = c->src_port;
+    q.source_family = c->src_family;
+    q.network = SW_NET_TCP;
+    memcpy(q.source_ip, c->src_ip, 16);
+    q.inbound = c->listener->index;
+    q.principal = c->principal;
+    if (sw_table_decide(t, &q, &c->rr) != 0 || c->rr.action == SW_ROUTE_DEFER)
+        return false;
+    c->epoch = sw_table_epoch(t);
+    c->out_kind = SW_OUT_BLOCK;
+    if (c->rr.action == SW_ROUTE_BLOCK)
+        return true;
+    const sw_target_info *ti = sw_table_target_info(t, (uint32_t)c->rr.target);
+    if (!ti || ti->kind == SW_OUT_DEFER)
+        return false;
+    c->out_kind = ti->kind;
+    c->connect_timeout_ms = ti->connect_timeout_ms;
+    if (ti->kind == SW_OUT_BLOCK)
+        return true;
+    const char *host = ti->kind == SW_OUT_DIRECT ? c->host : ti->server;
+    uint16_t port = ti->kind == SW_OUT_DIRECT ? c->port : ti->port;
+    if (!host)
+        return false;
+    if (!parse_ip_literal(host, &c->up_addr, &c->up_addr_len, port) &&
+        !dns_get(c->loop->conn, host, &c->up_addr, &c->up_addr_len, port))
+        return false; /* a DNS miss: Python resolves (and fills the cache) */
+    if (ti->kind == SW_OUT_SOCKS5) {
+        /* Non-ASCII targets need IDNA on the wire: Python's job. */
+        for (uint16_t i = 0; i < c->host_len; i++)
+            if ((uint8_t)c->host[i] >= 0x80)
+                return false;
+        if (ti->user) {
+            c->up_user = strdup(ti->user);
+            c->up_pass = strdup(ti->pass ? ti->pass : "");
+            if (!c->up_user || !c->up_pass)
+                return false;
+        }
+    } else if (ti->kind != SW_OUT_DIRECT) {
+        return false;
+    }
+    return true;
+}
+
+/* Whether a sniffed host could change the decision (a domain rule ranks
+ * before the matched one), as the Python path's _sniff_may_reroute. */
+static bool sniff_may_reroute(struct cconn *c)
+{
+    const sw_table *t = table_now(c->loop->conn);
+    if (!t || sw_table_mode(t) != SW_MODE_RULE)
+        return false;
+    int32_t first = sw_table_first_domain_rule(t);
+    int32_t bound = c->rr.rule >= 0 ? c->rr.rule : INT32_MAX;
+    return first < bound;
+}
+
+static void fail_flow(struct cconn *c, uint32_t end, int err, int detail, int socks_code,
+                      int http_status, const char *message)
+{
+    failure_reply(c, socks_code, http_status, message);
+    conn_end(c, end, err, detail);
+}
+
+static void connect_failed(struct cconn *c, int err)
+{
+    char msg[600];
+    const char *tag = c->out_kind == SW_OUT_DIRECT ? NULL : "proxy";
+    int socks = 1, http = 502;
+    switch (err) {
+    case ECONNREFUSED:
+        socks = 5;
+        break;
+    case ENETUNREACH:
+        socks = 3;
+        break;
+    case EHOSTUNREACH:
+        socks = 4;
+        break;
+    case ETIMEDOUT:
+        socks = 6;
+        http = 504;
+        break;
+    default:
+        break;
+    }
+    (void)tag;
+    snprintf(msg, sizeof msg, "connect to %s:%u failed: %s", c->host, c->port, strerror(err));
+    fail_flow(c, SW_END_CONNECT_FAILED, err, 0, socks, http, msg);
+}
+
+static void start_connect(struct cconn *c)
+{
+    sw_conn *conn = c->loop->conn;
+    int fd = socket(c->up_addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        int err = errno;
+        fail_flow(c, SW_END_INTERNAL, err, 0, 1, 502, strerror(err));
+        return;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    c->ufd = fd;
+    int rc = connect(fd, (struct sockaddr *)&c->up_addr, c->up_addr_len);
+    if (rc < 0 && errno != EINPROGRESS) {
+        connect_failed(c, errno);
+        return;
+    }
+    struct epoll_event ev = {.events = EPOLLOUT | EPOLLIN | EPOLLRDHUP | EPOLLET,
+                             .data.ptr = &c->ep_up};
+    if (epoll_ctl(c->loop->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        int err = errno;
+        fail_flow(c, SW_END_INTERNAL, err, 0, 1, 502, strerror(err));
+        return;
+    }
+    c->state = ST_CONNECT;
+    timer_set(c, mono_ms() + c->connect_timeout_ms);
+    (void)conn;
+}
+
+static void connect_timed_out(struct cconn *c)
+{
+    char msg[600];
+    if (c->out_kind == SW_OUT_DIRECT || c->state == ST_CONNECT)
+        snprintf(msg, sizeof msg, "connect to %s:%u timed out", c->host, c->port);
+    else
+        snprintf(msg, sizeof msg, "proxy handshake timed out");
+    fail_flow(c, SW_END_CONNECT_TIMEOUT, 0, 0, 6, 504, msg);
+}
+
+/* Routed and ready to dial (or block). */
+static void dial(struct cconn *c)
+{
+    if (c->out_kind == SW_OUT_BLOCK) {
+        fail_flow(c, SW_END_BLOCKED, 0, 0, 2, 403, "blocked by rule");
+        return;
+    }
+    start_connect(c);
+}
+
+/* The handshake completed: route, maybe sniff first, then dial. */
+static void after_handshake(struct cconn *c)
+{
+    c->started_ms = real_ms();
+    if (!decide(c)) {
+        conn_defer(c, SW_DEFER_ROUTE);
+        return;
+    }
+    if (c->listener->opts.sniff && sniff_may_reroute(c)) {
+        /* A domain rule ranked before the match could claim this flow by its
+         * first bytes, which the client sends only once told the tunnel is
+         * open: answer first, then sniff and decide again. */
+        if (success_reply(c) < 0) {
+            conn_drop(c);
+            return;
+        }
+        c->replied = true;
+        c->state = ST_SNIFF_PRE;
+        if (sniff_step(c) == SNIFF_WAIT) {
+            timer_set(c, mono_ms() + c->listener->opts.sniff_timeout_ms);
+            return;
+        }
+        if (!decide(c)) {
+            conn_defer(c, SW_DEFER_ROUTE);
+            return;
+        }
+    }
+    start_flow(c);
+}
+
+static void sniff_pre_done(struct cconn *c)
+{
+    timer_clear(c);
+    if (!decide(c)) {
+        conn_defer(c, SW_DEFER_ROUTE);
+        return;
+    }
+    start_flow(c);
+}
+
+/* C owns the flow from here: STARTED, then dial. */
+static void start_flow(struct cconn *c)
+{
+    sw_conn *conn = c->loop->conn;
+    c->flow = atomic_fetch_add_explicit(&conn->next_flow, 1, memory_order_relaxed);
+    sw_conn_record *r = record_begin(c, SW_REC_STARTED);
+    r->at_unix_ms = c->started_ms;
+    /* STARTED carries the handshake's bytes only, as flow.started does today;
+     * a success reply sent before routing is reported with ROUTED/ENDED. */
+    if (c->replied) {
+        r->client_tx -= c->proto == 1 ? (uint32_t)sizeof S5_SUCCESS
+                                      : (uint32_t)(sizeof HTTP_ESTABLISHED - 1);
+    }
+    record_name(r, c->host, c->host_len);
+    record_commit(c);
+    c->started = true;
+    atomic_fetch_add_explicit(&conn->stats.started, 1, memory_order_relaxed);
+    dial(c);
+}
+
+/* ---- upstream socks5 ------------------------------------------------------------ */
+
+static int up_send(struct cconn *c, const void *p, size_t n)
+{
+    int rc = write_all(c->ufd, p, n);
+    if (rc == 0)
+        c->utx += (uint32_t)n;
+    return rc;
+}
+
+static void up_broken(struct cconn *c)
+{
+    fail_flow(c, SW_END_UPSTREAM_PROTO, 0, 0, 1, 502, "upstream proxy broke its protocol");
+}
+
+static void s5_send_request(struct cconn *c)
+{
+    uint8_t req[4 + 1 + 255 + 2];
+    size_t n = 0;
+    struct in6_addr a6;
+    struct in_addr a4;
+    req[n++] = 5;
+    req[n++] = 1;
+    req[n++] = 0;
+    if (inet_pton(AF_INET, c->host, &a4) == 1) {
+        req[n++] = 1;
+        memcpy(req + n, &a4, 4);
+        n += 4;
+    } else if (inet_pton(AF_INET6, c->host, &a6) == 1) {
+        req[n++] = 4;
+        memcpy(req + n, &a6, 16);
+        n += 16;
+    } else {
+        req[n++] = 3;
+        req[n++] = (uint8_t)c->host_len;
+        memcpy(req + n, c->host, c->host_len);
+        n += c->host_len;
+    }
+    req[n++] = (uint8_t)(c->port >> 8);
+    req[n++] = (uint8_t)c->port;
+    if (up_send(c, req, n) < 0) {
+        connect_failed(c, errno ? errno : EPIPE);
+        return;
+    }
+    c->state = ST_UP_S5_REPLY;
+}
+
+/* Upstream bytes during its handshake. */
+static void upstream_readable(struct cconn *c)
+{
+    for (;;) {
+        ssize_t n = recv(c->ufd, c->up_buf + c->up_len, sizeof c->up_buf - c->up_len, 0);
+        if (n > 0) {
+            c->up_len += (uint32_t)n;
+            c->urx += (uint32_t)n;
+            if (c->up_len == sizeof c->up_buf)
+                break;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            break;
+        up_broken(c); /* EOF or error inside the handshake */
+        return;
+    }
+    while (!c->dead) {
+        if (c->state == ST_UP_S5_METHOD) {
+            if (c->up_len < 2)
+                return;
+            if (c->up_buf[0] != 5) {
+                up_broken(c);
+                return;
+            }
+            uint8_t method = c->up_buf[1];
+            memmove(c->up_buf, c->up_buf + 2, c->up_len - 2);
+            c->up_len -= 2;
+            if (c->up_user) {
+                if (method != 2) {
+                    fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REFUSED_USERPASS, 1, 502,
+                              "upstream proxy refused user/password auth");
+                    return;
+                }
+                uint8_t a[3 + 255 + 255];
+                size_t ul = strlen(c->up_user), pl = strlen(c->up_pass), k = 0;
+                if (ul > 255 || pl > 255) {
+                    up_broken(c);
+                    return;
+                }
+                a[k++] = 1;
+                a[k++] = (uint8_t)ul;
+                memcpy(a + k, c->up_user, ul);
+                k += ul;
+                a[k++] = (uint8_t)pl;
+                memcpy(a + k, c->up_pass, pl);
+                k += pl;
+                if (up_send(c, a, k) < 0) {
+                    up_broken(c);
+                    return;
+                }
+                c->state = ST_UP_S5_AUTH;
+                continue;
+            }
+            if (method != 0) {
+                fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REQUIRED, 1, 502,
+                          "upstream proxy requires authentication");
+                return;
+            }
+            s5_send_request(c);
+            continue;
+        }
+        if (c->state == ST_UP_S5_AUTH) {
+            if (c->up_len < 2)
+                return;
+            if (c->up_buf[0] != 1) {
+                up_broken(c);
+                return;
+            }
+            uint8_t status = c->up_buf[1];
+            memmove(c->up_buf, c->up_buf + 2, c->up_len - 2);
+            c->up_len -= 2;
+            if (status != 0) {
+                fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REJECTED, 1, 502,
+                          "upstream proxy rejected the credentials");
+                return;
+            }
+            s5_send_request(c);
+            continue;
+        }
+        if (c->state == ST_UP_S5_REPLY) {
+            sw_s5_request rep;
+            uint8_t ignored[SW_PARSE_REPLY_MAX];
+            size_t ignored_len = 0;
+            int rc = sw_parse_s5_request(c->up_buf, c->up_len, &rep, ignored, &ignored_len);
+            if (rc == SW_PARSE_NEED_MORE)
+                return;
+            if (rc != SW_PARSE_OK) {
+                up_broken(c);
+                return;
+            }
+            if (rep.command != 0) {
+                static const int codes[] = {0, 1, 2, 3, 4, 5, 6};
+                int socks = rep.command <= 6 ? codes[rep.command] : 1;
+                char msg[600];
+                snprintf(msg, sizeof msg, "upstream proxy answered SOCKS5 reply %u for %s:%u",
+                         rep.command, c->host, c->port);
+                fail_flow(c, SW_END_UPSTREAM_REPLY, 0, rep.command, socks, 502, msg);
+                return;
+            }
+            if (c->up_len > rep.consumed) {
+                /* The upstream sent bytes past its reply: Python's path forwards them
+                 * to the client before relaying; C keeps that rare case simple by
+                 * treating it as the upstream's protocol error. */
+                up_broken(c);
+                return;
+            }
+            c->up_len = 0;
+            timer_clear(c);
+            proceed_after_reply(c);
+            return;
+        }
+        return;
+    }
+}
+
+/* connect() finished (EPOLLOUT on the upstream). */
+static void connected(struct cconn *c)
+{
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (getsockopt(c->ufd, SOL_SOCKET, SO_ERROR, &err, &len) < 0)
+        err = errno;
+    if (err) {
+        connect_failed(c, err);
+        return;
+    }
+    if (c->out_kind == SW_OUT_SOCKS5) {
+        uint8_t greeting[3] = {5, 1, c->up_user ? 2 : 0};
+        if (up_send(c, greeting, sizeof greeting) < 0) {
+            up_broken(c);
+            return;
+        }
+        c->state = ST_UP_S5_METHOD;
+        return; /* the deadline of the connect covers the handshake too */
+    }
+    timer_clear(c);
+    proceed_after_reply(c);
+}
+
+/* Upstream ready: reply success (unless done), sniff, flush, hand off. */
+static void proceed_after_reply(struct cconn *c)
+{
+    if (!c->replied) {
+        if (success_reply(c) < 0) {
+            conn_end(c, SW_END_CLIENT, EPIPE, 0);
+            return;
+        }
+        c->replied = true;
+        if (c->listener->opts.sniff) {
+            c->state = ST_SNIFF_POST;
+            if (sniff_step(c) == SNIFF_WAIT) {
+                timer_set(c, mono_ms() + c->listener->opts.sniff_timeout_ms);
+                return;
+            }
+        }
+    }
+    hand_off(c);
+}
+
+static void hand_off(struct cconn *c)
+{
+    sw_conn *conn = c->loop->conn;
+    timer_clear(c);
+    if (c->len > c->consumed) {
+        /* Client bytes pipelined past the request go upstream first. */
+        uint32_t n = c->len - c->consumed;
+        if (write_all(c->ufd, c->buf + c->consumed, n) < 0) {
+            conn_end(c, SW_END_INTERNAL, errno ? errno : EPIPE, 0);
+            return;
+        }
+        c->early = n;
+        c->utx += n;
+        c->consumed = c->len;
+    }
+    epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->cfd, NULL);
+    epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->ufd, NULL);
+    sw_conn_record *r = record_begin(c, SW_REC_ROUTED);
+    record_name(r, c->sniffed, c->sniffed_len);
+    if (c->up_addr.ss_family == AF_INET) {
+        struct sockaddr_in *sin = (struct sockaddr_in *)&c->up_addr;
+        r->resolved_family = 4;
+        memcpy(r->resolved_ip, &sin->sin_addr, 4);
+        r->resolved_port = ntohs(sin->sin_port);
+    } else {
+        struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)&c->up_addr;
+        r->resolved_family = 6;
+        memcpy(r->resolved_ip, &sin6->sin6_addr, 16);
+        r->resolved_port = ntohs(sin6->sin6_port);
+    }
+    uint64_t handle = 0;
+    int rc = sw_relay_add(conn->relay, c->cfd, c->ufd, c->listener->opts.idle_timeout_ms, &handle);
+    if (rc < 0) {
+        /* Not published yet: turn the slot into an ENDED record instead. */
+        r->kind = SW_REC_ENDED;
+        r->end = SW_END_INTERNAL;
+        r->err = -rc;
+        r->name[0] = 0;
+        r->name_len = 0;
+        record_commit(c);
+        atomic_fetch_add_explicit(&conn->stats.ended, 1, memory_order_relaxed);
+        conn_release(c);
+        return;
+    }
+    r->relay_handle = handle;
+    record_commit(c);
+    atomic_fetch_add_explicit(&conn->stats.routed, 1, memory_order_relaxed);
+    /* The relay owns both fds now. */
+    c->cfd = c->ufd = -1;
+    conn_release(c);
+}
+
+/* ---- client handshake ------------------------------------------------------------ */
+
+static const struct user *find_user(const struct listener *l, const uint8_t *name, size_t nlen)
+{
+    for (size_t i = 0; i < l->nusers; i++) {
+        if (strlen(l->users[i].name) == nlen && memcmp(l->users[i].name, name, nlen) == 0)
+            return &l->users[i];
+    }
+    return NULL;
+}
+
+/* Constant-time in the password length, like hmac.compare_digest. */
+static bool pass_ok(const struct user *u, const uint8_t *pass, size_t plen)
+{
+    if (!u)
+        return false;
+    uint8_t diff = (uint8_t)(u->pass_len != plen);
+    size_t n = plen < u->pass_len ? plen : u->pass_len;
+    for (size_t i = 0; i < n; i++)
+        diff |= (uint8_t)(u->pass[i] ^ pass[i]);
+    return diff == 0;
+}
+
+static void s5_fail(struct cconn *c, const uint8_t *reply, size_t len)
+{
+    if (len)
+        (void)client_send(c, reply, len);
+    conn_drop(c);
+}
+
+/* Run the handshake on what the client sent so far. */
+static void handshake_step(struct cconn *c)
+{
+    uint8_t reply[SW_PARSE_REPLY_MAX];
+    size_t rlen = 0;
+    for (;;) {
+        const uint8_t *p = c->buf + c->consumed;
+        size_t n = c->len - c->consumed;
+        int rc;
+        switch (c->state) {
+        case ST_HS_FIRST:
+            if (n == 0)
+                return;
+            if (p[0] == 5) {
+                c->proto = 1;
+                c->state = ST_S5_GREETING;
+            } else {
+                c->proto = 2;
+                c->state = ST_HTTP_HEAD;
+            }
+            continue;
+        case ST_S5_GREETING: {
+            sw_s5_greeting g;
+            rc = sw_parse_s5_greeting(p, n, &g, reply, &rlen);
+            if (rc == SW_PARSE_NEED_MORE)
+                return;
+            if (rc == SW_PARSE_DEFER) {
+                /* Nothing written yet: Python can take the whole handshake. */
+                conn_defer(c, SW_DEFER_HANDSHAKE);
+                return;
+            }
+            if (rc != SW_PARSE_OK) {
+                s5_fail(c, reply, rlen);
+                return;
+            }
+            c->consumed += g.consumed;
+            uint8_t sel[2] = {5, 0xFF};
+            if (c->listener->opts.users_required) {
+                if (!g.userpass) {
+                    s5_fail(c, sel, 2);
+                    return;
+                }
+                sel[1] = 2;
+                c->state = ST_S5_USERPASS;
+            } else {
+                if (!g.no_auth) {
+                    s5_fail(c, sel, 2);
+                    return;
+                }
+                sel[1] = 0;
+                c->state = ST_S5_REQUEST;
+            }
+            if (client_send(c, sel, 2) < 0) {
+                conn_drop(c);
+                return;
+            }
+            continue;
+        }
+        case ST_S5_USERPASS: {
+            sw_s5_userpass up;
+            rc = sw_parse_s5_userpass(p, n, &up, reply, &rlen);
+            if (rc == SW_PARSE_NEED_MORE)
+                return;
+            if (rc != SW_PARSE_OK) {
+                s5_fail(c, reply, rlen);
+                return;
+            }
+            const struct user *u = find_user(c->listener, p + up.user_off, up.user_len);
+            bool ok = pass_ok(u, p + up.pass_off, up.pass_len);
+            c->consumed += up.consumed;
+            static const uint8_t good[2] = {1, 0}, bad[2] = {1, 1};
+            if (!ok) {
+                s5_fail(c, bad, 2);
+                return;
+            }
+            if (client_send(c, good, 2) < 0) {
+                conn_drop(c);
+                return;
+            }
+            c->principal = u->principal;
+            c->auth = SW_CAUTH_USERPASS;
+            c->state = ST_S5_REQUEST;
+            continue;
+        }
+        case ST_S5_REQUEST: {
+            sw_s5_request rq;
+            rc = sw_parse_s5_request(p, n, &rq, reply, &rlen);
+            if (rc == SW_PARSE_NEED_MORE)
+                return;
+            if (rc != SW_PARSE_OK) {
+                s5_fail(c, reply, rlen);
+                return;
+            }
+            c->consumed += rq.consumed;
+            if (rq.command != 1) {
+                /* BIND and UDP ASSOCIATE are not offered (as the Python path). */
+                static const uint8_t unsupported[10] = {5, 7, 0, 1, 0, 0, 0, 0, 0, 0};
+                s5_fail(c, unsupported, sizeof unsupported);
+                return;
+            }
+            memcpy(c->host, rq.host, rq.host_len);
+            c->host[rq.host_len] = 0;
+            c->host_len = rq.host_len;
+            c->port = rq.port;
+            timer_clear(c);
+            after_handshake(c);
+            return;
+        }
+        case ST_HTTP_HEAD: {
+            sw_http_connect h;
+            rc = sw_parse_http_connect(p, n, &h);
+            if (rc == SW_PARSE_NEED_MORE) {
+                if (c->len >= SW_CONN_RAW_MAX)
+                    conn_defer(c, SW_DEFER_HANDSHAKE);
+                return;
+            }
+            if (rc != SW_PARSE_OK) {
+                conn_defer(c, SW_DEFER_HANDSHAKE);
+                return;
+            }
+            if (c->listener->opts.users_required) {
+                const struct user *u =
+                    h.has_creds ? find_user(c->listener, (const uint8_t *)h.user, h.user_len)
+                                : NULL;
+                if (!h.has_creds || !pass_ok(u, (const uint8_t *)h.pass, h.pass_len)) {
+                    /* The 407 and its wording are Python's: let it answer. */
+                    conn_defer(c, SW_DEFER_HANDSHAKE);
+                    return;
+                }
+                c->principal = u->principal;
+                c->auth = SW_CAUTH_BASIC;
+            }
+            c->consumed += h.consumed;
+            memcpy(c->host, h.host, h.host_len);
+            c->host[h.host_len] = 0;
+            c->host_len = h.host_len;
+            c->port = h.port;
+            timer_clear(c);
+            after_handshake(c);
+            return;
+        }
+        default:
+            return;
+        }
+    }
+}
+
+/* ---- events ------------------------------------------------------------------------ */
+
+static void client_event(struct cconn *c, uint32_t events)
+{
+    switch (c->state) {
+    case ST_HS_FIRST:
+    case ST_S5_GREETING:
+    case ST_S5_USERPASS:
+    case ST_S5_REQUEST:
+    case ST_HTTP_HEAD: {
+        int n = client_read(c);
+        if (n == -2) {
+            /* Only an HTTP head can outgrow the buffer: Python reads on. */
+            if (c->state == ST_HTTP_HEAD)
+                conn_defer(c, SW_DEFER_HANDSHAKE);
+            else
+                conn_drop(c);
+            return;
+        }
+        if (n < 0) {
+            conn_drop(c);
+            return;
+        }
+        if (n > 0)
+            handshake_step(c);
+        return;
+    }
+    case ST_SNIFF_PRE:
+        if (sniff_step(c) == SNIFF_DONE)
+            sniff_pre_done(c);
+        return;
+    case ST_SNIFF_POST:
+        if (sniff_step(c) == SNIFF_DONE)
+            hand_off(c);
+        return;
+    default:
+        /* Dialling: client bytes wait in the socket for the relay.  A hang-up
+         * is seen by the relay too; only an error ends the flow here. */
+        if (events & EPOLLERR)
+            conn_end(c, SW_END_CLIENT, ECONNRESET, 0);
+        return;
+    }
+}
+
+static void upstream_event(struct cconn *c, uint32_t events)
+{
+    if (c->state == ST_CONNECT) {
+        if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP))
+            connected(c);
+        return;
+    }
+    if (c->state == ST_UP_S5_METHOD || c->state == ST_UP_S5_AUTH ||
+        c->state == ST_UP_S5_REPLY) {
+        if (events & (EPOLLIN | EPOLLERR | EPOLLHUP | EPOLLRDHUP))
+            upstream_readable(c);
+    }
+}
+
+static void timer_fired(struct cconn *c)
+{
+    c->heap_idx = SIZE_MAX;
+    c->deadline = 0;
+    switch (c->state) {
+    case ST_SNIFF_PRE:
+        sniff_pre_done(c);
+        return;
+    case ST_SNIFF_POST:
+        hand_off(c);
+        return;
+    case ST_CONNECT:
+    case ST_UP_S5_METHOD:
+    case ST_UP_S5_AUTH:
+    case ST_UP_S5_REPLY:
+        connect_timed_out(c);
+        return;
+    default:
+        /* The handshake timed out: no flow existed, nothing to answer. */
+        conn_drop(c);
+        return;
+    }
+}
+
+static void accept_on(struct cloop *L, struct listener *l)
+{
+    sw_conn *conn = L->conn;
+    /* Listeners are edge-triggered: a batch that ends before EAGAIN must be
+     * resumed by the loop itself (accept_more), and a paused loop resumes
+     * every listener when Python makes room. */
+    for (int i = 0;; i++) {
+        if (i == ACCEPT_BATCH) {
+            L->accept_more = true;
+            return;
+        }
+        if (!atomic_load_explicit(&l->active, memory_order_acquire))
+            return;
+        if (!ring_has_room(L)) {
+            if (!atomic_exchange(&L->paused, 1))
+                atomic_fetch_add_explicit(&conn->stats.accept_paused, 1, memory_order_relaxed);
+            return;
+        }
+        struct sockaddr_storage peer;
+        socklen_t plen = sizeof peer;
+        int fd = accept4(l->fd, (struct sockaddr *)&peer, &plen, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            if (errno != EAGAIN)
+                atomic_fetch_add_explicit(&conn->stats.accept_errors, 1, memory_order_relaxed);
+            return;
+        }
+        atomic_fetch_add_explicit(&conn->stats.accepted, 1, memory_order_relaxed);
+        struct cconn *c = calloc(1, sizeof *c);
+        if (!c) {
+            close(fd);
+            continue;
+        }
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        c->ep_client.type = EP_CLIENT;
+        c->ep_up.type = EP_UPSTREAM;
+        c->loop = L;
+        c->listener = l;
+        c->cfd = fd;
+        c->ufd = -1;
+        c->heap_idx = SIZE_MAX;
+        c->principal = SW_NO_PRINCIPAL;
+        c->rr.rule = -1;
+        c->rr.target = -1;
+        c->promise = RECORDS_PER_FLOW;
+        L->promised += RECORDS_PER_FLOW;
+        if (peer.ss_family == AF_INET) {
+            struct sockaddr_in *sin = (struct sockaddr_in *)&peer;
+            c->src_family = 4;
+            memcpy(c->src_ip, &sin->sin_addr, 4);
+            c->src_port = ntohs(sin->sin_port);
+        } else if (peer.ss_family == AF_INET6) {
+            struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)&peer;
+            static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+            if (memcmp(&sin6->sin6_addr, mapped, 12) == 0) {
+                c->src_family = 4;
+                memcpy(c->src_ip, (uint8_t *)&sin6->sin6_addr + 12, 4);
+            } else {
+                c->src_family = 6;
+                memcpy(c->src_ip, &sin6->sin6_addr, 16);
+            }
+            c->src_port = ntohs(sin6->sin6_port);
+        }
+        switch (l->opts.protocol) {
+        case SW_IN_SOCKS5:
+            c->proto = 1;
+            c->state = ST_S5_GREETING;
+            break;
+        case SW_IN_HTTP:
+            c->proto = 2;
+            c->state = ST_HTTP_HEAD;
+            break;
+        default:
+            c->state = ST_HS_FIRST;
+            break;
+        }
+        c->next = L->held;
+        if (L->held)
+            L->held->prev = c;
+        L->held = c;
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET,
+                                 .data.ptr = &c->ep_client};
+        if (epoll_ctl(L->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ||
+            timer_set(c, mono_ms() + l->opts.handshake_timeout_ms) < 0) {
+            conn_drop(c);
+            continue;
+        }
+        /* Clients usually send their greeting with the ACK: read it now
+         * rather than wait for the next epoll round. */
+        client_event(c, EPOLLIN);
+    }
+}
+
+static void run_commands(struct cloop *L)
+{
+    uint64_t v;
+    ssize_t n = read(L->wakefd, &v, sizeof v);
+    (void)n;
+    pthread_mutex_lock(&L->cmd_lock);
+    struct cmd *cmds = L->cmds;
+    L->cmds = NULL;
+    pthread_mutex_unlock(&L->cmd_lock);
+    while (cmds) {
+        struct cmd *next = cmds->next;
+        if (cmds->kind == CMD_CLOSE) {
+            for (struct cconn *c = L->held; c; c = c->next) {
+                if (c->started && c->flow == cmds->flow && !c->dead) {
+                    conn_end(c, SW_END_CLOSED, 0, 0);
+                    break;
+                }
+            }
+            free(cmds);
+        } else {
+            pthread_mutex_lock(&L->cmd_lock);
+            cmds->done = 1;
+            pthread_cond_broadcast(&L->cmd_cond);
+            pthread_mutex_unlock(&L->cmd_lock);
+        }
+        cmds = next;
+    }
+}
+
+static void resume_accepting(struct cloop *L)
+{
+    sw_conn *conn = L->conn;
+    for (int i = 0; i < MAX_LISTENERS; i++) {
+        struct listener *l = conn->listeners[i];
+        if (l && atomic_load(&l->active))
+            accept_on(L, l);
+    }
+}
+
+static void *loop_main(void *arg)
+{
+    struct cloop *L = arg;
+    sw_conn *conn = L->conn;
+    struct epoll_event events[EVENTS_MAX];
+    while (!atomic_load(&L->stop)) {
+        int timeout = -1;
+        if (L->accept_more) {
+            timeout = 0;
+        } else if (L->heap_len) {
+            uint64_t now = mono_ms();
+            uint64_t first = L->heap[0]->deadline;
+            timeout = first <= now ? 0 : (int)(first - now > 60000 ? 60000 : first - now);
+        }
+        atomic_store(&L->seen, 0); /* asleep: holds no table */
+        int n = epoll_wait(L->epfd, events, EVENTS_MAX, timeout);
+        atomic_store(&L->seen, atomic_load(&conn->epoch));
+        if (n < 0 && errno != EINTR)
+            break;
+        L->published = false;
+        for (int i = 0; i < n; i++) {
+            struct ep *ep = events[i].data.ptr;
+            switch (ep->type) {
+            case EP_WAKE:
+                run_commands(L);
+                if (atomic_exchange(&L->paused, 0))
+                    resume_accepting(L);
+                break;
+            case EP_LISTENER:
+                accept_on(L, (struct listener *)ep);
+                break;
+            case EP_CLIENT: {
+                struct cconn *c = (struct cconn *)((char *)ep - offsetof(struct cconn, ep_client));
+                if (!c->dead)
+                    client_event(c, events[i].events);
+                break;
+            }
+            case EP_UPSTREAM: {
+                struct cconn *c = (struct cconn *)((char *)ep - offsetof(struct cconn, ep_up));
+                if (!c->dead)
+                    upstream_event(c, events[i].events);
+                break;
+            }
+            default:
+                break;
+            }
+        }
+        uint64_t now = mono_ms();
+        while (L->heap_len && L->heap[0]->deadline <= now) {
+            struct cconn *c = L->heap[0];
+            timer_clear(c);
+            timer_fired(c);
+        }
+        if (L->accept_more) {
+            L->accept_more = false;
+            if (!atomic_load(&L->paused))
+                resume_accepting(L);
+        }
+        conn_free_dead(L);
+        if (L->published)
+            signal_efd(conn->efd);
+    }
+    atomic_store(&L->seen, 0);
+    return NULL;
+}
+
+/* ---- public API --------------------------------------------------------------------- */
+
+static void loop_post(struct cloop *L, struct cmd *cmd)
+{
+    pthread_mutex_lock(&L->cmd_lock);
+    cmd->next = L->cmds;
+    L->cmds = cmd;
+    pthread_mutex_unlock(&L->cmd_lock);
+    signal_efd(L->wakefd);
+}
+
+int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **out)
+{
+    if (!relay || !out || nloops < 0 || nloops > 64)
+        return -EINVAL;
+    if (nloops == 0)
+        nloops = 1;
+    uint32_t cap = ring_records ? ring_records : DEFAULT_RING;
+    if (cap < 16 || cap > (1u << 24) || (cap & (cap - 1)))
+        return -EINVAL;
+    sw_conn *conn = calloc(1, sizeof *conn);
+    if (!conn)
+        return -ENOMEM;
+    conn->relay = relay;
+    conn->nloops = nloops;
+    atomic_init(&conn->next_flow, 1);
+    atomic_init(&conn->epoch, 1);
+    pthread_mutex_init(&conn->retire_lock, NULL);
+    pthread_mutex_init(&conn->listen_lock, NULL);
+    pthread_mutex_init(&conn->dns_lock, NULL);
+    pthread_mutex_init(&conn->defer_lock, NULL);
+    pthread_mutex_init(&conn->drain_lock, NULL);
+    conn->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    conn->loops = calloc((size_t)nloops, sizeof *conn->loops);
+    int rc = 0;
+    if (conn->efd < 0 || !conn->loops) {
+        rc = conn->efd < 0 ? -errno : -ENOMEM;
+        goto fail;
+    }
+    for (int i = 0; i < nloops; i++) {
+        struct cloop *L = &conn->loops[i];
+        L->conn = conn;
+        L->wake_ep.type = EP_WAKE;
+        L->epfd = L->wakefd = -1;
+        pthread_mutex_init(&L->cmd_lock, NULL);
+        pthread_cond_init(&L->cmd_cond, NULL);
+        L->ring.mask = cap - 1;
+        /* mmap: pages of the ring cost memory only once records reach them. */
+        L->ring.bytes = (size_t)cap * sizeof(sw_conn_record);
+        void *slots = mmap(NULL, L->ring.bytes, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (slots == MAP_FAILED) {
+            rc = -errno;
+            goto fail;
+        }
+        L->ring.slots = slots;
+        L->epfd = epoll_create1(EPOLL_CLOEXEC);
+        L->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        if (L->epfd < 0 || L->wakefd < 0) {
+            rc = -errno;
+            goto fail;
+        }
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &L->wake_ep};
+        if (epoll_ctl(L->epfd, EPOLL_CTL_ADD, L->wakefd, &ev) < 0) {
+            rc = -errno;
+            goto fail;
+        }
+    }
+    for (int i = 0; i < nloops; i++) {
+        struct cloop *L = &conn->loops[i];
+        sigset_t all, old;
+        sigfillset(&all);
+        /* Loops never take signals: they belong to the host's main thread. */
+        pthread_sigmask(SIG_BLOCK, &all, &old);
+        int prc = pthread_create(&L->thread, NULL, loop_main, L);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (prc != 0) {
+            rc = -prc;
+            goto fail;
+        }
+        L->started = true;
+        char name[16];
+        snprintf(name, sizeof name, "sw-conn-%d", i);
+        pthread_setname_np(L->thread, name);
+    }
+    *out = conn;
+    return 0;
+fail:
+    sw_conn_free(conn);
+    return rc;
+}
+
+int sw_conn_shutdown(sw_conn *conn)
+{
+    if (!conn)
+        return -EINVAL;
+    if (atomic_exchange(&conn->shut, 1))
+        return 0;
+    for (int i = 0; i < conn->nloops; i++) {
+        struct cloop *L = &conn->loops[i];
+        if (!L->started)
+            continue;
+        atomic_store(&L->stop, 1);
+        signal_efd(L->wakefd);
+        pthread_join(L->thread, NULL);
+        L->started = false;
+    }
+    /* The loops are gone: end what they held from this thread. */
+    for (int i = 0; i < conn->nloops; i++) {
+        struct cloop *L = &conn->loops[i];
+        while (L->held) {
+            struct cconn *c = L->held;
+            if (c->started)
+                conn_end(c, SW_END_CLOSED, 0, 0);
+            else
+                conn_release(c);
+        }
+        conn_free_dead(L);
+        L->heap_len = 0;
+    }
+    signal_efd(conn->efd);
+    return 0;
+}
+
+void sw_conn_free(sw_conn *conn)
+{
+    if (!conn)
+        return;
+    sw_conn_shutdown(conn);
+    for (int i = 0; conn->loops && i < conn->nloops; i++) {
+        struct cloop *L = &conn->loops[i];
+        if (L->epfd >= 0)
+            close(L->epfd);
+        if (L->wakefd >= 0)
+            close(L->wakefd);
+        if (L->ring.slots)
+            munmap(L->ring.slots, L->ring.bytes);
+        free(L->heap);
+        while (L->cmds) {
+            struct cmd *c = L->cmds;
+            L->cmds = c->next;
+            free(c);
+        }
+        pthread_mutex_destroy(&L->cmd_lock);
+        pthread_cond_destroy(&L->cmd_cond);
+    }
+    free(conn->loops);
+    for (int i = 0; i < MAX_LISTENERS; i++) {
+        struct listener *l = conn->listeners[i];
+        if (!l)
+            continue;
+        for (size_t u = 0; u < l->nusers; u++) {
+            free(l->users[u].name);
+            free(l->users[u].pass);
+        }
+        free(l->users);
+        free(l);
+    }
+    sw_table_free(atomic_load(&conn->table));
+    while (conn->retired) {
+        struct retired *r = conn->retired;
+        conn->retired = r->next;
+        sw_table_free(r->table);
+        free(r);
+    }
+    for (size_t b = 0; b < DNS_BUCKETS; b++) {
+        while (conn->dns[b]) {
+            struct dns_entry *e = conn->dns[b];
+            conn->dns[b] = e->next;
+            free(e);
+        }
+    }
+    while (conn->defer_head) {
+        struct deferred_item *it = conn->defer_head;
+        conn->defer_head = it->next;
+        close(it->d.fd);
+        free(it);
+    }
+    if (conn->efd >= 0)
+        close(conn->efd);
+    free(conn);
+}
+
+static struct listener *listener_get(sw_conn *conn, uint32_t inbound, bool create)
+{
+    if (inbound >= MAX_LISTENERS)
+        return NULL;
+    struct listener *l = conn->listeners[inbound];
+    if (!l && create) {
+        l = calloc(1, sizeof *l);
+        if (!l)
+            return NULL;
+        l->ep.type = EP_LISTENER;
+        l->fd = -1;
+        l->index = inbound;
+        conn->listeners[inbound] = l;
+    }
+    return l;
+}
+
+int sw_conn_listener_user(sw_conn *conn, uint32_t inbound, const char *user, const char *pass,
+                          uint32_t principal)
+{
+    if (!conn || !user || !pass)
+        return -EINVAL;
+    pthread_mutex_lock(&conn->listen_lock);
+    struct listener *l = listener_get(conn, inbound, true);
+    int rc = -EINVAL;
+    if (l && !atomic_load(&l->active)) {
+        struct user *u = realloc(l->users, (l->nusers + 1) * sizeof *u);
+        rc = -ENOMEM;
+        if (u) {
+            l->users = u;
+            u = &l->users[l->nusers];
+            u->name = strdup(user);
+            u->pass = strdup(pass);
+            u->pass_len = strlen(pass);
+            u->principal = principal;
+            if (u->name && u->pass) {
+                l->nusers++;
+                rc = 0;
+            } else {
+                free(u->name);
+                free(u->pass);
+            }
+        }
+    }
+    pthread_mutex_unlock(&conn->listen_lock);
+    return rc;
+}
+
+int sw_conn_listen(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_opts *opts)
+{
+    if (!conn || fd < 0 || !opts || opts->protocol < SW_IN_SOCKS5 || opts->protocol > SW_IN_MIXED)
+        return -EINVAL;
+    if (atomic_load(&conn->shut))
+        return -ESHUTDOWN;
+    pthread_mutex_lock(&conn->listen_lock);
+    struct listener *l = listener_get(conn, inbound, true);
+    int rc = 0;
+    if (!l || atomic_load(&l->active) || (opts->users_required && l->nusers == 0)) {
+        rc = l ? -EINVAL : -ENOMEM;
+        goto out;
+    }
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+        rc = -errno;
+        goto out;
+    }
+    l->fd = fd;
+    l->opts = *opts;
+    atomic_store(&l->active, 1);
+    for (int i = 0; i < conn->nloops; i++) {
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLET | EPOLLEXCLUSIVE,
+                                 .data.ptr = &l->ep};
+        if (epoll_ctl(conn->loops[i].epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+            rc = -errno;
+            for (int j = 0; j < i; j++)
+                epoll_ctl(conn->loops[j].epfd, EPOLL_CTL_DEL, fd, NULL);
+            atomic_store(&l->active, 0);
+            l->fd = -1;
+            goto out;
+        }
+    }
+out:
+    pthread_mutex_unlock(&conn->listen_lock);
+    return rc;
+}
+
+int sw_conn_unlisten(sw_conn *conn, uint32_t inbound)
+{
+    if (!conn)
+        return -EINVAL;
+    pthread_mutex_lock(&conn->listen_lock);
+    struct listener *l = listener_get(conn, inbound, false);
+    if (!l || !atomic_load(&l->active)) {
+        pthread_mutex_unlock(&conn->listen_lock);
+        return -ENOENT;
+    }
+    atomic_store(&l->active, 0);
+    for (int i = 0; i < conn->nloops; i++)
+        epoll_ctl(conn->loops[i].epfd, EPOLL_CTL_DEL, l->fd, NULL);
+    l->fd = -1;
+    pthread_mutex_unlock(&conn->listen_lock);
+    /* A barrier per loop: once each has run it, none is inside accept_on for
+     * this listener any more, so the caller may close the fd. */
+    for (int i = 0; i < conn->nloops; i++) {
+        struct cloop *L = &conn->loops[i];
+        if (!L->started || atomic_load(&L->stop))
+            continue;
+        struct cmd *cmd = calloc(1, sizeof *cmd);
+        if (!cmd)
+            return -ENOMEM;
+        cmd->kind = CMD_BARRIER;
+        loop_post(L, cmd);
+        pthread_mutex_lock(&L->cmd_lock);
+        while (!cmd->done && L->started && !atomic_load(&L->stop)) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 50 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&L->cmd_cond, &L->cmd_lock, &ts);
+        }
+        int done = cmd->done;
+        pthread_mutex_unlock(&L->cmd_lock);
+        if (done)
+            free(cmd);
+        /* else the loop stopped with it queued: sw_conn_free frees it. */
+    }
+    return 0;
+}
+
+static void reclaim_tables(sw_conn *conn)
+{
+    uint64_t min_seen = UINT64_MAX;
+    for (int i = 0; i < conn->nloops; i++) {
+        uint64_t s = atomic_load(&conn->loops[i].seen);
+        if (s && s < min_seen)
+            min_seen = s;
+    }
+    struct retired **pp = &conn->retired;
+    while (*pp) {
+        struct retired *r = *pp;
+        if (r->epoch <= min_seen) {
+            *pp = r->next;
+            sw_table_free(r->table);
+            free(r);
+        } else {
+            pp = &r->next;
+        }
+    }
+}
+
+int sw_conn_set_table(sw_conn *conn, sw_table *table)
+{
+    if (!conn || !table) {
+        sw_table_free(table);
+        return -EINVAL;
+    }
+    struct retired *r = malloc(sizeof *r);
+    if (!r) {
+        sw_table_free(table);
+        return -ENOMEM;
+    }
+    pthread_mutex_lock(&conn->retire_lock);
+    sw_table *old = atomic_exchange(&conn->table, table);
+    uint64_t e = atomic_fetch_add(&conn->epoch, 1) + 1;
+    if (old) {
+        r->table = old;
+        r->epoch = e;
+        r->next = conn->retired;
+        conn->retired = r;
+    } else {
+        free(r);
+    }
+    reclaim_tables(conn);
+    pthread_mutex_unlock(&conn->retire_lock);
+    return 0;
+}
+
+int sw_conn_request_close(sw_conn *conn, uint64_t flow)
+{
+    if (!conn || flow == 0)
+        return -EINVAL;
+    if (atomic_load(&conn->shut))
+        return -ESHUTDOWN;
+    /* Which loop holds it is not recorded: every loop checks (there are few). */
+    for (int i = 0; i < conn->nloops; i++) {
+        struct cmd *cmd = calloc(1, sizeof *cmd);
+        if (!cmd)
+            return -ENOMEM;
+        cmd->kind = CMD_CLOSE;
+        cmd->flow = flow;
+        loop_post(&conn->loops[i], cmd);
+    }
+    return 0;
+}
+
+int sw_conn_fd(sw_conn *conn)
+{
+    return conn ? conn->efd : -EINVAL;
+}
+
+int sw_conn_drain(sw_conn *conn, sw_conn_record *out, size_t max)
+{
+    if (!conn || (!out && max))
+        return -EINVAL;
+    pthread_mutex_lock(&conn->drain_lock);
+    uint64_t v;
+    ssize_t rd = read(conn->efd, &v, sizeof v);
+    (void)rd;
+    size_t n = 0;
+    bool more = false;
+    for (int i = 0; i < conn->nloops; i++) {
+        struct cloop *L = &conn->loops[i];
+        struct ring *R = &L->ring;
+        uint32_t tail = atomic_load_explicit(&R->tail, memory_order_relaxed);
+        uint32_t head = atomic_load_explicit(&R->head, memory_order_acquire);
+        uint32_t took = 0;
+        while (tail != head && n < max) {
+            memcpy(&out[n++], &R->slots[tail & R->mask], sizeof(sw_conn_record));
+            tail++;
+            took++;
+        }
+        if (tail != head)
+            more = true;
+        atomic_store_explicit(&R->tail, tail, memory_order_release);
+        if (took && atomic_load(&L->paused))
+            signal_efd(L->wakefd); /* room again: let it accept */
+    }
+    pthread_mutex_lock(&conn->defer_lock);
+    if (conn->defer_head)
+        more = true;
+    pthread_mutex_unlock(&conn->defer_lock);
+    if (more)
+        signal_efd(conn->efd);
+    pthread_mutex_unlock(&conn->drain_lock);
+    return (int)n;
+}
+
+int sw_conn_stats_get(sw_conn *conn, sw_conn_stats *out)
+{
+    if (!conn || !out)
+        return -EINVAL;
+    out->accepted = atomic_load(&conn->stats.accepted);
+    out->handshake_failed = atomic_load(&conn->stats.handshake_failed);
+    out->deferred = atomic_load(&conn->stats.deferred);
+    out->started = atomic_load(&conn->stats.started);
+    out->routed = atomic_load(&conn->stats.routed);
+    out->ended = atomic_load(&conn->stats.ended);
+    out->accept_paused = atomic_load(&conn->stats.accept_paused);
+    out->accept_errors = atomic_load(&conn->stats.accept_errors);
+    return 0;
+}

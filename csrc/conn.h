@@ -1,0 +1,198 @@
+/*
+ * spliceway C connection path: accepts on listening sockets Python handed
+ * over, runs the inbound handshake (socks5, http CONNECT, mixed), sniffs,
+ * routes from the compiled table (route.h), dials (direct, block, socks5 and
+ * http upstreams), replies, and hands both sockets to the relay (relay.h) --
+ * all on its own epoll loops, never touching Python.
+ *
+ * Python hears about it through fixed-size records (sw_conn_record) in one
+ * ring per loop, signalled by an eventfd that is readable while any record is
+ * pending, and drained in batches with sw_conn_drain().  A full ring is
+ * backpressure: a loop accepts only while the ring has room for every record
+ * its open flows may still write, so no record is ever dropped.
+ *
+ * What the table cannot decide (an opaque rule, a DNS miss, a target kind C
+ * does not dial, an HTTP head C does not parse) is deferred: the client socket
+ * and what C read and wrote so far go to Python (sw_conn_take_deferred), which
+ * completes the connection on its own path.
+ *
+ * Conventions as relay.h: 0 or a count on success, -errno on failure.
+ */
+#ifndef SW_CONN_H
+#define SW_CONN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "relay.h"
+#include "route.h"
+
+/* SW_CDEF_BEGIN */
+
+typedef struct sw_conn sw_conn;
+
+enum sw_inbound_protocol {
+    SW_IN_SOCKS5 = 1,
+    SW_IN_HTTP = 2,
+    SW_IN_MIXED = 3
+};
+
+enum sw_rec_kind {
+    SW_REC_STARTED = 1, /* handshake done, C owns the flow; name = target host */
+    SW_REC_ROUTED = 2,  /* dialled, replied, handed to the relay; name = sniffed host */
+    SW_REC_ENDED = 3    /* ended before the relay (blocked, failed, closed) */
+};
+
+/* Why a flow ended before the relay (SW_REC_ENDED). */
+enum sw_end {
+    SW_END_BLOCKED = 1,        /* route action block or a block outbound */
+    SW_END_CONNECT_FAILED = 2, /* connect() failed: err is the errno */
+    SW_END_CONNECT_TIMEOUT = 3,/* connect or the upstream handshake timed out */
+    SW_END_UPSTREAM_PROTO = 4, /* the upstream proxy broke its protocol */
+    SW_END_UPSTREAM_AUTH = 5,  /* the upstream refused our auth (detail below) */
+    SW_END_UPSTREAM_REPLY = 6, /* the upstream answered a failure (detail = code) */
+    SW_END_CLOSED = 7,         /* sw_conn_request_close() or shutdown */
+    SW_END_CLIENT = 8,         /* the client went away before the hand-off */
+    SW_END_INTERNAL = 9        /* a local resource failed (err is the errno) */
+};
+
+/* Upstream-auth details (SW_END_UPSTREAM_AUTH). */
+enum sw_auth_detail {
+    SW_AUTH_REFUSED_USERPASS = 1, /* socks5 server refused user/password auth */
+    SW_AUTH_REJECTED = 2,         /* socks5 server rejected the credentials */
+    SW_AUTH_REQUIRED = 3          /* socks5 server requires authentication */
+};
+
+enum sw_conn_auth {
+    SW_CAUTH_NONE = 0,
+    SW_CAUTH_USERPASS = 1, /* SOCKS5 RFC 1929 */
+    SW_CAUTH_BASIC = 2     /* HTTP Proxy-Authorization: Basic */
+};
+
+typedef struct sw_conn_record {
+    uint64_t flow;            /* C's flow number, unique per sw_conn, from 1 */
+    uint64_t at_unix_ms;      /* when it happened (CLOCK_REALTIME) */
+    uint64_t relay_handle;    /* ROUTED: the relay's handle */
+    uint64_t epoch;           /* ROUTED/ENDED: epoch of the table that routed */
+    uint32_t kind;            /* enum sw_rec_kind */
+    uint32_t inbound;         /* listener index */
+    uint32_t principal;       /* principal id or SW_NO_PRINCIPAL */
+    int32_t rule;             /* ROUTED/ENDED: sw_route_result.rule */
+    int32_t target;           /* ROUTED/ENDED: target index or -1 */
+    int32_t action;           /* ROUTED/ENDED: enum sw_route_action */
+    uint32_t client_rx;       /* bytes read from / written to the client by C so far */
+    uint32_t client_tx;
+    uint32_t upstream_rx;     /* bytes of the upstream handshake (and early data) */
+    uint32_t upstream_tx;
+    uint32_t early;           /* ROUTED: client bytes C forwarded upstream itself */
+    uint32_t end;             /* ENDED: enum sw_end */
+    int32_t err;              /* ENDED: positive errno, 0 when none */
+    int32_t detail;           /* ENDED: auth detail, reply code or HTTP status */
+    uint16_t port;            /* target port */
+    uint16_t source_port;
+    uint16_t resolved_port;   /* ROUTED: port connected to */
+    uint8_t protocol;         /* the handshake spoken: 1 socks5, 2 http */
+    uint8_t auth;             /* enum sw_conn_auth */
+    uint8_t source_family;    /* 4 or 6 */
+    uint8_t resolved_family;  /* ROUTED: 4, 6, or 0 */
+    uint8_t replied;          /* the success reply went out before routing */
+    uint8_t reserved;
+    uint8_t source_ip[16];
+    uint8_t resolved_ip[16];  /* ROUTED: the address connect() reached */
+    uint16_t name_len;
+    char name[256];           /* NUL-terminated (see sw_rec_kind) */
+} sw_conn_record;
+
+enum sw_defer_stage {
+    SW_DEFER_HANDSHAKE = 1, /* C did not finish the handshake: raw holds what it read,
+                               nothing was written to the client */
+    SW_DEFER_ROUTE = 2      /* handshake done: host/port/principal set, raw holds the
+                               client bytes read past the request (early data) */
+};
+
+/* Largest client prefix C buffers; a longer HTTP head is deferred. */
+#define SW_CONN_RAW_MAX 16384
+
+typedef struct sw_deferred {
+    int32_t fd;               /* the client socket, now Python's */
+    uint32_t stage;           /* enum sw_defer_stage */
+    uint32_t inbound;
+    uint32_t protocol;        /* the handshake spoken: 1 socks5, 2 http */
+    uint32_t principal;
+    uint32_t auth;            /* enum sw_conn_auth */
+    uint32_t client_rx;       /* bytes C read from the client */
+    uint32_t client_tx;       /* bytes C wrote to the client */
+    uint64_t started_unix_ms; /* SW_DEFER_ROUTE: when the handshake completed */
+    uint16_t port;
+    uint16_t source_port;
+    uint8_t source_family;
+    uint8_t replied;          /* the success reply was sent (sniffing before routing) */
+    uint8_t reserved[2];
+    uint8_t source_ip[16];
+    uint16_t host_len;
+    uint16_t sniffed_len;
+    char host[256];
+    char sniffed[256];
+    uint32_t raw_len;
+    uint8_t raw[16384];
+} sw_deferred;
+
+typedef struct sw_listener_opts {
+    uint32_t protocol;             /* enum sw_inbound_protocol */
+    uint32_t sniff;                /* 1: sniff TLS SNI / HTTP Host */
+    uint32_t sniff_timeout_ms;
+    uint32_t handshake_timeout_ms;
+    uint32_t idle_timeout_ms;      /* handed to the relay */
+    uint32_t users_required;       /* 1: users added with sw_conn_listener_user */
+} sw_listener_opts;
+
+/* nloops 0 = one.  relay: where established flows go (not owned). */
+int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **out);
+/* Closes every connection C still holds (ENDED/SW_END_CLOSED records for
+ * started flows), stops and joins the loops.  Idempotent. */
+int sw_conn_shutdown(sw_conn *conn);
+void sw_conn_free(sw_conn *conn);
+
+/* A credential of listener `inbound` (before sw_conn_listen). */
+int sw_conn_listener_user(sw_conn *conn, uint32_t inbound, const char *user,
+                          const char *pass, uint32_t principal);
+/* Start accepting on `fd` (a bound, listening socket the caller keeps owning)
+ * as listener `inbound`. */
+int sw_conn_listen(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_opts *opts);
+/* Stop accepting on `inbound`; returns once no loop will touch its fd again. */
+int sw_conn_unlisten(sw_conn *conn, uint32_t inbound);
+
+/* Install a sealed table (ownership passes to conn, also on failure); the
+ * previous one is freed once every loop has stopped using it. */
+int sw_conn_set_table(sw_conn *conn, sw_table *table);
+
+/* Remember what `host` resolved to, for ttl_ms.  family 4 or 6. */
+int sw_conn_dns_put(sw_conn *conn, const char *host, int family, const uint8_t *addr,
+                    uint32_t ttl_ms);
+
+/* Close a flow C still holds (started, not yet handed to the relay).
+ * -ENOENT when C holds no such flow. */
+int sw_conn_request_close(sw_conn *conn, uint64_t flow);
+
+int sw_conn_fd(sw_conn *conn);
+/* Copies up to max pending records, oldest first per loop. */
+int sw_conn_drain(sw_conn *conn, sw_conn_record *out, size_t max);
+/* 1 and fills *out when a deferred connection was waiting, 0 when none. */
+int sw_conn_take_deferred(sw_conn *conn, sw_deferred *out);
+
+typedef struct sw_conn_stats {
+    uint64_t accepted;
+    uint64_t handshake_failed;
+    uint64_t deferred;
+    uint64_t started;
+    uint64_t routed;
+    uint64_t ended;
+    uint64_t accept_paused;   /* times a loop stopped accepting on a full ring */
+    uint64_t accept_errors;
+} sw_conn_stats;
+
+int sw_conn_stats_get(sw_conn *conn, sw_conn_stats *out);
+
+/* SW_CDEF_END */
+
+#endif /* SW_CONN_H */

@@ -1,0 +1,259 @@
+"""Python face of the C connection path (``csrc/conn.c``); the only module calling ``sw_conn_*``.
+
+The C path accepts on listening sockets handed to it, runs the inbound handshake,
+routes from the table Python compiled (:mod:`spliceway.route_tables`), dials and
+hands both sockets to the relay, on its own threads. Python learns what happened
+from fixed-size records (:class:`ConnRecord`) drained in batches
+(:meth:`ConnPath.drain`, when :meth:`ConnPath.fileno` is readable), and gets the
+connections C could not finish as :class:`Deferred` items.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import ipaddress
+import struct
+from dataclasses import dataclass
+
+from spliceway._relay import ffi, lib
+from spliceway.relay import Relay, RelayError
+
+__all__ = ["ConnPath", "ConnRecord", "Deferred", "ListenerOptions"]
+
+STARTED = int(lib.SW_REC_STARTED)
+ROUTED = int(lib.SW_REC_ROUTED)
+ENDED = int(lib.SW_REC_ENDED)
+NO_PRINCIPAL = (1 << 32) - 1
+_PROTOCOLS = {"socks5": int(lib.SW_IN_SOCKS5), "http": int(lib.SW_IN_HTTP), "mixed": int(lib.SW_IN_MIXED)}
+_SPOKEN = {1: "socks5", 2: "http"}
+#: Records copied per C call; a drain loops until the rings are empty.
+_BATCH = 256
+
+# sw_conn_record, field for field; the C struct adds only tail padding.
+_RECORD = struct.Struct("=QQQQIIIiiiIIIIIIiiHHHBBBBBB16s16sH256s")
+_STRIDE = ffi.sizeof("sw_conn_record")
+if not _RECORD.size <= _STRIDE < _RECORD.size + 8:
+    raise ImportError(f"sw_conn_record is {_STRIDE} bytes, not {_RECORD.size}: rebuild")
+
+
+def _ip(family: int, raw: bytes) -> str | None:
+    if family == 4:
+        return str(ipaddress.IPv4Address(raw[:4]))
+    if family == 6:
+        return str(ipaddress.IPv6Address(raw))
+    return None
+
+
+@dataclass(slots=True)
+class ConnRecord:
+    """One lifecycle record of a flow C handles (see ``sw_conn_record``)."""
+
+    flow: int
+    at_unix_ms: int
+    relay_handle: int
+    epoch: int
+    kind: int
+    inbound: int
+    principal: int
+    rule: int
+    target: int
+    action: int
+    client_rx: int
+    client_tx: int
+    upstream_rx: int
+    upstream_tx: int
+    early: int
+    end: int
+    err: int
+    detail: int
+    port: int
+    source_port: int
+    resolved_port: int
+    protocol: str
+    auth: int
+    source_ip: str | None
+    resolved_ip: str | None
+    replied: bool
+    name: str
+
+
+@dataclass(slots=True)
+class Deferred:
+    """A connection C handed to Python (see ``sw_deferred``)."""
+
+    fd: int
+    stage: int
+    inbound: int
+    protocol: str
+    principal: int
+    auth: int
+    client_rx: int
+    client_tx: int
+    started_unix_ms: int
+    port: int
+    source_ip: str | None
+    source_port: int
+    replied: bool
+    host: str
+    sniffed: str | None
+    raw: bytes
+
+
+HANDSHAKE = int(lib.SW_DEFER_HANDSHAKE)
+ROUTE = int(lib.SW_DEFER_ROUTE)
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerOptions:
+    """How C serves one listener."""
+
+    protocol: str
+    sniff: bool
+    sniff_timeout_ms: int
+    handshake_timeout_ms: int
+    idle_timeout_ms: int
+
+
+def _check(code: int, what: str) -> int:
+    if code < 0:
+        raise RelayError(-code, f"{what}: {ffi.string(lib.sw_strerror(code)).decode()}")
+    return code
+
+
+class ConnPath:
+    """The C accept/handshake/route/dial loops feeding ``relay``."""
+
+    def __init__(self, relay: Relay, loops: int = 1, ring_records: int = 8192) -> None:
+        out = ffi.new("sw_conn **")
+        _check(lib.sw_conn_new(relay._ptr, loops, ring_records, out), "sw_conn_new")
+        # Keeps the relay alive as long as C may hand flows to it.
+        self._relay = relay
+        self._ptr = ffi.gc(out[0], lib.sw_conn_free)
+        self._records = ffi.new("sw_conn_record[]", _BATCH)
+        self._buffer = ffi.buffer(self._records)
+        self._deferred = ffi.new("sw_deferred *")
+        self._closed = False
+
+    def fileno(self) -> int:
+        """An eventfd readable while records or deferred connections are pending."""
+        return int(lib.sw_conn_fd(self._ptr))
+
+    def listen(
+        self,
+        inbound: int,
+        fd: int,
+        options: ListenerOptions,
+        users: list[tuple[str, str, int]] | None,
+    ) -> None:
+        """Accept on ``fd`` (the caller keeps owning it) as listener ``inbound``."""
+        for user, password, principal in users or ():
+            _check(
+                lib.sw_conn_listener_user(
+                    self._ptr, inbound, user.encode(), password.encode(), principal
+                ),
+                "sw_conn_listener_user",
+            )
+        opts = ffi.new(
+            "sw_listener_opts *",
+            {
+                "protocol": _PROTOCOLS[options.protocol],
+                "sniff": int(options.sniff),
+                "sniff_timeout_ms": options.sniff_timeout_ms,
+                "handshake_timeout_ms": options.handshake_timeout_ms,
+                "idle_timeout_ms": options.idle_timeout_ms,
+                "users_required": int(bool(users)),
+            },
+        )
+        _check(lib.sw_conn_listen(self._ptr, inbound, fd, opts), "sw_conn_listen")
+
+    def unlisten(self, inbound: int) -> None:
+        """Stop accepting on ``inbound``; afterwards its fd may be closed."""
+        code = lib.sw_conn_unlisten(self._ptr, inbound)
+        if code < 0 and code != -errno_mod.ENOENT:
+            _check(code, "sw_conn_unlisten")
+
+    def set_table(self, table: object) -> None:
+        """Install a sealed ``sw_table *`` (ownership passes to C)."""
+        _check(lib.sw_conn_set_table(self._ptr, table), "sw_conn_set_table")
+
+    def dns_put(self, host: str, address: str, ttl_ms: int) -> None:
+        """Let C dial ``host`` at ``address`` for ``ttl_ms`` without asking Python."""
+        ip = ipaddress.ip_address(address)
+        try:
+            name = host.encode("ascii")
+        except UnicodeEncodeError:
+            return
+        if not name or len(name) >= 256:
+            return
+        code = lib.sw_conn_dns_put(self._ptr, name, ip.version, ip.packed, max(ttl_ms, 0))
+        if code < 0 and code != -errno_mod.ENOSPC:
+            _check(code, "sw_conn_dns_put")
+
+    def request_close(self, flow: int) -> None:
+        """Close a flow C still holds (an ENDED record follows)."""
+        code = lib.sw_conn_request_close(self._ptr, flow)
+        if code < 0 and code not in (-errno_mod.ENOENT, -errno_mod.ESHUTDOWN):
+            _check(code, "sw_conn_request_close")
+
+    def drain(self) -> list[ConnRecord]:
+        """Every pending record, oldest first per loop."""
+        out: list[ConnRecord] = []
+        while True:
+            n = _check(lib.sw_conn_drain(self._ptr, self._records, _BATCH), "sw_conn_drain")
+            data = self._buffer[: n * _STRIDE]
+            for i in range(n):
+                f = _RECORD.unpack_from(data, i * _STRIDE)
+                out.append(
+                    ConnRecord(
+                        f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9],
+                        f[10], f[11], f[12], f[13], f[14], f[15], f[16], f[17],
+                        f[18], f[19], f[20], _SPOKEN.get(f[21], "socks5"), f[22],
+                        _ip(f[23], f[27]), _ip(f[24], f[28]), bool(f[25]),
+                        f[30][: f[29]].decode("utf-8", "surrogateescape"),
+                    )
+                )  # fmt: skip
+            if n < _BATCH:
+                return out
+
+    def take_deferred(self) -> list[Deferred]:
+        """Every connection C handed over since the last call."""
+        out: list[Deferred] = []
+        d = self._deferred
+        while lib.sw_conn_take_deferred(self._ptr, d) == 1:
+            out.append(
+                Deferred(
+                    fd=d.fd,
+                    stage=d.stage,
+                    inbound=d.inbound,
+                    protocol=_SPOKEN.get(d.protocol, "socks5"),
+                    principal=d.principal,
+                    auth=d.auth,
+                    client_rx=d.client_rx,
+                    client_tx=d.client_tx,
+                    started_unix_ms=d.started_unix_ms,
+                    port=d.port,
+                    source_ip=_ip(d.source_family, bytes(d.source_ip)),
+                    source_port=d.source_port,
+                    replied=bool(d.replied),
+                    host=ffi.string(d.host, d.host_len).decode("utf-8", "surrogateescape"),
+                    sniffed=(
+                        ffi.string(d.sniffed, d.sniffed_len).decode("ascii", "replace")
+                        if d.sniffed_len
+                        else None
+                    ),
+                    raw=bytes(ffi.buffer(d.raw, d.raw_len)),
+                )
+            )
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """C's own counters (accepted, deferred, paused...)."""
+        out = ffi.new("sw_conn_stats *")
+        _check(lib.sw_conn_stats_get(self._ptr, out), "sw_conn_stats_get")
+        return {name: int(getattr(out, name)) for name in dir(out)}
+
+    def close(self) -> None:
+        """Stop the loops; flows C still held end with ENDED/closed records."""
+        if not self._closed:
+            self._closed = True
+            lib.sw_conn_shutdown(self._ptr)
