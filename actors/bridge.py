@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pykka
-from spliceway.actors.messages import RelayFinished
+from spliceway.actors.messages import ConnEnded, ConnRouted, RelayFinished
 
+from spliceway import connpath
+from spliceway.connpath import ConnPath, ConnRecord, Deferred
 from spliceway.relay import Completion, Counters, Relay
 
 if TYPE_CHECKING:
@@ -40,18 +43,42 @@ def relay_loops() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+#: Starts the FlowActor of a flow C began (a STARTED record).
+FlowStarter = Callable[[ConnRecord], "pykka.ActorRef[Any]"]
+#: Takes over a connection C deferred.
+DeferredTaker = Callable[[Deferred], None]
+
+
 class RelayBridge:
-    """Owns the relay and the handle -> actor map; delivers completions on the loop."""
+    """Owns the relay and the C connection path; turns their reports into actor messages.
+
+    One drain serves both: relay completions are taken first, then C's lifecycle
+    records, then the completions are delivered. A ROUTED record is written before
+    its flow reaches the relay, so a completion is never older than its ROUTED; one
+    that still arrives first (C published ROUTED after this drain read the ring) waits
+    in ``_orphans`` for it.
+    """
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.relay = Relay(loops=relay_loops())
+        self.conn = ConnPath(self.relay)
         self._dispatcher = dispatcher
         self._actors: dict[int, pykka.ActorRef[Any]] = {}
+        #: C flow number -> actor, from STARTED until ROUTED or ENDED.
+        self._flows: dict[int, pykka.ActorRef[Any]] = {}
+        self._orphans: dict[int, Completion] = {}
+        self._start_flow: FlowStarter | None = None
+        self._take_deferred: DeferredTaker | None = None
         self._attached = False
 
-    def attach(self) -> None:
-        """Start watching the completion fd (call on the dispatcher thread)."""
+    def attach(
+        self, start_flow: FlowStarter | None = None, take_deferred: DeferredTaker | None = None
+    ) -> None:
+        """Start watching the relay and the C path (call on the dispatcher thread)."""
+        self._start_flow = start_flow
+        self._take_deferred = take_deferred
         self._dispatcher.loop.add_reader(self.relay.fileno(), self._on_ready)
+        self._dispatcher.loop.add_reader(self.conn.fileno(), self._on_ready)
         self._attached = True
 
     def hand_off(
@@ -91,13 +118,42 @@ class RelayBridge:
         return self.relay.request_close(handle)
 
     def _on_ready(self) -> None:
-        for completion in self.relay.drain():
+        completions = self.relay.drain()
+        for record in self.conn.drain():
+            self._on_record(record)
+        for deferred in self.conn.take_deferred():
+            if self._take_deferred is None:
+                os.close(deferred.fd)
+            else:
+                self._take_deferred(deferred)
+        for completion in completions:
             self._deliver(completion)
+
+    def _on_record(self, record: ConnRecord) -> None:
+        if record.kind == connpath.STARTED:
+            assert self._start_flow is not None
+            self._flows[record.flow] = self._start_flow(record)
+            return
+        actor = self._flows.pop(record.flow, None)
+        if actor is None:
+            logger.warning("C record for unknown flow %d", record.flow)
+            return
+        try:
+            if record.kind == connpath.ROUTED:
+                self._actors[record.relay_handle] = actor
+                actor.tell(ConnRouted(record))
+                orphan = self._orphans.pop(record.relay_handle, None)
+                if orphan is not None:
+                    self._deliver(orphan)
+            else:
+                actor.tell(ConnEnded(record))
+        except pykka.ActorDeadError:
+            logger.warning("flow actor of C flow %d died before its record", record.flow)
 
     def _deliver(self, completion: Completion) -> None:
         actor = self._actors.pop(completion.handle, None)
         if actor is None:
-            logger.warning("relay completion for unknown handle %#x", completion.handle)
+            self._orphans[completion.handle] = completion
             return
         try:
             actor.tell(RelayFinished(completion))
@@ -105,7 +161,9 @@ class RelayBridge:
             logger.warning("flow actor of handle %#x died before its completion", completion.handle)
 
     def shutdown(self) -> None:
-        """Stop the relay (any thread): open flows complete with SHUTDOWN, still delivered."""
+        """Stop the C path and the relay (any thread): what C held ends with ENDED
+        records, open relayed flows complete with SHUTDOWN; all still delivered."""
+        self.conn.close()
         self.relay.close()
 
     def detach(self) -> None:
@@ -114,4 +172,8 @@ class RelayBridge:
             self._on_ready()
             # A shut-down relay keeps its eventfd readable; stop watching it.
             self._dispatcher.loop.remove_reader(self.relay.fileno())
+            self._dispatcher.loop.remove_reader(self.conn.fileno())
             self._attached = False
+            for handle in self._orphans:
+                logger.warning("relay completion for unknown handle %#x", handle)
+            self._orphans.clear()

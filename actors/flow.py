@@ -15,15 +15,23 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import socket
 import time
 from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
-from spliceway.actors.messages import CloseFlow, RelayFinished, StopFlow, TrafficSample
+from spliceway.actors.messages import (
+    CloseFlow,
+    ConnEnded,
+    ConnRouted,
+    RelayFinished,
+    StopFlow,
+    TrafficSample,
+)
 from spliceway.actors.policy import MemberFailed
 
-from spliceway import flowlog, records, routing
+from spliceway import connpath, flowlog, records, routing
 from spliceway.events import now_ms
 from spliceway.inbound import Handshake, HandshakeFailed
 from spliceway.inbound import accept as accept_handshake
@@ -38,6 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+#: sw_conn_auth -> FlowRecord auth_scheme.
+_AUTH_SCHEMES = {1: "userpass", 2: "basic"}
 _SNIFF_PEEK = 16 * 1024 + 5
 _SNIFF_RETRY = 0.005
 
@@ -67,6 +77,9 @@ class FlowActor(LoopActor):
         client: socket.socket,
         peer: tuple[Any, ...],
         flow_id: str,
+        *,
+        deferred: connpath.Deferred | None = None,
+        started: connpath.ConnRecord | None = None,
     ) -> None:
         super().__init__(core.dispatcher)
         self.core = core
@@ -81,11 +94,20 @@ class FlowActor(LoopActor):
         self._base: records.Traffic | None = None
         self._done = False
         self._close_reason_on_cancel: str | None = None
+        #: Set when C handed this connection over mid-way (see connpath.Deferred).
+        self._deferred = deferred
+        #: Set when the C connection path runs this flow; Python only records it.
+        self._started = started
+        self._c_flow = started.flow if started is not None else None
 
     # -- lifecycle -----------------------------------------------------------------
 
     def on_start(self) -> None:
-        """Begin the handshake on the dispatcher loop."""
+        """Begin the handshake on the dispatcher loop (or record C's flow.started)."""
+        if self._started is not None:
+            self._start_record_c(self._started)
+            self._started = None
+            return
         self._task = self.dispatcher.spawn(self._establish())
 
     def on_stop(self) -> None:
@@ -120,6 +142,10 @@ class FlowActor(LoopActor):
             self._on_relay_finished(message.completion)
         elif isinstance(message, TrafficSample):
             self._on_sample(message.counters, message.sampled_at_unix_ms)
+        elif isinstance(message, ConnRouted):
+            self._on_c_routed(message.record)
+        elif isinstance(message, ConnEnded):
+            self._on_c_ended(message.record)
         elif isinstance(message, CloseFlow):
             return self._close(records.MANUAL)
         elif isinstance(message, StopFlow):
@@ -132,6 +158,11 @@ class FlowActor(LoopActor):
         if self.handle is not None:
             self._close_reason_on_cancel = reason
             return self.core.bridge.request_close(self.handle)
+        if self._c_flow is not None:
+            # C still holds it (dialling or sniffing): its ENDED record ends the flow.
+            self._close_reason_on_cancel = reason
+            self.core.bridge.conn.request_close(self._c_flow)
+            return True
         if self._task is not None and not self._task.done():
             self._close_reason_on_cancel = reason
             self._task.cancel()
@@ -159,19 +190,40 @@ class FlowActor(LoopActor):
         loop = self.dispatcher.loop
         client = self.client
         assert client is not None
-        try:
-            hs = await accept_handshake(
-                loop, client, self.inbound.protocol, self.inbound.users, HANDSHAKE_TIMEOUT
-            )
-        except HandshakeFailed as ex:
-            logger.debug("handshake from %s failed: %s", self.peer, ex)
-            self._finish()
-            return
-        self._start_record(hs)
+        deferred, self._deferred = self._deferred, None
         replied = False
+        if deferred is not None and deferred.stage == connpath.ROUTE:
+            # C finished the handshake (and maybe answered and sniffed) but could not
+            # route or dial this flow: carry on from there.
+            hs = self._handshake_from(deferred)
+            replied = deferred.replied
+            self._start_record(hs, deferred.started_unix_ms)
+            if replied:
+                assert self.state is not None
+                self.state.sniffed_host = deferred.sniffed
+        else:
+            try:
+                hs = await accept_handshake(
+                    loop,
+                    client,
+                    self.inbound.protocol,
+                    self.inbound.users,
+                    HANDSHAKE_TIMEOUT,
+                    initial=deferred.raw if deferred is not None else b"",
+                )
+            except HandshakeFailed as ex:
+                logger.debug("handshake from %s failed: %s", self.peer, ex)
+                self._finish()
+                return
+            self._start_record(hs)
         route_state = core.route_state
         decision = route_state.decide(self._facts(hs))
-        if self.inbound.sniff and not hs.forward and _sniff_may_reroute(route_state, decision):
+        if (
+            not replied
+            and self.inbound.sniff
+            and not hs.forward
+            and _sniff_may_reroute(route_state, decision)
+        ):
             # A domain rule ranked before the match could claim this flow by its first
             # bytes, which the client only sends once told the tunnel is open: answer
             # first (as sing-box and mihomo do), then sniff and decide again.
@@ -219,9 +271,22 @@ class FlowActor(LoopActor):
                 await self._sniff(hs)
         await self._start_relay(hs, dialed, outbound.chained)
 
-    def _start_record(self, hs: Handshake) -> None:
+    def _handshake_from(self, d: connpath.Deferred) -> Handshake:
+        """What C's handshake established, as the Python handshake would have."""
+        return Handshake(
+            d.protocol,
+            d.host,
+            d.port,
+            self.core.principal_key(d.principal),
+            _AUTH_SCHEMES.get(d.auth),
+            d.client_rx,
+            d.client_tx,
+            early=d.raw,
+        )
+
+    def _start_record(self, hs: Handshake, started_at: int | None = None) -> None:
         core = self.core
-        started = now_ms()
+        started = now_ms() if started_at is None else started_at
         self.state = records.FlowState(
             flow_id=self.flow_id,
             inbound_tag=self.inbound.tag,
@@ -369,6 +434,88 @@ class FlowActor(LoopActor):
         else:
             self.core.counters.direct_sessions += 1
         self._publish("flow.routed", records.lifecycle_payload)
+
+    # -- flows the C connection path runs ---------------------------------------------
+
+    def _start_record_c(self, rec: connpath.ConnRecord) -> None:
+        """flow.started from C's STARTED record, with C's timestamp and counts."""
+        hs = Handshake(
+            rec.protocol,
+            rec.name,
+            rec.port,
+            self.core.principal_key(rec.principal),
+            _AUTH_SCHEMES.get(rec.auth),
+            rec.client_rx,
+            rec.client_tx,
+        )
+        self._start_record(hs, rec.at_unix_ms)
+
+    def _c_route(self, rec: connpath.ConnRecord) -> Any:
+        """Apply the route C took (looked up in the table it used); its outbound."""
+        mirror = self.core.routes.mirror(rec.epoch)
+        decision = mirror.decision(rec.rule, rec.target, rec.action)
+        chain = mirror.chain(rec.target) if rec.target >= 0 else []
+        outbound = self.core.outbounds.get(chain[-1]) if chain else None
+        self._set_route(decision, chain, outbound)
+        s = self.state
+        assert s is not None
+        if rec.name:
+            s.sniffed_host = rec.name
+        t = s.traffic
+        t.inbound_rx_bytes = rec.client_rx
+        t.inbound_tx_bytes = rec.client_tx
+        t.outbound_rx_bytes = rec.upstream_rx
+        t.outbound_tx_bytes = rec.upstream_tx
+        t.bytes_up += rec.early
+        return outbound
+
+    def _on_c_routed(self, rec: connpath.ConnRecord) -> None:
+        s = self.state
+        if s is None or self._done:
+            return
+        outbound = self._c_route(rec)
+        self._c_flow = None
+        if outbound.protocol == "direct":
+            s.resolved_ip = rec.resolved_ip
+            s.remote_host, s.remote_port = s.target_host, s.target_port
+        else:
+            s.remote_host, s.remote_port = outbound.server, outbound.port
+        self._base = dataclasses.replace(s.traffic, sealed=False)
+        self.handle = rec.relay_handle
+        s.state = "active"
+        if outbound.chained:
+            self.core.counters.chained_sessions += 1
+        else:
+            self.core.counters.direct_sessions += 1
+        self._publish("flow.routed", records.lifecycle_payload, occurred=rec.at_unix_ms)
+
+    def _on_c_ended(self, rec: connpath.ConnRecord) -> None:
+        s = self.state
+        if s is None or self._done:
+            return
+        outbound = self._c_route(rec) if rec.action > 0 else None
+        self._c_flow = None
+        if rec.end == connpath.END_BLOCKED:
+            self._complete(records.BLOCKED, None)
+        elif rec.end == connpath.END_CLOSED:
+            self._complete_closed()
+        elif rec.end in (connpath.END_CLIENT, connpath.END_INTERNAL) or outbound is None:
+            failure = records.Failure(
+                "internal", "internal_error", f"client socket error: {os.strerror(rec.err)}"
+            )
+            self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+        else:
+            ex = connpath.dial_error(rec, outbound, s.target_host, s.target_port)
+            if ex.member_down:
+                self._report_member_down(s.selection_chain, ex.message)
+            remote = (
+                {"host": s.target_host, "port": s.target_port}
+                if ex.remote is None
+                else {"host": ex.remote}
+            )
+            failure = records.Failure(ex.stage, ex.code, ex.message, remote)
+            self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+        self._finish()
 
     # -- after the hand-off ----------------------------------------------------------
 

@@ -1,23 +1,21 @@
-"""ListenerActor: owns one inbound's listening socket and spawns a FlowActor per client."""
+"""ListenerActor: owns one inbound's listening socket, which the C connection path accepts on."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
+import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
-from spliceway.actors.flow import FlowActor
+from spliceway.actors.flow import HANDSHAKE_TIMEOUT, FlowActor
+from spliceway.actors.messages import TakeDeferred
+
+from spliceway.connpath import Deferred, ListenerOptions
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore, InboundSpec
-
-logger = logging.getLogger(__name__)
-
-#: Accepts per readiness callback: enough to drain a burst, small enough to stay fair.
-_ACCEPT_BATCH = 64
 
 
 class ListenerActor(LoopActor):
@@ -32,10 +30,35 @@ class ListenerActor(LoopActor):
         self._prefix = f"{core.flow_id_prefix}{inbound.index}-"
 
     def on_start(self) -> None:
-        """Start accepting on the dispatcher loop."""
+        """Hand the socket to the C connection path (it accepts); we keep owning it."""
         assert self.sock is not None
         self.sock.setblocking(False)
-        self.dispatcher.loop.add_reader(self.sock.fileno(), self._on_readable)
+        self.core.bridge.conn.listen(
+            self.inbound.index,
+            self.sock.fileno(),
+            ListenerOptions(
+                protocol=self.inbound.protocol,
+                sniff=self.inbound.sniff,
+                sniff_timeout_ms=self.inbound.sniff_timeout_ms,
+                handshake_timeout_ms=int(HANDSHAKE_TIMEOUT * 1000),
+                idle_timeout_ms=self.core.tcp_idle_timeout_ms,
+            ),
+            self.core.listener_users(self.inbound.index),
+        )
+
+    def on_receive(self, message: Any) -> None:
+        """TakeDeferred: a connection C accepted and handed back; Python finishes it."""
+        if isinstance(message, TakeDeferred):
+            self._take(message.deferred)
+
+    def _take(self, deferred: Deferred) -> None:
+        if self.sock is None:  # stopping: nobody will serve it
+            os.close(deferred.fd)
+            return
+        client = socket.socket(fileno=deferred.fd)
+        flow_id = f"{self._prefix}d{next(self._ids)}"
+        peer = (deferred.source_ip or "", deferred.source_port)
+        FlowActor.start(self.core, self.inbound, client, peer, flow_id, deferred=deferred)
 
     def on_stop(self) -> None:
         """Stop accepting and close the socket (idempotent)."""
@@ -48,26 +71,9 @@ class ListenerActor(LoopActor):
     def _teardown(self) -> None:
         if self.sock is None:
             return
+        # Returns once no C loop can touch the fd again: only then may it close.
         with contextlib.suppress(Exception):
-            self.dispatcher.loop.remove_reader(self.sock.fileno())
+            self.core.bridge.conn.unlisten(self.inbound.index)
         with contextlib.suppress(OSError):
             self.sock.close()
         self.sock = None
-
-    def _on_readable(self) -> None:
-        sock = self.sock
-        if sock is None or self.actor_stopped.is_set():
-            return
-        for _ in range(_ACCEPT_BATCH):
-            try:
-                client, peer = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as ex:
-                # EMFILE and friends: log and let the next readiness retry.
-                logger.warning("accept on %s failed: %s", self.inbound.tag, ex)
-                return
-            client.setblocking(False)
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            flow_id = f"{self._prefix}{next(self._ids)}"
-            FlowActor.start(self.core, self.inbound, client, peer, flow_id)

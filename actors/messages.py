@@ -24,3 +24,21 @@ class CloseFlow(NamedTuple):
 
 class StopFlow(NamedTuple):
     """Engine shutdown: end the flow without a manual close reason."""
+
+
+class ConnRouted(NamedTuple):
+    """The C connection path dialled and handed the flow to the relay."""
+
+    record: Any  # spliceway.connpath.ConnRecord (kind ROUTED)
+
+
+class ConnEnded(NamedTuple):
+    """The C connection path ended the flow before the relay (blocked, failed, closed)."""
+
+    record: Any  # spliceway.connpath.ConnRecord (kind ENDED)
+
+
+class TakeDeferred(NamedTuple):
+    """The C connection path handed a connection back to its listener."""
+
+    deferred: Any  # spliceway.connpath.Deferred

@@ -33,13 +33,16 @@ class EngineSupervisor(LoopActor):
         for view in self.core.policies.views():
             self.core.group_actors[view.tag] = PolicyGroupActor.start(self.core, view)
         for spec, sock in zip(self.core.inbounds, self._sockets, strict=True):
-            self.listeners.append(ListenerActor.start(self.core, spec, sock))
+            ref = ListenerActor.start(self.core, spec, sock)
+            self.listeners.append(ref)
+            self.core.listener_refs[spec.index] = ref
         self._sockets = []
         interval = self.core.config.runtime.stats_interval_ms
         self.sampler = StatsSamplerActor.start(self.core, interval)
 
     def stop_listeners(self) -> None:
         """Stop accepting new connections (first step of shutdown)."""
+        self.core.listener_refs.clear()
         for ref in self.listeners:
             with contextlib.suppress(pykka.ActorDeadError):
                 ref.stop(block=False)

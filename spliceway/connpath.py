@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import errno as errno_mod
 import ipaddress
+import os
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from spliceway._relay import ffi, lib
+from spliceway.outbounds import SOCKS_REPLY_NAMES, DialError, errno_code
 from spliceway.relay import Relay, RelayError
 
 __all__ = ["ConnPath", "ConnRecord", "Deferred", "ListenerOptions"]
@@ -24,7 +27,25 @@ STARTED = int(lib.SW_REC_STARTED)
 ROUTED = int(lib.SW_REC_ROUTED)
 ENDED = int(lib.SW_REC_ENDED)
 NO_PRINCIPAL = (1 << 32) - 1
-_PROTOCOLS = {"socks5": int(lib.SW_IN_SOCKS5), "http": int(lib.SW_IN_HTTP), "mixed": int(lib.SW_IN_MIXED)}
+END_BLOCKED = int(lib.SW_END_BLOCKED)
+END_CONNECT_FAILED = int(lib.SW_END_CONNECT_FAILED)
+END_CONNECT_TIMEOUT = int(lib.SW_END_CONNECT_TIMEOUT)
+END_UPSTREAM_PROTO = int(lib.SW_END_UPSTREAM_PROTO)
+END_UPSTREAM_AUTH = int(lib.SW_END_UPSTREAM_AUTH)
+END_UPSTREAM_REPLY = int(lib.SW_END_UPSTREAM_REPLY)
+END_CLOSED = int(lib.SW_END_CLOSED)
+END_CLIENT = int(lib.SW_END_CLIENT)
+END_INTERNAL = int(lib.SW_END_INTERNAL)
+_AUTH_DETAILS = {
+    int(lib.SW_AUTH_REFUSED_USERPASS): "refused user/password auth",
+    int(lib.SW_AUTH_REJECTED): "rejected the credentials",
+    int(lib.SW_AUTH_REQUIRED): "requires authentication",
+}
+_PROTOCOLS = {
+    "socks5": int(lib.SW_IN_SOCKS5),
+    "http": int(lib.SW_IN_HTTP),
+    "mixed": int(lib.SW_IN_MIXED),
+}
 _SPOKEN = {1: "socks5", 2: "http"}
 #: Records copied per C call; a drain loops until the rings are empty.
 _BATCH = 256
@@ -112,6 +133,44 @@ class ListenerOptions:
     sniff_timeout_ms: int
     handshake_timeout_ms: int
     idle_timeout_ms: int
+
+
+def dial_error(rec: ConnRecord, outbound: Any, host: str, port: int) -> DialError:
+    """The DialError the Python outbound raises for the failure C reported in ``rec``."""
+    proxy = outbound.protocol != "direct"
+    where = f"{outbound.server}:{outbound.port}" if proxy else f"{host}:{port}"
+    if rec.end == END_CONNECT_FAILED:
+        err = OSError(rec.err, os.strerror(rec.err))
+        return DialError(
+            errno_code(err),
+            f"connect to {where} failed: {os.strerror(rec.err)}",
+            remote=outbound.server if proxy else host,
+            member_down=proxy,
+        )
+    if rec.end == END_CONNECT_TIMEOUT:
+        if proxy and rec.upstream_tx:
+            message = f"proxy {outbound.tag} handshake timed out"
+        else:
+            message = f"connect to {where} timed out"
+        return DialError("connect_timeout", message, member_down=proxy)
+    if rec.end == END_UPSTREAM_AUTH:
+        return DialError(
+            "auth_failed",
+            f"proxy {outbound.tag} {_AUTH_DETAILS.get(rec.detail, '')}",
+            member_down=True,
+        )
+    if rec.end == END_UPSTREAM_REPLY:
+        return DialError(
+            SOCKS_REPLY_NAMES.get(rec.detail, "upstream_rejected"),
+            f"proxy {outbound.tag} answered SOCKS5 reply {rec.detail} for {host}:{port}",
+            remote=where,
+        )
+    return DialError(
+        "protocol_error",
+        f"proxy {outbound.tag}: broken SOCKS5 handshake",
+        stage="handshake",
+        member_down=True,
+    )
 
 
 def _check(code: int, what: str) -> int:

@@ -25,10 +25,11 @@ from spliceway import __version__, policy, routing
 from spliceway.actors.bridge import RelayBridge
 from spliceway.actors.dispatcher import Dispatcher
 from spliceway.actors.flow import FlowActor
-from spliceway.actors.messages import StopFlow
+from spliceway.actors.messages import StopFlow, TakeDeferred
 from spliceway.actors.supervisor import EngineSupervisor
 from spliceway.config import Config
 from spliceway.connector.service import Connector
+from spliceway.connpath import ConnRecord, Deferred
 from spliceway.dns import Resolver
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
@@ -39,6 +40,7 @@ from spliceway.outbounds import (
     build_outbound,
     build_relay,
 )
+from spliceway.route_publish import RoutePublisher
 from spliceway.runtime import Counters, FlowTable, RouteState
 
 logger = logging.getLogger(__name__)
@@ -109,6 +111,16 @@ class EngineCore:
             )
             for i, ib in enumerate(config.inbounds)
         ]
+        # Principals as C knows them: small integers, in first-seen order.
+        self._principal_keys: list[str] = []
+        for ib in config.inbounds:
+            for user in ib.users or ():
+                if user.principal_key not in self._principal_keys:
+                    self._principal_keys.append(user.principal_key)
+        self.principal_ids = {key: i for i, key in enumerate(self._principal_keys)}
+        #: ListenerActor per inbound index, while accepting (deferred connections go there).
+        self.listener_refs: dict[int, pykka.ActorRef[Any]] = {}
+        self.routes = RoutePublisher(self)
         self.bound: list[tuple[str, int]] = []
         self.started_at_unix_ms = 0
         # Made in start(): its event loop holds a socket pair that only a started
@@ -137,8 +149,9 @@ class EngineCore:
         bridge: RelayBridge | None = None
         try:
             bridge = RelayBridge(self.dispatcher)
-            self.dispatcher.run_sync(bridge.attach)
+            self.dispatcher.run_sync(lambda: bridge.attach(self._start_c_flow, self._take_deferred))
             self.bridge = bridge
+            self.routes.publish()
             # Before the actors start: a group's startup probe round must not be the
             # ring's first event.
             self.log.emit(
@@ -206,6 +219,37 @@ class EngineCore:
             sock.close()
         # Once engine.started went out, every start a consumer saw has its stop.
         self._finish({"stopped_at_unix_ms": now_ms()} if self.log.latest_sequence else None)
+
+    # -- the C connection path ----------------------------------------------------------
+
+    def principal_key(self, principal: int) -> str | None:
+        """The principal_key C's principal id stands for (None for none)."""
+        if 0 <= principal < len(self._principal_keys):
+            return self._principal_keys[principal]
+        return None
+
+    def listener_users(self, index: int) -> list[tuple[str, str, int]] | None:
+        """Inbound ``index``'s credentials as C takes them, None without authentication."""
+        users = self.config.inbounds[index].users
+        if users is None:
+            return None
+        return [(u.username, u.password, self.principal_ids[u.principal_key]) for u in users]
+
+    def _start_c_flow(self, record: ConnRecord) -> pykka.ActorRef[Any]:
+        """The FlowActor of a flow C started (dispatcher thread, from the bridge)."""
+        inbound = self.inbounds[record.inbound]
+        flow_id = f"{self.flow_id_prefix}{inbound.index}-{record.flow}"
+        peer = (record.source_ip or "", record.source_port)
+        return FlowActor.start(self, inbound, None, peer, flow_id, started=record)
+
+    def _take_deferred(self, deferred: Deferred) -> None:
+        ref = self.listener_refs.get(deferred.inbound)
+        try:
+            if ref is None:
+                raise pykka.ActorDeadError("listener stopped")
+            ref.tell(TakeDeferred(deferred))
+        except pykka.ActorDeadError:
+            os.close(deferred.fd)
 
     def _await_flows_drained(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S
@@ -291,3 +335,4 @@ class EngineCore:
         """Swap the routing mode (called by the supervisor after validation)."""
         old = self.route_state
         self.route_state = RouteState(mode, outbound, old.final, old.ruleset)
+        self.routes.publish()

@@ -131,9 +131,17 @@ async def accept(
     protocol: str,
     users: Users,
     timeout: float,
+    *,
+    initial: bytes = b"",
 ) -> Handshake:
-    """Run the server side of ``protocol`` ("socks5", "http" or "mixed") on ``sock``."""
+    """Run the server side of ``protocol`` ("socks5", "http" or "mixed") on ``sock``.
+
+    ``initial``: bytes already read from ``sock`` (by the C connection path, which wrote
+    nothing back), parsed before anything more is read.
+    """
     reader = _Reader(loop, sock)
+    reader.buf = initial
+    reader.rx = len(initial)
     try:
         # One deadline for the whole handshake: cheaper than a timer per read.
         async with asyncio.timeout(timeout):

@@ -119,7 +119,7 @@ class Outbound(Protocol):
         ...
 
 
-def _errno_code(err: OSError) -> str:
+def errno_code(err: OSError) -> str:
     if isinstance(err, TimeoutError):
         return "connect_timeout"
     return {
@@ -175,7 +175,7 @@ async def _open_tcp(
     # asyncio's connect errors read "Connect call failed (addr)"; the errno's own
     # text ("Connection refused") is what flow records and probes should carry.
     reason = os.strerror(last.errno) if last.errno else str(last)
-    raise DialError(_errno_code(last), f"connect to {host}:{port} failed: {reason}", remote=host)
+    raise DialError(errno_code(last), f"connect to {host}:{port} failed: {reason}", remote=host)
 
 
 async def _recv_until(
@@ -382,7 +382,7 @@ class Socks5Outbound(_CredentialedProxy):
             raise self._broken(ex) from ex
         if reply.code != socks5.REP_SUCCEEDED:
             raise DialError(
-                _SOCKS_REPLY_NAMES.get(reply.code, "upstream_rejected"),
+                SOCKS_REPLY_NAMES.get(reply.code, "upstream_rejected"),
                 f"proxy {self.tag} answered SOCKS5 reply {reply.code} for {host}:{port}",
                 remote=f"{self.server}:{self.port}",
             )
@@ -396,7 +396,7 @@ class Socks5Outbound(_CredentialedProxy):
         )
 
 
-_SOCKS_REPLY_NAMES = {
+SOCKS_REPLY_NAMES = {
     socks5.REP_CONNECTION_REFUSED: "connection_refused",
     socks5.REP_NETWORK_UNREACHABLE: "network_unreachable",
     socks5.REP_HOST_UNREACHABLE: "host_unreachable",
