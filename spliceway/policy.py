@@ -167,6 +167,8 @@ class PolicyTable:
         self._views: dict[str, GroupView] = {v.tag: v for v in views}
         self._round_robin = {v.tag: itertools.count() for v in views}
         self._lock = threading.Lock()
+        #: Called after every publish (the engine recompiles the C route table).
+        self.on_publish: Callable[[], None] | None = None
 
     def publish(self, view: GroupView) -> None:
         """Replace a group's view (called by its actor only)."""
@@ -174,6 +176,8 @@ class PolicyTable:
             views = dict(self._views)
             views[view.tag] = view
             self._views = views
+        if self.on_publish is not None:
+            self.on_publish()
 
     def get(self, tag: str) -> GroupView | None:
         """The current view of ``tag``, or None when it is not a group."""
