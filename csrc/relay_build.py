@@ -88,4 +88,9 @@ if __name__ == "__main__":
     built = _make_builder(absolute=True).compile(
         tmpdir=str(_HERE.parent / "build" / "cffi"), verbose=True
     )
-    shutil.copy2(built, _HERE.parent / "spliceway" / pathlib.Path(built).name)
+    # Copy beside the target, then rename over it: a process that has the old
+    # extension mapped keeps its (unlinked) file instead of crashing on a rewrite.
+    target = _HERE.parent / "spliceway" / pathlib.Path(built).name
+    staging = target.with_name(target.name + ".tmp")
+    shutil.copy2(built, staging)
+    os.replace(staging, target)
