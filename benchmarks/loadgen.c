@@ -1,6 +1,6 @@
 /*
  * loadgen: epoll load generator for spliceway's end-to-end benchmarks,
- * talking to tinyserver directly or through a SOCKS5 proxy.
+ * talking to tinyserver directly or through a SOCKS5 or HTTP CONNECT proxy.
  *
  *   loadgen rate --target H:P [--socks H:P] --conc N --duration S [--count N]
  *                [--req 100] [--resp 1024] [--timeout-ms 5000] [--warmup S] [--threads T]
@@ -31,6 +31,11 @@
  *       prints one JSON line, then holds every tunnel open until stdin reaches
  *       EOF (or a line arrives) or --hold-seconds pass, prints a second JSON
  *       line (how many tunnels were still open) and exits.
+ *
+ * --http H:P instead of --socks H:P goes through an HTTP proxy: each connection
+ * sends "CONNECT <target> HTTP/1.1" with a Host header, reads the proxy's head
+ * up to the blank line (a 2xx status, nothing after the head: the target never
+ * speaks first here) and then runs the same exchange as above.
  *
  * rate and bulk run T epoll threads (default 1), the connections split evenly
  * between them, so the generator can use more than one core; the results are
@@ -65,6 +70,7 @@ enum state {
     S_CONNECTING,
     S_GREET,      /* waiting for the 2-byte method selection */
     S_REPLY,      /* waiting for the CONNECT reply */
+    S_HTTP_HEAD,  /* HTTP CONNECT: reading the proxy's response head */
     S_RESP,       /* rate: reading the response until EOF */
     S_UP_SEND,    /* bulk upload: sending */
     S_UP_ACK,     /* bulk upload: waiting for the 8-byte ack */
@@ -74,10 +80,11 @@ enum state {
 };
 
 enum err {
-    E_CONNECT, E_SOCKS_METHOD, E_SOCKS_REPLY, E_SHORT, E_TIMEOUT, E_IO, E_DROPPED, E_N
+    E_CONNECT, E_SOCKS_METHOD, E_SOCKS_REPLY, E_SHORT, E_TIMEOUT, E_IO, E_DROPPED, E_HTTP_REPLY,
+    E_N
 };
-static const char *err_names[E_N] = {"connect",  "socks_method", "socks_reply", "short_response",
-                                     "timeout",  "io",           "dropped"};
+static const char *err_names[E_N] = {"connect", "socks_method", "socks_reply", "short_response",
+                                     "timeout", "io",           "dropped",     "http_reply"};
 
 typedef struct conn {
     int fd;
@@ -89,13 +96,15 @@ typedef struct conn {
     uint32_t need;       /* bytes of the current small reply needed */
     uint64_t left;       /* bulk: bytes still to send/receive */
     uint64_t moved;      /* bytes of payload moved on this connection */
-    unsigned char rbuf[300];
+    unsigned char rbuf[1024]; /* small replies; an HTTP CONNECT response head */
 } conn;
 
 /* Options */
 static enum mode g_mode;
-static struct sockaddr_in g_target, g_socks;
-static int g_use_socks;
+static struct sockaddr_in g_target, g_socks; /* g_socks: the proxy, SOCKS5 or HTTP */
+static int g_use_socks, g_use_http;
+static char g_connect_req[160]; /* the HTTP CONNECT request */
+static size_t g_connect_len;
 static int g_conc = 1;
 static double g_duration = 5, g_warmup = 0;
 static uint64_t g_count;
@@ -218,7 +227,7 @@ static int start_conn(conn *c) {
     c->state = S_CONNECTING;
     g_active++;
     g_started++;
-    struct sockaddr_in *sa = g_use_socks ? &g_socks : &g_target;
+    struct sockaddr_in *sa = (g_use_socks || g_use_http) ? &g_socks : &g_target;
     int rc = connect(fd, (struct sockaddr *)sa, sizeof *sa);
     if (rc < 0 && errno != EINPROGRESS) {
         fail(c, E_CONNECT, errno);
@@ -310,7 +319,49 @@ static void on_connected(conn *c) {
         set_events(c, EPOLLIN);
         return;
     }
+    if (g_use_http) {
+        if (send_small(c, g_connect_req, g_connect_len) < 0) {
+            fail(c, E_IO, errno);
+            return;
+        }
+        c->state = S_HTTP_HEAD;
+        c->rlen = 0;
+        set_events(c, EPOLLIN);
+        return;
+    }
     app_start(c);
+}
+
+/* HTTP CONNECT: read the proxy's response head up to the blank line; a 2xx
+ * status opens the tunnel.  Bytes after the head are a protocol error (the
+ * target never speaks first in any mode), so is a head that does not fit. */
+static void on_http_head(conn *c) {
+    for (;;) {
+        size_t room = sizeof c->rbuf - 1 - c->rlen;
+        if (room == 0) {
+            fail(c, E_HTTP_REPLY, 0);
+            return;
+        }
+        ssize_t n = recv(c->fd, c->rbuf + c->rlen, room, 0);
+        if (n > 0) {
+            c->rlen += (uint32_t)n;
+            c->rbuf[c->rlen] = 0;
+            char *end = strstr((char *)c->rbuf, "\r\n\r\n");
+            if (!end) continue;
+            int ok = c->rlen >= 12 && !memcmp(c->rbuf, "HTTP/1.", 7) && c->rbuf[8] == ' ' &&
+                     c->rbuf[9] == '2';
+            if (!ok || (size_t)(end + 4 - (char *)c->rbuf) != c->rlen) {
+                fail(c, E_HTTP_REPLY, 0);
+                return;
+            }
+            app_start(c);
+            return;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        fail(c, E_HTTP_REPLY, n < 0 ? errno : 0);
+        return;
+    }
 }
 
 static void on_greet(conn *c) {
@@ -495,6 +546,7 @@ static void dispatch(conn *c) {
     case S_CONNECTING: on_connected(c); break;
     case S_GREET: on_greet(c); break;
     case S_REPLY: on_reply(c); break;
+    case S_HTTP_HEAD: on_http_head(c); break;
     case S_RESP: on_resp(c); break;
     case S_UP_SEND: on_up_send(c); break;
     case S_UP_ACK: on_up_ack(c); break;
@@ -706,7 +758,8 @@ static void *bulk_worker(void *arg) {
             /* bulk connections only time out in their handshake phases */
             for (int i = 0; i < g_nconns; i++) {
                 conn *c = &g_conns[i];
-                if ((c->state == S_CONNECTING || c->state == S_GREET || c->state == S_REPLY) &&
+                if ((c->state == S_CONNECTING || c->state == S_GREET || c->state == S_REPLY ||
+                     c->state == S_HTTP_HEAD) &&
                     now > c->deadline)
                     fail(c, E_TIMEOUT, ETIMEDOUT);
             }
@@ -762,13 +815,18 @@ static void run_threads(void *(*worker)(void *), result *merged) {
     g_done = merged->done;
 }
 
+static const char *proxy_kind(void) {
+    return g_use_socks ? "socks5" : g_use_http ? "http" : "none";
+}
+
 static int run_rate(void) {
     result m;
     run_threads(rate_worker, &m);
     double measured_s = (double)(m.end_ns - g_measure_from) / 1e9;
-    printf("{\"mode\": \"rate\", \"socks\": %s, \"conc\": %d, \"threads\": %d, \"count\": %llu, "
+    printf("{\"mode\": \"rate\", \"socks\": %s, \"proxy\": \"%s\", \"conc\": %d, \"threads\": %d, \"count\": %llu, "
            "\"warmup_count\": %llu, \"seconds\": %.3f, \"conn_per_s\": %.1f, \"unfinished\": %d, ",
-           g_use_socks ? "true" : "false", g_conc, g_threads, (unsigned long long)m.done,
+           g_use_socks ? "true" : "false", proxy_kind(), g_conc, g_threads,
+           (unsigned long long)m.done,
            (unsigned long long)m.warm_done, measured_s,
            measured_s > 0 ? (double)m.done / measured_s : 0.0, m.unfinished);
     if (g_rate > 0)
@@ -782,10 +840,10 @@ static int run_bulk(void) {
     result m;
     run_threads(bulk_worker, &m);
     double secs = (double)(m.end_ns - g_start_ns) / 1e9;
-    printf("{\"mode\": \"bulk\", \"socks\": %s, \"dir\": \"%s\", \"conns\": %d, \"threads\": %d, "
+    printf("{\"mode\": \"bulk\", \"socks\": %s, \"proxy\": \"%s\", \"dir\": \"%s\", \"conns\": %d, \"threads\": %d, "
            "\"bytes_per_conn\": %llu, \"completed\": %llu, \"bytes\": %llu, \"seconds\": %.4f, "
            "\"mb_per_s\": %.1f, \"truncated\": %s, ",
-           g_use_socks ? "true" : "false", g_up ? "up" : "down", g_conc, g_threads,
+           g_use_socks ? "true" : "false", proxy_kind(), g_up ? "up" : "down", g_conc, g_threads,
            (unsigned long long)g_bytes, (unsigned long long)m.done, (unsigned long long)m.moved,
            secs, secs > 0 ? (double)m.moved / secs / 1e6 : 0.0, m.truncated ? "true" : "false");
     print_tail(1);
@@ -821,9 +879,10 @@ static int run_hold(void) {
     for (int i = 0; i < g_nconns; i++)
         if (g_conns[i].state != S_FREE && g_conns[i].state != S_HELD)
             fail(&g_conns[i], E_TIMEOUT, ETIMEDOUT);
-    printf("{\"mode\": \"hold\", \"phase\": \"established\", \"socks\": %s, \"conns\": %d, "
-           "\"established\": %llu, \"ramp_seconds\": %.3f, ",
-           g_use_socks ? "true" : "false", g_nconns, (unsigned long long)g_established, ramp);
+    printf("{\"mode\": \"hold\", \"phase\": \"established\", \"socks\": %s, \"proxy\": \"%s\", "
+           "\"conns\": %d, \"established\": %llu, \"ramp_seconds\": %.3f, ",
+           g_use_socks ? "true" : "false", proxy_kind(), g_nconns,
+           (unsigned long long)g_established, ramp);
     print_tail(0);
     fflush(stdout);
 
@@ -855,7 +914,7 @@ static int run_hold(void) {
 
 static void usage(void) {
     fprintf(stderr,
-            "usage: loadgen rate|bulk|hold --target H:P [--socks H:P] [options]\n"
+            "usage: loadgen rate|bulk|hold --target H:P [--socks H:P | --http H:P] [options]\n"
             "  rate: --conc N --duration S [--count N] [--warmup S] [--req B] [--resp B]\n"
             "        [--timeout-ms MS] [--threads T] [--rate CONN_PER_S]\n"
             "  bulk: --conns N --bytes B --dir up|down [--max-seconds S] [--buf B] [--threads T]\n"
@@ -880,6 +939,9 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--socks")) {
             parse_hostport(v, &g_socks);
             g_use_socks = 1;
+        } else if (!strcmp(a, "--http")) {
+            parse_hostport(v, &g_socks);
+            g_use_http = 1;
         } else if (!strcmp(a, "--conc") || !strcmp(a, "--conns")) g_conc = atoi(v);
         else if (!strcmp(a, "--duration")) g_duration = atof(v);
         else if (!strcmp(a, "--warmup")) g_warmup = atof(v);
@@ -898,7 +960,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--rate")) g_rate = atof(v);
         else usage();
     }
-    if (!have_target || g_conc < 1 || g_buf < 4096 || g_inflight < 1 || g_threads < 1 ||
+    if (!have_target || (g_use_socks && g_use_http) || g_conc < 1 || g_buf < 4096 || g_inflight < 1 || g_threads < 1 ||
         g_threads > 64 || g_rate < 0 || g_rate > 1e7)
         usage();
     if (g_duration > 3600) g_duration = 3600;          /* always bounded */
@@ -906,6 +968,14 @@ int main(int argc, char **argv) {
     if (g_hold_seconds > 3600) g_hold_seconds = 3600;
     if (g_payload > 256) g_payload = 256;
 
+    if (g_use_http) {
+        char host[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &g_target.sin_addr, host, sizeof host);
+        int port = ntohs(g_target.sin_port);
+        g_connect_len = (size_t)snprintf(g_connect_req, sizeof g_connect_req,
+                                         "CONNECT %s:%d HTTP/1.1\r\nHost: %s:%d\r\n\r\n", host,
+                                         port, host, port);
+    }
     prctl(PR_SET_PDEATHSIG, SIGTERM);
     signal(SIGPIPE, SIG_IGN);
     struct rlimit rl;

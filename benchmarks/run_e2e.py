@@ -479,6 +479,12 @@ class Proxy:
     def rss(self) -> int:
         return proc_rss_kib(self.pid)
 
+    def fds(self) -> int:
+        return proc_fds(self.pid)
+
+    def threads(self) -> int:
+        return proc_threads(self.pid)
+
     def stop(self) -> dict:
         info = self.m.stop(10)
         info.update(
@@ -523,11 +529,17 @@ class QuietWait:
 
 
 def rate_argv(
-    target_port: int, socks_port: int | None, conc: int, duration: float, threads: int
+    target_port: int,
+    socks_port: int | None,
+    conc: int,
+    duration: float,
+    threads: int,
+    proxy_flag: str = "--socks",
 ) -> list[str]:
     """``loadgen rate`` against tinyserver's rate listener (100 B request, 1 KiB response),
-    through the SOCKS5 proxy on ``socks_port`` when given."""
-    socks = ["--socks", f"127.0.0.1:{socks_port}"] if socks_port else []
+    through the SOCKS5 proxy on ``socks_port`` when given (``proxy_flag="--http"``: an HTTP
+    CONNECT proxy)."""
+    socks = [proxy_flag, f"127.0.0.1:{socks_port}"] if socks_port else []
     return [
         "rate",
         "--target",
@@ -557,10 +569,12 @@ def bulk_argv(
     max_seconds: float,
     buf: int,
     threads: int,
+    proxy_flag: str = "--socks",
 ) -> list[str]:
     """``loadgen bulk`` against tinyserver's bulk listener, ``total_bytes`` split over the
-    connections (at least 1 MiB each), through the SOCKS5 proxy on ``socks_port`` when given."""
-    socks = ["--socks", f"127.0.0.1:{socks_port}"] if socks_port else []
+    connections (at least 1 MiB each), through the SOCKS5 proxy on ``socks_port`` when given
+    (``proxy_flag="--http"``: an HTTP CONNECT proxy)."""
+    socks = [proxy_flag, f"127.0.0.1:{socks_port}"] if socks_port else []
     return [
         "bulk",
         "--target",
@@ -607,16 +621,17 @@ def start_hold(
     hold_seconds: float,
     timeout_ms: int,
     inflight: int | None = None,
+    proxy_flag: str = "--socks",
 ) -> subprocess.Popen:
-    """``loadgen hold``: ``conns`` tunnels through the SOCKS5 proxy to tinyserver's idle
-    (echo) listener, 16 bytes echoed each; it prints a JSON line once they are up, and
-    closes them on a line on its stdin."""
+    """``loadgen hold``: ``conns`` tunnels through the SOCKS5 proxy (``proxy_flag="--http"``:
+    HTTP CONNECT proxy) to tinyserver's idle (echo) listener, 16 bytes echoed each; it prints
+    a JSON line once they are up, and closes them on a line on its stdin."""
     cmd = [
         *loadgen,
         "hold",
         "--target",
         f"127.0.0.1:{target_port}",
-        "--socks",
+        proxy_flag,
         f"127.0.0.1:{socks_port}",
         "--conns",
         str(conns),
@@ -702,6 +717,11 @@ class Runner:
     def _socks_port(self, via_proxy: bool) -> int | None:
         return self.proxy.port if via_proxy and self.proxy else None
 
+    def _proxy_flag(self) -> str:
+        """loadgen's option naming the proxy: ``--socks`` (SOCKS5), or ``--http`` for a proxy
+        whose ``mode`` is ``"http"`` (HTTP CONNECT; see peers.py)."""
+        return "--http" if getattr(self.proxy, "mode", "socks5") == "http" else "--socks"
+
     def bulk(self, via_proxy: bool, conns: int, direction: str, total_bytes: int) -> dict:
         a = self.args
         argv = bulk_argv(
@@ -713,6 +733,7 @@ class Runner:
             a.bulk_max_seconds,
             a.buf,
             min(conns, a.loadgen_threads),
+            self._proxy_flag(),
         )
         return self.measured(via_proxy, argv, a.bulk_max_seconds + 30)
 
@@ -723,12 +744,20 @@ class Runner:
             conc,
             duration,
             min(conc, self.args.loadgen_threads),
+            self._proxy_flag(),
         )
         return self.measured(via_proxy, [*argv, "--warmup", str(warmup)], duration + warmup + 30)
 
     def hold(self, flows: int, hold_seconds: float) -> subprocess.Popen:
         return start_hold(
-            self.loadgen_cmd(), self.server.idle, self.proxy.port, flows, hold_seconds, 10000, 128
+            self.loadgen_cmd(),
+            self.server.idle,
+            self.proxy.port,
+            flows,
+            hold_seconds,
+            10000,
+            128,
+            self._proxy_flag(),
         )
 
 
@@ -902,13 +931,15 @@ def run_rate(r: Runner, reps: int, duration: float) -> dict:
     return out
 
 
-def settle_rss(pid: int, seconds: float = 3.0) -> int:
-    """VmRSS once two samples 0.25 s apart agree within 0.5% (or after ``seconds``)."""
+def settle_rss(pid: int | Callable[[], int], seconds: float = 3.0) -> int:
+    """VmRSS once two samples 0.25 s apart agree within 0.5% (or after ``seconds``);
+    ``pid`` may be a function returning the figure (KiB) instead."""
+    sample = pid if callable(pid) else (lambda: proc_rss_kib(pid))
     end = time.monotonic() + seconds
-    last = proc_rss_kib(pid)
+    last = sample()
     while time.monotonic() < end:
         time.sleep(0.25)
-        cur = proc_rss_kib(pid)
+        cur = sample()
         if abs(cur - last) <= max(64, last // 200):
             return cur
         last = cur
@@ -928,9 +959,9 @@ def run_rss(r: Runner, flows: int, warm_flows: int) -> dict:
         hp.communicate(timeout=30)
         out["warmup_established"] = first["established"] if first else 0
         time.sleep(1.0)
-    before = settle_rss(proxy.pid)
-    fds_before = proc_fds(proxy.pid)
-    thr_before = proc_threads(proxy.pid)
+    before = settle_rss(proxy.rss)
+    fds_before = proxy.fds()
+    thr_before = proxy.threads()
     hp = r.hold(flows, 120)
     t0 = time.monotonic()
     first = read_json_line(hp, 90)
@@ -939,9 +970,9 @@ def run_rss(r: Runner, flows: int, warm_flows: int) -> dict:
         hp.communicate()
         raise SystemExit("hold client did not report")
     ramp = time.monotonic() - t0
-    after = settle_rss(proxy.pid)
-    fds_after = proc_fds(proxy.pid)
-    thr_after = proc_threads(proxy.pid)
+    after = settle_rss(proxy.rss)
+    fds_after = proxy.fds()
+    thr_after = proxy.threads()
     server_rss = proc_rss_kib(r.server.pid)
     hp.stdin.write("\n")
     hp.stdin.flush()
@@ -969,7 +1000,7 @@ def run_rss(r: Runner, flows: int, warm_flows: int) -> dict:
         }
     )
     time.sleep(1.0)
-    out["rss_after_release_kib"] = proc_rss_kib(proxy.pid)
+    out["rss_after_release_kib"] = proxy.rss()
     log(
         f"  rss: before={before} KiB after={after} KiB established={est}/{flows} "
         f"-> {out['kib_per_flow']} KiB/flow; proxy fds {fds_before}->{fds_after}, "
