@@ -1,23 +1,1811 @@
-/* Scaffold: replaced by the real table (every decision deferred until then). */
+/*
+ * spliceway compiled route tables.  See route.h for the contract and
+ * spliceway/routing.py for the reference semantics; this file explains the
+ * structures and where C gives up (SW_ROUTE_DEFER).
+ *
+ * Building
+ *   The builders only record items, tagged with their rule, and set one bit
+ *   per condition kind in the rule.  sw_table_seal turns them into per-rule
+ *   slices (merged CIDR intervals per family, merged port ranges, sorted
+ *   inbound/principal values, keyword ids) and into the indexes below.  From
+ *   then on nothing is written: decide only reads, so any number of threads
+ *   may call it, and it allocates nothing (a few hundred bytes of stack).
+ *
+ * Anchors
+ *   Each rule is filed under one "anchor", the most selective indexed kind it
+ *   has: domain > domain_suffix > domain_keyword > ip_cidr > source_ip_cidr >
+ *   principal_key > inbound_tag.  Rules with none of them (port, network,
+ *   opaque conditions only, or no condition) form the scan list.  A rule can
+ *   match only if its anchor condition holds, and every index answers, per
+ *   item the flow satisfies, the sorted ids of the rules anchored on that
+ *   item.  decide walks each such list in rule order, verifying the rule's
+ *   other conditions from its own slices, and stops at the first rule that is
+ *   not false or at the best rule found so far.  The rule that decides (the
+ *   first one, in rule order, that is not false) is the minimum over all
+ *   lists of each list's first such rule, so no list is merged and no
+ *   candidate set is materialised: the work is the index lookups plus the
+ *   candidates below the answer.
+ *
+ * Indexes
+ *   domain and domain_suffix: one open-addressing hash table of the distinct
+ *   normalised strings.  Strings are hashed from their last byte to their
+ *   first, so one right-to-left pass over a host yields the hash of every
+ *   dot-suffix routing.py considers (host[i+1:] at each '.', then the whole
+ *   host), each looked up in O(1): O(host length) whatever the number of
+ *   items, like the reversed-label tries of other proxies, without the
+ *   pointer chasing.  An entry lists the rules with that `domain` item, the
+ *   rules with that `domain_suffix` item and, of those, the ones anchored on
+ *   domain_suffix.
+ *   domain_keyword: an Aho-Corasick automaton over the distinct keywords of
+ *   keyword-anchored rules (sorted edge arrays, failure and dictionary
+ *   links): one pass over the host reports every keyword it contains.
+ *   ip_cidr / source_ip_cidr: per field and family, the distinct prefix
+ *   lengths, each with its sorted networks: the address is masked once per
+ *   length and bisected (at most 33 or 129 probes, usually a handful).
+ *   principal_key / inbound_tag: sorted distinct values with their rules.
+ *
+ * Three-valued matching, and what defers
+ *   A condition is false, true or unknown; a rule is false when one of its
+ *   conditions is, else unknown when one is, else true.  The first rule that
+ *   is not false decides: true gives its action, unknown SW_ROUTE_DEFER (with
+ *   `rule` naming the rule Python must look at).  Unknown comes from:
+ *   - opaque conditions (domain_regex, process_name);
+ *   - a host (target or sniffed) with a byte >= 0x80: Python lowercases with
+ *     str.lower, which is Unicode-aware (the Kelvin sign becomes 'k'), so its
+ *     domain conditions are unknown unless another, ASCII, host matches.  It
+ *     is never an IP literal: ipaddress takes ASCII digits only (outside a
+ *     scope id, which needs a '%');
+ *   - a host with a '%': ipaddress accepts IPv6 scope ids ("fe80::1%eth0"),
+ *     so whether it is an address (ip_cidr) or a name (domain conditions) is
+ *     left to Python.
+ *   The indexes only know true and false, so a flow with such a host, in a
+ *   table that has conditions of the affected kind, is decided by a linear
+ *   three-valued scan of the rules instead (rare; still exact).
+ *
+ * Facts with no value
+ *   inbound UINT32_MAX and principal SW_NO_PRINCIPAL mean none: conditions
+ *   on them are false (an item with that value never matches).  source_family
+ *   0 means the source is unknown: source_ip_cidr and source_port are false.
+ *   An IPv4-mapped IPv6 source is unmapped here too, as routing._parse_ip
+ *   does.  The query has no resolved address: ip_cidr looks at the target
+ *   host only (routing.FlowFacts.resolved_ip None, as the flow actors pass).
+ *
+ * IP literals
+ *   parse_ip() follows routing._parse_ip and Python 3.11's ipaddress step by
+ *   step (brackets, the cheap non-address rejection, strict dotted quads
+ *   without leading zeros, the '::' and embedded IPv4 rules of IPv6), rather
+ *   than inet_pton, whose corner cases differ.  Configured ::ffff:a.b.c.d/n
+ *   networks (n >= 96) also cover a.b.c.d/(n-96) as IPv4, as routing._IpSet
+ *   does; an IPv4-mapped target is looked up as IPv4.
+ */
+#define _GNU_SOURCE
 #include "route.h"
+
 #include <errno.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
-struct sw_table { uint64_t epoch; };
-int sw_table_new(uint32_t nrules, uint32_t ntargets, uint64_t epoch, sw_table **out) { (void)nrules; (void)ntargets; *out = calloc(1, sizeof(sw_table)); if (!*out) return -ENOMEM; (*out)->epoch = epoch; return 0; }
-void sw_table_free(sw_table *t) { free(t); }
-uint64_t sw_table_epoch(const sw_table *t) { return t->epoch; }
-int sw_table_set_mode(sw_table *t, int k, int32_t m, int32_t f) { (void)t; (void)k; (void)m; (void)f; return 0; }
-int sw_table_rule(sw_table *t, uint32_t r, int a, int32_t g) { (void)t; (void)r; (void)a; (void)g; return 0; }
-int sw_table_cond_domain(sw_table *t, uint32_t r, int k, const char *v) { (void)t; (void)r; (void)k; (void)v; return 0; }
-int sw_table_cond_cidr(sw_table *t, uint32_t r, int f, int fam, const uint8_t *a, int p) { (void)t; (void)r; (void)f; (void)fam; (void)a; (void)p; return 0; }
-int sw_table_cond_port(sw_table *t, uint32_t r, int f, uint16_t lo, uint16_t hi) { (void)t; (void)r; (void)f; (void)lo; (void)hi; return 0; }
-int sw_table_cond_network(sw_table *t, uint32_t r, int n) { (void)t; (void)r; (void)n; return 0; }
-int sw_table_cond_inbound(sw_table *t, uint32_t r, uint32_t i) { (void)t; (void)r; (void)i; return 0; }
-int sw_table_cond_principal(sw_table *t, uint32_t r, uint32_t p) { (void)t; (void)r; (void)p; return 0; }
-int sw_table_cond_opaque(sw_table *t, uint32_t r) { (void)t; (void)r; return 0; }
-int sw_table_target(sw_table *t, uint32_t i, int k, const char *s, uint16_t p, const char *u, const char *pw, uint32_t c) { (void)t; (void)i; (void)k; (void)s; (void)p; (void)u; (void)pw; (void)c; return 0; }
-int sw_table_seal(sw_table *t) { (void)t; return 0; }
-int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result *o) { (void)t; (void)q; o->action = SW_ROUTE_DEFER; o->rule = -1; o->target = -1; o->reserved = 0; return 0; }
-int32_t sw_table_first_domain_rule(const sw_table *t) { (void)t; return 0; }
-const sw_target_info *sw_table_target_info(const sw_table *t, uint32_t i) { (void)t; (void)i; return NULL; }
-int sw_table_mode(const sw_table *t) { (void)t; return SW_MODE_RULE; }
+#include <string.h>
+
+typedef unsigned __int128 u128;
+
+/* Condition kinds, one bit each in struct rule.kinds. */
+enum {
+    K_EXACT = 1u << 0,
+    K_SUFFIX = 1u << 1,
+    K_KEYWORD = 1u << 2,
+    K_NET_DST = 1u << 3,
+    K_NET_SRC = 1u << 4,
+    K_PORT_DST = 1u << 5,
+    K_PORT_SRC = 1u << 6,
+    K_NETWORK = 1u << 7,
+    K_INBOUND = 1u << 8,
+    K_PRINCIPAL = 1u << 9,
+    K_OPAQUE = 1u << 10,
+    K_DOMAIN = K_EXACT | K_SUFFIX | K_KEYWORD,
+};
+
+enum { A_SCAN, A_EXACT, A_SUFFIX, A_KEYWORD, A_NET_DST, A_NET_SRC, A_PRINCIPAL, A_INBOUND };
+
+/* Per-rule slices of the sealed arrays. */
+enum {
+    S_NET4_DST, /* t->ivals */
+    S_NET6_DST,
+    S_NET4_SRC,
+    S_NET6_SRC,
+    S_PORT_DST, /* t->ports */
+    S_PORT_SRC,
+    S_INBOUND,  /* t->vals */
+    S_PRINCIPAL,
+    S_KEYWORD,  /* t->rule_kws: keyword ids */
+    S_COUNT
+};
+
+enum { TV_FALSE, TV_TRUE, TV_UNKNOWN };
+
+#define NONE32 UINT32_MAX
+#define NO_INBOUND UINT32_MAX
+/* Results are int32_t. */
+#define MAX_RULES ((uint32_t)INT32_MAX - 1)
+#define MAX_TARGETS ((uint32_t)INT32_MAX - 1)
+/* Keywords reported once per host; past this many distinct hits per host a
+ * keyword's rules may be walked again (slower, still right). */
+#define AC_SEEN 64
+
+#define FNV_OFFSET 0xcbf29ce484222325ull
+#define FNV_PRIME 0x100000001b3ull
+
+struct slice {
+    uint32_t off, n;
+};
+
+struct vec {
+    void *p;
+    size_t n, cap;
+};
+
+/* ---- builder items ------------------------------------------------------ */
+
+struct b_dom {
+    uint32_t rule;
+    uint8_t kind; /* enum sw_domain_kind */
+    uint32_t len;
+    char *s;      /* normalised, NUL-terminated; owned */
+};
+
+struct b_net {
+    uint32_t rule;
+    uint8_t field, family, plen;
+    u128 lo, hi; /* IPv4 in the low 32 bits */
+};
+
+struct b_port {
+    uint32_t rule;
+    uint8_t field;
+    uint16_t lo, hi;
+};
+
+struct b_val {
+    uint32_t rule, value;
+};
+
+/* ---- sealed structures -------------------------------------------------- */
+
+struct ival {
+    u128 lo, hi;
+};
+
+struct prange {
+    uint16_t lo, hi;
+};
+
+struct rule {
+    int32_t action, target;
+    uint32_t kinds;
+    uint8_t anchor;
+    uint8_t netmask; /* bit 1 << network */
+    struct slice s[S_COUNT];
+};
+
+struct dentry {
+    uint64_t hash;
+    const char *s;
+    uint32_t len;
+    struct slice exact;   /* rules with this `domain` item */
+    struct slice suffix;  /* rules with this `domain_suffix` item */
+    struct slice sanchor; /* those of `suffix` anchored on domain_suffix */
+};
+
+struct kword {
+    const char *s;
+    uint32_t len;
+    struct slice anchor; /* keyword-anchored rules with this keyword */
+};
+
+struct acnode {
+    uint32_t edge_off, nedge;
+    uint32_t fail;
+    uint32_t dict; /* nearest node on the failure chain with a keyword */
+    uint32_t kw;   /* keyword ending here, NONE32 if none */
+};
+
+struct cnet {
+    u128 addr;
+    struct slice anchor;
+};
+
+struct cgroup {
+    uint32_t plen;
+    struct slice nets; /* t->cnets, sorted by addr */
+};
+
+struct vkey {
+    uint32_t value;
+    struct slice rules;
+};
+
+struct sw_table {
+    uint64_t epoch;
+    uint32_t nrules, ntargets;
+    bool sealed;
+    int mode;
+    int32_t mode_target, final_target;
+    int32_t first_domain;
+    uint32_t kinds; /* union of the rules' kinds */
+    struct rule *rules;
+    sw_target_info *targets;
+
+    /* Recorded by the builders (b_dom strings live as long as the table). */
+    struct vec b_dom, b_net, b_port, b_inb, b_pri;
+
+    /* Built by sw_table_seal. */
+    struct vec ids;      /* uint32_t rule ids, sliced by everything below */
+    struct vec ivals;    /* struct ival */
+    struct vec ports;    /* struct prange */
+    struct vec vals;     /* uint32_t */
+    struct vec rule_kws; /* uint32_t keyword ids */
+    struct vec dents;    /* struct dentry */
+    uint32_t *dslots;    /* entry index + 1, 0 = empty */
+    uint32_t dmask;
+    struct vec kws;      /* struct kword */
+    struct vec ac;       /* struct acnode; node 0 is the root */
+    struct vec edge_byte, edge_to;
+    struct vec cnets;    /* struct cnet */
+    struct vec cgroups;  /* struct cgroup */
+    struct slice cgroup_of[2][2]; /* [field][family 4: 0, 6: 1] */
+    struct vec inb_keys, pri_keys; /* struct vkey, sorted by value */
+    struct slice scan;   /* in ids: the rules anchored nowhere */
+};
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static void *vec_push(struct vec *v, size_t size)
+{
+    if (v->n == v->cap) {
+        size_t ncap = v->cap ? v->cap * 2 : 16;
+        void *np = realloc(v->p, ncap * size);
+        if (!np)
+            return NULL;
+        v->p = np;
+        v->cap = ncap;
+    }
+    return (char *)v->p + v->n++ * size;
+}
+
+static int push_id(struct vec *v, uint32_t id)
+{
+    uint32_t *p = vec_push(v, sizeof *p);
+    if (!p)
+        return -ENOMEM;
+    *p = id;
+    return 0;
+}
+
+static void vec_free(struct vec *v)
+{
+    free(v->p);
+    v->p = NULL;
+    v->n = v->cap = 0;
+}
+
+#define VEC_AT(v, type, i) (((type *)(v).p)[i])
+
+static inline unsigned char lower(unsigned char c)
+{
+    return (c >= 'A' && c <= 'Z') ? (unsigned char)(c + ('a' - 'A')) : c;
+}
+
+static inline uint64_t hmix(uint64_t h, unsigned char c)
+{
+    return (h ^ c) * FNV_PRIME;
+}
+
+/* Right to left, so that suffixes hash incrementally (see the top). */
+static uint64_t hash_rev(const char *s, uint32_t n)
+{
+    uint64_t h = FNV_OFFSET;
+    for (uint32_t i = n; i-- > 0;)
+        h = hmix(h, lower((unsigned char)s[i]));
+    return h;
+}
+
+static inline uint32_t slot_of(uint64_t h, uint32_t mask)
+{
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    return (uint32_t)h & mask;
+}
+
+/* Is `r` in the sorted ids[s]? */
+static bool has_id(const uint32_t *ids, struct slice s, uint32_t r)
+{
+    uint32_t lo = s.off, hi = s.off + s.n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (ids[mid] < r)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < s.off + s.n && ids[lo] == r;
+}
+
+static u128 net_mask(int family, unsigned plen)
+{
+    if (plen == 0)
+        return 0;
+    if (family == 4)
+        return (u128)((0xffffffffu << (32 - plen)) & 0xffffffffu);
+    return ~(u128)0 << (128 - plen);
+}
+
+static u128 host_mask(int family, unsigned plen)
+{
+    return (family == 4 ? (u128)0xffffffffu : ~(u128)0) & ~net_mask(family, plen);
+}
+
+/* ---- IP literals, as routing._parse_ip ---------------------------------- */
+
+static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+static int hex_val(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* ipaddress._BaseV4._ip_int_from_string: four '.'-separated decimal octets,
+ * 1-3 ASCII digits, no leading zero, <= 255. */
+static bool parse_v4(const char *s, size_t n, uint32_t *out)
+{
+    uint32_t v = 0;
+    int octets = 0;
+    size_t i = 0;
+    if (n == 0)
+        return false;
+    for (;;) {
+        size_t j = i;
+        while (j < n && s[j] != '.')
+            j++;
+        size_t len = j - i;
+        if (++octets > 4 || len == 0 || len > 3)
+            return false;
+        unsigned val = 0;
+        for (size_t k = i; k < j; k++) {
+            if (!is_digit(s[k]))
+                return false;
+            val = val * 10 + (unsigned)(s[k] - '0');
+        }
+        if (len > 1 && s[i] == '0')
+            return false;
+        if (val > 255)
+            return false;
+        v = (v << 8) | val;
+        if (j == n)
+            break;
+        i = j + 1;
+    }
+    if (octets != 4)
+        return false;
+    *out = v;
+    return true;
+}
+
+/* ipaddress._BaseV6._ip_int_from_string (the text has no '%': no scope). */
+static bool parse_v6(const char *s, size_t n, u128 *out)
+{
+    /* Parts: text slices, or a value (the embedded IPv4's two hextets). */
+    size_t pos[10], len[10];
+    int val[10];
+    int np = 0;
+    size_t i = 0;
+    if (n == 0)
+        return false;
+    for (;;) {
+        size_t j = i;
+        while (j < n && s[j] != ':')
+            j++;
+        if (np == 9) /* 10 parts or more: > 9 even before the IPv4 tail */
+            return false;
+        pos[np] = i;
+        len[np] = j - i;
+        val[np] = -1;
+        np++;
+        if (j == n)
+            break;
+        i = j + 1;
+    }
+    if (np < 3)
+        return false;
+    if (memchr(s + pos[np - 1], '.', len[np - 1])) {
+        uint32_t v4;
+        if (!parse_v4(s + pos[np - 1], len[np - 1], &v4))
+            return false;
+        val[np - 1] = (int)(v4 >> 16);
+        len[np - 1] = 1;
+        val[np] = (int)(v4 & 0xffff);
+        len[np] = 1;
+        np++;
+    }
+    if (np > 9)
+        return false;
+    int skip = -1;
+    for (int k = 1; k < np - 1; k++) {
+        if (len[k] == 0) {
+            if (skip >= 0)
+                return false;
+            skip = k;
+        }
+    }
+    int hi, lo, skipped;
+    if (skip >= 0) {
+        hi = skip;
+        lo = np - skip - 1;
+        if (len[0] == 0 && --hi)
+            return false;
+        if (len[np - 1] == 0 && --lo)
+            return false;
+        skipped = 8 - (hi + lo);
+        if (skipped < 1)
+            return false;
+    } else {
+        if (np != 8 || len[0] == 0 || len[np - 1] == 0)
+            return false;
+        hi = np;
+        lo = 0;
+        skipped = 0;
+    }
+    u128 ip = 0;
+    for (int k = 0; k < np; k++) {
+        if (k == hi)
+            ip = skipped >= 8 ? 0 : ip << (16 * skipped);
+        if (k >= hi && k < np - lo)
+            continue;
+        unsigned h = 0;
+        if (val[k] >= 0) {
+            h = (unsigned)val[k];
+        } else {
+            if (len[k] == 0 || len[k] > 4)
+                return false;
+            for (size_t c = 0; c < len[k]; c++) {
+                int d = hex_val(s[pos[k] + c]);
+                if (d < 0)
+                    return false;
+                h = (h << 4) | (unsigned)d;
+            }
+        }
+        ip = (ip << 16) | h;
+    }
+    if (hi == np) /* no '::' after the last part was read */
+        ip = skipped >= 8 ? 0 : ip << (16 * skipped);
+    *out = ip;
+    return true;
+}
+
+struct ipaddr {
+    int family; /* 4 or 6; IPv4-mapped IPv6 is 4 */
+    u128 v;
+};
+
+static void unmap(struct ipaddr *ip)
+{
+    if (ip->family == 6 && (ip->v >> 32) == 0xffff) {
+        ip->family = 4;
+        ip->v &= 0xffffffffu;
+    }
+}
+
+/* routing._parse_ip for ASCII text without '%' (see the top). */
+static bool parse_ip(const char *s, size_t n, struct ipaddr *out)
+{
+    if (n == 0)
+        return false;
+    if (s[0] == '[' && s[n - 1] == ']') {
+        s++;
+        n -= 2;
+    } else if (!memchr(s, ':', n) && !is_digit(s[n - 1])) {
+        return false;
+    }
+    if (memchr(s, '/', n))
+        return false;
+    uint32_t v4;
+    if (parse_v4(s, n, &v4)) {
+        out->family = 4;
+        out->v = v4;
+        return true;
+    }
+    if (!parse_v6(s, n, &out->v))
+        return false;
+    out->family = 6;
+    unmap(out);
+    return true;
+}
+
+/* ---- life --------------------------------------------------------------- */
+
+int sw_table_new(uint32_t nrules, uint32_t ntargets, uint64_t epoch, sw_table **out)
+{
+    if (!out || nrules > MAX_RULES || ntargets > MAX_TARGETS)
+        return -EINVAL;
+    sw_table *t = calloc(1, sizeof *t);
+    if (!t)
+        return -ENOMEM;
+    t->epoch = epoch;
+    t->nrules = nrules;
+    t->ntargets = ntargets;
+    t->mode_target = t->final_target = -1;
+    t->rules = calloc(nrules ? nrules : 1, sizeof *t->rules);
+    t->targets = calloc(ntargets ? ntargets : 1, sizeof *t->targets);
+    if (!t->rules || !t->targets) {
+        sw_table_free(t);
+        return -ENOMEM;
+    }
+    *out = t;
+    return 0;
+}
+
+static void free_index(sw_table *t)
+{
+    vec_free(&t->ids);
+    vec_free(&t->ivals);
+    vec_free(&t->ports);
+    vec_free(&t->vals);
+    vec_free(&t->rule_kws);
+    vec_free(&t->dents);
+    free(t->dslots);
+    t->dslots = NULL;
+    t->dmask = 0;
+    vec_free(&t->kws);
+    vec_free(&t->ac);
+    vec_free(&t->edge_byte);
+    vec_free(&t->edge_to);
+    vec_free(&t->cnets);
+    vec_free(&t->cgroups);
+    memset(t->cgroup_of, 0, sizeof t->cgroup_of);
+    vec_free(&t->inb_keys);
+    vec_free(&t->pri_keys);
+    t->scan = (struct slice){0, 0};
+    for (uint32_t r = 0; r < t->nrules; r++)
+        memset(t->rules[r].s, 0, sizeof t->rules[r].s);
+}
+
+static void target_clear(sw_target_info *ti)
+{
+    free((char *)ti->server);
+    free((char *)ti->user);
+    free((char *)ti->pass);
+    memset(ti, 0, sizeof *ti);
+}
+
+void sw_table_free(sw_table *t)
+{
+    if (!t)
+        return;
+    free_index(t);
+    for (size_t i = 0; i < t->b_dom.n; i++)
+        free(VEC_AT(t->b_dom, struct b_dom, i).s);
+    vec_free(&t->b_dom);
+    vec_free(&t->b_net);
+    vec_free(&t->b_port);
+    vec_free(&t->b_inb);
+    vec_free(&t->b_pri);
+    if (t->targets)
+        for (uint32_t i = 0; i < t->ntargets; i++)
+            target_clear(&t->targets[i]);
+    free(t->targets);
+    free(t->rules);
+    free(t);
+}
+
+uint64_t sw_table_epoch(const sw_table *t)
+{
+    return t ? t->epoch : 0;
+}
+
+/* ---- builders ----------------------------------------------------------- */
+
+static bool target_ok(const sw_table *t, int32_t target)
+{
+    return target >= 0 && (uint32_t)target < t->ntargets;
+}
+
+/* The rule `rule` of an unsealed table, or NULL. */
+static struct rule *building(sw_table *t, uint32_t rule)
+{
+    if (!t || t->sealed || rule >= t->nrules)
+        return NULL;
+    return &t->rules[rule];
+}
+
+int sw_table_set_mode(sw_table *t, int kind, int32_t mode_target, int32_t final_target)
+{
+    if (!t || t->sealed)
+        return -EINVAL;
+    switch (kind) {
+    case SW_MODE_RULE:
+        if (!target_ok(t, final_target) || (mode_target != -1 && !target_ok(t, mode_target)))
+            return -EINVAL;
+        break;
+    case SW_MODE_GLOBAL:
+    case SW_MODE_DIRECT:
+        if (!target_ok(t, mode_target) || (final_target != -1 && !target_ok(t, final_target)))
+            return -EINVAL;
+        break;
+    default:
+        return -EINVAL;
+    }
+    t->mode = kind;
+    t->mode_target = mode_target;
+    t->final_target = final_target;
+    return 0;
+}
+
+int sw_table_rule(sw_table *t, uint32_t rule, int action, int32_t target)
+{
+    struct rule *r = building(t, rule);
+    if (!r)
+        return -EINVAL;
+    if (action == SW_ROUTE_ROUTE) {
+        if (!target_ok(t, target))
+            return -EINVAL;
+    } else if (action != SW_ROUTE_BLOCK || target != -1) {
+        return -EINVAL;
+    }
+    r->action = action;
+    r->target = target;
+    return 0;
+}
+
+int sw_table_cond_domain(sw_table *t, uint32_t rule, int kind, const char *value)
+{
+    struct rule *r = building(t, rule);
+    if (!r || !value)
+        return -EINVAL;
+    uint32_t bit;
+    switch (kind) {
+    case SW_DOMAIN_EXACT: bit = K_EXACT; break;
+    case SW_DOMAIN_SUFFIX: bit = K_SUFFIX; break;
+    case SW_DOMAIN_KEYWORD: bit = K_KEYWORD; break;
+    default: return -EINVAL;
+    }
+    size_t n = strlen(value);
+    if (n > UINT32_MAX - 1)
+        return -EINVAL;
+    /* routing._norm_host for names (lowercase, one trailing dot dropped);
+     * keywords are only lowercased.  Non-ASCII bytes stay as given: Python
+     * passes str.lower()'s UTF-8, and no ASCII host can equal or contain a
+     * string with such a byte. */
+    if (kind != SW_DOMAIN_KEYWORD && n > 0 && value[n - 1] == '.')
+        n--;
+    char *s = malloc(n + 1);
+    if (!s)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++)
+        s[i] = (char)lower((unsigned char)value[i]);
+    s[n] = '\0';
+    struct b_dom *d = vec_push(&t->b_dom, sizeof *d);
+    if (!d) {
+        free(s);
+        return -ENOMEM;
+    }
+    *d = (struct b_dom){.rule = rule, .kind = (uint8_t)kind, .len = (uint32_t)n, .s = s};
+    r->kinds |= bit;
+    return 0;
+}
+
+static int push_net(sw_table *t, uint32_t rule, int field, int family, u128 addr, unsigned plen)
+{
+    struct b_net *b = vec_push(&t->b_net, sizeof *b);
+    if (!b)
+        return -ENOMEM;
+    u128 lo = addr & net_mask(family, plen);
+    *b = (struct b_net){.rule = rule, .field = (uint8_t)field, .family = (uint8_t)family,
+                        .plen = (uint8_t)plen, .lo = lo, .hi = lo | host_mask(family, plen)};
+    return 0;
+}
+
+int sw_table_cond_cidr(sw_table *t, uint32_t rule, int field, int family, const uint8_t *addr,
+                       int prefix)
+{
+    struct rule *r = building(t, rule);
+    if (!r || !addr || (field != SW_COND_DST && field != SW_COND_SRC))
+        return -EINVAL;
+    int bytes = family == 4 ? 4 : family == 6 ? 16 : 0;
+    if (!bytes || prefix < 0 || prefix > bytes * 8)
+        return -EINVAL;
+    u128 a = 0;
+    for (int i = 0; i < bytes; i++)
+        a = (a << 8) | addr[i];
+    int rc = push_net(t, rule, field, family, a, (unsigned)prefix);
+    /* routing._IpSet: ::ffff:a.b.c.d/n (n >= 96) also covers a.b.c.d/(n-96). */
+    if (!rc && family == 6 && prefix >= 96 && (a >> 32) == 0xffff)
+        rc = push_net(t, rule, field, 4, a & 0xffffffffu, (unsigned)prefix - 96);
+    if (rc)
+        return rc;
+    r->kinds |= field == SW_COND_DST ? K_NET_DST : K_NET_SRC;
+    return 0;
+}
+
+int sw_table_cond_port(sw_table *t, uint32_t rule, int field, uint16_t lo, uint16_t hi)
+{
+    struct rule *r = building(t, rule);
+    if (!r || (field != SW_COND_DST && field != SW_COND_SRC) || lo > hi)
+        return -EINVAL;
+    struct b_port *b = vec_push(&t->b_port, sizeof *b);
+    if (!b)
+        return -ENOMEM;
+    *b = (struct b_port){.rule = rule, .field = (uint8_t)field, .lo = lo, .hi = hi};
+    r->kinds |= field == SW_COND_DST ? K_PORT_DST : K_PORT_SRC;
+    return 0;
+}
+
+int sw_table_cond_network(sw_table *t, uint32_t rule, int network)
+{
+    struct rule *r = building(t, rule);
+    if (!r || (network != SW_NET_TCP && network != SW_NET_UDP))
+        return -EINVAL;
+    r->netmask |= (uint8_t)(1u << network);
+    r->kinds |= K_NETWORK;
+    return 0;
+}
+
+static int cond_value(sw_table *t, uint32_t rule, struct vec *v, uint32_t bit, uint32_t value)
+{
+    struct rule *r = building(t, rule);
+    if (!r)
+        return -EINVAL;
+    struct b_val *b = vec_push(v, sizeof *b);
+    if (!b)
+        return -ENOMEM;
+    *b = (struct b_val){.rule = rule, .value = value};
+    r->kinds |= bit;
+    return 0;
+}
+
+int sw_table_cond_inbound(sw_table *t, uint32_t rule, uint32_t inbound)
+{
+    return t ? cond_value(t, rule, &t->b_inb, K_INBOUND, inbound) : -EINVAL;
+}
+
+int sw_table_cond_principal(sw_table *t, uint32_t rule, uint32_t principal)
+{
+    return t ? cond_value(t, rule, &t->b_pri, K_PRINCIPAL, principal) : -EINVAL;
+}
+
+int sw_table_cond_opaque(sw_table *t, uint32_t rule)
+{
+    struct rule *r = building(t, rule);
+    if (!r)
+        return -EINVAL;
+    r->kinds |= K_OPAQUE;
+    return 0;
+}
+
+static int dup_opt(const char *s, const char **out)
+{
+    *out = NULL;
+    if (!s)
+        return 0;
+    *out = strdup(s);
+    return *out ? 0 : -ENOMEM;
+}
+
+int sw_table_target(sw_table *t, uint32_t index, int kind, const char *server, uint16_t port,
+                    const char *user, const char *pass, uint32_t connect_timeout_ms)
+{
+    if (!t || t->sealed || index >= t->ntargets)
+        return -EINVAL;
+    bool proxy = kind == SW_OUT_SOCKS5 || kind == SW_OUT_HTTP;
+    if (kind < SW_OUT_DEFER || kind > SW_OUT_HTTP || (proxy && !server))
+        return -EINVAL;
+    sw_target_info ti = {.kind = kind, .port = port, .connect_timeout_ms = connect_timeout_ms};
+    if (proxy) {
+        int rc = dup_opt(server, &ti.server);
+        if (!rc && user) {
+            rc = dup_opt(user, &ti.user);
+            if (!rc)
+                rc = dup_opt(pass ? pass : "", &ti.pass);
+        }
+        if (rc) {
+            target_clear(&ti);
+            return rc;
+        }
+    }
+    target_clear(&t->targets[index]);
+    t->targets[index] = ti;
+    return 0;
+}
+
+/* ---- seal --------------------------------------------------------------- */
+
+static int cmp_u32(uint32_t a, uint32_t b) { return (a > b) - (a < b); }
+static int cmp_u128(u128 a, u128 b) { return (a > b) - (a < b); }
+
+static int cmp_net_rule(const void *pa, const void *pb)
+{
+    const struct b_net *a = pa, *b = pb;
+    int c = cmp_u32(a->rule, b->rule);
+    if (!c)
+        c = cmp_u32(a->field, b->field);
+    if (!c)
+        c = cmp_u32(a->family, b->family);
+    return c ? c : cmp_u128(a->lo, b->lo);
+}
+
+static int cmp_net_index(const void *pa, const void *pb)
+{
+    const struct b_net *a = pa, *b = pb;
+    int c = cmp_u32(a->field, b->field);
+    if (!c)
+        c = cmp_u32(a->family, b->family);
+    if (!c)
+        c = cmp_u32(a->plen, b->plen);
+    if (!c)
+        c = cmp_u128(a->lo, b->lo);
+    return c ? c : cmp_u32(a->rule, b->rule);
+}
+
+static int cmp_port(const void *pa, const void *pb)
+{
+    const struct b_port *a = pa, *b = pb;
+    int c = cmp_u32(a->rule, b->rule);
+    if (!c)
+        c = cmp_u32(a->field, b->field);
+    return c ? c : cmp_u32(a->lo, b->lo);
+}
+
+static int cmp_val_rule(const void *pa, const void *pb)
+{
+    const struct b_val *a = pa, *b = pb;
+    int c = cmp_u32(a->rule, b->rule);
+    return c ? c : cmp_u32(a->value, b->value);
+}
+
+static int cmp_val_value(const void *pa, const void *pb)
+{
+    const struct b_val *a = pa, *b = pb;
+    int c = cmp_u32(a->value, b->value);
+    return c ? c : cmp_u32(a->rule, b->rule);
+}
+
+static int cmp_str(const char *a, uint32_t an, const char *b, uint32_t bn)
+{
+    int c = memcmp(a, b, an < bn ? an : bn);
+    return c ? c : cmp_u32(an, bn);
+}
+
+static int cmp_dom(const void *pa, const void *pb)
+{
+    const struct b_dom *a = pa, *b = pb;
+    int c = cmp_str(a->s, a->len, b->s, b->len);
+    if (!c)
+        c = cmp_u32(a->kind, b->kind);
+    return c ? c : cmp_u32(a->rule, b->rule);
+}
+
+static void sort_vec(struct vec *v, size_t size, int (*cmp)(const void *, const void *))
+{
+    if (v->n > 1)
+        qsort(v->p, v->n, size, cmp);
+}
+
+static uint8_t pick_anchor(uint32_t k)
+{
+    if (k & K_EXACT)
+        return A_EXACT;
+    if (k & K_SUFFIX)
+        return A_SUFFIX;
+    if (k & K_KEYWORD)
+        return A_KEYWORD;
+    if (k & K_NET_DST)
+        return A_NET_DST;
+    if (k & K_NET_SRC)
+        return A_NET_SRC;
+    if (k & K_PRINCIPAL)
+        return A_PRINCIPAL;
+    if (k & K_INBOUND)
+        return A_INBOUND;
+    return A_SCAN;
+}
+
+/* Per-rule merged CIDR intervals (per field and family). */
+static int seal_rule_nets(sw_table *t)
+{
+    sort_vec(&t->b_net, sizeof(struct b_net), cmp_net_rule);
+    for (size_t i = 0; i < t->b_net.n;) {
+        const struct b_net *g = &VEC_AT(t->b_net, struct b_net, i);
+        struct slice *s = &t->rules[g->rule].s[(g->field == SW_COND_SRC ? 2 : 0) +
+                                               (g->family == 6)];
+        s->off = (uint32_t)t->ivals.n;
+        size_t j = i;
+        for (; j < t->b_net.n; j++) {
+            const struct b_net *b = &VEC_AT(t->b_net, struct b_net, j);
+            if (b->rule != g->rule || b->field != g->field || b->family != g->family)
+                break;
+            struct ival *last = s->n ? &VEC_AT(t->ivals, struct ival, t->ivals.n - 1) : NULL;
+            if (last && (last->hi == ~(u128)0 || b->lo <= last->hi + 1)) {
+                if (b->hi > last->hi)
+                    last->hi = b->hi;
+                continue;
+            }
+            struct ival *iv = vec_push(&t->ivals, sizeof *iv);
+            if (!iv)
+                return -ENOMEM;
+            *iv = (struct ival){b->lo, b->hi};
+            s->n++;
+        }
+        i = j;
+    }
+    return 0;
+}
+
+static int seal_rule_ports(sw_table *t)
+{
+    sort_vec(&t->b_port, sizeof(struct b_port), cmp_port);
+    for (size_t i = 0; i < t->b_port.n;) {
+        const struct b_port *g = &VEC_AT(t->b_port, struct b_port, i);
+        struct slice *s = &t->rules[g->rule].s[g->field == SW_COND_SRC ? S_PORT_SRC : S_PORT_DST];
+        s->off = (uint32_t)t->ports.n;
+        size_t j = i;
+        for (; j < t->b_port.n; j++) {
+            const struct b_port *b = &VEC_AT(t->b_port, struct b_port, j);
+            if (b->rule != g->rule || b->field != g->field)
+                break;
+            struct prange *last = s->n ? &VEC_AT(t->ports, struct prange, t->ports.n - 1) : NULL;
+            if (last && (uint32_t)b->lo <= (uint32_t)last->hi + 1) {
+                if (b->hi > last->hi)
+                    last->hi = b->hi;
+                continue;
+            }
+            struct prange *p = vec_push(&t->ports, sizeof *p);
+            if (!p)
+                return -ENOMEM;
+            *p = (struct prange){b->lo, b->hi};
+            s->n++;
+        }
+        i = j;
+    }
+    return 0;
+}
+
+/* Per-rule sorted values (slice `which`) and the index of the rules anchored
+ * on this kind: distinct values with their rules. */
+static int seal_values(sw_table *t, struct vec *items, int which, uint8_t anchor,
+                       struct vec *keys)
+{
+    sort_vec(items, sizeof(struct b_val), cmp_val_rule);
+    for (size_t i = 0; i < items->n; i++) {
+        const struct b_val *b = &VEC_AT(*items, struct b_val, i);
+        struct slice *s = &t->rules[b->rule].s[which];
+        if (s->n && VEC_AT(t->vals, uint32_t, t->vals.n - 1) == b->value)
+            continue;
+        if (!s->n)
+            s->off = (uint32_t)t->vals.n;
+        if (push_id(&t->vals, b->value))
+            return -ENOMEM;
+        s->n++;
+    }
+    sort_vec(items, sizeof(struct b_val), cmp_val_value);
+    struct vkey *k = NULL;
+    for (size_t i = 0; i < items->n; i++) {
+        const struct b_val *b = &VEC_AT(*items, struct b_val, i);
+        if (t->rules[b->rule].anchor != anchor)
+            continue;
+        if (!k || k->value != b->value) {
+            k = vec_push(keys, sizeof *k);
+            if (!k)
+                return -ENOMEM;
+            *k = (struct vkey){.value = b->value, .rules = {(uint32_t)t->ids.n, 0}};
+        } else if (VEC_AT(t->ids, uint32_t, t->ids.n - 1) == b->rule) {
+            continue;
+        }
+        if (push_id(&t->ids, b->rule))
+            return -ENOMEM;
+        k->rules.n++;
+    }
+    return 0;
+}
+
+/* Appends the distinct rules of items [i, j) of b_dom with kind `kind` (and,
+ * if anchor, anchored there) to ids. */
+static int dom_rules(sw_table *t, size_t i, size_t j, int kind, int anchor, struct slice *out)
+{
+    out->off = (uint32_t)t->ids.n;
+    out->n = 0;
+    for (size_t k = i; k < j; k++) {
+        const struct b_dom *b = &VEC_AT(t->b_dom, struct b_dom, k);
+        if (b->kind != kind || (anchor >= 0 && t->rules[b->rule].anchor != anchor))
+            continue;
+        if (out->n && VEC_AT(t->ids, uint32_t, t->ids.n - 1) == b->rule)
+            continue;
+        if (push_id(&t->ids, b->rule))
+            return -ENOMEM;
+        out->n++;
+    }
+    return 0;
+}
+
+static int dslot_insert(sw_table *t, uint32_t index)
+{
+    const struct dentry *e = &VEC_AT(t->dents, struct dentry, index);
+    for (uint32_t s = slot_of(e->hash, t->dmask);; s = (s + 1) & t->dmask) {
+        if (!t->dslots[s]) {
+            t->dslots[s] = index + 1;
+            return 0;
+        }
+    }
+}
+
+/* Domain entries, the hash table, keyword entries and per-rule keyword ids. */
+static int seal_domains(sw_table *t)
+{
+    struct vec pairs = {0}; /* (rule, keyword id) */
+    int rc = 0;
+    sort_vec(&t->b_dom, sizeof(struct b_dom), cmp_dom);
+    for (size_t i = 0; i < t->b_dom.n && !rc;) {
+        const struct b_dom *g = &VEC_AT(t->b_dom, struct b_dom, i);
+        size_t j = i;
+        bool names = false, keyword = false;
+        for (; j < t->b_dom.n; j++) {
+            const struct b_dom *b = &VEC_AT(t->b_dom, struct b_dom, j);
+            if (cmp_str(b->s, b->len, g->s, g->len))
+                break;
+            if (b->kind == SW_DOMAIN_KEYWORD)
+                keyword = true;
+            else
+                names = true;
+        }
+        if (names) {
+            struct dentry *e = vec_push(&t->dents, sizeof *e);
+            if (!e)
+                rc = -ENOMEM;
+            else {
+                *e = (struct dentry){.hash = hash_rev(g->s, g->len), .s = g->s, .len = g->len};
+                struct slice ex, sf, sa;
+                rc = dom_rules(t, i, j, SW_DOMAIN_EXACT, -1, &ex);
+                if (!rc)
+                    rc = dom_rules(t, i, j, SW_DOMAIN_SUFFIX, -1, &sf);
+                if (!rc)
+                    rc = dom_rules(t, i, j, SW_DOMAIN_SUFFIX, A_SUFFIX, &sa);
+                /* ids may have moved, entries hold offsets: fill them in last. */
+                e = &VEC_AT(t->dents, struct dentry, t->dents.n - 1);
+                e->exact = ex;
+                e->suffix = sf;
+                e->sanchor = sa;
+            }
+        }
+        if (keyword && !rc) {
+            uint32_t id = (uint32_t)t->kws.n;
+            struct kword *kw = vec_push(&t->kws, sizeof *kw);
+            if (!kw)
+                rc = -ENOMEM;
+            else {
+                *kw = (struct kword){.s = g->s, .len = g->len};
+                struct slice an;
+                rc = dom_rules(t, i, j, SW_DOMAIN_KEYWORD, A_KEYWORD, &an);
+                VEC_AT(t->kws, struct kword, id).anchor = an;
+            }
+            for (size_t k = i; k < j && !rc; k++) {
+                const struct b_dom *b = &VEC_AT(t->b_dom, struct b_dom, k);
+                if (b->kind != SW_DOMAIN_KEYWORD)
+                    continue;
+                struct b_val *p = vec_push(&pairs, sizeof *p);
+                if (!p)
+                    rc = -ENOMEM;
+                else
+                    *p = (struct b_val){.rule = b->rule, .value = id};
+            }
+        }
+        i = j;
+    }
+    if (!rc) {
+        sort_vec(&pairs, sizeof(struct b_val), cmp_val_rule);
+        for (size_t i = 0; i < pairs.n && !rc; i++) {
+            const struct b_val *p = &VEC_AT(pairs, struct b_val, i);
+            struct slice *s = &t->rules[p->rule].s[S_KEYWORD];
+            if (s->n && VEC_AT(t->rule_kws, uint32_t, t->rule_kws.n - 1) == p->value)
+                continue;
+            if (!s->n)
+                s->off = (uint32_t)t->rule_kws.n;
+            rc = push_id(&t->rule_kws, p->value);
+            s->n++;
+        }
+    }
+    vec_free(&pairs);
+    if (rc)
+        return rc;
+    uint32_t cap = 16;
+    while (cap < 2 * t->dents.n)
+        cap *= 2;
+    t->dslots = calloc(cap, sizeof *t->dslots);
+    if (!t->dslots)
+        return -ENOMEM;
+    t->dmask = cap - 1;
+    for (uint32_t i = 0; i < t->dents.n; i++)
+        dslot_insert(t, i);
+    return 0;
+}
+
+static uint32_t ac_goto(const sw_table *t, uint32_t node, unsigned char c)
+{
+    const struct acnode *a = &VEC_AT(t->ac, struct acnode, node);
+    const uint8_t *bytes = t->edge_byte.p;
+    uint32_t lo = a->edge_off, hi = a->edge_off + a->nedge;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (bytes[mid] < c)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < a->edge_off + a->nedge && bytes[lo] == c)
+        return VEC_AT(t->edge_to, uint32_t, lo);
+    return NONE32;
+}
+
+/* Aho-Corasick over the keywords that anchor a rule.  kws is sorted, so the
+ * children of every trie node are created in increasing byte order and a
+ * prefix shared with the previous keyword is always its node's last child. */
+static int seal_keywords(sw_table *t)
+{
+    struct tnode {
+        uint32_t first, last, next; /* children and sibling, NONE32 = none */
+        uint8_t byte;
+    };
+    struct vec tn = {0}, queue = {0};
+    int rc = -ENOMEM;
+    bool any = false;
+    for (size_t i = 0; i < t->kws.n; i++)
+        any |= VEC_AT(t->kws, struct kword, i).anchor.n > 0;
+    if (!any)
+        return 0;
+    struct tnode *root = vec_push(&tn, sizeof *root);
+    struct acnode *aroot = vec_push(&t->ac, sizeof *aroot);
+    if (!root || !aroot)
+        goto out;
+    *root = (struct tnode){NONE32, NONE32, NONE32, 0};
+    *aroot = (struct acnode){.fail = 0, .dict = NONE32, .kw = NONE32};
+    for (uint32_t k = 0; k < t->kws.n; k++) {
+        const struct kword *kw = &VEC_AT(t->kws, struct kword, k);
+        if (!kw->anchor.n)
+            continue;
+        uint32_t node = 0;
+        for (uint32_t i = 0; i < kw->len; i++) {
+            uint8_t c = (uint8_t)kw->s[i];
+            uint32_t last = VEC_AT(tn, struct tnode, node).last;
+            if (last != NONE32 && VEC_AT(tn, struct tnode, last).byte == c) {
+                node = last;
+                continue;
+            }
+            uint32_t id = (uint32_t)tn.n;
+            struct tnode *n = vec_push(&tn, sizeof *n);
+            struct acnode *a = vec_push(&t->ac, sizeof *a);
+            if (!n || !a)
+                goto out;
+            *n = (struct tnode){NONE32, NONE32, NONE32, c};
+            *a = (struct acnode){.dict = NONE32, .kw = NONE32};
+            struct tnode *p = &VEC_AT(tn, struct tnode, node);
+            if (p->last == NONE32)
+                p->first = id;
+            else
+                VEC_AT(tn, struct tnode, p->last).next = id;
+            p->last = id;
+            node = id;
+        }
+        VEC_AT(t->ac, struct acnode, node).kw = k;
+    }
+    /* Flatten the children into sorted edge arrays. */
+    for (uint32_t u = 0; u < tn.n; u++) {
+        struct acnode *a = &VEC_AT(t->ac, struct acnode, u);
+        a->edge_off = (uint32_t)t->edge_to.n;
+        for (uint32_t c = VEC_AT(tn, struct tnode, u).first; c != NONE32;
+             c = VEC_AT(tn, struct tnode, c).next) {
+            uint8_t *b = vec_push(&t->edge_byte, 1);
+            if (!b || push_id(&t->edge_to, c))
+                goto out;
+            *b = VEC_AT(tn, struct tnode, c).byte;
+            a->nedge++;
+        }
+    }
+    /* Failure and dictionary links, breadth first. */
+    if (push_id(&queue, 0))
+        goto out;
+    for (size_t qi = 0; qi < queue.n; qi++) {
+        uint32_t u = VEC_AT(queue, uint32_t, qi);
+        const struct acnode au = VEC_AT(t->ac, struct acnode, u);
+        for (uint32_t e = au.edge_off; e < au.edge_off + au.nedge; e++) {
+            uint32_t v = VEC_AT(t->edge_to, uint32_t, e);
+            uint8_t c = VEC_AT(t->edge_byte, uint8_t, e);
+            uint32_t f = 0;
+            if (u != 0) {
+                uint32_t g = au.fail;
+                for (;;) {
+                    uint32_t nx = ac_goto(t, g, c);
+                    if (nx != NONE32) {
+                        f = nx;
+                        break;
+                    }
+                    if (g == 0)
+                        break;
+                    g = VEC_AT(t->ac, struct acnode, g).fail;
+                }
+            }
+            struct acnode *av = &VEC_AT(t->ac, struct acnode, v);
+            const struct acnode *af = &VEC_AT(t->ac, struct acnode, f);
+            av->fail = f;
+            av->dict = af->kw != NONE32 ? f : af->dict;
+            if (push_id(&queue, v))
+                goto out;
+        }
+    }
+    rc = 0;
+out:
+    vec_free(&tn);
+    vec_free(&queue);
+    return rc;
+}
+
+/* Networks of CIDR-anchored rules, grouped by field, family and length. */
+static int seal_net_index(sw_table *t)
+{
+    sort_vec(&t->b_net, sizeof(struct b_net), cmp_net_index);
+    struct cgroup *grp = NULL;
+    struct cnet *net = NULL;
+    for (size_t i = 0; i < t->b_net.n; i++) {
+        const struct b_net *b = &VEC_AT(t->b_net, struct b_net, i);
+        uint8_t anchor = t->rules[b->rule].anchor;
+        if (anchor != (b->field == SW_COND_SRC ? A_NET_SRC : A_NET_DST))
+            continue;
+        struct slice *groups = &t->cgroup_of[b->field == SW_COND_SRC][b->family == 6];
+        if (!groups->n)
+            groups->off = (uint32_t)t->cgroups.n;
+        bool new_group = !groups->n || grp->plen != b->plen;
+        if (new_group) {
+            grp = vec_push(&t->cgroups, sizeof *grp);
+            if (!grp)
+                return -ENOMEM;
+            *grp = (struct cgroup){.plen = b->plen, .nets = {(uint32_t)t->cnets.n, 0}};
+            groups->n++;
+        }
+        if (new_group || net->addr != b->lo) {
+            net = vec_push(&t->cnets, sizeof *net);
+            if (!net)
+                return -ENOMEM;
+            *net = (struct cnet){.addr = b->lo, .anchor = {(uint32_t)t->ids.n, 0}};
+            grp->nets.n++;
+        } else if (VEC_AT(t->ids, uint32_t, t->ids.n - 1) == b->rule) {
+            continue;
+        }
+        if (push_id(&t->ids, b->rule))
+            return -ENOMEM;
+        net->anchor.n++;
+    }
+    return 0;
+}
+
+int sw_table_seal(sw_table *t)
+{
+    if (!t || t->sealed || !t->mode)
+        return -EINVAL;
+    t->first_domain = (int32_t)t->nrules;
+    t->kinds = 0;
+    for (uint32_t r = 0; r < t->nrules; r++) {
+        struct rule *ru = &t->rules[r];
+        if (!ru->action)
+            return -EINVAL;
+        ru->anchor = pick_anchor(ru->kinds);
+        t->kinds |= ru->kinds;
+        /* Opaque may be a domain_regex (see sw_table_first_domain_rule). */
+        if ((ru->kinds & (K_DOMAIN | K_OPAQUE)) && t->first_domain == (int32_t)t->nrules)
+            t->first_domain = (int32_t)r;
+    }
+    int rc = seal_rule_nets(t);
+    if (!rc)
+        rc = seal_rule_ports(t);
+    if (!rc)
+        rc = seal_values(t, &t->b_inb, S_INBOUND, A_INBOUND, &t->inb_keys);
+    if (!rc)
+        rc = seal_values(t, &t->b_pri, S_PRINCIPAL, A_PRINCIPAL, &t->pri_keys);
+    if (!rc)
+        rc = seal_domains(t);
+    if (!rc)
+        rc = seal_keywords(t);
+    if (!rc)
+        rc = seal_net_index(t);
+    t->scan = (struct slice){(uint32_t)t->ids.n, 0};
+    for (uint32_t r = 0; r < t->nrules && !rc; r++)
+        if (t->rules[r].anchor == A_SCAN && !(rc = push_id(&t->ids, r)))
+            t->scan.n++;
+    if (rc) {
+        free_index(t);
+        return rc;
+    }
+    t->sealed = true;
+    return 0;
+}
+
+/* ---- decide ------------------------------------------------------------- */
+
+enum { H_NONE, H_NAME, H_IP, H_NONASCII, H_PERCENT };
+
+/* What a host text is to routing._view (see the top for the unsure ones). */
+static int classify(const char *s, uint32_t n, struct ipaddr *ip)
+{
+    bool high = false, pct = false;
+    if (n == 0)
+        return H_NONE;
+    for (uint32_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        high |= c >= 0x80;
+        pct |= c == '%';
+    }
+    if (pct)
+        return H_PERCENT;
+    if (high)
+        return H_NONASCII;
+    return parse_ip(s, n, ip) ? H_IP : H_NAME;
+}
+
+struct view {
+    const char *host[2]; /* known domain names, as given (compared lowercased) */
+    uint32_t len[2];     /* trailing dot dropped */
+    const struct dentry *whole[2]; /* the entry equal to the host, if any */
+    int nhosts;
+    bool dom_unknown;    /* a host whose domain conditions only Python knows */
+    int dst;             /* 0 none, 4, 6, -1 unknown */
+    u128 dst_ip;
+    int src;             /* 0 none, 4, 6 */
+    u128 src_ip;
+    uint16_t port, sport;
+    uint8_t netmask;
+    uint32_t inbound, principal;
+};
+
+struct best {
+    uint32_t rule;
+    int tv;
+};
+
+static const struct dentry *dlookup(const sw_table *t, const char *s, uint32_t n, uint64_t h)
+{
+    const struct dentry *dents = t->dents.p;
+    for (uint32_t i = slot_of(h, t->dmask);; i = (i + 1) & t->dmask) {
+        uint32_t e = t->dslots[i];
+        if (!e)
+            return NULL;
+        const struct dentry *d = &dents[e - 1];
+        if (d->hash != h || d->len != n)
+            continue;
+        uint32_t k = 0;
+        while (k < n && lower((unsigned char)s[k]) == (unsigned char)d->s[k])
+            k++;
+        if (k == n)
+            return d;
+    }
+}
+
+/* Walks the table's entries for the dot-suffixes of one host, right to left:
+ * host[i+1:] at each '.', then the whole host (is_whole set). */
+struct sfx_iter {
+    const char *s;
+    uint32_t n, i;
+    uint64_t h;
+    bool done;
+};
+
+static const struct dentry *sfx_next(const sw_table *t, struct sfx_iter *it, bool *is_whole)
+{
+    while (!it->done) {
+        if (it->i == 0) {
+            it->done = true;
+            *is_whole = true;
+            return dlookup(t, it->s, it->n, it->h);
+        }
+        uint32_t i = --it->i;
+        unsigned char c = (unsigned char)it->s[i];
+        const struct dentry *d = NULL;
+        if (c == '.')
+            d = dlookup(t, it->s + i + 1, it->n - i - 1, it->h);
+        it->h = hmix(it->h, lower(c));
+        if (d) {
+            *is_whole = false;
+            return d;
+        }
+    }
+    return NULL;
+}
+
+static void sfx_init(struct sfx_iter *it, const char *s, uint32_t n)
+{
+    *it = (struct sfx_iter){.s = s, .n = n, .i = n, .h = FNV_OFFSET};
+}
+
+static bool in_ivals(const struct ival *iv, struct slice s, u128 x)
+{
+    uint32_t lo = s.off, hi = s.off + s.n; /* first interval with lo > x */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (iv[mid].lo <= x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo > s.off && x <= iv[lo - 1].hi;
+}
+
+static bool in_ports(const struct prange *p, struct slice s, uint16_t x)
+{
+    uint32_t lo = s.off, hi = s.off + s.n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (p[mid].lo <= x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo > s.off && x <= p[lo - 1].hi;
+}
+
+static bool ci_contains(const char *h, uint32_t hn, const char *k, uint32_t kn)
+{
+    if (kn > hn)
+        return false;
+    for (uint32_t i = 0; i + kn <= hn; i++) {
+        uint32_t j = 0;
+        while (j < kn && lower((unsigned char)h[i + j]) == (unsigned char)k[j])
+            j++;
+        if (j == kn)
+            return true;
+    }
+    return false;
+}
+
+static int domain_tv(const struct view *v, bool hit)
+{
+    return hit ? TV_TRUE : v->dom_unknown ? TV_UNKNOWN : TV_FALSE;
+}
+
+static bool exact_hit(const sw_table *t, const struct view *v, uint32_t r)
+{
+    for (int i = 0; i < v->nhosts; i++)
+        if (v->whole[i] && has_id(t->ids.p, v->whole[i]->exact, r))
+            return true;
+    return false;
+}
+
+static bool suffix_hit(const sw_table *t, const struct view *v, uint32_t r)
+{
+    for (int i = 0; i < v->nhosts; i++) {
+        struct sfx_iter it;
+        const struct dentry *d;
+        bool whole;
+        sfx_init(&it, v->host[i], v->len[i]);
+        while ((d = sfx_next(t, &it, &whole)))
+            if (has_id(t->ids.p, d->suffix, r))
+                return true;
+    }
+    return false;
+}
+
+static bool keyword_hit(const sw_table *t, const struct view *v, const struct rule *ru)
+{
+    const uint32_t *ids = t->rule_kws.p;
+    const struct kword *kws = t->kws.p;
+    for (uint32_t k = 0; k < ru->s[S_KEYWORD].n; k++) {
+        const struct kword *kw = &kws[ids[ru->s[S_KEYWORD].off + k]];
+        for (int i = 0; i < v->nhosts; i++)
+            if (ci_contains(v->host[i], v->len[i], kw->s, kw->len))
+                return true;
+    }
+    return false;
+}
+
+static int net_tv(const sw_table *t, const struct rule *ru, int slice4, int family, u128 ip)
+{
+    if (family < 0)
+        return TV_UNKNOWN;
+    if (family == 0)
+        return TV_FALSE;
+    return in_ivals(t->ivals.p, ru->s[slice4 + (family == 6)], ip) ? TV_TRUE : TV_FALSE;
+}
+
+/* Rule r against the flow, except the kinds in `skip` (known true). */
+static int rule_eval(const sw_table *t, const struct view *v, uint32_t r, uint32_t skip)
+{
+    const struct rule *ru = &t->rules[r];
+    uint32_t k = ru->kinds & ~skip;
+    bool unknown = false;
+    int tv;
+    if ((k & K_NETWORK) && !(ru->netmask & v->netmask))
+        return TV_FALSE;
+    if ((k & K_PORT_DST) && !in_ports(t->ports.p, ru->s[S_PORT_DST], v->port))
+        return TV_FALSE;
+    if ((k & K_PORT_SRC) && (!v->src || !in_ports(t->ports.p, ru->s[S_PORT_SRC], v->sport)))
+        return TV_FALSE;
+    if ((k & K_INBOUND) &&
+        (v->inbound == NO_INBOUND || !has_id(t->vals.p, ru->s[S_INBOUND], v->inbound)))
+        return TV_FALSE;
+    if ((k & K_PRINCIPAL) && (v->principal == SW_NO_PRINCIPAL ||
+                              !has_id(t->vals.p, ru->s[S_PRINCIPAL], v->principal)))
+        return TV_FALSE;
+    if (k & K_NET_DST) {
+        if ((tv = net_tv(t, ru, S_NET4_DST, v->dst, v->dst_ip)) == TV_FALSE)
+            return TV_FALSE;
+        unknown |= tv == TV_UNKNOWN;
+    }
+    if ((k & K_NET_SRC) && net_tv(t, ru, S_NET4_SRC, v->src, v->src_ip) == TV_FALSE)
+        return TV_FALSE;
+    if (k & K_EXACT) {
+        if ((tv = domain_tv(v, exact_hit(t, v, r))) == TV_FALSE)
+            return TV_FALSE;
+        unknown |= tv == TV_UNKNOWN;
+    }
+    if (k & K_SUFFIX) {
+        if ((tv = domain_tv(v, suffix_hit(t, v, r))) == TV_FALSE)
+            return TV_FALSE;
+        unknown |= tv == TV_UNKNOWN;
+    }
+    if (k & K_KEYWORD) {
+        if ((tv = domain_tv(v, keyword_hit(t, v, ru))) == TV_FALSE)
+            return TV_FALSE;
+        unknown |= tv == TV_UNKNOWN;
+    }
+    if (k & K_OPAQUE)
+        unknown = true;
+    return unknown ? TV_UNKNOWN : TV_TRUE;
+}
+
+/* ids[s] in rule order: the first rule below b->rule that is not false. */
+static void walk(const sw_table *t, const struct view *v, struct slice s, uint32_t skip,
+                 struct best *b)
+{
+    const uint32_t *ids = t->ids.p;
+    for (uint32_t i = s.off; i < s.off + s.n; i++) {
+        uint32_t r = ids[i];
+        if (r >= b->rule)
+            return;
+        int tv = rule_eval(t, v, r, skip);
+        if (tv != TV_FALSE) {
+            b->rule = r;
+            b->tv = tv;
+            return;
+        }
+    }
+}
+
+static void ac_report(const sw_table *t, const struct view *v, uint32_t node, uint32_t *seen,
+                      uint32_t *nseen, struct best *b)
+{
+    const struct acnode *ac = t->ac.p;
+    const struct kword *kws = t->kws.p;
+    for (uint32_t o = ac[node].kw != NONE32 ? node : ac[node].dict; o != NONE32; o = ac[o].dict) {
+        uint32_t kw = ac[o].kw, i = 0;
+        while (i < *nseen && seen[i] != kw)
+            i++;
+        if (i < *nseen)
+            continue;
+        if (*nseen < AC_SEEN)
+            seen[(*nseen)++] = kw;
+        walk(t, v, kws[kw].anchor, K_KEYWORD, b);
+    }
+}
+
+static void ac_walk(const sw_table *t, const struct view *v, const char *s, uint32_t n,
+                    struct best *b)
+{
+    uint32_t seen[AC_SEEN], nseen = 0, node = 0;
+    const struct acnode *ac = t->ac.p;
+    ac_report(t, v, 0, seen, &nseen, b); /* an empty keyword */
+    for (uint32_t i = 0; i < n; i++) {
+        unsigned char c = lower((unsigned char)s[i]);
+        uint32_t nx;
+        for (;;) {
+            nx = ac_goto(t, node, c);
+            if (nx != NONE32 || node == 0)
+                break;
+            node = ac[node].fail;
+        }
+        node = nx != NONE32 ? nx : 0;
+        if (ac[node].kw != NONE32 || ac[node].dict != NONE32)
+            ac_report(t, v, node, seen, &nseen, b);
+    }
+}
+
+static void net_walk(const sw_table *t, const struct view *v, int field, int family, u128 ip,
+                     uint32_t skip, struct best *b)
+{
+    struct slice g = t->cgroup_of[field][family == 6];
+    const struct cgroup *groups = t->cgroups.p;
+    const struct cnet *nets = t->cnets.p;
+    for (uint32_t k = g.off; k < g.off + g.n; k++) {
+        u128 x = ip & net_mask(family, groups[k].plen);
+        uint32_t lo = groups[k].nets.off, hi = lo + groups[k].nets.n;
+        while (lo < hi) {
+            uint32_t mid = lo + (hi - lo) / 2;
+            if (nets[mid].addr < x)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo < groups[k].nets.off + groups[k].nets.n && nets[lo].addr == x)
+            walk(t, v, nets[lo].anchor, skip, b);
+    }
+}
+
+static void value_walk(const sw_table *t, const struct view *v, const struct vec *keys,
+                       uint32_t value, uint32_t skip, struct best *b)
+{
+    const struct vkey *k = keys->p;
+    uint32_t lo = 0, hi = (uint32_t)keys->n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (k[mid].value < value)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < keys->n && k[lo].value == value)
+        walk(t, v, k[lo].rules, skip, b);
+}
+
+static void add_host(const sw_table *t, struct view *v, const char *s, uint32_t n)
+{
+    if (n && s[n - 1] == '.')
+        n--;
+    v->host[v->nhosts] = s;
+    v->len[v->nhosts] = n;
+    v->whole[v->nhosts] = t->dents.n ? dlookup(t, s, n, hash_rev(s, n)) : NULL;
+    v->nhosts++;
+}
+
+static void make_view(const sw_table *t, const sw_route_query *q, struct view *v)
+{
+    struct ipaddr ip;
+    memset(v, 0, sizeof *v);
+    switch (classify(q->host, q->host_len, &ip)) {
+    case H_NAME:
+        add_host(t, v, q->host, q->host_len);
+        break;
+    case H_IP:
+        v->dst = ip.family;
+        v->dst_ip = ip.v;
+        break;
+    case H_NONASCII:
+        v->dom_unknown = true;
+        break;
+    case H_PERCENT:
+        v->dom_unknown = true;
+        v->dst = -1;
+        break;
+    default:
+        break;
+    }
+    if (q->sniffed) {
+        switch (classify(q->sniffed, q->sniffed_len, &ip)) {
+        case H_NAME:
+            add_host(t, v, q->sniffed, q->sniffed_len);
+            break;
+        case H_NONASCII:
+        case H_PERCENT:
+            v->dom_unknown = true;
+            break;
+        default: /* an IP literal sniffed host is ignored */
+            break;
+        }
+    }
+    if (q->source_family) {
+        struct ipaddr src = {.family = q->source_family, .v = 0};
+        for (int i = 0; i < (src.family == 4 ? 4 : 16); i++)
+            src.v = (src.v << 8) | q->source_ip[i];
+        unmap(&src);
+        v->src = src.family;
+        v->src_ip = src.v;
+        v->sport = q->source_port;
+    }
+    v->port = q->port;
+    v->netmask = (q->network == SW_NET_TCP || q->network == SW_NET_UDP)
+                     ? (uint8_t)(1u << q->network) : 0;
+    v->inbound = q->inbound;
+    v->principal = q->principal;
+}
+
+static void decide_indexed(const sw_table *t, const struct view *v, struct best *b)
+{
+    walk(t, v, t->scan, 0, b);
+    for (int i = 0; i < v->nhosts; i++) {
+        if (t->dents.n) {
+            struct sfx_iter it;
+            const struct dentry *d;
+            bool whole;
+            sfx_init(&it, v->host[i], v->len[i]);
+            while ((d = sfx_next(t, &it, &whole))) {
+                if (whole)
+                    walk(t, v, d->exact, K_EXACT, b);
+                walk(t, v, d->sanchor, K_SUFFIX, b);
+            }
+        }
+        if (t->ac.n)
+            ac_walk(t, v, v->host[i], v->len[i], b);
+    }
+    if (v->dst > 0)
+        net_walk(t, v, 0, v->dst, v->dst_ip, K_NET_DST, b);
+    if (v->src > 0)
+        net_walk(t, v, 1, v->src, v->src_ip, K_NET_SRC, b);
+    if (v->principal != SW_NO_PRINCIPAL)
+        value_walk(t, v, &t->pri_keys, v->principal, K_PRINCIPAL, b);
+    if (v->inbound != NO_INBOUND)
+        value_walk(t, v, &t->inb_keys, v->inbound, K_INBOUND, b);
+}
+
+int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result *out)
+{
+    if (!t || !q || !out || !t->sealed || (q->host_len && !q->host) ||
+        (q->source_family != 0 && q->source_family != 4 && q->source_family != 6))
+        return -EINVAL;
+    *out = (sw_route_result){.action = SW_ROUTE_ROUTE, .rule = -1, .target = -1, .reserved = 0};
+    if (t->mode != SW_MODE_RULE) {
+        out->target = t->mode_target;
+        return 0;
+    }
+    struct view v;
+    make_view(t, q, &v);
+    struct best b = {t->nrules, TV_FALSE};
+    if ((v.dom_unknown && (t->kinds & K_DOMAIN)) || (v.dst < 0 && (t->kinds & K_NET_DST))) {
+        /* Facts the indexes cannot express: every rule, three-valued. */
+        for (uint32_t r = 0; r < t->nrules; r++) {
+            int tv = rule_eval(t, &v, r, 0);
+            if (tv != TV_FALSE) {
+                b = (struct best){r, tv};
+                break;
+            }
+        }
+    } else {
+        decide_indexed(t, &v, &b);
+    }
+    if (b.rule == t->nrules) {
+        out->target = t->final_target;
+    } else if (b.tv == TV_UNKNOWN) {
+        out->action = SW_ROUTE_DEFER;
+        out->rule = (int32_t)b.rule;
+    } else {
+        const struct rule *ru = &t->rules[b.rule];
+        out->action = ru->action;
+        out->rule = (int32_t)b.rule;
+        out->target = ru->target;
+    }
+    return 0;
+}
+
+/* The first rule with a domain condition, counting opaque conditions too:
+ * C cannot tell a domain_regex from a process_name, and a smaller answer only
+ * makes conn.c wait for a sniffed host it did not need. */
+int32_t sw_table_first_domain_rule(const sw_table *t)
+{
+    if (!t)
+        return -EINVAL;
+    if (t->sealed)
+        return t->first_domain;
+    for (uint32_t r = 0; r < t->nrules; r++)
+        if (t->rules[r].kinds & (K_DOMAIN | K_OPAQUE))
+            return (int32_t)r;
+    return (int32_t)t->nrules;
+}
+
+const sw_target_info *sw_table_target_info(const sw_table *t, uint32_t index)
+{
+    if (!t || index >= t->ntargets)
+        return NULL;
+    return &t->targets[index];
+}
+
+int sw_table_mode(const sw_table *t)
+{
+    return t ? t->mode : -EINVAL;
+}
