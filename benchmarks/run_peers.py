@@ -154,14 +154,15 @@ def interleaved(r: PeerRunner, case: str, paths: list[str]) -> dict[str, list[di
     return runs
 
 
-def summarise(case: str, rs: list[dict]) -> dict | None:
-    """The best undisturbed run (run_e2e's rule: interference only slows a run down), the
-    median and spread, errors, and the proxy's CPU over all runs of the path."""
+def summarise(case: str, rs: list[dict], clean_only: bool) -> dict | None:
+    """The best run (run_e2e's rule: interference only slows a run down) among the undisturbed
+    ones when ``clean_only``, the median and spread, errors, and the proxy's CPU over all runs
+    of the path."""
     if not rs:
         return None
     kind = CASES[case][0]
     key = "conn_per_s" if kind == "rate" else "mb_per_s"
-    clean = e2e.undisturbed(rs)
+    clean = e2e.undisturbed(rs) if clean_only else rs
     top = max(clean, key=lambda x: x[key])
     vals = [x[key] for x in clean]
     out = {
@@ -205,12 +206,15 @@ def measure(r: PeerRunner, paths: list[str], only: set[str]) -> dict:
         t0 = time.monotonic()
         runs = interleaved(r, case, paths)
         out.setdefault("phase_s", {})[case] = round(time.monotonic() - t0, 1)
-        summary = {p: summarise(case, rs) for p, rs in runs.items()}
+        # Undisturbed runs only when every path has one; else every run of every path, so no
+        # path's clean run is set against another's disturbed ones.
+        clean_only = all(any(not x["disturbed"] for x in rs) for rs in runs.values() if rs)
+        summary = {p: summarise(case, rs, clean_only) for p, rs in runs.items()}
         base = (summary.get(DIRECT) or {}).get("best")
         for s in summary.values():
             if s is not None:
                 s["ratio"] = round(s["best"] / base, 3) if base else None
-        out[case] = {"summary": summary, "runs": runs}
+        out[case] = {"summary": summary, "runs": runs, "undisturbed_only": clean_only}
     if "bulk" in only:  # CPU per GB over both 8-connection directions
         gb = {}
         for path in paths[1:]:
@@ -414,7 +418,8 @@ def report(res: dict) -> str:
     widths = [max(len(cells[i]) for _, cells in table) + 2 for i in range(len(paths))]
     lines = [
         f"spliceway vs peers  {meta['timestamp']}  ({'quick' if meta['quick'] else 'full'} run, "
-        f"{meta['reps']} rep(s), best undisturbed run per path)",
+        f"{meta['reps']} rep(s), best run per path; only undisturbed runs where every path "
+        "has one)",
         f"machine: {meta['nproc']} CPUs ({meta['cpu_model']}), kernel {meta['kernel']}, "
         f"loadavg at start {' '.join(f'{x:.2f}' for x in meta['loadavg_start'])}",
         f"git: {meta['git']}; spliceway launched as {meta.get('spliceway_launch', '?')}",
@@ -458,7 +463,8 @@ def collect_notes(res: dict, r: PeerRunner) -> list[str]:
     if busy:
         notes.append(
             f"{len(busy)}/{len(runs)} runs were disturbed by other processes (>10% of the "
-            "machine's CPU); the table uses undisturbed runs where a path has any"
+            "machine's CPU); a measurement uses only undisturbed runs when every path has "
+            "one, else all runs (the JSON says which: undisturbed_only)"
         )
     hot = [
         x
