@@ -196,7 +196,8 @@ def collect_notes(res: dict) -> list[str]:
     if busy:
         notes.append(
             f"{len(busy)}/{len(runs)} runs were disturbed by other processes (>10% of the "
-            "machine's CPU); the medians use the undisturbed ones where there are any"
+            "machine's CPU); the medians use only undisturbed runs when every situation has "
+            "one, else all runs"
         )
     for r in runs:
         errs = {k: v for k, v in r["loadgen"]["errors"].items() if v}
