@@ -1,0 +1,956 @@
+/*
+ * fuzz_parse: a standalone fuzz driver for the C handshake and sniff parsers
+ * (csrc/parse.c), meant to be built with -fsanitize=address,undefined (see
+ * benchmarks/fuzz_parse.py, which builds and runs it).
+ *
+ *   fuzz_parse [-n COUNT] [-t SECONDS] [-s SEED] [-p EVERY] [SEEDFILE...]
+ *
+ * Inputs come from a seeded PRNG: valid messages generated here (SOCKS5
+ * greetings, username/password and requests with IPv4/IPv6/UTF-8 domain
+ * addresses; HTTP CONNECT heads with headers and Basic credentials; HTTP
+ * requests with a Host; TLS ClientHellos with SNI, sometimes cut into several
+ * records) and any SEEDFILEs (raw messages, e.g. genuine ClientHellos), then
+ * mutated: bit flips, interesting bytes, inserted/deleted/duplicated runs,
+ * truncation, splices of two seeds, and 8/16-bit length-field edits.  Some
+ * inputs are plain random bytes, a few are grown past SNIFF_LIMIT or
+ * http.MAX_HEAD_SIZE.  Every input goes through every parser in a malloc()
+ * block of exactly its length, so ASan sees any over-read; one input in EVERY
+ * (default 64) is also run at every prefix length.
+ *
+ * Invariants checked (a failure prints the input, writes it to
+ * fuzz-parse-failure.bin and aborts):
+ *   - status is one of the four; SOCKS5 and sniffing never defer, HTTP never
+ *     answers ERROR; reply_len <= SW_PARSE_REPLY_MAX and 0 unless ERROR;
+ *   - on OK: 0 < consumed <= len; offsets inside the message; every host,
+ *     user and password NUL-terminated with its length == strlen; hosts are
+ *     non-empty and made of the characters their parser can produce;
+ *   - over the prefixes of an input every parser answers NEED_MORE until it
+ *     reaches a final verdict (OK, ERROR or DEFER) that every longer prefix
+ *     repeats with identical fields: Python's parsers decide on the bytes
+ *     seen, never on how many follow (SOCKS5, HTTP, sniffing alike).
+ *
+ * Stops after COUNT inputs (default 5,000,000) or SECONDS (default 600),
+ * whichever comes first, and prints the counts of inputs and outcomes per
+ * parser.  Built with -DSW_FUZZ_LIBFUZZER it instead exports
+ * LLVMFuzzerTestOneInput for clang -fsanitize=fuzzer.
+ */
+#define _GNU_SOURCE
+#include "parse.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum {
+    MAX_INPUT = 70000, /* room for heads past http.MAX_HEAD_SIZE (65536) */
+    SNIFF_LIMIT = 16384 + 5,
+    HTTP_MAX_HEAD = 65536,
+    MAX_SEEDS = 4096,
+    SEED_MAX = 20000, /* generated seeds stay under this */
+    PREFIX_SWEEP_MAX = 4096, /* longer inputs get sampled prefix lengths */
+};
+
+enum { P_GREETING, P_USERPASS, P_REQUEST, P_HTTP, P_SNIFF, P_COUNT };
+static const char *const parser_name[P_COUNT] = {"s5_greeting", "s5_userpass", "s5_request",
+                                                 "http_connect", "sniff"};
+/* The libFuzzer entry point reports nothing itself. */
+#define MAYBE_UNUSED __attribute__((unused))
+static MAYBE_UNUSED const char *const status_name[4] = {"ok", "need_more", "error", "defer"};
+
+/* Outcomes per parser: [0] whole inputs, [1] calls of the prefix sweeps. */
+static uint64_t outcomes[2][P_COUNT][4];
+static MAYBE_UNUSED uint64_t inputs, input_bytes;
+static uint64_t prefix_sweeps;
+
+/* ---------------------------------------------------------------------------
+ * PRNG (splitmix64: tiny, seedable, good enough to drive mutations)
+ */
+
+static uint64_t rng_state;
+
+static uint64_t rnd(void)
+{
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [0, n); n > 0. */
+static size_t below(size_t n) { return (size_t)(rnd() % n); }
+static MAYBE_UNUSED bool chance(unsigned one_in) { return below(one_in) == 0; }
+
+#ifndef SW_FUZZ_LIBFUZZER
+/* ---------------------------------------------------------------------------
+ * Byte buffers
+ */
+
+struct buf {
+    uint8_t *p;
+    size_t len, cap;
+};
+
+static void put(struct buf *b, const void *data, size_t n)
+{
+    if (b->len + n > b->cap)
+        n = b->cap - b->len; /* generators never need more; clip rather than grow */
+    memcpy(b->p + b->len, data, n);
+    b->len += n;
+}
+
+static void put_str(struct buf *b, const char *s) { put(b, s, strlen(s)); }
+static void put_u8(struct buf *b, unsigned v) { uint8_t c = (uint8_t)v; put(b, &c, 1); }
+static void put_u16(struct buf *b, unsigned v) { put_u8(b, v >> 8); put_u8(b, v); }
+
+static void put_fmt(struct buf *b, const char *fmt, unsigned v)
+{
+    char tmp[32];
+    int n = snprintf(tmp, sizeof tmp, fmt, v);
+    put(b, tmp, (size_t)n);
+}
+
+/* ---------------------------------------------------------------------------
+ * Generators of valid (or nearly valid) messages
+ */
+
+/* A random host name: DNS-ish labels, sometimes upper case, underscores,
+ * UTF-8 letters (for SOCKS5 domains), a trailing dot. */
+static void gen_name(struct buf *b, bool unicode)
+{
+    static const char alnum[] = "abcdefghijklmnopqrstuvwxyz0123456789";
+    static const char *const utf8[] = {"\xc3\xa9", "\xc3\xbc", "\xe6\x97\xa5", "\xf0\x9f\x98\x80",
+                                       "\xd0\xb6", "\xc2\x85"};
+    size_t labels = 1 + below(4);
+    for (size_t l = 0; l < labels; l++) {
+        if (l)
+            put_u8(b, '.');
+        size_t n = 1 + below(chance(20) ? 70 : 12);
+        for (size_t i = 0; i < n; i++) {
+            if (unicode && chance(8)) {
+                put_str(b, utf8[below(sizeof utf8 / sizeof utf8[0])]);
+                continue;
+            }
+            char c = alnum[below(sizeof alnum - 1)];
+            if (chance(10))
+                c = (char)(c >= 'a' && c <= 'z' ? c - 32 : c);
+            if (i && i + 1 < n && chance(12))
+                c = chance(2) ? '-' : '_';
+            put_u8(b, (uint8_t)c);
+        }
+    }
+    if (chance(10))
+        put_u8(b, '.');
+}
+
+static void gen_utf8_text(struct buf *b, size_t max)
+{
+    static const char *const bits[] = {"a", "Z", "0", ":", " ", "\xc3\xa9", "\xe2\x82\xac",
+                                       "\xf0\x9f\x98\x80", "\xed\x9f\xbf", "\xef\xbf\xbf",
+                                       "\xc0\x80", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\x80"};
+    size_t n = below(max + 1), start = b->len;
+    for (size_t i = 0; i < n && b->len - start < max; i++) {
+        /* mostly valid pieces; the last four are invalid UTF-8 */
+        size_t k = below(sizeof bits / sizeof bits[0] - (chance(16) ? 0 : 4));
+        put_str(b, bits[k]);
+    }
+}
+
+static void gen_ipv6_text(struct buf *b)
+{
+    unsigned h[8];
+    for (int i = 0; i < 8; i++)
+        h[i] = chance(3) ? 0 : (chance(2) ? (unsigned)below(0x10000) : (unsigned)below(16));
+    switch (below(4)) {
+    case 0: /* full */
+        for (int i = 0; i < 8; i++)
+            put_fmt(b, i ? ":%x" : "%x", h[i]);
+        break;
+    case 1: { /* '::' somewhere */
+        int at = (int)below(8), len = 1 + (int)below((size_t)(8 - at));
+        for (int i = 0; i < at; i++)
+            put_fmt(b, i ? ":%x" : "%x", h[i]);
+        put_str(b, "::");
+        for (int i = at + len; i < 8; i++)
+            put_fmt(b, i > at + len ? ":%x" : "%x", h[i]);
+        break;
+    }
+    case 2: /* IPv4 tail, sometimes mapped */
+        put_str(b, chance(2) ? "::ffff:" : "::");
+        put_fmt(b, "%u", (unsigned)below(256));
+        for (int i = 0; i < 3; i++)
+            put_fmt(b, ".%u", (unsigned)below(chance(8) ? 300 : 256));
+        break;
+    default: /* zero-padded, upper case */
+        for (int i = 0; i < 8; i++)
+            put_fmt(b, i ? ":%04X" : "%04X", h[i]);
+    }
+}
+
+static void gen_s5_greeting(struct buf *b)
+{
+    size_t n = chance(10) ? below(256) : 1 + below(4);
+    put_u8(b, 5);
+    put_u8(b, (unsigned)n);
+    for (size_t i = 0; i < n; i++)
+        put_u8(b, chance(2) ? (unsigned)below(3) : (unsigned)below(256));
+}
+
+static void gen_s5_userpass(struct buf *b)
+{
+    uint8_t tmp[600];
+    struct buf t = {tmp, 0, sizeof tmp};
+    put_u8(b, 1);
+    for (int field = 0; field < 2; field++) {
+        t.len = 0;
+        gen_utf8_text(&t, 255);
+        if (t.len > 255)
+            t.len = 255;
+        put_u8(b, (unsigned)t.len);
+        put(b, tmp, t.len);
+    }
+}
+
+static void gen_s5_request(struct buf *b)
+{
+    put_u8(b, 5);
+    put_u8(b, chance(4) ? (unsigned)below(256) : 1);
+    put_u8(b, 0);
+    switch (below(3)) {
+    case 0:
+        put_u8(b, 1);
+        for (int i = 0; i < 4; i++)
+            put_u8(b, (unsigned)below(256));
+        break;
+    case 1: {
+        put_u8(b, 4);
+        int kind = (int)below(4);
+        for (int i = 0; i < 16; i++) {
+            unsigned v = (unsigned)below(256);
+            if (kind == 0 && i < 12)
+                v = i >= 10 ? 0xFF : 0; /* IPv4-mapped */
+            else if (kind == 1 && i < 12)
+                v = 0; /* IPv4-compatible */
+            else if (kind == 2 && chance(2))
+                v = 0; /* zero runs */
+            put_u8(b, v);
+        }
+        break;
+    }
+    default: {
+        uint8_t tmp[400];
+        struct buf t = {tmp, 0, sizeof tmp};
+        gen_name(&t, true);
+        if (t.len > 255)
+            t.len = 255;
+        put_u8(b, 3);
+        put_u8(b, (unsigned)t.len);
+        put(b, tmp, t.len);
+    }
+    }
+    put_u16(b, (unsigned)below(0x10000));
+}
+
+static void b64_encode(struct buf *b, const uint8_t *s, size_t n)
+{
+    static const char a[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    for (size_t i = 0; i < n; i += 3) {
+        uint32_t v = (uint32_t)s[i] << 16;
+        if (i + 1 < n)
+            v |= (uint32_t)s[i + 1] << 8;
+        if (i + 2 < n)
+            v |= s[i + 2];
+        put_u8(b, (uint8_t)a[v >> 18 & 63]);
+        put_u8(b, (uint8_t)a[v >> 12 & 63]);
+        put_u8(b, i + 1 < n ? (uint8_t)a[v >> 6 & 63] : '=');
+        put_u8(b, i + 2 < n ? (uint8_t)a[v & 63] : '=');
+    }
+}
+
+static const char *eol(void) { return chance(4) ? "\n" : "\r\n"; }
+
+static void gen_http_connect(struct buf *b)
+{
+    if (chance(10))
+        put_str(b, chance(2) ? "\r\n" : "\n");
+    put_str(b, "CONNECT ");
+    if (chance(4)) {
+        put_u8(b, '[');
+        gen_ipv6_text(b);
+        put_u8(b, ']');
+    } else {
+        gen_name(b, false);
+    }
+    put_fmt(b, ":%u", chance(8) ? (unsigned)below(70000) : 1 + (unsigned)below(0xFFFF));
+    put_str(b, chance(3) ? " HTTP/1.0" : " HTTP/1.1");
+    put_str(b, eol());
+    static const char *const names[] = {"Host", "User-Agent", "Proxy-Connection", "Accept",
+                                        "X-Forwarded-For", "Content-Length", "Transfer-Encoding"};
+    size_t fields = below(5);
+    for (size_t i = 0; i < fields; i++) {
+        put_str(b, names[below(sizeof names / sizeof names[0] - (chance(8) ? 0 : 2))]);
+        put_str(b, chance(4) ? ":" : ": ");
+        size_t n = below(30);
+        for (size_t k = 0; k < n; k++)
+            put_u8(b, chance(30) ? 0x80 + (unsigned)below(128) : 0x20 + (unsigned)below(95));
+        put_str(b, eol());
+    }
+    if (chance(2)) {
+        uint8_t creds[600];
+        struct buf c = {creds, 0, sizeof creds};
+        gen_utf8_text(&c, chance(16) ? 300 : 40);
+        put_u8(&c, ':');
+        gen_utf8_text(&c, 40);
+        put_str(b, chance(4) ? "Proxy-Authorization: basic " : "Proxy-Authorization: Basic ");
+        b64_encode(b, creds, c.len);
+        put_str(b, eol());
+    }
+    put_str(b, eol());
+}
+
+static void gen_sniff_http(struct buf *b)
+{
+    static const char *const methods[] = {"GET", "POST", "HEAD", "PUT", "DELETE",
+                                          "OPTIONS", "PATCH", "TRACE", "CONNECT"};
+    put_str(b, methods[below(sizeof methods / sizeof methods[0])]);
+    put_str(b, chance(4) ? " http://x/y HTTP/1.0" : " / HTTP/1.1");
+    put_str(b, eol());
+    if (chance(3))
+        put_str(b, "Accept: */*\r\n");
+    put_str(b, chance(4) ? "host: " : "Host: ");
+    if (chance(5)) {
+        put_u8(b, '[');
+        gen_ipv6_text(b);
+        put_u8(b, ']');
+    } else {
+        gen_name(b, false);
+    }
+    if (chance(3))
+        put_fmt(b, ":%u", (unsigned)below(100000));
+    put_str(b, eol());
+    put_str(b, eol());
+}
+
+/* A ClientHello with an SNI extension among others, in one or more records. */
+static void gen_client_hello(struct buf *b)
+{
+    uint8_t body[4096];
+    struct buf h = {body, 0, sizeof body};
+    put_u16(&h, 0x0303);
+    for (int i = 0; i < 32; i++)
+        put_u8(&h, (unsigned)below(256));
+    size_t sid = chance(2) ? 32 : below(33);
+    put_u8(&h, (unsigned)sid);
+    for (size_t i = 0; i < sid; i++)
+        put_u8(&h, (unsigned)below(256));
+    size_t suites = 1 + below(20);
+    put_u16(&h, (unsigned)(2 * suites));
+    for (size_t i = 0; i < suites; i++)
+        put_u16(&h, (unsigned)below(0x10000));
+    put_u8(&h, 1);
+    put_u8(&h, 0);
+    if (!chance(30)) {
+        uint8_t ext[2048];
+        struct buf e = {ext, 0, sizeof ext};
+        size_t before = below(4);
+        for (size_t i = 0; i < before; i++) {
+            size_t n = below(40);
+            put_u16(&e, 1 + (unsigned)below(60));
+            put_u16(&e, (unsigned)n);
+            for (size_t k = 0; k < n; k++)
+                put_u8(&e, (unsigned)below(256));
+        }
+        if (!chance(10)) {
+            uint8_t name[400];
+            struct buf nb = {name, 0, sizeof name};
+            gen_name(&nb, chance(20));
+            put_u16(&e, 0);                        /* server_name */
+            put_u16(&e, (unsigned)(nb.len + 5));   /* extension length */
+            put_u16(&e, (unsigned)(nb.len + 3));   /* ServerNameList length */
+            put_u8(&e, chance(10) ? 1 : 0);        /* name_type */
+            put_u16(&e, (unsigned)nb.len);
+            put(&e, name, nb.len);
+        }
+        put_u16(&e, 43); /* supported_versions */
+        put_u16(&e, 3);
+        put_u8(&e, 2);
+        put_u16(&e, 0x0304);
+        put_u16(&h, (unsigned)e.len);
+        put(&h, ext, e.len);
+    }
+    /* handshake header, then records */
+    uint8_t hs[4100];
+    struct buf m = {hs, 0, sizeof hs};
+    put_u8(&m, 1);
+    put_u8(&m, (unsigned)(h.len >> 16));
+    put_u16(&m, (unsigned)h.len);
+    put(&m, body, h.len);
+    size_t pos = 0;
+    while (pos < m.len) {
+        size_t n = chance(4) ? 1 + below(m.len - pos < 300 ? m.len - pos : 300) : m.len - pos;
+        put_u8(b, 22);
+        put_u16(b, chance(4) ? 0x0303 : 0x0301);
+        put_u16(b, (unsigned)n);
+        put(b, hs + pos, n);
+        pos += n;
+    }
+}
+
+static void gen_valid(struct buf *b)
+{
+    switch (below(6)) {
+    case 0:
+        gen_s5_greeting(b);
+        break;
+    case 1:
+        gen_s5_userpass(b);
+        break;
+    case 2:
+        gen_s5_request(b);
+        break;
+    case 3:
+        gen_http_connect(b);
+        break;
+    case 4:
+        gen_sniff_http(b);
+        break;
+    default:
+        gen_client_hello(b);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Seeds and mutation
+ */
+
+static uint8_t *seed_data[MAX_SEEDS];
+static size_t seed_len[MAX_SEEDS];
+static size_t seeds;
+
+static void add_seed(const uint8_t *p, size_t n)
+{
+    if (n > SEED_MAX)
+        n = SEED_MAX;
+    size_t slot = seeds < MAX_SEEDS ? seeds++ : below(MAX_SEEDS);
+    free(seed_data[slot]);
+    seed_data[slot] = malloc(n ? n : 1);
+    if (!seed_data[slot]) {
+        perror("malloc");
+        exit(2);
+    }
+    memcpy(seed_data[slot], p, n);
+    seed_len[slot] = n;
+}
+
+static void load_seed_file(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "fuzz_parse: %s: %s\n", path, strerror(errno));
+        exit(2);
+    }
+    static uint8_t tmp[SEED_MAX];
+    size_t n = fread(tmp, 1, sizeof tmp, f);
+    fclose(f);
+    add_seed(tmp, n);
+}
+
+static const uint8_t interesting[] = {0,    1,    2,   3,   4,   5,   9,   10,  13,  22,  32,
+                                      '.',  ':',  '=', '[', ']', '%', '/', 'A', 'a', '0', 0x7F,
+                                      0x80, 0xBF, 0xC0, 0xC2, 0xE0, 0xED, 0xF0, 0xF4, 0xFF};
+
+static void mutate(struct buf *b)
+{
+    size_t ops = 1 + below(chance(4) ? 16 : 4);
+    for (size_t o = 0; o < ops; o++) {
+        size_t at = b->len ? below(b->len) : 0;
+        switch (below(10)) {
+        case 0: /* bit flip */
+            if (b->len)
+                b->p[at] ^= (uint8_t)(1u << below(8));
+            break;
+        case 1: /* interesting byte */
+            if (b->len)
+                b->p[at] = interesting[below(sizeof interesting)];
+            break;
+        case 2: { /* insert random or interesting bytes */
+            size_t n = 1 + below(8);
+            if (b->len + n > b->cap)
+                break;
+            memmove(b->p + at + n, b->p + at, b->len - at);
+            for (size_t i = 0; i < n; i++)
+                b->p[at + i] =
+                    chance(2) ? (uint8_t)below(256) : interesting[below(sizeof interesting)];
+            b->len += n;
+            break;
+        }
+        case 3: { /* delete a run */
+            size_t n = 1 + below(8);
+            if (at + n > b->len)
+                n = b->len - at;
+            memmove(b->p + at, b->p + at + n, b->len - at - n);
+            b->len -= n;
+            break;
+        }
+        case 4: { /* duplicate a run in place */
+            size_t n = 1 + below(16);
+            if (at + n > b->len || b->len + n > b->cap)
+                break;
+            memmove(b->p + at + n, b->p + at, b->len - at);
+            b->len += n;
+            break;
+        }
+        case 5: /* truncate */
+            b->len = at;
+            break;
+        case 6: { /* splice: the tail of another seed */
+            if (!seeds)
+                break;
+            size_t s = below(seeds);
+            size_t from = seed_len[s] ? below(seed_len[s]) : 0;
+            size_t n = seed_len[s] - from;
+            if (at + n > b->cap)
+                n = b->cap - at;
+            memcpy(b->p + at, seed_data[s] + from, n);
+            b->len = at + n;
+            break;
+        }
+        case 7: /* 8-bit length edit */
+            if (b->len)
+                b->p[at] = (uint8_t)(b->p[at] + (chance(2) ? 1 : -1) * (int)(1 + below(4)));
+            break;
+        case 8: { /* 16-bit big-endian length edit */
+            if (b->len < 2)
+                break;
+            at = below(b->len - 1);
+            unsigned v = (unsigned)b->p[at] << 8 | b->p[at + 1];
+            switch (below(4)) {
+            case 0:
+                v += 1 + (unsigned)below(4);
+                break;
+            case 1:
+                v -= 1 + (unsigned)below(4);
+                break;
+            case 2:
+                v = 0;
+                break;
+            default:
+                v = chance(2) ? 0xFFFF : 0x4000;
+            }
+            b->p[at] = (uint8_t)(v >> 8);
+            b->p[at + 1] = (uint8_t)v;
+            break;
+        }
+        default: /* swap two bytes */
+            if (b->len) {
+                size_t j = below(b->len);
+                uint8_t t = b->p[at];
+                b->p[at] = b->p[j];
+                b->p[j] = t;
+            }
+        }
+    }
+}
+
+/* Grow an input past a size limit the parsers must honour exactly. */
+static void grow(struct buf *b)
+{
+    static const size_t targets[] = {SNIFF_LIMIT - 1, SNIFF_LIMIT, SNIFF_LIMIT + 1,
+                                     HTTP_MAX_HEAD - 1, HTTP_MAX_HEAD, HTTP_MAX_HEAD + 1};
+    size_t want = targets[below(sizeof targets / sizeof targets[0])] - 1 + below(3);
+    if (want > b->cap)
+        want = b->cap;
+    uint8_t fill = chance(2) ? 'a' : interesting[below(sizeof interesting)];
+    /* keep a head open: fill a header value, end with CRLF CRLF sometimes */
+    while (b->len < want)
+        b->p[b->len++] = fill;
+    if (chance(2) && b->len >= 4)
+        memcpy(b->p + b->len - 4, "\r\n\r\n", 4);
+}
+
+#endif /* !SW_FUZZ_LIBFUZZER */
+
+/* ---------------------------------------------------------------------------
+ * Running the parsers and checking invariants
+ */
+
+static const uint8_t *cur_input;
+static size_t cur_len;
+
+static void fail(const char *parser, size_t len, const char *why)
+{
+    fprintf(stderr, "\nfuzz_parse: INVARIANT FAILED in %s at length %zu of %zu: %s\ninput:", parser,
+            len, cur_len, why);
+    for (size_t i = 0; i < cur_len; i++)
+        fprintf(stderr, "%s%02x", i % 32 ? "" : "\n  ", cur_input[i]);
+    fputc('\n', stderr);
+    FILE *f = fopen("fuzz-parse-failure.bin", "wb");
+    if (f) {
+        fwrite(cur_input, 1, cur_len, f);
+        fclose(f);
+        fprintf(stderr, "(written to fuzz-parse-failure.bin)\n");
+    }
+    abort();
+}
+
+#define CHECK(cond, parser, len, why)                                                              \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            fail(parser, len, why);                                                                \
+    } while (0)
+
+static bool nul_terminated(const char *s, size_t cap, size_t len)
+{
+    return len < cap && s[len] == '\0' && strlen(s) == len;
+}
+
+/* Everything one call answered, to compare verdicts across prefixes. */
+struct verdict {
+    int status;
+    size_t reply_len;
+    uint8_t reply[SW_PARSE_REPLY_MAX];
+    union {
+        sw_s5_greeting g;
+        sw_s5_userpass u;
+        sw_s5_request r;
+        sw_http_connect h;
+        sw_sniffed s;
+    } out;
+};
+
+/* The fields of an OK verdict, byte-comparable (structs have padding). */
+static bool same_fields(int parser, const struct verdict *a, const struct verdict *b)
+{
+    switch (parser) {
+    case P_GREETING:
+        return a->out.g.consumed == b->out.g.consumed && a->out.g.no_auth == b->out.g.no_auth &&
+               a->out.g.userpass == b->out.g.userpass;
+    case P_USERPASS:
+        return a->out.u.consumed == b->out.u.consumed && a->out.u.user_off == b->out.u.user_off &&
+               a->out.u.user_len == b->out.u.user_len && a->out.u.pass_off == b->out.u.pass_off &&
+               a->out.u.pass_len == b->out.u.pass_len;
+    case P_REQUEST:
+        return a->out.r.consumed == b->out.r.consumed && a->out.r.command == b->out.r.command &&
+               a->out.r.atyp == b->out.r.atyp && a->out.r.port == b->out.r.port &&
+               a->out.r.host_len == b->out.r.host_len && !strcmp(a->out.r.host, b->out.r.host);
+    case P_HTTP:
+        return a->out.h.consumed == b->out.h.consumed && a->out.h.port == b->out.h.port &&
+               a->out.h.host_len == b->out.h.host_len && !strcmp(a->out.h.host, b->out.h.host) &&
+               a->out.h.has_creds == b->out.h.has_creds &&
+               a->out.h.user_len == b->out.h.user_len && !strcmp(a->out.h.user, b->out.h.user) &&
+               a->out.h.pass_len == b->out.h.pass_len && !strcmp(a->out.h.pass, b->out.h.pass);
+    default:
+        return a->out.s.host_len == b->out.s.host_len && !strcmp(a->out.s.host, b->out.s.host);
+    }
+}
+
+static bool host_chars(const char *s, const char *extra)
+{
+    for (; *s; s++)
+        if (!((*s >= 'a' && *s <= 'z') || (*s >= '0' && *s <= '9') || strchr(extra, *s)))
+            return false;
+    return true;
+}
+
+/* One parser on buf[0..len) (an exact-size block); checks the per-call
+ * invariants, fills *v and counts the outcome under `kind` (0 whole, 1 prefix). */
+static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *v, int kind)
+{
+    const char *name = parser_name[parser];
+    memset(v, 0xA5, sizeof *v); /* garbage in, so unset fields are noticed */
+    v->reply_len = 12345;
+    switch (parser) {
+    case P_GREETING:
+        v->status = sw_parse_s5_greeting(buf, len, &v->out.g, v->reply, &v->reply_len);
+        break;
+    case P_USERPASS:
+        v->status = sw_parse_s5_userpass(buf, len, &v->out.u, v->reply, &v->reply_len);
+        break;
+    case P_REQUEST:
+        v->status = sw_parse_s5_request(buf, len, &v->out.r, v->reply, &v->reply_len);
+        break;
+    case P_HTTP:
+        v->status = sw_parse_http_connect(buf, len, &v->out.h);
+        v->reply_len = 0;
+        break;
+    default:
+        v->status = sw_sniff(buf, len, &v->out.s);
+        v->reply_len = 0;
+    }
+    CHECK(v->status >= SW_PARSE_OK && v->status <= SW_PARSE_DEFER, name, len,
+          "status out of range");
+    outcomes[kind][parser][v->status]++;
+    CHECK(v->reply_len <= SW_PARSE_REPLY_MAX, name, len, "reply_len > SW_PARSE_REPLY_MAX");
+    CHECK(v->status == SW_PARSE_ERROR || v->reply_len == 0, name, len, "reply without an error");
+    if (parser == P_HTTP)
+        CHECK(v->status != SW_PARSE_ERROR, name, len, "HTTP answered ERROR (C never does)");
+    else
+        CHECK(v->status != SW_PARSE_DEFER, name, len, "deferred (SOCKS5 and sniffing never do)");
+    if (v->status != SW_PARSE_OK)
+        return;
+
+    switch (parser) {
+    case P_GREETING:
+        CHECK(v->out.g.consumed >= 3 && v->out.g.consumed <= len, name, len, "consumed");
+        CHECK(v->out.g.consumed == 2u + buf[1], name, len, "consumed != 2 + NMETHODS");
+        CHECK(v->out.g.no_auth <= 1 && v->out.g.userpass <= 1, name, len, "flags");
+        break;
+    case P_USERPASS: {
+        const sw_s5_userpass *u = &v->out.u;
+        CHECK(u->consumed >= 3 && u->consumed <= len, name, len, "consumed");
+        CHECK(u->user_off == 2 && u->user_off + u->user_len < u->consumed, name, len, "user span");
+        CHECK(u->pass_off == u->user_off + u->user_len + 1u, name, len, "pass offset");
+        CHECK(u->pass_off + u->pass_len == u->consumed, name, len, "pass span");
+        break;
+    }
+    case P_REQUEST: {
+        const sw_s5_request *r = &v->out.r;
+        CHECK(r->consumed >= 7 && r->consumed <= len, name, len, "consumed");
+        CHECK(nul_terminated(r->host, sizeof r->host, r->host_len), name, len, "host string");
+        CHECK(r->host_len > 0, name, len, "empty host");
+        CHECK(r->atyp == 1 || r->atyp == 3 || r->atyp == 4, name, len, "atyp");
+        CHECK(r->command == buf[1], name, len, "command");
+        CHECK(r->port == ((unsigned)buf[r->consumed - 2] << 8 | buf[r->consumed - 1]), name, len,
+              "port");
+        if (r->atyp == 1)
+            CHECK(r->host_len >= 7 && r->host_len <= 15 && host_chars(r->host, "."), name, len,
+                  "IPv4 text");
+        if (r->atyp == 4)
+            CHECK(r->host_len >= 2 && r->host_len <= 39 && host_chars(r->host, ":."), name, len,
+                  "IPv6 text");
+        if (r->atyp == 3)
+            CHECK(r->host_len == buf[4] && !memcmp(r->host, buf + 5, r->host_len), name, len,
+                  "domain text");
+        break;
+    }
+    case P_HTTP: {
+        const sw_http_connect *h = &v->out.h;
+        CHECK(h->consumed > 0 && h->consumed <= len && h->consumed <= HTTP_MAX_HEAD, name, len,
+              "consumed");
+        CHECK(buf[h->consumed - 1] == '\n', name, len, "head does not end in LF");
+        CHECK(nul_terminated(h->host, sizeof h->host, h->host_len), name, len, "host string");
+        CHECK(h->host_len > 0 && host_chars(h->host, ".-_:"), name, len, "host text");
+        CHECK(h->port > 0, name, len, "port 0");
+        CHECK(h->has_creds <= 1, name, len, "has_creds");
+        CHECK(nul_terminated(h->user, sizeof h->user, h->user_len), name, len, "user string");
+        CHECK(nul_terminated(h->pass, sizeof h->pass, h->pass_len), name, len, "pass string");
+        CHECK(h->has_creds || (h->user_len == 0 && h->pass_len == 0), name, len, "stray creds");
+        break;
+    }
+    default: {
+        const sw_sniffed *s = &v->out.s;
+        CHECK(nul_terminated(s->host, sizeof s->host, s->host_len), name, len, "host string");
+        CHECK(s->host_len > 0 && s->host_len <= 253, name, len, "host length");
+        CHECK(host_chars(s->host, strchr(s->host, ':') ? ":" : ".-_"), name, len, "host text");
+        CHECK(s->host[s->host_len - 1] != '.', name, len, "trailing dot kept");
+    }
+    }
+}
+
+/* A malloc() block of exactly n bytes (malloc(0) for an empty input, which
+ * ASan knows holds nothing), so any read past the input is caught. */
+static uint8_t *exact_copy(const uint8_t *p, size_t n)
+{
+    uint8_t *c = malloc(n);
+    if (!c && n) {
+        perror("malloc");
+        exit(2);
+    }
+    if (n)
+        memcpy(c, p, n);
+    return c;
+}
+
+/* Every parser once on the whole input, in a block of exactly its length. */
+static void run_all(const uint8_t *input, size_t len)
+{
+    uint8_t *p = exact_copy(input, len);
+    struct verdict v;
+    for (int parser = 0; parser < P_COUNT; parser++)
+        run_one(parser, p, len, &v, 0);
+    free(p);
+}
+
+/* Every parser at every prefix length (or a sample of them for long inputs):
+ * NEED_MORE until a final verdict, which every longer prefix repeats.  The
+ * one exception is Python's too: sniffing gives up (ERROR) at SNIFF_LIMIT
+ * bytes while a TLS record is incomplete, yet the record headers of a
+ * ClientHello spread over several records can take it past that limit, so
+ * more bytes may still produce a host. */
+static void sweep_prefixes(const uint8_t *input, size_t len)
+{
+    struct verdict first[P_COUNT], v;
+    size_t final_at[P_COUNT];
+    for (int parser = 0; parser < P_COUNT; parser++)
+        final_at[parser] = SIZE_MAX;
+    size_t step = len > PREFIX_SWEEP_MAX ? len / 64 : 1;
+    prefix_sweeps++;
+    for (size_t cut = 0;; cut = cut + step < len ? cut + step : len) {
+        uint8_t *p = exact_copy(input, cut);
+        for (int parser = 0; parser < P_COUNT; parser++) {
+            run_one(parser, p, cut, &v, 1);
+            if (final_at[parser] == SIZE_MAX) {
+                if (v.status != SW_PARSE_NEED_MORE) {
+                    first[parser] = v;
+                    final_at[parser] = cut;
+                }
+                continue;
+            }
+            const struct verdict *f = &first[parser];
+            if (parser == P_SNIFF && f->status == SW_PARSE_ERROR && final_at[parser] >= SNIFF_LIMIT)
+                continue;
+            CHECK(v.status == f->status, parser_name[parser], cut,
+                  "a final verdict changed with more bytes");
+            CHECK(v.reply_len == f->reply_len && !memcmp(v.reply, f->reply, v.reply_len),
+                  parser_name[parser], cut, "the error reply changed with more bytes");
+            if (v.status == SW_PARSE_OK)
+                CHECK(same_fields(parser, &v, f), parser_name[parser], cut,
+                      "OK fields changed with more bytes");
+        }
+        free(p);
+        if (cut == len)
+            break;
+    }
+}
+
+#ifdef SW_FUZZ_LIBFUZZER
+/* clang -fsanitize=fuzzer,address,undefined -DSW_FUZZ_LIBFUZZER -Icsrc \
+ *     benchmarks/fuzz_parse.c csrc/parse.c */
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size > MAX_INPUT)
+        return 0;
+    cur_input = data;
+    cur_len = size;
+    run_all(data, size);
+    if (size <= 512)
+        sweep_prefixes(data, size);
+    return 0;
+}
+#else
+static void one_input(const uint8_t *input, size_t len, unsigned prefix_every)
+{
+    cur_input = input;
+    cur_len = len;
+    inputs++;
+    input_bytes += len;
+    run_all(input, len);
+    if (prefix_every && chance(prefix_every))
+        sweep_prefixes(input, len);
+}
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void report(double seconds)
+{
+    uint64_t prefix_calls = 0;
+    for (int p = 0; p < P_COUNT; p++)
+        for (int k = 0; k < 4; k++)
+            prefix_calls += outcomes[1][p][k];
+    printf("inputs %" PRIu64 " (%.1f MB) in %.1f s, %.0f inputs/s; %" PRIu64
+           " of them also at every prefix length (%" PRIu64 " more calls)\n",
+           inputs, input_bytes / 1e6, seconds, inputs / (seconds > 0 ? seconds : 1), prefix_sweeps,
+           prefix_calls);
+    for (int kind = 0; kind < 2; kind++) {
+        printf("%-14s %12s %12s %12s %12s   (%s)\n", "parser", status_name[0], status_name[1],
+               status_name[2], status_name[3], kind ? "prefix calls" : "whole inputs");
+        for (int p = 0; p < P_COUNT; p++)
+            printf("%-14s %12" PRIu64 " %12" PRIu64 " %12" PRIu64 " %12" PRIu64 "\n",
+                   parser_name[p], outcomes[kind][p][0], outcomes[kind][p][1],
+                   outcomes[kind][p][2], outcomes[kind][p][3]);
+    }
+    fflush(stdout);
+}
+
+int main(int argc, char **argv)
+{
+    uint64_t count = 5000000, seed = 1;
+    double limit = 600;
+    unsigned prefix_every = 64;
+    int i = 1;
+    for (; i < argc && argv[i][0] == '-'; i++) {
+        if (i + 1 >= argc) {
+            fprintf(stderr, "fuzz_parse: %s needs a value\n", argv[i]);
+            return 2;
+        }
+        if (!strcmp(argv[i], "-n"))
+            count = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "-t"))
+            limit = strtod(argv[++i], NULL);
+        else if (!strcmp(argv[i], "-s"))
+            seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "-p"))
+            prefix_every = (unsigned)strtoul(argv[++i], NULL, 10);
+        else {
+            fprintf(stderr, "usage: fuzz_parse [-n COUNT] [-t SECONDS] [-s SEED] [-p EVERY] "
+                            "[SEEDFILE...]\n");
+            return 2;
+        }
+    }
+    rng_state = seed;
+    for (; i < argc; i++)
+        load_seed_file(argv[i]);
+    size_t file_seeds = seeds;
+
+    static uint8_t scratch[MAX_INPUT];
+    struct buf b = {scratch, 0, sizeof scratch};
+    for (int k = 0; k < 512; k++) {
+        b.len = 0;
+        gen_valid(&b);
+        add_seed(scratch, b.len);
+    }
+    printf("fuzz_parse: seed %" PRIu64 ", %zu seed files, %zu seeds, at most %" PRIu64
+           " inputs or %.0f s\n",
+           seed, file_seeds, seeds, count, limit);
+    fflush(stdout);
+
+    double start = now(), last = start;
+    while (inputs < count) {
+        if ((inputs & 1023) == 0) {
+            double t = now();
+            if (t - start >= limit)
+                break;
+            if (t - last >= 10) {
+                fprintf(stderr, "fuzz_parse: %" PRIu64 " inputs, %.0f s\n", inputs, t - start);
+                last = t;
+            }
+        }
+        b.len = 0;
+        size_t pick = below(100);
+        if (pick < 10) {
+            gen_valid(&b); /* a fresh valid message, kept as a seed too */
+            if (chance(8))
+                add_seed(scratch, b.len);
+        } else if (pick < 90) {
+            size_t s = below(seeds);
+            put(&b, seed_data[s], seed_len[s]);
+            mutate(&b);
+        } else if (pick < 97) {
+            size_t n = below(chance(8) ? 2048 : 64);
+            for (size_t k = 0; k < n; k++)
+                b.p[k] = (uint8_t)below(256);
+            b.len = n;
+        } else {
+            size_t s = below(seeds);
+            put(&b, seed_data[s], seed_len[s]);
+            if (chance(100))
+                grow(&b);
+            else
+                mutate(&b);
+        }
+        one_input(scratch, b.len, b.len > 20000 ? 0 : prefix_every);
+    }
+    report(now() - start);
+    for (size_t s = 0; s < seeds; s++)
+        free(seed_data[s]);
+    return 0;
+}
+#endif

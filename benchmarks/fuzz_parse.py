@@ -1,0 +1,126 @@
+"""Build and run benchmarks/fuzz_parse.c, the ASan/UBSan fuzz driver of csrc/parse.c.
+
+    python benchmarks/fuzz_parse.py                      # 5 million inputs (or 600 s)
+    python benchmarks/fuzz_parse.py --count 20000000 --seconds 1800 --seed 7
+    python benchmarks/fuzz_parse.py --prefix-every 8     # more prefix sweeps
+
+The driver is compiled with ``cc -fsanitize=address,undefined -fno-sanitize-recover=all``
+into benchmarks/build/ (ignored by git) whenever a source is newer than the binary.
+Besides the messages the driver generates itself, it is seeded with messages built
+here by the Python codecs and with genuine ClientHellos from the ssl module (TLS 1.2
+and 1.3, with and without SNI), written to benchmarks/build/fuzz_parse_seeds/.
+
+Every input goes through every parser; see the driver's header comment for the
+invariants.  A failure aborts with the sanitizer's or the driver's report and leaves
+the input in benchmarks/build/fuzz-parse-failure.bin; the exit status is non-zero.
+The run is bounded by --count and --seconds, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spliceway.protocols import http, socks5
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+BUILD = BENCH / "build"
+SOURCES = (BENCH / "fuzz_parse.c", ROOT / "csrc" / "parse.c", ROOT / "csrc" / "parse.h")
+
+
+def build(cc: str) -> Path:
+    BUILD.mkdir(exist_ok=True)
+    exe = BUILD / "fuzz_parse"
+    if exe.exists() and all(exe.stat().st_mtime >= src.stat().st_mtime for src in SOURCES):
+        return exe
+    cmd = [
+        cc, "-std=gnu11", "-O1", "-g", "-Wall", "-Wextra",
+        "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+        f"-I{ROOT / 'csrc'}", "-o", str(exe), str(SOURCES[0]), str(SOURCES[1]),
+    ]  # fmt: skip
+    print("build: " + " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True)
+    return exe
+
+
+def client_hello(server_hostname: str | None, tls12: bool) -> bytes:
+    """The first flight of a real ssl-module client (one record, a ClientHello)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    if tls12:
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    conn = ctx.wrap_bio(incoming, outgoing, server_hostname=server_hostname)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        conn.do_handshake()
+    return outgoing.read()
+
+
+def seeds() -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    hosts = ["example.com", "A-B_c.Example.ORG.", "xn--bcher-kva.example", "a" * 63 + ".io"]
+    for i, host in enumerate([*hosts, "bücher.example", None, "192.0.2.1"]):
+        for tls12 in (False, True):
+            out[f"tls-{i}-{'12' if tls12 else '13'}"] = client_hello(host, tls12)
+    out["s5-greeting"] = socks5.client_greeting(True) + bytes([5, 3, 0, 1, 2])
+    out["s5-userpass"] = socks5.client_userpass("üser", "pässwörd:x")
+    targets = [("example.com", 443), ("192.0.2.1", 80), ("2001:db8::1", 8443),
+               ("::ffff:192.0.2.1", 1), ("::192.0.2.1", 2), ("bücher.example", 65535)]  # fmt: skip
+    for i, (host, port) in enumerate(targets):
+        out[f"s5-request-{i}"] = socks5.client_connect(host, port)
+        if not host.isascii():
+            continue
+        creds = ("user", "pass:word") if i % 2 else None
+        out[f"http-connect-{i}"] = http.connect_request(host, port, creds)
+        bracketed = f"[{host}]" if ":" in host else host
+        out[f"http-get-{i}"] = (
+            f"GET http://{bracketed}:{port}/ HTTP/1.1\r\nHost: {bracketed}:{port}\r\n\r\n".encode()
+        )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--count", type=int, default=5_000_000, help="inputs to run (default 5e6)")
+    ap.add_argument("--seconds", type=float, default=600, help="time bound (default 600)")
+    ap.add_argument("--seed", type=int, default=1, help="PRNG seed (default 1)")
+    ap.add_argument("--prefix-every", type=int, default=64, help="1 in N inputs: every prefix")
+    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    args = ap.parse_args()
+
+    exe = build(args.cc)
+    seed_dir = BUILD / "fuzz_parse_seeds"
+    seed_dir.mkdir(exist_ok=True)
+    files = []
+    for name, data in seeds().items():
+        path = seed_dir / f"{name}.bin"
+        path.write_bytes(data)
+        files.append(str(path))
+
+    cmd = [str(exe), "-n", str(args.count), "-t", str(args.seconds), "-s", str(args.seed)]
+    cmd += ["-p", str(args.prefix_every), *files]
+    env = dict(
+        os.environ,
+        # A small quarantine: the parsers free nothing, and the driver's many short
+        # blocks would otherwise hold hundreds of MB.
+        ASAN_OPTIONS="abort_on_error=1:detect_leaks=1:quarantine_size_mb=16",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+    )
+    shown = f"{exe.name} -n {args.count} -t {args.seconds} -s {args.seed} -p {args.prefix_every}"
+    print(f"run: {shown} + {len(files)} seed files", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    status = subprocess.run(cmd, cwd=BUILD, env=env, check=False).returncode
+    print(f"fuzz_parse exited {status} after {time.monotonic() - start:.1f} s wall", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,973 @@
+"""The C parsers (csrc/parse.c) against their Python references, byte string for byte string.
+
+The contract (csrc/parse.h): for every input a C parser gives exactly the Python verdict
+-- OK with the same fields and ``consumed``, NEED_MORE, or ERROR with the same reply
+(reply_len 0 for a ProtocolError whose reply is None) -- or SW_PARSE_DEFER.  On top of
+that SOCKS5 and sniffing never defer, and well-formed CONNECT heads (and every prefix of
+one) are never deferred.
+
+Inputs: generated valid messages (hosts, IPv4/IPv6, unicode domains, credentials,
+headers; genuine ClientHellos from the ssl module), mutations of them (bit flips,
+replaced/inserted/deleted bytes, truncation, splices), random bytes, and every prefix of
+valid messages.  The C functions are pure, so the tests call them through the
+extension's ffi directly (as test_relay_aead does) rather than through a wrapper module.
+
+``HYPOTHESIS_PROFILE=deep`` multiplies the example counts by 20.  Under an ASan build of
+the extension (``SPLICEWAY_RELAY_SANITIZE=address,undefined``, run with
+``LD_PRELOAD=$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc``) every input is
+passed in a malloc() block of exactly its length, so over-reads are caught too.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import ipaddress
+import os
+import ssl
+import sys
+
+import cffi
+import pytest
+from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
+from hypothesis import strategies as st
+
+from spliceway import _relay
+from spliceway.protocols import NEED_MORE, ProtocolError, http, sniff, socks5
+
+ffi, lib = _relay.ffi, _relay.lib
+_DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
+
+
+def _settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples * 20 if _DEEP else examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+def note(label: str) -> None:
+    """Record an outcome for --hypothesis-show-statistics (only inside a given test)."""
+    if currently_in_test_context():
+        event(label)
+
+
+_STATUS = {
+    lib.SW_PARSE_OK: "ok",
+    lib.SW_PARSE_NEED_MORE: "need_more",
+    lib.SW_PARSE_ERROR: "error",
+    lib.SW_PARSE_DEFER: "defer",
+}
+NEED = ("need_more",)
+DEFER = ("defer",)
+
+# -- the two sides, as comparable verdict tuples -----------------------------------------
+
+
+# Under an ASan build of the extension (LD_PRELOAD=libasan) inputs are handed to C in
+# malloc() blocks of exactly their length -- a bytes object ends in a hidden NUL and
+# ffi.new() rounds up, either of which would hide a one-byte over-read -- with the
+# malloc this dlopen(None) finds, ASan's.  Otherwise the bytes go as they are (faster).
+_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
+_libc_ffi = cffi.FFI()
+_libc_ffi.cdef("void *malloc(size_t); void free(void *);")
+
+
+class _Exact:
+    """A C copy of ``buf`` with nothing after it, freed on exit."""
+
+    _libc = _libc_ffi.dlopen(None) if _ASAN else None
+
+    def __init__(self, buf: bytes) -> None:
+        self.raw = self._libc.malloc(len(buf))
+        assert self.raw != _libc_ffi.NULL
+        self.ptr = ffi.cast("uint8_t *", int(_libc_ffi.cast("uintptr_t", self.raw)))
+        ffi.memmove(self.ptr, buf, len(buf))
+
+    def __enter__(self):
+        return self.ptr
+
+    def __exit__(self, *exc) -> None:
+        self._libc.free(self.raw)
+
+
+def exact(buf: bytes):
+    """``with exact(buf) as p``: what to pass C for ``buf``."""
+    return _Exact(buf) if _ASAN else contextlib.nullcontext(buf)
+
+
+def _c_s5(func, ctype: str, buf: bytes):
+    out = ffi.new(ctype)
+    reply = ffi.new("uint8_t[]", lib.SW_PARSE_REPLY_MAX)
+    reply_len = ffi.new("size_t *", 999)
+    with exact(buf) as p:
+        rc = func(p, len(buf), out, reply, reply_len)
+    status = _STATUS[rc]
+    if status == "error":
+        assert reply_len[0] <= lib.SW_PARSE_REPLY_MAX
+        return ("error", bytes(ffi.buffer(reply, reply_len[0])) or None), out
+    assert reply_len[0] == 0, (status, reply_len[0])
+    return (status,), out
+
+
+def c_greeting(buf: bytes):
+    verdict, out = _c_s5(lib.sw_parse_s5_greeting, "sw_s5_greeting *", buf)
+    if verdict[0] == "ok":
+        return ("ok", out.consumed, bool(out.no_auth), bool(out.userpass))
+    return verdict
+
+
+def py_greeting(buf: bytes):
+    try:
+        r = socks5.parse_greeting(buf)
+    except ProtocolError as exc:
+        return ("error", exc.reply)
+    if r is NEED_MORE:
+        return NEED
+    return (
+        "ok",
+        r.consumed,
+        socks5.METHOD_NO_AUTH in r.methods,
+        socks5.METHOD_USERPASS in r.methods,
+    )
+
+
+def c_userpass(buf: bytes):
+    verdict, out = _c_s5(lib.sw_parse_s5_userpass, "sw_s5_userpass *", buf)
+    if verdict[0] != "ok":
+        return verdict
+    assert out.user_off + out.user_len <= out.consumed
+    assert out.pass_off + out.pass_len <= out.consumed
+    user = buf[out.user_off : out.user_off + out.user_len].decode("utf-8")
+    password = buf[out.pass_off : out.pass_off + out.pass_len].decode("utf-8")
+    return ("ok", out.consumed, user, password)
+
+
+def py_userpass(buf: bytes):
+    try:
+        r = socks5.parse_userpass(buf)
+    except ProtocolError as exc:
+        return ("error", exc.reply)
+    if r is NEED_MORE:
+        return NEED
+    return ("ok", r.consumed, r.username, r.password)
+
+
+def _c_string(field, length: int) -> bytes:
+    raw = bytes(ffi.buffer(field, length + 1))
+    assert raw[-1:] == b"\0", "not NUL-terminated"
+    return raw[:-1]
+
+
+def c_request(buf: bytes):
+    verdict, out = _c_s5(lib.sw_parse_s5_request, "sw_s5_request *", buf)
+    if verdict[0] != "ok":
+        return verdict
+    host = _c_string(out.host, out.host_len)
+    assert b"\0" not in host
+    return ("ok", out.consumed, out.command, out.atyp, host.decode("utf-8"), out.port)
+
+
+def py_request(buf: bytes):
+    try:
+        r = socks5.parse_request(buf)
+    except ProtocolError as exc:
+        return ("error", exc.reply)
+    if r is NEED_MORE:
+        return NEED
+    return ("ok", r.consumed, r.command, r.address_type, r.host, r.port)
+
+
+def c_http(buf: bytes):
+    out = ffi.new("sw_http_connect *")
+    with exact(buf) as p:
+        status = _STATUS[lib.sw_parse_http_connect(p, len(buf), out)]
+    assert status != "error", "C never answers an HTTP error itself"
+    if status != "ok":
+        return (status,)
+    assert 0 < out.consumed <= len(buf)
+    host = _c_string(out.host, out.host_len).decode("ascii")
+    creds = None
+    if out.has_creds:
+        user = _c_string(out.user, out.user_len).decode("utf-8")
+        password = _c_string(getattr(out, "pass"), out.pass_len).decode("utf-8")
+        creds = (user, password)
+    else:
+        assert out.user_len == out.pass_len == 0
+    return ("ok", out.consumed, host, out.port, creds)
+
+
+def py_http(buf: bytes):
+    """What Python's http inbound makes of ``buf`` for a CONNECT (C's only OK case)."""
+    try:
+        head = http.parse_request_head(buf)
+        if head is NEED_MORE:
+            return NEED
+        if head.method.upper() != "CONNECT":
+            return ("other method",)
+        host, port = http.connect_authority(head.target)
+    except ProtocolError as exc:
+        return ("error", exc.reply)
+    return ("ok", head.consumed, host, port, http.proxy_basic_credentials(head))
+
+
+def c_sniff(buf: bytes):
+    out = ffi.new("sw_sniffed *")
+    with exact(buf) as p:
+        status = _STATUS[lib.sw_sniff(p, len(buf), out)]
+    assert status != "defer", "sniffing never defers"
+    if status == "ok":
+        return ("ok", _c_string(out.host, out.host_len).decode("ascii"))
+    return (status,) if status == "need_more" else ("error", None)
+
+
+def py_sniff(buf: bytes):
+    r = sniff.sniff(buf)
+    if r is NEED_MORE:
+        return NEED
+    return ("error", None) if r is None else ("ok", r.host)
+
+
+# -- the contract ------------------------------------------------------------------------
+
+_S5 = {
+    "greeting": (c_greeting, py_greeting),
+    "userpass": (c_userpass, py_userpass),
+    "request": (c_request, py_request),
+}
+
+
+def check_s5(kind: str, buf: bytes):
+    """SOCKS5: exactly Python's verdict, never a deferral."""
+    c_fn, py_fn = _S5[kind]
+    c, py = c_fn(buf), py_fn(buf)
+    assert c == py, (kind, buf)
+    note(f"{kind}: {c[0]}")
+    return c
+
+
+def check_http(buf: bytes):
+    """HTTP CONNECT: Python's verdict or DEFER; returns C's."""
+    c = c_http(buf)
+    py = py_http(buf)
+    if c != DEFER:
+        assert c == py, buf
+    note(f"http: C {c[0]}, Python {py[0]}")
+    return c
+
+
+def _mapped_as_311(host: str) -> str:
+    # Python 3.13 spells IPv4-mapped addresses ::ffff:a.b.c.d in .compressed, 3.11 in
+    # hex; C (which cannot ask) always writes the 3.11 form.
+    with contextlib.suppress(ValueError):
+        ip = ipaddress.IPv6Address(host)
+        if ip.ipv4_mapped is not None:
+            return f"::ffff:{int(ip) >> 16 & 0xFFFF:x}:{int(ip) & 0xFFFF:x}"
+    return host
+
+
+def check_sniff(buf: bytes):
+    c, py = c_sniff(buf), py_sniff(buf)
+    if sys.version_info >= (3, 13) and py[0] == "ok":
+        py = ("ok", _mapped_as_311(py[1]))
+    assert c == py, buf
+    note(f"sniff: {c[0]}")
+    return c
+
+
+def check_prefixes(check, buf: bytes) -> None:
+    for cut in range(len(buf) + 1):
+        check(buf[:cut])
+
+
+# -- mutation ----------------------------------------------------------------------------
+
+
+@st.composite
+def mutated(draw, base: st.SearchStrategy[bytes]) -> bytes:
+    """A valid message with a few random edits (the fuzz driver's repertoire, small)."""
+    buf = bytearray(draw(base))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate", "splice"]))
+        at = draw(st.integers(0, len(buf)))
+        if op == "flip" and buf:
+            at = min(at, len(buf) - 1)
+            buf[at] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set" and buf:
+            at = min(at, len(buf) - 1)
+            buf[at] = draw(
+                st.sampled_from([0, 1, 2, 3, 4, 5, 9, 10, 13, 32, 58, 61, 127, 128, 255])
+            )
+        elif op == "insert":
+            buf[at:at] = draw(st.binary(min_size=1, max_size=4))
+        elif op == "delete":
+            del buf[at : at + draw(st.integers(1, 4))]
+        elif op == "truncate":
+            del buf[at:]
+        elif op == "splice" and buf:
+            start = draw(st.integers(0, len(buf) - 1))
+            buf[at:at] = buf[start : start + draw(st.integers(1, 16))]
+    return bytes(buf)
+
+
+# -- SOCKS5 ------------------------------------------------------------------------------
+
+# Strings that stress strict UTF-8: overlongs, surrogates, > U+10FFFF, truncations, stray
+# continuation bytes, plus valid neighbours of each and the control-character rule.
+_UTF8_BITS = [
+    b"a", b"\xc2\x80", b"\xdf\xbf", b"\xe0\xa0\x80", b"\xed\x9f\xbf", b"\xee\x80\x80",
+    b"\xef\xbf\xbf", b"\xf0\x90\x80\x80", b"\xf4\x8f\xbf\xbf", b"\xc2\x85", b"\xc2\xa0",
+    b"\xc0\x80", b"\xc1\xbf", b"\xe0\x80\x80", b"\xe0\x9f\xbf", b"\xed\xa0\x80",
+    b"\xed\xbf\xbf", b"\xf0\x80\x80\x80", b"\xf0\x8f\xbf\xbf", b"\xf4\x90\x80\x80",
+    b"\xf5\x80\x80\x80", b"\xff", b"\x80", b"\xbf", b"\xe2\x82", b"\xf0\x9f\x98",
+    b"\x00", b" ", b"\x1f", b"\x7f", b"\t",
+]  # fmt: skip
+utf8_edgy = st.lists(st.sampled_from(_UTF8_BITS), max_size=8).map(b"".join)
+unicode_text = st.text(st.characters(exclude_categories=["Cs"]), max_size=40)
+names = st.one_of(
+    unicode_text.map(str.encode),
+    utf8_edgy,
+    st.binary(max_size=40),
+    st.from_regex(r"[a-z0-9-]{1,20}(\.[a-z0-9-]{1,20}){0,3}", fullmatch=True).map(str.encode),
+    st.just(b"x" * 255),
+).map(lambda b: b[:255])
+
+greetings = st.lists(st.integers(0, 255), max_size=255).map(
+    lambda methods: bytes([5, len(methods), *methods])
+)
+userpasses = st.tuples(names, names).map(
+    lambda up: bytes([1, len(up[0])]) + up[0] + bytes([len(up[1])]) + up[1]
+)
+_hextet = st.one_of(st.sampled_from([0, 0, 0, 1, 0xFFFF, 0xFFFE, 0x10]), st.integers(0, 0xFFFF))
+ipv6_packed = st.one_of(
+    st.lists(_hextet, min_size=8, max_size=8).map(
+        lambda h: b"".join(x.to_bytes(2, "big") for x in h)
+    ),
+    st.binary(min_size=4, max_size=4).map(lambda v4: bytes(10) + b"\xff\xff" + v4),  # mapped
+    st.binary(min_size=4, max_size=4).map(lambda v4: bytes(12) + v4),  # "compatible"
+    st.binary(min_size=16, max_size=16),
+)
+addresses = st.one_of(
+    st.binary(min_size=4, max_size=4).map(lambda a: b"\x01" + a),
+    ipv6_packed.map(lambda a: b"\x04" + a),
+    names.filter(len).map(lambda n: b"\x03" + bytes([len(n)]) + n),
+)
+requests = st.builds(
+    lambda cmd, rsv, addr, port: bytes([5, cmd, rsv]) + addr + port.to_bytes(2, "big"),
+    st.sampled_from([1, 2, 3, 0, 9]),
+    st.sampled_from([0, 0, 7]),
+    addresses,
+    st.integers(0, 0xFFFF),
+)
+_S5_VALID = {"greeting": greetings, "userpass": userpasses, "request": requests}
+
+
+@pytest.mark.parametrize("kind", sorted(_S5_VALID))
+@_settings(150)
+@given(data=st.data())
+def test_socks5_valid_messages_and_every_prefix(kind, data):
+    msg = data.draw(_S5_VALID[kind])
+    check_prefixes(functools.partial(check_s5, kind), msg)
+    trailer = data.draw(st.binary(max_size=8))
+    check_s5(kind, msg + trailer)
+
+
+@pytest.mark.parametrize("kind", sorted(_S5_VALID))
+@_settings(400)
+@given(data=st.data())
+def test_socks5_mutated_and_random_bytes(kind, data):
+    buf = data.draw(st.one_of(mutated(_S5_VALID[kind]), st.binary(max_size=300)))
+    check_s5(kind, buf)
+
+
+def test_socks5_utf8_exhaustive_boundaries():
+    """Every 1- and 2-byte string and every lead byte with boundary continuations."""
+    tails = [0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xFF]
+    cases = [bytes([a]) for a in range(256)]
+    cases += [bytes([a, b]) for a in range(256) for b in range(256)]
+    cases += [bytes([a, b, c]) for a in range(0xE0, 0x100) for b in tails for c in tails]
+    cases += [bytes([a, b, 0x80, c]) for a in range(0xF0, 0x100) for b in tails for c in tails]
+    for name in cases:
+        check_s5("userpass", bytes([1, len(name)]) + name + b"\x00")
+        check_s5("request", b"\x05\x01\x00\x03" + bytes([len(name)]) + name + b"\x01\xbb")
+
+
+def test_socks5_ipv6_text_matches_ip_text():
+    """Zero runs of every position and length (RFC 5952 choice), mapped and compatible."""
+    packed = []
+    for start in range(8):
+        for length in range(9 - start):
+            for filler in (1, 0xABCD):
+                h = [filler] * 8
+                h[start : start + length] = [0] * length
+                packed.append(b"".join(x.to_bytes(2, "big") for x in h))
+    for mask in range(256):  # every zero/non-zero pattern of the 8 hextets
+        packed.append(b"".join((b"\x00\x00" if mask >> i & 1 else b"\x0f\x00") for i in range(8)))
+    for v4 in (b"\x00\x00\x00\x00", b"\x01\x02\x03\x04", b"\xff\xff\xff\xff"):
+        packed += [bytes(10) + b"\xff\xff" + v4, bytes(12) + v4, bytes(10) + b"\xff\xfe" + v4]
+    for a in packed:
+        verdict = check_s5("request", b"\x05\x01\x00\x04" + a + b"\x00\x50")
+        assert verdict[0] == "ok"
+        assert verdict[4] == socks5._ip_text(a)
+
+
+def test_socks5_known_replies():
+    assert c_greeting(b"\x04\x01\x00") == ("error", None)
+    assert c_greeting(b"\x05\x00") == ("error", b"\x05\xff")
+    assert c_userpass(b"\x02") == ("error", b"\x01\x01")
+    assert c_request(b"\x05\x01\x00\x05") == ("error", socks5.reply(8))
+    assert c_request(b"\x05\x01\x00\x03\x00") == ("error", socks5.reply(1))
+    assert c_request(b"\x05\x01\x00\x03\x03a b\x00\x50") == ("error", socks5.reply(1))
+    assert c_request(b"\x05\x01\x00\x04" + bytes(12) + b"\x01\x02\x03\x04\x00\x50")[4] == (
+        "::102:304"  # IPv4-compatible: Python's hex, not inet_ntop's ::1.2.3.4
+    )
+
+
+# -- HTTP CONNECT -------------------------------------------------------------------------
+
+_TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+tokens = st.text(st.sampled_from(_TOKEN_CHARS), min_size=1, max_size=12)
+reg_names = st.one_of(
+    st.from_regex(r"[A-Za-z0-9_\-]{1,20}(\.[A-Za-z0-9_\-]{1,20}){0,4}", fullmatch=True),
+    st.text(st.sampled_from("abcXYZ019_-."), min_size=1, max_size=300),
+)
+
+
+def _v4_tail_compressed(packed: bytes) -> str:
+    """The address as six hextets with their longest zero run as "::", then dotted IPv4."""
+    h = [int.from_bytes(packed[i : i + 2], "big") for i in range(0, 12, 2)]
+    best, best_len = 0, 0
+    for start in range(6):
+        run = next((k for k in range(start, 6) if h[k]), 6) - start
+        if run > best_len:
+            best, best_len = start, run
+    v4 = ipaddress.IPv4Address(packed[12:])
+    if not best_len:
+        return ":".join(f"{x:x}" for x in h) + f":{v4}"
+    left = ":".join(f"{x:x}" for x in h[:best])
+    right = "".join(f"{x:x}:" for x in h[best + best_len :])
+    return f"{left}::{right}{v4}"
+
+
+def _ipv6_texts(packed: bytes) -> list[str]:
+    """Six spellings Python accepts for the same address."""
+    ip = ipaddress.IPv6Address(packed)
+    hextets = ip.exploded.split(":")
+    v4 = ipaddress.IPv4Address(packed[12:])
+    return [
+        ip.compressed,
+        ip.exploded,
+        ip.compressed.upper(),
+        ":".join(h.lstrip("0") or "0" for h in hextets),
+        ":".join(hextets[:6]) + f":{v4}",
+        _v4_tail_compressed(packed),
+    ]
+
+
+ipv6_texts = st.tuples(ipv6_packed, st.integers(0, 5)).map(lambda t: _ipv6_texts(t[0])[t[1]])
+ip_garbage = st.text(st.sampled_from("0123456789abcdefABCDEFg:.%/"), max_size=48)
+ports = st.one_of(
+    st.integers(1, 0xFFFF).map(str),
+    st.sampled_from(["", "0", "00443", "65536", "99999", "123456", "44a", "-1", "1:2"]),
+)
+port_suffixes = st.one_of(ports.map(lambda p: ":" + p), st.just(""))
+targets = st.one_of(
+    st.tuples(reg_names, port_suffixes).map("".join),
+    st.tuples(st.one_of(ipv6_texts, ip_garbage), port_suffixes).map(lambda t: f"[{t[0]}]{t[1]}"),
+    st.text(st.characters(min_codepoint=0x21, max_codepoint=0xFF), min_size=1, max_size=30),
+)
+latin1_values = st.text(
+    st.one_of(
+        st.characters(min_codepoint=0x20, max_codepoint=0x7E),
+        st.sampled_from("\t\x80\xa0\xff\x00\x01\x7f\x0b"),
+    ),
+    max_size=30,
+)
+cred_text = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\0"), max_size=40)
+
+
+def _basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def _bad_padding(token: str, how: int) -> str:
+    """A valid token made (usually) invalid for b64decode(validate=True)."""
+    bare = token.rstrip("=")
+    variants = [bare, token + "=", token + "==", bare + "=", "=" + token, token[:-1], token + "A"]
+    return variants[how]
+
+
+auth_values = st.one_of(
+    st.builds(_basic, cred_text.map(lambda u: u.replace(":", "")), cred_text),
+    st.builds(
+        lambda user, password, how: "Basic " + _bad_padding(_basic(user, password)[6:], how),
+        cred_text.map(lambda u: u.replace(":", "")),
+        cred_text,
+        st.integers(0, 6),
+    ),
+    st.builds(
+        lambda scheme, sep, token, ows: f"{ows}{scheme}{sep}{token}{ows}",
+        st.sampled_from(["Basic", "basic", "BASIC", "Bearer", "Basic\t", "Basi"]),
+        st.sampled_from([" ", "  ", " \t", ""]),
+        st.one_of(
+            st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode()),
+            st.text(st.sampled_from("QUJDZGVm+/=\t \xe9"), max_size=12),
+        ),
+        st.sampled_from(["", " ", "\t "]),
+    ),
+)
+header_names = st.one_of(
+    tokens,
+    st.sampled_from(
+        ["Host", "host", "Proxy-Authorization", "proxy-authorization", "Content-Length",
+         "Transfer-Encoding", "User-Agent", "Proxy-Connection", "Bad Name", ""]
+    ),
+)  # fmt: skip
+headers = st.lists(
+    st.tuples(
+        header_names,
+        st.sampled_from([": ", ":", ":\t", " : "]),
+        st.one_of(latin1_values, auth_values),
+    ).map("".join),
+    max_size=6,
+)
+
+
+def _noise(draw) -> st.SearchStrategy[bool]:
+    """Half the messages are entirely valid; in the rest each piece is off one time in four."""
+    noisy = draw(st.booleans())
+
+    def pick(good: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrategy:
+        return st.integers(0, 3).flatmap(lambda k: odd if k == 0 else good) if noisy else good
+
+    return pick
+
+
+good_targets = st.one_of(
+    st.tuples(reg_names, st.integers(1, 0xFFFF)).map(lambda t: f"{t[0]}:{t[1]}"),
+    st.tuples(ipv6_texts, st.integers(1, 0xFFFF)).map(lambda t: f"[{t[0]}]:{t[1]}"),
+)
+good_field_values = latin1_values.map(lambda v: "".join(c for c in v if c >= " " or c == "\t"))
+
+
+@st.composite
+def http_heads(draw) -> bytes:
+    """Plausible request heads: valid, or with a few pieces slightly off."""
+    _mostly = _noise(draw)
+    lead = draw(st.sampled_from(["", "", "", "\r\n", "\n", "\r\n\n"]))
+    method = draw(
+        _mostly(st.just("CONNECT"), st.sampled_from(["connect", "GET", "CONNEC", "CONNECTX"]))
+    )
+    version = draw(
+        _mostly(
+            st.sampled_from(["HTTP/1.1", "HTTP/1.0"]),
+            st.sampled_from(["HTTP/2.0", "HTTP/1.x", "HTTP/1.1 ", "http/1.1"]),
+        )
+    )
+    eols = _mostly(st.sampled_from(["\r\n", "\n"]), st.sampled_from(["\r", "\r\r\n", "\n\r"]))
+    line = f"{method} {draw(_mostly(good_targets, targets))} {version}{draw(eols)}"
+    good_fields = st.tuples(
+        _mostly(tokens, header_names),
+        st.sampled_from([": ", ":", ":\t"]),
+        _mostly(good_field_values, auth_values),
+    ).map("".join)
+    odd_fields = st.tuples(header_names, st.sampled_from([": ", " : ", ""]), latin1_values).map(
+        "".join
+    )
+    fields = draw(st.lists(_mostly(good_fields, odd_fields), max_size=6))
+    if draw(st.booleans()):
+        fields.insert(0, "Proxy-Authorization: " + draw(auth_values))
+    return (lead + line + "".join(f + draw(eols) for f in fields) + draw(eols)).encode("latin-1")
+
+
+@st.composite
+def good_connect_heads(draw) -> tuple[bytes, tuple]:
+    """Well-formed CONNECT heads that C must accept, with the fields Python finds."""
+    if draw(st.booleans()):
+        host_text = draw(
+            st.from_regex(r"[A-Za-z0-9_\-]{1,30}(\.[A-Za-z0-9_\-]{1,30}){0,4}", fullmatch=True)
+        )
+        host, target_host = host_text.lower(), host_text
+    else:
+        packed = draw(ipv6_packed.filter(lambda a: ipaddress.IPv6Address(a).ipv4_mapped is None))
+        text = _ipv6_texts(packed)[draw(st.integers(0, 5))]
+        host, target_host = ipaddress.IPv6Address(packed).compressed, f"[{text}]"
+    port = draw(st.integers(1, 0xFFFF))
+    eol = draw(st.sampled_from(["\r\n", "\n"]))
+    fields = draw(
+        st.lists(
+            st.tuples(
+                st.one_of(tokens, st.sampled_from(["User-Agent", "Proxy-Connection", "Accept"])),
+                latin1_values.filter(
+                    lambda v: not any((c < " " and c != "\t") or c == "\x7f" for c in v)
+                ),
+            ).filter(
+                lambda nv: (
+                    nv[0].lower()
+                    not in ("host", "content-length", "transfer-encoding", "proxy-authorization")
+                )
+            ),
+            max_size=5,
+        )
+    )
+    if draw(st.booleans()):
+        fields.insert(draw(st.integers(0, len(fields))), ("Host", f"{target_host}:{port}"))
+    creds = None
+    if draw(st.booleans()):
+        user = draw(cred_text.map(lambda u: u.replace(":", "")))
+        password = draw(cred_text)
+        creds = (user, password)
+        scheme = draw(st.sampled_from(["Basic", "basic", "BASIC", "bAsIc"]))
+        sep, ows = draw(st.sampled_from([" ", "  ", " \t"])), draw(st.sampled_from(["", " \t"]))
+        value = f"{ows}{scheme}{sep}{_basic(user, password)[6:]}{ows}"
+        fields.insert(draw(st.integers(0, len(fields))), ("Proxy-Authorization", value))
+    head = draw(st.sampled_from(["", "", "\r\n", "\n", "\r\n\n"]))
+    head += f"CONNECT {target_host}:{port} HTTP/1.{draw(st.sampled_from('01'))}{eol}"
+    head += "".join(f"{n}: {v}{eol}" for n, v in fields) + eol
+    raw = head.encode("latin-1")
+    return raw, ("ok", len(raw), host, port, creds)
+
+
+@_settings(150)
+@given(good=good_connect_heads(), trailer=st.binary(max_size=16))
+def test_http_good_connect_heads_are_never_deferred(good, trailer):
+    raw, expected = good
+    assert py_http(raw) == expected
+    assert c_http(raw) == expected
+    assert c_http(raw + trailer) == expected
+    for cut in range(len(raw)):
+        assert c_http(raw[:cut]) == NEED, raw[:cut]
+
+
+@_settings(300)
+@given(head=http_heads(), trailer=st.binary(max_size=8))
+def test_http_plausible_heads(head, trailer):
+    check_http(head)
+    check_http(head + trailer)
+
+
+@_settings(60)
+@given(head=http_heads())
+def test_http_every_prefix(head):
+    check_prefixes(check_http, head)
+
+
+@_settings(400)
+@given(buf=st.one_of(mutated(http_heads()), mutated(good_connect_heads().map(lambda g: g[0]))))
+def test_http_mutated(buf):
+    check_http(buf)
+
+
+@_settings(200)
+@given(
+    buf=st.one_of(
+        st.binary(max_size=200),
+        st.binary(max_size=60).map(lambda b: b"CONNECT " + b),
+        st.text(st.sampled_from("CONECT :1[]\r\n\tHP/.ab"), max_size=60).map(str.encode),
+    )
+)
+def test_http_random_bytes(buf):
+    check_http(buf)
+
+
+def test_http_head_size_bound():
+    """NEED_MORE only under http.MAX_HEAD_SIZE; a head ending inside it is still OK."""
+    start = b"CONNECT a.example:443 HTTP/1.1\r\n"
+    filler = b"X-Pad: " + b"p" * 1000 + b"\r\n"
+    long_head = start + filler * 70
+    assert len(long_head) > http.MAX_HEAD_SIZE
+    for cut in (http.MAX_HEAD_SIZE - 1, http.MAX_HEAD_SIZE, http.MAX_HEAD_SIZE + 1):
+        verdict = check_http(long_head[:cut])
+        assert verdict == (NEED if cut < http.MAX_HEAD_SIZE else DEFER)
+    pad = http.MAX_HEAD_SIZE - len(start) - len(b"X: \r\n\r\n")
+    exact = start + b"X: " + b"v" * pad + b"\r\n\r\n"
+    assert len(exact) == http.MAX_HEAD_SIZE
+    assert check_http(exact + b"more")[0] == "ok"
+    assert check_http(start + b"X: " + b"v" * (pad + 1) + b"\r\n\r\n") == DEFER
+
+
+def test_http_defers_what_c_does_not_decide():
+    ok = b"CONNECT h:1 HTTP/1.1\r\n"
+    for buf in [
+        b"GET http://h/ HTTP/1.1\r\n\r\n",  # another method
+        b"G",  # cannot be "CONNECT "
+        b"connect h:1 HTTP/1.1\r\n\r\n",  # Python accepts it (method.upper())
+        ok + b"Content-Length: 0\r\n\r\n",
+        ok + b"Transfer-Encoding: chunked\r\n\r\n",
+        ok + b"Host: a\r\nHOST: b\r\n\r\n",
+        ok + b"X: a\r\n b\r\n\r\n",  # obs-fold
+        b"CONNECT [::ffff:1.2.3.4]:1 HTTP/1.1\r\n\r\n",  # .compressed differs by version
+        ok + b"Proxy-Authorization: Basic " + base64.b64encode(b"u:\0") + b"\r\n\r\n",
+        ok + b"Proxy-Authorization: Basic " + base64.b64encode(b"u:" + b"p" * 256) + b"\r\n\r\n",
+        b"CONNECT h HTTP/1.1\r\n\r\n",  # Python's 400
+        # '=' after whole quads: accepted by 3.11 to 3.12.3, refused since 3.12.4
+        ok + b"Proxy-Authorization: Basic OjAw=\r\n\r\n",
+        ok + b"Proxy-Authorization: Basic dTpw===\r\n\r\n",
+    ]:
+        assert check_http(buf) == DEFER, buf
+
+
+def test_http_basic_token_padding_shapes():
+    """Every cut of a token with 0-4 '=' and a stray character: binascii's strict rules."""
+    head = b"CONNECT h:1 HTTP/1.1\r\nProxy-Authorization: Basic %s\r\n\r\n"
+    for creds in (b":", b"u:", b"us:", b"u:p", b"us:pa", b"usr:pas", b"\xc3\xa9:\xff"):
+        bare = base64.b64encode(creds).rstrip(b"=")
+        for cut in range(len(bare) + 1):
+            for pads in range(5):
+                for extra in (b"", b"A", b"=", b" "):
+                    token = bare[:cut] + b"=" * pads + extra
+                    verdict = check_http(head % token)
+                    data = token.strip().rstrip(b"=")
+                    # '=' after whole quads: accepted by 3.11 to 3.12.3, refused since 3.12.4
+                    version_dependent = data and len(data) % 4 == 0 and b"=" not in data
+                    version_dependent = version_dependent and data != token.strip()
+                    creds = py_http(head % token)[4]
+                    if version_dependent or (creds and "\0" in "".join(creds)):
+                        assert verdict == DEFER, token
+                    else:
+                        assert verdict[0] == "ok", token
+
+
+# -- sniffing -----------------------------------------------------------------------------
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
+def real_client_hello(server_hostname: str) -> bytes:
+    """The first flight of a genuine ssl-module client: one record holding a ClientHello."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    conn = _tls_context().wrap_bio(incoming, outgoing, server_hostname=server_hostname)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        conn.do_handshake()
+    return outgoing.read()
+
+
+def rerecord(flight: bytes, sizes: list[int]) -> bytes:
+    """The same handshake bytes cut into records of the given sizes (the rest in one)."""
+    assert flight[0] == 22
+    version = flight[1:3]
+    payload = flight[5 : 5 + int.from_bytes(flight[3:5], "big")]
+    out, pos = b"", 0
+    for size in [*sizes, len(payload)]:
+        chunk = payload[pos : pos + size]
+        if chunk:
+            out += b"\x16" + version + len(chunk).to_bytes(2, "big") + chunk
+        pos += len(chunk)
+    return out
+
+
+def _len(n: int, data: bytes) -> bytes:
+    return len(data).to_bytes(n, "big") + data
+
+
+def synthetic_client_hello(
+    entries: list[tuple[int, bytes]], session: bytes, before: list[int], sni_ext: bool | None
+) -> bytes:
+    """A ClientHello record whose server_name list is ``entries`` (any bytes); with
+    ``sni_ext`` None, one without any extensions block (SSL 3 style)."""
+    exts = b"".join(t.to_bytes(2, "big") + _len(2, b"\x00" * (t % 5)) for t in before)
+    if sni_ext:
+        names = b"".join(bytes([t]) + _len(2, name) for t, name in entries)
+        exts += b"\x00\x00" + _len(2, _len(2, names))
+    exts += b"\x00\x2b" + _len(2, b"\x02\x03\x04")
+    body = b"\x03\x03" + bytes(32) + _len(1, session) + _len(2, b"\x13\x01\x13\x02")
+    body += _len(1, b"\x00") + (b"" if sni_ext is None else _len(2, exts))
+    handshake = b"\x01" + _len(3, body)
+    return b"\x16\x03\x01" + _len(2, handshake)
+
+
+def synthetic_padded_hello(name: bytes, needed: int) -> bytes:
+    """A handshake of exactly ``needed`` bytes (a padding extension fills it), as one
+    over-long pseudo-record for rerecord() to cut."""
+    short = synthetic_client_hello([(0, name)], b"", [], True)
+    body = short[9:]
+    pad = needed - 4 - len(body) - 4  # the padding extension's own header
+    exts_at = 2 + 32 + 1 + 2 + 4 + 1 + 1
+    exts = body[exts_at + 2 :] + b"\x00\x15" + _len(2, bytes(pad))
+    body = body[:exts_at] + _len(2, exts)
+    handshake = b"\x01" + _len(3, body)
+    assert len(handshake) == needed
+    return b"\x16\x03\x01" + len(handshake).to_bytes(2, "big") + handshake
+
+
+label = st.from_regex(r"[A-Za-z0-9_]([A-Za-z0-9_\-]{0,20}[A-Za-z0-9_])?", fullmatch=True)
+dns_names = st.builds(
+    lambda labels, dot: ".".join(labels) + dot,
+    st.lists(label, min_size=1, max_size=5),
+    st.sampled_from(["", "", "."]),
+)
+_odd_sni_names = st.one_of(
+    st.binary(max_size=70),
+    st.text(st.sampled_from("aZ09_-.:"), max_size=70).map(str.encode),
+    st.just(b"a" * 63 + b"." + b"b" * 64),
+    st.integers(250, 256).map(lambda n: (b"ab." * 100)[:n]),
+)
+sni_names = st.integers(0, 2).flatmap(
+    lambda k: _odd_sni_names if k == 0 else dns_names.map(str.encode)
+)
+sni_entries = st.lists(st.tuples(st.sampled_from([0, 0, 0, 1, 255]), sni_names), max_size=3)
+synthetic_hellos = st.builds(
+    synthetic_client_hello,
+    st.integers(0, 3).flatmap(
+        lambda k: sni_entries if k == 0 else st.tuples(sni_names).map(lambda n: [(0, n[0])])
+    ),
+    st.binary(max_size=32),
+    st.lists(st.sampled_from([10, 11, 13, 16, 23, 43, 51]), max_size=3),
+    st.sampled_from([True, True, True, True, False, None]),
+)
+record_sizes = st.lists(st.integers(1, 200), max_size=6)
+
+
+@_settings(80)
+@given(
+    host=st.one_of(dns_names, st.sampled_from(["bücher.example", "ÉCOLE.fr", "1.2.3.4", "::1"])),
+    sizes=record_sizes,
+)
+def test_sniff_real_client_hellos_are_read(host, sizes):
+    try:
+        flight = real_client_hello(host)
+    except (UnicodeError, ValueError):
+        return  # a name the ssl module itself refuses
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        sni = sniff.normalize_host(host.encode("idna").decode())
+    else:
+        sni = None  # ssl sends no server_name for an IP address
+    for buf in (flight, rerecord(flight, sizes)):
+        verdict = check_sniff(buf)
+        if sni is not None:
+            assert verdict == ("ok", sni), (host, buf)
+
+
+@_settings(10)
+@given(host=dns_names, sizes=record_sizes)
+def test_sniff_every_prefix_of_a_client_hello(host, sizes):
+    check_prefixes(check_sniff, rerecord(real_client_hello(host), sizes))
+
+
+@_settings(300)
+@given(hello=synthetic_hellos, sizes=record_sizes)
+def test_sniff_synthetic_client_hellos(hello, sizes):
+    check_sniff(hello)
+    check_sniff(rerecord(hello, sizes))
+
+
+@_settings(400)
+@given(
+    buf=st.one_of(
+        mutated(synthetic_hellos),
+        mutated(st.builds(real_client_hello, dns_names)),
+        st.binary(max_size=300).map(lambda b: b"\x16" + b),
+        st.binary(max_size=300).map(lambda b: b"\x16\x03\x01" + b),
+    )
+)
+def test_sniff_mutated_tls(buf):
+    check_sniff(buf)
+
+
+good_host_values = st.one_of(
+    st.tuples(dns_names, st.sampled_from(["", ":", ":80", ":8080", ":65535"])).map("".join),
+    ipv6_texts.map(lambda t: f"[{t}]"),
+    st.tuples(ipv6_texts, st.integers(0, 99999)).map(lambda t: f"[{t[0]}]:{t[1]}"),
+)
+host_values = st.one_of(
+    st.tuples(dns_names, port_suffixes).map("".join),
+    st.tuples(st.one_of(ipv6_texts, ip_garbage), port_suffixes).map(lambda t: f"[{t[0]}]{t[1]}"),
+    st.text(st.characters(max_codepoint=0xFF), max_size=30),
+)
+
+
+@st.composite
+def sniff_http_requests(draw) -> bytes:
+    _mostly = _noise(draw)
+    methods = ["GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"]
+    method = draw(_mostly(st.sampled_from(methods), st.sampled_from(["BREW", "get", "GETX", "G"])))
+    target = draw(
+        _mostly(
+            st.sampled_from(["/", "/a?b", "http://x/", "*", "/\x80"]),
+            st.sampled_from(["", "/ /", "/\x7f"]),
+        )
+    )
+    version = draw(
+        _mostly(
+            st.sampled_from(["HTTP/1.1", "HTTP/1.0"]),
+            st.sampled_from(["HTTP/2.0", "HTTP/1.1 ", "HTTP/1."]),
+        )
+    )
+    eols = _mostly(st.sampled_from(["\r\n", "\n"]), st.sampled_from(["\r\r\n", "\n\r", "\r"]))
+    lines = [f"{method} {target} {version}"]
+    lines += draw(st.lists(_mostly(st.just("X-A: b"), latin1_values), max_size=3))
+    if draw(st.integers(0, 4)):
+        host_name = draw(
+            _mostly(
+                st.sampled_from(["Host", "host", "HOST"]),
+                st.sampled_from(["Host ", " Host", "Hostx"]),
+            )
+        )
+        ows = draw(st.sampled_from(["", " ", "\t ", "  "]))
+        lines.append(f"{host_name}:{ows}{draw(_mostly(good_host_values, host_values))}{ows}")
+    lines += draw(st.lists(latin1_values, max_size=2))
+    raw = "".join(line + draw(eols) for line in lines) + draw(st.sampled_from(["", "\r\n"]))
+    return raw.encode("latin-1")
+
+
+@_settings(300)
+@given(req=sniff_http_requests(), trailer=st.binary(max_size=8))
+def test_sniff_http(req, trailer):
+    check_sniff(req)
+    check_sniff(req + trailer)
+
+
+@_settings(60)
+@given(req=sniff_http_requests())
+def test_sniff_http_every_prefix(req):
+    check_prefixes(check_sniff, req)
+
+
+@_settings(400)
+@given(buf=st.one_of(mutated(sniff_http_requests()), st.binary(max_size=100)))
+def test_sniff_mutated_http_and_random(buf):
+    check_sniff(buf)
+
+
+def test_sniff_limits():
+    """SNIFF_LIMIT on both paths, and a ClientHello cut into many tiny records."""
+    limit = sniff.SNIFF_LIMIT
+    get = b"GET / HTTP/1.1\r\n"
+    for n in (limit - 1, limit, limit + 1, limit + 100):
+        check_sniff(get + b"X-Pad: " + b"p" * n)
+        check_sniff((get + b"X: y\r\n" * (n // 6))[:n] + b"\r\nHost: late.example\r\n")
+        check_sniff(b"\x16\x03\x01\x40\x00" + bytes(n))
+    hello = real_client_hello("tiny.records.example")
+    tiny = rerecord(hello, [1] * 600)
+    assert check_sniff(tiny) == ("ok", "tiny.records.example")
+    assert check_sniff(synthetic_client_hello([(0, b"a.example")], b"", [], None)) == (
+        "error",
+        None,
+    )
+    big = synthetic_client_hello([(0, b"big.example")], b"", [21] * 4000, True)
+    check_sniff(big)
+    # A declared ClientHello length right at SNIFF_LIMIT: read, or refused as soon as known.
+    for needed in (limit - 1, limit, limit + 1):
+        announce = b"\x01" + (needed - 4).to_bytes(3, "big")
+        assert check_sniff(b"\x16\x03\x01\x00\x04" + announce) == (
+            NEED if needed <= limit else ("error", None)
+        )
+        hello = synthetic_padded_hello(b"edge.example", needed)
+        expected = ("ok", "edge.example") if needed <= limit else ("error", None)
+        assert check_sniff(rerecord(hello, [16384])) == expected
+    check_prefixes(check_sniff, rerecord(hello, [3] * 40)[:400])
+
+
+def test_sniff_ipv6_host_forms():
+    for value in ["[::1]", "[::1]:80", "[::ffff:1.2.3.4]", "[::1.2.3.4]", "[1:2:3:4:5:6:7::]",
+                  "[::1:2:3:4:5:6:7]", "[1::2:3:4:5:6:7:8]", "[fe80::1%eth0]", "[::01.2.3.4]",
+                  "[1:2:3:4:5:6:1.2.3.4]", "[::256.1.1.1]", "[:1::]", "[1:::2]", "[00000::]",
+                  "[::]:", "[::]:123456", "[::1]x", "[]", "[::"]:  # fmt: skip
+        check_sniff(f"GET / HTTP/1.1\r\nHost: {value}\r\n".encode())
