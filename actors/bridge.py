@@ -52,11 +52,10 @@ DeferredTaker = Callable[[Deferred], None]
 class RelayBridge:
     """Owns the relay and the C connection path; turns their reports into actor messages.
 
-    One drain serves both: relay completions are taken first, then C's lifecycle
-    records, then the completions are delivered. A ROUTED record is written before
-    its flow reaches the relay, so a completion is never older than its ROUTED; one
-    that still arrives first (C published ROUTED after this drain read the ring) waits
-    in ``_orphans`` for it.
+    Each has its own eventfd and drain, so a relay completion costs no C-path call.
+    A completion can be drained before the ROUTED record of its flow (C hands the
+    flow to the relay, then publishes the record): it waits in ``_orphans`` until
+    the record names its handle.
     """
 
     def __init__(self, dispatcher: Dispatcher) -> None:
@@ -77,8 +76,8 @@ class RelayBridge:
         """Start watching the relay and the C path (call on the dispatcher thread)."""
         self._start_flow = start_flow
         self._take_deferred = take_deferred
-        self._dispatcher.loop.add_reader(self.relay.fileno(), self._on_ready)
-        self._dispatcher.loop.add_reader(self.conn.fileno(), self._on_ready)
+        self._dispatcher.loop.add_reader(self.relay.fileno(), self._on_relay_ready)
+        self._dispatcher.loop.add_reader(self.conn.fileno(), self._on_conn_ready)
         self._attached = True
 
     def hand_off(
@@ -117,8 +116,11 @@ class RelayBridge:
         """Ask the relay to close a flow; False if it already finished."""
         return self.relay.request_close(handle)
 
-    def _on_ready(self) -> None:
-        completions = self.relay.drain()
+    def _on_relay_ready(self) -> None:
+        for completion in self.relay.drain():
+            self._deliver(completion)
+
+    def _on_conn_ready(self) -> None:
         for record in self.conn.drain():
             self._on_record(record)
         for deferred in self.conn.take_deferred():
@@ -126,8 +128,6 @@ class RelayBridge:
                 os.close(deferred.fd)
             else:
                 self._take_deferred(deferred)
-        for completion in completions:
-            self._deliver(completion)
 
     def _on_record(self, record: ConnRecord) -> None:
         if record.kind == connpath.STARTED:
@@ -169,7 +169,9 @@ class RelayBridge:
     def detach(self) -> None:
         """Deliver what is left and stop watching (dispatcher thread, after shutdown)."""
         if self._attached:
-            self._on_ready()
+            # Records first: completions of flows C routed find their actors.
+            self._on_conn_ready()
+            self._on_relay_ready()
             # A shut-down relay keeps its eventfd readable; stop watching it.
             self._dispatcher.loop.remove_reader(self.relay.fileno())
             self._dispatcher.loop.remove_reader(self.conn.fileno())

@@ -195,7 +195,7 @@ class FlowActor(LoopActor):
         if deferred is not None and deferred.stage == connpath.ROUTE:
             # C finished the handshake (and maybe answered and sniffed) but could not
             # route or dial this flow: carry on from there.
-            hs = self._handshake_from(deferred)
+            hs = self._c_handshake(deferred, deferred.host, deferred.raw)
             replied = deferred.replied
             self._start_record(hs, deferred.started_unix_ms)
             if replied:
@@ -271,17 +271,19 @@ class FlowActor(LoopActor):
                 await self._sniff(hs)
         await self._start_relay(hs, dialed, outbound.chained)
 
-    def _handshake_from(self, d: connpath.Deferred) -> Handshake:
+    def _c_handshake(
+        self, c: connpath.Deferred | connpath.ConnRecord, host: str, early: bytes = b""
+    ) -> Handshake:
         """What C's handshake established, as the Python handshake would have."""
         return Handshake(
-            d.protocol,
-            d.host,
-            d.port,
-            self.core.principal_key(d.principal),
-            _AUTH_SCHEMES.get(d.auth),
-            d.client_rx,
-            d.client_tx,
-            early=d.raw,
+            c.protocol,
+            host,
+            c.port,
+            self.core.principal_key(c.principal),
+            _AUTH_SCHEMES.get(c.auth),
+            c.client_rx,
+            c.client_tx,
+            early=early,
         )
 
     def _start_record(self, hs: Handshake, started_at: int | None = None) -> None:
@@ -439,22 +441,13 @@ class FlowActor(LoopActor):
 
     def _start_record_c(self, rec: connpath.ConnRecord) -> None:
         """flow.started from C's STARTED record, with C's timestamp and counts."""
-        hs = Handshake(
-            rec.protocol,
-            rec.name,
-            rec.port,
-            self.core.principal_key(rec.principal),
-            _AUTH_SCHEMES.get(rec.auth),
-            rec.client_rx,
-            rec.client_tx,
-        )
-        self._start_record(hs, rec.at_unix_ms)
+        self._start_record(self._c_handshake(rec, rec.name), rec.at_unix_ms)
 
     def _c_route(self, rec: connpath.ConnRecord) -> Any:
         """Apply the route C took (looked up in the table it used); its outbound."""
         mirror = self.core.routes.mirror(rec.epoch)
-        decision = mirror.decision(rec.rule, rec.target, rec.action)
-        chain = mirror.chain(rec.target) if rec.target >= 0 else []
+        decision = mirror.routes.decision(rec.action, rec.rule, rec.target)
+        chain = mirror.chains[rec.target] if rec.target >= 0 else []
         outbound = self.core.outbounds.get(chain[-1]) if chain else None
         self._set_route(decision, chain, outbound)
         s = self.state

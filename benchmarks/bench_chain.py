@@ -166,17 +166,7 @@ def v2ray_cmd(cfg: Path) -> list[str]:
 
 
 def package_version(pkg: str) -> str:
-    try:
-        r = subprocess.run(
-            ["dpkg-query", "-W", "-f", "${Version}", pkg],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    return r.stdout.strip() or "?"
+    return e2e.dpkg_version(pkg) or "?"
 
 
 # --------------------------------------------------------------------------- configs

@@ -181,11 +181,7 @@ def report(res: dict) -> str:
                 f"pending {r['pending_at_end']} at its end, caught up in {r['catch_up_s']} s; "
                 f"failed {sa.get('total_failed')}, replay gaps {sa.get('replay_gaps')}"
             )
-    notes = res.get("notes") or []
-    if notes:
-        lines.append("")
-        lines.append("Notes:")
-        lines.extend(f"   - {n}" for n in notes)
+    lines.extend(e2e.notes_section(res))
     return "\n".join(lines)
 
 

@@ -818,7 +818,7 @@ static void sweep_prefixes(const uint8_t *input, size_t len)
 
 #ifdef SW_FUZZ_LIBFUZZER
 /* clang -fsanitize=fuzzer,address,undefined -DSW_FUZZ_LIBFUZZER -Icsrc \
- *     benchmarks/fuzz_parse.c csrc/parse.c */
+ *     benchmarks/fuzz_parse.c csrc/parse.c csrc/iplit.c */
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size > MAX_INPUT)

@@ -32,7 +32,8 @@ from spliceway.protocols import http, socks5
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 BUILD = BENCH / "build"
-SOURCES = (BENCH / "fuzz_parse.c", ROOT / "csrc" / "parse.c", ROOT / "csrc" / "parse.h")
+C_FILES = (BENCH / "fuzz_parse.c", ROOT / "csrc" / "parse.c", ROOT / "csrc" / "iplit.c")
+SOURCES = (*C_FILES, ROOT / "csrc" / "parse.h", ROOT / "csrc" / "iplit.h")
 
 
 def build(cc: str) -> Path:
@@ -43,7 +44,7 @@ def build(cc: str) -> Path:
     cmd = [
         cc, "-std=gnu11", "-O1", "-g", "-Wall", "-Wextra",
         "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
-        f"-I{ROOT / 'csrc'}", "-o", str(exe), str(SOURCES[0]), str(SOURCES[1]),
+        f"-I{ROOT / 'csrc'}", "-o", str(exe), *map(str, C_FILES),
     ]  # fmt: skip
     print("build: " + " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)

@@ -42,6 +42,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import run_e2e as e2e  # noqa: E402  (processes, /proc readers, the engine's launch)
+from run_e2e import dpkg_version  # noqa: E402
 
 SOCKS5, HTTP = "socks5", "http"
 ORDER = (
@@ -175,21 +176,6 @@ class Running:
 
 
 # --------------------------------------------------------------------------- specs
-
-
-def _dpkg_version(pkg: str) -> str | None:
-    try:
-        r = subprocess.run(
-            ["dpkg-query", "-W", "-f", "${Status}|${Version}", pkg],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    status, _, version = r.stdout.partition("|")
-    return version.strip() if status.strip().endswith(" installed") else None
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -490,7 +476,7 @@ def discover() -> list[Spec]:
             "tinyproxy",
             HTTP,
             b,
-            f"tinyproxy {_dpkg_version('tinyproxy-bin') or _dpkg_version('tinyproxy') or '?'}",
+            f"tinyproxy {dpkg_version('tinyproxy-bin') or dpkg_version('tinyproxy') or '?'}",
             "apt-get install tinyproxy",
             write_config=_tinyproxy(b) if b else None,
         )
@@ -501,7 +487,7 @@ def discover() -> list[Spec]:
             "microsocks",
             SOCKS5,
             b,
-            f"microsocks {_dpkg_version('microsocks') or '?'}",
+            f"microsocks {dpkg_version('microsocks') or '?'}",
             "apt-get install microsocks",
             write_config=_microsocks(b) if b else None,
         )
@@ -512,7 +498,7 @@ def discover() -> list[Spec]:
             "v2ray",
             SOCKS5,
             b,
-            f"{_first_line([b, '-version']) if b else '?'} (deb {_dpkg_version('v2ray') or '-'})",
+            f"{_first_line([b, '-version']) if b else '?'} (deb {dpkg_version('v2ray') or '-'})",
             "apt-get install v2ray",
             write_config=_v2ray(b) if b else None,
         )
@@ -555,7 +541,7 @@ def discover() -> list[Spec]:
             "dante",
             SOCKS5,
             b,
-            f"dante-server {_dpkg_version('dante-server') or '?'}",
+            f"dante-server {dpkg_version('dante-server') or '?'}",
             "apt-get install dante-server",
             multiprocess=True,
             write_config=_dante(b) if b else None,

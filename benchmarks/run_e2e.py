@@ -1143,12 +1143,32 @@ def report(res: dict) -> str:
         )
         if any(rs["errors"].values()):
             lines.append(f"   errors opening tunnels: {rs['errors']}")
-    notes = res.get("notes") or []
-    if notes:
-        lines.append("")
-        lines.append("Notes:")
-        lines.extend(f"   - {n}" for n in notes)
+    lines.extend(notes_section(res))
     return "\n".join(lines)
+
+
+def dpkg_version(pkg: str) -> str | None:
+    """The Debian package's installed version, None when it is not installed."""
+    try:
+        r = subprocess.run(
+            ["dpkg-query", "-W", "-f", "${Status}|${Version}", pkg],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    status, _, version = r.stdout.partition("|")
+    return version.strip() if status.strip().endswith(" installed") else None
+
+
+def notes_section(res: dict) -> list[str]:
+    """The "Notes:" lines ending a report (none when ``res`` has no notes)."""
+    notes = res.get("notes") or []
+    if not notes:
+        return []
+    return ["", "Notes:", *(f"   - {n}" for n in notes)]
 
 
 def stop_notes(st: dict, prefix: str, who: str) -> list[str]:

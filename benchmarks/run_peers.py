@@ -440,11 +440,7 @@ def report(res: dict) -> str:
     lines.append("")
     lines.append("versions:")
     lines.extend(f"   {k:<16}{v}" for k, v in meta["versions"].items())
-    notes = res.get("notes") or []
-    if notes:
-        lines.append("")
-        lines.append("Notes:")
-        lines.extend(f"   - {n}" for n in notes)
+    lines.extend(e2e.notes_section(res))
     return "\n".join(lines)
 
 

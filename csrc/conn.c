@@ -33,6 +33,8 @@
  */
 #define _GNU_SOURCE
 #include "conn.h"
+#include "evloop.h"
+#include "iplit.h"
 #include "parse.h"
 
 #include <arpa/inet.h>
@@ -83,7 +85,6 @@ enum state {
     ST_UP_S5_AUTH,    /* upstream socks5: waiting for the user/password status */
     ST_UP_S5_REPLY,   /* upstream socks5: waiting for the CONNECT reply */
     ST_SNIFF_POST,    /* replied; sniffing before the hand-off */
-    ST_FLUSH,         /* writing early client bytes upstream */
 };
 
 struct ep {
@@ -128,6 +129,7 @@ struct cconn {
     uint8_t *buf;
     uint32_t len, cap, consumed;
     uint32_t crx, ctx, urx, utx, early;
+    uint32_t hs_tx;           /* client bytes written by the handshake itself */
     uint8_t src_family;
     uint16_t src_port;
     uint8_t src_ip[16];
@@ -137,6 +139,7 @@ struct cconn {
     /* the route, copied from the table */
     uint64_t epoch;
     sw_route_result rr;
+    bool sniff_may_reroute;   /* a domain rule ranks before the matched one */
     int out_kind;
     uint32_t connect_timeout_ms;
     struct sockaddr_storage up_addr;
@@ -244,13 +247,6 @@ static uint64_t real_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
-static void signal_efd(int fd)
-{
-    uint64_t one = 1;
-    ssize_t n = write(fd, &one, sizeof one);
-    (void)n; /* EAGAIN: the counter is already non-zero, which is all we need */
 }
 
 static uint32_t hash_str(const char *s)
@@ -612,7 +608,7 @@ static void conn_defer(struct cconn *c, uint32_t stage)
     conn->defer_tail = it;
     pthread_mutex_unlock(&conn->defer_lock);
     atomic_fetch_add_explicit(&conn->stats.deferred, 1, memory_order_relaxed);
-    signal_efd(conn->efd);
+    efd_signal(conn->efd);
     conn_release(c);
 }
 
@@ -656,12 +652,13 @@ static int client_read(struct cconn *c)
             c->buf = b;
             c->cap = cap;
         }
-        ssize_t n = recv(c->cfd, c->buf + c->len, c->cap - c->len, 0);
+        uint32_t room = c->cap - c->len;
+        ssize_t n = recv(c->cfd, c->buf + c->len, room, 0);
         if (n > 0) {
             c->len += (uint32_t)n;
             c->crx += (uint32_t)n;
             total += (int)n;
-            if ((uint32_t)n < c->cap - c->len + (uint32_t)n)
+            if ((uint32_t)n < room)
                 return total; /* short read: the socket is drained */
             continue;
         }
@@ -766,19 +763,21 @@ static void start_flow(struct cconn *c);
 static void proceed_after_reply(struct cconn *c);
 static void hand_off(struct cconn *c);
 
+/* An IP literal as Python's resolver and encode_address read it (iplit.h). */
 static bool parse_ip_literal(const char *host, struct sockaddr_storage *ss, socklen_t *len,
                              uint16_t port)
 {
+    size_t n = strlen(host);
     memset(ss, 0, sizeof *ss);
     struct sockaddr_in *sin = (struct sockaddr_in *)ss;
-    if (inet_pton(AF_INET, host, &sin->sin_addr) == 1) {
+    if (sw_ip4_parse((const uint8_t *)host, n, (uint8_t *)&sin->sin_addr)) {
         sin->sin_family = AF_INET;
         sin->sin_port = htons(port);
         *len = sizeof *sin;
         return true;
     }
     struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)ss;
-    if (inet_pton(AF_INET6, host, &sin6->sin6_addr) == 1) {
+    if (!memchr(host, '%', n) && sw_ip6_parse((const uint8_t *)host, n, sin6->sin6_addr.s6_addr)) {
         sin6->sin6_family = AF_INET6;
         sin6->sin6_port = htons(port);
         *len = sizeof *sin6;
@@ -787,15 +786,12 @@ static bool parse_ip_literal(const char *host, struct sockaddr_storage *ss, sock
     return false;
 }
 
-static const sw_table *table_now(sw_conn *conn)
-{
-    return atomic_load_explicit(&conn->table, memory_order_seq_cst);
-}
-
-/* Decide the route; returns false when the flow was deferred. */
+/* Decide the route from the table installed now; returns false when the flow
+ * must be deferred.  Everything later steps need from that table is copied
+ * into the connection: the table may be swapped and freed before they run. */
 static bool decide(struct cconn *c)
 {
-    const sw_table *t = table_now(c->loop->conn);
+    const sw_table *t = atomic_load(&c->loop->conn->table);
     if (!t)
         return false;
     sw_route_query q;
@@ -816,6 +812,11 @@ static bool decide(struct cconn *c)
     if (sw_table_decide(t, &q, &c->rr) != 0 || c->rr.action == SW_ROUTE_DEFER)
         return false;
     c->epoch = sw_table_epoch(t);
+    /* As the Python path's _sniff_may_reroute: only rule mode, and only when
+     * a domain rule ranks before the match. */
+    int64_t matched = c->rr.rule >= 0 ? c->rr.rule : INT32_MAX;
+    c->sniff_may_reroute = sw_table_mode(t) == SW_MODE_RULE &&
+                           (int64_t)sw_table_first_domain_rule(t) < matched;
     c->out_kind = SW_OUT_BLOCK;
     if (c->rr.action == SW_ROUTE_BLOCK)
         return true;
@@ -850,18 +851,6 @@ static bool decide(struct cconn *c)
     return true;
 }
 
-/* Whether a sniffed host could change the decision (a domain rule ranks
- * before the matched one), as the Python path's _sniff_may_reroute. */
-static bool sniff_may_reroute(struct cconn *c)
-{
-    const sw_table *t = table_now(c->loop->conn);
-    if (!t || sw_table_mode(t) != SW_MODE_RULE)
-        return false;
-    int32_t first = sw_table_first_domain_rule(t);
-    int32_t bound = c->rr.rule >= 0 ? c->rr.rule : INT32_MAX;
-    return first < bound;
-}
-
 static void fail_flow(struct cconn *c, uint32_t end, int err, int detail, int socks_code,
                       int http_status, const char *message)
 {
@@ -872,7 +861,6 @@ static void fail_flow(struct cconn *c, uint32_t end, int err, int detail, int so
 static void connect_failed(struct cconn *c, int err)
 {
     char msg[600];
-    const char *tag = c->out_kind == SW_OUT_DIRECT ? NULL : "proxy";
     int socks = 1, http = 502;
     switch (err) {
     case ECONNREFUSED:
@@ -891,14 +879,12 @@ static void connect_failed(struct cconn *c, int err)
     default:
         break;
     }
-    (void)tag;
     snprintf(msg, sizeof msg, "connect to %s:%u failed: %s", c->host, c->port, strerror(err));
     fail_flow(c, SW_END_CONNECT_FAILED, err, 0, socks, http, msg);
 }
 
 static void start_connect(struct cconn *c)
 {
-    sw_conn *conn = c->loop->conn;
     int fd = socket(c->up_addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         int err = errno;
@@ -922,7 +908,6 @@ static void start_connect(struct cconn *c)
     }
     c->state = ST_CONNECT;
     timer_set(c, mono_ms() + c->connect_timeout_ms);
-    (void)conn;
 }
 
 static void connect_timed_out(struct cconn *c)
@@ -949,11 +934,12 @@ static void dial(struct cconn *c)
 static void after_handshake(struct cconn *c)
 {
     c->started_ms = real_ms();
+    c->hs_tx = c->ctx;
     if (!decide(c)) {
         conn_defer(c, SW_DEFER_ROUTE);
         return;
     }
-    if (c->listener->opts.sniff && sniff_may_reroute(c)) {
+    if (c->listener->opts.sniff && c->sniff_may_reroute) {
         /* A domain rule ranked before the match could claim this flow by its
          * first bytes, which the client sends only once told the tunnel is
          * open: answer first, then sniff and decide again. */
@@ -992,12 +978,9 @@ static void start_flow(struct cconn *c)
     c->flow = atomic_fetch_add_explicit(&conn->next_flow, 1, memory_order_relaxed);
     sw_conn_record *r = record_begin(c, SW_REC_STARTED);
     r->at_unix_ms = c->started_ms;
-    /* STARTED carries the handshake's bytes only, as flow.started does today;
-     * a success reply sent before routing is reported with ROUTED/ENDED. */
-    if (c->replied) {
-        r->client_tx -= c->proto == 1 ? (uint32_t)sizeof S5_SUCCESS
-                                      : (uint32_t)(sizeof HTTP_ESTABLISHED - 1);
-    }
+    /* The handshake's bytes only, as flow.started carries; a success reply sent
+     * before routing is counted in ROUTED/ENDED. */
+    r->client_tx = c->hs_tx;
     record_name(r, c->host, c->host_len);
     record_commit(c);
     c->started = true;
@@ -1024,18 +1007,18 @@ static void s5_send_request(struct cconn *c)
 {
     uint8_t req[4 + 1 + 255 + 2];
     size_t n = 0;
-    struct in6_addr a6;
-    struct in_addr a4;
+    struct sockaddr_storage ss;
+    socklen_t sslen;
     req[n++] = 5;
     req[n++] = 1;
     req[n++] = 0;
-    if (inet_pton(AF_INET, c->host, &a4) == 1) {
+    if (parse_ip_literal(c->host, &ss, &sslen, 0) && ss.ss_family == AF_INET) {
         req[n++] = 1;
-        memcpy(req + n, &a4, 4);
+        memcpy(req + n, &((struct sockaddr_in *)&ss)->sin_addr, 4);
         n += 4;
-    } else if (inet_pton(AF_INET6, c->host, &a6) == 1) {
+    } else if (ss.ss_family == AF_INET6) {
         req[n++] = 4;
-        memcpy(req + n, &a6, 16);
+        memcpy(req + n, &((struct sockaddr_in6 *)&ss)->sin6_addr, 16);
         n += 16;
     } else {
         req[n++] = 3;
@@ -1050,6 +1033,120 @@ static void s5_send_request(struct cconn *c)
         return;
     }
     c->state = ST_UP_S5_REPLY;
+}
+
+/* The upstream's next two-byte answer (VER VALUE): 1 and *value when it is
+ * there, 0 while incomplete, -1 when VER is wrong (the flow has failed). */
+static int up_pair(struct cconn *c, uint8_t version, uint8_t *value)
+{
+    if (c->up_len < 2)
+        return 0;
+    if (c->up_buf[0] != version) {
+        up_broken(c);
+        return -1;
+    }
+    *value = c->up_buf[1];
+    memmove(c->up_buf, c->up_buf + 2, c->up_len - 2);
+    c->up_len -= 2;
+    return 1;
+}
+
+static void s5_send_userpass(struct cconn *c)
+{
+    uint8_t a[3 + 255 + 255];
+    size_t ul = strlen(c->up_user), pl = strlen(c->up_pass), k = 0;
+    if (ul > 255 || pl > 255) {
+        up_broken(c);
+        return;
+    }
+    a[k++] = 1;
+    a[k++] = (uint8_t)ul;
+    memcpy(a + k, c->up_user, ul);
+    k += ul;
+    a[k++] = (uint8_t)pl;
+    memcpy(a + k, c->up_pass, pl);
+    k += pl;
+    if (up_send(c, a, k) < 0) {
+        up_broken(c);
+        return;
+    }
+    c->state = ST_UP_S5_AUTH;
+}
+
+static void s5_on_reply(struct cconn *c)
+{
+    sw_s5_request rep;
+    uint8_t ignored[SW_PARSE_REPLY_MAX];
+    size_t ignored_len = 0;
+    /* A reply has the request's layout (VER REP RSV ATYP ADDR PORT). */
+    int rc = sw_parse_s5_request(c->up_buf, c->up_len, &rep, ignored, &ignored_len);
+    if (rc == SW_PARSE_NEED_MORE)
+        return;
+    if (rc != SW_PARSE_OK) {
+        up_broken(c);
+        return;
+    }
+    if (rep.command != 0) {
+        static const int codes[] = {0, 1, 2, 3, 4, 5, 6};
+        int socks = rep.command <= 6 ? codes[rep.command] : 1;
+        char msg[600];
+        snprintf(msg, sizeof msg, "upstream proxy answered SOCKS5 reply %u for %s:%u",
+                 rep.command, c->host, c->port);
+        fail_flow(c, SW_END_UPSTREAM_REPLY, 0, rep.command, socks, 502, msg);
+        return;
+    }
+    if (c->up_len > rep.consumed) {
+        /* The upstream sent bytes past its reply: Python's path forwards them
+         * to the client before relaying; C keeps that rare case simple by
+         * treating it as the upstream's protocol error. */
+        up_broken(c);
+        return;
+    }
+    c->up_len = 0;
+    timer_clear(c);
+    proceed_after_reply(c);
+}
+
+/* One step of the upstream SOCKS5 handshake on what it sent; false once it
+ * must wait for more, or the flow has moved on or ended. */
+static bool s5_step(struct cconn *c)
+{
+    uint8_t v;
+    switch (c->state) {
+    case ST_UP_S5_METHOD:
+        if (up_pair(c, 5, &v) <= 0)
+            return false;
+        if (c->up_user && v != 2) {
+            fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REFUSED_USERPASS, 1, 502,
+                      "upstream proxy refused user/password auth");
+            return false;
+        }
+        if (!c->up_user && v != 0) {
+            fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REQUIRED, 1, 502,
+                      "upstream proxy requires authentication");
+            return false;
+        }
+        if (c->up_user)
+            s5_send_userpass(c);
+        else
+            s5_send_request(c);
+        return !c->dead;
+    case ST_UP_S5_AUTH:
+        if (up_pair(c, 1, &v) <= 0)
+            return false;
+        if (v != 0) {
+            fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REJECTED, 1, 502,
+                      "upstream proxy rejected the credentials");
+            return false;
+        }
+        s5_send_request(c);
+        return !c->dead;
+    case ST_UP_S5_REPLY:
+        s5_on_reply(c);
+        return false;
+    default:
+        return false;
+    }
 }
 
 /* Upstream bytes during its handshake. */
@@ -1071,102 +1168,7 @@ static void upstream_readable(struct cconn *c)
         up_broken(c); /* EOF or error inside the handshake */
         return;
     }
-    while (!c->dead) {
-        if (c->state == ST_UP_S5_METHOD) {
-            if (c->up_len < 2)
-                return;
-            if (c->up_buf[0] != 5) {
-                up_broken(c);
-                return;
-            }
-            uint8_t method = c->up_buf[1];
-            memmove(c->up_buf, c->up_buf + 2, c->up_len - 2);
-            c->up_len -= 2;
-            if (c->up_user) {
-                if (method != 2) {
-                    fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REFUSED_USERPASS, 1, 502,
-                              "upstream proxy refused user/password auth");
-                    return;
-                }
-                uint8_t a[3 + 255 + 255];
-                size_t ul = strlen(c->up_user), pl = strlen(c->up_pass), k = 0;
-                if (ul > 255 || pl > 255) {
-                    up_broken(c);
-                    return;
-                }
-                a[k++] = 1;
-                a[k++] = (uint8_t)ul;
-                memcpy(a + k, c->up_user, ul);
-                k += ul;
-                a[k++] = (uint8_t)pl;
-                memcpy(a + k, c->up_pass, pl);
-                k += pl;
-                if (up_send(c, a, k) < 0) {
-                    up_broken(c);
-                    return;
-                }
-                c->state = ST_UP_S5_AUTH;
-                continue;
-            }
-            if (method != 0) {
-                fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REQUIRED, 1, 502,
-                          "upstream proxy requires authentication");
-                return;
-            }
-            s5_send_request(c);
-            continue;
-        }
-        if (c->state == ST_UP_S5_AUTH) {
-            if (c->up_len < 2)
-                return;
-            if (c->up_buf[0] != 1) {
-                up_broken(c);
-                return;
-            }
-            uint8_t status = c->up_buf[1];
-            memmove(c->up_buf, c->up_buf + 2, c->up_len - 2);
-            c->up_len -= 2;
-            if (status != 0) {
-                fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REJECTED, 1, 502,
-                          "upstream proxy rejected the credentials");
-                return;
-            }
-            s5_send_request(c);
-            continue;
-        }
-        if (c->state == ST_UP_S5_REPLY) {
-            sw_s5_request rep;
-            uint8_t ignored[SW_PARSE_REPLY_MAX];
-            size_t ignored_len = 0;
-            int rc = sw_parse_s5_request(c->up_buf, c->up_len, &rep, ignored, &ignored_len);
-            if (rc == SW_PARSE_NEED_MORE)
-                return;
-            if (rc != SW_PARSE_OK) {
-                up_broken(c);
-                return;
-            }
-            if (rep.command != 0) {
-                static const int codes[] = {0, 1, 2, 3, 4, 5, 6};
-                int socks = rep.command <= 6 ? codes[rep.command] : 1;
-                char msg[600];
-                snprintf(msg, sizeof msg, "upstream proxy answered SOCKS5 reply %u for %s:%u",
-                         rep.command, c->host, c->port);
-                fail_flow(c, SW_END_UPSTREAM_REPLY, 0, rep.command, socks, 502, msg);
-                return;
-            }
-            if (c->up_len > rep.consumed) {
-                /* The upstream sent bytes past its reply: Python's path forwards them
-                 * to the client before relaying; C keeps that rare case simple by
-                 * treating it as the upstream's protocol error. */
-                up_broken(c);
-                return;
-            }
-            c->up_len = 0;
-            timer_clear(c);
-            proceed_after_reply(c);
-            return;
-        }
-        return;
+    while (s5_step(c)) {
     }
 }
 
@@ -1622,9 +1624,7 @@ static void accept_on(struct cloop *L, struct listener *l)
 
 static void run_commands(struct cloop *L)
 {
-    uint64_t v;
-    ssize_t n = read(L->wakefd, &v, sizeof v);
-    (void)n;
+    efd_clear(L->wakefd);
     pthread_mutex_lock(&L->cmd_lock);
     struct cmd *cmds = L->cmds;
     L->cmds = NULL;
@@ -1719,7 +1719,7 @@ static void *loop_main(void *arg)
         }
         conn_free_dead(L);
         if (L->published)
-            signal_efd(conn->efd);
+            efd_signal(conn->efd);
     }
     atomic_store(&L->seen, 0);
     return NULL;
@@ -1733,7 +1733,7 @@ static void loop_post(struct cloop *L, struct cmd *cmd)
     cmd->next = L->cmds;
     L->cmds = cmd;
     pthread_mutex_unlock(&L->cmd_lock);
-    signal_efd(L->wakefd);
+    efd_signal(L->wakefd);
 }
 
 int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **out)
@@ -1795,20 +1795,10 @@ int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **ou
     }
     for (int i = 0; i < nloops; i++) {
         struct cloop *L = &conn->loops[i];
-        sigset_t all, old;
-        sigfillset(&all);
-        /* Loops never take signals: they belong to the host's main thread. */
-        pthread_sigmask(SIG_BLOCK, &all, &old);
-        int prc = pthread_create(&L->thread, NULL, loop_main, L);
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-        if (prc != 0) {
-            rc = -prc;
+        rc = loop_thread_start(&L->thread, loop_main, L, "sw-conn", i);
+        if (rc)
             goto fail;
-        }
         L->started = true;
-        char name[16];
-        snprintf(name, sizeof name, "sw-conn-%d", i);
-        pthread_setname_np(L->thread, name);
     }
     *out = conn;
     return 0;
@@ -1828,7 +1818,7 @@ int sw_conn_shutdown(sw_conn *conn)
         if (!L->started)
             continue;
         atomic_store(&L->stop, 1);
-        signal_efd(L->wakefd);
+        efd_signal(L->wakefd);
         pthread_join(L->thread, NULL);
         L->started = false;
     }
@@ -1845,7 +1835,7 @@ int sw_conn_shutdown(sw_conn *conn)
         conn_free_dead(L);
         L->heap_len = 0;
     }
-    signal_efd(conn->efd);
+    efd_signal(conn->efd);
     return 0;
 }
 
@@ -2116,9 +2106,7 @@ int sw_conn_drain(sw_conn *conn, sw_conn_record *out, size_t max)
     if (!conn || (!out && max))
         return -EINVAL;
     pthread_mutex_lock(&conn->drain_lock);
-    uint64_t v;
-    ssize_t rd = read(conn->efd, &v, sizeof v);
-    (void)rd;
+    efd_clear(conn->efd);
     size_t n = 0;
     bool more = false;
     for (int i = 0; i < conn->nloops; i++) {
@@ -2136,14 +2124,14 @@ int sw_conn_drain(sw_conn *conn, sw_conn_record *out, size_t max)
             more = true;
         atomic_store_explicit(&R->tail, tail, memory_order_release);
         if (took && atomic_load(&L->paused))
-            signal_efd(L->wakefd); /* room again: let it accept */
+            efd_signal(L->wakefd); /* room again: let it accept */
     }
     pthread_mutex_lock(&conn->defer_lock);
     if (conn->defer_head)
         more = true;
     pthread_mutex_unlock(&conn->defer_lock);
     if (more)
-        signal_efd(conn->efd);
+        efd_signal(conn->efd);
     pthread_mutex_unlock(&conn->drain_lock);
     return (int)n;
 }

@@ -34,6 +34,7 @@
  * times per input byte.
  */
 #include "parse.h"
+#include "iplit.h"
 
 #include <stdbool.h>
 #include <string.h>
@@ -122,17 +123,6 @@ static bool utf8_valid(const uint8_t *s, size_t n)
         i += more + 1;
     }
     return true;
-}
-
-static int hex_value(uint8_t c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
 }
 
 static uint8_t ascii_lower(uint8_t c) { return (c >= 'A' && c <= 'Z') ? (uint8_t)(c + 32) : c; }
@@ -232,137 +222,6 @@ static bool ip6_is_v4_mapped(const uint8_t a[16])
         if (a[i])
             return false;
     return a[10] == 0xFF && a[11] == 0xFF;
-}
-
-/* ipaddress.IPv4Address(text) (_BaseV4._parse_octet): four dot-separated
- * decimal octets, 1..3 ASCII digits, no leading zero, at most 255. */
-static bool ip4_parse(const uint8_t *s, size_t n, uint8_t out[4])
-{
-    size_t i = 0;
-    for (int octet = 0; octet < 4; octet++) {
-        if (octet) {
-            if (i >= n || s[i] != '.')
-                return false;
-            i++;
-        }
-        size_t start = i;
-        unsigned v = 0;
-        while (i < n && s[i] >= '0' && s[i] <= '9' && i - start < 4) {
-            v = v * 10 + (unsigned)(s[i] - '0');
-            i++;
-        }
-        size_t digits = i - start;
-        if (digits == 0 || digits > 3 || (digits > 1 && s[start] == '0') || v > 255)
-            return false;
-        out[octet] = (uint8_t)v;
-    }
-    return i == n;
-}
-
-/* ipaddress.IPv6Address(text) without a scope id (every caller refuses '%'
- * first), following _BaseV6._ip_int_from_string step by step: split at
- * every ':', an IPv4 tail when the last part holds a '.', at most 9 parts,
- * at most one empty inner part ("::"), empty ends only as part of "::", 1..4
- * hex digits per parsed part.  Python 3.11.7 has no separate length cap; the
- * later 45-character one changes no verdict (no valid text is longer). */
-static bool ip6_parse(const uint8_t *s, size_t n, uint8_t out[16])
-{
-    enum { EMPTY = -1, BAD = -2, MAX_PARTS = 9 };
-    if (n == 0)
-        return false;
-    size_t start[MAX_PARTS], plen[MAX_PARTS];
-    int parts = 0;
-    size_t from = 0;
-    for (size_t i = 0; i <= n; i++) {
-        if (i < n && s[i] != ':')
-            continue;
-        /* A tenth part means nine colons: more than 9 parts whatever the
-         * tail is (an IPv4 tail only adds one), which Python refuses. */
-        if (parts == MAX_PARTS)
-            return false;
-        start[parts] = from;
-        plen[parts] = i - from;
-        parts++;
-        from = i + 1;
-    }
-    if (parts < 3)
-        return false;
-
-    long val[MAX_PARTS + 1];
-    int count = 0;
-    for (int p = 0; p < parts; p++) {
-        const uint8_t *t = s + start[p];
-        size_t m = plen[p];
-        if (p == parts - 1 && memchr(t, '.', m)) {
-            uint8_t v4[4];
-            if (!ip4_parse(t, m, v4))
-                return false;
-            val[count++] = (long)v4[0] << 8 | v4[1];
-            val[count++] = (long)v4[2] << 8 | v4[3];
-            continue;
-        }
-        long v = 0;
-        if (m == 0) {
-            v = EMPTY;
-        } else if (m > 4) {
-            v = BAD;
-        } else {
-            for (size_t k = 0; k < m; k++) {
-                int d = hex_value(t[k]);
-                if (d < 0) {
-                    v = BAD;
-                    break;
-                }
-                v = v << 4 | d;
-            }
-        }
-        val[count++] = v;
-    }
-    if (count > MAX_PARTS)
-        return false;
-
-    int skip = -1;
-    for (int i = 1; i < count - 1; i++) {
-        if (val[i] == EMPTY) {
-            if (skip >= 0)
-                return false;
-            skip = i;
-        }
-    }
-    int hi, lo, skipped;
-    if (skip >= 0) {
-        hi = skip;
-        lo = count - skip - 1;
-        if (val[0] == EMPTY && --hi)
-            return false;
-        if (val[count - 1] == EMPTY && --lo)
-            return false;
-        skipped = 8 - (hi + lo);
-        if (skipped < 1)
-            return false;
-    } else {
-        if (count != 8 || val[0] == EMPTY || val[count - 1] == EMPTY)
-            return false;
-        hi = 8;
-        lo = 0;
-        skipped = 0;
-    }
-    int o = 0;
-    for (int i = 0; i < hi; i++, o++) {
-        if (val[i] < 0)
-            return false;
-        out[2 * o] = (uint8_t)(val[i] >> 8);
-        out[2 * o + 1] = (uint8_t)val[i];
-    }
-    for (int i = 0; i < skipped; i++, o++)
-        out[2 * o] = out[2 * o + 1] = 0;
-    for (int i = count - lo; i < count; i++, o++) {
-        if (val[i] < 0)
-            return false;
-        out[2 * o] = (uint8_t)(val[i] >> 8);
-        out[2 * o + 1] = (uint8_t)val[i];
-    }
-    return true;
 }
 
 /* ---------------------------------------------------------------------------
@@ -563,7 +422,7 @@ static bool http_authority(const uint8_t *t, size_t n, sw_http_connect *out)
             return false;
         size_t lit_len = (size_t)(close - t) - 1;
         uint8_t a[16];
-        if (memchr(t + 1, '%', lit_len) || !ip6_parse(t + 1, lit_len, a) || ip6_is_v4_mapped(a))
+        if (memchr(t + 1, '%', lit_len) || !sw_ip6_parse(t + 1, lit_len, a) || ip6_is_v4_mapped(a))
             return false;
         const uint8_t *rest = close + 1;
         size_t rest_len = n - (size_t)(rest - t);
@@ -1087,7 +946,7 @@ static int sniff_http_host(const uint8_t *v, size_t n, sw_sniffed *out)
         if (rest_len && (rest[0] != ':' || !valid_port_digits(rest + 1, rest_len - 1)))
             return SW_PARSE_ERROR;
         uint8_t a[16];
-        if (memchr(v + 1, '%', lit_len) || !ip6_parse(v + 1, lit_len, a))
+        if (memchr(v + 1, '%', lit_len) || !sw_ip6_parse(v + 1, lit_len, a))
             return SW_PARSE_ERROR;
         /* .compressed as Python 3.11 has it, IPv4-mapped ones in hex too
          * (3.13 would write ::ffff:a.b.c.d; sniff.py does not pin it). */

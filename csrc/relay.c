@@ -45,6 +45,7 @@
  */
 #define _GNU_SOURCE
 #include "relay.h"
+#include "evloop.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -327,22 +328,6 @@ static inline void touch(struct loop *L, struct flow *f)
     atomic_store_explicit(&f->last_activity_ms, (uint64_t)L->now_real, memory_order_relaxed);
 }
 
-/* Eventfds (loop wakers, the completion fd).  A failed write is EAGAIN, only
- * if the counter is about to overflow: already readable.  A failed read is
- * EAGAIN: already clear. */
-static void efd_signal(int fd)
-{
-    uint64_t one = 1;
-    if (write(fd, &one, sizeof one) < 0) {
-    }
-}
-
-static void efd_clear(int fd)
-{
-    uint64_t v;
-    if (read(fd, &v, sizeof v) < 0) {
-    }
-}
 
 /* Relaxed loads: the flow's loop is the only writer, and readers on other
  * threads validate the generation around the snapshot. */
@@ -1451,28 +1436,13 @@ int sw_relay_new(int nloops, uint32_t capacity, sw_relay **out)
             goto fail;
     }
 
-    /* Loop threads inherit a full signal mask: signals belong to the host's
-     * threads (Python handles them on its main thread), and a SIGPIPE raised
-     * by splice() into a reset socket must not kill the process. */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    rc = 0;
-    for (int i = 0; i < nloops && !rc; i++) {
+    for (int i = 0; i < nloops; i++) {
         struct loop *L = &r->loops[i];
-        int e = pthread_create(&L->thread, NULL, loop_main, L);
-        if (e) {
-            rc = -e;
-            break;
-        }
+        rc = loop_thread_start(&L->thread, loop_main, L, "sw-relay", i);
+        if (rc)
+            goto fail;
         L->started = true;
-        char name[16];
-        snprintf(name, sizeof name, "sw-relay-%d", i);
-        (void)pthread_setname_np(L->thread, name);
     }
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (rc)
-        goto fail;
     *out = r;
     return 0;
 

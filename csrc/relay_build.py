@@ -33,6 +33,8 @@ def _rel(path: pathlib.Path) -> str:
 
 #: The C modules linked into the extension, each a ``.c`` with its ``.h``.
 MODULES = ("relay", "parse", "route", "conn")
+#: Helpers those modules share, compiled in but not part of the cdef.
+INTERNAL = ("iplit",)
 
 
 def _cdef_text() -> str:
@@ -66,9 +68,9 @@ def _make_builder(*, absolute: bool) -> FFI:
     builder.set_source(
         "spliceway._relay",
         "".join(f'#include "{name}.h"\n' for name in MODULES),
-        sources=[path(_HERE / f"{name}.c") for name in MODULES],
+        sources=[path(_HERE / f"{name}.c") for name in (*MODULES, *INTERNAL)],
         include_dirs=[path(_HERE)],
-        depends=[path(_HERE / f"{name}.h") for name in MODULES],
+        depends=[path(_HERE / f"{name}.h") for name in (*MODULES, *INTERNAL)],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         # libcrypto (OpenSSL 3, Debian libssl-dev) for the Shadowsocks AEAD flows.

@@ -80,6 +80,7 @@
  */
 #define _GNU_SOURCE
 #include "route.h"
+#include "iplit.h"
 
 #include <errno.h>
 #include <stdbool.h>
@@ -350,145 +351,6 @@ static u128 host_mask(int family, unsigned plen)
 
 static bool is_digit(char c) { return c >= '0' && c <= '9'; }
 
-static int hex_val(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
-/* ipaddress._BaseV4._ip_int_from_string: four '.'-separated decimal octets,
- * 1-3 ASCII digits, no leading zero, <= 255. */
-static bool parse_v4(const char *s, size_t n, uint32_t *out)
-{
-    uint32_t v = 0;
-    int octets = 0;
-    size_t i = 0;
-    if (n == 0)
-        return false;
-    for (;;) {
-        size_t j = i;
-        while (j < n && s[j] != '.')
-            j++;
-        size_t len = j - i;
-        if (++octets > 4 || len == 0 || len > 3)
-            return false;
-        unsigned val = 0;
-        for (size_t k = i; k < j; k++) {
-            if (!is_digit(s[k]))
-                return false;
-            val = val * 10 + (unsigned)(s[k] - '0');
-        }
-        if (len > 1 && s[i] == '0')
-            return false;
-        if (val > 255)
-            return false;
-        v = (v << 8) | val;
-        if (j == n)
-            break;
-        i = j + 1;
-    }
-    if (octets != 4)
-        return false;
-    *out = v;
-    return true;
-}
-
-/* ipaddress._BaseV6._ip_int_from_string (the text has no '%': no scope). */
-static bool parse_v6(const char *s, size_t n, u128 *out)
-{
-    /* Parts: text slices, or a value (the embedded IPv4's two hextets). */
-    size_t pos[10], len[10];
-    int val[10];
-    int np = 0;
-    size_t i = 0;
-    if (n == 0)
-        return false;
-    for (;;) {
-        size_t j = i;
-        while (j < n && s[j] != ':')
-            j++;
-        if (np == 9) /* 10 parts or more: > 9 even before the IPv4 tail */
-            return false;
-        pos[np] = i;
-        len[np] = j - i;
-        val[np] = -1;
-        np++;
-        if (j == n)
-            break;
-        i = j + 1;
-    }
-    if (np < 3)
-        return false;
-    if (memchr(s + pos[np - 1], '.', len[np - 1])) {
-        uint32_t v4;
-        if (!parse_v4(s + pos[np - 1], len[np - 1], &v4))
-            return false;
-        val[np - 1] = (int)(v4 >> 16);
-        len[np - 1] = 1;
-        val[np] = (int)(v4 & 0xffff);
-        len[np] = 1;
-        np++;
-    }
-    if (np > 9)
-        return false;
-    int skip = -1;
-    for (int k = 1; k < np - 1; k++) {
-        if (len[k] == 0) {
-            if (skip >= 0)
-                return false;
-            skip = k;
-        }
-    }
-    int hi, lo, skipped;
-    if (skip >= 0) {
-        hi = skip;
-        lo = np - skip - 1;
-        if (len[0] == 0 && --hi)
-            return false;
-        if (len[np - 1] == 0 && --lo)
-            return false;
-        skipped = 8 - (hi + lo);
-        if (skipped < 1)
-            return false;
-    } else {
-        if (np != 8 || len[0] == 0 || len[np - 1] == 0)
-            return false;
-        hi = np;
-        lo = 0;
-        skipped = 0;
-    }
-    u128 ip = 0;
-    for (int k = 0; k < np; k++) {
-        if (k == hi)
-            ip = skipped >= 8 ? 0 : ip << (16 * skipped);
-        if (k >= hi && k < np - lo)
-            continue;
-        unsigned h = 0;
-        if (val[k] >= 0) {
-            h = (unsigned)val[k];
-        } else {
-            if (len[k] == 0 || len[k] > 4)
-                return false;
-            for (size_t c = 0; c < len[k]; c++) {
-                int d = hex_val(s[pos[k] + c]);
-                if (d < 0)
-                    return false;
-                h = (h << 4) | (unsigned)d;
-            }
-        }
-        ip = (ip << 16) | h;
-    }
-    if (hi == np) /* no '::' after the last part was read */
-        ip = skipped >= 8 ? 0 : ip << (16 * skipped);
-    *out = ip;
-    return true;
-}
-
 struct ipaddr {
     int family; /* 4 or 6; IPv4-mapped IPv6 is 4 */
     u128 v;
@@ -515,15 +377,19 @@ static bool parse_ip(const char *s, size_t n, struct ipaddr *out)
     }
     if (memchr(s, '/', n))
         return false;
-    uint32_t v4;
-    if (parse_v4(s, n, &v4)) {
+    const uint8_t *text = (const uint8_t *)s;
+    uint8_t a[16];
+    if (sw_ip4_parse(text, n, a)) {
         out->family = 4;
-        out->v = v4;
+        out->v = (u128)a[0] << 24 | (u128)a[1] << 16 | (u128)a[2] << 8 | a[3];
         return true;
     }
-    if (!parse_v6(s, n, &out->v))
+    if (!sw_ip6_parse(text, n, a))
         return false;
     out->family = 6;
+    out->v = 0;
+    for (int i = 0; i < 16; i++)
+        out->v = out->v << 8 | a[i];
     unmap(out);
     return true;
 }

@@ -19,7 +19,7 @@ from typing import Any
 
 from spliceway._relay import ffi, lib
 from spliceway.outbounds import SOCKS_REPLY_NAMES, DialError, errno_code
-from spliceway.relay import Relay, RelayError
+from spliceway.relay import Relay, check
 
 __all__ = ["ConnPath", "ConnRecord", "Deferred", "ListenerOptions"]
 
@@ -173,18 +173,12 @@ def dial_error(rec: ConnRecord, outbound: Any, host: str, port: int) -> DialErro
     )
 
 
-def _check(code: int, what: str) -> int:
-    if code < 0:
-        raise RelayError(-code, f"{what}: {ffi.string(lib.sw_strerror(code)).decode()}")
-    return code
-
-
 class ConnPath:
     """The C accept/handshake/route/dial loops feeding ``relay``."""
 
     def __init__(self, relay: Relay, loops: int = 1, ring_records: int = 8192) -> None:
         out = ffi.new("sw_conn **")
-        _check(lib.sw_conn_new(relay._ptr, loops, ring_records, out), "sw_conn_new")
+        check(lib.sw_conn_new(relay._ptr, loops, ring_records, out), "sw_conn_new")
         # Keeps the relay alive as long as C may hand flows to it.
         self._relay = relay
         self._ptr = ffi.gc(out[0], lib.sw_conn_free)
@@ -206,7 +200,7 @@ class ConnPath:
     ) -> None:
         """Accept on ``fd`` (the caller keeps owning it) as listener ``inbound``."""
         for user, password, principal in users or ():
-            _check(
+            check(
                 lib.sw_conn_listener_user(
                     self._ptr, inbound, user.encode(), password.encode(), principal
                 ),
@@ -223,17 +217,17 @@ class ConnPath:
                 "users_required": int(bool(users)),
             },
         )
-        _check(lib.sw_conn_listen(self._ptr, inbound, fd, opts), "sw_conn_listen")
+        check(lib.sw_conn_listen(self._ptr, inbound, fd, opts), "sw_conn_listen")
 
     def unlisten(self, inbound: int) -> None:
         """Stop accepting on ``inbound``; afterwards its fd may be closed."""
         code = lib.sw_conn_unlisten(self._ptr, inbound)
         if code < 0 and code != -errno_mod.ENOENT:
-            _check(code, "sw_conn_unlisten")
+            check(code, "sw_conn_unlisten")
 
     def set_table(self, table: object) -> None:
         """Install a sealed ``sw_table *`` (ownership passes to C)."""
-        _check(lib.sw_conn_set_table(self._ptr, table), "sw_conn_set_table")
+        check(lib.sw_conn_set_table(self._ptr, table), "sw_conn_set_table")
 
     def dns_put(self, host: str, address: str, ttl_ms: int) -> None:
         """Let C dial ``host`` at ``address`` for ``ttl_ms`` without asking Python."""
@@ -246,19 +240,19 @@ class ConnPath:
             return
         code = lib.sw_conn_dns_put(self._ptr, name, ip.version, ip.packed, max(ttl_ms, 0))
         if code < 0 and code != -errno_mod.ENOSPC:
-            _check(code, "sw_conn_dns_put")
+            check(code, "sw_conn_dns_put")
 
     def request_close(self, flow: int) -> None:
         """Close a flow C still holds (an ENDED record follows)."""
         code = lib.sw_conn_request_close(self._ptr, flow)
         if code < 0 and code not in (-errno_mod.ENOENT, -errno_mod.ESHUTDOWN):
-            _check(code, "sw_conn_request_close")
+            check(code, "sw_conn_request_close")
 
     def drain(self) -> list[ConnRecord]:
         """Every pending record, oldest first per loop."""
         out: list[ConnRecord] = []
         while True:
-            n = _check(lib.sw_conn_drain(self._ptr, self._records, _BATCH), "sw_conn_drain")
+            n = check(lib.sw_conn_drain(self._ptr, self._records, _BATCH), "sw_conn_drain")
             data = self._buffer[: n * _STRIDE]
             for i in range(n):
                 f = _RECORD.unpack_from(data, i * _STRIDE)
@@ -308,7 +302,7 @@ class ConnPath:
     def stats(self) -> dict[str, int]:
         """C's own counters (accepted, deferred, paused...)."""
         out = ffi.new("sw_conn_stats *")
-        _check(lib.sw_conn_stats_get(self._ptr, out), "sw_conn_stats_get")
+        check(lib.sw_conn_stats_get(self._ptr, out), "sw_conn_stats_get")
         return {name: int(getattr(out, name)) for name in dir(out)}
 
     def close(self) -> None:

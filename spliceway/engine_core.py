@@ -243,13 +243,13 @@ class EngineCore:
         return FlowActor.start(self, inbound, None, peer, flow_id, started=record)
 
     def _take_deferred(self, deferred: Deferred) -> None:
+        """Give a connection C deferred to its listener (closed if that has stopped)."""
         ref = self.listener_refs.get(deferred.inbound)
-        try:
-            if ref is None:
-                raise pykka.ActorDeadError("listener stopped")
-            ref.tell(TakeDeferred(deferred))
-        except pykka.ActorDeadError:
-            os.close(deferred.fd)
+        if ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.tell(TakeDeferred(deferred))
+                return
+        os.close(deferred.fd)
 
     def _await_flows_drained(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S

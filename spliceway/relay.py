@@ -1,4 +1,6 @@
-"""Python face of the C splice relay (``spliceway._relay``); the only module importing it.
+"""Python face of the C splice relay in ``spliceway._relay`` (whose connection path and
+route tables have their own faces, :mod:`spliceway.connpath` and
+:mod:`spliceway.route_tables`; the three share :func:`check` and :class:`RelayError`).
 
 The relay moves bytes between pairs of connected sockets in C threads that never
 take the GIL.  Python hands it two fds with :meth:`Relay.add` (spliced) or
@@ -31,6 +33,7 @@ __all__ = [
     "Counters",
     "Relay",
     "RelayError",
+    "check",
     "native_abi_version",
 ]
 
@@ -96,7 +99,11 @@ def native_abi_version() -> int:
     return int(lib.sw_relay_abi_version())
 
 
-def _check(rc: int, what: str) -> int:
+def check(rc: int, what: str) -> int:
+    """``rc`` when it is not an error; a negative ``-errno`` raises RelayError.
+
+    Shared by every module that calls into ``spliceway._relay``.
+    """
     if rc < 0:
         raise RelayError(-rc, what)
     return rc
@@ -149,7 +156,7 @@ class Relay:
                 f"{ABI_VERSION}; rebuild the extension",
             )
         out = ffi.new("sw_relay **")
-        _check(lib.sw_relay_new(loops, capacity, out), "sw_relay_new")
+        check(lib.sw_relay_new(loops, capacity, out), "sw_relay_new")
         # The C object is freed with the Python one: a thread still inside
         # wait() holds a reference, so it can never be freed under it.
         self._ptr = ffi.gc(out[0], lib.sw_relay_free)
@@ -187,7 +194,7 @@ class Relay:
         """
         _flow_args(client_fd, upstream_fd, idle_timeout_ms)
         out = ffi.new("uint64_t *")
-        _check(lib.sw_relay_add(self._ptr, client_fd, upstream_fd, idle_timeout_ms, out), "add")
+        check(lib.sw_relay_add(self._ptr, client_fd, upstream_fd, idle_timeout_ms, out), "add")
         return int(out[0])
 
     def add_aead(
@@ -239,7 +246,7 @@ class Relay:
         finally:
             # The C side copied the keys; do not leave them in this buffer.
             ffi.memmove(params, bytes(ffi.sizeof("sw_aead_params")), ffi.sizeof("sw_aead_params"))
-        _check(rc, "add_aead")
+        check(rc, "add_aead")
         return int(out[0])
 
     def counters(self, handle: int) -> Counters | None:
@@ -249,7 +256,7 @@ class Relay:
         rc = lib.sw_relay_counters(self._ptr, handle, out)
         if rc in (-errno_mod.ENOENT, -errno_mod.ESTALE):
             return None
-        _check(rc, "counters")
+        check(rc, "counters")
         return _counters(out[0])
 
     def counters_many(self, handles: Sequence[int]) -> list[Counters | None]:
@@ -262,7 +269,7 @@ class Relay:
         arr = ffi.new("uint64_t[]", list(handles))
         out = ffi.new("sw_counters[]", n)
         alive = ffi.new("uint8_t[]", n)
-        _check(lib.sw_relay_counters_many(self._ptr, arr, out, alive, n), "counters_many")
+        check(lib.sw_relay_counters_many(self._ptr, arr, out, alive, n), "counters_many")
         return [_counters(out[i]) if alive[i] else None for i in range(n)]
 
     def request_close(self, handle: int) -> bool:
@@ -271,18 +278,18 @@ class Relay:
         rc = lib.sw_relay_request_close(self._ptr, handle)
         if rc < 0 and -rc in _FINISHED:
             return False
-        _check(rc, "request_close")
+        check(rc, "request_close")
         return True
 
     def fileno(self) -> int:
         """An eventfd readable while completions are pending (and for good after close)."""
-        return _check(lib.sw_relay_completion_fd(self._ptr), "completion_fd")
+        return check(lib.sw_relay_completion_fd(self._ptr), "completion_fd")
 
     def drain(self, max_items: int = 1024) -> list[Completion]:
         """Take up to ``max_items`` pending completions without blocking."""
         _int_arg("max_items", max_items, 1, _INT_MAX)
         out = ffi.new("sw_completion[]", max_items)
-        n = _check(lib.sw_relay_drain(self._ptr, out, max_items), "drain")
+        n = check(lib.sw_relay_drain(self._ptr, out, max_items), "drain")
         return [self._completion(out[i]) for i in range(n)]
 
     def wait(self, timeout: float | None = None) -> list[Completion]:
@@ -298,10 +305,10 @@ class Relay:
             if math.isnan(timeout) or timeout < 0:
                 raise ValueError("timeout must be >= 0")
             ms = min(math.ceil(timeout * 1000), _INT_MAX)
-            _check(lib.sw_relay_wait(self._ptr, ms), "wait")
+            check(lib.sw_relay_wait(self._ptr, ms), "wait")
             return self.drain()
         while True:
-            n = _check(lib.sw_relay_wait(self._ptr, _WAIT_SLICE_MS), "wait")
+            n = check(lib.sw_relay_wait(self._ptr, _WAIT_SLICE_MS), "wait")
             if n or self._closed:
                 return self.drain()
 
@@ -320,16 +327,16 @@ class Relay:
                 return
             # Set first so a wait(None) woken by the shutdown sees it at once.
             self._closed = True
-            _check(lib.sw_relay_shutdown(self._ptr), "shutdown")
+            check(lib.sw_relay_shutdown(self._ptr), "shutdown")
 
     def _set_pipe_size(self, size: int) -> None:
         """Tuning hook: F_SETPIPE_SZ for pipes created from now on (0 = kernel default)."""
         _int_arg("size", size, 0, 1 << 30)
-        _check(lib.sw_relay_set_pipe_size(self._ptr, size), "set_pipe_size")
+        check(lib.sw_relay_set_pipe_size(self._ptr, size), "set_pipe_size")
 
     def _debug_force_copy(self, on: bool) -> None:
         """Test hook: flows added from now on copy through user space instead of splicing."""
-        _check(lib.sw_relay_debug_force_copy(self._ptr, 1 if on else 0), "force_copy")
+        check(lib.sw_relay_debug_force_copy(self._ptr, 1 if on else 0), "force_copy")
 
     @staticmethod
     def _completion(c: Any) -> Completion:

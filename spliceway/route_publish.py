@@ -13,31 +13,34 @@ Until a table is installed C defers every flow to Python after its handshake.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from spliceway.route_tables import (
+    OUT_BLOCK,
+    OUT_DEFER,
+    OUT_DIRECT,
+    OUT_SOCKS5,
+    CompiledRoutes,
+    TargetSpec,
+)
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore
 
 
-@dataclass(frozen=True, slots=True)
-class TargetSpec:
-    """What one route target (an outbound or group tag) leads to now, for C."""
-
-    tag: str
-    #: The selection chain from ``tag`` to its leaf outbound (``[tag]`` for an outbound).
-    chain: tuple[str, ...]
-    #: "direct", "block", "socks5", or "defer" (Python dials it).
-    kind: str
-    server: str | None = None
-    port: int = 0
-    username: str | None = None
-    password: str | None = None
-    connect_timeout_ms: int = 5000
+_DEFER = TargetSpec(OUT_DEFER)
 
 
-def target_spec(tag: str, policies: Any, outbounds: dict[str, Any]) -> TargetSpec:
-    """How C reaches ``tag`` under the current group selections.
+class Mirror(NamedTuple):
+    """What turns a C record routed by one table back into Python's route."""
+
+    routes: CompiledRoutes
+    #: The selection chain of each target index when the table was compiled.
+    chains: list[list[str]]
+
+
+def target_spec(tag: str, policies: Any, outbounds: dict[str, Any]) -> tuple[list[str], TargetSpec]:
+    """The selection chain from ``tag`` to its leaf outbound now, and how C reaches it.
 
     A load_balance group picks per flow (by host, source or turn), which a table
     cannot hold, and http, shadowsocks and relay outbounds are dialled by Python:
@@ -46,26 +49,22 @@ def target_spec(tag: str, policies: Any, outbounds: dict[str, Any]) -> TargetSpe
     for group_tag in policies.effective_chains(tag)[0][:-1]:
         view = policies.get(group_tag)
         if view is not None and view.kind == "load_balance":
-            return TargetSpec(tag, (tag,), "defer")
-    chain = tuple(policies.resolve(tag))
+            return [tag], _DEFER
+    chain = policies.resolve(tag)
     leaf = outbounds.get(chain[-1])
     if leaf is None:
-        return TargetSpec(tag, chain, "defer")
+        return chain, _DEFER
     timeout_ms = int(getattr(leaf, "connect_timeout", 5.0) * 1000)
-    if leaf.protocol in ("direct", "block"):
-        return TargetSpec(tag, chain, leaf.protocol, connect_timeout_ms=timeout_ms)
+    if leaf.protocol == "direct":
+        return chain, TargetSpec(OUT_DIRECT, connect_timeout_ms=timeout_ms)
+    if leaf.protocol == "block":
+        return chain, TargetSpec(OUT_BLOCK)
     if leaf.protocol == "socks5":
-        return TargetSpec(
-            tag,
-            chain,
-            "socks5",
-            server=leaf.server,
-            port=leaf.port,
-            username=leaf.username,
-            password=leaf.password,
-            connect_timeout_ms=timeout_ms,
+        spec = TargetSpec(
+            OUT_SOCKS5, leaf.server, leaf.port, leaf.username, leaf.password, timeout_ms
         )
-    return TargetSpec(tag, chain, "defer")
+        return chain, spec
+    return chain, _DEFER
 
 
 class RoutePublisher:
@@ -74,12 +73,12 @@ class RoutePublisher:
     def __init__(self, core: EngineCore) -> None:
         self._core = core
         self._lock = threading.Lock()
-        self._mirrors: dict[int, Any] = {}
+        self._mirrors: dict[int, Mirror] = {}
 
     def publish(self) -> None:
         """Compile the current routing state and install it in C (none installed yet)."""
 
-    def mirror(self, epoch: int) -> Any:
+    def mirror(self, epoch: int) -> Mirror:
         """The Python mirror of the table with ``epoch``."""
         with self._lock:
             return self._mirrors[epoch]

@@ -23,13 +23,13 @@ gets the "none" value, which never matches.
 from __future__ import annotations
 
 import ipaddress
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from spliceway import routing
 from spliceway._relay import ffi, lib
 from spliceway.config import BUILTIN_DIRECT, Rule, parse_port_spec
+from spliceway.relay import check
 
 __all__ = [
     "NO_INBOUND",
@@ -40,7 +40,6 @@ __all__ = [
     "OUT_HTTP",
     "OUT_SOCKS5",
     "CompiledRoutes",
-    "RouteTableError",
     "TargetSpec",
     "compile_route_table",
 ]
@@ -66,10 +65,6 @@ _OPAQUE_KEYS = ("domain_regex", "process_name")
 _NETWORKS = {"tcp": lib.SW_NET_TCP, "udp": lib.SW_NET_UDP}
 
 
-class RouteTableError(OSError):
-    """A ``sw_table_*`` call failed (``errno`` is set)."""
-
-
 class TargetSpec(NamedTuple):
     """One route target as the C path sees it (``sw_table_target``).
 
@@ -83,11 +78,6 @@ class TargetSpec(NamedTuple):
     user: str | None = None
     password: str | None = None
     connect_timeout_ms: int = 0
-
-
-def _check(rc: int, what: str) -> None:
-    if rc < 0:
-        raise RouteTableError(-rc, f"{what}: {os.strerror(-rc)}")
 
 
 def _cstr(text: str | None, what: str) -> Any:
@@ -263,7 +253,7 @@ class CompiledRoutes:
         else:
             return None
         out = ffi.new("sw_route_result *")
-        _check(lib.sw_table_decide(self.table, query, out), "sw_table_decide")
+        check(lib.sw_table_decide(self.table, query, out), "sw_table_decide")
         return out.action, out.rule, out.target
 
 
@@ -281,9 +271,9 @@ def _compile_rule(
 ) -> None:
     """Rule ``index``: its action and every condition (see the module docstring)."""
     if rule.action == "block":
-        _check(lib.sw_table_rule(table, index, lib.SW_ROUTE_BLOCK, -1), "sw_table_rule")
+        check(lib.sw_table_rule(table, index, lib.SW_ROUTE_BLOCK, -1), "sw_table_rule")
     else:
-        _check(lib.sw_table_rule(table, index, lib.SW_ROUTE_ROUTE, target), "sw_table_rule")
+        check(lib.sw_table_rule(table, index, lib.SW_ROUTE_ROUTE, target), "sw_table_rule")
     opaque = False
     for key, value in rule.conditions().items():
         items = _values(value)
@@ -298,22 +288,22 @@ def _compile_rule(
                 continue
             for v in lowered:
                 rc = lib.sw_table_cond_domain(table, index, _DOMAIN_KINDS[key], v)
-                _check(rc, "sw_table_cond_domain")
+                check(rc, "sw_table_cond_domain")
         elif key in ("ip_cidr", "source_ip_cidr"):
             field = lib.SW_COND_DST if key == "ip_cidr" else lib.SW_COND_SRC
             for v in items:
                 net = ipaddress.ip_network(v, strict=False)
                 addr = ffi.new("uint8_t[]", net.network_address.packed)
                 rc = lib.sw_table_cond_cidr(table, index, field, net.version, addr, net.prefixlen)
-                _check(rc, "sw_table_cond_cidr")
+                check(rc, "sw_table_cond_cidr")
         elif key in ("port", "source_port"):
             field = lib.SW_COND_DST if key == "port" else lib.SW_COND_SRC
             for v in items:
                 lo, hi = parse_port_spec(v)
-                _check(lib.sw_table_cond_port(table, index, field, lo, hi), "sw_table_cond_port")
+                check(lib.sw_table_cond_port(table, index, field, lo, hi), "sw_table_cond_port")
         elif key == "network":
             for v in items:
-                _check(lib.sw_table_cond_network(table, index, _NETWORKS[v]), "cond_network")
+                check(lib.sw_table_cond_network(table, index, _NETWORKS[v]), "cond_network")
         elif key in ("inbound_tag", "principal_key"):
             mapping, none, add = (
                 (inbounds, NO_INBOUND, lib.sw_table_cond_inbound)
@@ -322,11 +312,11 @@ def _compile_rule(
             )
             ids = sorted({mapping[v] for v in items if v in mapping}) or [none]
             for i in ids:
-                _check(add(table, index, i), f"sw_table_cond_{key}")
+                check(add(table, index, i), f"sw_table_cond_{key}")
         else:  # pragma: no cover - a CONDITION_KEYS entry this module does not know
             raise ValueError(f"unknown rule condition {key!r}")
     if opaque:
-        _check(lib.sw_table_cond_opaque(table, index), "sw_table_cond_opaque")
+        check(lib.sw_table_cond_opaque(table, index), "sw_table_cond_opaque")
 
 
 def compile_route_table(
@@ -352,7 +342,7 @@ def compile_route_table(
     ``routing.compile_rules(rules)`` if the caller has it already.
 
     Raises ValueError for a bad mode, a missing or repeated target tag, an id out of
-    range, or a target string with a NUL; RouteTableError if C refuses (e.g. ENOMEM).
+    range, or a target string with a NUL; RelayError if C refuses (e.g. ENOMEM).
     """
     if mode_kind not in _MODES:
         raise ValueError(f"unknown mode {mode_kind!r}")
@@ -382,7 +372,7 @@ def compile_route_table(
         raise ValueError("ruleset does not belong to these rules")
 
     out = ffi.new("sw_table **")
-    _check(lib.sw_table_new(len(rules), len(tags), epoch, out), "sw_table_new")
+    check(lib.sw_table_new(len(rules), len(tags), epoch, out), "sw_table_new")
     table = ffi.gc(out[0], lib.sw_table_free)
     for i, spec in enumerate(specs.values()):
         rc = lib.sw_table_target(
@@ -395,14 +385,14 @@ def compile_route_table(
             _cstr(spec.password, "password"),
             spec.connect_timeout_ms,
         )
-        _check(rc, "sw_table_target")
+        check(rc, "sw_table_target")
     mode_target = -1 if mode_tag is None else index[mode_tag]
     rc = lib.sw_table_set_mode(table, _MODES[mode_kind], mode_target, index[final])
-    _check(rc, "sw_table_set_mode")
+    check(rc, "sw_table_set_mode")
     for i, rule in enumerate(rules):
         target = index[rule.outbound] if rule.action == "route" and rule.outbound else -1
         _compile_rule(table, i, rule, target, inbounds, principals)
-    _check(lib.sw_table_seal(table), "sw_table_seal")
+    check(lib.sw_table_seal(table), "sw_table_seal")
 
     if mode_kind == "rule":
         mode_decision = None

@@ -841,7 +841,17 @@ def test_c_harness(tmp_path, sanitize):
     flags = ["-O1", "-g", "-std=gnu11", "-Wall", "-Wextra", "-Werror"]
     if sanitize:
         flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
-    cmd = ["gcc", *flags, f"-I{CSRC}", str(src), str(CSRC / "route.c"), "-o", str(exe), "-lpthread"]
+    cmd = [
+        "gcc",
+        *flags,
+        f"-I{CSRC}",
+        str(src),
+        str(CSRC / "route.c"),
+        str(CSRC / "iplit.c"),
+        "-o",
+        str(exe),
+        "-lpthread",
+    ]
     built = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if built.returncode and sanitize and "sanitize" in built.stderr:
         pytest.skip(f"no {sanitize} runtime: {built.stderr[:200]}")
