@@ -813,8 +813,8 @@ static bool decide(struct cconn *c)
         return false;
     c->epoch = sw_table_epoch(t);
     /* As the Python path's _sniff_may_reroute: only rule mode, and only when
-     * a domain rule ranks before the match. */
-    int64_t matched = c->rr.rule >= 0 ? c->rr.rule : INT32_MAX;
+     * a domain rule ranks before the match (before the end for the final). */
+    int64_t matched = c->rr.rule >= 0 ? c->rr.rule : (int64_t)sw_table_rule_count(t);
     c->sniff_may_reroute = sw_table_mode(t) == SW_MODE_RULE &&
                            (int64_t)sw_table_first_domain_rule(t) < matched;
     c->out_kind = SW_OUT_BLOCK;
@@ -1087,12 +1087,16 @@ static void s5_on_reply(struct cconn *c)
         return;
     }
     if (rep.command != 0) {
-        static const int codes[] = {0, 1, 2, 3, 4, 5, 6};
-        int socks = rep.command <= 6 ? codes[rep.command] : 1;
+        /* What the Python path answers: the upstream's refused, unreachable
+         * and TTL codes pass through (TTL as 504), anything else is a general
+         * failure (outbounds.SOCKS_REPLY_NAMES, then DialError.socks_reply). */
+        uint8_t code = rep.command;
+        int socks = code >= 3 && code <= 6 ? code : 1;
+        int http = code == 6 ? 504 : 502;
         char msg[600];
-        snprintf(msg, sizeof msg, "upstream proxy answered SOCKS5 reply %u for %s:%u",
-                 rep.command, c->host, c->port);
-        fail_flow(c, SW_END_UPSTREAM_REPLY, 0, rep.command, socks, 502, msg);
+        snprintf(msg, sizeof msg, "upstream proxy answered SOCKS5 reply %u for %s:%u", code,
+                 c->host, c->port);
+        fail_flow(c, SW_END_UPSTREAM_REPLY, 0, code, socks, http, msg);
         return;
     }
     if (c->up_len > rep.consumed) {

@@ -1652,6 +1652,11 @@ int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result 
 /* The first rule with a domain condition, counting opaque conditions too:
  * C cannot tell a domain_regex from a process_name, and a smaller answer only
  * makes conn.c wait for a sniffed host it did not need. */
+uint32_t sw_table_rule_count(const sw_table *t)
+{
+    return t ? t->nrules : 0;
+}
+
 int32_t sw_table_first_domain_rule(const sw_table *t)
 {
     if (!t)

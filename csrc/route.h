@@ -140,5 +140,7 @@ typedef struct sw_target_info {
 const sw_target_info *sw_table_target_info(const sw_table *table, uint32_t index);
 /* The mode kind (enum sw_mode_kind). */
 int sw_table_mode(const sw_table *table);
+/* How many rules the table has. */
+uint32_t sw_table_rule_count(const sw_table *table);
 
 #endif /* SW_ROUTE_H */
