@@ -99,6 +99,8 @@ class FlowActor(LoopActor):
         #: Set when the C connection path runs this flow; Python only records it.
         self._started = started
         self._c_flow = started.flow if started is not None else None
+        self._c_dialled = False
+        self._close_requested = False
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -153,13 +155,16 @@ class FlowActor(LoopActor):
         return None
 
     def _close(self, reason: str | None) -> bool:
-        if self._done:
+        if self._done or self._close_requested:
+            # A close already asked C or the relay to end it: it is ending.
             return False
         if self.handle is not None:
+            self._close_requested = True
             self._close_reason_on_cancel = reason
             return self.core.bridge.request_close(self.handle)
         if self._c_flow is not None:
             # C still holds it (dialling or sniffing): its ENDED record ends the flow.
+            self._close_requested = True
             self._close_reason_on_cancel = reason
             self.core.bridge.conn.request_close(self._c_flow)
             return True
@@ -481,6 +486,9 @@ class FlowActor(LoopActor):
         else:
             self.core.counters.direct_sessions += 1
         self._publish("flow.routed", records.lifecycle_payload, occurred=rec.at_unix_ms)
+        if self._close_requested:
+            # The close reached C after it had handed the flow to the relay.
+            self.core.bridge.request_close(rec.relay_handle)
 
     def _on_c_ended(self, rec: connpath.ConnRecord) -> None:
         s = self.state
@@ -491,6 +499,9 @@ class FlowActor(LoopActor):
         if rec.end == connpath.END_BLOCKED:
             self._complete(records.BLOCKED, None)
         elif rec.end == connpath.END_CLOSED:
+            # Dialled and told the tunnel is open (C was still sniffing): as the
+            # Python path, that flow was relayed.
+            self._c_dialled = rec.dialled
             self._complete_closed()
         elif rec.end in (connpath.END_CLIENT, connpath.END_INTERNAL) or outbound is None:
             failure = records.Failure(
@@ -574,7 +585,8 @@ class FlowActor(LoopActor):
         # Stopped before its upstream connection existed (while routing or dialling):
         # there was never a path to relay over. (Once dialled, the client has been told
         # the tunnel is open, even if sniffing still holds the hand-off.)
-        if s.outbound_tag is None or (s.state != "active" and self.upstream is None):
+        dialled = self.upstream is not None or self._c_dialled
+        if s.outbound_tag is None or (s.state != "active" and not dialled):
             return records.CANCELLED
         chained = self.core.outbounds[s.outbound_tag].chained
         return records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED

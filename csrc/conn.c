@@ -117,7 +117,8 @@ struct cconn {
     struct cconn *prev, *next;/* the loop's list of held connections */
     int cfd, ufd;
     int state;
-    bool dead, replied, started;
+    bool dead, replied, started, dialled;
+    bool client_eof;          /* the client's FIN was read during the handshake */
     uint8_t promise;          /* records this connection may still write */
     uint8_t proto;            /* 1 socks5, 2 http */
     uint8_t auth;
@@ -391,6 +392,7 @@ static sw_conn_record *record_begin(struct cconn *c, uint32_t kind)
     r->auth = c->auth;
     r->source_family = c->src_family;
     r->replied = c->replied;
+    r->dialled = c->dialled;
     memcpy(r->source_ip, c->src_ip, 16);
     return r;
 }
@@ -463,6 +465,7 @@ static void conn_drop(struct cconn *c)
 static void conn_end(struct cconn *c, uint32_t end, int err, int detail)
 {
     sw_conn_record *r = record_begin(c, SW_REC_ENDED);
+    record_name(r, c->sniffed, c->sniffed_len);
     r->end = end;
     r->err = err;
     r->detail = detail;
@@ -636,8 +639,12 @@ int sw_conn_take_deferred(sw_conn *conn, sw_deferred *out)
 /* Reads what is available into c->buf (bounded by SW_CONN_RAW_MAX).
  * Returns >0 bytes read, 0 on EAGAIN with nothing new, -1 on EOF or error,
  * -2 when the buffer is full. */
-static int client_read(struct cconn *c)
+static int client_read(struct cconn *c, uint32_t events)
 {
+    /* A short read means the socket is drained, unless the peer's FIN came
+     * with this edge: then only a read of 0 sees it, and no further edge
+     * will come for it. */
+    bool hup = events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR);
     int total = 0;
     for (;;) {
         if (c->len == c->cap) {
@@ -658,12 +665,14 @@ static int client_read(struct cconn *c)
             c->len += (uint32_t)n;
             c->crx += (uint32_t)n;
             total += (int)n;
-            if ((uint32_t)n < room)
-                return total; /* short read: the socket is drained */
+            if ((uint32_t)n < room && !hup)
+                return total;
             continue;
         }
-        if (n == 0)
-            return -1;
+        if (n == 0) {
+            c->client_eof = true;
+            return total ? total : -1;
+        }
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN)
@@ -1169,7 +1178,12 @@ static void upstream_readable(struct cconn *c)
             continue;
         if (n < 0 && errno == EAGAIN)
             break;
-        up_broken(c); /* EOF or error inside the handshake */
+        /* EOF or an error: what arrived before it still counts (a server that
+         * rejects the credentials answers, then closes). */
+        while (s5_step(c)) {
+        }
+        if (!c->dead && c->state >= ST_UP_S5_METHOD && c->state <= ST_UP_S5_REPLY)
+            up_broken(c);
         return;
     }
     while (s5_step(c)) {
@@ -1203,6 +1217,7 @@ static void connected(struct cconn *c)
 /* Upstream ready: reply success (unless done), sniff, flush, hand off. */
 static void proceed_after_reply(struct cconn *c)
 {
+    c->dialled = true;
     if (!c->replied) {
         if (success_reply(c) < 0) {
             conn_end(c, SW_END_CLIENT, EPIPE, 0);
@@ -1459,7 +1474,7 @@ static void client_event(struct cconn *c, uint32_t events)
     case ST_S5_USERPASS:
     case ST_S5_REQUEST:
     case ST_HTTP_HEAD: {
-        int n = client_read(c);
+        int n = client_read(c, events);
         if (n == -2) {
             /* Only an HTTP head can outgrow the buffer: Python reads on. */
             if (c->state == ST_HTTP_HEAD)
@@ -1474,6 +1489,9 @@ static void client_event(struct cconn *c, uint32_t events)
         }
         if (n > 0)
             handshake_step(c);
+        /* The client hung up with its handshake unfinished: nothing more can come. */
+        if (c->client_eof && !c->dead && c->state <= ST_HTTP_HEAD)
+            conn_drop(c);
         return;
     }
     case ST_SNIFF_PRE:

@@ -40,7 +40,7 @@ enum sw_inbound_protocol {
 enum sw_rec_kind {
     SW_REC_STARTED = 1, /* handshake done, C owns the flow; name = target host */
     SW_REC_ROUTED = 2,  /* dialled, replied, handed to the relay; name = sniffed host */
-    SW_REC_ENDED = 3    /* ended before the relay (blocked, failed, closed) */
+    SW_REC_ENDED = 3    /* ended before the relay (blocked, failed, closed); name = sniffed host */
 };
 
 /* Why a flow ended before the relay (SW_REC_ENDED). */
@@ -96,7 +96,7 @@ typedef struct sw_conn_record {
     uint8_t source_family;    /* 4 or 6 */
     uint8_t resolved_family;  /* ROUTED: 4, 6, or 0 */
     uint8_t replied;          /* the success reply went out before routing */
-    uint8_t reserved;
+    uint8_t dialled;          /* the upstream connection (and its handshake) was made */
     uint8_t source_ip[16];
     uint8_t resolved_ip[16];  /* ROUTED: the address connect() reached */
     uint16_t name_len;

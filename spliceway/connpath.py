@@ -95,6 +95,8 @@ class ConnRecord:
     source_ip: str | None
     resolved_ip: str | None
     replied: bool
+    #: The upstream connection (and its proxy handshake) was made.
+    dialled: bool
     name: str
 
 
@@ -261,7 +263,7 @@ class ConnPath:
                         f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9],
                         f[10], f[11], f[12], f[13], f[14], f[15], f[16], f[17],
                         f[18], f[19], f[20], _SPOKEN.get(f[21], "socks5"), f[22],
-                        _ip(f[23], f[27]), _ip(f[24], f[28]), bool(f[25]),
+                        _ip(f[23], f[27]), _ip(f[24], f[28]), bool(f[25]), bool(f[26]),
                         f[30][: f[29]].decode("utf-8", "surrogateescape"),
                     )
                 )  # fmt: skip

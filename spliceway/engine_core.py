@@ -152,6 +152,8 @@ class EngineCore:
             self.dispatcher.run_sync(lambda: bridge.attach(self._start_c_flow, self._take_deferred))
             self.bridge = bridge
             self.routes.publish()
+            self.policies.on_publish = self.routes.publish
+            self.resolver.on_answer = self._dns_answer
             # Before the actors start: a group's startup probe round must not be the
             # ring's first event.
             self.log.emit(
@@ -179,6 +181,9 @@ class EngineCore:
             with contextlib.suppress(pykka.ActorDeadError):
                 entry.actor.tell(StopFlow())
         self._await_flows_drained()
+        self.policies.on_publish = None
+        self.resolver.on_answer = None
+        self.routes.close()
         self.bridge.shutdown()
         self._await_flows_drained()
         self.dispatcher.run_sync(self.bridge.detach)
@@ -209,6 +214,8 @@ class EngineCore:
                 self.supervisor.stop(timeout=_STOP_GRACE_S)
             self.supervisor = None
         if bridge is not None:
+            self.policies.on_publish = None
+            self.routes.close()
             with contextlib.suppress(Exception):
                 bridge.shutdown()
                 self.dispatcher.run_sync(bridge.detach)
@@ -241,6 +248,15 @@ class EngineCore:
         flow_id = f"{self.flow_id_prefix}{inbound.index}-{record.flow}"
         peer = (record.source_ip or "", record.source_port)
         return FlowActor.start(self, inbound, None, peer, flow_id, started=record)
+
+    def _dns_answer(self, name: str, addresses: list[str], ttl_s: float) -> None:
+        """Copy a resolver answer into C's cache when C would dial it as Python does.
+
+        Python tries each address in turn; C holds one per name, so only a
+        single-address answer is copied (the others keep deferring to Python).
+        """
+        if len(addresses) == 1:
+            self.bridge.conn.dns_put(name, addresses[0], int(ttl_s * 1000))
 
     def _take_deferred(self, deferred: Deferred) -> None:
         """Give a connection C deferred to its listener (closed if that has stopped)."""

@@ -13,8 +13,10 @@ Until a table is installed C defers every flow to Python after its handshake.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from spliceway.config import BUILTIN_DIRECT
 from spliceway.route_tables import (
     OUT_BLOCK,
     OUT_DEFER,
@@ -22,6 +24,7 @@ from spliceway.route_tables import (
     OUT_SOCKS5,
     CompiledRoutes,
     TargetSpec,
+    compile_route_table,
 )
 
 if TYPE_CHECKING:
@@ -29,6 +32,10 @@ if TYPE_CHECKING:
 
 
 _DEFER = TargetSpec(OUT_DEFER)
+#: How many tables' mirrors are kept: a flow C routed is looked up by its table's
+#: epoch when its record is drained, which is soon, but a dial can outlast a few
+#: publishes. A mirror is small (the rule set is shared), so keep plenty.
+_MIRRORS_KEPT = 1024
 
 
 class Mirror(NamedTuple):
@@ -73,10 +80,60 @@ class RoutePublisher:
     def __init__(self, core: EngineCore) -> None:
         self._core = core
         self._lock = threading.Lock()
-        self._mirrors: dict[int, Mirror] = {}
+        self._mirrors: OrderedDict[int, Mirror] = OrderedDict()
+        self._epoch = 0
+        #: What the installed table was compiled from, to skip a publish that changes
+        #: nothing (a probe round that keeps every selection).
+        self._installed: tuple[Any, ...] | None = None
+        self._installed_state: Any = None
+        self._closed = False
 
     def publish(self) -> None:
-        """Compile the current routing state and install it in C (none installed yet)."""
+        """Compile the current routing state and install it in C, if it changed.
+
+        Safe from any thread; tables are installed in the order they were compiled.
+        Does nothing before the engine's connection path exists.
+        """
+        core = self._core
+        with self._lock:
+            conn = getattr(getattr(core, "bridge", None), "conn", None)
+            if conn is None or self._closed:
+                return
+            state = core.route_state
+            tags = [state.final]
+            tags += [r.outbound for r in core.config.rules if r.action == "route" and r.outbound]
+            tags += [state.mode_outbound or BUILTIN_DIRECT, BUILTIN_DIRECT]
+            chains: list[list[str]] = []
+            targets: dict[str, TargetSpec] = {}
+            for tag in dict.fromkeys(tags):
+                chain, spec = target_spec(tag, core.policies, core.outbounds)
+                chains.append(chain)
+                targets[tag] = spec
+            key = (tuple(map(tuple, chains)), tuple(targets.items()))
+            if state is self._installed_state and key == self._installed:
+                return
+            self._epoch += 1
+            routes = compile_route_table(
+                core.config.rules,
+                mode_kind=state.mode,
+                mode_outbound=state.mode_outbound,
+                final=state.final,
+                targets=targets,
+                inbounds={ib.tag: ib.index for ib in core.inbounds},
+                principals=core.principal_ids,
+                epoch=self._epoch,
+                ruleset=state.ruleset,
+            )
+            self._mirrors[self._epoch] = Mirror(routes, chains)
+            while len(self._mirrors) > _MIRRORS_KEPT:
+                self._mirrors.popitem(last=False)
+            conn.set_table(routes.detach())
+            self._installed, self._installed_state = key, state
+
+    def close(self) -> None:
+        """Publish nothing more (before the connection path shuts down)."""
+        with self._lock:
+            self._closed = True
 
     def mirror(self, epoch: int) -> Mirror:
         """The Python mirror of the table with ``epoch``."""

@@ -225,6 +225,9 @@ class Resolver:
             if c is None
             else AnswerCache(c.max_entries, c.min_ttl_seconds, c.max_ttl_seconds, clock)
         )
+        #: Told of every answer the cache keeps, as (name, addresses, clamped ttl seconds):
+        #: the engine copies single-address answers into the C connection path's cache.
+        self.on_answer: Callable[[str, list[str], float], None] | None = None
 
     # -- resolution -----------------------------------------------------------------
 
@@ -285,6 +288,8 @@ class Resolver:
         addresses, ttl = answer
         if addresses and self.cache is not None:
             self.cache.put(name, addresses, ttl)
+            if self.on_answer is not None:
+                self.on_answer(name, addresses, self.cache.clamp_ttl(ttl))
         return addresses
 
     @staticmethod
