@@ -7,7 +7,16 @@ shared ``Dispatcher`` (an asyncio loop in one thread). Pykka's semantics hold:
 messages to one actor are handled one at a time and in order, ``ask`` futures
 are ordinary ``ThreadingFuture``s any thread can wait on, ``on_start``,
 ``on_stop`` and ``on_failure`` run on the actor's execution context, and the
-actor is in the ``ActorRegistry`` while alive.
+actor is in the ``ActorRegistry`` while alive (unless its class sets
+``registered = False``: a flow actor, one per connection, is tracked by the
+engine's own tables instead of pykka's list, whose removal is O(n)).
+
+Starting one is cheap, because a proxy starts one per connection: a counter URN
+instead of ``uuid4``, a plain flag instead of a ``threading.Event`` (only the
+dispatcher thread sets it; readers elsewhere only test it), no log line
+formatted per start or stop. Started from the dispatcher thread, ``on_start``
+runs at once; a message told from that thread to an idle actor is handled at
+once too (still one at a time and in order), saving a loop round per message.
 
 Handlers must never block: socket work is done with the loop's non-blocking
 primitives (``sock_recv``, ``sock_connect``...), inside tasks the actor starts.
@@ -18,6 +27,7 @@ actor starts may touch that actor's state directly.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import sys
 import threading
@@ -26,7 +36,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pykka
-from pykka import ActorDeadError, messages
+from pykka import ActorDeadError, ActorRef, ActorRegistry, messages
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +111,25 @@ class Dispatcher:
         self._thread = None
 
 
+_urns = itertools.count(1)
+
+
+class _Flag:
+    """The part of ``threading.Event`` pykka uses for ``actor_stopped``: set once, on the
+    dispatcher thread; tested from any thread (a bool read is atomic)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+
+
 class _LoopInbox:
     """An actor inbox that schedules its owner's drain on the dispatcher."""
 
@@ -114,14 +143,24 @@ class _LoopInbox:
         self.owner: LoopActor | None = None
 
     def put(self, envelope: Any, /) -> None:
+        owner = self.owner
+        if owner is None:
+            # Stopped (and unlinked) after the sender checked it was alive.
+            if envelope.reply_to is not None:
+                err = ActorDeadError("actor stopped before handling the message")
+                envelope.reply_to.set_exception(exc_info=(ActorDeadError, err, None))
+            return
         self._queue.append(envelope)
         with self._lock:
             if self._scheduled:
                 return
             self._scheduled = True
-        owner = self.owner
-        assert owner is not None
-        owner.dispatcher.call_soon(owner._drain)
+        dispatcher = owner.dispatcher
+        if dispatcher.in_loop_thread:
+            # Idle, and we are on its thread: handle it now (nothing can interleave).
+            owner._drain()
+        else:
+            dispatcher.loop.call_soon_threadsafe(owner._drain)
 
     def get(self) -> Any:
         return self._queue.popleft()
@@ -142,13 +181,37 @@ class LoopActor(pykka.Actor):
     """A Pykka actor whose messages are handled on a shared ``Dispatcher`` thread."""
 
     dispatcher: Dispatcher
+    #: Whether instances are listed in pykka's ActorRegistry while alive.
+    registered = True
 
     def __init__(self, dispatcher: Dispatcher) -> None:
-        super().__init__()
+        # pykka.Actor.__init__'s fields, cheaply (see the module docstring).
+        self.actor_urn = f"urn:spliceway:actor:{next(_urns)}"
+        inbox = _LoopInbox()
+        self.actor_inbox = inbox
+        self.actor_stopped = _Flag()  # type: ignore[assignment]
+        self._actor_ref = ActorRef(self)
         self.dispatcher = dispatcher
-        inbox = self.actor_inbox
-        assert isinstance(inbox, _LoopInbox)
         inbox.owner = self
+
+    @classmethod
+    def start(cls, *args: Any, **kwargs: Any) -> ActorRef[Any]:
+        """Create the actor, register it (if ``registered``) and start handling messages."""
+        obj = cls(*args, **kwargs)
+        if cls.registered:
+            ActorRegistry.register(obj.actor_ref)
+        obj._start_actor_loop()
+        return obj.actor_ref
+
+    def _stop(self) -> None:
+        # pykka's, without the per-stop log line.
+        if self.registered:
+            ActorRegistry.unregister(self.actor_ref)
+        self.actor_stopped.set()
+        try:
+            self.on_stop()
+        except Exception:
+            self._handle_failure(*sys.exc_info())
 
     @staticmethod
     def _create_actor_inbox() -> _LoopInbox:
@@ -159,7 +222,10 @@ class LoopActor(pykka.Actor):
         return pykka.ThreadingFuture()
 
     def _start_actor_loop(self) -> None:
-        self.dispatcher.call_soon(self._setup_then_drain)
+        if self.dispatcher.in_loop_thread:
+            self._setup_then_drain()
+        else:
+            self.dispatcher.loop.call_soon_threadsafe(self._setup_then_drain)
 
     def _setup_then_drain(self) -> None:
         self._actor_loop_setup()
@@ -174,6 +240,9 @@ class LoopActor(pykka.Actor):
             if self.actor_stopped.is_set():
                 self._actor_loop_teardown()
                 inbox.release()
+                # Unlink actor and inbox: the cycle would leave every finished flow
+                # (its actor, state and record) to the cyclic garbage collector.
+                inbox.owner = None
                 return
             if inbox.release():
                 return

@@ -70,6 +70,9 @@ def _sniff_may_reroute(route_state: RouteState, decision: routing.RouteDecision)
 class FlowActor(LoopActor):
     """One TCP flow through the engine."""
 
+    # One per connection: the engine tracks them in ``core.flow_actors``.
+    registered = False
+
     def __init__(
         self,
         core: EngineCore,
@@ -101,6 +104,7 @@ class FlowActor(LoopActor):
         self._c_flow = started.flow if started is not None else None
         self._c_dialled = False
         self._close_requested = False
+        core.flow_actors.add(self)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -127,6 +131,7 @@ class FlowActor(LoopActor):
             self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
 
     def _teardown(self) -> None:
+        self.core.flow_actors.discard(self)
         task = self._task
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()

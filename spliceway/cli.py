@@ -16,6 +16,7 @@ setting); the reason is printed one problem per line, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -171,6 +172,21 @@ def cmd_run(config_path: str | None) -> int:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def _tune_gc() -> None:
+    """Collect young objects less often, and never rescan what start-up built.
+
+    Each flow allocates a few dozen short-lived dicts (records, events), and the
+    event ring keeps thousands of them alive for a while: with CPython's default
+    thresholds (700, 10, 10), cyclic collection took about 45 % of the dispatcher's
+    CPU under load (measured with perf; flows themselves are freed by reference
+    counting). Only the process owns these settings, so only ``run`` changes them;
+    an application embedding the engine keeps its own.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 50, 100)
+
+
 def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger) -> int:
     from spliceway.engine import Engine
 
@@ -188,6 +204,7 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
     except Exception as ex:
         log.debug("start failed", exc_info=True)
         return _cannot_start(ApiError("internal", f"{type(ex).__name__}: {ex}"))
+    _tune_gc()
     for spec, (address, port) in zip(engine.core.inbounds, engine.core.bound, strict=True):
         log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
     if config.api.control.enabled:

