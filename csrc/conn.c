@@ -1266,7 +1266,8 @@ static void hand_off(struct cconn *c)
         r->resolved_port = ntohs(sin6->sin6_port);
     }
     uint64_t handle = 0;
-    int rc = sw_relay_add(conn->relay, c->cfd, c->ufd, c->listener->opts.idle_timeout_ms, &handle);
+    int rc = sw_relay_add_own(conn->relay, c->cfd, c->ufd, c->listener->opts.idle_timeout_ms,
+                              &handle);
     if (rc < 0) {
         /* Not published yet: turn the slot into an ENDED record instead. */
         r->kind = SW_REC_ENDED;

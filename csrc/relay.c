@@ -1597,7 +1597,7 @@ static void flow_init(struct sw_relay *r, struct flow *f, uint32_t li, int cfd, 
 
 /* sw_relay_add and sw_relay_add_aead; on success the flow owns `aead`. */
 static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
-                     struct aead *aead, uint64_t *handle_out)
+                     struct aead *aead, bool own, uint64_t *handle_out)
 {
     if (!r || !handle_out)
         return -EINVAL;
@@ -1608,14 +1608,14 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
     const int fds[2] = {client_fd, upstream_fd};
     int oldfl[2] = {-1, -1};
     struct stat st[2];
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2 && !own; i++) {
         if (fstat(fds[i], &st[i]) < 0)
             return -errno;
         if (!S_ISSOCK(st[i].st_mode))
             return -ENOTSOCK;
     }
     /* Two numbers for one socket (a dup) would relay it to itself. */
-    if (st[0].st_dev == st[1].st_dev && st[0].st_ino == st[1].st_ino)
+    if (!own && st[0].st_dev == st[1].st_dev && st[0].st_ino == st[1].st_ino)
         return -EINVAL;
 
     int rc = life_enter(r);
@@ -1629,7 +1629,7 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
         rc = -ENOSPC;
         goto out_unreserve;
     }
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2 && !own; i++) {
         int fl = fcntl(fds[i], F_GETFL);
         if (fl < 0 || (!(fl & O_NONBLOCK) && fcntl(fds[i], F_SETFL, fl | O_NONBLOCK) < 0)) {
             rc = -errno;
@@ -1688,7 +1688,13 @@ out_unlock:
 int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
                  uint64_t *handle_out)
 {
-    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, handle_out);
+    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, false, handle_out);
+}
+
+int sw_relay_add_own(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
+                     uint64_t *handle_out)
+{
+    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, true, handle_out);
 }
 
 int sw_relay_add_aead(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
@@ -1700,7 +1706,7 @@ int sw_relay_add_aead(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle
     int rc = aead_new(params, &X);
     if (rc)
         return rc;
-    rc = relay_add(r, client_fd, upstream_fd, idle_timeout_ms, X, handle_out);
+    rc = relay_add(r, client_fd, upstream_fd, idle_timeout_ms, X, false, handle_out);
     if (rc)
         aead_free(X);
     return rc;

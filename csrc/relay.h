@@ -135,4 +135,9 @@ int sw_relay_debug_force_copy(sw_relay *relay, int on);
 
 /* SW_CDEF_END */
 
+/* For the C connection path: sw_relay_add for two sockets it made itself
+ * (distinct, non-blocking), without re-checking them: four syscalls fewer. */
+int sw_relay_add_own(sw_relay *relay, int client_fd, int upstream_fd,
+                     uint32_t idle_timeout_ms, uint64_t *handle_out);
+
 #endif /* SW_RELAY_H */
