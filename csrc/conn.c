@@ -1584,8 +1584,6 @@ static void accept_on(struct cloop *L, struct listener *l)
             close(fd);
             continue;
         }
-        int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         c->ep_client.type = EP_CLIENT;
         c->ep_up.type = EP_UPSTREAM;
         c->loop = L;
@@ -1980,6 +1978,13 @@ int sw_conn_listen(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_op
     int rc = 0;
     if (!l || atomic_load(&l->active) || (opts->users_required && l->nusers == 0)) {
         rc = l ? -EINVAL : -ENOMEM;
+        goto out;
+    }
+    /* Accepted sockets inherit TCP_NODELAY from the listener (Linux copies
+     * the socket): one setsockopt here instead of one per connection. */
+    int one = 1;
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0) {
+        rc = -errno;
         goto out;
     }
     int flags = fcntl(fd, F_GETFL);

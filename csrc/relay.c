@@ -212,6 +212,7 @@ struct flow {
     uint32_t timeout_ms;
     bool rd[2], wr[2], errq[2]; /* edge-triggered readiness, as hints */
     bool adopted;
+    bool own;                   /* the fds came from sw_relay_add_own: never dup'ed */
     uint8_t first_dir;
     struct dir dir[2];
     struct aead *aead;          /* NULL for spliced flows */
@@ -516,6 +517,11 @@ static int shut_dest(struct flow *f, struct dir *D, int t, int *side)
     if (D->shut)
         return 0;
     D->shut = true;
+    /* The other direction is done too: the flow completes now and close()
+     * sends this FIN (all input was read, so not a reset), one syscall less
+     * per flow. */
+    if (f->dir[D == &f->dir[0]].shut)
+        return 0;
     if (shutdown(f->fd[t], SHUT_WR) < 0) {
         int e = sock_error(f->fd[t]);
         *side = t;
@@ -921,7 +927,8 @@ static void flow_complete(struct loop *L, struct flow *f, int cause, int err, in
     for (int s = 0; s < 2; s++) {
         /* Explicitly, because close() drops the epoll registration only
          * with the last reference: a dup kept elsewhere would leave it. */
-        (void)epoll_ctl(L->epfd, EPOLL_CTL_DEL, f->fd[s], NULL);
+        if (!f->own)
+            (void)epoll_ctl(L->epfd, EPOLL_CTL_DEL, f->fd[s], NULL);
         close(f->fd[s]);
         f->fd[s] = -1;
     }
@@ -1643,6 +1650,7 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
     uint32_t idx = (uint32_t)(f - r->flows);
     uint32_t gen = atomic_load_explicit(&f->gen, memory_order_relaxed) + 1;
     flow_init(r, f, li, client_fd, upstream_fd, idle_timeout_ms, aead);
+    f->own = own;
 
     /* Events may reach the loop as soon as the first ADD returns; it drops
      * them until adoption (see the top of this file), so undoing is safe. */
