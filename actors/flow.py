@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -427,7 +426,7 @@ class FlowActor(LoopActor):
         s.remote_host = dialed.remote_host
         s.remote_port = dialed.remote_port
         s.relay_chain = list(dialed.relay_chain)
-        self._base = dataclasses.replace(t, sealed=sealed is not None)
+        self._base = t.copy(sealed=sealed is not None)
         client_fd = self.client.detach()
         upstream_fd = self.upstream.detach()
         self.client = self.upstream = None
@@ -483,7 +482,7 @@ class FlowActor(LoopActor):
             s.remote_host, s.remote_port = s.target_host, s.target_port
         else:
             s.remote_host, s.remote_port = outbound.server, outbound.port
-        self._base = dataclasses.replace(s.traffic, sealed=False)
+        self._base = s.traffic.copy(sealed=False)
         self.handle = rec.relay_handle
         s.state = "active"
         if outbound.chained:

@@ -37,6 +37,18 @@ class Traffic:
     #: what the relay read from the client, not what it wrote to the upstream.
     sealed: bool = False
 
+    def copy(self, *, sealed: bool) -> Traffic:
+        """These counts, with ``sealed`` set (what ``dataclasses.replace`` does, cheaper)."""
+        return Traffic(
+            self.bytes_up,
+            self.bytes_down,
+            self.inbound_rx_bytes,
+            self.inbound_tx_bytes,
+            self.outbound_rx_bytes,
+            self.outbound_tx_bytes,
+            sealed,
+        )
+
     def with_relay(self, c: Any) -> Traffic:
         """These counts (taken at hand-off) plus what the relay moved since (``relay.Counters``).
 
@@ -122,6 +134,9 @@ class FlowState:
     outcome: str | None = None
     close_reason: str | None = None
     failure: Failure | None = None
+    _fixed: tuple[dict[str, Any], dict[str, Any]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def render(self) -> dict[str, Any]:
         """The FlowRecord (docs/events.md) for the current revision."""
@@ -147,13 +162,21 @@ class FlowState:
             if self.remote_host is not None
             else None
         )
+        fixed = self._fixed
+        if fixed is None:
+            # What never changes after the start: one pair of dicts for every revision
+            # (records are immutable once published, so sharing them is safe).
+            fixed = self._fixed = (
+                {"tag": self.inbound_tag, "protocol": self.inbound_protocol},
+                {"ip": self.source_ip, "port": self.source_port},
+            )
         record: dict[str, Any] = {
             "flow_id": self.flow_id,
             "revision": self.revision,
             "state": self.state,
             "network": self.network,
-            "inbound": {"tag": self.inbound_tag, "protocol": self.inbound_protocol},
-            "source": {"ip": self.source_ip, "port": self.source_port},
+            "inbound": fixed[0],
+            "source": fixed[1],
             "target": target,
             "route": {
                 "mode": self.mode,
