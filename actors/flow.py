@@ -469,6 +469,7 @@ class FlowActor(LoopActor):
         t.outbound_rx_bytes = rec.upstream_rx
         t.outbound_tx_bytes = rec.upstream_tx
         t.bytes_up += rec.early
+        t.bytes_down += rec.late
         return outbound
 
     def _on_c_routed(self, rec: connpath.ConnRecord) -> None:
@@ -500,6 +501,9 @@ class FlowActor(LoopActor):
             return
         outbound = self._c_route(rec) if rec.action > 0 else None
         self._c_flow = None
+        # The Python path counts a proxy's handshake only once the dial succeeded
+        # (its Dialed carries the counts): a flow that ends before has none.
+        s.traffic.outbound_rx_bytes = s.traffic.outbound_tx_bytes = 0
         if rec.end == connpath.END_BLOCKED:
             self._complete(records.BLOCKED, None)
         elif rec.end == connpath.END_CLOSED:

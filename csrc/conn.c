@@ -129,7 +129,7 @@ struct cconn {
     size_t heap_idx;          /* SIZE_MAX when not in the heap */
     uint8_t *buf;
     uint32_t len, cap, consumed;
-    uint32_t crx, ctx, urx, utx, early;
+    uint32_t crx, ctx, urx, utx, early, late;
     uint32_t hs_tx;           /* client bytes written by the handshake itself */
     uint8_t src_family;
     uint16_t src_port;
@@ -146,6 +146,8 @@ struct cconn {
     struct sockaddr_storage up_addr;
     socklen_t up_addr_len;
     char *up_user, *up_pass; /* socks5 upstream credentials (copied) */
+    char *up_tag;             /* the proxy outbound's tag, for failure messages */
+    char up_where[300];       /* "server:port" of the proxy, as Python writes it */
     uint8_t up_buf[600];
     uint32_t up_len;
 };
@@ -386,6 +388,7 @@ static sw_conn_record *record_begin(struct cconn *c, uint32_t kind)
     r->upstream_rx = c->urx;
     r->upstream_tx = c->utx;
     r->early = c->early;
+    r->late = c->late;
     r->port = c->port;
     r->source_port = c->src_port;
     r->protocol = c->proto;
@@ -450,6 +453,7 @@ static void conn_free_dead(struct cloop *L)
         free(c->buf);
         free(c->up_user);
         free(c->up_pass);
+        free(c->up_tag);
         free(c);
     }
 }
@@ -844,6 +848,11 @@ static bool decide(struct cconn *c)
         !dns_get(c->loop->conn, host, &c->up_addr, &c->up_addr_len, port))
         return false; /* a DNS miss: Python resolves (and fills the cache) */
     if (ti->kind == SW_OUT_SOCKS5) {
+        free(c->up_tag);
+        c->up_tag = strdup(ti->tag ? ti->tag : "");
+        if (!c->up_tag)
+            return false;
+        snprintf(c->up_where, sizeof c->up_where, "%s:%u", ti->server, ti->port);
         /* Non-ASCII targets need IDNA on the wire: Python's job. */
         for (uint16_t i = 0; i < c->host_len; i++)
             if ((uint8_t)c->host[i] >= 0x80)
@@ -888,7 +897,11 @@ static void connect_failed(struct cconn *c, int err)
     default:
         break;
     }
-    snprintf(msg, sizeof msg, "connect to %s:%u failed: %s", c->host, c->port, strerror(err));
+    /* Python names what it connected to: the target, or the proxy server. */
+    if (c->out_kind == SW_OUT_DIRECT)
+        snprintf(msg, sizeof msg, "connect to %s:%u failed: %s", c->host, c->port, strerror(err));
+    else
+        snprintf(msg, sizeof msg, "connect to %s failed: %s", c->up_where, strerror(err));
     fail_flow(c, SW_END_CONNECT_FAILED, err, 0, socks, http, msg);
 }
 
@@ -922,10 +935,12 @@ static void start_connect(struct cconn *c)
 static void connect_timed_out(struct cconn *c)
 {
     char msg[600];
-    if (c->out_kind == SW_OUT_DIRECT || c->state == ST_CONNECT)
+    if (c->out_kind == SW_OUT_DIRECT)
         snprintf(msg, sizeof msg, "connect to %s:%u timed out", c->host, c->port);
+    else if (c->state == ST_CONNECT)
+        snprintf(msg, sizeof msg, "connect to %s timed out", c->up_where);
     else
-        snprintf(msg, sizeof msg, "proxy handshake timed out");
+        snprintf(msg, sizeof msg, "proxy %s handshake timed out", c->up_tag);
     fail_flow(c, SW_END_CONNECT_TIMEOUT, 0, 0, 6, 504, msg);
 }
 
@@ -1007,9 +1022,36 @@ static int up_send(struct cconn *c, const void *p, size_t n)
     return rc;
 }
 
-static void up_broken(struct cconn *c)
+/* The upstream proxy broke its protocol: Python's DialError message for it. */
+static void up_broken(struct cconn *c, int kind, uint8_t byte)
 {
-    fail_flow(c, SW_END_UPSTREAM_PROTO, 0, 0, 1, 502, "upstream proxy broke its protocol");
+    char msg[600];
+    const char *tag = c->up_tag ? c->up_tag : "";
+    switch (kind) {
+    case SW_PROTO_CLOSED:
+        snprintf(msg, sizeof msg, "upstream proxy closed during handshake");
+        break;
+    case SW_PROTO_METHOD_VERSION:
+        snprintf(msg, sizeof msg, "proxy %s: server is not SOCKS5: version byte 0x%02x", tag, byte);
+        break;
+    case SW_PROTO_AUTH_VERSION:
+        snprintf(msg, sizeof msg, "proxy %s: bad username/password status version %u", tag, byte);
+        break;
+    case SW_PROTO_REPLY_VERSION:
+        snprintf(msg, sizeof msg, "proxy %s: server reply is not SOCKS5: version byte 0x%02x", tag,
+                 byte);
+        break;
+    case SW_PROTO_REPLY_ATYP:
+        snprintf(msg, sizeof msg, "proxy %s: unknown address type %u", tag, byte);
+        break;
+    case SW_PROTO_EMPTY_DOMAIN:
+        snprintf(msg, sizeof msg, "proxy %s: empty domain name", tag);
+        break;
+    default:
+        snprintf(msg, sizeof msg, "proxy %s: undecodable domain name", tag);
+        break;
+    }
+    fail_flow(c, SW_END_UPSTREAM_PROTO, 0, kind | byte << 8, 1, 502, msg);
 }
 
 static void s5_send_request(struct cconn *c)
@@ -1051,7 +1093,8 @@ static int up_pair(struct cconn *c, uint8_t version, uint8_t *value)
     if (c->up_len < 2)
         return 0;
     if (c->up_buf[0] != version) {
-        up_broken(c);
+        up_broken(c, version == 5 ? SW_PROTO_METHOD_VERSION : SW_PROTO_AUTH_VERSION,
+                  c->up_buf[0]);
         return -1;
     }
     *value = c->up_buf[1];
@@ -1064,8 +1107,8 @@ static void s5_send_userpass(struct cconn *c)
 {
     uint8_t a[3 + 255 + 255];
     size_t ul = strlen(c->up_user), pl = strlen(c->up_pass), k = 0;
-    if (ul > 255 || pl > 255) {
-        up_broken(c);
+    if (ul > 255 || pl > 255) { /* config validation keeps them shorter */
+        fail_flow(c, SW_END_INTERNAL, EINVAL, 0, 1, 502, "credentials too long");
         return;
     }
     a[k++] = 1;
@@ -1076,7 +1119,7 @@ static void s5_send_userpass(struct cconn *c)
     memcpy(a + k, c->up_pass, pl);
     k += pl;
     if (up_send(c, a, k) < 0) {
-        up_broken(c);
+        up_broken(c, SW_PROTO_CLOSED, 0);
         return;
     }
     c->state = ST_UP_S5_AUTH;
@@ -1092,7 +1135,17 @@ static void s5_on_reply(struct cconn *c)
     if (rc == SW_PARSE_NEED_MORE)
         return;
     if (rc != SW_PARSE_OK) {
-        up_broken(c);
+        /* Which of parse_reply's errors (the parser agrees with it on which
+         * inputs fail; these bytes tell why). */
+        const uint8_t *b = c->up_buf;
+        if (b[0] != 5)
+            up_broken(c, SW_PROTO_REPLY_VERSION, b[0]);
+        else if (b[3] != 1 && b[3] != 3 && b[3] != 4)
+            up_broken(c, SW_PROTO_REPLY_ATYP, b[3]);
+        else if (b[3] == 3 && b[4] == 0)
+            up_broken(c, SW_PROTO_EMPTY_DOMAIN, 0);
+        else
+            up_broken(c, SW_PROTO_BAD_DOMAIN, 0);
         return;
     }
     if (rep.command != 0) {
@@ -1103,21 +1156,25 @@ static void s5_on_reply(struct cconn *c)
         int socks = code >= 3 && code <= 6 ? code : 1;
         int http = code == 6 ? 504 : 502;
         char msg[600];
-        snprintf(msg, sizeof msg, "upstream proxy answered SOCKS5 reply %u for %s:%u", code,
+        snprintf(msg, sizeof msg, "proxy %s answered SOCKS5 reply %u for %s:%u", c->up_tag, code,
                  c->host, c->port);
         fail_flow(c, SW_END_UPSTREAM_REPLY, 0, code, socks, http, msg);
         return;
     }
-    if (c->up_len > rep.consumed) {
-        /* The upstream sent bytes past its reply: Python's path forwards them
-         * to the client before relaying; C keeps that rare case simple by
-         * treating it as the upstream's protocol error. */
-        up_broken(c);
-        return;
-    }
-    c->up_len = 0;
+    /* Bytes past the reply are the target's first: they go to the client at
+     * the hand-off, as the Python path sends its dial's leftover. */
+    memmove(c->up_buf, c->up_buf + rep.consumed, c->up_len - rep.consumed);
+    c->up_len -= (uint32_t)rep.consumed;
     timer_clear(c);
     proceed_after_reply(c);
+}
+
+/* The upstream refused our authentication: Python's "proxy TAG <what>". */
+static void auth_failed(struct cconn *c, int detail, const char *what)
+{
+    char msg[600];
+    snprintf(msg, sizeof msg, "proxy %s %s", c->up_tag, what);
+    fail_flow(c, SW_END_UPSTREAM_AUTH, 0, detail, 1, 502, msg);
 }
 
 /* One step of the upstream SOCKS5 handshake on what it sent; false once it
@@ -1130,13 +1187,11 @@ static bool s5_step(struct cconn *c)
         if (up_pair(c, 5, &v) <= 0)
             return false;
         if (c->up_user && v != 2) {
-            fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REFUSED_USERPASS, 1, 502,
-                      "upstream proxy refused user/password auth");
+            auth_failed(c, SW_AUTH_REFUSED_USERPASS, "refused user/password auth");
             return false;
         }
         if (!c->up_user && v != 0) {
-            fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REQUIRED, 1, 502,
-                      "upstream proxy requires authentication");
+            auth_failed(c, SW_AUTH_REQUIRED, "requires authentication");
             return false;
         }
         if (c->up_user)
@@ -1148,8 +1203,7 @@ static bool s5_step(struct cconn *c)
         if (up_pair(c, 1, &v) <= 0)
             return false;
         if (v != 0) {
-            fail_flow(c, SW_END_UPSTREAM_AUTH, 0, SW_AUTH_REJECTED, 1, 502,
-                      "upstream proxy rejected the credentials");
+            auth_failed(c, SW_AUTH_REJECTED, "rejected the credentials");
             return false;
         }
         s5_send_request(c);
@@ -1183,7 +1237,7 @@ static void upstream_readable(struct cconn *c)
         while (s5_step(c)) {
         }
         if (!c->dead && c->state >= ST_UP_S5_METHOD && c->state <= ST_UP_S5_REPLY)
-            up_broken(c);
+            up_broken(c, SW_PROTO_CLOSED, 0);
         return;
     }
     while (s5_step(c)) {
@@ -1204,7 +1258,7 @@ static void connected(struct cconn *c)
     if (c->out_kind == SW_OUT_SOCKS5) {
         uint8_t greeting[3] = {5, 1, c->up_user ? 2 : 0};
         if (up_send(c, greeting, sizeof greeting) < 0) {
-            up_broken(c);
+            up_broken(c, SW_PROTO_CLOSED, 0);
             return;
         }
         c->state = ST_UP_S5_METHOD;
@@ -1249,6 +1303,14 @@ static void hand_off(struct cconn *c)
         c->early = n;
         c->utx += n;
         c->consumed = c->len;
+    }
+    if (c->up_len) {
+        if (client_send(c, c->up_buf, c->up_len) < 0) {
+            conn_end(c, SW_END_CLIENT, errno ? errno : EPIPE, 0);
+            return;
+        }
+        c->late = c->up_len;
+        c->up_len = 0;
     }
     epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->cfd, NULL);
     epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->ufd, NULL);

@@ -63,6 +63,18 @@ enum sw_auth_detail {
     SW_AUTH_REQUIRED = 3          /* socks5 server requires authentication */
 };
 
+/* Upstream protocol failures (SW_END_UPSTREAM_PROTO): detail = kind | byte << 8,
+ * enough for Python to write the very message its own outbound would. */
+enum sw_proto_detail {
+    SW_PROTO_CLOSED = 1,         /* EOF or an error before the handshake ended */
+    SW_PROTO_METHOD_VERSION = 2, /* method selection's version byte (byte) */
+    SW_PROTO_AUTH_VERSION = 3,   /* user/password status's version byte (byte) */
+    SW_PROTO_REPLY_VERSION = 4,  /* CONNECT reply's version byte (byte) */
+    SW_PROTO_REPLY_ATYP = 5,     /* CONNECT reply's unknown address type (byte) */
+    SW_PROTO_EMPTY_DOMAIN = 6,   /* CONNECT reply's domain of length 0 */
+    SW_PROTO_BAD_DOMAIN = 7      /* CONNECT reply's undecodable domain */
+};
+
 enum sw_conn_auth {
     SW_CAUTH_NONE = 0,
     SW_CAUTH_USERPASS = 1, /* SOCKS5 RFC 1929 */
@@ -85,6 +97,8 @@ typedef struct sw_conn_record {
     uint32_t upstream_rx;     /* bytes of the upstream handshake (and early data) */
     uint32_t upstream_tx;
     uint32_t early;           /* ROUTED: client bytes C forwarded upstream itself */
+    uint32_t late;            /* ROUTED: upstream bytes past its proxy reply that C
+                                 forwarded to the client itself */
     uint32_t end;             /* ENDED: enum sw_end */
     int32_t err;              /* ENDED: positive errno, 0 when none */
     int32_t detail;           /* ENDED: auth detail, reply code or HTTP status */

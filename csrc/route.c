@@ -447,6 +447,7 @@ static void target_clear(sw_target_info *ti)
     free((char *)ti->server);
     free((char *)ti->user);
     free((char *)ti->pass);
+    free((char *)ti->tag);
     memset(ti, 0, sizeof *ti);
 }
 
@@ -686,6 +687,19 @@ int sw_table_target(sw_table *t, uint32_t index, int kind, const char *server, u
     }
     target_clear(&t->targets[index]);
     t->targets[index] = ti;
+    return 0;
+}
+
+int sw_table_target_tag(sw_table *t, uint32_t index, const char *tag)
+{
+    if (!t || t->sealed || index >= t->ntargets || !tag)
+        return -EINVAL;
+    const char *copy;
+    int rc = dup_opt(tag, &copy);
+    if (rc)
+        return rc;
+    free((char *)t->targets[index].tag);
+    t->targets[index].tag = copy;
     return 0;
 }
 

@@ -115,6 +115,9 @@ int sw_table_cond_opaque(sw_table *table, uint32_t rule);
 int sw_table_target(sw_table *table, uint32_t index, int kind, const char *server,
                     uint16_t port, const char *user, const char *pass,
                     uint32_t connect_timeout_ms);
+/* The outbound tag target `index` reaches (after sw_table_target): the C path
+ * names it in failure messages, as the Python outbounds do. */
+int sw_table_target_tag(sw_table *table, uint32_t index, const char *tag);
 /* Builds the indexes; afterwards only sw_table_decide and the getters. */
 int sw_table_seal(sw_table *table);
 
@@ -134,6 +137,7 @@ typedef struct sw_target_info {
     const char *user;       /* NULL = no credentials */
     const char *pass;
     uint32_t connect_timeout_ms;
+    const char *tag;        /* the leaf outbound's tag; NULL when not given */
 } sw_target_info;
 
 /* NULL when index is out of range. */

@@ -42,6 +42,16 @@ _AUTH_DETAILS = {
     int(lib.SW_AUTH_REJECTED): "rejected the credentials",
     int(lib.SW_AUTH_REQUIRED): "requires authentication",
 }
+_PROTO_CLOSED = int(lib.SW_PROTO_CLOSED)
+#: sw_proto_detail -> socks5's ProtocolError text ({} is the offending byte).
+_PROTO_DETAILS = {
+    int(lib.SW_PROTO_METHOD_VERSION): "server is not SOCKS5: version byte {:#04x}",
+    int(lib.SW_PROTO_AUTH_VERSION): "bad username/password status version {}",
+    int(lib.SW_PROTO_REPLY_VERSION): "server reply is not SOCKS5: version byte {:#04x}",
+    int(lib.SW_PROTO_REPLY_ATYP): "unknown address type {}",
+    int(lib.SW_PROTO_EMPTY_DOMAIN): "empty domain name",
+    int(lib.SW_PROTO_BAD_DOMAIN): "undecodable domain name",
+}
 _PROTOCOLS = {
     "socks5": int(lib.SW_IN_SOCKS5),
     "http": int(lib.SW_IN_HTTP),
@@ -52,7 +62,7 @@ _SPOKEN = {1: "socks5", 2: "http"}
 _BATCH = 256
 
 # sw_conn_record, field for field; the C struct adds only tail padding.
-_RECORD = struct.Struct("=QQQQIIIiiiIIIIIIiiHHHBBBBBB16s16sH256s")
+_RECORD = struct.Struct("=QQQQIIIiiiIIIIIIIiiHHHBBBBBB16s16sH256s")
 _STRIDE = ffi.sizeof("sw_conn_record")
 if not _RECORD.size <= _STRIDE < _RECORD.size + 8:
     raise ImportError(f"sw_conn_record is {_STRIDE} bytes, not {_RECORD.size}: rebuild")
@@ -106,6 +116,8 @@ class ConnRecord:
     #: The upstream connection (and its proxy handshake) was made.
     dialled: bool
     name: str
+    #: ROUTED: upstream bytes past the proxy's reply that C sent to the client itself.
+    late: int = 0
 
 
 @dataclass(slots=True)
@@ -175,11 +187,18 @@ def dial_error(rec: ConnRecord, outbound: Any, host: str, port: int) -> DialErro
             f"proxy {outbound.tag} answered SOCKS5 reply {rec.detail} for {host}:{port}",
             remote=where,
         )
+    if rec.end == END_UPSTREAM_PROTO:
+        kind, byte = rec.detail & 0xFF, rec.detail >> 8
+        if kind == _PROTO_CLOSED:
+            return DialError(
+                "protocol_error", "upstream proxy closed during handshake", stage="handshake"
+            )
+        why = _PROTO_DETAILS.get(kind, "undecodable domain name").format(byte)
+        return DialError(
+            "protocol_error", f"proxy {outbound.tag}: {why}", stage="handshake", member_down=True
+        )
     return DialError(
-        "protocol_error",
-        f"proxy {outbound.tag}: broken SOCKS5 handshake",
-        stage="handshake",
-        member_down=True,
+        "internal_error", f"connection path failure: {os.strerror(rec.err)}", stage="connect"
     )
 
 
@@ -269,10 +288,10 @@ class ConnPath:
                 out.append(
                     ConnRecord(
                         f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9],
-                        f[10], f[11], f[12], f[13], f[14], f[15], f[16], f[17],
-                        f[18], f[19], f[20], _SPOKEN.get(f[21], "socks5"), f[22],
-                        _ip(f[23], f[27]), _ip(f[24], f[28]), bool(f[25]), bool(f[26]),
-                        f[30][: f[29]].decode("utf-8", "surrogateescape"),
+                        f[10], f[11], f[12], f[13], f[14], f[16], f[17], f[18],
+                        f[19], f[20], f[21], _SPOKEN.get(f[22], "socks5"), f[23],
+                        _ip(f[24], f[28]), _ip(f[25], f[29]), bool(f[26]), bool(f[27]),
+                        f[31][: f[30]].decode("utf-8", "surrogateescape"), f[15],
                     )
                 )  # fmt: skip
             if n < _BATCH:

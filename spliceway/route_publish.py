@@ -68,7 +68,7 @@ def target_spec(tag: str, policies: Any, outbounds: dict[str, Any]) -> tuple[lis
         return chain, TargetSpec(OUT_BLOCK)
     if leaf.protocol == "socks5":
         spec = TargetSpec(
-            OUT_SOCKS5, leaf.server, leaf.port, leaf.username, leaf.password, timeout_ms
+            OUT_SOCKS5, leaf.server, leaf.port, leaf.username, leaf.password, timeout_ms, leaf.tag
         )
         return chain, spec
     return chain, _DEFER

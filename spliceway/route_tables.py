@@ -78,6 +78,8 @@ class TargetSpec(NamedTuple):
     user: str | None = None
     password: str | None = None
     connect_timeout_ms: int = 0
+    #: The leaf outbound's tag, which C's failure messages name (as Python's do).
+    outbound_tag: str | None = None
 
 
 def _cstr(text: str | None, what: str) -> Any:
@@ -386,6 +388,9 @@ def compile_route_table(
             spec.connect_timeout_ms,
         )
         check(rc, "sw_table_target")
+        if spec.outbound_tag is not None:
+            rc = lib.sw_table_target_tag(table, i, _cstr(spec.outbound_tag, "outbound tag"))
+            check(rc, "sw_table_target_tag")
     mode_target = -1 if mode_tag is None else index[mode_tag]
     rc = lib.sw_table_set_mode(table, _MODES[mode_kind], mode_target, index[final])
     check(rc, "sw_table_set_mode")

@@ -782,8 +782,7 @@ def upstream_failure_runs(make_engine, python_engine, kind: str, case: str):
 def test_socks5_upstream_failure_in_c_fails_as_the_python_path(
     make_engine, python_engine, kind, case
 ):
-    """Everything but the divergences the next test pins (outbound counters of a failed
-    upstream handshake; the HTTP 502 body and so inbound_tx_bytes) equals the Python path."""
+    """The client's answer and every event field equal the Python path's."""
     answers, events = upstream_failure_runs(make_engine, python_engine, kind, case)
     if kind == "socks5":
         code = 5 if case.endswith("refused") else 1
@@ -793,39 +792,14 @@ def test_socks5_upstream_failure_in_c_fails_as_the_python_path(
         body = f"{message}\n".encode()
         head = f"HTTP/1.1 502 Bad Gateway\r\nContent-Length: {len(body)}\r\n"
         assert answers["py"] == head.encode() + b"Connection: close\r\n\r\n" + body
-        assert answers["c"].startswith(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: ")
-    ignore = ("outbound_rx_bytes", "outbound_tx_bytes")
-    if kind == "http":
-        ignore += ("inbound_tx_bytes",)
-    same_events(events["c"], events["py"], ignore)
-
-
-HANDSHAKE_BYTES = (
-    "C records the bytes of a failed upstream SOCKS5 handshake (outbound_tx/rx_bytes: "
-    "greeting 3 [+ user/pass] [+ request 10] / method 2 [+ auth 2] [+ reply 10]); the Python "
-    "path records 0/0 for every failed dial (outbounds add Dialed.tx/rx_bytes only on success)"
-)
-HTTP_BODIES = (
-    "C's HTTP 502 body for an upstream failure is its own text ('upstream proxy rejected the "
-    "credentials', 'upstream proxy requires authentication', 'upstream proxy answered SOCKS5 "
-    "reply 5 for H:P', and 'connect to TARGET:PORT failed' when the proxy refuses), the Python "
-    "path's is the failure message ('proxy up ...', 'connect to PROXY:PORT failed'): the client "
-    "bytes and inbound_tx_bytes differ"
-)
-
-
-def _divergence(kind: str, case: str) -> list[Any]:
-    if kind == "http":
-        return [pytest.mark.xfail(strict=True, reason=HTTP_BODIES)]
-    if case != "proxy-refused":
-        return [pytest.mark.xfail(strict=True, reason=HANDSHAKE_BYTES)]
-    return []
+        assert answers["c"] == answers["py"]
+    same_events(events["c"], events["py"])
 
 
 @pytest.mark.parametrize(
     ("kind", "case"),
     [
-        pytest.param(kind, case, marks=_divergence(kind, case), id=f"{case}-{kind}")
+        pytest.param(kind, case, id=f"{case}-{kind}")
         for kind in ("socks5", "http")
         for case in UPSTREAM_FAILURES
     ],
@@ -975,7 +949,6 @@ def test_flows_close_while_c_dials(make_engine, python_engine):
     same_events(events["c"], events["py"])
 
 
-@pytest.mark.xfail(strict=True, reason=HANDSHAKE_BYTES + " (here: closed mid-handshake)")
 def test_closed_in_the_upstream_handshake_counts_as_the_python_path(make_engine, python_engine):
     """flows.close while the upstream SOCKS5 proxy has the greeting and stays silent."""
     events = {}
