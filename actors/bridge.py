@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pykka
-from spliceway.actors.messages import ConnEnded, ConnRouted, RelayFinished
+from spliceway.actors.messages import ConnEnded, ConnRouted, ConnTakeOver, RelayFinished
 
 from spliceway import connpath
 from spliceway.connpath import ConnPath, ConnRecord, Deferred
@@ -124,10 +124,24 @@ class RelayBridge:
         for record in self.conn.drain():
             self._on_record(record)
         for deferred in self.conn.take_deferred():
-            if self._take_deferred is None:
+            if deferred.flow:
+                self._take_over(deferred)
+            elif self._take_deferred is None:
                 os.close(deferred.fd)
             else:
                 self._take_deferred(deferred)
+
+    def _take_over(self, deferred: Deferred) -> None:
+        # Its STARTED record was drained first (C published it before deferring).
+        actor = self._flows.pop(deferred.flow, None)
+        try:
+            if actor is not None:
+                actor.tell(ConnTakeOver(deferred))
+                return
+        except pykka.ActorDeadError:
+            pass
+        logger.warning("C handed over flow %d, whose actor is gone", deferred.flow)
+        os.close(deferred.fd)
 
     def _on_record(self, record: ConnRecord) -> None:
         if record.kind == connpath.STARTED:

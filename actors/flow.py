@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
@@ -24,6 +25,7 @@ from spliceway.actors.messages import (
     CloseFlow,
     ConnEnded,
     ConnRouted,
+    ConnTakeOver,
     RelayFinished,
     StopFlow,
     TrafficSample,
@@ -152,6 +154,8 @@ class FlowActor(LoopActor):
             self._on_c_routed(message.record)
         elif isinstance(message, ConnEnded):
             self._on_c_ended(message.record)
+        elif isinstance(message, ConnTakeOver):
+            self._take_over(message.deferred)
         elif isinstance(message, CloseFlow):
             return self._close(records.MANUAL)
         elif isinstance(message, StopFlow):
@@ -180,9 +184,9 @@ class FlowActor(LoopActor):
 
     # -- establishment (a task on the dispatcher loop) -----------------------------
 
-    async def _establish(self) -> None:
+    async def _establish(self, steps: Coroutine[Any, Any, None] | None = None) -> None:
         try:
-            await self._establish_steps()
+            await (steps if steps is not None else self._establish_steps())
             # An idle relayed flow should hold no finished task or coroutine frame.
             self._task = None
         except asyncio.CancelledError:
@@ -195,7 +199,6 @@ class FlowActor(LoopActor):
             self._finish()
 
     async def _establish_steps(self) -> None:
-        core = self.core
         loop = self.dispatcher.loop
         client = self.client
         assert client is not None
@@ -225,6 +228,13 @@ class FlowActor(LoopActor):
                 self._finish()
                 return
             self._start_record(hs)
+        await self._route_and_dial(hs, replied)
+
+    async def _route_and_dial(self, hs: Handshake, replied: bool) -> None:
+        """From the started flow's route to the hand-off (``replied``: the client was told
+        the tunnel is open, and sniffing is done)."""
+        core = self.core
+        loop = self.dispatcher.loop
         route_state = core.route_state
         decision = route_state.decide(self._facts(hs))
         if (
@@ -495,11 +505,43 @@ class FlowActor(LoopActor):
             # The close reached C after it had handed the flow to the relay.
             self.core.bridge.request_close(rec.relay_handle)
 
+    def _take_over(self, d: connpath.Deferred) -> None:
+        """C answered and sniffed this flow, then found a route only Python can take (an
+        opaque rule, a DNS miss, an outbound it does not dial): carry on from there."""
+        self._c_flow = None
+        s = self.state
+        client = socket.socket(fileno=d.fd)
+        if s is None or self._done:
+            client.close()
+            return
+        t = s.traffic
+        t.inbound_rx_bytes = d.client_rx
+        t.inbound_tx_bytes = d.client_tx
+        if d.sniffed:
+            s.sniffed_host = d.sniffed
+        if self._close_requested:
+            # The close reached C after it had handed the connection over.
+            client.close()
+            self._complete_closed()
+            self._finish()
+            return
+        self.client = client
+        hs = self._c_handshake(d, d.host, d.raw)
+        self._task = self.dispatcher.spawn(self._establish(self._route_and_dial(hs, True)))
+
     def _on_c_ended(self, rec: connpath.ConnRecord) -> None:
         s = self.state
         if s is None or self._done:
             return
-        outbound = self._c_route(rec) if rec.action > 0 else None
+        # Closed while C sniffed before routing, when the Python path has applied no
+        # route yet.
+        sniffing_first = rec.end == connpath.END_CLOSED and rec.detail == 1
+        outbound = self._c_route(rec) if rec.action > 0 and not sniffing_first else None
+        if sniffing_first:
+            s.traffic.inbound_rx_bytes = rec.client_rx
+            s.traffic.inbound_tx_bytes = rec.client_tx
+            if rec.name:
+                s.sniffed_host = rec.name
         self._c_flow = None
         # The Python path counts a proxy's handshake only once the dial succeeded
         # (its Dialed carries the counts): a flow that ends before has none.

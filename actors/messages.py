@@ -38,6 +38,13 @@ class ConnEnded(NamedTuple):
     record: Any  # spliceway.connpath.ConnRecord (kind ENDED)
 
 
+class ConnTakeOver(NamedTuple):
+    """The C connection path started this flow, then found only Python can route it:
+    the connection is the flow actor's now, to carry on from the route."""
+
+    deferred: Any  # spliceway.connpath.Deferred (stage ROUTE, flow set)
+
+
 class TakeDeferred(NamedTuple):
     """The C connection path handed a connection back to its listener."""
 

@@ -470,6 +470,8 @@ static void conn_end(struct cconn *c, uint32_t end, int err, int detail)
 {
     sw_conn_record *r = record_begin(c, SW_REC_ENDED);
     record_name(r, c->sniffed, c->sniffed_len);
+    if (end == SW_END_CLOSED && c->state == ST_SNIFF_PRE)
+        detail = 1; /* closed before its route was final */
     r->end = end;
     r->err = err;
     r->detail = detail;
@@ -588,6 +590,7 @@ static void conn_defer(struct cconn *c, uint32_t stage)
     d->client_rx = c->crx;
     d->client_tx = c->ctx;
     d->started_unix_ms = c->started_ms;
+    d->flow = c->started ? c->flow : 0;
     d->port = c->port;
     d->source_port = c->src_port;
     d->source_family = c->src_family;
@@ -773,6 +776,7 @@ static int sniff_step(struct cconn *c)
 /* ---- routing and dialling -------------------------------------------------------- */
 
 static void start_flow(struct cconn *c);
+static void record_started(struct cconn *c);
 static void proceed_after_reply(struct cconn *c);
 static void hand_off(struct cconn *c);
 
@@ -972,6 +976,9 @@ static void after_handshake(struct cconn *c)
             return;
         }
         c->replied = true;
+        /* The client was told the tunnel is open: from here the flow exists
+         * (listed, closable, completed on stop), as on the Python path. */
+        record_started(c);
         c->state = ST_SNIFF_PRE;
         if (sniff_step(c) == SNIFF_WAIT) {
             timer_set(c, mono_ms() + c->listener->opts.sniff_timeout_ms);
@@ -998,6 +1005,14 @@ static void sniff_pre_done(struct cconn *c)
 /* C owns the flow from here: STARTED, then dial. */
 static void start_flow(struct cconn *c)
 {
+    if (!c->started)
+        record_started(c);
+    dial(c);
+}
+
+/* The STARTED record (once per flow). */
+static void record_started(struct cconn *c)
+{
     sw_conn *conn = c->loop->conn;
     c->flow = atomic_fetch_add_explicit(&conn->next_flow, 1, memory_order_relaxed);
     sw_conn_record *r = record_begin(c, SW_REC_STARTED);
@@ -1009,7 +1024,6 @@ static void start_flow(struct cconn *c)
     record_commit(c);
     c->started = true;
     atomic_fetch_add_explicit(&conn->stats.started, 1, memory_order_relaxed);
-    dial(c);
 }
 
 /* ---- upstream socks5 ------------------------------------------------------------ */

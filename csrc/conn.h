@@ -51,7 +51,8 @@ enum sw_end {
     SW_END_UPSTREAM_PROTO = 4, /* the upstream proxy broke its protocol */
     SW_END_UPSTREAM_AUTH = 5,  /* the upstream refused our auth (detail below) */
     SW_END_UPSTREAM_REPLY = 6, /* the upstream answered a failure (detail = code) */
-    SW_END_CLOSED = 7,         /* sw_conn_request_close() or shutdown */
+    SW_END_CLOSED = 7,         /* sw_conn_request_close() or shutdown; detail 1 when
+                                  still sniffing before routing (no route applies) */
     SW_END_CLIENT = 8,         /* the client went away before the hand-off */
     SW_END_INTERNAL = 9        /* a local resource failed (err is the errno) */
 };
@@ -137,6 +138,9 @@ typedef struct sw_deferred {
     uint32_t client_rx;       /* bytes C read from the client */
     uint32_t client_tx;       /* bytes C wrote to the client */
     uint64_t started_unix_ms; /* SW_DEFER_ROUTE: when the handshake completed */
+    uint64_t flow;            /* SW_DEFER_ROUTE: the flow's number when its STARTED
+                                 record went out (it was sniffed before routing), else 0:
+                                 that flow's owner takes the connection over */
     uint16_t port;
     uint16_t source_port;
     uint8_t source_family;

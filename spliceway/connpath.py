@@ -140,6 +140,8 @@ class Deferred:
     host: str
     sniffed: str | None
     raw: bytes
+    #: The flow C already started (sniffed before routing, then needed Python); 0 if none.
+    flow: int = 0
 
 
 HANDSHAKE = int(lib.SW_DEFER_HANDSHAKE)
@@ -317,6 +319,7 @@ class ConnPath:
                     source_ip=_ip(d.source_family, bytes(d.source_ip)),
                     source_port=d.source_port,
                     replied=bool(d.replied),
+                    flow=int(d.flow),
                     host=ffi.string(d.host, d.host_len).decode("utf-8", "surrogateescape"),
                     sniffed=(
                         ffi.string(d.sniffed, d.sniffed_len).decode("ascii", "replace")

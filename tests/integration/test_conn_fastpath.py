@@ -27,7 +27,7 @@ from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.flows import completed, flow_events
 from tests.helpers.servers import EchoServer, LoopbackServer
-from tests.helpers.upstreams import black_hole, microsocks, refused_port
+from tests.helpers.upstreams import black_hole, microsocks, refused_port, tinyproxy
 
 #: No stats sampling during a test: throughput stays 0 and no flow.updated interleaves,
 #: so the two paths' events can be compared whole.
@@ -534,6 +534,47 @@ def test_sniff_before_routing_in_c_blocks_by_the_sniffed_host(make_engine, pytho
     same_events(events["c"], events["py"])
 
 
+def test_sniffed_then_routed_where_c_cannot_dial_is_taken_over_by_the_flow(
+    make_engine, python_engine, tmp_path
+):
+    """C answers, sniffs, and the sniffed host routes to an http outbound, which only Python
+    dials: the flow C started (flow.started already out) carries on in Python, to the same
+    record as the Python path's, relayed through tinyproxy."""
+    request = b"GET / HTTP/1.1\r\nHost: web.via-http.test\r\n\r\n"
+    events = {}
+    with EchoServer() as server, tinyproxy(tmp_path) as proxy:
+        cfg = config(
+            outbounds=[
+                {"tag": "direct", "protocol": "direct"},
+                {"tag": "hp", "protocol": "http", "server": "127.0.0.1", "port": proxy},
+            ],
+            rules=[{"domain_suffix": ["via-http.test"], "action": "route", "outbound": "hp"}],
+        )
+        for path, engine in (("c", make_engine(cfg)), ("py", python_engine(cfg))):
+            tunnel, reply = socks5_open(engine.listen_address("socks-in"), *server.address)
+            with tunnel:
+                assert reply == S5_OK  # told success before routing, to sniff
+                tunnel.send(request)
+                assert tunnel.recv(len(request)) == request  # echoed through tinyproxy
+                tunnel.sock.shutdown(socket.SHUT_WR)
+                assert tunnel.rest() == b""
+            record, events[path] = only_flow(engine)
+            assert record["target"]["sniffed_host"] == "web.via-http.test"
+            assert record["route"]["target"] == "hp"
+            assert record["path"]["outbound"] == {"tag": "hp", "protocol": "http"}
+            assert record["result"] == {"outcome": "chained_relayed"}
+            assert record["traffic"]["bytes_up"] == record["traffic"]["bytes_down"] == len(request)
+            assert [e["event_type"] for e in events[path]] == [
+                "flow.started",
+                "flow.routed",
+                "flow.completed",
+            ]
+            # C started the flow, then handed the connection to it (counted as deferred).
+            want = {"accepted": 1, "started": 1, "deferred": 1} if path == "c" else py_deferred()
+            expect_stats(engine, **want)
+    same_events(events["c"], events["py"])
+
+
 def test_rule_matched_route_in_c_records_the_rule(make_engine, python_engine):
     events = {}
     with EchoServer() as server:
@@ -974,16 +1015,6 @@ def test_closed_in_the_upstream_handshake_counts_as_the_python_path(make_engine,
     same_events(events["c"], events["py"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "C sniffs before routing (a domain rule ranks before the match) without a STARTED "
-        "record: after the client's CONNECT got its success reply the flow is not in `flows`, "
-        "flows.close cannot reach it and an engine stop closes the client with no "
-        "flow.started/flow.completed; the Python path emits flow.started at the handshake, "
-        "lists the flow as opening and completes it (cancelled/manual on flows.close)"
-    ),
-)
 def test_flows_close_while_c_sniffs_before_routing(make_engine, python_engine):
     cfg = sniffing_config(rules=[{"domain_suffix": ["sniffed.test"], "action": "block"}])
     events = {}
@@ -1265,14 +1296,6 @@ def test_engine_stop_completes_every_flow_c_holds_exactly_once(make_engine, pyth
     same_events(events["c"][via_silent], events["py"][via_silent], ("outbound_tx_bytes",))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "engine stop while C sniffs before routing: C closes the client (already told "
-        "success) with no flow.started/flow.completed; the Python path completes the flow "
-        "(cancelled, never dialled)"
-    ),
-)
 def test_engine_stop_while_c_sniffs_before_routing_completes_the_flow(make_engine, python_engine):
     cfg = sniffing_config(rules=[{"domain_suffix": ["sniffed.test"], "action": "block"}])
     with Listener() as target:
@@ -1280,7 +1303,10 @@ def test_engine_stop_while_c_sniffs_before_routing_completes_the_flow(make_engin
             tunnel, reply = socks5_open(engine.listen_address("socks-in"), *target.address)
             with tunnel:
                 assert reply == S5_OK
-                expect_stats(engine, accepted=1, deferred=int(path == "py"))
+                # C started the flow before sniffing: it is the flow's owner while it sniffs.
+                expect_stats(
+                    engine, accepted=1, deferred=int(path == "py"), started=int(path == "c")
+                )
                 sub = engine.subscribe(["flow.completed", "engine.stopped"], since=0, timeout=10)
                 engine.stop()
                 seen = list(sub)
