@@ -9,25 +9,38 @@
  * greetings, username/password and requests with IPv4/IPv6/UTF-8 domain
  * addresses; HTTP CONNECT heads with headers and Basic credentials; HTTP
  * requests with a Host; TLS ClientHellos with SNI, sometimes cut into several
- * records) and any SEEDFILEs (raw messages, e.g. genuine ClientHellos), then
+ * records; upstream proxy response heads with obs-fold; "host\0user\0pass"
+ * arguments for the CONNECT request builder) and any SEEDFILEs (raw
+ * messages, e.g. genuine ClientHellos), then
  * mutated: bit flips, interesting bytes, inserted/deleted/duplicated runs,
  * truncation, splices of two seeds, and 8/16-bit length-field edits.  Some
  * inputs are plain random bytes, a few are grown past SNIFF_LIMIT or
  * http.MAX_HEAD_SIZE.  Every input goes through every parser in a malloc()
  * block of exactly its length, so ASan sees any over-read; one input in EVERY
- * (default 64) is also run at every prefix length.
+ * (default 64) is also run at every prefix length.  The response parser gets
+ * a max_size per input: mostly http.MAX_HEAD_SIZE, sometimes one near or
+ * below the input's length.  Every input is also read as builder arguments
+ * (see run_builder), with output blocks of exactly the capacity passed.
  *
  * Invariants checked (a failure prints the input, writes it to
  * fuzz-parse-failure.bin and aborts):
- *   - status is one of the four; SOCKS5 and sniffing never defer, HTTP never
- *     answers ERROR; reply_len <= SW_PARSE_REPLY_MAX and 0 unless ERROR;
+ *   - status is one of the four; SOCKS5, sniffing and the response parser
+ *     never defer, HTTP CONNECT never answers ERROR; reply_len <=
+ *     SW_PARSE_REPLY_MAX and 0 unless ERROR;
  *   - on OK: 0 < consumed <= len; offsets inside the message; every host,
  *     user and password NUL-terminated with its length == strlen; hosts are
- *     non-empty and made of the characters their parser can produce;
+ *     non-empty and made of the characters their parser can produce; a
+ *     response head starts "HTTP/1.<d> <status>", ends at the first
+ *     "\n\r?\n" (within max_size), holds no NUL, and 100 <= status <= 999;
  *   - over the prefixes of an input every parser answers NEED_MORE until it
  *     reaches a final verdict (OK, ERROR or DEFER) that every longer prefix
  *     repeats with identical fields: Python's parsers decide on the bytes
- *     seen, never on how many follow (SOCKS5, HTTP, sniffing alike).
+ *     seen, never on how many follow (SOCKS5, HTTP, sniffing alike);
+ *   - the builder answers -EINVAL, -ENOSPC or a length <= cap; the same
+ *     length again with cap == length (same bytes), -ENOSPC below it, and
+ *     -EINVAL whatever the cap; a request is ASCII, "CONNECT <a> HTTP/1.1",
+ *     "Host: <a>", an optional "Proxy-Authorization: Basic <base64>", and a
+ *     blank line.
  *
  * Stops after COUNT inputs (default 5,000,000) or SECONDS (default 600),
  * whichever comes first, and prints the counts of inputs and outcomes per
@@ -54,9 +67,9 @@ enum {
     PREFIX_SWEEP_MAX = 4096, /* longer inputs get sampled prefix lengths */
 };
 
-enum { P_GREETING, P_USERPASS, P_REQUEST, P_HTTP, P_SNIFF, P_COUNT };
+enum { P_GREETING, P_USERPASS, P_REQUEST, P_HTTP, P_SNIFF, P_RESPONSE, P_COUNT };
 static const char *const parser_name[P_COUNT] = {"s5_greeting", "s5_userpass", "s5_request",
-                                                 "http_connect", "sniff"};
+                                                 "http_connect", "sniff", "http_response"};
 /* The libFuzzer entry point reports nothing itself. */
 #define MAYBE_UNUSED __attribute__((unused))
 static MAYBE_UNUSED const char *const status_name[4] = {"ok", "need_more", "error", "defer"};
@@ -65,6 +78,8 @@ static MAYBE_UNUSED const char *const status_name[4] = {"ok", "need_more", "erro
 static uint64_t outcomes[2][P_COUNT][4];
 static MAYBE_UNUSED uint64_t inputs, input_bytes;
 static uint64_t prefix_sweeps;
+/* sw_http_connect_request outcomes: built, -EINVAL. */
+static MAYBE_UNUSED uint64_t builder_built, builder_einval;
 
 /* ---------------------------------------------------------------------------
  * PRNG (splitmix64: tiny, seedable, good enough to drive mutations)
@@ -399,9 +414,81 @@ static void gen_client_hello(struct buf *b)
     }
 }
 
+/* An upstream proxy's answer to CONNECT: a status line (sometimes without a
+ * reason), header fields, obs-fold continuation lines, CRLF or LF. */
+static void gen_http_response(struct buf *b)
+{
+    static const unsigned codes[] = {200, 200, 407, 403, 502, 100, 999, 204};
+    put_str(b, chance(8) ? "HTTP/1.0 " : "HTTP/1.1 ");
+    unsigned code = codes[below(sizeof codes / sizeof codes[0])];
+    put_fmt(b, "%03u", chance(10) ? (unsigned)below(1000) : code);
+    if (!chance(5)) {
+        put_u8(b, ' ');
+        size_t n = below(25);
+        for (size_t k = 0; k < n; k++)
+            put_u8(b, chance(20) ? 0x80 + (unsigned)below(128) : 0x20 + (unsigned)below(95));
+    }
+    put_str(b, eol());
+    static const char *const names[] = {"Proxy-Authenticate", "Content-Length", "Via", "Server",
+                                        "X-A", "Connection"};
+    size_t fields = below(6);
+    for (size_t i = 0; i < fields; i++) {
+        put_str(b, names[below(sizeof names / sizeof names[0])]);
+        put_str(b, chance(4) ? ":" : ": ");
+        size_t n = below(30);
+        for (size_t k = 0; k < n; k++)
+            put_u8(b, chance(30) ? 0x80 + (unsigned)below(128) : 0x20 + (unsigned)below(95));
+        put_str(b, eol());
+        while (chance(5)) { /* obs-fold: anything but NUL, CR, LF after SP/HTAB */
+            put_u8(b, chance(2) ? ' ' : '\t');
+            size_t m = below(12);
+            for (size_t k = 0; k < m; k++) {
+                uint8_t c = (uint8_t)(1 + below(255));
+                put_u8(b, c == '\r' || c == '\n' ? 'x' : c);
+            }
+            put_str(b, eol());
+        }
+    }
+    put_str(b, eol());
+}
+
+/* Builder arguments, "host\0user\0pass" (see run_builder): names, IPv4 and
+ * IPv6 literals with or without brackets and zone ids, UTF-8 credentials. */
+static void gen_connect_request_args(struct buf *b)
+{
+    bool bracket = chance(2);
+    if (bracket)
+        put_u8(b, '[');
+    switch (below(4)) {
+    case 0:
+        gen_name(b, chance(10));
+        break;
+    case 1:
+        put_fmt(b, "%u", (unsigned)below(chance(8) ? 300 : 256));
+        for (int i = 0; i < 3; i++)
+            put_fmt(b, ".%u", (unsigned)below(256));
+        break;
+    default:
+        gen_ipv6_text(b);
+        if (chance(4)) {
+            static const char *const zones[] = {"%eth0", "%1", "%", "%%", "%a b", "%\xc3\xa9",
+                                                "%a/b", "%\r\nX: y"};
+            put_str(b, zones[below(sizeof zones / sizeof zones[0])]);
+        }
+    }
+    if (bracket)
+        put_u8(b, ']');
+    if (chance(3))
+        return; /* no credentials */
+    put_u8(b, 0);
+    gen_utf8_text(b, chance(16) ? 200 : 20);
+    put_u8(b, 0);
+    gen_utf8_text(b, chance(16) ? 200 : 20);
+}
+
 static void gen_valid(struct buf *b)
 {
-    switch (below(6)) {
+    switch (below(8)) {
     case 0:
         gen_s5_greeting(b);
         break;
@@ -416,6 +503,12 @@ static void gen_valid(struct buf *b)
         break;
     case 4:
         gen_sniff_http(b);
+        break;
+    case 5:
+        gen_http_response(b);
+        break;
+    case 6:
+        gen_connect_request_args(b);
         break;
     default:
         gen_client_hello(b);
@@ -618,8 +711,13 @@ struct verdict {
         sw_s5_request r;
         sw_http_connect h;
         sw_sniffed s;
+        sw_http_response resp;
     } out;
 };
+
+/* The response parser's max_size for the current input (every prefix of it
+ * gets the same, so its verdicts must be monotonic as the others' are). */
+static size_t cur_max_size = HTTP_MAX_HEAD;
 
 /* The fields of an OK verdict, byte-comparable (structs have padding). */
 static bool same_fields(int parser, const struct verdict *a, const struct verdict *b)
@@ -642,6 +740,9 @@ static bool same_fields(int parser, const struct verdict *a, const struct verdic
                a->out.h.has_creds == b->out.h.has_creds &&
                a->out.h.user_len == b->out.h.user_len && !strcmp(a->out.h.user, b->out.h.user) &&
                a->out.h.pass_len == b->out.h.pass_len && !strcmp(a->out.h.pass, b->out.h.pass);
+    case P_RESPONSE:
+        return a->out.resp.consumed == b->out.resp.consumed &&
+               a->out.resp.status == b->out.resp.status;
     default:
         return a->out.s.host_len == b->out.s.host_len && !strcmp(a->out.s.host, b->out.s.host);
     }
@@ -676,6 +777,10 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
         v->status = sw_parse_http_connect(buf, len, &v->out.h);
         v->reply_len = 0;
         break;
+    case P_RESPONSE:
+        v->status = sw_parse_http_response(buf, len, cur_max_size, &v->out.resp);
+        v->reply_len = 0;
+        break;
     default:
         v->status = sw_sniff(buf, len, &v->out.s);
         v->reply_len = 0;
@@ -688,7 +793,8 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
     if (parser == P_HTTP)
         CHECK(v->status != SW_PARSE_ERROR, name, len, "HTTP answered ERROR (C never does)");
     else
-        CHECK(v->status != SW_PARSE_DEFER, name, len, "deferred (SOCKS5 and sniffing never do)");
+        CHECK(v->status != SW_PARSE_DEFER, name, len,
+              "deferred (SOCKS5, sniffing and the response parser never do)");
     if (v->status != SW_PARSE_OK)
         return;
 
@@ -740,6 +846,27 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
         CHECK(h->has_creds || (h->user_len == 0 && h->pass_len == 0), name, len, "stray creds");
         break;
     }
+    case P_RESPONSE: {
+        const sw_http_response *r = &v->out.resp;
+        size_t c = r->consumed;
+        CHECK(c >= 14 && c <= len && c <= cur_max_size, name, len, "consumed");
+        CHECK(r->status >= 100 && r->status <= 999, name, len, "status out of range");
+        CHECK(!memcmp(buf, "HTTP/1.", 7) && buf[7] >= '0' && buf[7] <= '9' && buf[8] == ' ',
+              name, len, "status line start");
+        CHECK((buf[9] - '0') * 100 + (buf[10] - '0') * 10 + (buf[11] - '0') == r->status, name,
+              len, "status is not the status line's");
+        CHECK(buf[c - 1] == '\n' &&
+                  (buf[c - 2] == '\n' || (buf[c - 2] == '\r' && buf[c - 3] == '\n')),
+              name, len, "head does not end in an empty line");
+        CHECK(!memchr(buf, '\0', c), name, len, "NUL in an accepted head");
+        /* where the terminator starts; none may start before it */
+        size_t t = buf[c - 2] == '\n' ? c - 2 : c - 3;
+        for (size_t i = 0; i < t; i++)
+            CHECK(!(buf[i] == '\n' &&
+                    (buf[i + 1] == '\n' || (buf[i + 1] == '\r' && buf[i + 2] == '\n'))),
+                  name, len, "an earlier end of head was passed over");
+        break;
+    }
     default: {
         const sw_sniffed *s = &v->out.s;
         CHECK(nul_terminated(s->host, sizeof s->host, s->host_len), name, len, "host string");
@@ -764,7 +891,156 @@ static uint8_t *exact_copy(const uint8_t *p, size_t n)
     return c;
 }
 
-/* Every parser once on the whole input, in a block of exactly its length. */
+/* A NUL-terminated copy of p[0..n) in a block of exactly n + 1 bytes. */
+static char *exact_string(const uint8_t *p, size_t n)
+{
+    char *c = malloc(n + 1);
+    if (!c) {
+        perror("malloc");
+        exit(2);
+    }
+    memcpy(c, p, n);
+    c[n] = '\0';
+    return c;
+}
+
+static int b64_digit(uint8_t c)
+{
+    if (c >= 'A' && c <= 'Z')
+        return c - 'A';
+    if (c >= 'a' && c <= 'z')
+        return c - 'a' + 26;
+    if (c >= '0' && c <= '9')
+        return c - '0' + 52;
+    return c == '+' ? 62 : c == '/' ? 63 : -1;
+}
+
+/* The token is the padded base64 of user ":" pass: decoded here, by a
+ * decoder that shares nothing with the encoder in parse.c. */
+static bool basic_token_ok(const uint8_t *t, size_t n, const char *user, const char *pass)
+{
+    size_t ulen = strlen(user), plen = strlen(pass), total = ulen + 1 + plen;
+    if (n != (total + 2) / 3 * 4)
+        return false;
+    size_t at = 0;
+    for (size_t q = 0; q < n; q += 4) {
+        uint32_t v = 0;
+        int pads = 0;
+        for (int k = 0; k < 4; k++) {
+            int d = b64_digit(t[q + k]);
+            if (d < 0) {
+                if (t[q + k] != '=' || q + 4 != n || k < 2)
+                    return false;
+                pads++;
+                d = 0;
+            } else if (pads) {
+                return false;
+            }
+            v = v << 6 | (uint32_t)d;
+        }
+        for (int k = 0; k < 3 - pads; k++, at++) {
+            if (at >= total)
+                return false;
+            uint8_t want = at < ulen    ? (uint8_t)user[at]
+                           : at == ulen ? ':'
+                                        : (uint8_t)pass[at - ulen - 1];
+            if ((uint8_t)(v >> (16 - 8 * k)) != want)
+                return false;
+        }
+        if (pads != (int)(q + 4 == n ? (3 - total % 3) % 3 : 0))
+            return false;
+    }
+    return at == total;
+}
+
+/* The input as sw_http_connect_request arguments: the host up to the first
+ * NUL; if there is one, the user up to the next NUL, then the password up to
+ * the one after that (no second NUL: pass NULL).  The port is derived from
+ * the length (0 included).  Strings and output buffers are blocks of
+ * exactly their size, so ASan catches a read or write past either. */
+static void run_builder(const uint8_t *input, size_t len)
+{
+    const char *name = "connect_request";
+    const uint8_t *nul = memchr(input, 0, len);
+    size_t hlen = nul ? (size_t)(nul - input) : len, ulen = 0, plen = 0;
+    char *host = exact_string(input, hlen), *user = NULL, *pass = NULL;
+    if (nul) {
+        const uint8_t *u = nul + 1, *end = input + len;
+        const uint8_t *nul2 = memchr(u, 0, (size_t)(end - u));
+        ulen = nul2 ? (size_t)(nul2 - u) : (size_t)(end - u);
+        user = exact_string(u, ulen);
+        if (nul2) {
+            const uint8_t *p = nul2 + 1;
+            const uint8_t *nul3 = memchr(p, 0, (size_t)(end - p));
+            plen = nul3 ? (size_t)(nul3 - p) : (size_t)(end - p);
+            pass = exact_string(p, plen);
+        }
+    }
+    uint16_t port = (uint16_t)(len * 40503u >> 3);
+    /* IPv6 text may outgrow its input ("::" is "[::]"); base64 is 4/3. */
+    size_t cap = 2 * hlen + 2 * (ulen + plen) + 256;
+    uint8_t *out = malloc(cap);
+    if (!out) {
+        perror("malloc");
+        exit(2);
+    }
+    int rc = sw_http_connect_request(host, port, user, pass, out, cap);
+    CHECK(rc == -EINVAL || (rc > 0 && (size_t)rc <= cap), name, len, "return value");
+    CHECK(sw_http_connect_request(host, port, user, pass, NULL, 0) ==
+              (rc == -EINVAL ? -EINVAL : -ENOSPC),
+          name, len, "verdict depends on the room");
+    if (rc == -EINVAL) {
+        builder_einval++;
+    } else {
+        builder_built++;
+        size_t n = (size_t)rc;
+        CHECK(port != 0, name, len, "port 0 accepted");
+        for (size_t i = 0; i < n; i++)
+            CHECK(out[i] && out[i] < 0x80, name, len, "request is not ASCII");
+        /* "CONNECT " A " HTTP/1.1\r\nHost: " A "\r\n" [P] "\r\n" */
+        static const char mid[] = " HTTP/1.1\r\nHost: ";
+        static const char pa[] = "Proxy-Authorization: Basic ";
+        size_t creds = 0;
+        if (user) {
+            const char *pw = pass ? pass : "";
+            creds = sizeof pa - 1 + (ulen + 1 + strlen(pw) + 2) / 3 * 4 + 2;
+        }
+        size_t fixed = 8 + (sizeof mid - 1) + 2 + creds + 2;
+        CHECK(n > fixed && (n - fixed) % 2 == 0, name, len, "request length");
+        size_t a = (n - fixed) / 2;
+        const uint8_t *a1 = out + 8, *a2 = out + 8 + a + sizeof mid - 1;
+        CHECK(!memcmp(out, "CONNECT ", 8) && !memcmp(a1 + a, mid, sizeof mid - 1) &&
+                  !memcmp(a1, a2, a) && !memcmp(a2 + a, "\r\n", 2) &&
+                  !memcmp(out + n - 2, "\r\n", 2),
+              name, len, "request layout");
+        char port_text[8];
+        int pl = snprintf(port_text, sizeof port_text, ":%u", (unsigned)port);
+        CHECK(a > (size_t)pl && !memcmp(a1 + a - pl, port_text, (size_t)pl), name, len,
+              "authority does not end in the port");
+        if (user) {
+            const uint8_t *p = a2 + a + 2;
+            CHECK(!memcmp(p, pa, sizeof pa - 1), name, len, "Proxy-Authorization line");
+            p += sizeof pa - 1;
+            CHECK(basic_token_ok(p, creds - (sizeof pa - 1) - 2, user, pass ? pass : ""), name,
+                  len, "Basic token is not base64(user:pass)");
+        }
+        /* exactly n bytes of room suffice, n - 1 do not */
+        uint8_t *again = malloc(n);
+        CHECK(sw_http_connect_request(host, port, user, pass, again, n) == rc &&
+                  !memcmp(again, out, n),
+              name, len, "cap == length gives another answer");
+        CHECK(sw_http_connect_request(host, port, user, pass, again, n - 1) == -ENOSPC, name, len,
+              "one byte short is not -ENOSPC");
+        free(again);
+    }
+    free(out);
+    free(host);
+    free(user);
+    free(pass);
+}
+
+/* Every parser once on the whole input, in a block of exactly its length,
+ * then the builder on it. */
 static void run_all(const uint8_t *input, size_t len)
 {
     uint8_t *p = exact_copy(input, len);
@@ -772,6 +1048,7 @@ static void run_all(const uint8_t *input, size_t len)
     for (int parser = 0; parser < P_COUNT; parser++)
         run_one(parser, p, len, &v, 0);
     free(p);
+    run_builder(input, len);
 }
 
 /* Every parser at every prefix length (or a sample of them for long inputs):
@@ -825,6 +1102,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     cur_input = data;
     cur_len = size;
+    /* one input in four also meets a max_size inside it */
+    cur_max_size = size && data[size - 1] % 4 == 0 ? size / 2 + 1 : HTTP_MAX_HEAD;
     run_all(data, size);
     if (size <= 512)
         sweep_prefixes(data, size);
@@ -835,6 +1114,11 @@ static void one_input(const uint8_t *input, size_t len, unsigned prefix_every)
 {
     cur_input = input;
     cur_len = len;
+    /* Mostly Python's default; else a bound the head may cross, or be near. */
+    if (chance(4))
+        cur_max_size = chance(2) ? below(len + 16) : (len > 8 ? len - 8 + below(16) : below(16));
+    else
+        cur_max_size = HTTP_MAX_HEAD;
     inputs++;
     input_bytes += len;
     run_all(input, len);
@@ -867,6 +1151,9 @@ static void report(double seconds)
                    parser_name[p], outcomes[kind][p][0], outcomes[kind][p][1],
                    outcomes[kind][p][2], outcomes[kind][p][3]);
     }
+    printf("connect_request: %" PRIu64 " built, %" PRIu64 " -EINVAL (each built one also at "
+           "cap == length and length - 1)\n",
+           builder_built, builder_einval);
     fflush(stdout);
 }
 

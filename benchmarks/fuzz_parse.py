@@ -7,8 +7,10 @@
 The driver is compiled with ``cc -fsanitize=address,undefined -fno-sanitize-recover=all``
 into benchmarks/build/ (ignored by git) whenever a source is newer than the binary.
 Besides the messages the driver generates itself, it is seeded with messages built
-here by the Python codecs and with genuine ClientHellos from the ssl module (TLS 1.2
-and 1.3, with and without SNI), written to benchmarks/build/fuzz_parse_seeds/.
+here by the Python codecs (upstream proxy response heads among them, and
+``host\0user\0pass`` arguments for the CONNECT request builder) and with genuine
+ClientHellos from the ssl module (TLS 1.2 and 1.3, with and without SNI), written to
+benchmarks/build/fuzz_parse_seeds/.
 
 Every input goes through every parser; see the driver's header comment for the
 invariants.  A failure aborts with the sanitizer's or the driver's report and leaves
@@ -85,6 +87,23 @@ def seeds() -> dict[str, bytes]:
         out[f"http-get-{i}"] = (
             f"GET http://{bracketed}:{port}/ HTTP/1.1\r\nHost: {bracketed}:{port}\r\n\r\n".encode()
         )
+    # Upstream proxy answers (sw_parse_http_response), obs-fold and a bare-LF one too.
+    out["http-response-200"] = http.CONNECT_ESTABLISHED
+    out["http-response-407"] = http.response(
+        407, headers=[("Proxy-Authenticate", 'Basic realm="up"'), ("Via", "1.1 up")]
+    )
+    out["http-response-502"] = http.response(502, body=b"Bad Gateway\n")
+    out["http-response-fold"] = b"HTTP/1.0 200 OK\r\nX-A: a\r\n \tb\x01\r\nVia: v\n\n"
+    # sw_http_connect_request arguments, "host\0user\0pass" (see run_builder).
+    for i, (host, creds) in enumerate(
+        [("example.com", ("user", "p\xe4ss:word")), ("[2001:db8::1]", None),
+         ("fe80::1%eth0", ("u", "")), ("::ffff:192.0.2.1", ("\U0001f600", "x")),
+         ("192.0.2.1", ("", "pw"))]
+    ):  # fmt: skip
+        args = host.encode()
+        if creds is not None:
+            args += b"\0" + creds[0].encode() + b"\0" + creds[1].encode()
+        out[f"connect-request-{i}"] = args
     return out
 
 

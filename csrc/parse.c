@@ -24,6 +24,16 @@
  *   is DEFER, and so are all of Python's errors: C never writes an HTTP
  *   reply, so an error verdict would buy nothing.
  *
+ * The upstream proxy's response cannot defer either
+ *   sw_parse_http_response() is the C path's only reader of an upstream
+ *   HTTP proxy's answer, so it decides every input as
+ *   http.parse_response_head() does: the early judgement of a complete
+ *   status line, max_size, NUL and bare CR, obs-fold (refused before the
+ *   first field, unchecked after it) and field syntax.  It only needs the
+ *   status and the head's length, so it validates without unfolding.
+ *   sw_http_connect_request() builds http.connect_request()'s bytes, with
+ *   ipaddress's verdicts (iplit.c) deciding what is an IP literal.
+ *
  * Sniffing cannot defer
  *   sw_sniff() answers exactly like sniff.sniff(), including the TLS record
  *   reassembly, SNIFF_LIMIT and normalize_host().  A ClientHello spread over
@@ -36,6 +46,8 @@
 #include "parse.h"
 #include "iplit.h"
 
+#include <errno.h>
+#include <limits.h>
 #include <stdbool.h>
 #include <string.h>
 
@@ -50,8 +62,8 @@ enum {
     S5_REP_GENERAL_FAILURE = 1,
     S5_REP_ATYP_NOT_SUPPORTED = 8,
 
-    /* http.MAX_HEAD_SIZE: no head longer than this is ever accepted. */
-    HTTP_MAX_HEAD = 65536,
+    /* http.MAX_HEAD_SIZE: no request head longer than this is ever accepted. */
+    HTTP_MAX_HEAD = SW_HTTP_MAX_HEAD,
     /* The longest CONNECT target whose host fits in sw_http_connect.host:
      * a 255-byte reg-name, ':' and five port digits.  An IPv6 literal is
      * shorter ('[' 45 ']' ':' 5). */
@@ -730,6 +742,338 @@ int sw_parse_http_connect(const uint8_t *buf, size_t len, sw_http_connect *out)
         }
     }
     out->consumed = (uint32_t)i;
+    return SW_PARSE_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * HTTP upstream proxy, client side (http.connect_request and
+ * http.parse_response_head)
+ */
+
+/* The host part of http._authority(host, port): an IP literal's canonical
+ * text (IPv6 bracketed, with its zone id as given), or the name as given. */
+struct up_authority {
+    char ip[IP6_TEXT_MAX + 1];
+    size_t ip_len;
+    bool v6;
+    const char *scope; /* IPv6 zone id after '%' (NULL: none) */
+    size_t scope_len;
+    const char *name; /* a host name (NULL: an IP literal) */
+    size_t name_len;
+};
+
+/* http._authority's host rules plus the request's final .encode("ascii"),
+ * whose UnicodeEncodeError is a ValueError too: 0, or -EINVAL where Python
+ * raises.  The C string is the Python str in UTF-8; UTF-8 puts no ASCII byte
+ * inside a multi-byte character, so splitting at '.', ':' or '%' and the
+ * ASCII-only digit rules of ipaddress read the bytes as they read the text,
+ * and any byte >= 0x80 in the output is an encode failure. */
+static int up_authority(const char *host, struct up_authority *a)
+{
+    const uint8_t *s = (const uint8_t *)host;
+    const size_t n = strlen(host);
+    /* host[1:-1] when it starts with '[' and ends with ']' ("[" alone does
+     * not: it does not end with ']') */
+    const uint8_t *bare = s;
+    size_t bn = n;
+    if (n >= 2 && s[0] == '[' && s[n - 1] == ']') {
+        bare++;
+        bn -= 2;
+    }
+    a->v6 = false;
+    a->scope = a->name = NULL;
+    a->scope_len = a->name_len = 0;
+    /* ipaddress.ip_address(bare): IPv4Address, then IPv6Address; both
+     * refuse any '/' first. */
+    if (!memchr(bare, '/', bn)) {
+        uint8_t v4[4], v6[16];
+        if (sw_ip4_parse(bare, bn, v4)) {
+            a->ip_len = ip4_text(v4, a->ip);
+            return 0;
+        }
+        /* _split_scope_id: at the first '%', a non-empty id without '%' */
+        const uint8_t *pct = memchr(bare, '%', bn);
+        const size_t addr_len = pct ? (size_t)(pct - bare) : bn;
+        const size_t scope_len = pct ? bn - addr_len - 1 : 0;
+        if ((!pct || (scope_len && !memchr(pct + 1, '%', scope_len))) &&
+            sw_ip6_parse(bare, addr_len, v6)) {
+            /* .compressed: 3.11's hex spelling even for IPv4-mapped
+             * addresses (3.13 writes ::ffff:a.b.c.d), then "%" and the zone
+             * id unchecked -- Python's _authority does not look at it, so
+             * neither may C, save for the ASCII encoding. */
+            a->v6 = true;
+            a->ip_len = ip6_text(v6, a->ip);
+            if (pct) {
+                for (size_t i = 0; i < scope_len; i++)
+                    if (pct[1 + i] >= 0x80)
+                        return -EINVAL;
+                a->scope = (const char *)pct + 1;
+                a->scope_len = scope_len;
+            }
+            return 0;
+        }
+    }
+    /* A name: _check_head_text (non-empty, no control, space or DEL), no
+     * ':', '/' or '@', and ASCII.  The brackets, if any, stay. */
+    if (n == 0)
+        return -EINVAL;
+    for (size_t i = 0; i < n; i++)
+        if (s[i] <= 0x20 || s[i] >= 0x7F || s[i] == ':' || s[i] == '/' || s[i] == '@')
+            return -EINVAL;
+    a->name = host;
+    a->name_len = n;
+    return 0;
+}
+
+/* A bounded writer: copies what fits, counts everything, so one pass both
+ * fills `out` and finds the length when it does not fit. */
+struct up_writer {
+    uint8_t *out;
+    size_t cap;
+    uint64_t len;
+};
+
+static void up_put(struct up_writer *w, const void *data, size_t n)
+{
+    if (w->len < w->cap) {
+        size_t room = w->cap - (size_t)w->len;
+        memcpy(w->out + w->len, data, n < room ? n : room);
+    }
+    w->len += n;
+}
+
+static void up_put_str(struct up_writer *w, const char *s) { up_put(w, s, strlen(s)); }
+
+/* f"{host}:{port}" / f"[{ip.compressed}]:{port}" as http._authority has it. */
+static void up_put_authority(struct up_writer *w, const struct up_authority *a, const char *port,
+                             size_t port_len)
+{
+    if (a->name) {
+        up_put(w, a->name, a->name_len);
+    } else {
+        if (a->v6)
+            up_put(w, "[", 1);
+        up_put(w, a->ip, a->ip_len);
+        if (a->scope) {
+            up_put(w, "%", 1);
+            up_put(w, a->scope, a->scope_len);
+        }
+        if (a->v6)
+            up_put(w, "]", 1);
+    }
+    up_put(w, ":", 1);
+    up_put(w, port, port_len);
+}
+
+/* base64.b64encode(f"{user}:{password}".encode()) without building the
+ * joined string: byte i of it is read straight from the two C strings. */
+static void up_put_basic_token(struct up_writer *w, const char *user, size_t ulen,
+                               const char *pass, size_t plen)
+{
+    static const char alphabet[] =
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const size_t n = ulen + 1 + plen;
+    for (size_t i = 0; i < n; i += 3) {
+        uint32_t v = 0;
+        for (size_t k = 0; k < 3; k++) {
+            size_t j = i + k;
+            uint8_t c = 0; /* past the end: the zero bits padding encodes */
+            if (j < ulen)
+                c = (uint8_t)user[j];
+            else if (j == ulen)
+                c = ':';
+            else if (j < n)
+                c = (uint8_t)pass[j - ulen - 1];
+            v = v << 8 | c;
+        }
+        char quad[4] = {alphabet[v >> 18 & 63], alphabet[v >> 12 & 63],
+                        i + 1 < n ? alphabet[v >> 6 & 63] : '=',
+                        i + 2 < n ? alphabet[v & 63] : '='};
+        up_put(w, quad, sizeof quad);
+    }
+}
+
+int sw_http_connect_request(const char *host, uint16_t port, const char *user, const char *pass,
+                            uint8_t *out, size_t cap)
+{
+    /* Every ValueError first, so that -ENOSPC never hides one. */
+    struct up_authority a;
+    if (port == 0 || host == NULL || up_authority(host, &a) < 0)
+        return -EINVAL;
+    size_t ulen = 0, plen = 0;
+    if (user) {
+        /* outbounds.py passes (username, password or ""): NULL is "". */
+        if (!pass)
+            pass = "";
+        ulen = strlen(user);
+        plen = strlen(pass);
+        /* A ':' in the user cannot be encoded; invalid UTF-8 is what a str
+         * with lone surrogates becomes, and .encode() refuses those. */
+        if (memchr(user, ':', ulen) || !utf8_valid((const uint8_t *)user, ulen) ||
+            !utf8_valid((const uint8_t *)pass, plen))
+            return -EINVAL;
+    }
+    char port_text[5];
+    size_t port_len = put_dec(port_text, port);
+
+    struct up_writer w = {.out = out, .cap = out ? cap : 0, .len = 0};
+    up_put_str(&w, "CONNECT ");
+    up_put_authority(&w, &a, port_text, port_len);
+    up_put_str(&w, " HTTP/1.1\r\nHost: ");
+    up_put_authority(&w, &a, port_text, port_len);
+    up_put_str(&w, "\r\n");
+    if (user) {
+        up_put_str(&w, "Proxy-Authorization: Basic ");
+        up_put_basic_token(&w, user, ulen, pass, plen);
+        up_put_str(&w, "\r\n");
+    }
+    up_put_str(&w, "\r\n");
+    /* The return value must carry the length: a request past INT_MAX bytes
+     * (gigabyte strings) fits no buffer this can describe. */
+    if (w.len > w.cap || w.len > INT_MAX)
+        return -ENOSPC;
+    return (int)w.len;
+}
+
+/* http._HEAD_END_RE.search(buf, 0, n): the offset just past the first
+ * "\n\r?\n" lying wholly in buf[0..n), or 0 for none (a match is >= 2). */
+static size_t head_end(const uint8_t *buf, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        const uint8_t *lf = memchr(buf + i, '\n', n - i);
+        if (!lf)
+            break;
+        i = (size_t)(lf - buf);
+        if (i + 1 < n && buf[i + 1] == '\n')
+            return i + 2;
+        if (i + 2 < n && buf[i + 1] == '\r' && buf[i + 2] == '\n')
+            return i + 3;
+        i++;
+    }
+    return 0;
+}
+
+/* http._parse_status_line over one line (its text is its bytes: latin-1):
+ * the status code, or -1 where Python raises.  Any CR or NUL the line
+ * still holds fails one of the checks, as it does in Python. */
+static int status_line(const uint8_t *s, size_t n)
+{
+    /* version, _, rest = line.partition(" ") */
+    const uint8_t *sp = memchr(s, ' ', n);
+    const size_t vlen = sp ? (size_t)(sp - s) : n;
+    /* _HTTP1_VERSION_RE.fullmatch */
+    if (vlen != 8 || memcmp(s, "HTTP/1.", 7) != 0 || s[7] < '0' || s[7] > '9')
+        return -1;
+    if (!sp)
+        return -1; /* rest == "": status_text is empty */
+    /* status_text, _, reason = rest.partition(" ") */
+    const uint8_t *rest = sp + 1;
+    const size_t rlen = n - vlen - 1;
+    const uint8_t *sp2 = memchr(rest, ' ', rlen);
+    const size_t slen = sp2 ? (size_t)(sp2 - rest) : rlen;
+    /* len 3, .isdigit() and .isascii(): three ASCII digits (latin-1's
+     * superscript digits pass isdigit() but not isascii()) */
+    if (slen != 3)
+        return -1;
+    int status = 0;
+    for (size_t i = 0; i < 3; i++) {
+        if (rest[i] < '0' || rest[i] > '9')
+            return -1;
+        status = status * 10 + (rest[i] - '0');
+    }
+    if (sp2) {
+        /* _BAD_VALUE_CHAR_RE.search(reason) */
+        const uint8_t *reason = sp2 + 1;
+        const size_t reason_len = rlen - slen - 1;
+        for (size_t i = 0; i < reason_len; i++)
+            if (!is_value_char(reason[i]))
+                return -1;
+    }
+    return status < 100 ? -1 : status;
+}
+
+/* http._parse_fields(lines, unfold=True) for one field line (CR- and
+ * NUL-free: _head_lines has refused both).  An obs-fold line continues the
+ * previous field unchecked -- Python strips and appends it without looking
+ * at its characters -- and is refused only before any field. */
+static bool response_field_ok(const uint8_t *s, size_t n, bool have_field)
+{
+    if (n && (s[0] == ' ' || s[0] == '\t'))
+        return have_field;
+    /* name, colon, value = line.partition(":") */
+    const uint8_t *colon = memchr(s, ':', n);
+    if (!colon || colon == s)
+        return false;
+    for (const uint8_t *p = s; p < colon; p++)
+        if (!is_tchar(*p))
+            return false;
+    /* value.strip(_OWS) only drops SP and HTAB, both allowed: the check
+     * over the unstripped value is the same. */
+    for (const uint8_t *p = colon + 1; p < s + n; p++)
+        if (!is_value_char(*p))
+            return false;
+    return true;
+}
+
+/* http.parse_response_head(buf, max_size), every check in its order where
+ * the order decides; no deferral is ever needed.  A complete head: `end`
+ * is the first terminator within max_size bytes, the lines before it are
+ * split at LF with one trailing CR dropped (_head_lines). */
+int sw_parse_http_response(const uint8_t *buf, size_t len, size_t max_size, sw_http_response *out)
+{
+    /* _find_head(buf, max_size, 0) */
+    const size_t n = len < max_size ? len : max_size;
+    const size_t end = n ? head_end(buf, n) : 0;
+    if (!end && len >= max_size)
+        return SW_PARSE_ERROR; /* "response head too large" */
+    /* _STATUS_PREFIX.startswith(buf[:5]) */
+    if (len && memcmp(buf, "HTTP/", len < 5 ? len : 5) != 0)
+        return SW_PARSE_ERROR;
+    if (!end) {
+        /* The status line is judged as soon as its LF is here (the whole
+         * buffer is under max_size at this point). */
+        const uint8_t *lf = len ? memchr(buf, '\n', len) : NULL;
+        if (lf) {
+            size_t line = (size_t)(lf - buf);
+            if (line && buf[line - 1] == '\r')
+                line--;
+            if (status_line(buf, line) < 0)
+                return SW_PARSE_ERROR;
+        }
+        return SW_PARSE_NEED_MORE;
+    }
+    /* _head_lines: no NUL anywhere in the head (terminator included) */
+    if (memchr(buf, '\0', end))
+        return SW_PARSE_ERROR;
+    /* The LF that starts the terminator ends the last line: "\n\n" or
+     * "\n\r\n" end the head. */
+    const size_t last_lf = buf[end - 2] == '\n' ? end - 2 : end - 3;
+    int status = -1;
+    bool have_field = false;
+    for (size_t start = 0; start <= last_lf;) {
+        /* never NULL: buf[last_lf] is a LF */
+        const uint8_t *nl = memchr(buf + start, '\n', last_lf + 1 - start);
+        const size_t lf = (size_t)(nl - buf);
+        size_t stop = lf;
+        if (stop > start && buf[stop - 1] == '\r')
+            stop--;
+        if (memchr(buf + start, '\r', stop - start))
+            return SW_PARSE_ERROR; /* a bare CR */
+        if (start == 0) {
+            /* checked last in Python, but every failure is the same error */
+            status = status_line(buf, stop);
+            if (status < 0)
+                return SW_PARSE_ERROR;
+        } else {
+            if (!response_field_ok(buf + start, stop - start, have_field))
+                return SW_PARSE_ERROR;
+            have_field = true;
+        }
+        start = lf + 1;
+    }
+    out->status = status;
+    out->consumed = end;
     return SW_PARSE_OK;
 }
 

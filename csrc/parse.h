@@ -1,14 +1,16 @@
 /*
  * spliceway C handshake and sniff parsers: pure functions over the bytes a
- * client sent so far, used by the C connection path (conn.c).  The Python
- * parsers in spliceway/protocols/ are their reference: for every input a C
- * parser either gives the same verdict, fields and error reply as the Python
- * one, or answers SW_PARSE_DEFER ("let Python handle this connection"), which
- * is always allowed and never wrong.  tests/csrc/test_parse_diff.py holds them
+ * client (or an upstream proxy) sent so far, used by the C connection path
+ * (conn.c), and the one request builder that path needs.  The Python codecs
+ * in spliceway/protocols/ are their reference: for every input a C parser
+ * either gives the same verdict, fields and error reply as the Python one,
+ * or answers SW_PARSE_DEFER ("let Python handle this connection"), which is
+ * always allowed and never wrong.  tests/csrc/test_parse_diff.py holds them
  * to that with Hypothesis; benchmarks/fuzz_parse.c fuzzes them under ASan/UBSan.
  *
- * Status values are the return codes (never -errno: these never fail).
- * Everything between the SW_CDEF markers is part of the cffi cdef.
+ * Parsers return a status value (never -errno: they never fail); the builder
+ * returns a length or -errno.  Everything between the SW_CDEF markers is part
+ * of the cffi cdef.
  */
 #ifndef SW_PARSE_H
 #define SW_PARSE_H
@@ -92,6 +94,42 @@ int sw_parse_http_connect(const uint8_t *buf, size_t len, sw_http_connect *out);
 /* Python's sniff.sniff(): SW_PARSE_OK with a host, SW_PARSE_NEED_MORE, or
  * SW_PARSE_ERROR for None (nothing sniffable). */
 int sw_sniff(const uint8_t *buf, size_t len, sw_sniffed *out);
+
+/* The client side of an upstream HTTP CONNECT proxy. */
+
+/* http.MAX_HEAD_SIZE, parse_response_head's default max_size. */
+#define SW_HTTP_MAX_HEAD 65536
+
+typedef struct sw_http_response {
+    size_t consumed; /* the head, blank line included (<= max_size) */
+    int status;      /* 100..999 */
+} sw_http_response;
+
+/* http.parse_response_head(buf, max_size) exactly, for every input: never
+ * SW_PARSE_DEFER.  SW_PARSE_OK fills `out` (ResponseHead.status and
+ * .consumed); SW_PARSE_NEED_MORE where Python returns NEED_MORE (a complete
+ * status line is judged at once, as Python does); SW_PARSE_ERROR wherever
+ * Python raises ProtocolError (not "HTTP/", a bad status line, a malformed
+ * field line, a NUL or bare CR, no end of head within max_size bytes).
+ * Python's default max_size is SW_HTTP_MAX_HEAD.  `out` is written only on
+ * SW_PARSE_OK. */
+int sw_parse_http_response(const uint8_t *buf, size_t len, size_t max_size,
+                           sw_http_response *out);
+
+/* http.connect_request(host, port, credentials) byte for byte into out[0..cap):
+ * the length written, -EINVAL where Python raises ValueError (port 0, a host
+ * that is neither an IP literal nor a name it accepts, a ':' in the user,
+ * non-ASCII host text, user or pass not valid UTF-8 -- what a str with lone
+ * surrogates encodes to), else -ENOSPC when cap is too small (out's bytes
+ * are then unspecified).  Strings are the Python strs in UTF-8, so they
+ * cannot hold a NUL.  Credentials are sent when user != NULL; pass NULL
+ * then means "" (outbounds.py's `password or ""`).  IPv6 text is Python
+ * 3.11's .compressed (IPv4-mapped in hex; 3.13 would write ::ffff:a.b.c.d).
+ * A zone id ("fe80::1%eth0") is copied as given, as Python does -- controls
+ * included, so a host must not come from anywhere that lets CR LF into it
+ * (no C parser's host can hold them). */
+int sw_http_connect_request(const char *host, uint16_t port, const char *user,
+                            const char *pass, uint8_t *out, size_t cap);
 
 /* SW_CDEF_END */
 

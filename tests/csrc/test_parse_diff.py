@@ -3,14 +3,17 @@
 The contract (csrc/parse.h): for every input a C parser gives exactly the Python verdict
 -- OK with the same fields and ``consumed``, NEED_MORE, or ERROR with the same reply
 (reply_len 0 for a ProtocolError whose reply is None) -- or SW_PARSE_DEFER.  On top of
-that SOCKS5 and sniffing never defer, and well-formed CONNECT heads (and every prefix of
-one) are never deferred.
+that SOCKS5, sniffing and the upstream response head parser never defer, and well-formed
+CONNECT heads (and every prefix of one) are never deferred.  The CONNECT request builder
+(sw_http_connect_request) writes exactly http.connect_request()'s bytes, or -EINVAL
+where it raises ValueError, and -ENOSPC for any smaller capacity.
 
 Inputs: generated valid messages (hosts, IPv4/IPv6, unicode domains, credentials,
 headers; genuine ClientHellos from the ssl module), mutations of them (bit flips,
 replaced/inserted/deleted bytes, truncation, splices), random bytes, and every prefix of
-valid messages.  The C functions are pure, so the tests call them through the
-extension's ffi directly (as test_relay_aead does) rather than through a wrapper module.
+valid messages; for the response parser also every max_size around the head's length.
+The C functions are pure, so the tests call them through the extension's ffi directly
+(as test_relay_aead does) rather than through a wrapper module.
 
 ``HYPOTHESIS_PROFILE=deep`` multiplies the example counts by 20.  Under an ASan build of
 the extension (``SPLICEWAY_RELAY_SANITIZE=address,undefined``, run with
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import functools
 import ipaddress
 import os
@@ -728,6 +732,403 @@ def test_http_basic_token_padding_shapes():
                         assert verdict == DEFER, token
                     else:
                         assert verdict[0] == "ok", token
+
+
+# -- HTTP upstream proxy (client side) ---------------------------------------------------
+
+
+def c_response(buf: bytes, max_size: int = http.MAX_HEAD_SIZE):
+    out = ffi.new("sw_http_response *")
+    with exact(buf) as p:
+        status = _STATUS[lib.sw_parse_http_response(p, len(buf), max_size, out)]
+    assert status != "defer", "the response parser never defers"
+    if status != "ok":
+        return (status,)
+    assert 0 < out.consumed <= min(len(buf), max_size)
+    return ("ok", out.status, out.consumed)
+
+
+def py_response(buf: bytes, max_size: int = http.MAX_HEAD_SIZE):
+    try:
+        head = http.parse_response_head(buf, max_size)
+    except ProtocolError:
+        return ("error",)
+    if head is NEED_MORE:
+        return NEED
+    return ("ok", head.status, head.consumed)
+
+
+def check_response(buf: bytes, max_size: int = http.MAX_HEAD_SIZE):
+    """The upstream response head: exactly Python's verdict, status and consumed."""
+    c, py = c_response(buf, max_size), py_response(buf, max_size)
+    assert c == py, (buf, max_size)
+    note(f"response: {c[0]}")
+    return c
+
+
+good_reasons = st.text(
+    st.one_of(
+        st.characters(min_codepoint=0x20, max_codepoint=0x7E), st.sampled_from("\t\x80\xa0\xb2\xff")
+    ),
+    max_size=20,
+)
+# Field values _BAD_VALUE_CHAR_RE accepts (good_field_values still lets DEL through).
+response_field_values = good_field_values.map(lambda v: v.replace("\x7f", ""))
+# What follows the SP or HTAB of an obs-fold line: Python appends it unchecked, so
+# anything but NUL, CR and LF (which _head_lines and the line split act on) is fine.
+fold_texts = st.text(st.characters(max_codepoint=0xFF, exclude_characters="\0\r\n"), max_size=20)
+_FOLD_STARTS = [" ", "\t", "  ", " \t", "\t "]
+
+
+@st.composite
+def response_heads(draw) -> bytes:
+    """Plausible upstream response heads: valid, or with a few pieces slightly off."""
+    _mostly = _noise(draw)
+    lead = draw(_mostly(st.just(""), st.sampled_from(["\r\n", "\n", " ", "H", "HTTP", "x"])))
+    version = draw(
+        _mostly(
+            st.sampled_from(["HTTP/1.1", "HTTP/1.0", "HTTP/1.9"]),
+            st.sampled_from(
+                ["HTTP/2.0", "HTTP/1.x", "HTTP/1.10", "HTTP/1", "http/1.1", "HTTP/1.1\r",
+                 "HTTPS/1.1", "HTTP/1.1\0", "HTTP/", "HTTP/1.\xb9"]
+            ),
+        )
+    )  # fmt: skip
+    sep = draw(_mostly(st.just(" "), st.sampled_from(["", "  ", "\t"])))
+    code = draw(
+        _mostly(
+            st.integers(100, 999).map(str),
+            st.sampled_from(
+                ["099", "000", "99", "1000", "2x0", "\xb200", "20\xb9", "", "-20", "+20", "2 0"]
+            ),
+        )
+    )
+    reason = draw(
+        _mostly(
+            st.one_of(good_reasons.map(lambda r: " " + r), st.just(""), st.just(" ")),
+            st.one_of(
+                latin1_values.map(lambda r: " " + r), st.sampled_from([" \r", " OK\0", " a\rb"])
+            ),
+        )
+    )
+    eols = _mostly(st.sampled_from(["\r\n", "\n"]), st.sampled_from(["\r", "\r\r\n", "\n\r"]))
+    good_fields = st.tuples(
+        tokens, st.sampled_from([": ", ":", ":\t", ": \t"]), response_field_values
+    ).map("".join)
+    folds = st.tuples(st.sampled_from(_FOLD_STARTS), st.one_of(fold_texts, latin1_values)).map(
+        "".join
+    )
+    odd_fields = st.tuples(
+        header_names, st.sampled_from([": ", " : ", "", ":"]), latin1_values
+    ).map("".join)
+    # A field with its continuation lines, or an odd line on its own.
+    field_groups = st.tuples(good_fields, st.lists(folds, max_size=2)).map(lambda g: [g[0], *g[1]])
+    groups = draw(st.lists(_mostly(field_groups, odd_fields.map(lambda f: [f])), max_size=5))
+    fields = [line for group in groups for line in group]
+    if draw(st.integers(0, 7)) == 0:
+        fields.insert(0, draw(folds))  # a fold with no field to continue
+    lines = [lead + version + sep + code + reason, *fields]
+    return ("".join(line + draw(eols) for line in lines) + draw(eols)).encode("latin-1")
+
+
+@st.composite
+def good_response_heads(draw) -> tuple[bytes, int]:
+    """Valid response heads (obs-fold included) with the status Python finds."""
+    status = draw(st.integers(100, 999))
+    line = f"HTTP/1.{draw(st.integers(0, 9))} {status}"
+    reason = draw(st.one_of(st.none(), good_reasons))
+    if reason is not None:
+        line += " " + reason
+    lines = [line]
+    for _ in range(draw(st.integers(0, 6))):
+        if len(lines) > 1 and draw(st.integers(0, 3)) == 0:
+            lines.append(draw(st.sampled_from(_FOLD_STARTS)) + draw(fold_texts))
+        else:
+            ows = draw(st.sampled_from(["", " ", "\t", " \t "]))
+            lines.append(f"{draw(tokens)}:{ows}{draw(response_field_values)}{ows}")
+    eols = st.sampled_from(["\r\n", "\n"])
+    raw = ("".join(line + draw(eols) for line in lines) + draw(eols)).encode("latin-1")
+    return raw, status
+
+
+@_settings(200)
+@given(good=good_response_heads(), trailer=st.binary(max_size=16))
+def test_response_good_heads(good, trailer):
+    raw, status = good
+    assert check_response(raw) == ("ok", status, len(raw))
+    assert check_response(raw + trailer) == ("ok", status, len(raw))
+    for cut in range(len(raw)):
+        assert check_response(raw[:cut]) == NEED, raw[:cut]
+
+
+@_settings(400)
+@given(head=response_heads(), trailer=st.binary(max_size=8))
+def test_response_plausible_heads(head, trailer):
+    check_response(head)
+    check_response(head + trailer)
+
+
+@_settings(80)
+@given(head=response_heads())
+def test_response_every_prefix(head):
+    """Truncation at every offset, which includes every early status-line judgement."""
+    check_prefixes(check_response, head)
+
+
+@_settings(150)
+@given(
+    head=st.one_of(response_heads(), good_response_heads().map(lambda g: g[0])),
+    trailer=st.binary(max_size=8),
+    data=st.data(),
+)
+def test_response_max_size(head, trailer, data):
+    """Every max_size around the head's length, at every prefix."""
+    buf = head + trailer
+    max_size = data.draw(
+        st.one_of(st.integers(0, len(buf) + 4), st.integers(max(0, len(head) - 3), len(head) + 3))
+    )
+    check_prefixes(functools.partial(check_response, max_size=max_size), buf)
+
+
+@_settings(400)
+@given(buf=st.one_of(mutated(response_heads()), mutated(good_response_heads().map(lambda g: g[0]))))
+def test_response_mutated(buf):
+    check_response(buf)
+
+
+@_settings(300)
+@given(
+    buf=st.one_of(
+        st.binary(max_size=200),
+        st.binary(max_size=60).map(lambda b: b"HTTP/" + b),
+        st.binary(max_size=60).map(lambda b: b"HTTP/1.1 " + b),
+        st.binary(max_size=60).map(lambda b: b"HTTP/1.1 200 OK\r\n" + b),
+        st.text(st.sampled_from("HTP/1.0 29\r\n\t:ab\0\x7f\x80"), max_size=60).map(
+            lambda t: t.encode("latin-1")
+        ),
+    ),
+    max_size=st.one_of(st.just(http.MAX_HEAD_SIZE), st.integers(0, 80)),
+)
+def test_response_random_bytes(buf, max_size):
+    check_response(buf, max_size)
+
+
+def test_response_known_cases():
+    ok = b"HTTP/1.1 200 OK\r\n"
+    cases = {
+        b"": NEED,
+        b"HTTP": NEED,
+        b"HTTP/": NEED,
+        b"HTTP/1.1 200 OK": NEED,
+        b"HTTP/1.1 200\r\n": NEED,  # no reason phrase: fine
+        b"HTTP/1.1 200 \r\n": NEED,
+        b"HTTP/1.1 099 x\r\n": ("error",),  # judged before the head is complete
+        b"HTTP/1.1 20\r\n": ("error",),
+        b"HTTP/1.1 \xb200 x\r\n": ("error",),  # latin-1 superscript two: isdigit, not ascii
+        b"HTTP/2.0 200 OK\r\n": ("error",),
+        b"HTTP/1.1 200 O\rK\r\n": ("error",),
+        b"HTTP/1.1 200 O\0K\r\n": ("error",),
+        b"HTTP/1.1 200 OK\r\r\n": ("error",),
+        b"HTTP/1.1 200 OK\n\r": NEED,
+        b"HTTPS": ("error",),
+        b"http/": ("error",),
+        b"\r\nHTTP/1.1 200 OK\r\n\r\n": ("error",),
+        ok + b"\r\n": ("ok", 200, len(ok) + 2),
+        ok + b"\n": ("ok", 200, len(ok) + 1),  # "\n\n" ends the head too
+        b"HTTP/1.1 407 Proxy Authentication Required\n\n": ("ok", 407, 44),
+        b"HTTP/1.0 999\r\n\r\nbody": ("ok", 999, 16),
+        ok + b"X: a\r\n b\r\n\r\n": ("ok", 200, len(ok) + 12),  # obs-fold, unfolded
+        ok + b"X: a\r\n \x01\x7f\xff\x0b\r\n\r\n": ("ok", 200, len(ok) + 15),  # unchecked
+        ok + b" b\r\nX: a\r\n\r\n": ("error",),  # a fold before any field
+        ok + b"X: a\r\n \0\r\n\r\n": ("error",),  # NUL anywhere in the head
+        ok + b"X: a\r\n \rb\r\n\r\n": ("error",),  # bare CR, even in a fold
+        ok + b"X : a\r\n\r\n": ("error",),
+        ok + b": a\r\n\r\n": ("error",),
+        ok + b"X\r\n\r\n": ("error",),
+        ok + b"X: a\x7f\r\n\r\n": ("error",),
+        ok + b"X: \ta\tb\t\r\n\r\n": ("ok", 200, len(ok) + 12),
+        ok + b"X: a\r\n\r\n\0": ("ok", 200, len(ok) + 8),  # after the head: not looked at
+        ok + b"X: \x01\r\n": NEED,  # fields are judged only once the head is complete
+    }
+    for buf, expected in cases.items():
+        assert check_response(buf) == expected, buf
+
+
+def test_response_head_size_bound():
+    """No terminator within max_size bytes is an error; one ending right at it is OK."""
+    assert lib.SW_HTTP_MAX_HEAD == http.MAX_HEAD_SIZE
+    limit = http.MAX_HEAD_SIZE
+    start = b"HTTP/1.1 200 OK\r\nX: "
+    for total in (limit - 2, limit - 1, limit, limit + 1, limit + 2):
+        for end in (b"\r\n\r\n", b"\n\n", b"\n\r\n"):
+            head = start + b"v" * (total - len(start) - len(end)) + end
+            assert len(head) == total
+            verdict = check_response(head + b"more")
+            assert verdict == (("ok", 200, total) if total <= limit else ("error",)), (total, end)
+            for cut in (limit - 3, limit - 2, limit - 1, limit, limit + 1):
+                check_response(head[:cut])
+    # The terminator straddling the bound, and an incomplete head of exactly the limit.
+    for tail in (b"\r\n", b"\r\n\r", b"\n\r"):
+        head = start + b"v" * (limit - len(start) - len(tail) + 1) + tail + b"\n"
+        assert check_response(head) == ("error",)
+    assert check_response((start + b"v" * limit)[: limit - 1]) == NEED
+    assert check_response((start + b"v" * limit)[:limit]) == ("error",)
+    assert check_response(b"", 0) == ("error",)
+    assert check_response(b"HTTP/1.1 200 OK\r\n\r\n", 19) == ("ok", 200, 19)
+    assert check_response(b"HTTP/1.1 200 OK\r\n\r\n", 18) == ("error",)
+
+
+# Hosts for connect_request: names, IP literals with and without brackets (IPv6 in
+# every spelling, IPv4-mapped and -compatible ones, zone ids Python accepts or refuses),
+# near misses, and text ASCII cannot encode (C gets the str's UTF-8, lone surrogates
+# included via surrogatepass: Python's .encode() refuses those).
+ipv4_texts = st.one_of(
+    st.tuples(*[st.integers(0, 255)] * 4).map(lambda t: ".".join(map(str, t))),
+    st.sampled_from(
+        ["1.2.3", "1.2.3.4.5", "01.2.3.4", "256.1.1.1", "1.2.3.4 ", " 1.2.3.4", "1..3.4",
+         "0.0.0.0", "1.2.3.04", "1.2.3.4/8", "\u0661.2.3.4", "1.2.3.\xb2", "1.2.3.-4"]
+    ),
+)  # fmt: skip
+zone_ids = st.one_of(
+    st.sampled_from(["eth0", "1", "", "%", "a%b", "x y", "\r\nX: y", "\xe9", "a/b", "]", "a:b"]),
+    st.text(st.characters(max_codepoint=0x2FF, exclude_characters="\0"), max_size=8),
+)
+request_hosts = st.one_of(
+    st.from_regex(r"[A-Za-z0-9_\-]{1,20}(\.[A-Za-z0-9_\-]{1,20}){0,3}\.?", fullmatch=True),
+    ipv4_texts,
+    ipv6_texts,
+    st.tuples(ipv6_texts, zone_ids).map(lambda t: f"{t[0]}%{t[1]}"),
+    ip_garbage,
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=20),
+    st.text(
+        st.characters(exclude_characters="\0", categories=["L", "N", "P", "Cc", "Cs"]), max_size=12
+    ),
+    st.sampled_from(["", "[", "]", "[]", "[[::1]]", "[::1", "::1]", "b\xfccher.example", "a b"]),
+).flatmap(lambda h: st.sampled_from([h, f"[{h}]"]))
+request_texts = st.one_of(
+    cred_text,
+    st.text(
+        st.characters(exclude_characters="\0", categories=["L", "N", "P", "Zs", "Cs"]), max_size=12
+    ),
+    st.sampled_from(["", ":", "a:b", "\ud800", "\xe9\udfff", "\U0001f600"]),
+)
+request_ports = st.one_of(st.integers(1, 0xFFFF), st.sampled_from([0, 1, 80, 443, 0xFFFF]))
+request_credentials = st.one_of(st.none(), st.tuples(request_texts, request_texts))
+
+
+def _utf8(text: str) -> bytes:
+    """What C gets for a Python str: its UTF-8 (lone surrogates as surrogatepass has them)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _out_block(n: int):
+    """An output buffer of exactly n bytes (see exact()), filled with 0xA5."""
+    return (
+        _Exact(b"\xa5" * n) if _ASAN else contextlib.nullcontext(ffi.new("uint8_t[]", b"\xa5" * n))
+    )
+
+
+def c_connect_request(host: str | None, port: int, creds: tuple[str, str | None] | None):
+    """C's request bytes, or "ValueError" for -EINVAL; also checks the cap contract."""
+    c_host = ffi.NULL if host is None else ffi.new("char[]", _utf8(host))
+    c_user = c_pass = ffi.NULL
+    if creds is not None:
+        c_user = ffi.new("char[]", _utf8(creds[0]))
+        c_pass = ffi.NULL if creds[1] is None else ffi.new("char[]", _utf8(creds[1]))
+
+    def call(out, cap: int) -> int:
+        return lib.sw_http_connect_request(c_host, port, c_user, c_pass, out, cap)
+
+    slack = 16
+    room = 64 + 2 * len(ffi.buffer(c_host) if host is not None else b"")
+    if creds is not None:
+        room += 2 * (len(ffi.buffer(c_user)) + (len(ffi.buffer(c_pass)) if c_pass else 0)) + 64
+    with _out_block(room + slack) as out:
+        n = call(out, room)
+        written = bytes(ffi.buffer(out, room + slack))
+    if n == -errno.EINVAL:
+        assert call(ffi.NULL, 0) == -errno.EINVAL, "an error must not depend on the room"
+        return "ValueError"
+    assert 0 < n <= room, n
+    assert written[room:] == b"\xa5" * slack, "wrote past cap"
+    request = written[:n]
+    # Exactly n bytes of room is enough; any less is -ENOSPC, without writing past cap.
+    with _out_block(n) as out:
+        assert call(out, n) == n
+        assert bytes(ffi.buffer(out, n)) == request
+    for cap in sorted({0, 1, n // 2, n - 1}):
+        with _out_block(cap) as out:
+            assert call(out, cap) == -errno.ENOSPC, cap
+    assert call(ffi.NULL, 0) == -errno.ENOSPC
+    return request
+
+
+def _mapped_request_as_311(request: bytes, host: str) -> bytes:
+    """3.13 spells IPv4-mapped literals ::ffff:a.b.c.d; C writes 3.11's hex (see parse.h)."""
+    if sys.version_info < (3, 13):
+        return request
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    text = bare.partition("%")[0]
+    mapped = _mapped_as_311(text)
+    if mapped == text:
+        return request
+    compressed = str(ipaddress.IPv6Address(text))
+    return request.replace(f"[{compressed}".encode(), f"[{mapped}".encode())
+
+
+def py_connect_request(host: str, port: int, creds: tuple[str, str] | None):
+    try:
+        return _mapped_request_as_311(http.connect_request(host, port, creds), host)
+    except ValueError:  # UnicodeEncodeError included
+        return "ValueError"
+
+
+def check_connect_request(host: str, port: int, creds: tuple[str, str] | None):
+    c, py = c_connect_request(host, port, creds), py_connect_request(host, port, creds)
+    assert c == py, (host, port, creds)
+    note(f"connect_request: {'ValueError' if c == 'ValueError' else 'built'}")
+    return c
+
+
+@_settings(800)
+@given(host=request_hosts, port=request_ports, creds=request_credentials)
+def test_connect_request_matches_python(host, port, creds):
+    check_connect_request(host, port, creds)
+
+
+@_settings(200)
+@given(
+    host=st.one_of(
+        ipv6_texts,
+        ipv6_texts.map(lambda t: f"[{t}]"),
+        st.tuples(ipv6_texts, zone_ids).map(lambda t: f"[{t[0]}%{t[1]}]"),
+        ipv4_texts.map(lambda t: f"[{t}]"),
+    ),
+    port=request_ports,
+)
+def test_connect_request_ip_literals(host, port):
+    check_connect_request(host, port, None)
+
+
+def test_connect_request_known_cases():
+    assert c_connect_request("example.com", 443, None) == (
+        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"
+    )
+    for host in ["::1", "[::1]", "[::ffff:1.2.3.4]", "::1.2.3.4", "[1.2.3.4]", "fe80::1%eth0",
+                 "[fe80::1%eth0]", "fe80::1%", "fe80::1%%", "fe80::1%a%b", "fe80::1%\xe9",
+                 "fe80::1%a/b", "fe80::1%\r\nX: y", "[abc]", "[]", "[", "a:b", "a/b", "a@b",
+                 "a b", "", "b\xfccher.example", "1.2.3.04", "[[::1]]", "2001:DB8:0:0:0:0:0:1",
+                 "\ud800", "A.EXAMPLE."]:  # fmt: skip
+        check_connect_request(host, 8080, None)
+    # A port of 0 (and, in Python, anything above 0xFFFF, which uint16_t cannot carry).
+    assert c_connect_request("example.com", 0, None) == "ValueError"
+    assert c_connect_request(None, 80, None) == "ValueError"
+    # Every base64 tail (the joined length mod 3), empty parts, UTF-8 and surrogates.
+    for user in ["", "u", "us", "usr", "\xfc", "\U0001f600", "a:b", "\ud800"]:
+        for password in ["", "p", "pa", "pas", "p\xe4:ss", "\udfff", " "]:
+            check_connect_request("h", 1, (user, password))
+    # pass NULL is "" (HttpOutbound passes `password or ""`).
+    assert c_connect_request("h", 1, ("u", None)) == http.connect_request("h", 1, ("u", ""))
 
 
 # -- sniffing -----------------------------------------------------------------------------
