@@ -149,11 +149,16 @@ class Subscription:
         if first is None:
             return []
         out = [first]
-        while len(out) < limit:
-            item = self.get(0)
-            if item is None:
-                break
-            out.append(item)
+        take = self._queue.get_nowait
+        try:
+            while len(out) < limit:
+                item = take()
+                if item is None:
+                    self._ended = True
+                    break
+                out.append(item)
+        except queue.Empty:
+            pass
         return out
 
     def close(self, ended_by: Envelope | None = None) -> None:
