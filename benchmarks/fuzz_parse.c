@@ -9,7 +9,8 @@
  * greetings, username/password and requests with IPv4/IPv6/UTF-8 domain
  * addresses; HTTP CONNECT heads with headers and Basic credentials; HTTP
  * requests with a Host; TLS ClientHellos with SNI, sometimes cut into several
- * records; upstream proxy response heads with obs-fold; "host\0user\0pass"
+ * records; upstream proxy response heads with obs-fold, sometimes with odd
+ * bytes in the version or a field name; "host\0user\0pass"
  * arguments for the CONNECT request builder) and any SEEDFILEs (raw
  * messages, e.g. genuine ClientHellos), then
  * mutated: bit flips, interesting bytes, inserted/deleted/duplicated runs,
@@ -36,6 +37,17 @@
  *     reaches a final verdict (OK, ERROR or DEFER) that every longer prefix
  *     repeats with identical fields: Python's parsers decide on the bytes
  *     seen, never on how many follow (SOCKS5, HTTP, sniffing alike);
+ *   - sw_http_response_error answers -EINVAL (msg "") unless the response
+ *     parser answered ERROR, else a length: msg is one of
+ *     parse_response_head's messages, NUL-terminated, nothing written past
+ *     the NUL, under SW_HTTP_RESPONSE_ERROR_MAX for max_size <=
+ *     http.MAX_HEAD_SIZE; a quoted version or header name is exactly what
+ *     repr() writes for a latin-1 str (quote choice, escapes, \xNN only
+ *     for what is not printable, printable non-ASCII in UTF-8) and undoes
+ *     to the status line's version or a field line's name (invalid for
+ *     "invalid header name", a token for "invalid character in header");
+ *     the same at cap == length + 1, -ENOSPC below it (cap == length, a
+ *     random one, 0) with the longest prefix that splits no UTF-8 sequence;
  *   - the builder answers -EINVAL, -ENOSPC or a length <= cap; the same
  *     length again with cap == length (same bytes), -ENOSPC below it, and
  *     -EINVAL whatever the cap; a request is ASCII, "CONNECT <a> HTTP/1.1",
@@ -416,10 +428,30 @@ static void gen_client_hello(struct buf *b)
 
 /* An upstream proxy's answer to CONNECT: a status line (sometimes without a
  * reason), header fields, obs-fold continuation lines, CRLF or LF. */
+/* Bytes repr() treats specially: quotes, backslash, its escapes, C0 and C1
+ * controls, DEL, U+00A0 and U+00AD (not printable) and printable latin-1
+ * neighbours, and the bytes a head's structure rests on. */
+static const uint8_t repr_bytes[] = {'\'', '"', '\\', '\t', '\r', 0,    1,    0x0B, 0x1B, 0x1F,
+                                     0x7F, 0x80, 0x85, 0x9F, 0xA0, 0xA1, 0xAC, 0xAD, 0xAE, 0xC3,
+                                     0xE9, 0xFF, ' ',  ':',  '/',  '.',  '1',  'H',  'x'};
+
+static void put_odd_bytes(struct buf *b, size_t max)
+{
+    size_t n = below(max + 1);
+    for (size_t k = 0; k < n; k++)
+        put_u8(b, chance(3) ? (unsigned)below(256) : repr_bytes[below(sizeof repr_bytes)]);
+}
+
 static void gen_http_response(struct buf *b)
 {
     static const unsigned codes[] = {200, 200, 407, 403, 502, 100, 999, 204};
-    put_str(b, chance(8) ? "HTTP/1.0 " : "HTTP/1.1 ");
+    if (chance(6)) { /* a version sw_http_response_error quotes */
+        put_str(b, chance(2) ? "HTTP/" : "HTTP/1.");
+        put_odd_bytes(b, 10);
+        put_u8(b, ' ');
+    } else {
+        put_str(b, chance(8) ? "HTTP/1.0 " : "HTTP/1.1 ");
+    }
     unsigned code = codes[below(sizeof codes / sizeof codes[0])];
     put_fmt(b, "%03u", chance(10) ? (unsigned)below(1000) : code);
     if (!chance(5)) {
@@ -431,13 +463,19 @@ static void gen_http_response(struct buf *b)
     put_str(b, eol());
     static const char *const names[] = {"Proxy-Authenticate", "Content-Length", "Via", "Server",
                                         "X-A", "Connection"};
+    if (chance(12)) /* obs-fold with no field to continue */
+        put_str(b, chance(2) ? " x\r\n" : "\tx\n");
     size_t fields = below(6);
     for (size_t i = 0; i < fields; i++) {
         put_str(b, names[below(sizeof names / sizeof names[0])]);
+        if (chance(8)) /* a name sw_http_response_error quotes */
+            put_odd_bytes(b, 6);
         put_str(b, chance(4) ? ":" : ": ");
         size_t n = below(30);
         for (size_t k = 0; k < n; k++)
             put_u8(b, chance(30) ? 0x80 + (unsigned)below(128) : 0x20 + (unsigned)below(95));
+        if (chance(12)) /* a control _BAD_VALUE_CHAR_RE refuses */
+            put_u8(b, chance(2) ? 0x7F : 1 + (unsigned)below(31));
         put_str(b, eol());
         while (chance(5)) { /* obs-fold: anything but NUL, CR, LF after SP/HTAB */
             put_u8(b, chance(2) ? ' ' : '\t');
@@ -756,6 +794,212 @@ static bool host_chars(const char *s, const char *extra)
     return true;
 }
 
+/* ---------------------------------------------------------------------------
+ * sw_http_response_error, on every input the response parser rejects
+ */
+
+/* Its texts, in parse.c's order; the last three end in a repr(). */
+static const char *const resp_texts[] = {
+    "response head too large",
+    "not an HTTP response",
+    "malformed status code",
+    "invalid reason phrase",
+    "malformed response head: NUL in head",
+    "malformed response head: bare CR in head",
+    "malformed response head: obsolete line folding",
+    "malformed response head: header line without a colon",
+    "unsupported response version ",
+    "malformed response head: invalid header name ",
+    "malformed response head: invalid character in header ",
+};
+enum { RT_COUNT = sizeof resp_texts / sizeof resp_texts[0], RT_VERSION = 8, RT_NAME, RT_VALUE };
+/* [kind][text], kind as in outcomes */
+static uint64_t resp_text_count[2][RT_COUNT];
+static MAYBE_UNUSED uint64_t resp_einval, resp_repr_bytes, resp_escapes, resp_non_ascii;
+
+/* A block of exactly n bytes (malloc(0) for none) filled with 0xA5. */
+static char *msg_block(size_t n)
+{
+    char *m = malloc(n);
+    if (!m && n) {
+        perror("malloc");
+        exit(2);
+    }
+    if (n)
+        memset(m, 0xA5, n);
+    return m;
+}
+
+static bool tchar(uint8_t c)
+{
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+           (c && strchr("!#$%&'*+-.^_`|~", c));
+}
+
+/* What repr() shows as itself: printable ASCII, and the printable latin-1
+ * code points above it (str.isprintable(): not U+0080..U+00A0, U+00AD). */
+static bool shown_raw(unsigned c) { return (c >= 0x20 && c < 0x7F) || (c > 0xA0 && c != 0xAD); }
+
+/* Undo repr(): msg[0..n) must be one quoted string in exactly the form
+ * CPython's unicode_repr writes for a latin-1 str; its code points go to
+ * out (room for n bytes).  The length, or -1 where any byte of it is not
+ * what repr() writes. */
+static long unrepr(const uint8_t *m, size_t n, uint8_t *out)
+{
+    if (n < 2 || (m[0] != '\'' && m[0] != '"') || m[n - 1] != m[0])
+        return -1;
+    const uint8_t q = m[0];
+    size_t k = 0;
+    bool squote = false, dquote = false;
+    for (size_t i = 1; i < n - 1; i++) {
+        unsigned c = m[i];
+        if (c == '\\') {
+            if (++i >= n - 1)
+                return -1;
+            resp_escapes++;
+            c = m[i];
+            if (c == '\\' || c == q)
+                out[k] = (uint8_t)c;
+            else if (c == 't' || c == 'n' || c == 'r')
+                out[k] = c == 't' ? '\t' : c == 'n' ? '\n' : '\r';
+            else if (c == 'x' && i + 2 < n - 1) {
+                unsigned v = 0;
+                for (int d = 0; d < 2; d++) {
+                    unsigned h = m[++i];
+                    if (!((h >= '0' && h <= '9') || (h >= 'a' && h <= 'f')))
+                        return -1; /* lower-case hex only */
+                    v = v * 16 + (h <= '9' ? h - '0' : h - 'a' + 10);
+                }
+                /* only what has no shorter spelling and is not shown */
+                if (shown_raw(v) || v == '\t' || v == '\n' || v == '\r')
+                    return -1;
+                out[k] = (uint8_t)v;
+            } else {
+                return -1; /* the other quote is never escaped */
+            }
+        } else if (c >= 0xC2 && c <= 0xC3 && i + 1 < n - 1 && (m[i + 1] & 0xC0) == 0x80) {
+            unsigned v = (c & 0x1F) << 6 | (m[++i] & 0x3F);
+            if (!shown_raw(v))
+                return -1;
+            resp_non_ascii++;
+            out[k] = (uint8_t)v;
+        } else {
+            if (!shown_raw(c) || c >= 0x80 || c == q)
+                return -1;
+            out[k] = (uint8_t)c;
+        }
+        squote |= out[k] == '\'';
+        dquote |= out[k] == '"';
+        k++;
+    }
+    /* the quote: ' unless the text holds ' and no " */
+    if ((q == '"') != (squote && !dquote))
+        return -1;
+    return (long)k;
+}
+
+/* The message for buf[0..len) (status: the response parser's verdict on
+ * it): -EINVAL unless ERROR; else one of the texts, a repr() of the piece
+ * of the input it names, and the cap contract. */
+static void check_response_error(const uint8_t *buf, size_t len, int status, int kind)
+{
+    const char *name = "http_response_error";
+    const size_t max_size = cur_max_size;
+    if (status != SW_PARSE_ERROR) {
+        char *one = msg_block(1);
+        CHECK(sw_http_response_error(buf, len, max_size, one, 1) == -EINVAL && one[0] == '\0',
+              name, len, "no error, yet not -EINVAL and \"\"");
+        CHECK(sw_http_response_error(buf, len, max_size, NULL, 0) == -EINVAL, name, len,
+              "no error, yet not -EINVAL (cap 0)");
+        free(one);
+        resp_einval++;
+        return;
+    }
+    /* 4 bytes per input byte for a repr(), the longest text, quotes, NUL */
+    const size_t room = 4 * len + 64;
+    char *m = msg_block(room);
+    const int rc = sw_http_response_error(buf, len, max_size, m, room);
+    CHECK(rc > 0 && (size_t)rc < room, name, len, "return value");
+    const size_t n = (size_t)rc;
+    CHECK(m[n] == '\0' && strlen(m) == n, name, len, "length is not strlen(msg)");
+    for (size_t i = n + 1; i < room; i++)
+        CHECK((uint8_t)m[i] == 0xA5, name, len, "wrote past the NUL");
+    CHECK(max_size > HTTP_MAX_HEAD || n < SW_HTTP_RESPONSE_ERROR_MAX, name, len,
+          "longer than SW_HTTP_RESPONSE_ERROR_MAX allows");
+
+    size_t t = 0;
+    while (t < RT_COUNT) {
+        size_t tl = strlen(resp_texts[t]);
+        if (t < RT_VERSION ? !strcmp(m, resp_texts[t]) : n > tl && !memcmp(m, resp_texts[t], tl))
+            break;
+        t++;
+    }
+    CHECK(t < RT_COUNT, name, len, "not one of parse_response_head's messages");
+    resp_text_count[kind][t]++;
+    if (t >= RT_VERSION) {
+        /* the quoted piece, and where the input holds it */
+        size_t tl = strlen(resp_texts[t]);
+        uint8_t *d = (uint8_t *)msg_block(n - tl);
+        long dl = unrepr((const uint8_t *)m + tl, n - tl, d);
+        CHECK(dl >= 0, name, len, "not a repr() of a latin-1 str");
+        resp_repr_bytes += (uint64_t)dl;
+        const size_t k = (size_t)dl;
+        if (t == RT_VERSION) {
+            /* line.partition(" ")[0] of the status line: the input's start,
+             * ending at a space or the line's end, and not HTTP/1.<digit> */
+            CHECK(k < len && !memcmp(buf, d, k) && !memchr(d, ' ', k) && !memchr(d, '\n', k) &&
+                      (buf[k] == ' ' || buf[k] == '\r' || buf[k] == '\n'),
+                  name, len, "the version quoted is not the status line's");
+            CHECK(!(k == 8 && !memcmp(d, "HTTP/1.", 7) && d[7] >= '0' && d[7] <= '9'), name, len,
+                  "a valid version called unsupported");
+        } else {
+            /* a field name: the start of a line after the first, up to its
+             * first colon; invalid (empty or a non-tchar) for RT_NAME, a
+             * token for RT_VALUE */
+            bool token = k > 0;
+            for (size_t i = 0; i < k; i++)
+                token = token && tchar(d[i]);
+            CHECK(token == (t == RT_VALUE), name, len, "the name's verdict");
+            CHECK(!memchr(d, ':', k) && !memchr(d, '\n', k) && !memchr(d, '\r', k) &&
+                      !memchr(d, '\0', k),
+                  name, len, "a name holding ':', LF, CR or NUL");
+            bool found = false;
+            const size_t span = len < max_size ? len : max_size;
+            for (size_t at = 1; at + k < span && !found; at++)
+                found = buf[at - 1] == '\n' && !memcmp(buf + at, d, k) && buf[at + k] == ':';
+            CHECK(found, name, len, "the name quoted starts no line of the head");
+        }
+        free(d);
+    }
+
+    /* cap: n + 1 is enough (same text); any less is -ENOSPC with the
+     * longest prefix that does not split a UTF-8 sequence, NUL-terminated */
+    char *exact = msg_block(n + 1);
+    CHECK(sw_http_response_error(buf, len, max_size, exact, n + 1) == rc && !memcmp(exact, m, n + 1),
+          name, len, "cap == length + 1 gives another answer");
+    free(exact);
+    size_t caps[2] = {n, below(n + 1)};
+    for (int c = 0; c < 2; c++) {
+        size_t cap = caps[c];
+        char *s = msg_block(cap);
+        CHECK(sw_http_response_error(buf, len, max_size, s, cap) == -ENOSPC, name, len,
+              "a short cap is not -ENOSPC");
+        if (cap) {
+            size_t sl = strnlen(s, cap);
+            CHECK(sl < cap && !memcmp(s, m, sl), name, len, "truncated msg is not a prefix");
+            /* (a message's only multi-byte characters are 2-byte ones) */
+            CHECK(sl == cap - 1 || (sl + 2 == cap && ((uint8_t)m[sl] & 0xE0) == 0xC0), name, len,
+                  "truncated msg is not the longest whole-character prefix");
+            CHECK(sl == 0 || ((uint8_t)s[sl - 1] & 0xE0) != 0xC0, name, len,
+                  "truncated msg ends inside a UTF-8 sequence");
+        }
+        free(s);
+    }
+    CHECK(sw_http_response_error(buf, len, max_size, NULL, 0) == -ENOSPC, name, len,
+          "cap 0 is not -ENOSPC");
+    free(m);
+}
+
 /* One parser on buf[0..len) (an exact-size block); checks the per-call
  * invariants, fills *v and counts the outcome under `kind` (0 whole, 1 prefix). */
 static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *v, int kind)
@@ -780,6 +1024,7 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
     case P_RESPONSE:
         v->status = sw_parse_http_response(buf, len, cur_max_size, &v->out.resp);
         v->reply_len = 0;
+        check_response_error(buf, len, v->status, kind);
         break;
     default:
         v->status = sw_sniff(buf, len, &v->out.s);
@@ -1154,6 +1399,13 @@ static void report(double seconds)
     printf("connect_request: %" PRIu64 " built, %" PRIu64 " -EINVAL (each built one also at "
            "cap == length and length - 1)\n",
            builder_built, builder_einval);
+    printf("http_response_error: %" PRIu64 " -EINVAL; messages (each also at cap length + 1, "
+           "length, a random smaller one and 0), %" PRIu64 " bytes un-repr()'d, %" PRIu64
+           " escapes, %" PRIu64 " non-ASCII:\n",
+           resp_einval, resp_repr_bytes, resp_escapes, resp_non_ascii);
+    for (size_t t = 0; t < RT_COUNT; t++)
+        printf("  %12" PRIu64 " %12" PRIu64 "  %s%s\n", resp_text_count[0][t],
+               resp_text_count[1][t], resp_texts[t], t >= RT_VERSION ? "'...'" : "");
     fflush(stdout);
 }
 

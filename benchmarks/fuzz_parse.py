@@ -7,7 +7,8 @@
 The driver is compiled with ``cc -fsanitize=address,undefined -fno-sanitize-recover=all``
 into benchmarks/build/ (ignored by git) whenever a source is newer than the binary.
 Besides the messages the driver generates itself, it is seeded with messages built
-here by the Python codecs (upstream proxy response heads among them, and
+here by the Python codecs (upstream proxy response heads among them, some
+rejected with messages that quote their bytes, and
 ``host\0user\0pass`` arguments for the CONNECT request builder) and with genuine
 ClientHellos from the ssl module (TLS 1.2 and 1.3, with and without SNI), written to
 benchmarks/build/fuzz_parse_seeds/.
@@ -94,6 +95,10 @@ def seeds() -> dict[str, bytes]:
     )
     out["http-response-502"] = http.response(502, body=b"Bad Gateway\n")
     out["http-response-fold"] = b"HTTP/1.0 200 OK\r\nX-A: a\r\n \tb\x01\r\nVia: v\n\n"
+    # Rejected ones whose messages (sw_http_response_error) quote the head's bytes.
+    out["http-response-bad-version"] = b"HTTP/1.\xa0\xa1\xad'\"\\\t\x7f 200 OK\r\nVia: v\r\n\r\n"
+    out["http-response-bad-name"] = b"HTTP/1.1 407 Nope\r\nX\xe9 'Y': z\r\nVia: v\r\n\r\n"
+    out["http-response-bad-value"] = b"HTTP/2.0 502\r\nVia: \x01\r\nX Y: z\r\n\r\n"
     # sw_http_connect_request arguments, "host\0user\0pass" (see run_builder).
     for i, (host, creds) in enumerate(
         [("example.com", ("user", "p\xe4ss:word")), ("[2001:db8::1]", None),

@@ -31,6 +31,10 @@
  *   status line, max_size, NUL and bare CR, obs-fold (refused before the
  *   first field, unchecked after it) and field syntax.  It only needs the
  *   status and the head's length, so it validates without unfolding.
+ *   sw_http_response_error() names the failure the way Python does: the
+ *   same walk reports which ProtocolError Python raises first, and its text
+ *   is rebuilt here, repr() of latin-1 text included, so the C path can
+ *   fail a flow with the Python outbound's exact words.
  *   sw_http_connect_request() builds http.connect_request()'s bytes, with
  *   ipaddress's verdicts (iplit.c) deciding what is an IP literal.
  *
@@ -954,19 +958,60 @@ static size_t head_end(const uint8_t *buf, size_t n)
     return 0;
 }
 
+/* The longest fixed text (RW_VALUE's) is 53 bytes; a repr() adds two
+ * quotes and at most 4 bytes for each of its fewer than max_size bytes. */
+_Static_assert(SW_HTTP_RESPONSE_ERROR_MAX >= 53 + 2 + 4 * (size_t)SW_HTTP_MAX_HEAD + 1,
+               "room for the longest response error message");
+
+/* Why http.parse_response_head raises: one value per ProtocolError text it
+ * can produce (see resp_message for the texts).  RW_VERSION, RW_NAME and
+ * RW_VALUE quote a piece of the head with repr(); `text` points at it. */
+enum resp_why {
+    RW_NONE = 0,
+    RW_TOO_LARGE, /* "response head too large" */
+    RW_NOT_HTTP,  /* "not an HTTP response" */
+    RW_VERSION,   /* "unsupported response version {version!r}" */
+    RW_STATUS,    /* "malformed status code" */
+    RW_REASON,    /* "invalid reason phrase" */
+    RW_NUL,       /* "malformed response head: NUL in head" */
+    RW_BARE_CR,   /* "malformed response head: bare CR in head" */
+    RW_FOLD,      /* "malformed response head: obsolete line folding" */
+    RW_NO_COLON,  /* "malformed response head: header line without a colon" */
+    RW_NAME,      /* "malformed response head: invalid header name {name!r}" */
+    RW_VALUE,     /* "malformed response head: invalid character in header {name!r}" */
+};
+
+struct resp_fail {
+    enum resp_why why;
+    const uint8_t *text; /* the repr()'d piece (latin-1 bytes), or NULL */
+    size_t text_len;
+};
+
+static void resp_fail_set(struct resp_fail *f, enum resp_why why, const uint8_t *text, size_t n)
+{
+    f->why = why;
+    f->text = text;
+    f->text_len = n;
+}
+
 /* http._parse_status_line over one line (its text is its bytes: latin-1):
- * the status code, or -1 where Python raises.  Any CR or NUL the line
- * still holds fails one of the checks, as it does in Python. */
-static int status_line(const uint8_t *s, size_t n)
+ * the status code, or -1 where Python raises, with *f saying which of its
+ * raises, checked in its order.  Any CR or NUL the line still holds fails
+ * one of the checks, as it does in Python. */
+static int status_line(const uint8_t *s, size_t n, struct resp_fail *f)
 {
     /* version, _, rest = line.partition(" ") */
     const uint8_t *sp = memchr(s, ' ', n);
     const size_t vlen = sp ? (size_t)(sp - s) : n;
     /* _HTTP1_VERSION_RE.fullmatch */
-    if (vlen != 8 || memcmp(s, "HTTP/1.", 7) != 0 || s[7] < '0' || s[7] > '9')
+    if (vlen != 8 || memcmp(s, "HTTP/1.", 7) != 0 || s[7] < '0' || s[7] > '9') {
+        resp_fail_set(f, RW_VERSION, s, vlen);
         return -1;
-    if (!sp)
-        return -1; /* rest == "": status_text is empty */
+    }
+    if (!sp) {
+        resp_fail_set(f, RW_STATUS, NULL, 0); /* rest == "": status_text is empty */
+        return -1;
+    }
     /* status_text, _, reason = rest.partition(" ") */
     const uint8_t *rest = sp + 1;
     const size_t rlen = n - vlen - 1;
@@ -974,62 +1019,94 @@ static int status_line(const uint8_t *s, size_t n)
     const size_t slen = sp2 ? (size_t)(sp2 - rest) : rlen;
     /* len 3, .isdigit() and .isascii(): three ASCII digits (latin-1's
      * superscript digits pass isdigit() but not isascii()) */
-    if (slen != 3)
+    int status = slen == 3 ? 0 : -1;
+    for (size_t i = 0; i < 3 && status >= 0; i++)
+        status = rest[i] >= '0' && rest[i] <= '9' ? status * 10 + (rest[i] - '0') : -1;
+    if (status < 0) {
+        resp_fail_set(f, RW_STATUS, NULL, 0);
         return -1;
-    int status = 0;
-    for (size_t i = 0; i < 3; i++) {
-        if (rest[i] < '0' || rest[i] > '9')
-            return -1;
-        status = status * 10 + (rest[i] - '0');
     }
     if (sp2) {
-        /* _BAD_VALUE_CHAR_RE.search(reason) */
+        /* _BAD_VALUE_CHAR_RE.search(reason), before the status < 100 check */
         const uint8_t *reason = sp2 + 1;
         const size_t reason_len = rlen - slen - 1;
         for (size_t i = 0; i < reason_len; i++)
-            if (!is_value_char(reason[i]))
+            if (!is_value_char(reason[i])) {
+                resp_fail_set(f, RW_REASON, NULL, 0);
                 return -1;
+            }
     }
-    return status < 100 ? -1 : status;
+    if (status < 100) {
+        resp_fail_set(f, RW_STATUS, NULL, 0);
+        return -1;
+    }
+    return status;
 }
 
 /* http._parse_fields(lines, unfold=True) for one field line (CR- and
- * NUL-free: _head_lines has refused both).  An obs-fold line continues the
- * previous field unchecked -- Python strips and appends it without looking
- * at its characters -- and is refused only before any field. */
-static bool response_field_ok(const uint8_t *s, size_t n, bool have_field)
+ * NUL-free: _head_lines has refused both): true, or false with *f saying
+ * which ValueError.  An obs-fold line continues the previous field
+ * unchecked -- Python strips and appends it without looking at its
+ * characters -- and is refused only before any field. */
+static bool response_field_ok(const uint8_t *s, size_t n, bool have_field, struct resp_fail *f)
 {
-    if (n && (s[0] == ' ' || s[0] == '\t'))
+    if (n && (s[0] == ' ' || s[0] == '\t')) {
+        if (!have_field)
+            resp_fail_set(f, RW_FOLD, NULL, 0);
         return have_field;
+    }
     /* name, colon, value = line.partition(":") */
     const uint8_t *colon = memchr(s, ':', n);
-    if (!colon || colon == s)
+    if (!colon) {
+        resp_fail_set(f, RW_NO_COLON, NULL, 0);
         return false;
-    for (const uint8_t *p = s; p < colon; p++)
-        if (!is_tchar(*p))
-            return false;
+    }
+    const size_t name_len = (size_t)(colon - s);
+    bool name_ok = name_len > 0; /* _TOKEN_RE is "+" */
+    for (size_t i = 0; i < name_len && name_ok; i++)
+        name_ok = is_tchar(s[i]);
+    if (!name_ok) {
+        resp_fail_set(f, RW_NAME, s, name_len);
+        return false;
+    }
     /* value.strip(_OWS) only drops SP and HTAB, both allowed: the check
      * over the unstripped value is the same. */
     for (const uint8_t *p = colon + 1; p < s + n; p++)
-        if (!is_value_char(*p))
+        if (!is_value_char(*p)) {
+            resp_fail_set(f, RW_VALUE, s, name_len);
             return false;
+        }
     return true;
 }
 
-/* http.parse_response_head(buf, max_size), every check in its order where
- * the order decides; no deferral is ever needed.  A complete head: `end`
- * is the first terminator within max_size bytes, the lines before it are
- * split at LF with one trailing CR dropped (_head_lines). */
-int sw_parse_http_response(const uint8_t *buf, size_t len, size_t max_size, sw_http_response *out)
+/* http.parse_response_head(buf, max_size): the verdict, and with `why` the
+ * ProtocolError Python raises on an ERROR.  Without `why` it stops at the
+ * first failing check it meets -- every failure is the same ERROR -- but
+ * with it the complete head's checks report in Python's order: a NUL
+ * anywhere, then a bare CR in any line (_head_lines), then the first bad
+ * field line (_parse_fields), and only then the status line, so a bad
+ * status line or field found early is held until the later lines have
+ * been searched for a bare CR.  A complete head: `end` is the first
+ * terminator within max_size bytes, the lines before it are split at LF
+ * with one trailing CR dropped (_head_lines). */
+static int parse_response(const uint8_t *buf, size_t len, size_t max_size, sw_http_response *out,
+                          struct resp_fail *why)
 {
+    struct resp_fail scratch;
+    struct resp_fail *f = why ? why : &scratch;
+    resp_fail_set(f, RW_NONE, NULL, 0);
     /* _find_head(buf, max_size, 0) */
     const size_t n = len < max_size ? len : max_size;
     const size_t end = n ? head_end(buf, n) : 0;
-    if (!end && len >= max_size)
-        return SW_PARSE_ERROR; /* "response head too large" */
-    /* _STATUS_PREFIX.startswith(buf[:5]) */
-    if (len && memcmp(buf, "HTTP/", len < 5 ? len : 5) != 0)
+    if (!end && len >= max_size) {
+        resp_fail_set(f, RW_TOO_LARGE, NULL, 0);
         return SW_PARSE_ERROR;
+    }
+    /* _STATUS_PREFIX.startswith(buf[:5]) */
+    if (len && memcmp(buf, "HTTP/", len < 5 ? len : 5) != 0) {
+        resp_fail_set(f, RW_NOT_HTTP, NULL, 0);
+        return SW_PARSE_ERROR;
+    }
     if (!end) {
         /* The status line is judged as soon as its LF is here (the whole
          * buffer is under max_size at this point). */
@@ -1038,17 +1115,20 @@ int sw_parse_http_response(const uint8_t *buf, size_t len, size_t max_size, sw_h
             size_t line = (size_t)(lf - buf);
             if (line && buf[line - 1] == '\r')
                 line--;
-            if (status_line(buf, line) < 0)
+            if (status_line(buf, line, f) < 0)
                 return SW_PARSE_ERROR;
         }
         return SW_PARSE_NEED_MORE;
     }
     /* _head_lines: no NUL anywhere in the head (terminator included) */
-    if (memchr(buf, '\0', end))
+    if (memchr(buf, '\0', end)) {
+        resp_fail_set(f, RW_NUL, NULL, 0);
         return SW_PARSE_ERROR;
+    }
     /* The LF that starts the terminator ends the last line: "\n\n" or
      * "\n\r\n" end the head. */
     const size_t last_lf = buf[end - 2] == '\n' ? end - 2 : end - 3;
+    struct resp_fail status_fail = {RW_NONE, NULL, 0}, field_fail = {RW_NONE, NULL, 0};
     int status = -1;
     bool have_field = false;
     for (size_t start = 0; start <= last_lf;) {
@@ -1058,23 +1138,137 @@ int sw_parse_http_response(const uint8_t *buf, size_t len, size_t max_size, sw_h
         size_t stop = lf;
         if (stop > start && buf[stop - 1] == '\r')
             stop--;
-        if (memchr(buf + start, '\r', stop - start))
-            return SW_PARSE_ERROR; /* a bare CR */
+        if (memchr(buf + start, '\r', stop - start)) {
+            resp_fail_set(f, RW_BARE_CR, NULL, 0);
+            return SW_PARSE_ERROR;
+        }
         if (start == 0) {
-            /* checked last in Python, but every failure is the same error */
-            status = status_line(buf, stop);
-            if (status < 0)
+            status = status_line(buf, stop, &status_fail);
+            if (status < 0 && !why)
                 return SW_PARSE_ERROR;
-        } else {
-            if (!response_field_ok(buf + start, stop - start, have_field))
+        } else if (field_fail.why == RW_NONE) {
+            /* past a bad field only bare CRs still matter */
+            if (response_field_ok(buf + start, stop - start, have_field, &field_fail))
+                have_field = true;
+            else if (!why)
                 return SW_PARSE_ERROR;
-            have_field = true;
         }
         start = lf + 1;
+    }
+    if (field_fail.why != RW_NONE || status < 0) {
+        *f = field_fail.why != RW_NONE ? field_fail : status_fail;
+        return SW_PARSE_ERROR;
     }
     out->status = status;
     out->consumed = end;
     return SW_PARSE_OK;
+}
+
+int sw_parse_http_response(const uint8_t *buf, size_t len, size_t max_size, sw_http_response *out)
+{
+    return parse_response(buf, len, max_size, out, NULL);
+}
+
+/* A bounded UTF-8 writer: copies what fits and counts everything, but
+ * never splits a character (a `whole` piece: one UTF-8 sequence) and
+ * writes nothing after the first piece that did not fit whole.  So msg
+ * always holds a prefix of the message that is valid UTF-8: all of it, or
+ * cap - 1 bytes, or cap - 2 when byte cap - 1 would start a character. */
+struct msg_writer {
+    char *out;
+    size_t room; /* cap - 1: bytes available before the NUL */
+    size_t written;
+    uint64_t len; /* the whole message's length */
+    bool cut;     /* something did not fit: write no more */
+};
+
+static void msg_put(struct msg_writer *w, const char *piece, size_t n, bool whole)
+{
+    if (!w->cut) {
+        const size_t room = w->room - w->written;
+        const size_t k = n <= room ? n : whole ? 0 : room;
+        if (k) /* with cap 0, out may be NULL */
+            memcpy(w->out + w->written, piece, k);
+        w->written += k;
+        w->cut = k < n;
+    }
+    w->len += n;
+}
+
+/* Python's str.isprintable() for U+0080..U+00FF: all but the C1 controls,
+ * NO-BREAK SPACE (Zs, and only ASCII space is printable) and SOFT HYPHEN
+ * (Cf). */
+static bool latin1_printable(uint8_t c) { return c > 0xA0 && c != 0xAD; }
+
+/* repr(text.decode("latin-1")) as CPython's unicode_repr writes it: single
+ * quotes unless the text holds ' and no "; backslash escapes for the quote,
+ * \\, \t, \n and \r; \xNN (lower-case hex) for the other controls, DEL and
+ * the non-printable code points above it; everything else as itself, in
+ * UTF-8 above U+007F. */
+static void msg_put_repr(struct msg_writer *w, const uint8_t *s, size_t n)
+{
+    static const char hex[] = "0123456789abcdef";
+    const bool squote = memchr(s, '\'', n) != NULL, dquote = memchr(s, '"', n) != NULL;
+    const char quote = squote && !dquote ? '"' : '\'';
+    msg_put(w, &quote, 1, false);
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t c = s[i];
+        char piece[4];
+        size_t k = 0;
+        bool utf8 = false;
+        if (c == (uint8_t)quote || c == '\\') {
+            piece[k++] = '\\';
+            piece[k++] = (char)c;
+        } else if (c == '\t' || c == '\n' || c == '\r') {
+            piece[k++] = '\\';
+            piece[k++] = c == '\t' ? 't' : c == '\n' ? 'n' : 'r';
+        } else if (c < 0x20 || c == 0x7F || (c >= 0x80 && !latin1_printable(c))) {
+            piece[k++] = '\\';
+            piece[k++] = 'x';
+            piece[k++] = hex[c >> 4];
+            piece[k++] = hex[c & 15];
+        } else if (c < 0x80) {
+            piece[k++] = (char)c;
+        } else {
+            piece[k++] = (char)(0xC0 | c >> 6);
+            piece[k++] = (char)(0x80 | (c & 0x3F));
+            utf8 = true;
+        }
+        msg_put(w, piece, k, utf8);
+    }
+    msg_put(w, &quote, 1, false);
+}
+
+static const char *const resp_message[] = {
+    [RW_TOO_LARGE] = "response head too large",
+    [RW_NOT_HTTP] = "not an HTTP response",
+    [RW_VERSION] = "unsupported response version ",
+    [RW_STATUS] = "malformed status code",
+    [RW_REASON] = "invalid reason phrase",
+    [RW_NUL] = "malformed response head: NUL in head",
+    [RW_BARE_CR] = "malformed response head: bare CR in head",
+    [RW_FOLD] = "malformed response head: obsolete line folding",
+    [RW_NO_COLON] = "malformed response head: header line without a colon",
+    [RW_NAME] = "malformed response head: invalid header name ",
+    [RW_VALUE] = "malformed response head: invalid character in header ",
+};
+
+int sw_http_response_error(const uint8_t *buf, size_t len, size_t max_size, char *msg, size_t cap)
+{
+    struct msg_writer w = {msg, cap ? cap - 1 : 0, 0, 0, false};
+    struct resp_fail f;
+    sw_http_response unused;
+    int rc = -EINVAL;
+    if (parse_response(buf, len, max_size, &unused, &f) == SW_PARSE_ERROR) {
+        const char *text = resp_message[f.why];
+        msg_put(&w, text, strlen(text), false);
+        if (f.why == RW_VERSION || f.why == RW_NAME || f.why == RW_VALUE)
+            msg_put_repr(&w, f.text, f.text_len);
+        rc = w.cut || w.len > INT_MAX ? -ENOSPC : (int)w.len;
+    }
+    if (cap)
+        msg[w.written] = '\0';
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------

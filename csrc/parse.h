@@ -9,7 +9,7 @@
  * to that with Hypothesis; benchmarks/fuzz_parse.c fuzzes them under ASan/UBSan.
  *
  * Parsers return a status value (never -errno: they never fail); the builder
- * returns a length or -errno.  Everything between the SW_CDEF markers is part
+ * and sw_http_response_error return a length or -errno.  Everything between the SW_CDEF markers is part
  * of the cffi cdef.
  */
 #ifndef SW_PARSE_H
@@ -115,6 +115,30 @@ typedef struct sw_http_response {
  * SW_PARSE_OK. */
 int sw_parse_http_response(const uint8_t *buf, size_t len, size_t max_size,
                            sw_http_response *out);
+
+/* Room for any sw_http_response_error() message, NUL included, when
+ * max_size <= SW_HTTP_MAX_HEAD: the longest fixed text (53 bytes), two
+ * quotes, and at most 4 bytes ("\xNN") for each of the fewer than max_size
+ * bytes a repr() quotes. */
+#define SW_HTTP_RESPONSE_ERROR_MAX 262208
+
+/* For an input sw_parse_http_response(buf, len, max_size, ...) answers
+ * SW_PARSE_ERROR: str() of the ProtocolError http.parse_response_head(buf,
+ * max_size) raises, as UTF-8, into msg[0..cap), NUL-terminated, and its
+ * length (the NUL not counted).  That is the whole text, repr() of the
+ * version or header name included ("unsupported response version
+ * 'HTTP/2.0'", "malformed response head: invalid header name 'X Y'"):
+ * latin-1 code points, Python's quote choice and escapes, printable
+ * non-ASCII as UTF-8.  Where several checks fail, the message is the one
+ * Python raises first (a complete head: NUL, bare CR, field lines in
+ * order, then the status line).  -EINVAL (msg "") for an input that is
+ * not an error (OK or NEED_MORE).  -ENOSPC when the message and its NUL
+ * do not fit in cap (or it is longer than INT_MAX): msg then holds the
+ * longest prefix that fits without splitting a UTF-8 sequence.  msg is
+ * NUL-terminated whenever cap > 0, and nothing past its NUL is written;
+ * with cap == 0 it may be NULL. */
+int sw_http_response_error(const uint8_t *buf, size_t len, size_t max_size, char *msg,
+                           size_t cap);
 
 /* http.connect_request(host, port, credentials) byte for byte into out[0..cap):
  * the length written, -EINVAL where Python raises ValueError (port 0, a host

@@ -6,7 +6,11 @@ The contract (csrc/parse.h): for every input a C parser gives exactly the Python
 that SOCKS5, sniffing and the upstream response head parser never defer, and well-formed
 CONNECT heads (and every prefix of one) are never deferred.  The CONNECT request builder
 (sw_http_connect_request) writes exactly http.connect_request()'s bytes, or -EINVAL
-where it raises ValueError, and -ENOSPC for any smaller capacity.
+where it raises ValueError, and -ENOSPC for any smaller capacity.  For every input the
+response parser rejects, sw_http_response_error writes exactly str() of the ProtocolError
+Python raises (UTF-8, repr() of the quoted version or header name included), and -EINVAL
+for every other input; shorter capacities give -ENOSPC and the longest whole-character
+prefix.
 
 Inputs: generated valid messages (hosts, IPv4/IPv6, unicode domains, credentials,
 headers; genuine ClientHellos from the ssl module), mutations of them (bit flips,
@@ -759,11 +763,72 @@ def py_response(buf: bytes, max_size: int = http.MAX_HEAD_SIZE):
 
 
 def check_response(buf: bytes, max_size: int = http.MAX_HEAD_SIZE):
-    """The upstream response head: exactly Python's verdict, status and consumed."""
+    """The upstream response head: exactly Python's verdict, status and consumed, and
+    for an error exactly its message (see check_response_error)."""
     c, py = c_response(buf, max_size), py_response(buf, max_size)
     assert c == py, (buf, max_size)
     note(f"response: {c[0]}")
+    message = check_response_error(buf, max_size)
+    assert (message is not None) == (c[0] == "error")
     return c
+
+
+# Slack after the capacity passed to sw_http_response_error: it must stay 0xA5.
+_MSG_SLACK = 8
+
+
+def c_response_error(
+    buf: bytes, max_size: int = http.MAX_HEAD_SIZE, cap: int | None = None
+) -> tuple[int, bytes]:
+    """sw_http_response_error's return value and the bytes before msg's NUL.
+
+    ``cap`` defaults to room for any message about ``buf`` (4 bytes per input byte for
+    a repr()'d piece, plus the fixed text).  Checks that msg is NUL-terminated within
+    cap (cap > 0) and that nothing after the NUL was written.
+    """
+    if cap is None:
+        cap = 4 * len(buf) + 64
+    with exact(buf) as p, _out_block(cap + _MSG_SLACK) as out:
+        msg = ffi.cast("char *", out) if cap else ffi.NULL
+        rc = lib.sw_http_response_error(p, len(buf), max_size, msg, cap)
+        block = bytes(ffi.buffer(out, cap + _MSG_SLACK))
+    if cap == 0:
+        assert block == b"\xa5" * _MSG_SLACK, "wrote with cap 0"
+        return rc, b""
+    assert 0 in block[:cap], "msg not NUL-terminated within cap"
+    nul = block.index(0)
+    assert block[nul + 1 :] == b"\xa5" * (len(block) - nul - 1), "wrote past the NUL"
+    return rc, block[:nul]
+
+
+def py_response_error(buf: bytes, max_size: int = http.MAX_HEAD_SIZE) -> str | None:
+    """str() of the ProtocolError parse_response_head raises, or None."""
+    try:
+        http.parse_response_head(buf, max_size)
+    except ProtocolError as exc:
+        return str(exc)
+    return None
+
+
+def _message_kind(message: str) -> str:
+    """The message without the repr() it may end with (for the statistics)."""
+    quote = min((i for i in (message.find("'"), message.find('"')) if i >= 0), default=None)
+    return message if quote is None else message[:quote] + "..."
+
+
+def check_response_error(buf: bytes, max_size: int = http.MAX_HEAD_SIZE) -> str | None:
+    """sw_http_response_error: Python's message byte for byte (UTF-8), or -EINVAL and an
+    empty msg where Python raises nothing."""
+    py = py_response_error(buf, max_size)
+    rc, msg = c_response_error(buf, max_size)
+    if py is None:
+        assert (rc, msg) == (-errno.EINVAL, b""), (buf, max_size)
+        return None
+    expected = py.encode("utf-8")
+    assert msg == expected, (buf, max_size, msg.decode("utf-8", "replace"), py)
+    assert rc == len(expected)
+    note(f"message: {_message_kind(py)}")
+    return py
 
 
 good_reasons = st.text(
@@ -976,6 +1041,255 @@ def test_response_head_size_bound():
     assert check_response(b"", 0) == ("error",)
     assert check_response(b"HTTP/1.1 200 OK\r\n\r\n", 19) == ("ok", 200, 19)
     assert check_response(b"HTTP/1.1 200 OK\r\n\r\n", 18) == ("error",)
+
+
+# -- the upstream response's error message (sw_http_response_error) ---------------------
+
+# Characters that stress repr(): both quotes and backslash, the \t \n \r escapes, other C0
+# controls, DEL, the C1 controls, U+00A0 and U+00AD (not printable) next to printable
+# latin-1 (U+00A1, U+00AC, U+00AE, superscripts, letters), and the structure bytes.
+_REPR_CHARS = (
+    "'\"\\\t\r\0\x01\x0b\x1b\x1f\x7f\x80\x85\x9f\xa0\xa1\xac\xad\xae\xb2\xb9\xe9\xff :/.1Hx"
+)
+repr_texts = st.text(
+    st.one_of(st.sampled_from(_REPR_CHARS), st.characters(max_codepoint=0xFF)), max_size=12
+)
+# Texts that cannot hold a NUL, CR or LF: what a line of a complete head can.
+line_texts = repr_texts.map(lambda t: t.translate({0: None, 10: None, 13: None}))
+bad_versions = st.one_of(
+    st.sampled_from(
+        ["HTTP/2.0", "HTTP/1.10", "HTTP/1", "HTTP/", "HTTP/1.x", "HTTP/1.\xb9", "HTTP/1.1\0",
+         "HTTP/1.1\r", "HTTP/1.1\t", "HTTP/'1\"", "HTTP/1.'", 'HTTP/1."', "HTTP/1.\\",
+         "HTTP/1.\xa0", "HTTP/1.\xa1", "HTTP/1.\xad", "HTTP/1.\x85", "HTTP/1.\xff"]
+    ),
+    repr_texts.map(lambda t: "HTTP/" + t),
+    repr_texts.map(lambda t: "HTTP/1." + t),
+    st.tuples(repr_texts, repr_texts).map(lambda t: f"HTTP/{t[0]}1.{t[1]}"),
+)  # fmt: skip
+bad_codes = st.one_of(
+    st.sampled_from(["099", "000", "20", "2000", "2x0", "\xb200", "20\xb9", "", "+20", "2\t0"]),
+    repr_texts.filter(lambda t: " " not in t),
+)
+bad_reasons = st.one_of(
+    repr_texts, st.text(st.sampled_from("\0\x01\x08\x0b\x0c\x1f\x7f\r\ta \x80\xff"), max_size=6)
+)
+status_lines = st.one_of(
+    st.builds(lambda v, c, r: f"{v} {c} {r}", st.sampled_from(["HTTP/1.1", "HTTP/1.0"]),
+              st.integers(100, 999), good_reasons),
+    st.builds(lambda v, rest: v + rest, bad_versions, st.sampled_from([" 200 OK", " 200", ""])),
+    st.builds(lambda c, r: f"HTTP/1.1 {c}{r}", bad_codes, st.sampled_from(["", " OK", " "])),
+    st.builds(lambda c, r: f"HTTP/1.1 {c} {r}", st.sampled_from(["200", "099", "000"]),
+              bad_reasons),
+)  # fmt: skip
+bad_names = st.one_of(
+    st.just(""),
+    line_texts,
+    st.tuples(tokens, line_texts, st.one_of(tokens, st.just(""))).map("".join),
+    st.sampled_from(["X Y", "X\tY", " X", "X ", "X'Y", 'X"Y', "X\\Y", "X\xa0", "X\xe9", "{}"]),
+)
+# A value with a control character _BAD_VALUE_CHAR_RE refuses (NUL and CR fail earlier).
+_value_chars = st.text(st.sampled_from("a \t\x80\xff\x01\x7f"), max_size=3)
+bad_values = st.tuples(_value_chars, st.sampled_from("\x01\x08\x0b\x0c\x1f\x7f"), _value_chars).map(
+    "".join
+)
+field_lines = st.one_of(
+    st.tuples(tokens, st.sampled_from([": ", ":", ":\t"]), response_field_values).map("".join),
+    st.tuples(bad_names, st.sampled_from([": ", ":", " : "]), response_field_values).map("".join),
+    st.tuples(tokens, st.sampled_from([": ", ":"]), bad_values, response_field_values).map("".join),
+    st.tuples(st.sampled_from(_FOLD_STARTS), line_texts).map("".join),  # obs-fold
+    line_texts.map(lambda t: t.replace(":", "")),  # no colon
+    st.sampled_from(["", "\0", "\r", "X: a\rb", "X: a\0", "X\r: a", "\0X: a", "X: \r"]),
+)
+
+
+@st.composite
+def error_heads(draw) -> tuple[bytes, int]:
+    """Response heads made to fail, often in several places at once (so that which check
+    Python runs first decides the message), with the max_size to parse them under."""
+    lines = [draw(status_lines), *draw(st.lists(field_lines, max_size=5))]
+    # Line ends that break the head (a bare CR, an early end) in one head in four.
+    eols = ["\r\n", "\n"]
+    if draw(st.integers(0, 3)) == 3:
+        eols = [*eols * 3, "\r", "\r\r\n", "\n\r"]
+    eol = st.sampled_from(eols)
+    raw = ("".join(line + draw(eol) for line in lines) + draw(eol)).encode("latin-1")
+    how = draw(st.sampled_from(["whole", "whole", "whole", "whole", "cut", "trailer"]))
+    if how == "cut":  # cut short: NEED_MORE or the early status-line verdict
+        raw = raw[: draw(st.integers(0, len(raw)))]
+    elif how == "trailer":
+        raw += draw(st.binary(max_size=8))
+    max_size = http.MAX_HEAD_SIZE
+    if draw(st.integers(0, 7)) == 7:
+        max_size = draw(st.integers(max(0, len(raw) - 4), len(raw) + 4))
+    return raw, max_size
+
+
+@_settings(1500)
+@given(head=error_heads())
+def test_response_error_messages(head):
+    check_response(*head)
+
+
+@_settings(100)
+@given(head=error_heads())
+def test_response_error_messages_every_prefix(head):
+    """Prefixes meet the early judgement of the status line, and later the complete
+    head's order of checks, which may name a different fault for the same bytes."""
+    check_prefixes(functools.partial(check_response, max_size=head[1]), head[0])
+
+
+@_settings(300)
+@given(buf=mutated(error_heads().map(lambda h: h[0])))
+def test_response_error_messages_mutated(buf):
+    check_response(buf)
+
+
+def test_response_error_every_byte():
+    """Each latin-1 code point in a version, a header name, a value and a reason, in
+    heads complete and not, and both quotes with and without a backslash."""
+    ok = b"HTTP/1.1 200 OK\r\n"
+    for b in map(bytes, ([c] for c in range(256))):
+        for buf in (
+            b"HTTP/" + b + b" 200 OK\r\n",
+            b"HTTP/" + b + b" 200 OK\r\n\r\n",
+            b"HTTP/1." + b + b"\n",
+            b"HTTP/1." + b + b"\n\n",
+            b"HTTP/1.1" + b + b"x 200\r\n\r\n",
+            b"HTTP/1.1 200 " + b + b"\r\n",
+            b"HTTP/1.1 2" + b + b"0\r\n",
+            ok + b + b"X: y\r\n\r\n",
+            ok + b"X" + b + b": y\r\n\r\n",
+            ok + b"X" + b + b"Y" + b + b": y\r\n\r\n",
+            ok + b"X: y" + b + b"\r\n\r\n",
+            ok + b"X: y\r\n" + b + b"\r\n\r\n",
+        ):
+            check_response(buf)
+    for text in ["'", '"', "'\"", "\"'", "\\", "\\'", '\\"', "a'b\"c\\d", "''", '""', "'\\\"'"]:
+        raw = text.encode("latin-1")
+        check_response(b"HTTP/" + raw + b" 200\r\n")
+        check_response(ok + b"X" + raw + b": y\r\n\r\n")
+
+
+def test_response_error_known_messages():
+    ok = b"HTTP/1.1 200 OK\r\n"
+    cases = {
+        b"x": "not an HTTP response",
+        b"HTTPS/1.1 200 OK\r\n\r\n": "not an HTTP response",
+        b"HTTP/2.0 200 OK\r\n": "unsupported response version 'HTTP/2.0'",
+        b"HTTP/1.10 200 OK\r\n": "unsupported response version 'HTTP/1.10'",
+        b"HTTP/1.\xa0\xa1\xad\xae\x85\xff\t\x00\x7f\r\n": (
+            "unsupported response version 'HTTP/1.\\xa0\xa1\\xad\xae\\x85\xff\\t\\x00\\x7f'"
+        ),
+        b"HTTP/1.1\r\r\n": "unsupported response version 'HTTP/1.1\\r'",  # early: CR kept
+        b"HTTP/'1\n": 'unsupported response version "HTTP/\'1"',
+        b"HTTP/'1\"\n": "unsupported response version 'HTTP/\\'1\"'",
+        b"HTTP/\\\n": "unsupported response version 'HTTP/\\\\'",
+        b"HTTP/1.1 20\r\n": "malformed status code",
+        b"HTTP/1.1\r\n": "malformed status code",
+        b"HTTP/1.1 \xb200 x\r\n": "malformed status code",
+        b"HTTP/1.1 099\r\n": "malformed status code",
+        b"HTTP/1.1 099 \x01\r\n": "invalid reason phrase",  # the reason is checked first
+        b"HTTP/1.1 200 O\0K\r\n": "invalid reason phrase",  # early: no NUL check yet
+        b"HTTP/1.1 200 O\0K\r\n\r\n": "malformed response head: NUL in head",
+        b"HTTP/1.1 200 O\rK\r\n\r\n": "malformed response head: bare CR in head",
+        ok + b"X Y: z\r\n\r\n": "malformed response head: invalid header name 'X Y'",
+        ok + b": z\r\n\r\n": "malformed response head: invalid header name ''",
+        ok + b"X\xe9\xa0: z\r\n\r\n": "malformed response head: invalid header name 'X\xe9\\xa0'",
+        ok + b"Foo: \x01\r\n\r\n": "malformed response head: invalid character in header 'Foo'",
+        ok + b"Foo\r\n\r\n": "malformed response head: header line without a colon",
+        ok + b" x\r\nA: b\r\n\r\n": "malformed response head: obsolete line folding",
+        ok + b"A: b\r\n x\x01\r\n\r\n": None,  # a continuation line is not checked
+        # A complete head: _head_lines, then _parse_fields, then the status line.
+        b"HTTP/2.0 200 OK\r\nX Y: z\r\n\r\n": "malformed response head: invalid header name 'X Y'",
+        b"HTTP/2.0 200 OK\r\nX Y: z\r\n": "unsupported response version 'HTTP/2.0'",  # early
+        b"HTTP/2.0 200\r\nX: \x01\r\nY Z: a\r\n\r\n": (
+            "malformed response head: invalid character in header 'X'"
+        ),
+        b"HTTP/2.0 200\r\nX Y: a\r\nZ: \rb\r\n\r\n": "malformed response head: bare CR in head",
+        b"HTTP/2.0 2\r0\r\nX Y: \0\r\n\r\n": "malformed response head: NUL in head",
+        b"HTTP/1.1 099 x\r\n\r\n": "malformed status code",
+        b"HTTP/1.1 200 OK\r\n\r\n": None,
+        b"HTTP/1.1 200 OK\r\n": None,
+        b"": None,
+    }
+    for buf, expected in cases.items():
+        assert check_response_error(buf) == expected, buf
+        assert py_response_error(buf) == expected, buf
+    # max_size comes first: nothing else is looked at.
+    assert check_response_error(b"xyz", 3) == "response head too large"
+    assert check_response_error(b"HTTP/2.0 200\r\n", 5) == "response head too large"
+    assert check_response_error(b"xyz", 4) == "not an HTTP response"
+    assert check_response_error(b"", 0) == "response head too large"
+
+
+def _truncated(message: bytes, cap: int) -> bytes:
+    """What msg holds for cap <= len(message): the longest prefix of at most cap - 1
+    bytes that does not end inside a UTF-8 sequence."""
+    cut = message[: max(cap - 1, 0)]
+    return cut.decode("utf-8", "ignore").encode("utf-8")
+
+
+def check_response_error_caps(buf: bytes, max_size: int = http.MAX_HEAD_SIZE) -> None:
+    """Every capacity: the whole message when it fits with its NUL, else -ENOSPC and the
+    longest prefix that fits without splitting a character; -EINVAL whatever the cap."""
+    py = py_response_error(buf, max_size)
+    if py is None:
+        for cap in (0, 1, 2, 100):
+            assert c_response_error(buf, max_size, cap) == (-errno.EINVAL, b""), cap
+        return
+    message = py.encode("utf-8")
+    for cap in range(len(message) + 3):
+        rc, msg = c_response_error(buf, max_size, cap)
+        if cap > len(message):
+            assert (rc, msg) == (len(message), message), cap
+        else:
+            assert (rc, msg) == (-errno.ENOSPC, _truncated(message, cap)), cap
+            assert len(msg) >= cap - 2
+
+
+def test_response_error_caps():
+    ok = b"HTTP/1.1 200 OK\r\n"
+    for buf in [
+        b"x",
+        b"HTTP/\xe9\xe9\xa0\xe9 200\r\n",  # UTF-8 pairs at odd and even offsets
+        b"HTTP/1.\xff\xfe\xfd\r\n",
+        b"HTTP/1.\x00\x01\\'\n",
+        ok + b"X\xe9: y\r\n\r\n",
+        ok + b"X: \x01\r\n\r\n",
+        ok,  # not an error
+        b"HTTP/1.1 200 OK\r\n\r\n",
+    ]:
+        check_response_error_caps(buf)
+    assert lib.sw_http_response_error(b"x", 1, 100, ffi.NULL, 0) == -errno.ENOSPC
+    assert lib.sw_http_response_error(ok, len(ok), 100, ffi.NULL, 0) == -errno.EINVAL
+
+
+@_settings(200)
+@given(head=error_heads())
+def test_response_error_caps_random(head):
+    check_response_error_caps(*head)
+
+
+def test_response_error_longest_messages():
+    """The longest messages a max_size of http.MAX_HEAD_SIZE allows fit in
+    SW_HTTP_RESPONSE_ERROR_MAX (NUL included), and are still Python's."""
+    limit = http.MAX_HEAD_SIZE
+    room = lib.SW_HTTP_RESPONSE_ERROR_MAX
+    longest = 0
+    for buf in [
+        b"HTTP/" + b"\x01" * (limit - 7) + b"\n",  # an early verdict just under max_size
+        b"HTTP/" + b"\x01" * (limit - 8) + b"\n\n",  # a complete head of exactly max_size
+        b"HTTP/1.1 200\n" + b"\x80" * (limit - 16) + b":\n\n",
+        b"HTTP/1.1 200\n" + b"X" * (limit - 17) + b":\x01\n\n",
+    ]:
+        message = check_response_error(buf)
+        assert message is not None
+        size = len(message.encode("utf-8"))
+        longest = max(longest, size)
+        rc, msg = c_response_error(buf, limit, room)
+        assert rc == size and len(msg) == size
+    assert longest + 1 <= room
+    assert room - (longest + 1) < 64, "SW_HTTP_RESPONSE_ERROR_MAX is a close bound"
 
 
 # Hosts for connect_request: names, IP literals with and without brackets (IPv6 in
