@@ -559,7 +559,12 @@ class FlowActor(LoopActor):
             )
             self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
         else:
-            ex = connpath.dial_error(rec, outbound, s.target_host, s.target_port)
+            message = (
+                self.core.bridge.conn.take_message(rec.flow)
+                if rec.end == connpath.END_UPSTREAM_PROTO
+                else None
+            )
+            ex = connpath.dial_error(rec, outbound, s.target_host, s.target_port, message)
             if ex.member_down:
                 self._report_member_down(s.selection_chain, ex.message)
             remote = (

@@ -62,6 +62,8 @@ enum {
     /* Accepts per listener wake-up before the loop serves the others. */
     ACCEPT_BATCH = 64,
     BUF_INITIAL = 512,
+    /* Failure texts kept for Python at most (it takes each at once). */
+    MESSAGES_MAX = 1024,
     /* Records promised per held connection: STARTED + ROUTED or ENDED. */
     RECORDS_PER_FLOW = 2,
     DNS_BUCKETS = 1024,
@@ -84,6 +86,7 @@ enum state {
     ST_UP_S5_METHOD,  /* upstream socks5: waiting for the method selection */
     ST_UP_S5_AUTH,    /* upstream socks5: waiting for the user/password status */
     ST_UP_S5_REPLY,   /* upstream socks5: waiting for the CONNECT reply */
+    ST_UP_HTTP_REPLY, /* upstream http: waiting for the CONNECT response head */
     ST_SNIFF_POST,    /* replied; sniffing before the hand-off */
 };
 
@@ -147,6 +150,10 @@ struct cconn {
     socklen_t up_addr_len;
     char *up_user, *up_pass; /* socks5 upstream credentials (copied) */
     char *up_tag;             /* the proxy outbound's tag, for failure messages */
+    uint8_t *http_req;        /* upstream http: the CONNECT request, then its response */
+    uint32_t http_req_len, http_len, http_cap;
+    const uint8_t *left;      /* upstream bytes past the proxy's answer, for the client */
+    uint32_t left_len;
     char up_where[300];       /* "server:port" of the proxy, as Python writes it */
     uint8_t up_buf[600];
     uint32_t up_len;
@@ -228,6 +235,9 @@ struct sw_conn {
     size_t dns_count;
     pthread_mutex_t defer_lock;
     struct deferred_item *defer_head, *defer_tail;
+    /* Failure messages too long for a record (guarded by defer_lock). */
+    struct message *messages;
+    size_t nmessages;
     pthread_mutex_t drain_lock;
     _Atomic int shut;
     struct {
@@ -454,6 +464,7 @@ static void conn_free_dead(struct cloop *L)
         free(c->up_user);
         free(c->up_pass);
         free(c->up_tag);
+        free(c->http_req);
         free(c);
     }
 }
@@ -622,6 +633,65 @@ static void conn_defer(struct cconn *c, uint32_t stage)
     conn_release(c);
 }
 
+/* ---- failure messages ---------------------------------------------------- */
+
+struct message {
+    struct message *next;
+    uint64_t flow;
+    char text[];
+};
+
+/* Keep the text of flow c's failure for Python (sw_conn_take_message), which
+ * takes it when the ENDED record says so; the oldest go beyond the bound. */
+static void conn_message(struct cconn *c, const char *text)
+{
+    sw_conn *conn = c->loop->conn;
+    size_t n = strlen(text);
+    struct message *m = malloc(sizeof *m + n + 1);
+    if (!m)
+        return;
+    m->flow = c->flow;
+    memcpy(m->text, text, n + 1);
+    pthread_mutex_lock(&conn->defer_lock);
+    m->next = conn->messages;
+    conn->messages = m;
+    if (++conn->nmessages > MESSAGES_MAX) {
+        struct message **pp = &conn->messages;
+        while ((*pp)->next)
+            pp = &(*pp)->next;
+        free(*pp);
+        *pp = NULL;
+        conn->nmessages--;
+    }
+    pthread_mutex_unlock(&conn->defer_lock);
+}
+
+int sw_conn_take_message(sw_conn *conn, uint64_t flow, char *out, size_t cap)
+{
+    if (!conn || !out || cap == 0)
+        return -EINVAL;
+    pthread_mutex_lock(&conn->defer_lock);
+    struct message **pp = &conn->messages, *m = NULL;
+    for (; *pp; pp = &(*pp)->next) {
+        if ((*pp)->flow == flow) {
+            m = *pp;
+            *pp = m->next;
+            conn->nmessages--;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&conn->defer_lock);
+    if (!m)
+        return -ENOENT;
+    size_t n = strlen(m->text);
+    if (n >= cap)
+        n = cap - 1;
+    memcpy(out, m->text, n);
+    out[n] = 0;
+    free(m);
+    return (int)n;
+}
+
 int sw_conn_take_deferred(sw_conn *conn, sw_deferred *out)
 {
     if (!conn || !out)
@@ -733,13 +803,25 @@ static void failure_reply(struct cconn *c, int socks_code, int http_status, cons
         (void)client_send(c, r, sizeof r);
         return;
     }
-    char out[1024];
+    /* The body is the failure message, as Python's reply carries it: a
+     * proxy's malformed answer can make that long, so size the buffer. */
+    static const char fmt[] =
+        "HTTP/1.1 %d %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n%s\n";
+    char small[1024], *out = small;
     size_t body = strlen(message) + 1;
-    int n = snprintf(out, sizeof out,
-                     "HTTP/1.1 %d %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n%s\n",
-                     http_status, http_phrase(http_status), body, message);
-    if (n > 0 && (size_t)n < sizeof out)
-        (void)client_send(c, out, (size_t)n);
+    int n = snprintf(small, sizeof small, fmt, http_status, http_phrase(http_status), body,
+                     message);
+    if (n < 0)
+        return;
+    if ((size_t)n >= sizeof small) {
+        out = malloc((size_t)n + 1);
+        if (!out)
+            return;
+        snprintf(out, (size_t)n + 1, fmt, http_status, http_phrase(http_status), body, message);
+    }
+    (void)client_send(c, out, (size_t)n);
+    if (out != small)
+        free(out);
 }
 
 /* ---- sniffing ----------------------------------------------------------------- */
@@ -851,12 +933,27 @@ static bool decide(struct cconn *c)
     if (!parse_ip_literal(host, &c->up_addr, &c->up_addr_len, port) &&
         !dns_get(c->loop->conn, host, &c->up_addr, &c->up_addr_len, port))
         return false; /* a DNS miss: Python resolves (and fills the cache) */
-    if (ti->kind == SW_OUT_SOCKS5) {
+    if (ti->kind == SW_OUT_SOCKS5 || ti->kind == SW_OUT_HTTP) {
         free(c->up_tag);
         c->up_tag = strdup(ti->tag ? ti->tag : "");
         if (!c->up_tag)
             return false;
         snprintf(c->up_where, sizeof c->up_where, "%s:%u", ti->server, ti->port);
+    }
+    if (ti->kind == SW_OUT_HTTP) {
+        /* Built now, from the table's credentials: where http.connect_request
+         * raises ValueError, Python's path must meet it too (-EINVAL: defer). */
+        uint8_t req[4096];
+        int n = sw_http_connect_request(c->host, c->port, ti->user, ti->pass, req, sizeof req);
+        if (n < 0)
+            return false;
+        free(c->http_req);
+        c->http_req = malloc((size_t)n);
+        if (!c->http_req)
+            return false;
+        memcpy(c->http_req, req, (size_t)n);
+        c->http_req_len = (uint32_t)n;
+    } else if (ti->kind == SW_OUT_SOCKS5) {
         /* Non-ASCII targets need IDNA on the wire: Python's job. */
         for (uint16_t i = 0; i < c->host_len; i++)
             if ((uint8_t)c->host[i] >= 0x80)
@@ -1177,8 +1274,8 @@ static void s5_on_reply(struct cconn *c)
     }
     /* Bytes past the reply are the target's first: they go to the client at
      * the hand-off, as the Python path sends its dial's leftover. */
-    memmove(c->up_buf, c->up_buf + rep.consumed, c->up_len - rep.consumed);
-    c->up_len -= (uint32_t)rep.consumed;
+    c->left = c->up_buf + rep.consumed;
+    c->left_len = c->up_len - (uint32_t)rep.consumed;
     timer_clear(c);
     proceed_after_reply(c);
 }
@@ -1258,6 +1355,71 @@ static void upstream_readable(struct cconn *c)
     }
 }
 
+/* The upstream http proxy's response head, read as HttpOutbound reads it:
+ * 4 KiB at a time, parsed after each read (parse_response_head's verdicts). */
+static void http_readable(struct cconn *c)
+{
+    for (;;) {
+        if (c->http_cap - c->http_len < 4096) {
+            uint32_t cap = c->http_cap ? c->http_cap * 2 : 8192;
+            if (cap > SW_HTTP_MAX_HEAD + 8192)
+                cap = SW_HTTP_MAX_HEAD + 8192;
+            uint8_t *b = realloc(c->http_req, cap);
+            if (!b) {
+                fail_flow(c, SW_END_INTERNAL, ENOMEM, 0, 1, 502, strerror(ENOMEM));
+                return;
+            }
+            c->http_req = b;
+            c->http_cap = cap;
+        }
+        ssize_t n = recv(c->ufd, c->http_req + c->http_len, 4096, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return;
+        if (n <= 0) {
+            up_broken(c, SW_PROTO_CLOSED, 0);
+            return;
+        }
+        c->http_len += (uint32_t)n;
+        c->urx += (uint32_t)n;
+        sw_http_response resp;
+        int rc = sw_parse_http_response(c->http_req, c->http_len, SW_HTTP_MAX_HEAD, &resp);
+        if (rc == SW_PARSE_NEED_MORE)
+            continue;
+        if (rc != SW_PARSE_OK) {
+            /* HttpOutbound._broken's "proxy TAG: <ProtocolError>", which can be
+             * long (the error quotes the head): kept for Python too. */
+            size_t cap = SW_HTTP_RESPONSE_ERROR_MAX + strlen(c->up_tag) + 16;
+            char *msg = malloc(cap);
+            if (!msg) {
+                fail_flow(c, SW_END_INTERNAL, ENOMEM, 0, 1, 502, strerror(ENOMEM));
+                return;
+            }
+            int k = snprintf(msg, cap, "proxy %s: ", c->up_tag);
+            if (sw_http_response_error(c->http_req, c->http_len, SW_HTTP_MAX_HEAD, msg + k,
+                                       cap - (size_t)k) < 0)
+                snprintf(msg + k, cap - (size_t)k, "malformed response");
+            conn_message(c, msg);
+            fail_flow(c, SW_END_UPSTREAM_PROTO, 0, SW_PROTO_HTTP, 1, 502, msg);
+            free(msg);
+            return;
+        }
+        if (resp.status < 200 || resp.status > 299) {
+            char msg[700];
+            snprintf(msg, sizeof msg, "proxy %s answered %d to CONNECT %s:%u", c->up_tag,
+                     resp.status, c->host, c->port);
+            fail_flow(c, SW_END_UPSTREAM_REPLY, 0, resp.status, 1, 502, msg);
+            return;
+        }
+        c->left = c->http_req + resp.consumed;
+        c->left_len = c->http_len - (uint32_t)resp.consumed;
+        timer_clear(c);
+        proceed_after_reply(c);
+        return;
+    }
+}
+
 /* connect() finished (EPOLLOUT on the upstream). */
 static void connected(struct cconn *c)
 {
@@ -1277,6 +1439,14 @@ static void connected(struct cconn *c)
         }
         c->state = ST_UP_S5_METHOD;
         return; /* the deadline of the connect covers the handshake too */
+    }
+    if (c->out_kind == SW_OUT_HTTP) {
+        if (up_send(c, c->http_req, c->http_req_len) < 0) {
+            up_broken(c, SW_PROTO_CLOSED, 0);
+            return;
+        }
+        c->state = ST_UP_HTTP_REPLY;
+        return;
     }
     timer_clear(c);
     proceed_after_reply(c);
@@ -1318,13 +1488,13 @@ static void hand_off(struct cconn *c)
         c->utx += n;
         c->consumed = c->len;
     }
-    if (c->up_len) {
-        if (client_send(c, c->up_buf, c->up_len) < 0) {
+    if (c->left_len) {
+        if (client_send(c, c->left, c->left_len) < 0) {
             conn_end(c, SW_END_CLIENT, errno ? errno : EPIPE, 0);
             return;
         }
-        c->late = c->up_len;
-        c->up_len = 0;
+        c->late = c->left_len;
+        c->left_len = 0;
     }
     epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->cfd, NULL);
     epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->ufd, NULL);
@@ -1599,6 +1769,9 @@ static void upstream_event(struct cconn *c, uint32_t events)
         c->state == ST_UP_S5_REPLY) {
         if (events & (EPOLLIN | EPOLLERR | EPOLLHUP | EPOLLRDHUP))
             upstream_readable(c);
+    } else if (c->state == ST_UP_HTTP_REPLY) {
+        if (events & (EPOLLIN | EPOLLERR | EPOLLHUP | EPOLLRDHUP))
+            http_readable(c);
     }
 }
 
@@ -1617,6 +1790,7 @@ static void timer_fired(struct cconn *c)
     case ST_UP_S5_METHOD:
     case ST_UP_S5_AUTH:
     case ST_UP_S5_REPLY:
+    case ST_UP_HTTP_REPLY:
         connect_timed_out(c);
         return;
     default:
@@ -1989,6 +2163,11 @@ void sw_conn_free(sw_conn *conn)
         conn->defer_head = it->next;
         close(it->d.fd);
         free(it);
+    }
+    while (conn->messages) {
+        struct message *m = conn->messages;
+        conn->messages = m->next;
+        free(m);
     }
     if (conn->efd >= 0)
         close(conn->efd);

@@ -14,7 +14,8 @@
  * What the table cannot decide (an opaque rule, a DNS miss, a target kind C
  * does not dial, an HTTP head C does not parse) is deferred: the client socket
  * and what C read and wrote so far go to Python (sw_conn_take_deferred), which
- * completes the connection on its own path.
+ * completes the connection on its own path (a flow C had already started, to
+ * sniff before routing, goes to that flow's owner: sw_deferred.flow).
  *
  * Conventions as relay.h: 0 or a count on success, -errno on failure.
  */
@@ -73,7 +74,9 @@ enum sw_proto_detail {
     SW_PROTO_REPLY_VERSION = 4,  /* CONNECT reply's version byte (byte) */
     SW_PROTO_REPLY_ATYP = 5,     /* CONNECT reply's unknown address type (byte) */
     SW_PROTO_EMPTY_DOMAIN = 6,   /* CONNECT reply's domain of length 0 */
-    SW_PROTO_BAD_DOMAIN = 7      /* CONNECT reply's undecodable domain */
+    SW_PROTO_BAD_DOMAIN = 7,     /* CONNECT reply's undecodable domain */
+    SW_PROTO_HTTP = 8            /* http proxy's malformed response: the message is
+                                    kept for sw_conn_take_message */
 };
 
 enum sw_conn_auth {
@@ -191,6 +194,10 @@ int sw_conn_dns_put(sw_conn *conn, const char *host, int family, const uint8_t *
 /* Close a flow C still holds (started, not yet handed to the relay).
  * -ENOENT when C holds no such flow. */
 int sw_conn_request_close(sw_conn *conn, uint64_t flow);
+
+/* The failure message C kept for `flow` (SW_PROTO_HTTP), NUL-terminated and
+ * truncated to cap; its length, or -ENOENT. */
+int sw_conn_take_message(sw_conn *conn, uint64_t flow, char *out, size_t cap);
 
 int sw_conn_fd(sw_conn *conn);
 /* Copies up to max pending records, oldest first per loop. */

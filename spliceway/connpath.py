@@ -43,6 +43,7 @@ _AUTH_DETAILS = {
     int(lib.SW_AUTH_REQUIRED): "requires authentication",
 }
 _PROTO_CLOSED = int(lib.SW_PROTO_CLOSED)
+_PROTO_HTTP = int(lib.SW_PROTO_HTTP)
 #: sw_proto_detail -> socks5's ProtocolError text ({} is the offending byte).
 _PROTO_DETAILS = {
     int(lib.SW_PROTO_METHOD_VERSION): "server is not SOCKS5: version byte {:#04x}",
@@ -159,8 +160,11 @@ class ListenerOptions:
     idle_timeout_ms: int
 
 
-def dial_error(rec: ConnRecord, outbound: Any, host: str, port: int) -> DialError:
-    """The DialError the Python outbound raises for the failure C reported in ``rec``."""
+def dial_error(
+    rec: ConnRecord, outbound: Any, host: str, port: int, message: str | None = None
+) -> DialError:
+    """The DialError the Python outbound raises for the failure C reported in ``rec``
+    (``message``: the text C kept for it, see :meth:`ConnPath.take_message`)."""
     proxy = outbound.protocol != "direct"
     where = f"{outbound.server}:{outbound.port}" if proxy else f"{host}:{port}"
     if rec.end == END_CONNECT_FAILED:
@@ -183,6 +187,12 @@ def dial_error(rec: ConnRecord, outbound: Any, host: str, port: int) -> DialErro
             f"proxy {outbound.tag} {_AUTH_DETAILS.get(rec.detail, '')}",
             member_down=True,
         )
+    if rec.end == END_UPSTREAM_REPLY and outbound.protocol == "http":
+        return DialError(
+            "upstream_rejected",
+            f"proxy {outbound.tag} answered {rec.detail} to CONNECT {host}:{port}",
+            remote=where,
+        )
     if rec.end == END_UPSTREAM_REPLY:
         return DialError(
             SOCKS_REPLY_NAMES.get(rec.detail, "upstream_rejected"),
@@ -191,6 +201,9 @@ def dial_error(rec: ConnRecord, outbound: Any, host: str, port: int) -> DialErro
         )
     if rec.end == END_UPSTREAM_PROTO:
         kind, byte = rec.detail & 0xFF, rec.detail >> 8
+        if kind == _PROTO_HTTP:
+            text = message if message is not None else f"proxy {outbound.tag}: bad response"
+            return DialError("protocol_error", text, stage="handshake", member_down=True)
         if kind == _PROTO_CLOSED:
             return DialError(
                 "protocol_error", "upstream proxy closed during handshake", stage="handshake"
@@ -272,6 +285,13 @@ class ConnPath:
         code = lib.sw_conn_dns_put(self._ptr, name, ip.version, ip.packed, max(ttl_ms, 0))
         if code < 0 and code != -errno_mod.ENOSPC:
             check(code, "sw_conn_dns_put")
+
+    def take_message(self, flow: int) -> str | None:
+        """The failure text C kept for ``flow`` (an http proxy's malformed response)."""
+        size = int(lib.SW_HTTP_RESPONSE_ERROR_MAX) + 1024  # the error text and its prefix
+        out = ffi.new("char[]", size)
+        n = lib.sw_conn_take_message(self._ptr, flow, out, size)
+        return None if n < 0 else ffi.string(out, n).decode("utf-8", "surrogateescape")
 
     def request_close(self, flow: int) -> None:
         """Close a flow C still holds (an ENDED record follows)."""

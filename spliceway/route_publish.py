@@ -21,6 +21,7 @@ from spliceway.route_tables import (
     OUT_BLOCK,
     OUT_DEFER,
     OUT_DIRECT,
+    OUT_HTTP,
     OUT_SOCKS5,
     CompiledRoutes,
     TargetSpec,
@@ -50,8 +51,8 @@ def target_spec(tag: str, policies: Any, outbounds: dict[str, Any]) -> tuple[lis
     """The selection chain from ``tag`` to its leaf outbound now, and how C reaches it.
 
     A load_balance group picks per flow (by host, source or turn), which a table
-    cannot hold, and http, shadowsocks and relay outbounds are dialled by Python:
-    those targets are deferred.
+    cannot hold, and shadowsocks and relay outbounds are dialled by Python: those
+    targets are deferred.
     """
     for group_tag in policies.effective_chains(tag)[0][:-1]:
         view = policies.get(group_tag)
@@ -66,9 +67,10 @@ def target_spec(tag: str, policies: Any, outbounds: dict[str, Any]) -> tuple[lis
         return chain, TargetSpec(OUT_DIRECT, connect_timeout_ms=timeout_ms)
     if leaf.protocol == "block":
         return chain, TargetSpec(OUT_BLOCK)
-    if leaf.protocol == "socks5":
+    if leaf.protocol in ("socks5", "http"):
+        kind = OUT_SOCKS5 if leaf.protocol == "socks5" else OUT_HTTP
         spec = TargetSpec(
-            OUT_SOCKS5, leaf.server, leaf.port, leaf.username, leaf.password, timeout_ms, leaf.tag
+            kind, leaf.server, leaf.port, leaf.username, leaf.password, timeout_ms, leaf.tag
         )
         return chain, spec
     return chain, _DEFER

@@ -16,6 +16,7 @@ import copy
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -534,35 +535,39 @@ def test_sniff_before_routing_in_c_blocks_by_the_sniffed_host(make_engine, pytho
     same_events(events["c"], events["py"])
 
 
-def test_sniffed_then_routed_where_c_cannot_dial_is_taken_over_by_the_flow(
-    make_engine, python_engine, tmp_path
+def test_sniffed_then_routed_where_c_cannot_go_is_taken_over_by_the_flow(
+    make_engine, python_engine
 ):
-    """C answers, sniffs, and the sniffed host routes to an http outbound, which only Python
-    dials: the flow C started (flow.started already out) carries on in Python, to the same
-    record as the Python path's, relayed through tinyproxy."""
-    request = b"GET / HTTP/1.1\r\nHost: web.via-http.test\r\n\r\n"
+    """C answers, sniffs, and the sniffed host routes to a load_balance group, which picks
+    per flow (a table cannot hold it): the flow C started (flow.started already out) carries
+    on in Python, to the same record as the Python path's."""
+    request = b"GET / HTTP/1.1\r\nHost: web.via-lb.test\r\n\r\n"
     events = {}
-    with EchoServer() as server, tinyproxy(tmp_path) as proxy:
+    with EchoServer() as server:
         cfg = config(
-            outbounds=[
-                {"tag": "direct", "protocol": "direct"},
-                {"tag": "hp", "protocol": "http", "server": "127.0.0.1", "port": proxy},
+            outbound_groups=[
+                {
+                    "tag": "lb",
+                    "kind": "load_balance",
+                    "outbounds": ["direct"],
+                    "strategy": "round_robin",
+                }
             ],
-            rules=[{"domain_suffix": ["via-http.test"], "action": "route", "outbound": "hp"}],
+            rules=[{"domain_suffix": ["via-lb.test"], "action": "route", "outbound": "lb"}],
         )
         for path, engine in (("c", make_engine(cfg)), ("py", python_engine(cfg))):
             tunnel, reply = socks5_open(engine.listen_address("socks-in"), *server.address)
             with tunnel:
                 assert reply == S5_OK  # told success before routing, to sniff
                 tunnel.send(request)
-                assert tunnel.recv(len(request)) == request  # echoed through tinyproxy
+                assert tunnel.recv(len(request)) == request
                 tunnel.sock.shutdown(socket.SHUT_WR)
                 assert tunnel.rest() == b""
             record, events[path] = only_flow(engine)
-            assert record["target"]["sniffed_host"] == "web.via-http.test"
-            assert record["route"]["target"] == "hp"
-            assert record["path"]["outbound"] == {"tag": "hp", "protocol": "http"}
-            assert record["result"] == {"outcome": "chained_relayed"}
+            assert record["target"]["sniffed_host"] == "web.via-lb.test"
+            assert record["route"]["target"] == "lb"
+            assert record["route"]["selection_chain"] == ["lb", "direct"]
+            assert record["result"] == {"outcome": "direct_relayed"}
             assert record["traffic"]["bytes_up"] == record["traffic"]["bytes_down"] == len(request)
             assert [e["event_type"] for e in events[path]] == [
                 "flow.started",
@@ -1352,3 +1357,138 @@ def test_unfinished_handshakes_are_dropped_after_the_timeout_without_a_record(
     assert flow_events(engine) == []
     assert engine.query("flows") == {"active_flows": []}
     assert engine.query("stats")["total_started"] == 0
+
+
+# -- upstream http proxies ------------------------------------------------------------------------
+
+
+def http_upstream_config(port: int, auth: tuple[str, str] | None = None) -> dict[str, Any]:
+    up: dict[str, Any] = {"tag": "hp", "protocol": "http", "server": "127.0.0.1", "port": port}
+    if auth:
+        up |= {"username": auth[0], "password": auth[1]}
+    return config(outbounds=[{"tag": "direct", "protocol": "direct"}, up], route={"final": "hp"})
+
+
+class ScriptedProxy(LoopbackServer):
+    """An HTTP proxy that reads a CONNECT head, sends ``answer`` as is, then echoes what the
+    client sends (``echo``) or closes."""
+
+    def __init__(self, answer: bytes, echo: bool = False) -> None:
+        self.answer = answer
+        self.echo = echo
+        self.requests: list[bytes] = []
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(10)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            self.requests.append(head)
+            conn.sendall(self.answer)
+            while self.echo and (data := conn.recv(65536)):
+                conn.sendall(data)
+
+
+@pytest.mark.parametrize("kind", ["socks5", "http"])
+@pytest.mark.parametrize("auth", [None, ("u1", "p1")], ids=["noauth", "basic"])
+def test_http_upstream_in_c_equals_the_python_path(
+    make_engine, python_engine, tmp_path, kind, auth
+):
+    """CONNECT through tinyproxy (with and without Basic auth), routed and dialled in C."""
+    with EchoServer() as server, tinyproxy(tmp_path, auth) as proxy:
+        host, port = server.address
+        events = {}
+        for path, engine in (
+            ("c", make_engine(http_upstream_config(proxy, auth))),
+            ("py", python_engine(http_upstream_config(proxy, auth))),
+        ):
+            tunnel, reply = open_via(engine, kind, host, port)
+            with tunnel:
+                assert reply == OPENERS[kind][2]
+                echo_through(tunnel)
+            record, events[path] = only_flow(engine)
+            assert record["result"] == {"outcome": "chained_relayed"}
+            assert record["path"]["outbound"] == {"tag": "hp", "protocol": "http"}
+            assert record["path"]["remote"] == {"host": "127.0.0.1", "port": proxy}
+            assert record["traffic"]["bytes_up"] == record["traffic"]["bytes_down"] == len(PAYLOAD)
+            expect_stats(engine, **(c_routed() if path == "c" else py_deferred()))
+        same_events(events["c"], events["py"])
+
+
+HTTP_ANSWERS = {
+    # answer, expected failure code, message after "proxy hp", member of the record's remote
+    "rejected-407": (
+        b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n",
+        "upstream_rejected",
+        " answered 407 to CONNECT 127.0.0.1:{port}",
+    ),
+    "not-http": (b"SSH-2.0-OpenSSH\r\n\r\n", "protocol_error", ": not an HTTP response"),
+    "bad-version": (b"HTTP/2.0 200 OK\r\n\r\n", "protocol_error", None),
+    "bad-header": (b"HTTP/1.1 200 OK\r\nBad Name: x\r\n\r\n", "protocol_error", None),
+    "bare-cr": (b"HTTP/1.1 200 OK\r\nX: a\rb\r\n\r\n", "protocol_error", None),
+    "closed": (b"HTTP/1.1 200", "protocol_error", None),
+    # A message longer than any fixed buffer: the version is quoted in it.
+    "long-version": (b"HTTP/1." + b"\x01" * 3000 + b" 200 OK\r\n\r\n", "protocol_error", None),
+}
+
+
+@pytest.mark.parametrize("kind", ["socks5", "http"])
+@pytest.mark.parametrize("case", list(HTTP_ANSWERS))
+def test_http_upstream_failure_in_c_equals_the_python_path(make_engine, python_engine, kind, case):
+    """A refusing or broken http proxy: C fails the flow with the Python outbound's failure
+    (code, exact message, the client's reply bytes, member health aside)."""
+    answer, code, tail = HTTP_ANSWERS[case]
+    answers: dict[str, bytes] = {}
+    events: dict[str, list[dict[str, Any]]] = {}
+    with EchoServer() as server, ScriptedProxy(answer) as proxy:
+        host, port = server.address
+        for path, engine in (
+            ("c", make_engine(http_upstream_config(proxy.port))),
+            ("py", python_engine(http_upstream_config(proxy.port))),
+        ):
+            tunnel, reply = open_via(engine, kind, host, port)
+            with tunnel:
+                answers[path] = reply + tunnel.rest()
+            record, events[path] = only_flow(engine)
+            failure = record["result"]["failure"]
+            assert record["result"]["outcome"] == "failed"
+            assert failure["code"] == code
+            if tail is not None:
+                assert failure["message"] == "proxy hp" + tail.format(port=port)
+            expect_stats(engine, **(c_ended() if path == "c" else py_deferred()))
+        assert answers["c"] == answers["py"]
+        assert len(proxy.requests) == 2 and proxy.requests[0] == proxy.requests[1]
+    same_events(events["c"], events["py"])
+
+
+def test_http_upstream_bytes_past_the_head_reach_the_client(make_engine, python_engine):
+    """The proxy's first target bytes come with its 200: C hands them to the client before
+    relaying (bytes_down, inbound_tx_bytes), as the Python path sends its dial's leftover."""
+    answer = b"HTTP/1.1 200 Connection established\r\n\r\nHELLO"
+    events = {}
+    with ScriptedProxy(answer, echo=True) as proxy:
+        for path, engine in (
+            ("c", make_engine(http_upstream_config(proxy.port))),
+            ("py", python_engine(http_upstream_config(proxy.port))),
+        ):
+            tunnel, reply = open_via(engine, "socks5", "127.0.0.1", 9)
+            with tunnel:
+                assert reply == S5_OK
+                # First bytes from the client: the engine sniffs before the hand-off.
+                tunnel.send(PAYLOAD)
+                assert tunnel.recv(5 + len(PAYLOAD)) == b"HELLO" + PAYLOAD
+                tunnel.sock.shutdown(socket.SHUT_WR)
+                assert tunnel.rest() == b""
+            record, events[path] = only_flow(engine)
+            assert record["traffic"]["bytes_down"] == 5 + len(PAYLOAD)
+            assert record["traffic"]["outbound_rx_bytes"] == len(answer) + len(PAYLOAD)
+            expect_stats(engine, **(c_routed() if path == "c" else py_deferred()))
+    same_events(events["c"], events["py"])
