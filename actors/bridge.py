@@ -121,9 +121,14 @@ class RelayBridge:
             self._deliver(completion)
 
     def _on_conn_ready(self) -> None:
+        # Deferrals first, records second, then handle both: C publishes a flow's
+        # STARTED before it hands that flow over, so this order sees every STARTED a
+        # take-over refers to (the other order could take a deferral queued after
+        # the drain, whose STARTED is still in the ring).
+        deferrals = self.conn.take_deferred()
         for record in self.conn.drain():
             self._on_record(record)
-        for deferred in self.conn.take_deferred():
+        for deferred in deferrals:
             if deferred.flow:
                 self._take_over(deferred)
             elif self._take_deferred is None:

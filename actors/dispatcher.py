@@ -274,11 +274,15 @@ class LoopActor(pykka.Actor):
                 except Exception:
                     self._handle_failure(*sys.exc_info())
 
+    def _dropped(self, message: Any) -> None:
+        """A told message the actor stopped before handling (release what it holds)."""
+
     def _actor_loop_teardown(self) -> None:
         inbox = self.actor_inbox
         while not inbox.empty():
             envelope = inbox.get()
             if envelope.reply_to is None:
+                self._dropped(envelope.message)
                 continue
             if isinstance(envelope.message, messages._ActorStop):
                 envelope.reply_to.set(None)

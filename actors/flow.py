@@ -505,6 +505,11 @@ class FlowActor(LoopActor):
             # The close reached C after it had handed the flow to the relay.
             self.core.bridge.request_close(rec.relay_handle)
 
+    def _dropped(self, message: Any) -> None:
+        """A connection handed over after the actor stopped is closed, not leaked."""
+        if isinstance(message, ConnTakeOver):
+            os.close(message.deferred.fd)
+
     def _take_over(self, d: connpath.Deferred) -> None:
         """C answered and sniffed this flow, then found a route only Python can take (an
         opaque rule, a DNS miss, an outbound it does not dial): carry on from there."""
@@ -559,12 +564,7 @@ class FlowActor(LoopActor):
             )
             self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
         else:
-            message = (
-                self.core.bridge.conn.take_message(rec.flow)
-                if rec.end == connpath.END_UPSTREAM_PROTO
-                else None
-            )
-            ex = connpath.dial_error(rec, outbound, s.target_host, s.target_port, message)
+            ex = connpath.dial_error(rec, outbound, s.target_host, s.target_port, rec.message)
             if ex.member_down:
                 self._report_member_down(s.selection_chain, ex.message)
             remote = (

@@ -587,7 +587,10 @@ static void conn_defer(struct cconn *c, uint32_t stage)
     sw_conn *conn = c->loop->conn;
     struct deferred_item *it = malloc(sizeof *it);
     if (!it) {
-        conn_drop(c);
+        if (c->started)
+            conn_end(c, SW_END_INTERNAL, ENOMEM, 0); /* its flow needs its end */
+        else
+            conn_drop(c);
         return;
     }
     sw_deferred *d = &it->d;
@@ -890,6 +893,15 @@ static bool parse_ip_literal(const char *host, struct sockaddr_storage *ss, sock
  * into the connection: the table may be swapped and freed before they run. */
 static bool decide(struct cconn *c)
 {
+    /* A flow sniffed before routing decides twice: nothing of the first
+     * decision's upstream may leak into the second. */
+    free(c->up_user);
+    free(c->up_pass);
+    free(c->up_tag);
+    free(c->http_req);
+    c->up_user = c->up_pass = c->up_tag = NULL;
+    c->http_req = NULL;
+    c->http_req_len = 0;
     const sw_table *t = atomic_load(&c->loop->conn->table);
     if (!t)
         return false;
@@ -2238,10 +2250,7 @@ int sw_conn_listen(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_op
     /* Accepted sockets inherit TCP_NODELAY from the listener (Linux copies
      * the socket): one setsockopt here instead of one per connection. */
     int one = 1;
-    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0) {
-        rc = -errno;
-        goto out;
-    }
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
         rc = -errno;

@@ -520,8 +520,8 @@ static int shut_dest(struct flow *f, struct dir *D, int t, int *side)
     /* The other direction is done too: the flow completes now and close()
      * sends this FIN (all input was read, so not a reset), one syscall less
      * per flow. */
-    if (f->dir[D == &f->dir[0]].shut)
-        return 0;
+    if (f->own && f->dir[D == &f->dir[0]].shut)
+        return 0; /* (only our own sockets: a foreign caller may hold a dup) */
     if (shutdown(f->fd[t], SHUT_WR) < 0) {
         int e = sock_error(f->fd[t]);
         *side = t;

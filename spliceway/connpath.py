@@ -119,6 +119,8 @@ class ConnRecord:
     name: str
     #: ROUTED: upstream bytes past the proxy's reply that C sent to the client itself.
     late: int = 0
+    #: ENDED by an http proxy's malformed answer: the failure text C kept for it.
+    message: str | None = None
 
 
 @dataclass(slots=True)
@@ -282,7 +284,8 @@ class ConnPath:
             return
         if not name or len(name) >= 256:
             return
-        code = lib.sw_conn_dns_put(self._ptr, name, ip.version, ip.packed, max(ttl_ms, 0))
+        ttl_ms = min(max(ttl_ms, 0), 0xFFFFFFFF)  # sw_conn_dns_put takes a uint32_t
+        code = lib.sw_conn_dns_put(self._ptr, name, ip.version, ip.packed, ttl_ms)
         if code < 0 and code != -errno_mod.ENOSPC:
             check(code, "sw_conn_dns_put")
 
@@ -316,6 +319,10 @@ class ConnPath:
                         f[31][: f[30]].decode("utf-8", "surrogateescape"), f[15],
                     )
                 )  # fmt: skip
+            for rec in out[len(out) - n :]:
+                # Taken at once, whatever becomes of the record, so none piles up in C.
+                if rec.end == END_UPSTREAM_PROTO and rec.detail & 0xFF == _PROTO_HTTP:
+                    rec.message = self.take_message(rec.flow)
             if n < _BATCH:
                 return out
 

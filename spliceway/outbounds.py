@@ -191,7 +191,10 @@ async def _recv_until(
             return result
         if len(buf) > _MAX_PROXY_REPLY:
             raise DialError("protocol_error", "upstream proxy reply too large", stage="handshake")
-        chunk = await loop.sock_recv(sock, 4096)
+        try:
+            chunk = await loop.sock_recv(sock, 4096)
+        except ConnectionError:
+            chunk = b""  # a reset ends the handshake as a close does (so says the C path too)
         if not chunk:
             raise DialError(
                 "protocol_error", "upstream proxy closed during handshake", stage="handshake"

@@ -176,8 +176,9 @@ class PolicyTable:
             views = dict(self._views)
             views[view.tag] = view
             self._views = views
-        if self.on_publish is not None:
-            self.on_publish()
+        hook = self.on_publish  # read once: stop() may clear it meanwhile
+        if hook is not None:
+            hook()
 
     def get(self, tag: str) -> GroupView | None:
         """The current view of ``tag``, or None when it is not a group."""

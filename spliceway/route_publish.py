@@ -81,6 +81,9 @@ class RoutePublisher:
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
+        #: Serialises compile-and-install, so tables go to C in the order compiled.
+        self._publish_lock = threading.Lock()
+        #: Guards the mirrors only: a record's lookup never waits for a compile.
         self._lock = threading.Lock()
         self._mirrors: OrderedDict[int, Mirror] = OrderedDict()
         self._epoch = 0
@@ -97,7 +100,7 @@ class RoutePublisher:
         Does nothing before the engine's connection path exists.
         """
         core = self._core
-        with self._lock:
+        with self._publish_lock:
             conn = getattr(getattr(core, "bridge", None), "conn", None)
             if conn is None or self._closed:
                 return
@@ -126,15 +129,16 @@ class RoutePublisher:
                 epoch=self._epoch,
                 ruleset=state.ruleset,
             )
-            self._mirrors[self._epoch] = Mirror(routes, chains)
-            while len(self._mirrors) > _MIRRORS_KEPT:
-                self._mirrors.popitem(last=False)
+            with self._lock:
+                self._mirrors[self._epoch] = Mirror(routes, chains)
+                while len(self._mirrors) > _MIRRORS_KEPT:
+                    self._mirrors.popitem(last=False)
             conn.set_table(routes.detach())
             self._installed, self._installed_state = key, state
 
     def close(self) -> None:
         """Publish nothing more (before the connection path shuts down)."""
-        with self._lock:
+        with self._publish_lock:
             self._closed = True
 
     def mirror(self, epoch: int) -> Mirror:

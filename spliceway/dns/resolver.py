@@ -288,8 +288,9 @@ class Resolver:
         addresses, ttl = answer
         if addresses and self.cache is not None:
             self.cache.put(name, addresses, ttl)
-            if self.on_answer is not None:
-                self.on_answer(name, addresses, self.cache.clamp_ttl(ttl))
+            hook = self.on_answer  # read once: stop() may clear it meanwhile
+            if hook is not None:
+                hook(name, addresses, self.cache.clamp_ttl(ttl))
         return addresses
 
     @staticmethod
