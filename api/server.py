@@ -78,6 +78,10 @@ class ControlServer:
             # A slow SSE reader blocks its own worker after 1 MiB instead of
             # buffering up to Waitress's default 16 MiB per connection.
             outbuf_high_watermark=_OUTBUF_HIGH_WATERMARK,
+            # Past outbuf_overflow (1 MiB by default) Waitress spills a channel's
+            # buffer into a temporary file: a busy SSE stream sat at that edge and
+            # paid for file writes on every event burst. The watermark bounds it.
+            outbuf_overflow=2 * _OUTBUF_HIGH_WATERMARK,
             ident="spliceway",
             expose_tracebacks=False,
             clear_untrusted_proxy_headers=True,
