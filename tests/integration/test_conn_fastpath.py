@@ -28,6 +28,7 @@ from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.flows import completed, flow_events
 from tests.helpers.servers import EchoServer, LoopbackServer
+from tests.helpers.socks import recv_exact
 from tests.helpers.upstreams import black_hole, microsocks, refused_port, tinyproxy
 
 #: No stats sampling during a test: throughput stays 0 and no flow.updated interleaves,
@@ -107,16 +108,6 @@ def py_deferred(n: int = 1, **more: int) -> dict[str, int]:
 
 
 # -- clients ---------------------------------------------------------------------------
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(data)} of {n} bytes: {data!r}")
-        data += chunk
-    return data
 
 
 def recv_to_eof(sock: socket.socket) -> bytes:
@@ -713,6 +704,26 @@ def test_connection_refused_in_c_fails_as_the_python_path(make_engine, python_en
 # -- 5: an upstream socks5 outbound ---------------------------------------------------------------
 
 
+def echoed_on_both(
+    make_engine: Callable[..., Engine],
+    python_engine: Callable[..., Engine],
+    cfg: dict[str, Any],
+    kind: str,
+    host: str,
+    port: int,
+    events: dict[str, list[dict[str, Any]]],
+) -> Iterator[tuple[str, Engine, dict[str, Any], Tunnel]]:
+    """One echoed flow through a C engine, then a Python-path engine, on ``cfg``: yields
+    (path, engine, the flow's record, its closed tunnel); ``events[path]`` gets its events."""
+    for path, engine in (("c", make_engine(cfg)), ("py", python_engine(cfg))):
+        tunnel, reply = open_via(engine, kind, host, port)
+        with tunnel:
+            assert reply == OPENERS[kind][2]
+            echo_through(tunnel)
+        record, events[path] = only_flow(engine)
+        yield path, engine, record, tunnel
+
+
 def upstream_config(port: int, auth: tuple[str, str] | None) -> dict[str, Any]:
     up: dict[str, Any] = {"tag": "up", "protocol": "socks5", "server": "127.0.0.1", "port": port}
     if auth:
@@ -726,15 +737,9 @@ def test_socks5_upstream_in_c_equals_the_python_path(make_engine, python_engine,
     with EchoServer() as server, microsocks(auth) as proxy:
         host, port = server.address
         events = {}
-        for path, engine in (
-            ("c", make_engine(upstream_config(proxy, auth))),
-            ("py", python_engine(upstream_config(proxy, auth))),
+        for path, engine, record, tunnel in echoed_on_both(
+            make_engine, python_engine, upstream_config(proxy, auth), kind, host, port, events
         ):
-            tunnel, reply = open_via(engine, kind, host, port)
-            with tunnel:
-                assert reply == OPENERS[kind][2]
-                echo_through(tunnel)
-            record, events[path] = only_flow(engine)
             greeting = 3
             userpass = 3 + len("u1p1") if auth else 0
             request = 10
@@ -1406,15 +1411,10 @@ def test_http_upstream_in_c_equals_the_python_path(
     with EchoServer() as server, tinyproxy(tmp_path, auth) as proxy:
         host, port = server.address
         events = {}
-        for path, engine in (
-            ("c", make_engine(http_upstream_config(proxy, auth))),
-            ("py", python_engine(http_upstream_config(proxy, auth))),
+        cfg = http_upstream_config(proxy, auth)
+        for path, engine, record, _ in echoed_on_both(
+            make_engine, python_engine, cfg, kind, host, port, events
         ):
-            tunnel, reply = open_via(engine, kind, host, port)
-            with tunnel:
-                assert reply == OPENERS[kind][2]
-                echo_through(tunnel)
-            record, events[path] = only_flow(engine)
             assert record["result"] == {"outcome": "chained_relayed"}
             assert record["path"]["outbound"] == {"tag": "hp", "protocol": "http"}
             assert record["path"]["remote"] == {"host": "127.0.0.1", "port": proxy}
