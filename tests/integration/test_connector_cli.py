@@ -18,7 +18,11 @@ def _sink_config(tmp_path, **dispatcher) -> tuple[dict, str]:
         {
             "event_sinks": [
                 # Nothing listens there: every event stays pending.
-                {"type": "webhook", "tag": "central", "url": f"http://127.0.0.1:{refused_port()}/h"},
+                {
+                    "type": "webhook",
+                    "tag": "central",
+                    "url": f"http://127.0.0.1:{refused_port()}/h",
+                },
                 {"type": "jsonl", "tag": "audit", "path": str(tmp_path / "audit.jsonl")},
             ],
             "outbox_path": str(tmp_path / "outbox"),

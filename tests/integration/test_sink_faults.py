@@ -266,9 +266,7 @@ def test_hung_receiver_times_out_and_is_retried(make_engine, tmp_path):
         assert item["total_failed"] == 2
         assert item["total_delivered"] == 1
         assert item["last_error"] is None
-        assert_at_least_once(
-            rx.bodies_by_event_id(), expected_from(engine.query("events"))
-        )
+        assert_at_least_once(rx.bodies_by_event_id(), expected_from(engine.query("events")))
         assert len(rx.requests) == 3
 
 
@@ -283,9 +281,7 @@ def test_reset_mid_response_is_retried(make_engine, tmp_path):
         assert item["total_failed"] == 1
         assert item["total_delivered"] == 1
         assert requests[0].body == requests[1].body
-        assert_at_least_once(
-            rx.bodies_by_event_id(), expected_from(engine.query("events"))
-        )
+        assert_at_least_once(rx.bodies_by_event_id(), expected_from(engine.query("events")))
         assert len(rx.requests) == 2
         assert rx.connections == 2
 

@@ -145,15 +145,24 @@ def serve_forever(answer: bytes, *, close_after=False):
 
 def test_status_and_retry_after_pass_through(receiver, client_for):
     receiver.script(
-        Reply(200), Reply(201), Reply(204), Reply(404), Reply(500),
+        Reply(200),
+        Reply(201),
+        Reply(204),
+        Reply(404),
+        Reply(500),
         Reply(429, {"Retry-After": "7"}),
         Reply(503, {"retry-after": "Wed, 21 Oct 2099 07:28:00 GMT"}),
     )
     client = client_for(receiver.url)
     results = [client.post(b"{}") for _ in range(7)]
     assert results == [
-        Response(200, None), Response(201, None), Response(204, None), Response(404, None),
-        Response(500, None), Response(429, "7"), Response(503, "Wed, 21 Oct 2099 07:28:00 GMT"),
+        Response(200, None),
+        Response(201, None),
+        Response(204, None),
+        Response(404, None),
+        Response(500, None),
+        Response(429, "7"),
+        Response(503, "Wed, 21 Oct 2099 07:28:00 GMT"),
     ]
 
 
@@ -433,8 +442,6 @@ def test_receiver_serves_concurrent_connections(receiver):
 def test_receiver_wait_for_reports_a_shortfall(receiver):
     with pytest.raises(AssertionError, match="got 0 of 1 requests"):
         receiver.wait_for(1, timeout=0.05)
-
-
 
 
 def test_a_body_larger_than_the_socket_buffer_is_sent_whole(receiver, client_for):

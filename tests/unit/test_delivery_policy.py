@@ -61,8 +61,31 @@ def test_429_5xx_and_network_errors_are_retryable(status):
 
 
 @pytest.mark.parametrize(
-    "status", [100, 101, 199, 300, 301, 302, 304, 307, 308, 400, 401, 403, 404, 408, 410, 413,
-               422, 428, 431, 451, 499, 600]
+    "status",
+    [
+        100,
+        101,
+        199,
+        300,
+        301,
+        302,
+        304,
+        307,
+        308,
+        400,
+        401,
+        403,
+        404,
+        408,
+        410,
+        413,
+        422,
+        428,
+        431,
+        451,
+        499,
+        600,
+    ],
 )
 def test_everything_else_is_rejected(status):
     # 408 is not in the spec's retry list, so it is a rejection like any other 4xx.
@@ -134,8 +157,13 @@ def test_jitter_stays_under_the_cap(policy, attempt, seed):
     assert 0 <= backoff_ms(policy, attempt, random.Random(seed)) <= backoff_cap_ms(policy, attempt)
 
 
-@given(policies, st.integers(1, 200), st.sampled_from([429, 503]), st.integers(0, 10**6),
-       st.integers(0, 2**32))
+@given(
+    policies,
+    st.integers(1, 200),
+    st.sampled_from([429, 503]),
+    st.integers(0, 10**6),
+    st.integers(0, 2**32),
+)
 def test_retry_after_is_honoured_up_to_max(policy, attempt, status, seconds, seed):
     delay = retry_delay_ms(policy, attempt, status, str(seconds), random.Random(seed), NOW)
     assert delay >= min(seconds * 1000, policy.backoff_max_ms)
@@ -201,8 +229,11 @@ def test_next_step_acks_2xx_whatever_the_mode(mode):
 
 @pytest.mark.parametrize(
     ("mode", "action"),
-    [("retry_forever", Action.DEAD_LETTER), ("dead_letter", Action.DEAD_LETTER),
-     ("discard", Action.DISCARD)],
+    [
+        ("retry_forever", Action.DEAD_LETTER),
+        ("dead_letter", Action.DEAD_LETTER),
+        ("discard", Action.DISCARD),
+    ],
 )
 def test_a_rejection_is_never_retried(mode, action):
     p = DeliveryPolicy(retry_threshold=10, on_exhausted=mode)
@@ -214,8 +245,9 @@ def test_a_rejection_is_never_retried(mode, action):
     ("mode", "action"), [("dead_letter", Action.DEAD_LETTER), ("discard", Action.DISCARD)]
 )
 def test_retryable_failures_retry_until_the_threshold(mode, action):
-    p = DeliveryPolicy(backoff_initial_ms=100, backoff_max_ms=1000, retry_threshold=3,
-                       on_exhausted=mode)
+    p = DeliveryPolicy(
+        backoff_initial_ms=100, backoff_max_ms=1000, retry_threshold=3, on_exhausted=mode
+    )
     assert _step(p, 1, 503).action is Action.RETRY
     assert _step(p, 2, None).action is Action.RETRY
     assert _step(p, 3, 429) == Step(action)
