@@ -68,15 +68,58 @@ def _sniff_may_reroute(route_state: RouteState, decision: routing.RouteDecision)
     return ruleset.first_domain_rule < bound
 
 
+class FlowDeps:
+    """What a FlowActor may use of the engine, and nothing more (built once per start).
+
+    The routing state is read through ``route_state`` because ``mode.set`` replaces it.
+    """
+
+    __slots__ = (
+        "_route_state",
+        "bridge",
+        "counters",
+        "dispatcher",
+        "flow_actors",
+        "flows",
+        "group_actors",
+        "log",
+        "outbounds",
+        "policies",
+        "principal_key",
+        "routes",
+        "tcp_idle_timeout_ms",
+    )
+
+    def __init__(self, core: EngineCore) -> None:
+        self.bridge = core.bridge
+        self.counters = core.counters
+        self.dispatcher = core.dispatcher
+        self.flow_actors = core.flow_actors
+        self.flows = core.flows
+        self.group_actors = core.group_actors
+        self.log = core.log
+        self.outbounds = core.outbounds
+        self.policies = core.policies
+        self.principal_key = core.principal_key
+        self.routes = core.routes
+        self.tcp_idle_timeout_ms = core.tcp_idle_timeout_ms
+        self._route_state = lambda: core.route_state
+
+    @property
+    def route_state(self) -> RouteState:
+        """The routing inputs now (mode, final, rules)."""
+        return self._route_state()
+
+
 class FlowActor(LoopActor):
     """One TCP flow through the engine."""
 
-    # One per connection: the engine tracks them in ``core.flow_actors``.
+    # One per connection: the engine tracks them in ``deps.flow_actors``.
     registered = False
 
     def __init__(
         self,
-        core: EngineCore,
+        deps: FlowDeps,
         inbound: InboundSpec,
         client: socket.socket,
         peer: tuple[Any, ...],
@@ -85,8 +128,8 @@ class FlowActor(LoopActor):
         deferred: connpath.Deferred | None = None,
         started: connpath.ConnRecord | None = None,
     ) -> None:
-        super().__init__(core.dispatcher)
-        self.core = core
+        super().__init__(deps.dispatcher)
+        self.deps = deps
         self.inbound = inbound
         self.client: socket.socket | None = client
         self.upstream: socket.socket | None = None
@@ -105,7 +148,7 @@ class FlowActor(LoopActor):
         self._c_flow = started.flow if started is not None else None
         self._c_dialled = False
         self._close_requested = False
-        core.flow_actors.add(self)
+        deps.flow_actors.add(self)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -132,7 +175,7 @@ class FlowActor(LoopActor):
             self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
 
     def _teardown(self) -> None:
-        self.core.flow_actors.discard(self)
+        self.deps.flow_actors.discard(self)
         task = self._task
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
@@ -169,12 +212,12 @@ class FlowActor(LoopActor):
         if self.handle is not None:
             self._close_requested = True
             self._close_reason_on_cancel = reason
-            return self.core.bridge.request_close(self.handle)
+            return self.deps.bridge.request_close(self.handle)
         if self._c_flow is not None:
             # C still holds it (dialling or sniffing): its ENDED record ends the flow.
             self._close_requested = True
             self._close_reason_on_cancel = reason
-            self.core.bridge.conn.request_close(self._c_flow)
+            self.deps.bridge.conn.request_close(self._c_flow)
             return True
         if self._task is not None and not self._task.done():
             self._close_reason_on_cancel = reason
@@ -233,9 +276,9 @@ class FlowActor(LoopActor):
     async def _route_and_dial(self, hs: Handshake, replied: bool) -> None:
         """From the started flow's route to the hand-off (``replied``: the client was told
         the tunnel is open, and sniffing is done)."""
-        core = self.core
+        deps = self.deps
         loop = self.dispatcher.loop
-        route_state = core.route_state
+        route_state = deps.route_state
         decision = route_state.decide(self._facts(hs))
         if (
             not replied
@@ -251,9 +294,9 @@ class FlowActor(LoopActor):
             await self._sniff(hs)
             decision = route_state.decide(self._facts(hs))
         chain = (
-            core.policies.resolve(decision.target, hs.host, self.peer[0]) if decision.target else []
+            deps.policies.resolve(decision.target, hs.host, self.peer[0]) if decision.target else []
         )
-        outbound = core.outbounds.get(chain[-1]) if chain else None
+        outbound = deps.outbounds.get(chain[-1]) if chain else None
         if decision.action == "block" or outbound is None or outbound.protocol == "block":
             self._set_route(decision, chain, outbound)
             if not replied:
@@ -298,7 +341,7 @@ class FlowActor(LoopActor):
             c.protocol,
             host,
             c.port,
-            self.core.principal_key(c.principal),
+            self.deps.principal_key(c.principal),
             _AUTH_SCHEMES.get(c.auth),
             c.client_rx,
             c.client_tx,
@@ -306,7 +349,7 @@ class FlowActor(LoopActor):
         )
 
     def _start_record(self, hs: Handshake, started_at: int | None = None) -> None:
-        core = self.core
+        deps = self.deps
         started = now_ms() if started_at is None else started_at
         self.state = records.FlowState(
             flow_id=self.flow_id,
@@ -315,7 +358,7 @@ class FlowActor(LoopActor):
             source_ip=self.peer[0],
             source_port=self.peer[1],
             started_at_unix_ms=started,
-            mode=core.route_state.mode,
+            mode=deps.route_state.mode,
             target_host=hs.host,
             target_port=hs.port,
             principal_key=hs.principal_key,
@@ -325,7 +368,7 @@ class FlowActor(LoopActor):
         t = self.state.traffic
         t.inbound_rx_bytes = hs.rx_bytes
         t.inbound_tx_bytes = hs.tx_bytes
-        core.counters.total_started += 1
+        deps.counters.total_started += 1
         self._publish("flow.started", records.lifecycle_payload)
 
     async def _reply(self, data: bytes, *, quiet: bool = False) -> None:
@@ -408,10 +451,10 @@ class FlowActor(LoopActor):
 
     def _report_member_down(self, chain: list[str], error: str) -> None:
         """Tell every probing group on the chain that its chosen member failed."""
-        core = self.core
+        deps = self.deps
         for group, member in itertools.pairwise(chain):
-            view = core.policies.get(group)
-            actor = core.group_actors.get(group)
+            view = deps.policies.get(group)
+            actor = deps.group_actors.get(group)
             if view is not None and view.probing and actor is not None:
                 actor.tell(MemberFailed(member, error))
 
@@ -441,8 +484,8 @@ class FlowActor(LoopActor):
         upstream_fd = self.upstream.detach()
         self.client = self.upstream = None
         try:
-            self.handle = self.core.bridge.hand_off(
-                client_fd, upstream_fd, self.core.tcp_idle_timeout_ms, self.actor_ref, sealed
+            self.handle = self.deps.bridge.hand_off(
+                client_fd, upstream_fd, self.deps.tcp_idle_timeout_ms, self.actor_ref, sealed
             )
         except OSError:
             for fd in (client_fd, upstream_fd):
@@ -451,9 +494,9 @@ class FlowActor(LoopActor):
             raise
         s.state = "active"
         if chained:
-            self.core.counters.chained_sessions += 1
+            self.deps.counters.chained_sessions += 1
         else:
-            self.core.counters.direct_sessions += 1
+            self.deps.counters.direct_sessions += 1
         self._publish("flow.routed", records.lifecycle_payload)
 
     # -- flows the C connection path runs ---------------------------------------------
@@ -464,10 +507,10 @@ class FlowActor(LoopActor):
 
     def _c_route(self, rec: connpath.ConnRecord) -> Any:
         """Apply the route C took (looked up in the table it used); its outbound."""
-        mirror = self.core.routes.mirror(rec.epoch)
+        mirror = self.deps.routes.mirror(rec.epoch)
         decision = mirror.routes.decision(rec.action, rec.rule, rec.target)
         chain = mirror.chains[rec.target] if rec.target >= 0 else []
-        outbound = self.core.outbounds.get(chain[-1]) if chain else None
+        outbound = self.deps.outbounds.get(chain[-1]) if chain else None
         self._set_route(decision, chain, outbound)
         s = self.state
         assert s is not None
@@ -497,13 +540,13 @@ class FlowActor(LoopActor):
         self.handle = rec.relay_handle
         s.state = "active"
         if outbound.chained:
-            self.core.counters.chained_sessions += 1
+            self.deps.counters.chained_sessions += 1
         else:
-            self.core.counters.direct_sessions += 1
+            self.deps.counters.direct_sessions += 1
         self._publish("flow.routed", records.lifecycle_payload, occurred=rec.at_unix_ms)
         if self._close_requested:
             # The close reached C after it had handed the flow to the relay.
-            self.core.bridge.request_close(rec.relay_handle)
+            self.deps.bridge.request_close(rec.relay_handle)
 
     def _dropped(self, message: Any) -> None:
         """A connection handed over after the actor stopped is closed, not leaked."""
@@ -643,7 +686,7 @@ class FlowActor(LoopActor):
         dialled = self.upstream is not None or self._c_dialled
         if s.outbound_tag is None or (s.state != "active" and not dialled):
             return records.CANCELLED
-        chained = self.core.outbounds[s.outbound_tag].chained
+        chained = self.deps.outbounds[s.outbound_tag].chained
         return records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED
 
     # -- publishing ---------------------------------------------------------------
@@ -653,11 +696,11 @@ class FlowActor(LoopActor):
         assert s is not None
         s.revision += 1
         record = s.render()
-        core = self.core
+        deps = self.deps
         if s.state == "completed":
-            core.flows.remove(self.flow_id)
+            deps.flows.remove(self.flow_id)
         else:
-            core.flows.put(
+            deps.flows.put(
                 self.flow_id,
                 FlowEntry(
                     self.actor_ref,
@@ -668,7 +711,7 @@ class FlowActor(LoopActor):
                     self._base,
                 ),
             )
-        core.log.emit(
+        deps.log.emit(
             event_type,
             payload_fn(s, record),
             principal_key=s.principal_key,
@@ -687,7 +730,7 @@ class FlowActor(LoopActor):
         s.close_reason = close_reason
         s.failure = failure
         s.ended_at_unix_ms = max(ended, s.started_at_unix_ms)
-        c = self.core.counters
+        c = self.deps.counters
         c.completed_sessions += 1
         c.completed_bytes_up += s.traffic.bytes_up
         c.completed_bytes_down += s.traffic.bytes_down

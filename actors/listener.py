@@ -58,7 +58,7 @@ class ListenerActor(LoopActor):
         client = socket.socket(fileno=deferred.fd)
         flow_id = f"{self._prefix}d{next(self._ids)}"
         peer = (deferred.source_ip or "", deferred.source_port)
-        FlowActor.start(self.core, self.inbound, client, peer, flow_id, deferred=deferred)
+        FlowActor.start(self.core.flow_deps, self.inbound, client, peer, flow_id, deferred=deferred)
 
     def on_stop(self) -> None:
         """Stop accepting and close the socket (idempotent)."""

@@ -24,7 +24,7 @@ import pykka
 from spliceway import __version__, policy, routing
 from spliceway.actors.bridge import RelayBridge
 from spliceway.actors.dispatcher import Dispatcher
-from spliceway.actors.flow import FlowActor
+from spliceway.actors.flow import FlowActor, FlowDeps
 from spliceway.actors.messages import StopFlow, TakeDeferred
 from spliceway.actors.supervisor import EngineSupervisor
 from spliceway.config import Config
@@ -153,6 +153,8 @@ class EngineCore:
             bridge = RelayBridge(self.dispatcher)
             self.dispatcher.run_sync(lambda: bridge.attach(self._start_c_flow, self._take_deferred))
             self.bridge = bridge
+            #: What flow actors use of the engine (listeners hand it to theirs).
+            self.flow_deps = FlowDeps(self)
             self.routes.publish()
             self.policies.on_publish = self.routes.publish
             self.resolver.on_answer = self._dns_answer
@@ -224,6 +226,8 @@ class EngineCore:
             # The relay (its completion eventfd) is freed with the last reference to it.
             with contextlib.suppress(AttributeError):
                 del self.bridge
+            with contextlib.suppress(AttributeError):
+                del self.flow_deps
         for sock in sockets:
             sock.close()
         # Once engine.started went out, every start a consumer saw has its stop.
@@ -249,7 +253,7 @@ class EngineCore:
         inbound = self.inbounds[record.inbound]
         flow_id = f"{self.flow_id_prefix}{inbound.index}-{record.flow}"
         peer = (record.source_ip or "", record.source_port)
-        return FlowActor.start(self, inbound, None, peer, flow_id, started=record)
+        return FlowActor.start(self.flow_deps, inbound, None, peer, flow_id, started=record)
 
     def _dns_answer(self, name: str, addresses: list[str], ttl_s: float) -> None:
         """Copy a resolver answer into C's cache when C would dial it as Python does.
