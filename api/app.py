@@ -106,7 +106,7 @@ class ControlState:
     query_bucket: TokenBucket = field(init=False)
     command_bucket: TokenBucket = field(init=False)
     sse_slots: Slots = field(init=False)
-    frames: FrameCache = field(default_factory=FrameCache)
+    frames: FrameCache = field(init=False)
     streams: set[EventStream] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -114,6 +114,7 @@ class ControlState:
         self.query_bucket = TokenBucket(self.limits.queries_per_second)
         self.command_bucket = TokenBucket(self.limits.commands_per_second)
         self.sse_slots = Slots(self.limits.sse_streams)
+        self.frames = FrameCache(encode=self.core.log.encoded)
 
     def close_streams(self) -> None:
         """End every open SSE stream (server shutdown)."""

@@ -54,8 +54,13 @@ def parse_since(query: str | None, header: str | None) -> int | None:
 class FrameCache:
     """Encoded frames shared by every stream, so N streams encode each event once."""
 
-    def __init__(self, size: int = 8192) -> None:
+    def __init__(
+        self, size: int = 8192, encode: Callable[[Envelope], bytes] = orjson.dumps
+    ) -> None:
         self._size = size
+        #: The envelope's JSON: the event log's own (``EventLog.encoded``), shared with
+        #: every other consumer, in an engine's app.
+        self._encode = encode
         self._frames: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -78,7 +83,7 @@ class FrameCache:
             (
                 b"id: %d\nevent: %s\ndata: "
                 % (envelope["sequence"], envelope["event_type"].encode()),
-                orjson.dumps(envelope),
+                self._encode(envelope),
                 b"\n\n",
             )
         )

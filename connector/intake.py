@@ -132,7 +132,10 @@ class Intake:
         if not events:
             return
         batch = [
-            (e["sequence"], encode(e, feed.source_id))
+            (
+                e["sequence"],
+                self.log.encoded(e) if feed.source_id is None else encode(e, feed.source_id),
+            )
             for e in events
             if e["event_type"] != SNAPSHOT and (feed.types is None or e["event_type"] in feed.types)
         ]

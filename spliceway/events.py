@@ -21,9 +21,11 @@ import queue
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import orjson
 
 from spliceway.errors import invalid_argument
 from spliceway.event_catalogue import EVENT_CATALOGUE
@@ -182,10 +184,16 @@ class Subscription:
 
 
 class EventLog:
-    """A thread-safe ring of event envelopes with monotonic sequences."""
+    """A thread-safe ring of event envelopes with monotonic sequences.
+
+    :meth:`encoded` renders an envelope's JSON once, on first demand, for every
+    consumer that wants bytes (SSE streams, sink intake); with none, nothing is rendered.
+    """
 
     def __init__(self, capacity: int = 8192) -> None:
         self.capacity = capacity
+        self._encoded: OrderedDict[str, bytes] = OrderedDict()
+        self._encoded_lock = threading.Lock()
         self.epoch = secrets.token_hex(8)
         self._ring: deque[Envelope] = deque(maxlen=capacity)
         self._seq = 0
@@ -230,6 +238,21 @@ class EventLog:
             for sub in self._subs:
                 sub._offer(envelope)
         return envelope
+
+    def encoded(self, envelope: Envelope) -> bytes:
+        """``envelope`` as JSON, rendered once for all consumers (kept for as many
+        events as the ring holds)."""
+        key = envelope["event_id"]
+        with self._encoded_lock:
+            data = self._encoded.get(key)
+        if data is not None:
+            return data
+        data = orjson.dumps(envelope)
+        with self._encoded_lock:
+            self._encoded[key] = data
+            if len(self._encoded) > self.capacity:
+                self._encoded.popitem(last=False)
+        return data
 
     def snapshot(self) -> dict[str, Any]:
         """The ring as ``GET /api/v1/events`` returns it (docs/http-api.md)."""

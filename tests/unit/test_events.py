@@ -88,3 +88,21 @@ def test_concurrent_emitters_get_unique_contiguous_sequences():
     for t in threads:
         t.join()
     assert [e["sequence"] for e in log.snapshot()["events"]] == list(range(1, 4001))
+
+
+def test_an_event_is_rendered_once_for_every_consumer():
+    import orjson
+
+    from spliceway.api.sse import FrameCache
+
+    log = EventLog(capacity=4)
+    envelope = log.emit("engine.started", {"build_id": "b", "started_at_unix_ms": 1})
+    first = log.encoded(envelope)
+    assert first == orjson.dumps(envelope)
+    assert log.encoded(envelope) is first  # the same bytes object: rendered once
+    frame = FrameCache(encode=log.encoded).frame(envelope)
+    assert frame == b"id: 1\nevent: engine.started\ndata: " + first + b"\n\n"
+    # Bounded like the ring: the oldest renderings go.
+    for i in range(5):
+        log.encoded(log.emit("engine.started", {"build_id": str(i), "started_at_unix_ms": i}))
+    assert log.encoded(envelope) is not first and log.encoded(envelope) == first
