@@ -92,7 +92,6 @@ def test_concurrent_emitters_get_unique_contiguous_sequences():
 
 def test_an_event_is_rendered_once_for_every_consumer():
     import orjson
-
     from spliceway.api.sse import FrameCache
 
     log = EventLog(capacity=4)
