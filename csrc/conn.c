@@ -148,6 +148,11 @@ struct cconn {
     uint32_t connect_timeout_ms;
     struct sockaddr_storage up_addr;
     socklen_t up_addr_len;
+    /* Every address of the upstream's name, tried in order as open_tcp does. */
+    uint8_t naddrs, addr_idx;
+    uint16_t up_port;
+    uint8_t addr_family[SW_DNS_MAX_ADDRS];
+    uint8_t addr_raw[SW_DNS_MAX_ADDRS][16];
     char *up_user, *up_pass; /* socks5 upstream credentials (copied) */
     char *up_tag;             /* the proxy outbound's tag, for failure messages */
     uint8_t *http_req;        /* upstream http: the CONNECT request, then its response */
@@ -208,8 +213,9 @@ struct retired {
 struct dns_entry {
     struct dns_entry *next;
     uint64_t expires;         /* monotonic ms */
-    int family;
-    uint8_t addr[16];
+    uint8_t n;                /* addresses, in the resolver's order */
+    uint8_t family[SW_DNS_MAX_ADDRS];
+    uint8_t addr[SW_DNS_MAX_ADDRS][16];
     char host[];
 };
 
@@ -493,8 +499,29 @@ static void conn_end(struct cconn *c, uint32_t end, int err, int detail)
 
 /* ---- DNS answer cache ---------------------------------------------------- */
 
-static bool dns_get(sw_conn *conn, const char *host, struct sockaddr_storage *ss,
-                    socklen_t *sslen, uint16_t port)
+/* Address i of the connection's list as a socket address. */
+static void addr_select(struct cconn *c, uint8_t i)
+{
+    struct sockaddr_storage *ss = &c->up_addr;
+    memset(ss, 0, sizeof *ss);
+    c->addr_idx = i;
+    if (c->addr_family[i] == 4) {
+        struct sockaddr_in *sin = (struct sockaddr_in *)ss;
+        sin->sin_family = AF_INET;
+        sin->sin_port = htons(c->up_port);
+        memcpy(&sin->sin_addr, c->addr_raw[i], 4);
+        c->up_addr_len = sizeof *sin;
+    } else {
+        struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)ss;
+        sin6->sin6_family = AF_INET6;
+        sin6->sin6_port = htons(c->up_port);
+        memcpy(&sin6->sin6_addr, c->addr_raw[i], 16);
+        c->up_addr_len = sizeof *sin6;
+    }
+}
+
+/* The cached addresses of `host` into the connection (and the first selected). */
+static bool dns_get(sw_conn *conn, const char *host, struct cconn *c, uint16_t port)
 {
     uint32_t b = hash_str(host) % DNS_BUCKETS;
     uint64_t now = mono_ms();
@@ -502,25 +529,18 @@ static bool dns_get(sw_conn *conn, const char *host, struct sockaddr_storage *ss
     pthread_mutex_lock(&conn->dns_lock);
     for (struct dns_entry *e = conn->dns[b]; e; e = e->next) {
         if (e->expires > now && strcmp(e->host, host) == 0) {
-            memset(ss, 0, sizeof *ss);
-            if (e->family == 4) {
-                struct sockaddr_in *sin = (struct sockaddr_in *)ss;
-                sin->sin_family = AF_INET;
-                sin->sin_port = htons(port);
-                memcpy(&sin->sin_addr, e->addr, 4);
-                *sslen = sizeof *sin;
-            } else {
-                struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)ss;
-                sin6->sin6_family = AF_INET6;
-                sin6->sin6_port = htons(port);
-                memcpy(&sin6->sin6_addr, e->addr, 16);
-                *sslen = sizeof *sin6;
-            }
+            c->naddrs = e->n;
+            memcpy(c->addr_family, e->family, e->n);
+            memcpy(c->addr_raw, e->addr, (size_t)e->n * 16);
             found = true;
             break;
         }
     }
     pthread_mutex_unlock(&conn->dns_lock);
+    if (found) {
+        c->up_port = port;
+        addr_select(c, 0);
+    }
     return found;
 }
 
@@ -541,13 +561,16 @@ static void dns_purge_locked(sw_conn *conn, uint64_t now)
     }
 }
 
-int sw_conn_dns_put(sw_conn *conn, const char *host, int family, const uint8_t *addr,
-                    uint32_t ttl_ms)
+int sw_conn_dns_put(sw_conn *conn, const char *host, uint32_t n, const uint8_t *families,
+                    const uint8_t *addrs, uint32_t ttl_ms)
 {
-    if (!conn || !host || !addr || (family != 4 && family != 6))
+    if (!conn || !host || !families || !addrs || n == 0 || n > SW_DNS_MAX_ADDRS)
         return -EINVAL;
-    size_t n = strlen(host);
-    if (n == 0 || n >= SW_HOST_MAX)
+    for (uint32_t i = 0; i < n; i++)
+        if (families[i] != 4 && families[i] != 6)
+            return -EINVAL;
+    size_t len = strlen(host);
+    if (len == 0 || len >= SW_HOST_MAX)
         return -EINVAL;
     uint64_t now = mono_ms();
     uint32_t b = hash_str(host) % DNS_BUCKETS;
@@ -563,18 +586,21 @@ int sw_conn_dns_put(sw_conn *conn, const char *host, int family, const uint8_t *
             pthread_mutex_unlock(&conn->dns_lock);
             return -ENOSPC;
         }
-        e = calloc(1, sizeof *e + n + 1);
+        e = calloc(1, sizeof *e + len + 1);
         if (!e) {
             pthread_mutex_unlock(&conn->dns_lock);
             return -ENOMEM;
         }
-        memcpy(e->host, host, n + 1);
+        memcpy(e->host, host, len + 1);
         e->next = conn->dns[b];
         conn->dns[b] = e;
         conn->dns_count++;
     }
-    e->family = family;
-    memcpy(e->addr, addr, family == 4 ? 4 : 16);
+    e->n = (uint8_t)n;
+    memcpy(e->family, families, n);
+    memset(e->addr, 0, sizeof e->addr);
+    for (uint32_t i = 0; i < n; i++)
+        memcpy(e->addr[i], addrs + 16 * i, families[i] == 4 ? 4 : 16);
     e->expires = now + ttl_ms;
     pthread_mutex_unlock(&conn->dns_lock);
     return 0;
@@ -942,8 +968,10 @@ static bool decide(struct cconn *c)
     uint16_t port = ti->kind == SW_OUT_DIRECT ? c->port : ti->port;
     if (!host)
         return false;
+    c->naddrs = 1;
+    c->addr_idx = 0;
     if (!parse_ip_literal(host, &c->up_addr, &c->up_addr_len, port) &&
-        !dns_get(c->loop->conn, host, &c->up_addr, &c->up_addr_len, port))
+        !dns_get(c->loop->conn, host, c, port))
         return false; /* a DNS miss: Python resolves (and fills the cache) */
     if (ti->kind == SW_OUT_SOCKS5 || ti->kind == SW_OUT_HTTP) {
         free(c->up_tag);
@@ -989,8 +1017,24 @@ static void fail_flow(struct cconn *c, uint32_t end, int err, int detail, int so
     conn_end(c, end, err, detail);
 }
 
+static void start_connect(struct cconn *c);
+static void connect_timed_out(struct cconn *c);
+
 static void connect_failed(struct cconn *c, int err)
 {
+    if (err == ETIMEDOUT) {
+        /* Python's connect raises TimeoutError for it: "timed out", at once. */
+        connect_timed_out(c);
+        return;
+    }
+    if (c->addr_idx + 1 < c->naddrs) {
+        /* open_tcp tries the next address, within the same deadline. */
+        close(c->ufd); /* its epoll registration goes with it (never dup'ed) */
+        c->ufd = -1;
+        addr_select(c, (uint8_t)(c->addr_idx + 1));
+        start_connect(c);
+        return;
+    }
     char msg[600];
     int socks = 1, http = 502;
     switch (err) {
@@ -1042,7 +1086,8 @@ static void start_connect(struct cconn *c)
         return;
     }
     c->state = ST_CONNECT;
-    timer_set(c, mono_ms() + c->connect_timeout_ms);
+    if (c->addr_idx == 0) /* one deadline for every address, as open_tcp has */
+        timer_set(c, mono_ms() + c->connect_timeout_ms);
 }
 
 static void connect_timed_out(struct cconn *c)

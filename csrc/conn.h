@@ -38,6 +38,8 @@ enum sw_inbound_protocol {
     SW_IN_MIXED = 3
 };
 
+#define SW_DNS_MAX_ADDRS 8
+
 enum sw_rec_kind {
     SW_REC_STARTED = 1, /* handshake done, C owns the flow; name = target host */
     SW_REC_ROUTED = 2,  /* dialled, replied, handed to the relay; name = sniffed host */
@@ -187,9 +189,11 @@ int sw_conn_unlisten(sw_conn *conn, uint32_t inbound);
  * previous one is freed once every loop has stopped using it. */
 int sw_conn_set_table(sw_conn *conn, sw_table *table);
 
-/* Remember what `host` resolved to, for ttl_ms.  family 4 or 6. */
-int sw_conn_dns_put(sw_conn *conn, const char *host, int family, const uint8_t *addr,
-                    uint32_t ttl_ms);
+/* Remember what `host` resolved to, for ttl_ms: n addresses (at most
+ * SW_DNS_MAX_ADDRS, tried in this order), families[i] 4 or 6, addrs 16 bytes
+ * each (an IPv4 address in the first 4). */
+int sw_conn_dns_put(sw_conn *conn, const char *host, uint32_t n, const uint8_t *families,
+                    const uint8_t *addrs, uint32_t ttl_ms);
 
 /* Close a flow C still holds (started, not yet handed to the relay).
  * -ENOENT when C holds no such flow. */

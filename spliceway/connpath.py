@@ -275,17 +275,25 @@ class ConnPath:
         """Install a sealed ``sw_table *`` (ownership passes to C)."""
         check(lib.sw_conn_set_table(self._ptr, table), "sw_conn_set_table")
 
-    def dns_put(self, host: str, address: str, ttl_ms: int) -> None:
-        """Let C dial ``host`` at ``address`` for ``ttl_ms`` without asking Python."""
-        ip = ipaddress.ip_address(address)
+    def dns_put(self, host: str, addresses: list[str], ttl_ms: int) -> None:
+        """Let C dial ``host`` at ``addresses`` (tried in this order) for ``ttl_ms``.
+
+        Names that are not ASCII, and answers with more addresses than C keeps, stay
+        Python's (C then defers their flows).
+        """
+        if not addresses or len(addresses) > lib.SW_DNS_MAX_ADDRS:
+            return
         try:
             name = host.encode("ascii")
         except UnicodeEncodeError:
             return
         if not name or len(name) >= 256:
             return
+        ips = [ipaddress.ip_address(a) for a in addresses]
+        families = bytes(ip.version for ip in ips)
+        packed = b"".join(ip.packed.ljust(16, b"\0") for ip in ips)
         ttl_ms = min(max(ttl_ms, 0), 0xFFFFFFFF)  # sw_conn_dns_put takes a uint32_t
-        code = lib.sw_conn_dns_put(self._ptr, name, ip.version, ip.packed, ttl_ms)
+        code = lib.sw_conn_dns_put(self._ptr, name, len(ips), families, packed, ttl_ms)
         if code < 0 and code != -errno_mod.ENOSPC:
             check(code, "sw_conn_dns_put")
 

@@ -256,13 +256,9 @@ class EngineCore:
         return FlowActor.start(self.flow_deps, inbound, None, peer, flow_id, started=record)
 
     def _dns_answer(self, name: str, addresses: list[str], ttl_s: float) -> None:
-        """Copy a resolver answer into C's cache when C would dial it as Python does.
-
-        Python tries each address in turn; C holds one per name, so only a
-        single-address answer is copied (the others keep deferring to Python).
-        """
-        if len(addresses) == 1:
-            self.bridge.conn.dns_put(name, addresses[0], int(ttl_s * 1000))
+        """Copy a resolver answer into C's cache: C then dials the name itself, trying
+        the addresses in order within one deadline, as the Python path does."""
+        self.bridge.conn.dns_put(name, addresses, int(ttl_s * 1000))
 
     def _take_deferred(self, deferred: Deferred) -> None:
         """Give a connection C deferred to its listener (closed if that has stopped)."""

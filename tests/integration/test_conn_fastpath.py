@@ -1168,17 +1168,47 @@ def test_a_name_defers_on_a_dns_miss_then_c_routes_it(make_engine):
         same_events(events[1], events[0])
 
 
-def test_a_name_with_several_addresses_stays_on_the_python_path(make_engine):
-    """C's cache holds one address per name; Python tries each in turn, so a
-    multi-address answer is never copied to C."""
-    with EchoServer() as server, dns_server({"two.test": ["127.0.0.1", "127.0.0.2"]}) as dns:
-        engine = make_engine(config(runtime={"dns": {"servers": [dns.udp_url]}}))
-        for n in (1, 2):
-            tunnel, reply = socks5_open(engine.listen_address("socks-in"), "two.test", server.port)
-            with tunnel:
-                assert reply == S5_OK
-                echo_through(tunnel)
-            expect_stats(engine, **py_deferred(n))
+@pytest.mark.parametrize(
+    "case", ["second-answers", "none-answers"], ids=["second-answers", "none-answers"]
+)
+def test_a_name_with_several_addresses_is_tried_in_order_as_python_does(make_engine, case):
+    """C keeps every address of an answer and tries them in order within one deadline, as
+    open_tcp does: the first refuses; the second accepts, or refuses too (the last error)."""
+    with EchoServer() as server:
+        port = server.port if case == "second-answers" else refused_port()
+        # The echo server listens on 127.0.0.1 only: 127.0.0.2 and 127.0.0.3 refuse.
+        second = "127.0.0.1" if case == "second-answers" else "127.0.0.3"
+        with dns_server({"two.test": ["127.0.0.2", second]}) as dns:
+            engine = make_engine(config(runtime={"dns": {"servers": [dns.udp_url]}}))
+            events = []
+            for n in (1, 2):
+                tunnel, reply = socks5_open(engine.listen_address("socks-in"), "two.test", port)
+                with tunnel:
+                    if case == "second-answers":
+                        assert reply == S5_OK
+                        echo_through(tunnel)
+                    else:
+                        assert reply == b"\x05\x05\x00\x01\x00\x00\x00\x00\x00\x00"
+                        assert tunnel.rest() == b""
+                record = completed(engine, n)[-1]["payload"]["record"]
+                events.append(lifecycle(engine, record["flow_id"]))
+                if case == "second-answers":
+                    assert record["target"]["resolved_ip"] == "127.0.0.1"
+                    assert record["result"] == {"outcome": "direct_relayed"}
+                else:
+                    assert record["result"]["failure"] == {
+                        "stage": "connect",
+                        "code": "connection_refused",
+                        "message": f"connect to two.test:{port} failed: Connection refused",
+                        "remote": {"host": "two.test"},
+                    }
+                if n == 1:
+                    expect_stats(engine, **py_deferred())  # the DNS miss: Python resolved it
+                elif case == "second-answers":
+                    expect_stats(engine, accepted=2, deferred=1, started=1, routed=1)
+                else:
+                    expect_stats(engine, accepted=2, deferred=1, started=1, ended=1)
+            same_events(events[1], events[0])
 
 
 # -- 9: engine stop with flows in every state C holds -------------------------------------------
