@@ -512,18 +512,17 @@ class FlowActor(LoopActor):
         chain = mirror.chains[rec.target] if rec.target >= 0 else []
         outbound = self.deps.outbounds.get(chain[-1]) if chain else None
         self._set_route(decision, chain, outbound)
+        self._c_seen(rec.client_rx, rec.client_tx, rec.name)
+        return outbound
+
+    def _c_seen(self, client_rx: int, client_tx: int, sniffed: str | None) -> None:
+        """What C read from and wrote to the client so far, and the host it sniffed."""
         s = self.state
         assert s is not None
-        if rec.name:
-            s.sniffed_host = rec.name
-        t = s.traffic
-        t.inbound_rx_bytes = rec.client_rx
-        t.inbound_tx_bytes = rec.client_tx
-        t.outbound_rx_bytes = rec.upstream_rx
-        t.outbound_tx_bytes = rec.upstream_tx
-        t.bytes_up += rec.early
-        t.bytes_down += rec.late
-        return outbound
+        s.traffic.inbound_rx_bytes = client_rx
+        s.traffic.inbound_tx_bytes = client_tx
+        if sniffed:
+            s.sniffed_host = sniffed
 
     def _on_c_routed(self, rec: connpath.ConnRecord) -> None:
         s = self.state
@@ -531,6 +530,13 @@ class FlowActor(LoopActor):
             return
         outbound = self._c_route(rec)
         self._c_flow = None
+        # Only a flow C dialled has outbound counts: the Python path, too, counts a
+        # proxy's handshake once the dial succeeded (its Dialed carries them).
+        t = s.traffic
+        t.outbound_rx_bytes = rec.upstream_rx
+        t.outbound_tx_bytes = rec.upstream_tx
+        t.bytes_up += rec.early
+        t.bytes_down += rec.late
         if outbound.protocol == "direct":
             s.resolved_ip = rec.resolved_ip
             s.remote_host, s.remote_port = s.target_host, s.target_port
@@ -562,11 +568,7 @@ class FlowActor(LoopActor):
         if s is None or self._done:
             client.close()
             return
-        t = s.traffic
-        t.inbound_rx_bytes = d.client_rx
-        t.inbound_tx_bytes = d.client_tx
-        if d.sniffed:
-            s.sniffed_host = d.sniffed
+        self._c_seen(d.client_rx, d.client_tx, d.sniffed)
         if self._close_requested:
             # The close reached C after it had handed the connection over.
             client.close()
@@ -584,16 +586,12 @@ class FlowActor(LoopActor):
         # Closed while C sniffed before routing, when the Python path has applied no
         # route yet.
         sniffing_first = rec.end == connpath.END_CLOSED and rec.detail == 1
-        outbound = self._c_route(rec) if rec.action > 0 and not sniffing_first else None
-        if sniffing_first:
-            s.traffic.inbound_rx_bytes = rec.client_rx
-            s.traffic.inbound_tx_bytes = rec.client_tx
-            if rec.name:
-                s.sniffed_host = rec.name
+        if rec.action > 0 and not sniffing_first:
+            outbound = self._c_route(rec)
+        else:
+            outbound = None
+            self._c_seen(rec.client_rx, rec.client_tx, rec.name)
         self._c_flow = None
-        # The Python path counts a proxy's handshake only once the dial succeeded
-        # (its Dialed carries the counts): a flow that ends before has none.
-        s.traffic.outbound_rx_bytes = s.traffic.outbound_tx_bytes = 0
         if rec.end == connpath.END_BLOCKED:
             self._complete(records.BLOCKED, None)
         elif rec.end == connpath.END_CLOSED:

@@ -1614,16 +1614,20 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
         return -EINVAL;
     const int fds[2] = {client_fd, upstream_fd};
     int oldfl[2] = {-1, -1};
-    struct stat st[2];
-    for (int i = 0; i < 2 && !own; i++) {
-        if (fstat(fds[i], &st[i]) < 0)
-            return -errno;
-        if (!S_ISSOCK(st[i].st_mode))
-            return -ENOTSOCK;
+    /* A caller's fds are checked and made non-blocking; the C path's own are
+     * distinct non-blocking sockets already. */
+    if (!own) {
+        struct stat st[2];
+        for (int i = 0; i < 2; i++) {
+            if (fstat(fds[i], &st[i]) < 0)
+                return -errno;
+            if (!S_ISSOCK(st[i].st_mode))
+                return -ENOTSOCK;
+        }
+        /* Two numbers for one socket (a dup) would relay it to itself. */
+        if (st[0].st_dev == st[1].st_dev && st[0].st_ino == st[1].st_ino)
+            return -EINVAL;
     }
-    /* Two numbers for one socket (a dup) would relay it to itself. */
-    if (!own && st[0].st_dev == st[1].st_dev && st[0].st_ino == st[1].st_ino)
-        return -EINVAL;
 
     int rc = life_enter(r);
     if (rc)
@@ -1636,7 +1640,7 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
         rc = -ENOSPC;
         goto out_unreserve;
     }
-    for (int i = 0; i < 2 && !own; i++) {
+    for (int i = 0; i < 2 && !own; i++) { /* (see above) */
         int fl = fcntl(fds[i], F_GETFL);
         if (fl < 0 || (!(fl & O_NONBLOCK) && fcntl(fds[i], F_SETFL, fl | O_NONBLOCK) < 0)) {
             rc = -errno;

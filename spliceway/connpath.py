@@ -318,19 +318,17 @@ class ConnPath:
             data = self._buffer[: n * _STRIDE]
             for i in range(n):
                 f = _RECORD.unpack_from(data, i * _STRIDE)
-                out.append(
-                    ConnRecord(
-                        f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9],
-                        f[10], f[11], f[12], f[13], f[14], f[16], f[17], f[18],
-                        f[19], f[20], f[21], _SPOKEN.get(f[22], "socks5"), f[23],
-                        _ip(f[24], f[28]), _ip(f[25], f[29]), bool(f[26]), bool(f[27]),
-                        f[31][: f[30]].decode("utf-8", "surrogateescape"), f[15],
-                    )
+                rec = ConnRecord(
+                    f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9],
+                    f[10], f[11], f[12], f[13], f[14], f[16], f[17], f[18],
+                    f[19], f[20], f[21], _SPOKEN.get(f[22], "socks5"), f[23],
+                    _ip(f[24], f[28]), _ip(f[25], f[29]), bool(f[26]), bool(f[27]),
+                    f[31][: f[30]].decode("utf-8", "surrogateescape"), f[15],
                 )  # fmt: skip
-            for rec in out[len(out) - n :]:
-                # Taken at once, whatever becomes of the record, so none piles up in C.
                 if rec.end == END_UPSTREAM_PROTO and rec.detail & 0xFF == _PROTO_HTTP:
+                    # Taken at once, whatever becomes of the record, so none piles up in C.
                     rec.message = self.take_message(rec.flow)
+                out.append(rec)
             if n < _BATCH:
                 return out
 

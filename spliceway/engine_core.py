@@ -185,9 +185,7 @@ class EngineCore:
             with contextlib.suppress(pykka.ActorDeadError):
                 entry.actor.tell(StopFlow())
         self._await_flows_drained()
-        self.policies.on_publish = None
-        self.resolver.on_answer = None
-        self.routes.close()
+        self._unhook_c_path()
         self.bridge.shutdown()
         self._await_flows_drained()
         self.dispatcher.run_sync(self.bridge.detach)
@@ -218,8 +216,7 @@ class EngineCore:
                 self.supervisor.stop(timeout=_STOP_GRACE_S)
             self.supervisor = None
         if bridge is not None:
-            self.policies.on_publish = None
-            self.routes.close()
+            self._unhook_c_path()
             with contextlib.suppress(Exception):
                 bridge.shutdown()
                 self.dispatcher.run_sync(bridge.detach)
@@ -234,6 +231,12 @@ class EngineCore:
         self._finish({"stopped_at_unix_ms": now_ms()} if self.log.latest_sequence else None)
 
     # -- the C connection path ----------------------------------------------------------
+
+    def _unhook_c_path(self) -> None:
+        """Nothing feeds the C path from here on (tables, DNS answers): before it shuts down."""
+        self.policies.on_publish = None
+        self.resolver.on_answer = None
+        self.routes.close()
 
     def principal_key(self, principal: int) -> str | None:
         """The principal_key C's principal id stands for (None for none)."""
