@@ -155,7 +155,7 @@ struct cconn {
     uint8_t addr_raw[SW_DNS_MAX_ADDRS][16];
     char *up_user, *up_pass; /* socks5 upstream credentials (copied) */
     char *up_tag;             /* the proxy outbound's tag, for failure messages */
-    uint8_t *http_req;        /* upstream http: the CONNECT request, then its response */
+    uint8_t *http_buf;        /* upstream http: the CONNECT request, then its response */
     uint32_t http_req_len, http_len, http_cap;
     const uint8_t *left;      /* upstream bytes past the proxy's answer, for the client */
     uint32_t left_len;
@@ -470,7 +470,7 @@ static void conn_free_dead(struct cloop *L)
         free(c->up_user);
         free(c->up_pass);
         free(c->up_tag);
-        free(c->http_req);
+        free(c->http_buf);
         free(c);
     }
 }
@@ -924,9 +924,9 @@ static bool decide(struct cconn *c)
     free(c->up_user);
     free(c->up_pass);
     free(c->up_tag);
-    free(c->http_req);
+    free(c->http_buf);
     c->up_user = c->up_pass = c->up_tag = NULL;
-    c->http_req = NULL;
+    c->http_buf = NULL;
     c->http_req_len = 0;
     const sw_table *t = atomic_load(&c->loop->conn->table);
     if (!t)
@@ -987,11 +987,11 @@ static bool decide(struct cconn *c)
         int n = sw_http_connect_request(c->host, c->port, ti->user, ti->pass, req, sizeof req);
         if (n < 0)
             return false;
-        free(c->http_req);
-        c->http_req = malloc((size_t)n);
-        if (!c->http_req)
+        free(c->http_buf);
+        c->http_buf = malloc((size_t)n);
+        if (!c->http_buf)
             return false;
-        memcpy(c->http_req, req, (size_t)n);
+        memcpy(c->http_buf, req, (size_t)n);
         c->http_req_len = (uint32_t)n;
     } else if (ti->kind == SW_OUT_SOCKS5) {
         /* Non-ASCII targets need IDNA on the wire: Python's job. */
@@ -1421,15 +1421,15 @@ static void http_readable(struct cconn *c)
             uint32_t cap = c->http_cap ? c->http_cap * 2 : 8192;
             if (cap > SW_HTTP_MAX_HEAD + 8192)
                 cap = SW_HTTP_MAX_HEAD + 8192;
-            uint8_t *b = realloc(c->http_req, cap);
+            uint8_t *b = realloc(c->http_buf, cap);
             if (!b) {
                 fail_flow(c, SW_END_INTERNAL, ENOMEM, 0, 1, 502, strerror(ENOMEM));
                 return;
             }
-            c->http_req = b;
+            c->http_buf = b;
             c->http_cap = cap;
         }
-        ssize_t n = recv(c->ufd, c->http_req + c->http_len, 4096, 0);
+        ssize_t n = recv(c->ufd, c->http_buf + c->http_len, 4096, 0);
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0 && errno == EAGAIN)
@@ -1441,7 +1441,7 @@ static void http_readable(struct cconn *c)
         c->http_len += (uint32_t)n;
         c->urx += (uint32_t)n;
         sw_http_response resp;
-        int rc = sw_parse_http_response(c->http_req, c->http_len, SW_HTTP_MAX_HEAD, &resp);
+        int rc = sw_parse_http_response(c->http_buf, c->http_len, SW_HTTP_MAX_HEAD, &resp);
         if (rc == SW_PARSE_NEED_MORE)
             continue;
         if (rc != SW_PARSE_OK) {
@@ -1454,7 +1454,7 @@ static void http_readable(struct cconn *c)
                 return;
             }
             int k = snprintf(msg, cap, "proxy %s: ", c->up_tag);
-            if (sw_http_response_error(c->http_req, c->http_len, SW_HTTP_MAX_HEAD, msg + k,
+            if (sw_http_response_error(c->http_buf, c->http_len, SW_HTTP_MAX_HEAD, msg + k,
                                        cap - (size_t)k) < 0)
                 snprintf(msg + k, cap - (size_t)k, "malformed response");
             conn_message(c, msg);
@@ -1469,7 +1469,7 @@ static void http_readable(struct cconn *c)
             fail_flow(c, SW_END_UPSTREAM_REPLY, 0, resp.status, 1, 502, msg);
             return;
         }
-        c->left = c->http_req + resp.consumed;
+        c->left = c->http_buf + resp.consumed;
         c->left_len = c->http_len - (uint32_t)resp.consumed;
         timer_clear(c);
         proceed_after_reply(c);
@@ -1498,7 +1498,7 @@ static void connected(struct cconn *c)
         return; /* the deadline of the connect covers the handshake too */
     }
     if (c->out_kind == SW_OUT_HTTP) {
-        if (up_send(c, c->http_req, c->http_req_len) < 0) {
+        if (up_send(c, c->http_buf, c->http_req_len) < 0) {
             up_broken(c, SW_PROTO_CLOSED, 0);
             return;
         }
