@@ -42,6 +42,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -121,6 +122,7 @@ struct cconn {
     int cfd, ufd;
     int state;
     bool dead, replied, started, dialled;
+    bool up_watched;          /* ufd is in the loop's epoll set */
     bool client_eof;          /* the client's FIN was read during the handshake */
     uint8_t promise;          /* records this connection may still write */
     uint8_t proto;            /* 1 socks5, 2 http */
@@ -1019,6 +1021,8 @@ static void fail_flow(struct cconn *c, uint32_t end, int err, int detail, int so
 
 static void start_connect(struct cconn *c);
 static void connect_timed_out(struct cconn *c);
+static void connected(struct cconn *c);
+static int up_watch(struct cconn *c);
 
 static void connect_failed(struct cconn *c, int err)
 {
@@ -1073,21 +1077,41 @@ static void start_connect(struct cconn *c)
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     c->ufd = fd;
+    c->up_watched = false;
     int rc = connect(fd, (struct sockaddr *)&c->up_addr, c->up_addr_len);
     if (rc < 0 && errno != EINPROGRESS) {
         connect_failed(c, errno);
         return;
     }
-    struct epoll_event ev = {.events = EPOLLOUT | EPOLLIN | EPOLLRDHUP | EPOLLET,
-                             .data.ptr = &c->ep_up};
-    if (epoll_ctl(c->loop->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
-        int err = errno;
-        fail_flow(c, SW_END_INTERNAL, err, 0, 1, 502, strerror(err));
-        return;
-    }
     c->state = ST_CONNECT;
     if (c->addr_idx == 0) /* one deadline for every address, as open_tcp has */
         timer_set(c, mono_ms() + c->connect_timeout_ms);
+    /* A loopback (or otherwise local) handshake has finished inside connect()
+     * though it said EINPROGRESS: go on now rather than one epoll round later
+     * (and never put a relayed direct upstream in this loop's set at all). */
+    struct pollfd pfd = {.fd = fd, .events = POLLOUT};
+    if (rc == 0 || (poll(&pfd, 1, 0) == 1 && pfd.revents)) {
+        connected(c);
+        return;
+    }
+    if (up_watch(c) < 0) {
+        int err = errno;
+        fail_flow(c, SW_END_INTERNAL, err, 0, 1, 502, strerror(err));
+    }
+}
+
+/* Puts the upstream in the loop's epoll set (once): for a connect in flight
+ * or an upstream proxy's reply. */
+static int up_watch(struct cconn *c)
+{
+    if (c->up_watched)
+        return 0;
+    struct epoll_event ev = {.events = EPOLLOUT | EPOLLIN | EPOLLRDHUP | EPOLLET,
+                             .data.ptr = &c->ep_up};
+    if (epoll_ctl(c->loop->epfd, EPOLL_CTL_ADD, c->ufd, &ev) < 0)
+        return -1;
+    c->up_watched = true;
+    return 0;
 }
 
 static void connect_timed_out(struct cconn *c)
@@ -1477,7 +1501,15 @@ static void http_readable(struct cconn *c)
     }
 }
 
-/* connect() finished (EPOLLOUT on the upstream). */
+static void up_watch_or_fail(struct cconn *c)
+{
+    if (up_watch(c) < 0) {
+        int err = errno;
+        fail_flow(c, SW_END_INTERNAL, err, 0, 1, 502, strerror(err));
+    }
+}
+
+/* connect() finished (EPOLLOUT on the upstream, or at once). */
 static void connected(struct cconn *c)
 {
     int err = 0;
@@ -1495,6 +1527,7 @@ static void connected(struct cconn *c)
             return;
         }
         c->state = ST_UP_S5_METHOD;
+        up_watch_or_fail(c);
         return; /* the deadline of the connect covers the handshake too */
     }
     if (c->out_kind == SW_OUT_HTTP) {
@@ -1503,6 +1536,7 @@ static void connected(struct cconn *c)
             return;
         }
         c->state = ST_UP_HTTP_REPLY;
+        up_watch_or_fail(c);
         return;
     }
     timer_clear(c);
@@ -1554,7 +1588,8 @@ static void hand_off(struct cconn *c)
         c->left_len = 0;
     }
     epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->cfd, NULL);
-    epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->ufd, NULL);
+    if (c->up_watched)
+        epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->ufd, NULL);
     sw_conn_record *r = record_begin(c, SW_REC_ROUTED);
     record_name(r, c->sniffed, c->sniffed_len);
     if (c->up_addr.ss_family == AF_INET) {
