@@ -978,20 +978,16 @@ static void flow_complete(struct loop *L, struct flow *f, int cause, int err, in
     cq_push(r, &c);
 }
 
-/* `missed`: events may have come before adoption (and were dropped), so the
- * flow is served at once as if both sockets were ready. */
-static void flow_adopt(struct loop *L, struct flow *f, bool missed)
+static void flow_adopt(struct loop *L, struct flow *f)
 {
     f->adopted = true;
-    f->wr[0] = f->wr[1] = true;
-    f->rd[0] = f->rd[1] = missed;
+    f->rd[0] = f->rd[1] = f->wr[0] = f->wr[1] = true;
     f->last_act_mono = L->now_mono;
     if (f->timeout_ms) {
         L->ntimed++;
         timer_schedule(L, f, L->now_mono + f->timeout_ms);
     }
-    if (missed)
-        ready_push(L, f);
+    ready_push(L, f);
 }
 
 /*
@@ -1196,7 +1192,7 @@ static void requests_run(struct loop *L)
         if (flags & REQ_CLOSE)
             flow_complete(L, f, SW_CAUSE_CLOSED, 0, SW_SIDE_NONE);
         else if (flags & REQ_ADOPT)
-            flow_adopt(L, f, true);
+            flow_adopt(L, f);
     }
 }
 
@@ -1751,11 +1747,7 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
     *handle_out = flow_handle(gen, idx);
 
     if (here >= 0) {
-        /* Adopted before this loop's next epoll_wait, so the events the two
-         * ADDs queued for what is already there are not dropped: they tell
-         * it what to read.  Reading both now would mostly find them dry (the
-         * client has only just been answered). */
-        flow_adopt(L, f, false);
+        flow_adopt(L, f);
         pthread_rwlock_unlock(&r->life);
         return 0;
     }
