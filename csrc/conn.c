@@ -3,17 +3,11 @@
  * explains the choices behind it.
  *
  * Threads
- *   Each loop has its own epoll set and owns the connections it accepted
- *   until they are handed to the relay, deferred to Python or closed.  By
- *   default a loop is a guest of a relay loop: it runs on that loop's thread
- *   (its epoll set nested in the relay loop's), and a dialled flow joins that
- *   same relay loop and moves its first bytes in the same pass.  Handing it to
- *   another thread instead cost an eventfd wake-up, a mutex and a context
- *   switch per flow, and a hop of latency.  With nloops > 0 each loop is a
- *   pthread of its own (kept for comparison).  Listening sockets are in every
- *   loop's epoll set (EPOLLEXCLUSIVE, so one connection wakes one loop).
- *   Other threads reach a loop only through its command list (mutex +
- *   eventfd): close a flow, a barrier for unlisten, stop.
+ *   Each loop is a pthread with its own epoll set and owns the connections it
+ *   accepted until they are handed to the relay, deferred to Python or closed.
+ *   Listening sockets are in every loop's epoll set (EPOLLEXCLUSIVE, so one
+ *   connection wakes one loop).  Other threads reach a loop only through its
+ *   command list (mutex + eventfd): close a flow, a barrier for unlisten, stop.
  *
  * Records
  *   One single-producer ring per loop.  A loop accepts a connection only if
@@ -191,10 +185,8 @@ struct ring {
 struct cloop {
     struct ep wake_ep;
     sw_conn *conn;
-    int index;
-    pthread_t thread;         /* own-thread mode */
-    sw_relay_guest guest;     /* guest mode: runs in relay loop `index` */
-    bool started;             /* running: a thread, or attached as a guest */
+    pthread_t thread;
+    bool started;
     int epfd;
     int wakefd;
     pthread_mutex_t cmd_lock;
@@ -236,7 +228,6 @@ struct deferred_item {
 
 struct sw_conn {
     sw_relay *relay;
-    bool guests;              /* the loops run inside the relay's (see the top) */
     int nloops;
     struct cloop *loops;
     int efd;                  /* readable while records or deferrals are pending */
@@ -1613,10 +1604,8 @@ static void hand_off(struct cconn *c)
         r->resolved_port = ntohs(sin6->sin6_port);
     }
     uint64_t handle = 0;
-    uint32_t idle_ms = c->listener->opts.idle_timeout_ms;
-    int rc = conn->guests
-                 ? sw_relay_add_here(conn->relay, c->loop->index, c->cfd, c->ufd, idle_ms, &handle)
-                 : sw_relay_add_own(conn->relay, c->cfd, c->ufd, idle_ms, &handle);
+    int rc = sw_relay_add_own(conn->relay, c->cfd, c->ufd, c->listener->opts.idle_timeout_ms,
+                              &handle);
     if (rc < 0) {
         /* Not published yet: turn the slot into an ENDED record instead. */
         r->kind = SW_REC_ENDED;
@@ -2033,108 +2022,70 @@ static void resume_accepting(struct cloop *L)
     }
 }
 
-/* Milliseconds until the loop must run without an event; -1: none. */
-static int cloop_timeout(struct cloop *L)
-{
-    if (L->accept_more)
-        return 0;
-    if (!L->heap_len)
-        return -1;
-    uint64_t now = mono_ms();
-    uint64_t first = L->heap[0]->deadline;
-    return first <= now ? 0 : (int)(first - now > 60000 ? 60000 : first - now);
-}
-
-/* While the loop sleeps it holds no table (see "Tables" at the top). */
-static void cloop_asleep(struct cloop *L, bool asleep)
-{
-    atomic_store(&L->seen, asleep ? 0 : atomic_load(&L->conn->epoch));
-}
-
-/* One pass over what epoll_wait returned, then timers and the batch's ends. */
-static void cloop_pass(struct cloop *L, const struct epoll_event *events, int n)
-{
-    sw_conn *conn = L->conn;
-    L->published = false;
-    for (int i = 0; i < n; i++) {
-        struct ep *ep = events[i].data.ptr;
-        switch (ep->type) {
-        case EP_WAKE:
-            run_commands(L);
-            if (atomic_exchange(&L->paused, 0))
-                resume_accepting(L);
-            break;
-        case EP_LISTENER:
-            accept_on(L, (struct listener *)ep);
-            break;
-        case EP_CLIENT: {
-            struct cconn *c = (struct cconn *)((char *)ep - offsetof(struct cconn, ep_client));
-            if (!c->dead)
-                client_event(c, events[i].events);
-            break;
-        }
-        case EP_UPSTREAM: {
-            struct cconn *c = (struct cconn *)((char *)ep - offsetof(struct cconn, ep_up));
-            if (!c->dead)
-                upstream_event(c, events[i].events);
-            break;
-        }
-        default:
-            break;
-        }
-    }
-    uint64_t now = mono_ms();
-    while (L->heap_len && L->heap[0]->deadline <= now) {
-        struct cconn *c = L->heap[0];
-        timer_clear(c);
-        timer_fired(c);
-    }
-    if (L->accept_more) {
-        L->accept_more = false;
-        if (!atomic_load(&L->paused))
-            resume_accepting(L);
-    }
-    conn_free_dead(L);
-    if (L->published)
-        efd_signal(conn->efd);
-}
-
-/* Own-thread mode. */
 static void *loop_main(void *arg)
 {
     struct cloop *L = arg;
+    sw_conn *conn = L->conn;
     struct epoll_event events[EVENTS_MAX];
     while (!atomic_load(&L->stop)) {
-        int timeout = cloop_timeout(L);
-        cloop_asleep(L, true);
+        int timeout = -1;
+        if (L->accept_more) {
+            timeout = 0;
+        } else if (L->heap_len) {
+            uint64_t now = mono_ms();
+            uint64_t first = L->heap[0]->deadline;
+            timeout = first <= now ? 0 : (int)(first - now > 60000 ? 60000 : first - now);
+        }
+        atomic_store(&L->seen, 0); /* asleep: holds no table */
         int n = epoll_wait(L->epfd, events, EVENTS_MAX, timeout);
-        cloop_asleep(L, false);
+        atomic_store(&L->seen, atomic_load(&conn->epoch));
         if (n < 0 && errno != EINTR)
             break;
-        cloop_pass(L, events, n < 0 ? 0 : n);
+        L->published = false;
+        for (int i = 0; i < n; i++) {
+            struct ep *ep = events[i].data.ptr;
+            switch (ep->type) {
+            case EP_WAKE:
+                run_commands(L);
+                if (atomic_exchange(&L->paused, 0))
+                    resume_accepting(L);
+                break;
+            case EP_LISTENER:
+                accept_on(L, (struct listener *)ep);
+                break;
+            case EP_CLIENT: {
+                struct cconn *c = (struct cconn *)((char *)ep - offsetof(struct cconn, ep_client));
+                if (!c->dead)
+                    client_event(c, events[i].events);
+                break;
+            }
+            case EP_UPSTREAM: {
+                struct cconn *c = (struct cconn *)((char *)ep - offsetof(struct cconn, ep_up));
+                if (!c->dead)
+                    upstream_event(c, events[i].events);
+                break;
+            }
+            default:
+                break;
+            }
+        }
+        uint64_t now = mono_ms();
+        while (L->heap_len && L->heap[0]->deadline <= now) {
+            struct cconn *c = L->heap[0];
+            timer_clear(c);
+            timer_fired(c);
+        }
+        if (L->accept_more) {
+            L->accept_more = false;
+            if (!atomic_load(&L->paused))
+                resume_accepting(L);
+        }
+        conn_free_dead(L);
+        if (L->published)
+            efd_signal(conn->efd);
     }
     atomic_store(&L->seen, 0);
     return NULL;
-}
-
-/* Guest mode: the relay loop's callbacks (sw_relay_guest). */
-static int guest_timeout(void *ctx) { return cloop_timeout(ctx); }
-
-static void guest_asleep(void *ctx, int asleep) { cloop_asleep(ctx, asleep != 0); }
-
-static void guest_run(void *ctx)
-{
-    struct cloop *L = ctx;
-    struct epoll_event events[EVENTS_MAX];
-    int n = epoll_wait(L->epfd, events, EVENTS_MAX, 0);
-    cloop_pass(L, events, n < 0 ? 0 : n);
-}
-
-static void guest_host_gone(void *ctx)
-{
-    struct cloop *L = ctx;
-    atomic_store(&L->seen, 0);
-    atomic_store(&L->stop, 1);
 }
 
 /* ---- public API --------------------------------------------------------------------- */
@@ -2152,11 +2103,8 @@ int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **ou
 {
     if (!relay || !out || nloops < 0 || nloops > 64)
         return -EINVAL;
-    bool guests = nloops == 0;
-    if (guests)
-        nloops = sw_relay_loops(relay);
-    if (nloops < 1 || nloops > 1024)
-        return -EINVAL;
+    if (nloops == 0)
+        nloops = 1;
     uint32_t cap = ring_records ? ring_records : DEFAULT_RING;
     if (cap < 16 || cap > (1u << 24) || (cap & (cap - 1)))
         return -EINVAL;
@@ -2164,7 +2112,6 @@ int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **ou
     if (!conn)
         return -ENOMEM;
     conn->relay = relay;
-    conn->guests = guests;
     conn->nloops = nloops;
     atomic_init(&conn->next_flow, 1);
     atomic_init(&conn->epoch, 1);
@@ -2183,7 +2130,6 @@ int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **ou
     for (int i = 0; i < nloops; i++) {
         struct cloop *L = &conn->loops[i];
         L->conn = conn;
-        L->index = i;
         L->wake_ep.type = EP_WAKE;
         L->epfd = L->wakefd = -1;
         pthread_mutex_init(&L->cmd_lock, NULL);
@@ -2212,17 +2158,7 @@ int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **ou
     }
     for (int i = 0; i < nloops; i++) {
         struct cloop *L = &conn->loops[i];
-        if (guests) {
-            L->guest = (sw_relay_guest){.epfd = L->epfd,
-                                        .timeout = guest_timeout,
-                                        .run = guest_run,
-                                        .asleep = guest_asleep,
-                                        .host_gone = guest_host_gone,
-                                        .ctx = L};
-            rc = sw_relay_guest_set(relay, i, &L->guest);
-        } else {
-            rc = loop_thread_start(&L->thread, loop_main, L, "sw-conn", i);
-        }
+        rc = loop_thread_start(&L->thread, loop_main, L, "sw-conn", i);
         if (rc)
             goto fail;
         L->started = true;
@@ -2245,14 +2181,8 @@ int sw_conn_shutdown(sw_conn *conn)
         if (!L->started)
             continue;
         atomic_store(&L->stop, 1);
-        if (conn->guests) {
-            /* Returns once the relay loop will not run it again. */
-            (void)sw_relay_guest_set(conn->relay, i, NULL);
-            atomic_store(&L->seen, 0);
-        } else {
-            efd_signal(L->wakefd);
-            pthread_join(L->thread, NULL);
-        }
+        efd_signal(L->wakefd);
+        pthread_join(L->thread, NULL);
         L->started = false;
     }
     /* The loops are gone: end what they held from this thread. */

@@ -169,10 +169,7 @@ typedef struct sw_listener_opts {
     uint32_t users_required;       /* 1: users added with sw_conn_listener_user */
 } sw_listener_opts;
 
-/* relay: where established flows go (not owned; it must outlive the
- * sw_conn).  nloops 0: no threads of its own, one loop inside each relay loop
- * (a guest, see sw_relay_guest): the thread that accepts a connection relays
- * it.  nloops > 0: that many threads of its own, handing flows to the relay's. */
+/* nloops 0 = one.  relay: where established flows go (not owned). */
 int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **out);
 /* Closes every connection C still holds (ENDED/SW_END_CLOSED records for
  * started flows), stops and joins the loops.  Idempotent. */

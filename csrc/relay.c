@@ -117,7 +117,6 @@ _Static_assert(AEAD_PT_READ <= COPY_BUF && AEAD_CT_READ <= COPY_BUF, "read scrat
 _Static_assert(AEAD_OUT_BUF >= AEAD_CT_READ, "open scratch");
 
 #define WAKE_COOKIE UINT64_MAX
-#define GUEST_COOKIE (UINT64_MAX - 1)
 #define REQ_ADOPT 1u
 #define REQ_CLOSE 2u
 #define SPLICE_FLAGS (SPLICE_F_MOVE | SPLICE_F_NONBLOCK)
@@ -246,18 +245,7 @@ struct loop {
     bool req_lock_ok;
     struct dnode reqs;
 
-    /* Guarded by guest_lock: the guest wanted (sw_relay_guest_set), the
-     * requests and the loop's acknowledgements, and whether it has exited. */
-    pthread_mutex_t guest_lock;
-    pthread_cond_t guest_cond;
-    bool guest_lock_ok;
-    const sw_relay_guest *guest_want;
-    uint32_t guest_req, guest_ack;
-    bool exited;
-    _Atomic int guest_pending;
-
     /* Everything below belongs to the loop thread. */
-    const sw_relay_guest *guest;
     bool req_more;
     struct dnode ready;
     uint32_t nready;
@@ -1258,25 +1246,6 @@ static int loop_timeout(struct loop *L)
     return WHEEL_SLOTS * WHEEL_TICK_MS;
 }
 
-/* Takes the guest sw_relay_guest_set() asked for. */
-static void guest_apply(struct loop *L)
-{
-    pthread_mutex_lock(&L->guest_lock);
-    atomic_store_explicit(&L->guest_pending, 0, memory_order_relaxed);
-    const sw_relay_guest *want = L->guest_want;
-    if (want != L->guest) {
-        if (L->guest)
-            (void)epoll_ctl(L->epfd, EPOLL_CTL_DEL, L->guest->epfd, NULL);
-        L->guest = NULL;
-        struct epoll_event ev = {.events = EPOLLIN, .data.u64 = GUEST_COOKIE};
-        if (want && epoll_ctl(L->epfd, EPOLL_CTL_ADD, want->epfd, &ev) == 0)
-            L->guest = want;
-    }
-    L->guest_ack = L->guest_req;
-    pthread_cond_broadcast(&L->guest_cond);
-    pthread_mutex_unlock(&L->guest_lock);
-}
-
 static void *loop_main(void *arg)
 {
     struct loop *L = arg;
@@ -1285,48 +1254,20 @@ static void *loop_main(void *arg)
     clocks_update(L);
     L->wheel_cursor = L->now_mono / WHEEL_TICK_MS;
     while (!atomic_load_explicit(&L->stop, memory_order_acquire)) {
-        if (atomic_load_explicit(&L->guest_pending, memory_order_acquire))
-            guest_apply(L);
-        const sw_relay_guest *g = L->guest;
-        int timeout = loop_timeout(L);
-        if (g) {
-            int gt = g->timeout(g->ctx);
-            if (gt >= 0 && (timeout < 0 || gt < timeout))
-                timeout = gt;
-            g->asleep(g->ctx, 1);
-        }
-        int n = epoll_wait(L->epfd, ev, EVENTS_MAX, timeout);
-        if (g)
-            g->asleep(g->ctx, 0);
+        int n = epoll_wait(L->epfd, ev, EVENTS_MAX, loop_timeout(L));
         if (n < 0) {
             if (errno == EINTR)
                 continue;
             break; /* only EBADF/EINVAL, i.e. a bug: do not spin */
         }
         clocks_update(L);
-        bool guest_due = false;
-        for (int i = 0; i < n; i++) {
-            if (ev[i].data.u64 == GUEST_COOKIE)
-                guest_due = true;
-            else
-                handle_event(L, &ev[i]);
-        }
-        /* Before the ready list runs, so flows the guest hands over move
-         * their first bytes in this same pass. */
-        if (g && (guest_due || g->timeout(g->ctx) == 0))
-            g->run(g->ctx);
+        for (int i = 0; i < n; i++)
+            handle_event(L, &ev[i]);
         if (L->req_more)
             requests_run(L);
         ready_run(L);
         timers_run(L);
     }
-    pthread_mutex_lock(&L->guest_lock);
-    if (L->guest && L->guest->host_gone)
-        L->guest->host_gone(L->guest->ctx);
-    L->guest = NULL;
-    L->exited = true;
-    pthread_cond_broadcast(&L->guest_cond);
-    pthread_mutex_unlock(&L->guest_lock);
     return NULL;
 }
 
@@ -1404,15 +1345,9 @@ static void relay_destroy(struct sw_relay *r)
     loops_stop(r);
     loops_teardown(r);
     if (r->loops) {
-        for (int i = 0; i < r->nloops; i++) {
-            struct loop *L = &r->loops[i];
-            if (L->req_lock_ok)
-                pthread_mutex_destroy(&L->req_lock);
-            if (L->guest_lock_ok) {
-                pthread_mutex_destroy(&L->guest_lock);
-                pthread_cond_destroy(&L->guest_cond);
-            }
-        }
+        for (int i = 0; i < r->nloops; i++)
+            if (r->loops[i].req_lock_ok)
+                pthread_mutex_destroy(&r->loops[i].req_lock);
         free(r->loops);
     }
     if (r->flows && r->flows != MAP_FAILED)
@@ -1431,10 +1366,6 @@ static void relay_destroy(struct sw_relay *r)
 static int loop_init(struct sw_relay *r, struct loop *L)
 {
     L->relay = r;
-    if (pthread_mutex_init(&L->guest_lock, NULL) != 0)
-        return -ENOMEM;
-    pthread_cond_init(&L->guest_cond, NULL);
-    L->guest_lock_ok = true;
     dl_init(&L->reqs);
     dl_init(&L->ready);
     for (int i = 0; i < WHEEL_SLOTS; i++)
@@ -1672,9 +1603,8 @@ static void flow_init(struct sw_relay *r, struct flow *f, uint32_t li, int cfd, 
 }
 
 /* sw_relay_add and sw_relay_add_aead; on success the flow owns `aead`. */
-/* `here`: the loop whose thread calls (sw_relay_add_here), or -1 to pick one. */
 static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
-                     struct aead *aead, bool own, int here, uint64_t *handle_out)
+                     struct aead *aead, bool own, uint64_t *handle_out)
 {
     if (!r || !handle_out)
         return -EINVAL;
@@ -1719,7 +1649,7 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
         oldfl[i] = fl;
     }
 
-    uint32_t li = here >= 0 ? (uint32_t)here : pick_loop(r);
+    uint32_t li = pick_loop(r);
     struct loop *L = &r->loops[li];
     uint32_t idx = (uint32_t)(f - r->flows);
     uint32_t gen = atomic_load_explicit(&f->gen, memory_order_relaxed) + 1;
@@ -1746,11 +1676,6 @@ static int relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_
     atomic_store_explicit(&f->gen, gen, memory_order_release);
     *handle_out = flow_handle(gen, idx);
 
-    if (here >= 0) {
-        flow_adopt(L, f);
-        pthread_rwlock_unlock(&r->life);
-        return 0;
-    }
     pthread_mutex_lock(&L->req_lock);
     bool wake = req_post(L, f, REQ_ADOPT);
     pthread_mutex_unlock(&L->req_lock);
@@ -1775,44 +1700,13 @@ out_unlock:
 int sw_relay_add(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
                  uint64_t *handle_out)
 {
-    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, false, -1, handle_out);
+    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, false, handle_out);
 }
 
 int sw_relay_add_own(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
                      uint64_t *handle_out)
 {
-    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, true, -1, handle_out);
-}
-
-int sw_relay_add_here(sw_relay *r, int loop, int client_fd, int upstream_fd,
-                      uint32_t idle_timeout_ms, uint64_t *handle_out)
-{
-    if (!r || loop < 0 || loop >= r->nloops)
-        return -EINVAL;
-    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, true, loop, handle_out);
-}
-
-int sw_relay_guest_set(sw_relay *r, int loop, const sw_relay_guest *guest)
-{
-    if (!r || loop < 0 || loop >= r->nloops)
-        return -EINVAL;
-    struct loop *L = &r->loops[loop];
-    pthread_mutex_lock(&L->guest_lock);
-    int rc = 0;
-    if (L->exited || L->epfd < 0) {
-        rc = -ESHUTDOWN;
-    } else {
-        L->guest_want = guest;
-        uint32_t req = ++L->guest_req;
-        atomic_store_explicit(&L->guest_pending, 1, memory_order_release);
-        efd_signal(L->wakefd);
-        while (L->guest_ack != req && !L->exited)
-            pthread_cond_wait(&L->guest_cond, &L->guest_lock);
-        if (L->guest_ack != req)
-            rc = -ESHUTDOWN;
-    }
-    pthread_mutex_unlock(&L->guest_lock);
-    return rc;
+    return relay_add(r, client_fd, upstream_fd, idle_timeout_ms, NULL, true, handle_out);
 }
 
 int sw_relay_add_aead(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle_timeout_ms,
@@ -1824,7 +1718,7 @@ int sw_relay_add_aead(sw_relay *r, int client_fd, int upstream_fd, uint32_t idle
     int rc = aead_new(params, &X);
     if (rc)
         return rc;
-    rc = relay_add(r, client_fd, upstream_fd, idle_timeout_ms, X, false, -1, handle_out);
+    rc = relay_add(r, client_fd, upstream_fd, idle_timeout_ms, X, false, handle_out);
     if (rc)
         aead_free(X);
     return rc;

@@ -140,35 +140,4 @@ int sw_relay_debug_force_copy(sw_relay *relay, int on);
 int sw_relay_add_own(sw_relay *relay, int client_fd, int upstream_fd,
                      uint32_t idle_timeout_ms, uint64_t *handle_out);
 
-/* A guest: an event loop (the C connection path's) that runs inside a relay
- * loop's thread instead of a thread of its own, so one thread per core
- * accepts, handshakes, dials and relays, and a dialled flow joins the relay
- * without a cross-thread hand-off.  Its epoll set is watched (level-
- * triggered) from the host loop's.  Every callback but host_gone runs on the
- * host loop's thread. */
-typedef struct sw_relay_guest {
-    int epfd;
-    /* Milliseconds until run() is due regardless of events; -1: none. */
-    int (*timeout)(void *ctx);
-    /* Its epoll set is readable or its timeout is due. */
-    void (*run)(void *ctx);
-    /* Around the host's epoll_wait: 1 before it, 0 after. */
-    void (*asleep)(void *ctx, int asleep);
-    /* The host loop stopped for good with the guest attached (on the loop's
-     * thread, as it exits); the guest will not run again. */
-    void (*host_gone)(void *ctx);
-    void *ctx;
-} sw_relay_guest;
-
-/* Attaches `guest` (kept by pointer: it must outlive the attachment) to loop
- * `loop`, or detaches it (guest NULL).  Returns once the loop has taken the
- * change (after a detach it never calls the old guest again), or -ESHUTDOWN
- * when the loop has stopped (it will not call any guest again either). */
-int sw_relay_guest_set(sw_relay *relay, int loop, const sw_relay_guest *guest);
-
-/* sw_relay_add_own, from a guest's run() on loop `loop`: the flow joins this
- * loop and is adopted at once (no request, no wake-up). */
-int sw_relay_add_here(sw_relay *relay, int loop, int client_fd, int upstream_fd,
-                      uint32_t idle_timeout_ms, uint64_t *handle_out);
-
 #endif /* SW_RELAY_H */

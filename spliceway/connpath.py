@@ -220,19 +220,14 @@ def dial_error(
 
 
 class ConnPath:
-    """The C accept/handshake/route/dial loops feeding ``relay``.
+    """The C accept/handshake/route/dial loops feeding ``relay``."""
 
-    ``loops`` 0 (the engine's choice) runs one inside each relay loop's thread, which
-    then relays what it accepted; N > 0 runs N threads of their own instead.
-    """
-
-    def __init__(self, relay: Relay, loops: int = 0, ring_records: int = 8192) -> None:
+    def __init__(self, relay: Relay, loops: int = 1, ring_records: int = 8192) -> None:
         out = ffi.new("sw_conn **")
         check(lib.sw_conn_new(relay._ptr, loops, ring_records, out), "sw_conn_new")
+        # Keeps the relay alive as long as C may hand flows to it.
         self._relay = relay
-        # The destructor holds the relay too: sw_conn_free detaches from its loops, so
-        # the relay must outlive it whatever order a collection takes them in.
-        self._ptr = ffi.gc(out[0], lambda p, relay=relay: lib.sw_conn_free(p))
+        self._ptr = ffi.gc(out[0], lib.sw_conn_free)
         self._records = ffi.new("sw_conn_record[]", _BATCH)
         self._buffer = ffi.buffer(self._records)
         self._deferred = ffi.new("sw_deferred *")
