@@ -65,21 +65,29 @@ class FrameCache:
         self._lock = threading.Lock()
 
     def frames(self, envelopes: list[Envelope]) -> bytes:
-        """The SSE frames of a batch, joined (one lock round for the cached ones)."""
+        """The SSE frames of a batch, joined.
+
+        Built under the lock: streams reading in step would otherwise each encode the
+        same events (encoding holds the GIL anyway, so the lock costs no parallelism).
+        """
+        frames = self._frames
         with self._lock:
-            cached = [self._frames.get(e["event_id"]) for e in envelopes]
-        return b"".join(
-            c if c is not None else self.frame(e) for c, e in zip(cached, envelopes, strict=True)
-        )
+            out = []
+            for envelope in envelopes:
+                data = frames.get(envelope["event_id"])
+                if data is None:
+                    data = frames[envelope["event_id"]] = self._build(envelope)
+                out.append(data)
+            while len(frames) > self._size:
+                frames.popitem(last=False)
+        return b"".join(out)
 
     def frame(self, envelope: Envelope) -> bytes:
         """The SSE frame for one envelope."""
-        key = envelope["event_id"]
-        with self._lock:
-            cached = self._frames.get(key)
-        if cached is not None:
-            return cached
-        data = b"".join(
+        return self.frames([envelope])
+
+    def _build(self, envelope: Envelope) -> bytes:
+        return b"".join(
             (
                 b"id: %d\nevent: %s\ndata: "
                 % (envelope["sequence"], envelope["event_type"].encode()),
@@ -87,11 +95,6 @@ class FrameCache:
                 b"\n\n",
             )
         )
-        with self._lock:
-            self._frames[key] = data
-            if len(self._frames) > self._size:
-                self._frames.popitem(last=False)
-        return data
 
 
 class EventStream:

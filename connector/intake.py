@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 from spliceway.connector import segments
@@ -65,11 +64,9 @@ class Feed:
         return cls(tag, normalize_types(events), source_id, outbox)
 
 
-def encode(envelope: dict[str, Any], source_id: str | None) -> bytes:
-    """The body a sink delivers for ``envelope``: the envelope with its ``source_id``."""
-    if source_id is None:
-        return orjson.dumps(envelope)
-    return orjson.dumps({**envelope, "source_id": source_id})
+def with_source(data: bytes, source_id: str) -> bytes:
+    """An envelope's JSON with its ``source_id`` set to ``source_id``."""
+    return orjson.dumps({**orjson.loads(data), "source_id": source_id})
 
 
 class Intake:
@@ -121,7 +118,7 @@ class Intake:
         return self.storage
 
     def _feed(self, feed: Feed) -> None:
-        events, oldest = self.log.read_after(feed.cursor, _BATCH)
+        events, oldest = self.log.read_after_encoded(feed.cursor, _BATCH)
         if oldest > feed.cursor + 1:
             # The log evicted events this sink never took: those its filter selects can
             # never be delivered.
@@ -131,15 +128,13 @@ class Intake:
             feed.cursor = oldest - 1
         if not events:
             return
+        # The ring's own JSON of each event, unless this sink stamps its source_id.
         batch = [
-            (
-                e["sequence"],
-                self.log.encoded(e) if feed.source_id is None else encode(e, feed.source_id),
-            )
-            for e in events
-            if e["event_type"] != SNAPSHOT and (feed.types is None or e["event_type"] in feed.types)
+            (seq, data if feed.source_id is None else with_source(data, feed.source_id))
+            for seq, kind, data in events
+            if kind != SNAPSHOT and (feed.types is None or kind in feed.types)
         ]
-        last = events[-1]["sequence"]
+        last = events[-1][0]
         if not batch:
             feed.cursor = last
             return

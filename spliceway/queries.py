@@ -75,9 +75,8 @@ def _stats(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _recent_completed(core: EngineCore) -> list[dict[str, Any]]:
-    events = core.log.snapshot()["events"]
-    done = [e["payload"]["record"] for e in events if e["event_type"] == "flow.completed"]
-    return done[-RECENT_COMPLETED:]
+    done = core.log.latest_of_type("flow.completed", RECENT_COMPLETED)
+    return [e["payload"]["record"] for e in done]
 
 
 def _runtime(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:

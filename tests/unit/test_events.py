@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import orjson
+
 from spliceway.events import EventLog, normalize_types
 
 
@@ -91,7 +93,6 @@ def test_concurrent_emitters_get_unique_contiguous_sequences():
 
 
 def test_an_event_is_rendered_once_for_every_consumer():
-    import orjson
     from spliceway.api.sse import FrameCache
 
     log = EventLog(capacity=4)
@@ -105,3 +106,45 @@ def test_an_event_is_rendered_once_for_every_consumer():
     for i in range(5):
         log.encoded(log.emit("engine.started", {"build_id": str(i), "started_at_unix_ms": i}))
     assert log.encoded(envelope) is not first and log.encoded(envelope) == first
+
+
+def test_ring_readers_get_equal_copies_of_what_was_emitted():
+    log = EventLog(capacity=8)
+    emitted = [log.emit("flow.started", {"flow_id": f"f{i}", "n": [i, None]}) for i in range(3)]
+    assert log.snapshot()["events"] == emitted
+    events, oldest = log.read_after(1, 10)
+    assert (events, oldest) == (emitted[1:], 1)
+    slots, _ = log.read_after_encoded(1, 10)
+    assert [(seq, kind) for seq, kind, _ in slots] == [(2, "flow.started"), (3, "flow.started")]
+    assert [data for _, _, data in slots] == [log.encoded(e) for e in emitted[1:]]
+    with log.subscribe(since=0) as sub:
+        assert [sub.get(0) for _ in range(3)] == emitted
+    # A copy: changing what a reader got changes nothing in the ring.
+    log.snapshot()["events"][0]["payload"]["n"].append(7)
+    assert log.snapshot()["events"][0] == emitted[0]
+
+
+def test_a_snapshot_envelope_is_never_given_the_ring_event_of_its_sequence():
+    log = EventLog(capacity=8)
+    event = log.emit("flow.started", {"flow_id": "f1"})
+    with log.subscribe(snapshot=lambda: [{"flow_id": "f1"}]) as sub:
+        snap = sub.get(0)
+    assert snap["event_type"] == "flow.snapshot" and snap["sequence"] == event["sequence"]
+    assert orjson.loads(log.encoded(snap)) == snap
+    assert log.encoded(event) == orjson.dumps(event)
+
+
+def test_latest_of_type_is_the_newest_n_oldest_first():
+    log = EventLog(capacity=16)
+    for i in range(6):
+        log.emit("flow.completed" if i % 2 else "flow.started", {"i": i})
+    assert [e["payload"]["i"] for e in log.latest_of_type("flow.completed", 2)] == [3, 5]
+    assert log.latest_of_type("engine.stopped", 2) == []
+
+
+def test_a_payload_json_cannot_carry_is_kept_with_its_repr_not_lost(caplog):
+    log = EventLog(capacity=4)
+    log.emit("stats.sampled", {"odd": {1, 2}, 3: "x"})
+    (event,) = log.snapshot()["events"]
+    assert event["payload"] == {"odd": repr({1, 2}), "3": "x"}
+    assert "stats.sampled has a value JSON cannot carry" in caplog.text
