@@ -119,7 +119,9 @@ class Subscription:
             return
         self._queue.put(envelope)
 
-    def _preload(self, envelopes: Iterable[Envelope]) -> None:
+    def _preload(self, envelopes: Iterable[Envelope | bytes]) -> None:
+        """Queue catch-up events: envelopes, or ring JSON that :meth:`get` decodes (so the
+        log's lock is not held while a whole ring is decoded)."""
         for envelope in envelopes:
             self._queue.put(envelope)
 
@@ -145,6 +147,8 @@ class Subscription:
             return None
         if item is None:
             self._ended = True
+        elif type(item) is bytes:
+            item = orjson.loads(item)
         return item
 
     def get_many(self, timeout: float | None = None, limit: int = 1024) -> list[Envelope]:
@@ -161,7 +165,7 @@ class Subscription:
                 if item is None:
                     self._ended = True
                     break
-                out.append(item)
+                out.append(orjson.loads(item) if type(item) is bytes else item)
         except queue.Empty:
             pass
         return out
@@ -186,14 +190,21 @@ class Subscription:
         self.close()
 
 
-def _dumps(envelope: Envelope) -> bytes:
-    """An envelope's JSON.  A payload value JSON has no type for (a bug in its
-    producer) is written as its ``repr`` and logged, rather than losing the event."""
+def _dumps(envelope: Envelope) -> tuple[bytes, bool]:
+    """An envelope's JSON, and whether its payload needed a fallback.  A value JSON has
+    no type for (a bug in its producer) is written as its ``repr``; a payload that not
+    even that can carry (a non-string key orjson cannot write, an integer past 64 bits,
+    a cycle) is replaced by its ``repr``: the event is never lost, and the sequence it
+    took is always in the ring."""
     try:
-        return orjson.dumps(envelope)
+        return orjson.dumps(envelope), False
     except TypeError:
-        logger.error("event %s has a value JSON cannot carry", envelope["event_type"])
-        return orjson.dumps(envelope, default=repr, option=orjson.OPT_NON_STR_KEYS)
+        pass
+    try:
+        return orjson.dumps(envelope, default=repr, option=orjson.OPT_NON_STR_KEYS), True
+    except TypeError:
+        stub = {**envelope, "payload": {"unencodable_payload": repr(envelope["payload"])}}
+        return orjson.dumps(stub), True
 
 
 class EventLog:
@@ -250,13 +261,16 @@ class EventLog:
                 "labels": labels if labels is not None else {},
                 "payload": payload,
             }
+            data, fallback = _dumps(envelope)
             # A copy: orjson's bytes keep its whole growth buffer (measured: a full ring
             # of flow events took 48 MB more RSS than exact-size copies, 9 KiB per flow
             # in run_peers' idle-flow test); the copy is one memcpy.
-            self._ring.append((seq, event_type, bytes(memoryview(_dumps(envelope)))))
+            self._ring.append((seq, event_type, bytes(memoryview(data))))
             self._type_counts[event_type] = self._type_counts.get(event_type, 0) + 1
             for sub in self._subs:
                 sub._offer(envelope)
+        if fallback:  # logged outside the lock: a handler may emit events itself
+            logger.error("event %s has a value JSON cannot carry", event_type)
         return envelope
 
     def encoded(self, envelope: Envelope) -> bytes:
@@ -269,18 +283,33 @@ class EventLog:
                 index = seq - ring[0][0]
                 if 0 <= index < len(ring):
                     slot = ring[index]
-                    if slot[1] == envelope["event_type"]:  # not a flow.snapshot
+                    # A flow.snapshot shares its sequence with a ring event.
+                    if slot[0] == seq and slot[1] == envelope["event_type"]:
                         return slot[2]
-        return _dumps(envelope)
+        return _dumps(envelope)[0]
 
-    def snapshot(self) -> dict[str, Any]:
-        """The ring as ``GET /api/v1/events`` returns it (docs/http-api.md)."""
+    def snapshot(
+        self,
+        since: int | None = None,
+        types: Iterable[str] | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """The ring as ``GET /api/v1/events`` returns it (docs/http-api.md): events after
+        ``since`` of ``types`` (all when None), the oldest ``limit``.  Only those are
+        decoded, outside the lock."""
+        wanted = normalize_types(types)
         with self._lock:
             slots = list(self._ring)
             latest = self._seq
         oldest = slots[0][0] if slots else latest + 1
+        chosen = []
+        for seq, kind, data in slots:
+            if limit is not None and len(chosen) >= limit:
+                break
+            if (since is None or seq > since) and (wanted is None or kind in wanted):
+                chosen.append(data)
         return {
-            "events": [orjson.loads(data) for _, _, data in slots],
+            "events": [orjson.loads(data) for data in chosen],
             "oldest_sequence": oldest,
             "latest_sequence": latest,
             "capacity": self.capacity,
@@ -288,6 +317,8 @@ class EventLog:
 
     def latest_of_type(self, event_type: str, limit: int) -> list[Envelope]:
         """The newest ``limit`` ring events of ``event_type``, oldest first."""
+        if limit <= 0:
+            return []
         with self._lock:
             found = []
             for _seq, kind, data in reversed(self._ring):
@@ -355,10 +386,10 @@ class EventLog:
         wanted = normalize_types(types)
         sub = Subscription(self, wanted, max_pending, timeout)
         with self._lock:
-            preload: list[Envelope] = []
+            preload: list[Envelope | bytes] = []
             if since is not None:
                 preload.extend(
-                    orjson.loads(data)
+                    data
                     for seq, kind, data in self._ring
                     if seq > since and (wanted is None or kind in wanted)
                 )

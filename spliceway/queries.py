@@ -162,17 +162,7 @@ def _events(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     since = _integer(params, "since", 0, None)
     limit = _integer(params, "limit", 1, EVENTS_LIMIT_MAX)
     # One snapshot: the bounds and the events are of the same instant.
-    ring = core.log.snapshot()
-    selected = []
-    for envelope in ring["events"]:
-        if since is not None and envelope["sequence"] <= since:
-            continue
-        if types is not None and envelope["event_type"] not in types:
-            continue
-        selected.append(envelope)
-        if limit is not None and len(selected) >= limit:
-            break
-    return {**ring, "events": selected}
+    return core.log.snapshot(since, types, limit)
 
 
 def _tun_status(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:

@@ -148,3 +148,33 @@ def test_a_payload_json_cannot_carry_is_kept_with_its_repr_not_lost(caplog):
     (event,) = log.snapshot()["events"]
     assert event["payload"] == {"odd": repr({1, 2}), "3": "x"}
     assert "stats.sampled has a value JSON cannot carry" in caplog.text
+
+
+def test_encoded_finds_each_event_after_the_ring_wrapped():
+    log = EventLog(capacity=4)
+    emitted = [log.emit("flow.updated", {"i": i}) for i in range(10)]
+    for envelope in emitted[6:]:
+        assert orjson.loads(log.encoded(envelope)) == envelope
+    assert orjson.loads(log.encoded(emitted[2])) == emitted[2]  # evicted: rendered anew
+
+
+def test_an_event_not_even_repr_can_carry_keeps_its_sequence_in_the_ring():
+    log = EventLog(capacity=8)
+    first = log.emit("flow.updated", {"i": 1})
+    odd = log.emit("flow.updated", {(1, 2): "tuple key"})  # no JSON for a tuple key
+    last = log.emit("flow.updated", {"i": 3})
+    events = log.snapshot()["events"]
+    assert [e["sequence"] for e in events] == [1, 2, 3]
+    assert events[1]["payload"] == {"unencodable_payload": repr({(1, 2): "tuple key"})}
+    assert orjson.loads(log.encoded(last)) == last and orjson.loads(log.encoded(first)) == first
+    assert orjson.loads(log.encoded(odd))["sequence"] == 2
+
+
+def test_snapshot_filters_before_it_decodes():
+    log = EventLog(capacity=16)
+    for i in range(6):
+        log.emit("flow.completed" if i % 2 else "flow.started", {"i": i})
+    snap = log.snapshot(since=2, types=["flow.completed"], limit=1)
+    assert [e["sequence"] for e in snap["events"]] == [4]
+    assert (snap["oldest_sequence"], snap["latest_sequence"]) == (1, 6)
+    assert log.latest_of_type("flow.completed", 0) == []
