@@ -94,10 +94,14 @@ enum {
     WHEEL_TICK_MS = 25,
     /* benchmarks/bench_relay_raw.py, 8 TCP streams on 2 cores: relay CPU per
      * GB was 0.49 s with the 64 KiB default pipe, 0.39 s at 256 KiB, 0.28 s at
-     * 512 KiB and 0.29 s at 1 MiB, goodput equal within noise.  512 KiB gets
-     * nearly all of the gain at half the pipe accounting of 1 MiB (and is under
-     * the default pipe-max-size, so unprivileged processes get it too). */
-    DEFAULT_PIPE_SIZE = 512 << 10,
+     * 512 KiB and 0.29 s at 1 MiB.  End to end (run_peers.py --only bulk, the
+     * engine between loadgen and tinyserver, five alternating pairs) 1 MiB
+     * cost 0.22-0.34 s/GB against 0.34-0.48 at 512 KiB, at equal goodput; Go's
+     * splice (mihomo, sing-box) moves 1 MiB a call too.  1 MiB is the default
+     * pipe-max-size, so unprivileged processes get it; they reach
+     * pipe-user-pages-soft (64 MiB) with 64 pipes holding data at once, past
+     * which new pipes are small: slower, still correct. */
+    DEFAULT_PIPE_SIZE = 1024 << 10,
 
     /* Shadowsocks AEAD (SIP004) framing. */
     SS_MAX_PAYLOAD = 0x3FFF,

@@ -125,7 +125,7 @@ int sw_relay_add_aead(sw_relay *relay, int client_fd, int upstream_fd,
                       uint64_t *handle_out);
 
 /* Size requested with F_SETPIPE_SZ for pipes created from now on (default
- * 512 KiB); 0 keeps the kernel default.  Pipes already pooled keep their size.
+ * 1 MiB); 0 keeps the kernel default.  Pipes already pooled keep their size.
  * A refused request is not an error: the pipe keeps the size it has. */
 int sw_relay_set_pipe_size(sw_relay *relay, uint32_t bytes);
 
