@@ -369,7 +369,8 @@ class FlowActor(LoopActor):
         t.inbound_rx_bytes = hs.rx_bytes
         t.inbound_tx_bytes = hs.tx_bytes
         deps.counters.total_started += 1
-        self._publish("flow.started", records.lifecycle_payload)
+        # When it started (C's time for a flow C runs), as flow.routed carries C's too.
+        self._publish("flow.started", records.lifecycle_payload, occurred=started)
 
     async def _reply(self, data: bytes, *, quiet: bool = False) -> None:
         if not data or self.client is None:

@@ -254,6 +254,9 @@ def checked_lifecycle(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             assert payload["outcome"] is None
             assert payload["timing"]["ended_at_unix_ms"] is None
+        if e["event_type"] == "flow.started":
+            # When the flow started (C's clock for a C flow), not when Python emitted it.
+            assert e["occurred_at_unix_ms"] == record["timing"]["started_at_unix_ms"]
     return events
 
 
