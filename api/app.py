@@ -328,7 +328,8 @@ class _Capabilities:
         queries.check_params("capabilities", _query_args(req))
         enabled = self._state.core.config.api.control.enabled
         perms = _principal(req).effective_permissions
-        _send(resp, envelope_ok(capabilities(perms, api_enabled=enabled)))
+        ipc = self._state.core.config.api.ipc.enabled
+        _send(resp, envelope_ok(capabilities(perms, api_enabled=enabled, ipc_enabled=ipc)))
 
 
 class _Commands:

@@ -18,9 +18,10 @@ from spliceway.events import SCHEMA_ID
 
 API_ID = "service.api.v1"
 CONFIG_ID = "spliceway.config.v1"
+#: The local control socket's framing (docs/ipc.md).
+IPC_ID = "spliceway.ipc.v1"
 
-#: Features built in this version (the full set a complete
-#: build offers; ipc joins when it is built).
+#: Features built in this version.
 FEATURES = (
     "query",
     "config_snapshot",
@@ -32,6 +33,7 @@ FEATURES = (
     "outbox",
     "commands",
     "openapi",
+    "ipc",
 )
 
 BUILD_FEATURES = (
@@ -154,13 +156,14 @@ GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
         "code": "dead_letter_replay_not_built",
         "message": "dead letters are kept and listed (spliceway connector state), not re-sent",
     },
-    {"code": "ipc_not_built", "message": "the local IPC control socket is not built"},
     {"code": "grpc_not_built", "message": "the gRPC control API is not built"},
     {"code": "hot_reload_not_built", "message": "config.apply and config.apply_runtime"},
 )
 
 
-def capabilities(permissions: Iterable[str], api_enabled: bool = True) -> dict[str, Any]:
+def capabilities(
+    permissions: Iterable[str], api_enabled: bool = True, ipc_enabled: bool = True
+) -> dict[str, Any]:
     """The capabilities resource for a caller holding ``permissions``."""
     return {
         "api_id": API_ID,
@@ -170,7 +173,7 @@ def capabilities(permissions: Iterable[str], api_enabled: bool = True) -> dict[s
             {"kind": "http", "enabled": api_enabled},
             {"kind": "cli", "enabled": True},
             {"kind": "embedded", "enabled": True},
-            {"kind": "ipc", "enabled": False},
+            {"kind": "ipc", "enabled": ipc_enabled},
             {"kind": "grpc", "enabled": False},
         ],
         "sinks": [{"kind": "webhook", "enabled": True}, {"kind": "jsonl", "enabled": True}],
@@ -183,6 +186,7 @@ def capabilities(permissions: Iterable[str], api_enabled: bool = True) -> dict[s
             {"name": "api", "id": API_ID, "min_version": 1, "max_version": 1},
             {"name": "event", "id": SCHEMA_ID, "min_version": 1, "max_version": 1},
             {"name": "config", "id": CONFIG_ID, "min_version": 1, "max_version": 1},
+            {"name": "ipc", "id": IPC_ID, "min_version": 1, "max_version": 1},
         ],
         "error_codes": [
             {"code": code, "http_status": status} for code, status in HTTP_STATUS.items()

@@ -995,7 +995,8 @@ class IpcApi(_Model):
     """``api.ipc``; ``path`` null means :func:`default_ipc_path`."""
 
     enabled: SBool = True
-    """Serve the local control socket; not built yet, so this has no effect."""
+    """Serve the local control socket (docs/ipc.md): queries, commands and event
+    subscriptions as newline-delimited JSON; whoever can open it (mode 0600) is admin."""
     path: NonEmptyStr | None = None
     """Socket path; `null` means `$XDG_RUNTIME_DIR/spliceway/control.sock`, else
     `/tmp/spliceway-<uid>/control.sock`.

@@ -25,6 +25,7 @@ from typing import Any
 from spliceway import commands, queries
 from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
+from spliceway.api.ipc import IpcServer
 from spliceway.api.server import ControlServer
 from spliceway.config import Config, default_config, load_config_file, parse_config
 from spliceway.engine_core import EngineCore
@@ -44,6 +45,7 @@ class Engine:
         self._lock = threading.Lock()
         self._started = False
         self._control: ControlServer | None = None
+        self._ipc: IpcServer | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Engine:
@@ -70,17 +72,24 @@ class Engine:
             if self._started:
                 raise ApiError("conflict", "engine already started")
             control = self._core.config.api.control
+            ipc = self._core.config.api.ipc
             keys = KeyTable.from_config(control) if control.enabled else None
             self._core.start()
-            if keys is not None:
-                try:
+            try:
+                if ipc.enabled:
+                    self._ipc = IpcServer(self._core, ipc.resolved_path())
+                    self._ipc.start()
+                if keys is not None:
                     app = create_app(self, keys=keys)
                     self._control = ControlServer(app, control.listen.address, control.listen.port)
                     self._control.start()
-                except BaseException:
-                    self._control = None
-                    self._core.stop()
-                    raise
+            except BaseException:
+                self._control = None
+                if self._ipc is not None:
+                    self._ipc.stop()
+                    self._ipc = None
+                self._core.stop()
+                raise
             self._started = True
         return self
 
@@ -93,12 +102,17 @@ class Engine:
             # the control API stops once they have ended.
             if self._control is not None:
                 self._control.stop_accepting()
+            if self._ipc is not None:
+                self._ipc.stop_accepting()
             try:
                 self._core.stop(reason)
             finally:
                 if self._control is not None:
                     self._control.stop()
                     self._control = None
+                if self._ipc is not None:
+                    self._ipc.stop()
+                    self._ipc = None
 
     def __enter__(self) -> Engine:
         return self.start()

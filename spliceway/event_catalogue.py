@@ -517,15 +517,31 @@ _EVENTS: tuple[EventType, ...] = (
     ),
     EventType(
         "ipc.connected",
-        "Reserved for the local control socket, which is not built.",
-        "Never, in this build.",
-        False,
+        "A client connected to the local control socket (docs/ipc.md).",
+        "Once per IPC connection.",
+        True,
+        (
+            _f("active", "integer", "Open IPC connections, this one included."),
+            _f("pipe", "string", "The client's socket address (empty for an unnamed socket)."),
+        ),
     ),
     EventType(
         "ipc.disconnected",
-        "Reserved for the local control socket, which is not built.",
-        "Never, in this build.",
-        False,
+        "An IPC client's connection ended (not emitted while the engine stops, so "
+        "`engine.stopped` stays the last event).",
+        "Once per IPC connection.",
+        True,
+        (
+            _f("active", "integer", "Open IPC connections after this one closed."),
+            _f("pipe", "string", "The client's socket address (empty for an unnamed socket)."),
+            _f(
+                "error",
+                "string",
+                "Why it ended abnormally (a failed read or write, a subscription that fell "
+                "too far behind); absent on a normal close.",
+                required=False,
+            ),
+        ),
     ),
 )
 

@@ -191,7 +191,8 @@ def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     # capabilities itself with the caller's own grants.
     from spliceway.capabilities import capabilities
 
-    return capabilities(PERMISSIONS, api_enabled=core.config.api.control.enabled)
+    api = core.config.api
+    return capabilities(PERMISSIONS, api_enabled=api.control.enabled, ipc_enabled=api.ipc.enabled)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,418 @@
+"""The local IPC control socket: newline-delimited JSON on a Unix socket (docs/ipc.md).
+
+A frame is one JSON object on one line, at most 16 MiB.  A query is
+``{"id": 1, "<query>": {params}}``, a command ``{"id": 2, "command": {"method": ...,
+"params": {...}}}``, a subscription ``{"id": 3, "type": "subscribe", "events": [...]}``.
+Each reply is the HTTP API's envelope with ``result`` wrapped in one key naming the
+variant (``{"health": {...}}``, ``{"command": {...}}``, ``{"subscribed": {...}}``) and
+the request's ``id``, so requests may be pipelined.  After the subscribe ACK come
+``flow.snapshot`` (when flow types are included) and then one envelope per line; no
+history.  Whoever can open the socket (mode 0600) is ``admin``.
+
+Threads: one accepts; each connection has a reader (frames, answered in order) and a
+writer draining the connection's bounded queue, plus, once subscribed, a pump from
+its subscription to that queue.  A client that stops reading fills only its own
+queue and then its subscription's bound (``overflowed``), at which point the
+connection is closed: the engine never waits on a client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from spliceway.api.app import envelope_error, envelope_ok
+
+from spliceway import commands, queries
+from spliceway.errors import ApiError, invalid_argument
+from spliceway.events import Envelope, Subscription, normalize_types, parse_types
+
+if TYPE_CHECKING:
+    from spliceway.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAME = 16 << 20
+#: Writes queued for one connection's writer: replies, and batches of at most
+#: BATCH events, so a connection holds at most OUT_QUEUE * BATCH events beyond its
+#: subscription's own bound.
+OUT_QUEUE = 64
+BATCH = 64
+#: Events a subscription may hold unread before the connection is dropped.
+MAX_PENDING = 16384
+MAX_CONNECTIONS = 64
+_READ = 1 << 16
+_JOIN_S = 5.0
+
+
+def prepare_path(path: str) -> None:
+    """Make the socket's directory (0700 when created) and remove a stale socket at
+    ``path``; ``conflict`` when an engine is listening there or the path is not a socket."""
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ApiError(
+            "conflict", f"IPC path {path} exists and is not a socket", field_path="api.ipc.path"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: left behind by an engine that died
+        return
+    finally:
+        probe.close()
+    raise ApiError(
+        "conflict",
+        f"IPC socket {path} is in use by another running engine",
+        field_path="api.ipc.path",
+    )
+
+
+class IpcServer:
+    """The control socket of one running engine."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        path: str,
+        max_pending: int = MAX_PENDING,
+        out_queue: int = OUT_QUEUE,
+    ) -> None:
+        self._core = core
+        self.path = path
+        self._max_pending = max_pending
+        self._out_queue = out_queue
+        self._lock = threading.Lock()
+        self._conns: set[_Connection] = set()
+        self._closing = False
+        prepare_path(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # The mode the socket file is created with (Linux takes it from the socket's
+            # inode): never a moment with wider permissions than 0600.
+            os.fchmod(sock.fileno(), 0o600)
+            sock.bind(path)
+            os.chmod(path, 0o600)
+            sock.listen(64)
+        except OSError as ex:
+            sock.close()
+            raise ApiError(
+                "conflict",
+                f"IPC socket {path}: {os.strerror(ex.errno) if ex.errno else ex}",
+                field_path="api.ipc.path",
+            ) from ex
+        self._inode = os.stat(path).st_ino
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept, name="spliceway-ipc", daemon=True)
+
+    def start(self) -> None:
+        """Start accepting."""
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket and remove its file (if it is still ours)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._thread.join(_JOIN_S)
+        try:
+            if os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def stop(self) -> None:
+        """Stop accepting, close every connection and join their threads."""
+        self.stop_accepting()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            # The engine's stop closed every subscription (engine.stopped last): let
+            # each pump queue what it still has before the writer is told to finish.
+            if conn._pump is not None:
+                conn._pump.join(_JOIN_S)
+            conn.close(flush=True)
+        for conn in conns:
+            conn.join()
+
+    @property
+    def active(self) -> int:
+        """Open connections."""
+        with self._lock:
+            return len(self._conns)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return  # the listening socket was closed
+            with self._lock:
+                if self._closing or len(self._conns) >= MAX_CONNECTIONS:
+                    refused = True
+                else:
+                    refused = False
+                    conn = _Connection(self, client)
+                    self._conns.add(conn)
+                    active = len(self._conns)
+            if refused:
+                error = ApiError("rate_limited", f"at most {MAX_CONNECTIONS} IPC connections")
+                with contextlib.suppress(OSError):
+                    client.sendall(envelope_error(error) + b"\n")
+                client.close()
+                continue
+            self._core.log.emit("ipc.connected", {"active": active, "pipe": conn.peer})
+            conn.start()
+
+    def _closed(self, conn: _Connection, error: str | None) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+            active = len(self._conns)
+        if not self._core.running:
+            return  # stopping: engine.stopped stays the last event
+        payload: dict[str, Any] = {"active": active, "pipe": conn.peer}
+        if error is not None:
+            payload["error"] = error
+        self._core.log.emit("ipc.disconnected", payload)
+
+
+class _Connection:
+    """One client: a reader answering frames in order, a writer, maybe a pump."""
+
+    def __init__(self, server: IpcServer, sock: socket.socket) -> None:
+        self._server = server
+        self._core = server._core
+        self._sock = sock
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            peer = ""
+        self.peer = peer if isinstance(peer, str) else str(peer)
+        self._out: queue.Queue[bytes | None] = queue.Queue(server._out_queue)
+        self._sub: Subscription | None = None
+        self._error: str | None = None
+        self._done = threading.Event()
+        self._once = threading.Lock()
+        self._finished = False
+        self._reader = threading.Thread(target=self._read, name="spliceway-ipc-r", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="spliceway-ipc-w", daemon=True)
+        self._pump: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._writer.start()
+        self._reader.start()
+
+    def join(self) -> None:
+        for thread in (self._reader, self._writer, self._pump):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(_JOIN_S)
+
+    def close(self, *, flush: bool = False, error: str | None = None) -> None:
+        """End the connection; ``flush`` lets the writer send what is queued first."""
+        if error is not None and self._error is None:
+            self._error = error
+        if self._sub is not None:
+            self._sub.close()
+        if flush:
+            try:
+                # A client that stopped reading gets a second to take what is queued.
+                self._out.put(None, timeout=1.0)
+                return
+            except queue.Full:
+                pass
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _put(self, data: bytes | None, give_up: Callable[[], bool] | None = None) -> bool:
+        """Queue output; False once the connection is going away (or ``give_up()``).
+        Blocks while the queue is full (only this connection's reader or pump waits)."""
+        while not self._done.is_set():
+            if give_up is not None and give_up():
+                return False
+            try:
+                self._out.put(data, timeout=0.25)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # -- reader ---------------------------------------------------------------------
+
+    def _read(self) -> None:
+        buf = bytearray()
+        skipping = False  # inside a frame over the limit: drop up to its newline
+        try:
+            while not self._done.is_set():
+                chunk = self._sock.recv(_READ)
+                if not chunk:
+                    break
+                start = len(buf)
+                buf += chunk
+                while True:
+                    nl = buf.find(b"\n", start)
+                    if nl < 0:
+                        break
+                    line = bytes(buf[:nl])
+                    del buf[: nl + 1]
+                    start = 0
+                    if skipping:
+                        skipping = False
+                        continue
+                    if line.strip():
+                        self._answer(line)
+                if not skipping and len(buf) > MAX_FRAME:
+                    skipping = True
+                    buf.clear()
+                    self._reply_error(invalid_argument(f"frame larger than {MAX_FRAME} bytes"))
+                elif skipping:
+                    buf.clear()
+        except OSError as ex:
+            self._error = self._error or f"read failed: {ex.strerror or ex}"
+        finally:
+            self.close(flush=True)
+
+    def _reply_error(self, error: ApiError, request_id: Any = None) -> None:
+        self._put(envelope_error(error, request_id) + b"\n")
+
+    def _answer(self, line: bytes) -> None:
+        request_id: Any = None
+        try:
+            try:
+                frame = orjson.loads(line)
+            except orjson.JSONDecodeError as ex:
+                raise invalid_argument(f"frame is not JSON: {ex}") from ex
+            if not isinstance(frame, dict):
+                raise invalid_argument("a frame must be a JSON object")
+            request_id = frame.get("id")
+            if request_id is not None and (
+                isinstance(request_id, bool) or not isinstance(request_id, str | int | float)
+            ):
+                request_id = None
+                raise invalid_argument("id must be a string, a number or null", "id")
+            variant, result = self._run(frame)
+        except ApiError as ex:
+            self._reply_error(ex, request_id)
+            return
+        except Exception:
+            logger.exception("IPC request failed")
+            self._reply_error(ApiError("internal", "internal error"), request_id)
+            return
+        self._put(envelope_ok({variant: result}, request_id) + b"\n")
+        if variant == "subscribed":
+            self._start_pump()
+
+    def _run(self, frame: dict[str, Any]) -> tuple[str, Any]:
+        keys = [k for k in frame if k != "id"]
+        if frame.get("type") == "subscribe":
+            if set(keys) - {"type", "events"}:
+                raise invalid_argument(f"unknown field in a subscribe frame: {sorted(keys)}")
+            return "subscribed", self._subscribe(frame.get("events"))
+        if len(keys) != 1:
+            raise invalid_argument(
+                "a frame holds one request: a query name, 'command', or type 'subscribe'"
+            )
+        (name,) = keys
+        body = frame[name]
+        if name == "command":
+            if not isinstance(body, dict):
+                raise invalid_argument("command must be an object", "command")
+            unknown = set(body) - {"method", "params"}
+            if unknown:
+                raise invalid_argument(f"unknown field {sorted(unknown)[0]!r}", "command")
+            params = body.get("params", {})
+            result = commands.execute(self._core, body.get("method"), params)
+            return "command", result
+        if name not in queries.QUERIES:
+            raise invalid_argument(f"unknown request {name!r}", name)
+        if not isinstance(body, dict):
+            raise invalid_argument(f"{name} parameters must be an object", name)
+        return name, queries.run_query(self._core, name, body)
+
+    def _subscribe(self, events: object) -> dict[str, Any]:
+        if self._sub is not None:
+            raise ApiError("conflict", "this connection is already subscribed")
+        if events is None:
+            wanted: list[str] | None = None
+        elif isinstance(events, list) and all(isinstance(e, str) for e in events):
+            wanted = parse_types(",".join(events)) if events else None
+        else:
+            raise invalid_argument("events must be a list of event types", "events")
+        types = normalize_types(wanted)
+        self._sub = self._core.log.subscribe(
+            types, snapshot=self._core.flows.records, max_pending=self._server._max_pending
+        )
+        return {"events": sorted(types) if types is not None else ["*"]}
+
+    # -- pump and writer ----------------------------------------------------------------
+
+    def _start_pump(self) -> None:
+        self._pump = threading.Thread(target=self._forward, name="spliceway-ipc-s", daemon=True)
+        self._pump.start()
+
+    def _forward(self) -> None:
+        sub = self._sub
+        assert sub is not None
+        encoded: Callable[[Envelope], bytes] = self._core.log.encoded
+
+        def overflowed() -> bool:
+            return sub.overflowed
+
+        while not self._done.is_set() and not sub.overflowed:
+            batch = sub.get_many(timeout=0.25, limit=BATCH)
+            if batch:
+                self._put(b"".join(encoded(e) + b"\n" for e in batch), overflowed)
+                continue
+            if sub.ended:
+                final = sub.ended_by
+                # engine.stopped ends every subscription, filter or not.
+                if final is not None and not sub.accepts(final["event_type"]):
+                    self._put(encoded(final) + b"\n")
+                break
+        if sub.overflowed:
+            # No history on IPC to resume from: the client reconnects and resubscribes.
+            self.close(error=f"fell more than {self._server._max_pending} events behind")
+
+    def _write(self) -> None:
+        try:
+            while True:
+                data = self._out.get()
+                if data is None:
+                    break
+                self._sock.sendall(data)
+        except OSError as ex:
+            if self._error is None:
+                self._error = f"write failed: {ex.strerror or ex}"
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._once:
+            if self._finished:
+                return
+            self._finished = True
+        self._done.set()
+        if self._sub is not None:
+            self._sub.close()
+        self._shutdown()
+        self._sock.close()
+        self._server._closed(self, self._error)
