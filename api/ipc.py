@@ -24,7 +24,9 @@ import os
 import queue
 import socket
 import stat
+import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -51,34 +53,51 @@ MAX_PENDING = 16384
 MAX_CONNECTIONS = 64
 _READ = 1 << 16
 _JOIN_S = 5.0
+_SEND_S = 30
 
 
-def prepare_path(path: str) -> None:
-    """Make the socket's directory (0700 when created) and remove a stale socket at
-    ``path``; ``conflict`` when an engine is listening there or the path is not a socket."""
+def _conflict(message: str) -> ApiError:
+    return ApiError("conflict", message, field_path="api.ipc.path")
+
+
+def prepare_path(path: str, private_dir: bool) -> None:
+    """Make the socket's directory and remove a stale socket at ``path``.
+
+    ``private_dir`` (the default path's directory, in a shared place like /tmp): it
+    must be a real directory of this user with no group or other access, else
+    another user could have made it to put their socket in our clients' way.
+    ``conflict`` when an engine listens at ``path``, or when the path cannot be used.
+    """
     parent = os.path.dirname(path) or "."
-    os.makedirs(parent, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        st = os.lstat(parent)
+    except OSError as ex:
+        raise _conflict(f"IPC directory {parent}: {ex.strerror or ex}") from ex
+    if private_dir and (
+        not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077
+    ):
+        raise _conflict(f"IPC directory {parent} must be a directory of this user with mode 0700")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
-        raise ApiError(
-            "conflict", f"IPC path {path} exists and is not a socket", field_path="api.ipc.path"
-        )
+        raise _conflict(f"IPC path {path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
     try:
         probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: left behind by an engine that died
+    except ConnectionRefusedError:
+        # Nobody listens: left behind by an engine that died.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         return
+    except OSError as ex:
+        raise _conflict(f"IPC socket {path} cannot be checked: {ex.strerror or ex}") from ex
     finally:
         probe.close()
-    raise ApiError(
-        "conflict",
-        f"IPC socket {path} is in use by another running engine",
-        field_path="api.ipc.path",
-    )
+    raise _conflict(f"IPC socket {path} is in use by another running engine")
 
 
 class IpcServer:
@@ -90,6 +109,7 @@ class IpcServer:
         path: str,
         max_pending: int = MAX_PENDING,
         out_queue: int = OUT_QUEUE,
+        private_dir: bool = False,
     ) -> None:
         self._core = core
         self.path = path
@@ -98,7 +118,7 @@ class IpcServer:
         self._lock = threading.Lock()
         self._conns: set[_Connection] = set()
         self._closing = False
-        prepare_path(path)
+        prepare_path(path, private_dir)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # The mode the socket file is created with (Linux takes it from the socket's
@@ -109,12 +129,11 @@ class IpcServer:
             sock.listen(64)
         except OSError as ex:
             sock.close()
-            raise ApiError(
-                "conflict",
-                f"IPC socket {path}: {os.strerror(ex.errno) if ex.errno else ex}",
-                field_path="api.ipc.path",
+            raise _conflict(
+                f"IPC socket {path}: {os.strerror(ex.errno) if ex.errno else ex}"
             ) from ex
-        self._inode = os.stat(path).st_ino
+        st = os.stat(path)
+        self._identity = (st.st_dev, st.st_ino)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept, name="spliceway-ipc", daemon=True)
 
@@ -132,23 +151,31 @@ class IpcServer:
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         self._thread.join(_JOIN_S)
-        try:
-            if os.stat(self.path).st_ino == self._inode:
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
                 os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def stop(self) -> None:
         """Stop accepting, close every connection and join their threads."""
         self.stop_accepting()
         with self._lock:
             conns = list(self._conns)
+        deadline = time.monotonic() + _JOIN_S
         for conn in conns:
-            # The engine's stop closed every subscription (engine.stopped last): let
-            # each pump queue what it still has before the writer is told to finish.
-            if conn._pump is not None:
-                conn._pump.join(_JOIN_S)
-            conn.close(flush=True)
+            # The engine's stop closed every subscription (engine.stopped last; closing
+            # again is a no-op, and ends them when a failed start stops us): let each
+            # pump queue what it still has, then tell the writer to finish.
+            if conn._sub is not None:
+                conn._sub.close()
+            pump = conn._pump
+            if pump is not None:
+                pump.join(max(0.0, deadline - time.monotonic()))
+            conn.finish_soon()
+        for conn in conns:
+            # A client that does not read (or never closes) is cut off at the deadline.
+            if not conn._done.wait(max(0.0, deadline - time.monotonic())):
+                conn._shutdown()
         for conn in conns:
             conn.join()
 
@@ -162,8 +189,12 @@ class IpcServer:
         while True:
             try:
                 client, _ = self._sock.accept()
-            except OSError:
-                return  # the listening socket was closed
+            except OSError as ex:
+                if self._closing:
+                    return  # the listening socket was closed
+                logger.warning("IPC accept failed: %s", ex)
+                time.sleep(0.1)  # EMFILE and the like: keep serving once it clears
+                continue
             with self._lock:
                 if self._closing or len(self._conns) >= MAX_CONNECTIONS:
                     refused = True
@@ -173,7 +204,11 @@ class IpcServer:
                     self._conns.add(conn)
                     active = len(self._conns)
             if refused:
-                error = ApiError("rate_limited", f"at most {MAX_CONNECTIONS} IPC connections")
+                error = (
+                    ApiError("conflict", "the engine is stopping")
+                    if self._closing
+                    else ApiError("rate_limited", f"at most {MAX_CONNECTIONS} IPC connections")
+                )
                 with contextlib.suppress(OSError):
                     client.sendall(envelope_error(error) + b"\n")
                 client.close()
@@ -200,6 +235,9 @@ class _Connection:
         self._server = server
         self._core = server._core
         self._sock = sock
+        # A write that cannot progress for this long (a client that stopped reading
+        # with a reply in flight) ends the connection instead of holding its writer.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_S, 0))
         try:
             peer = sock.getpeername()
         except OSError:
@@ -238,6 +276,13 @@ class _Connection:
             except queue.Full:
                 pass
         self._shutdown()
+
+    def finish_soon(self) -> None:
+        """Let the writer send what is queued, then end (never blocks)."""
+        try:
+            self._out.put_nowait(None)
+        except queue.Full:
+            self._shutdown()
 
     def _shutdown(self) -> None:
         with contextlib.suppress(OSError):
@@ -366,8 +411,9 @@ class _Connection:
     # -- pump and writer ----------------------------------------------------------------
 
     def _start_pump(self) -> None:
-        self._pump = threading.Thread(target=self._forward, name="spliceway-ipc-s", daemon=True)
-        self._pump.start()
+        pump = threading.Thread(target=self._forward, name="spliceway-ipc-s", daemon=True)
+        pump.start()
+        self._pump = pump  # only a started thread is ever joined
 
     def _forward(self) -> None:
         sub = self._sub

@@ -77,7 +77,9 @@ class Engine:
             self._core.start()
             try:
                 if ipc.enabled:
-                    self._ipc = IpcServer(self._core, ipc.resolved_path())
+                    self._ipc = IpcServer(
+                        self._core, ipc.resolved_path(), private_dir=ipc.path is None
+                    )
                     self._ipc.start()
                 if keys is not None:
                     app = create_app(self, keys=keys)

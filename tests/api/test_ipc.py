@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -220,3 +221,29 @@ def test_capabilities_list_the_ipc_adapter_and_contract(engine, sock_path):
     assert any(x["name"] == "ipc" for x in caps["contracts"])
     assert all(x["code"] != "ipc_not_built" for x in caps["global_limitations"])
     c.close()
+
+
+def test_stop_cuts_off_a_client_that_neither_reads_nor_closes(sock_path):
+    eng = Engine(_config(sock_path)).start()
+    c = Client(sock_path)
+    c.send(b'{"id": 1, "runtime": {}}\n' * 3000)  # replies pile up unread
+    wait_until(lambda: eng._ipc is not None and eng._ipc.active == 1, what="connected")
+    started = time.monotonic()
+    eng.stop()
+    assert time.monotonic() - started < 8.0
+    assert not sock_path.exists()
+    c.close()
+
+
+def test_a_default_directory_another_user_could_have_made_is_refused(tmp_path):
+    shared = tmp_path / "spliceway-x"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(ApiError) as refused:
+        ipc.prepare_path(str(shared / "control.sock"), private_dir=True)
+    assert refused.value.code == "conflict" and "0700" in refused.value.message
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    with pytest.raises(ApiError):
+        ipc.prepare_path(str(link / "control.sock"), private_dir=True)
+    ipc.prepare_path(str(shared / "control.sock"), private_dir=False)  # a chosen path: allowed
