@@ -7,7 +7,10 @@ cleanly with exit 0; SIGHUP is logged and ignored until hot reload is built),
 exit 0, or 1 with one line per problem), ``config-schema`` (the configuration's
 JSON Schema), ``connector state [--json] FILE`` and ``connector dead-letters
 [--json] FILE`` (read the outbox the file names while the engine is stopped;
-exit 1 with the error code when it cannot) and ``build-info``. Exit status 2
+exit 1 with the error code when it cannot) and ``build-info``; ``status``, ``flows``,
+``policies``, ``select``, ``mode`` and ``events`` talk to a running engine over its IPC
+socket (``--ipc PATH``, ``$SPLICEWAY_IPC``, else the default; exit 1 with the error
+code and message when the engine refuses or is not there). Exit status 2
 means the engine could not start (invalid configuration, an unset key
 variable, a port in use, the outbox locked by another engine, an unsupported
 setting); the reason is printed one problem per line, never as a traceback.
@@ -42,8 +45,11 @@ _LOG_LEVELS = {
 
 
 _EPILOG = """\
-exit status: 0 success; 1 validate or a connector command found problems;
-             2 the engine could not start (one line per problem on stderr)
+exit status: 0 success; 1 validate or a connector command found problems, or a
+             command to a running engine failed (its error code and message on
+             stderr); 2 the engine could not start (one line per problem on stderr)
+remote:      status, flows, policies, select, mode and events talk to a running
+             engine over its IPC socket (docs/ipc.md)
 reference:   docs/running.md, docs/configuration.md and docs/ in the source
              distribution; spliceway config-schema prints the JSON Schema
 """
@@ -64,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"spliceway {__version__}")
+    parser.add_argument(
+        "--ipc",
+        metavar="PATH",
+        help="a running engine's IPC socket (default: $SPLICEWAY_IPC, else the engine's "
+        "default path)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",
@@ -78,6 +90,22 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("file")
     sub.add_parser("config-schema", help="print the configuration's JSON Schema")
     sub.add_parser("build-info", help="print what this build contains")
+    status = sub.add_parser("status", help="a running engine's health and counters")
+    flows = sub.add_parser("flows", help="a running engine's active flows")
+    flows.add_argument("--limit", type=int, help="at most this many (1..10000, default 100)")
+    policies = sub.add_parser("policies", help="a running engine's policy groups")
+    select = sub.add_parser("select", help="select a selector group's member (policies.select)")
+    select.add_argument("policy_tag")
+    select.add_argument("target_tag")
+    mode = sub.add_parser("mode", help="set the routing mode (mode.set)")
+    mode.add_argument("mode", choices=("rule", "direct", "global"))
+    mode.add_argument("outbound", nargs="?", help="the outbound or group of mode global")
+    for remote in (status, flows, policies, select, mode):
+        remote.add_argument("--json", action="store_true", help="print JSON")
+    events = sub.add_parser(
+        "events", help="print a running engine's events, one JSON envelope per line"
+    )
+    events.add_argument("--types", help="comma-separated event types (default: all)")
     connector = sub.add_parser("connector", help="inspect the event sinks' outbox offline")
     what = connector.add_subparsers(dest="connector_command", required=True)
     for name, text in (
@@ -293,7 +321,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_config_schema()
     if args.command == "connector":
         return cmd_connector(args.connector_command, args.file, args.json)
-    return cmd_build_info()
+    if args.command == "build-info":
+        return cmd_build_info()
+    from spliceway import cli_remote as remote
+
+    if args.command == "status":
+        return remote.cmd_status(args.ipc, args.json)
+    if args.command == "flows":
+        return remote.cmd_flows(args.ipc, args.json, args.limit)
+    if args.command == "policies":
+        return remote.cmd_policies(args.ipc, args.json)
+    if args.command == "select":
+        return remote.cmd_select(args.ipc, args.json, args.policy_tag, args.target_tag)
+    if args.command == "mode":
+        return remote.cmd_mode(args.ipc, args.json, args.mode, args.outbound)
+    types = [t for t in (args.types or "").split(",") if t] or None
+    return remote.cmd_events(args.ipc, types)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,140 @@
+"""The CLI subcommands that talk to a running engine over its IPC socket.
+
+Each prints a readable table by default and JSON with ``--json``; a failure prints
+``spliceway: <code>: <message>`` on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from spliceway.errors import ApiError
+from spliceway.ipc_client import IpcClient, socket_path
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    cells = [[str(h) for h in headers], *[["-" if v is None else str(v) for v in r] for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2).decode()
+
+
+def _status(client: IpcClient) -> tuple[Any, str]:
+    health = client.query("health")
+    stats = client.query("stats")
+    result = {"health": health, "stats": stats}
+    rows = [(k, v) for k, v in {**health, **stats}.items() if not isinstance(v, dict | list)]
+    return result, _table(("FIELD", "VALUE"), rows)
+
+
+def _flows(limit: int | None) -> Callable[[IpcClient], tuple[Any, str]]:
+    def run(client: IpcClient) -> tuple[Any, str]:
+        result = client.query("flows", {"limit": limit} if limit is not None else {})
+        rows = []
+        for r in result["active_flows"]:
+            target = r["target"]
+            outbound = (r["path"]["outbound"] or {}).get("tag")
+            rows.append(
+                (
+                    r["flow_id"],
+                    r["inbound"]["tag"],
+                    f"{target['host']}:{target['port']}",
+                    outbound,
+                    r["state"],
+                    r["traffic"]["bytes_up"],
+                    r["traffic"]["bytes_down"],
+                )
+            )
+        headers = ("FLOW", "INBOUND", "TARGET", "OUTBOUND", "STATE", "UP", "DOWN")
+        return result, _table(headers, rows)
+
+    return run
+
+
+def _policies(client: IpcClient) -> tuple[Any, str]:
+    result = client.query("policies")
+    rows = [
+        (p["tag"], p["kind"], p["selected"], p.get("latency_ms"), ",".join(p["outbounds"]))
+        for p in result["policies"]
+    ]
+    return result, _table(("POLICY", "KIND", "SELECTED", "LATENCY_MS", "MEMBERS"), rows)
+
+
+def _command(method: str, params: dict[str, Any]) -> Callable[[IpcClient], tuple[Any, str]]:
+    def run(client: IpcClient) -> tuple[Any, str]:
+        result = client.command(method, params)
+        return result, _table(("FIELD", "VALUE"), sorted(result.items()))
+
+    return run
+
+
+def _fail(ex: ApiError) -> int:
+    where = f" ({ex.field_path})" if ex.field_path else ""
+    print(f"spliceway: {ex.code}: {ex.message}{where}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _once(ipc: str | None, as_json: bool, fn: Callable[[IpcClient], tuple[Any, str]]) -> int:
+    try:
+        with IpcClient(socket_path(ipc)) as client:
+            result, text = fn(client)
+    except ApiError as ex:
+        return _fail(ex)
+    print(_json(result) if as_json else text)
+    return EXIT_OK
+
+
+def cmd_status(ipc: str | None, as_json: bool) -> int:
+    """``spliceway status``: health and counters."""
+    return _once(ipc, as_json, _status)
+
+
+def cmd_flows(ipc: str | None, as_json: bool, limit: int | None) -> int:
+    """``spliceway flows``: the active flows."""
+    return _once(ipc, as_json, _flows(limit))
+
+
+def cmd_policies(ipc: str | None, as_json: bool) -> int:
+    """``spliceway policies``: every policy group and what it selects."""
+    return _once(ipc, as_json, _policies)
+
+
+def cmd_select(ipc: str | None, as_json: bool, policy: str, target: str) -> int:
+    """``spliceway select POLICY TARGET``: policies.select."""
+    params = {"policy_tag": policy, "target_tag": target}
+    return _once(ipc, as_json, _command("policies.select", params))
+
+
+def cmd_mode(ipc: str | None, as_json: bool, mode: str, outbound: str | None) -> int:
+    """``spliceway mode MODE [OUTBOUND]``: mode.set."""
+    params: dict[str, Any] = {"mode": mode}
+    if outbound is not None:
+        params["outbound"] = outbound
+    return _once(ipc, as_json, _command("mode.set", params))
+
+
+def cmd_events(ipc: str | None, types: list[str] | None) -> int:
+    """``spliceway events``: one envelope per line until interrupted or the engine stops."""
+    try:
+        with IpcClient(socket_path(ipc)) as client:
+            for envelope in client.subscribe(types):
+                sys.stdout.write(orjson.dumps(envelope).decode() + "\n")
+                sys.stdout.flush()
+    except ApiError as ex:
+        return _fail(ex)
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK

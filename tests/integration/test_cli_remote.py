@@ -1,0 +1,130 @@
+"""The CLI's remote subcommands against a running engine, over its IPC socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spliceway import Engine
+from tests.conftest import base_config, wait_until
+from tests.helpers.program import SPLICEWAY
+from tests.helpers.servers import EchoServer
+from tests.helpers.socks import socks5_connect
+
+
+def _config(path: Path) -> dict[str, Any]:
+    return base_config(
+        outbound_groups=[{"tag": "proxy", "kind": "selector", "outbounds": ["direct", "block"]}],
+        api={"control": {"enabled": False}, "ipc": {"enabled": True, "path": str(path)}},
+    )
+
+
+@pytest.fixture
+def sock_path(tmp_path: Path) -> Iterator[Path]:
+    short = Path(f"/tmp/sw-cli-{os.getpid()}-{tmp_path.name[-12:]}")
+    yield short / "control.sock"
+    (short / "control.sock").unlink(missing_ok=True)
+    if short.exists():
+        short.rmdir()
+
+
+@pytest.fixture
+def engine(sock_path: Path) -> Iterator[Engine]:
+    eng = Engine(_config(sock_path)).start()
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+def cli(path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    argv = [*SPLICEWAY, *(["--ipc", str(path)] if path else []), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env, check=False)
+
+
+def test_status_prints_a_table_and_json(engine, sock_path):
+    table = cli(sock_path, "status")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["FIELD", "VALUE"]
+    assert any(line.split() == ["healthy", "True"] for line in lines)
+    as_json = cli(sock_path, "status", "--json")
+    assert as_json.returncode == 0
+    doc = json.loads(as_json.stdout)
+    assert doc["health"]["healthy"] is True and "total_started" in doc["stats"]
+
+
+def test_flows_lists_an_open_flow(engine, sock_path):
+    with EchoServer() as echo:
+        sock = socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", echo.port)
+        try:
+            sock.sendall(b"ping")
+            assert sock.recv(4) == b"ping"
+            doc = json.loads(cli(sock_path, "flows", "--json").stdout)
+            (flow,) = doc["active_flows"]
+            assert flow["target"]["port"] == echo.port
+            table = cli(sock_path, "flows").stdout.splitlines()
+            assert table[0].split() == [
+                "FLOW",
+                "INBOUND",
+                "TARGET",
+                "OUTBOUND",
+                "STATE",
+                "UP",
+                "DOWN",
+            ]
+            row = table[1].split()
+            assert row[0] == flow["flow_id"] and row[2] == f"127.0.0.1:{echo.port}"
+            assert row[3:5] == ["direct", "active"]
+        finally:
+            sock.close()
+
+
+def test_policies_select_and_mode_change_the_engine(engine, sock_path):
+    table = cli(sock_path, "policies").stdout.splitlines()
+    assert table[0].split()[:3] == ["POLICY", "KIND", "SELECTED"]
+    assert table[1].split()[:3] == ["proxy", "selector", "direct"]
+    done = cli(sock_path, "select", "proxy", "block")
+    assert done.returncode == 0, done.stderr
+    assert engine.query("policy", {"policy_tag": "proxy"})["selected"] == "block"
+    assert cli(sock_path, "mode", "global", "proxy", "--json").returncode == 0
+    assert engine.query("config")["mode"] == {"kind": "global", "outbound": "proxy"}
+    wrong = cli(sock_path, "select", "proxy", "nowhere")
+    assert wrong.returncode == 1
+    assert wrong.stderr.startswith("spliceway: invalid_argument: ")
+
+
+def test_events_prints_one_envelope_per_line_until_the_engine_stops(sock_path):
+    eng = Engine(_config(sock_path)).start()
+    proc = subprocess.Popen(
+        [*SPLICEWAY, "--ipc", str(sock_path), "events", "--types", "policy.selected"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Subscribed once the engine holds its subscription: then select.
+        wait_until(lambda: any(c._sub for c in list(eng._ipc._conns)), what="subscribed")
+        eng.execute("policies.select", {"policy_tag": "proxy", "target_tag": "block"})
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "no event line within 20 s"
+        event = json.loads(proc.stdout.readline())
+        assert event["event_type"] == "policy.selected"
+    finally:
+        eng.stop()
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert json.loads(out.splitlines()[-1])["event_type"] == "engine.stopped"
+
+
+def test_without_an_engine_the_cli_says_so_and_exits_1(sock_path):
+    result = cli(sock_path, "status")
+    assert result.returncode == 1
+    assert result.stderr.startswith("spliceway: not_found: no engine is listening on ")
