@@ -131,6 +131,9 @@ def cmd_validate(path: str) -> int:
     try:
         check_environment(load_config_file(path))
     except ApiError as ex:
+        # The code on stderr, as every failing subcommand prints it; the problems on
+        # stdout, one per line, for a reader or a script.
+        print(f"spliceway: {ex.code}: {ex.message}", file=sys.stderr)
         for line in _problems(ex):
             print(line)
         return EXIT_INVALID

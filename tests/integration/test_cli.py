@@ -84,6 +84,7 @@ def test_validate_reports_one_line_per_problem_with_field_paths(tmp_path):
     assert len(lines) == 3, lines
     paths = sorted(line.split(":", 1)[0] for line in lines)
     assert paths == ["inbounds[0].colour", "inbounds[0].listen.port", "rules[0].outbound"]
+    assert result.stderr.startswith("spliceway: invalid_argument: ")
 
 
 def test_invalid_config_for_run_exits_2(tmp_path):
