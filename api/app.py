@@ -85,6 +85,14 @@ def envelope_ok(result: Any, request_id: Any = None) -> bytes:
     return orjson.dumps({"api_id": API_ID, "id": request_id, "ok": True, "result": result})
 
 
+def body_request_id(body: dict[str, Any]) -> Any:
+    """A request body's ``id`` (a string, a number or null), else ``invalid_argument``."""
+    value = body.get("id")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, str | int | float)):
+        raise invalid_argument("id must be a string, a number or null", field_path="id")
+    return value
+
+
 def envelope_error(error: ApiError, request_id: Any = None) -> bytes:
     """An error envelope."""
     return orjson.dumps({"api_id": API_ID, "id": request_id, "ok": False, "error": error.to_dict()})
@@ -349,12 +357,7 @@ class _Commands:
             raise invalid_argument(f"body is not JSON: {ex}") from ex
         if not isinstance(body, dict):
             raise invalid_argument("body must be a JSON object")
-        request_id = body.get("id")
-        if request_id is not None and (
-            isinstance(request_id, bool) or not isinstance(request_id, str | int | float)
-        ):
-            raise invalid_argument("id must be a string, a number or null", field_path="id")
-        req.context.request_id = request_id
+        req.context.request_id = rid = body_request_id(body)
         for key in body:
             if key not in _COMMAND_KEYS:
                 raise invalid_argument(f"unknown field {key!r}", field_path=key)
@@ -364,7 +367,7 @@ class _Commands:
             body.get("params"),
             _principal(req).permissions,
         )
-        _send(resp, envelope_ok(result, request_id))
+        _send(resp, envelope_ok(result, rid))
 
 
 class _EventStream:

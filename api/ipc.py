@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from spliceway.api.app import envelope_error, envelope_ok
+from spliceway.api.app import body_request_id, envelope_error, envelope_ok
 
 from spliceway import commands, queries
 from spliceway.errors import ApiError, invalid_argument
@@ -348,12 +348,7 @@ class _Connection:
                 raise invalid_argument(f"frame is not JSON: {ex}") from ex
             if not isinstance(frame, dict):
                 raise invalid_argument("a frame must be a JSON object")
-            request_id = frame.get("id")
-            if request_id is not None and (
-                isinstance(request_id, bool) or not isinstance(request_id, str | int | float)
-            ):
-                request_id = None
-                raise invalid_argument("id must be a string, a number or null", "id")
+            request_id = body_request_id(frame)
             variant, result = self._run(frame)
         except ApiError as ex:
             self._reply_error(ex, request_id)

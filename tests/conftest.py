@@ -37,6 +37,17 @@ def base_config(**overrides: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
+def sock_path(tmp_path: Path) -> Iterator[Path]:
+    """A path for an engine's IPC socket in a directory of its own, short enough for
+    AF_UNIX (108 bytes, which pytest's tmp_path can exceed); removed afterwards."""
+    short = Path(f"/tmp/sw-{os.getpid()}-{tmp_path.name[-16:]}")
+    yield short / "control.sock"
+    (short / "control.sock").unlink(missing_ok=True)
+    if short.exists():
+        short.rmdir()
+
+
+@pytest.fixture
 def origin() -> Iterator[tuple[str, int]]:
     """A local HTTP origin server."""
     with http_origin() as address:

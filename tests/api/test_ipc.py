@@ -27,16 +27,6 @@ def _config(path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def sock_path(tmp_path: Path) -> Iterator[Path]:
-    # AF_UNIX paths are short (108 bytes): pytest's tmp_path can be longer.
-    short = Path(f"/tmp/sw-ipc-{os.getpid()}-{tmp_path.name[-12:]}")
-    yield short / "control.sock"
-    (short / "control.sock").unlink(missing_ok=True)
-    if short.exists():
-        short.rmdir()
-
-
-@pytest.fixture
 def engine(sock_path: Path) -> Iterator[Engine]:
     eng = Engine(_config(sock_path)).start()
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import select
 import subprocess
 from collections.abc import Iterator
@@ -24,15 +23,6 @@ def _config(path: Path) -> dict[str, Any]:
         outbound_groups=[{"tag": "proxy", "kind": "selector", "outbounds": ["direct", "block"]}],
         api={"control": {"enabled": False}, "ipc": {"enabled": True, "path": str(path)}},
     )
-
-
-@pytest.fixture
-def sock_path(tmp_path: Path) -> Iterator[Path]:
-    short = Path(f"/tmp/sw-cli-{os.getpid()}-{tmp_path.name[-12:]}")
-    yield short / "control.sock"
-    (short / "control.sock").unlink(missing_ok=True)
-    if short.exists():
-        short.rmdir()
 
 
 @pytest.fixture
