@@ -240,6 +240,8 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
         log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
     if config.api.control.enabled:
         log.info("control API listening on %s/api/v1/", engine.control_url)
+    if config.api.ipc.enabled:
+        log.info("IPC socket listening on %s", config.api.ipc.resolved_path())
     while (signum := signal.sigwait(_CONTROL_SIGNALS)) == signal.SIGHUP:
         _ignore_sighup(engine, log)
     # Signals that arrive during the stop stay blocked and pending: they change nothing.
