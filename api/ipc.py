@@ -35,6 +35,7 @@ from spliceway.api.app import body_request_id, envelope_error, envelope_ok
 
 from spliceway import commands, queries
 from spliceway.errors import ApiError, invalid_argument
+from spliceway.event_catalogue import EVENT_CATALOGUE
 from spliceway.events import Envelope, Subscription, normalize_types, parse_types
 
 if TYPE_CHECKING:
@@ -394,6 +395,9 @@ class _Connection:
         if events is None:
             wanted: list[str] | None = None
         elif isinstance(events, list) and all(isinstance(e, str) for e in events):
+            unknown = [e for e in events if e != "*" and e not in EVENT_CATALOGUE]
+            if unknown:
+                raise invalid_argument(f"unknown event type {unknown[0]!r}", "events")
             wanted = parse_types(",".join(events)) if events else None
         else:
             raise invalid_argument("events must be a list of event types", "events")

@@ -120,6 +120,11 @@ def test_subscribe_acks_then_snapshot_then_live_events_without_history(engine, s
     assert check_event(event) == []
     c.send(b'{"id": 6, "type": "subscribe", "events": []}\n')
     assert c.line()["error"]["code"] == "conflict"
+    other_client = Client(sock_path)
+    other_client.send(b'{"id": 7, "type": "subscribe", "events": ["no.such"]}\n')
+    refused = other_client.line()["error"]
+    assert (refused["code"], refused["field_path"]) == ("invalid_argument", "events")
+    other_client.close()
     other.close()
     c.close()
 
