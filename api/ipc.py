@@ -164,19 +164,9 @@ class IpcServer:
             conns = list(self._conns)
         deadline = time.monotonic() + _JOIN_S
         for conn in conns:
-            # The engine's stop closed every subscription (engine.stopped last; closing
-            # again is a no-op, and ends them when a failed start stops us): let each
-            # pump queue what it still has, then tell the writer to finish.
-            if conn._sub is not None:
-                conn._sub.close()
-            pump = conn._pump
-            if pump is not None:
-                pump.join(max(0.0, deadline - time.monotonic()))
-            conn.finish_soon()
+            conn.wind_down(deadline)
         for conn in conns:
-            # A client that does not read (or never closes) is cut off at the deadline.
-            if not conn._done.wait(max(0.0, deadline - time.monotonic())):
-                conn._shutdown()
+            conn.cut_off_at(deadline)
         for conn in conns:
             conn.join()
 
@@ -249,7 +239,6 @@ class _Connection:
         self._error: str | None = None
         self._done = threading.Event()
         self._once = threading.Lock()
-        self._finished = False
         self._reader = threading.Thread(target=self._read, name="spliceway-ipc-r", daemon=True)
         self._writer = threading.Thread(target=self._write, name="spliceway-ipc-w", daemon=True)
         self._pump: threading.Thread | None = None
@@ -277,6 +266,23 @@ class _Connection:
             except queue.Full:
                 pass
         self._shutdown()
+
+    def wind_down(self, deadline: float) -> None:
+        """At stop: end the subscription (the engine's stop already did, engine.stopped
+        last; this ends it when a failed start stops us), let the pump queue what it
+        still has, then tell the writer to finish."""
+        if self._sub is not None:
+            self._sub.close()
+        pump = self._pump
+        if pump is not None:
+            pump.join(max(0.0, deadline - time.monotonic()))
+        self.finish_soon()
+
+    def cut_off_at(self, deadline: float) -> None:
+        """Wait for the writer until ``deadline``; a client that does not read (or never
+        closes) is cut off then."""
+        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+            self._shutdown()
 
     def finish_soon(self) -> None:
         """Let the writer send what is queued, then end (never blocks)."""
@@ -452,10 +458,9 @@ class _Connection:
 
     def _finish(self) -> None:
         with self._once:
-            if self._finished:
+            if self._done.is_set():
                 return
-            self._finished = True
-        self._done.set()
+            self._done.set()
         if self._sub is not None:
             self._sub.close()
         self._shutdown()
