@@ -71,11 +71,13 @@ def _sniff_may_reroute(route_state: RouteState, decision: routing.RouteDecision)
 class FlowDeps:
     """What a FlowActor may use of the engine, and nothing more (built once per start).
 
-    The routing state is read through ``route_state`` because ``mode.set`` replaces it.
+    The routing state, the outbounds and the policy table are read through the core
+    because ``mode.set`` and ``config.apply`` replace them; a flow reads them together,
+    without yielding in between, when it decides (the swap runs on the same thread).
     """
 
     __slots__ = (
-        "_route_state",
+        "_core",
         "bridge",
         "counters",
         "dispatcher",
@@ -83,14 +85,12 @@ class FlowDeps:
         "flows",
         "group_actors",
         "log",
-        "outbounds",
-        "policies",
         "principal_key",
         "routes",
-        "tcp_idle_timeout_ms",
     )
 
     def __init__(self, core: EngineCore) -> None:
+        self._core = core
         self.bridge = core.bridge
         self.counters = core.counters
         self.dispatcher = core.dispatcher
@@ -98,17 +98,28 @@ class FlowDeps:
         self.flows = core.flows
         self.group_actors = core.group_actors
         self.log = core.log
-        self.outbounds = core.outbounds
-        self.policies = core.policies
         self.principal_key = core.principal_key
         self.routes = core.routes
-        self.tcp_idle_timeout_ms = core.tcp_idle_timeout_ms
-        self._route_state = lambda: core.route_state
 
     @property
     def route_state(self) -> RouteState:
         """The routing inputs now (mode, final, rules)."""
-        return self._route_state()
+        return self._core.route_state
+
+    @property
+    def outbounds(self) -> dict[str, Any]:
+        """The outbounds now, by tag."""
+        return self._core.outbounds
+
+    @property
+    def policies(self) -> Any:
+        """The policy table now."""
+        return self._core.policies
+
+    @property
+    def tcp_idle_timeout_ms(self) -> int:
+        """``runtime.tcp_idle_timeout_seconds`` now, in milliseconds."""
+        return self._core.tcp_idle_timeout_ms
 
 
 class FlowActor(LoopActor):
@@ -148,6 +159,9 @@ class FlowActor(LoopActor):
         self._c_flow = started.flow if started is not None else None
         self._c_dialled = False
         self._close_requested = False
+        #: Whether the outbound the flow was routed to chains through a proxy (it may
+        #: have left the engine's outbounds since, by a reload).
+        self._chained = False
         deps.flow_actors.add(self)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -292,7 +306,8 @@ class FlowActor(LoopActor):
             await self._reply(hs.success_reply())
             replied = True
             await self._sniff(hs)
-            decision = route_state.decide(self._facts(hs))
+            # Again with the tables of now: a reload may have replaced them meanwhile.
+            decision = deps.route_state.decide(self._facts(hs))
         chain = (
             deps.policies.resolve(decision.target, hs.host, self.peer[0]) if decision.target else []
         )
@@ -446,6 +461,7 @@ class FlowActor(LoopActor):
         s.route_target = decision.target
         s.matched_rule = decision.matched_rule.to_dict() if decision.matched_rule else None
         if outbound is not None:
+            self._chained = outbound.chained
             s.selection_chain = chain
             s.outbound_tag = outbound.tag
             s.outbound_protocol = outbound.protocol
@@ -511,7 +527,7 @@ class FlowActor(LoopActor):
         mirror = self.deps.routes.mirror(rec.epoch)
         decision = mirror.routes.decision(rec.action, rec.rule, rec.target)
         chain = mirror.chains[rec.target] if rec.target >= 0 else []
-        outbound = self.deps.outbounds.get(chain[-1]) if chain else None
+        outbound = mirror.outbounds.get(chain[-1]) if chain else None
         self._set_route(decision, chain, outbound)
         self._c_seen(rec.client_rx, rec.client_tx, rec.name)
         return outbound
@@ -685,8 +701,7 @@ class FlowActor(LoopActor):
         dialled = self.upstream is not None or self._c_dialled
         if s.outbound_tag is None or (s.state != "active" and not dialled):
             return records.CANCELLED
-        chained = self.deps.outbounds[s.outbound_tag].chained
-        return records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED
+        return records.CHAINED_RELAYED if self._chained else records.DIRECT_RELAYED
 
     # -- publishing ---------------------------------------------------------------
 

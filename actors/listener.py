@@ -1,18 +1,19 @@
-"""ListenerActor: owns one inbound's listening socket, which the C connection path accepts on."""
+"""ListenerActor: owns one inbound's listening socket, which the C connection path accepts on.
+
+Connections C hands back before their handshake go to the engine core, not here:
+a reload may stop this listener while such a connection is on its way.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spliceway.actors.dispatcher import LoopActor
-from spliceway.actors.flow import HANDSHAKE_TIMEOUT, FlowActor
-from spliceway.actors.messages import TakeDeferred
+from spliceway.actors.flow import HANDSHAKE_TIMEOUT
 
-from spliceway.connpath import Deferred, ListenerOptions
+from spliceway.connpath import ListenerOptions
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore, InboundSpec
@@ -26,8 +27,6 @@ class ListenerActor(LoopActor):
         self.core = core
         self.inbound = inbound
         self.sock: socket.socket | None = sock
-        self._ids = itertools.count(1)
-        self._prefix = f"{core.flow_id_prefix}{inbound.index}-"
 
     def on_start(self) -> None:
         """Hand the socket to the C connection path (it accepts); we keep owning it."""
@@ -43,22 +42,8 @@ class ListenerActor(LoopActor):
                 handshake_timeout_ms=int(HANDSHAKE_TIMEOUT * 1000),
                 idle_timeout_ms=self.core.tcp_idle_timeout_ms,
             ),
-            self.core.listener_users(self.inbound.index),
+            self.core.listener_users(self.inbound),
         )
-
-    def on_receive(self, message: Any) -> None:
-        """TakeDeferred: a connection C accepted and handed back; Python finishes it."""
-        if isinstance(message, TakeDeferred):
-            self._take(message.deferred)
-
-    def _take(self, deferred: Deferred) -> None:
-        if self.sock is None:  # stopping: nobody will serve it
-            os.close(deferred.fd)
-            return
-        client = socket.socket(fileno=deferred.fd)
-        flow_id = f"{self._prefix}d{next(self._ids)}"
-        peer = (deferred.source_ip or "", deferred.source_port)
-        FlowActor.start(self.core.flow_deps, self.inbound, client, peer, flow_id, deferred=deferred)
 
     def on_stop(self) -> None:
         """Stop accepting and close the socket (idempotent)."""

@@ -43,9 +43,3 @@ class ConnTakeOver(NamedTuple):
     the connection is the flow actor's now, to carry on from the route."""
 
     deferred: Any  # spliceway.connpath.Deferred (stage ROUTE, flow set)
-
-
-class TakeDeferred(NamedTuple):
-    """The C connection path handed a connection back to its listener."""
-
-    deferred: Any  # spliceway.connpath.Deferred

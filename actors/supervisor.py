@@ -1,5 +1,5 @@
 """EngineSupervisor: owns the listeners, the policy group actors, the stats sampler
-and the routing mode."""
+and the routing mode, and installs a reload's new configuration."""
 
 from __future__ import annotations
 
@@ -13,18 +13,24 @@ from spliceway.actors.listener import ListenerActor
 from spliceway.actors.policy import PolicyGroupActor
 from spliceway.actors.stats import StatsSamplerActor
 
+from spliceway import policy
+from spliceway.errors import ApiError
+
 if TYPE_CHECKING:
-    from spliceway.engine_core import EngineCore
+    from spliceway.engine_core import EngineCore, InboundSpec
+    from spliceway.reconcile import Plan
 
 
 class EngineSupervisor(LoopActor):
-    """Starts and stops the engine's long-lived actors; serialises mode changes."""
+    """Starts and stops the engine's long-lived actors; serialises mode changes and
+    reloads with them (all on the dispatcher thread, where flows decide)."""
 
     def __init__(self, core: EngineCore, sockets: list[socket.socket]) -> None:
         super().__init__(core.dispatcher)
         self.core = core
         self._sockets = sockets
-        self.listeners: list[pykka.ActorRef[Any]] = []
+        #: ListenerActor by listener slot.
+        self.listeners: dict[int, pykka.ActorRef[Any]] = {}
         self.sampler: pykka.ActorRef[Any] | None = None
 
     def on_start(self) -> None:
@@ -33,25 +39,115 @@ class EngineSupervisor(LoopActor):
         for view in self.core.policies.views():
             self.core.group_actors[view.tag] = PolicyGroupActor.start(self.core, view)
         for spec, sock in zip(self.core.inbounds, self._sockets, strict=True):
-            ref = ListenerActor.start(self.core, spec, sock)
-            self.listeners.append(ref)
-            self.core.listener_refs[spec.index] = ref
+            self._start_listener(spec, sock)
         self._sockets = []
+        self._start_sampler()
+
+    def _start_listener(self, spec: InboundSpec, sock: socket.socket) -> bool:
+        """Start accepting on ``sock`` as slot ``spec.index``; False (socket closed) if C
+        refused it."""
+        self.core.inbound_slots[spec.index] = spec
+        self.core.listen_sockets[spec.index] = sock
+        ref = ListenerActor.start(self.core, spec, sock)
+        # on_start ran here, on this thread: a listener C refused is dead already.
+        if not ref.is_alive():
+            self.core.listen_sockets.pop(spec.index, None)
+            return False
+        self.listeners[spec.index] = ref
+        return True
+
+    def _stop_listener(self, slot: int) -> None:
+        ref = self.listeners.pop(slot, None)
+        self.core.listen_sockets.pop(slot, None)
+        if ref is not None:
+            # Told from this thread to an idle actor: handled at once, so C no longer
+            # accepts on the slot and its socket is closed when this returns.
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.stop(block=False)
+
+    def _start_sampler(self) -> None:
         interval = self.core.config.runtime.stats_interval_ms
         self.sampler = StatsSamplerActor.start(self.core, interval)
 
     def stop_listeners(self) -> None:
         """Stop accepting new connections (first step of shutdown)."""
-        self.core.listener_refs.clear()
-        for ref in self.listeners:
-            with contextlib.suppress(pykka.ActorDeadError):
-                ref.stop(block=False)
-        self.listeners = []
+        for slot in list(self.listeners):
+            self._stop_listener(slot)
 
     def set_mode(self, mode: str, outbound: str | None) -> bool:
         """Switch the routing mode for new flows."""
         self.core.set_mode(mode, outbound)
         return True
+
+    def reconfigure(self, plan: Plan) -> None:
+        """Install a prepared reload (see spliceway.reconcile); ApiError with nothing
+        changed when a new listener cannot start."""
+        core = self.core
+        change = plan.listeners
+        # A listener giving its socket to a new slot stops first: the two never accept
+        # side by side, and the new one's registration with C reports connections
+        # already waiting, so none is stranded.
+        for slot in change.shared:
+            self._stop_listener(slot)
+        started: list[int] = []
+        for spec, sock in change.start:
+            if not self._start_listener(spec, sock):
+                for slot in started:
+                    self._stop_listener(slot)
+                for slot, spare in change.shared.items():
+                    self._start_listener(core.inbound_slots[slot], spare.dup())
+                raise ApiError(
+                    "internal",
+                    f"inbound {spec.tag!r} could not start accepting (see the log)",
+                )
+            started.append(spec.index)
+        self._swap(plan)
+        for slot in change.retire:
+            if slot not in change.shared:
+                self._stop_listener(slot)
+
+    def _swap(self, plan: Plan) -> None:
+        """Replace the tables and the actors that serve them (cannot fail half-way)."""
+        from spliceway.engine_core import ActiveInbound
+
+        core = self.core
+        new, parts = plan.config, plan.parts
+        old = core.config
+        dns_changed = parts.resolver is not core.resolver
+        core.learn_principals(new)
+        core.config = new
+        core.parts = parts
+        core.resolver = parts.resolver
+        core.outbounds = parts.outbounds
+        table = policy.PolicyTable(parts.views)
+        old_table, core.policies = core.policies, table
+        old_table.on_publish = None
+        core.route_state = parts.route_state
+        core.tcp_idle_timeout_ms = int(new.runtime.tcp_idle_timeout_seconds * 1000)
+        core.active_inbounds = tuple(
+            ActiveInbound(spec, bound) for spec, bound in plan.listeners.active
+        )
+        # Groups: a kept one keeps its actor (and probe timer); others start afresh.
+        for tag in list(core.group_actors):
+            if tag not in parts.kept_groups:
+                ref = core.group_actors.pop(tag)
+                with contextlib.suppress(pykka.ActorDeadError):
+                    ref.stop(block=False)
+        for view in parts.views:
+            if view.tag not in core.group_actors:
+                core.group_actors[view.tag] = PolicyGroupActor.start(core, view)
+        if dns_changed:
+            core.resolver.on_answer = core.dns_answer
+            core.bridge.conn.dns_flush()
+        table.on_publish = core.routes.publish
+        core.routes.publish()
+        if new.runtime.stats_interval_ms != old.runtime.stats_interval_ms:
+            if self.sampler is not None:
+                with contextlib.suppress(pykka.ActorDeadError):
+                    self.sampler.stop(block=False)
+            self._start_sampler()
+        if new.runtime.event_ring_capacity != old.runtime.event_ring_capacity:
+            core.log.resize(new.runtime.event_ring_capacity)
 
     def on_stop(self) -> None:
         """Stop the actors this supervisor started."""

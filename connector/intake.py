@@ -77,6 +77,8 @@ class Intake:
         self.feeds = feeds
         self.gate = gate
         self.storage: Storage | None = None
+        #: Held for a round over the feeds; a reload takes it to add or remove one.
+        self.lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -103,9 +105,10 @@ class Intake:
     def pump(self) -> None:
         """One round over every feed (on the intake thread, or after it stopped)."""
         now = time.monotonic()
-        for feed in self.feeds:
-            if feed.retry_at <= now:
-                self._feed(feed)
+        with self.lock:
+            for feed in self.feeds:
+                if feed.retry_at <= now:
+                    self._feed(feed)
 
     def read_storage(self) -> Storage | None:
         """Free space of the outbox filesystem now (None without an outbox)."""

@@ -59,6 +59,9 @@ class Connector:
         self.gate: DiskGate | None = None
         self.slots: list[SinkSlot] = []
         self.intake: Intake | None = None
+        #: Where each sink a reload removed had taken the log to: one re-added under the
+        #: same tag (or restored by a rollback) resumes there, as far as the log holds.
+        self._cursors: dict[str, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -70,54 +73,110 @@ class Connector:
         if not self.enabled:
             return
         try:
-            self._open()
+            self._open_store()
+            for i, spec in enumerate(self.api.event_sinks):
+                self.slots.append(self._open_slot(i, spec))
         except BaseException:
             self._close_all()
             raise
         for slot in self.slots:
-            slot.ref = SinkActor.start(
-                slot.spec.tag,
-                slot.transport,
-                slot.outbox,
-                slot.feed,
-                self.policy,
-                slot.state,
-                self.gate,
-            )
+            self._start_actor(slot)
         self.intake = Intake(self.log, [s.feed for s in self.slots], self.gate)
         self.intake.start()
 
-    def _open(self) -> None:
+    def reconfigure(self, api: Api) -> None:
+        """Make the running sinks those ``api`` registers (a reload, on any thread).
+
+        A sink whose registration and the dispatcher settings are unchanged keeps
+        running untouched; a changed one restarts on its own outbox; a removed one
+        stops, its undelivered events staying in its outbox on disk (``spliceway
+        connector state``). A new sink takes events from now on. Raises ApiError when a
+        sink cannot open; calling again with the previous ``api`` converges back.
+        """
+        policy_same = api.dispatcher == self.api.dispatcher
+        wanted = {spec.tag: spec for spec in api.event_sinks}
+        keep = [s for s in self.slots if policy_same and wanted.get(s.spec.tag) == s.spec]
+        for slot in [s for s in self.slots if s not in keep]:
+            self._retire(slot)
+        self.api = api
+        self.policy = DeliveryPolicy.from_config(api.dispatcher)
+        kept = {s.spec.tag for s in keep}
+        if len(kept) == len(api.event_sinks):
+            return
+        self._open_store()
+        for i, spec in enumerate(api.event_sinks):
+            if spec.tag in kept:
+                continue
+            slot = self._open_slot(i, spec)
+            slot.feed.cursor = self._cursors.pop(spec.tag, self.log.latest_sequence)
+            slot.feed.selected = self.log.count_before(slot.feed.cursor + 1, slot.feed.types)
+            self.slots.append(slot)
+            self._start_actor(slot)
+            if self.intake is None:
+                self.intake = Intake(self.log, [], self.gate)
+                self.intake.start()
+            with self.intake.lock:
+                self.intake.feeds = [*self.intake.feeds, slot.feed]
+        order = {tag: i for i, tag in enumerate(wanted)}
+        self.slots.sort(key=lambda s: order[s.spec.tag])
+
+    def _retire(self, slot: SinkSlot) -> None:
+        """Stop one sink for good; its outbox keeps what it did not deliver."""
+        if self.intake is not None:
+            with self.intake.lock:
+                self.intake.feeds = [f for f in self.intake.feeds if f is not slot.feed]
+        self._cursors[slot.spec.tag] = slot.feed.cursor
+        if isinstance(slot.transport, WebhookClient):
+            slot.transport.abort()
+        if slot.ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                slot.ref.stop(timeout=STOP_GRACE_S)
+        with contextlib.suppress(OSError):
+            slot.outbox.close()
+        self.slots.remove(slot)
+
+    def _start_actor(self, slot: SinkSlot) -> None:
+        slot.ref = SinkActor.start(
+            slot.spec.tag,
+            slot.transport,
+            slot.outbox,
+            slot.feed,
+            self.policy,
+            slot.state,
+            self.gate,
+        )
+
+    def _open_store(self) -> None:
         api = self.api
-        if api.outbox_path is not None:
+        if api.outbox_path is not None and self.store is None:
             self.store = OutboxStore(api.outbox_path)
             self.gate = DiskGate(
                 api.outbox_path, api.outbox_min_free_bytes, api.outbox_min_free_percent
             )
-        for i, spec in enumerate(api.event_sinks):
-            outbox: Outbox = self.store.open_sink(spec.tag) if self.store else MemoryOutbox()
-            transport: WebhookClient | JsonlWriter
-            try:
-                if isinstance(spec, JsonlSink):
-                    transport = JsonlWriter(spec.path)
-                else:
-                    transport = WebhookClient(
-                        spec.url, spec.headers, api.dispatcher.request_timeout_ms
-                    )
-            except (OSError, ValueError) as ex:
-                outbox.close()
-                raise ApiError(
-                    "invalid_argument",
-                    f"sink {spec.tag!r} cannot start: {ex}",
-                    field_path=f"api.event_sinks[{i}]",
-                ) from ex
-            source_id = getattr(spec, "source_id", None)
-            feed = Feed.for_sink(spec.tag, spec.events, source_id, outbox)
-            self.slots.append(SinkSlot(spec, outbox, feed, SinkState(), transport))
-            if outbox.recovery.state != "clean":
-                logger.warning(
-                    "sink %s: outbox recovered with damage: %s", spec.tag, outbox.recovery.to_dict()
-                )
+
+    def _open_slot(self, i: int, spec: Sink) -> SinkSlot:
+        api = self.api
+        outbox: Outbox = self.store.open_sink(spec.tag) if self.store else MemoryOutbox()
+        transport: WebhookClient | JsonlWriter
+        try:
+            if isinstance(spec, JsonlSink):
+                transport = JsonlWriter(spec.path)
+            else:
+                transport = WebhookClient(spec.url, spec.headers, api.dispatcher.request_timeout_ms)
+        except (OSError, ValueError) as ex:
+            outbox.close()
+            raise ApiError(
+                "invalid_argument",
+                f"sink {spec.tag!r} cannot start: {ex}",
+                field_path=f"api.event_sinks[{i}]",
+            ) from ex
+        source_id = getattr(spec, "source_id", None)
+        feed = Feed.for_sink(spec.tag, spec.events, source_id, outbox)
+        if outbox.recovery.state != "clean":
+            logger.warning(
+                "sink %s: outbox recovered with damage: %s", spec.tag, outbox.recovery.to_dict()
+            )
+        return SinkSlot(spec, outbox, feed, SinkState(), transport)
 
     def stop(self) -> None:
         """Take in the log's last events, let sinks deliver briefly, then stop them."""

@@ -110,6 +110,7 @@ struct listener {
     sw_listener_opts opts;
     struct user *users;
     size_t nusers;
+    struct listener *next_retired; /* in conn->retired_listeners once unlistened */
 };
 
 struct cconn {
@@ -237,6 +238,9 @@ struct sw_conn {
     pthread_mutex_t retire_lock;
     struct retired *retired;
     struct listener *listeners[MAX_LISTENERS];
+    /* Unlistened listeners: connections they accepted may still read their options
+     * and users, so they live (unchanged) until sw_conn_free. */
+    struct listener *retired_listeners;
     pthread_mutex_t listen_lock;
     pthread_mutex_t dns_lock;
     struct dns_entry *dns[DNS_BUCKETS];
@@ -561,6 +565,15 @@ static void dns_purge_locked(sw_conn *conn, uint64_t now)
             }
         }
     }
+}
+
+void sw_conn_dns_flush(sw_conn *conn)
+{
+    if (!conn)
+        return;
+    pthread_mutex_lock(&conn->dns_lock);
+    dns_purge_locked(conn, UINT64_MAX);
+    pthread_mutex_unlock(&conn->dns_lock);
 }
 
 int sw_conn_dns_put(sw_conn *conn, const char *host, uint32_t n, const uint8_t *families,
@@ -2202,6 +2215,16 @@ int sw_conn_shutdown(sw_conn *conn)
     return 0;
 }
 
+static void listener_free(struct listener *l)
+{
+    for (size_t u = 0; u < l->nusers; u++) {
+        free(l->users[u].name);
+        free(l->users[u].pass);
+    }
+    free(l->users);
+    free(l);
+}
+
 void sw_conn_free(sw_conn *conn)
 {
     if (!conn)
@@ -2226,15 +2249,13 @@ void sw_conn_free(sw_conn *conn)
     }
     free(conn->loops);
     for (int i = 0; i < MAX_LISTENERS; i++) {
-        struct listener *l = conn->listeners[i];
-        if (!l)
-            continue;
-        for (size_t u = 0; u < l->nusers; u++) {
-            free(l->users[u].name);
-            free(l->users[u].pass);
-        }
-        free(l->users);
-        free(l);
+        if (conn->listeners[i])
+            listener_free(conn->listeners[i]);
+    }
+    while (conn->retired_listeners) {
+        struct listener *l = conn->retired_listeners;
+        conn->retired_listeners = l->next_retired;
+        listener_free(l);
     }
     sw_table_free(atomic_load(&conn->table));
     while (conn->retired) {
@@ -2370,6 +2391,11 @@ int sw_conn_unlisten(sw_conn *conn, uint32_t inbound)
     for (int i = 0; i < conn->nloops; i++)
         epoll_ctl(conn->loops[i].epfd, EPOLL_CTL_DEL, l->fd, NULL);
     l->fd = -1;
+    /* The slot may serve a new listener (a reload), with other options and users;
+     * connections this one accepted keep pointing at it, so it is kept, not reused. */
+    conn->listeners[inbound] = NULL;
+    l->next_retired = conn->retired_listeners;
+    conn->retired_listeners = l;
     pthread_mutex_unlock(&conn->listen_lock);
     /* A barrier per loop: once each has run it, none is inside accept_on for
      * this listener any more, so the caller may close the fd. */

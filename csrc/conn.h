@@ -195,6 +195,9 @@ int sw_conn_set_table(sw_conn *conn, sw_table *table);
 int sw_conn_dns_put(sw_conn *conn, const char *host, uint32_t n, const uint8_t *families,
                     const uint8_t *addrs, uint32_t ttl_ms);
 
+/* Forget every remembered answer (the resolver that gave them was replaced). */
+void sw_conn_dns_flush(sw_conn *conn);
+
 /* Close a flow C still holds (started, not yet handed to the relay).
  * -ENOENT when C holds no such flow. */
 int sw_conn_request_close(sw_conn *conn, uint64_t flow);

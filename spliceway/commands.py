@@ -233,6 +233,14 @@ def _config_validate(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
     return {"valid": True}
 
 
+def _config_apply(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
+    return core.reconciler.apply(p.config, persist=True, trigger="config.apply")
+
+
+def _config_apply_runtime(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
+    return core.reconciler.apply(p.config, persist=False, trigger="config.apply_runtime")
+
+
 def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
     state = core.route_state
     facts = routing.FlowFacts(
@@ -306,7 +314,27 @@ def _dns_cache(core: EngineCore, p: DnsCacheParams) -> dict[str, Any]:
 
 _FAKE_IP = "fake-ip answers (runtime.dns.answer fake_ip, not built yet)"
 _TUN = "the TUN inbound (not built yet)"
-_RELOAD = "hot reload of a full configuration (not built yet)"
+_APPLY_ERRORS = (
+    (
+        "invalid_argument",
+        "The document is invalid (`cause`, `details[]` with field paths inside it), or an "
+        "environment variable it names is unset. Nothing changed.",
+    ),
+    (
+        "conflict",
+        "It changes `api.control`, `api.ipc`, `api.grpc` or an open outbox's `api.outbox_path`: "
+        "a control plane cannot replace itself; restart instead. Nothing changed.",
+    ),
+    (
+        "unsupported",
+        "It asks for a part this build lacks (e.g. `runtime.tun`). Nothing changed.",
+    ),
+    (
+        "internal",
+        "A listener could not bind or start, a sink could not open its outbox, or the file "
+        "could not be written: everything was rolled back, and the message says so.",
+    ),
+)
 
 COMMANDS: dict[str, Command] = {
     c.method: c
@@ -399,16 +427,21 @@ COMMANDS: dict[str, Command] = {
             "config.apply",
             "config",
             ConfigParams,
-            missing=_RELOAD,
-            summary="Replace the running configuration and save it to the source file.",
+            _config_apply,
+            summary="Replace the whole running configuration, save it to the source file "
+            "(atomically) and return once listeners, outbounds, groups, rules, DNS and sinks "
+            "are reconciled; emits `config.changed`. Open flows keep their path.",
+            errors=_APPLY_ERRORS,
             example={"config": {"route": {"final": "direct"}}},
         ),
         Command(
             "config.apply_runtime",
             "config",
             ConfigParams,
-            missing=_RELOAD,
-            summary="Replace the running configuration without saving it.",
+            _config_apply_runtime,
+            summary="As `config.apply`, without writing the source file (a restart goes "
+            "back to it); emits `config.changed`.",
+            errors=_APPLY_ERRORS,
             example={"config": {"route": {"final": "direct"}}},
         ),
         Command(

@@ -297,6 +297,10 @@ class ConnPath:
         if code < 0 and code != -errno_mod.ENOSPC:
             check(code, "sw_conn_dns_put")
 
+    def dns_flush(self) -> None:
+        """Forget every answer :meth:`dns_put` gave (the engine's resolver changed)."""
+        lib.sw_conn_dns_flush(self._ptr)
+
     def take_message(self, flow: int) -> str | None:
         """The failure text C kept for ``flow`` (an http proxy's malformed response)."""
         size = int(lib.SW_HTTP_RESPONSE_ERROR_MAX) + 1024  # the error text and its prefix

@@ -11,35 +11,33 @@ Stop reverses it, and every flow still open completes with exactly one
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import secrets
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pykka
 
-from spliceway import __version__, policy, routing
+from spliceway import __version__, assembly, policy
 from spliceway.actors.bridge import RelayBridge
 from spliceway.actors.dispatcher import Dispatcher
 from spliceway.actors.flow import FlowActor, FlowDeps
-from spliceway.actors.messages import StopFlow, TakeDeferred
+from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
 from spliceway.config import Config
 from spliceway.connector.service import Connector
 from spliceway.connpath import ConnRecord, Deferred
-from spliceway.dns import Resolver
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
 from spliceway.inbound import Users
-from spliceway.outbounds import (
-    DirectOutbound,
-    Outbound,
-    build_outbound,
-    build_relay,
-)
+from spliceway.outbounds import Outbound
+from spliceway.reconcile import Reconciler
 from spliceway.route_publish import RoutePublisher
 from spliceway.runtime import Counters, FlowTable, RouteState
 
@@ -51,7 +49,12 @@ _STOP_GRACE_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class InboundSpec:
-    """What a listener and its flows need to know about their inbound."""
+    """What a listener and its flows need to know about their inbound.
+
+    ``index`` is the listener's slot in the C connection path (flow ids carry it). A
+    reload gives a changed inbound a new slot, so records of the old listener's last
+    flows still name the spec they were accepted under.
+    """
 
     index: int
     tag: str
@@ -59,6 +62,29 @@ class InboundSpec:
     sniff: bool
     sniff_timeout_ms: int
     users: Users
+    #: The configuration entry (what a reload compares).
+    source: Any = None
+
+    @classmethod
+    def of(cls, index: int, inbound: Any) -> InboundSpec:
+        """The spec of configuration entry ``inbound`` in slot ``index``."""
+        return cls(
+            index=index,
+            tag=inbound.tag,
+            protocol=inbound.protocol,
+            sniff=inbound.sniff,
+            sniff_timeout_ms=inbound.sniff_timeout_ms,
+            users=Users(inbound.users),
+            source=inbound,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveInbound:
+    """A listening inbound: its spec and the address its socket is bound to."""
+
+    spec: InboundSpec
+    bound: tuple[str, int]
 
 
 class EngineCore:
@@ -67,7 +93,7 @@ class EngineCore:
     def __init__(self, config: Config, config_path: str | None = None) -> None:
         self.config = config
         self.config_path = config_path
-        self._refuse_unbuilt()
+        self.refuse_unbuilt(config)
         self.build_id = BUILD_ID
         runtime = config.runtime
         self.log = EventLog(runtime.event_ring_capacity)
@@ -78,52 +104,32 @@ class EngineCore:
         self.flow_actors: set[FlowActor] = set()
         self.counters = Counters()
         self.tcp_idle_timeout_ms = int(runtime.tcp_idle_timeout_seconds * 1000)
-        self.resolver = Resolver(runtime.dns)
-        self.outbounds: dict[str, Outbound] = {
-            "direct": DirectOutbound("direct", resolver=self.resolver)
+        self.parts = assembly.build_routing(config)
+        self.resolver = self.parts.resolver
+        self.outbounds: dict[str, Outbound] = self.parts.outbounds
+        self.policies = policy.PolicyTable(self.parts.views)
+        self.route_state = self.parts.route_state
+        #: Listening inbounds in config order; replaced whole by a reload.
+        self.active_inbounds: tuple[ActiveInbound, ...] = ()
+        #: Every listener slot's spec, also of listeners a reload stopped (their last
+        #: flows' records still name the slot), until the slot is used again.
+        self.inbound_slots: dict[int, InboundSpec] = {
+            i: InboundSpec.of(i, ib) for i, ib in enumerate(config.inbounds)
         }
-        for spec in config.outbounds:
-            self.outbounds[spec.tag] = build_outbound(spec, self.resolver)
-        # A relay group is a leaf outbound whose hops are other outbounds.
-        for group in config.outbound_groups:
-            if group.kind == "relay":
-                hops = [self.outbounds[m] for m in group.outbounds]
-                self.outbounds[group.tag] = build_relay(group.tag, hops)
-        latency_url = runtime.latency_test_url
-        self.policies = policy.PolicyTable(
-            [
-                policy.initial_view(g, policy.probe_url_for(getattr(g, "url", None), latency_url))
-                for g in config.outbound_groups
-            ]
-        )
-        self.route_state = RouteState(
-            mode=config.mode.kind,
-            mode_outbound=config.mode.outbound,
-            final=config.route.final,
-            ruleset=routing.compile_rules(config.rules),
-        )
-        self.inbounds = [
-            InboundSpec(
-                index=i,
-                tag=ib.tag,
-                protocol=ib.protocol,
-                sniff=ib.sniff,
-                sniff_timeout_ms=ib.sniff_timeout_ms,
-                users=Users(ib.users),
-            )
-            for i, ib in enumerate(config.inbounds)
-        ]
-        # Principals as C knows them: small integers, in first-seen order.
+        # Principals as C knows them: small integers, in first-seen order, never reused.
         self._principal_keys: list[str] = []
-        for ib in config.inbounds:
-            for user in ib.users or ():
-                if user.principal_key not in self._principal_keys:
-                    self._principal_keys.append(user.principal_key)
-        self.principal_ids = {key: i for i, key in enumerate(self._principal_keys)}
-        #: ListenerActor per inbound index, while accepting (deferred connections go there).
-        self.listener_refs: dict[int, pykka.ActorRef[Any]] = {}
+        self.principal_ids: dict[str, int] = {}
+        self.learn_principals(config)
+        self._deferred_ids = itertools.count(1)
+        #: Serialises config.apply / config.apply_runtime / SIGHUP reloads and stop().
+        self.apply_lock = threading.Lock()
+        #: Called with the runtime section after a reload (the CLI re-applies logging).
+        self.on_runtime_changed: Callable[[Any], None] | None = None
+        #: The listening socket of each running listener slot (its ListenerActor owns it;
+        #: a reload duplicates it for a changed inbound on the same address).
+        self.listen_sockets: dict[int, socket.socket] = {}
+        self.reconciler = Reconciler(self)
         self.routes = RoutePublisher(self)
-        self.bound: list[tuple[str, int]] = []
         self.started_at_unix_ms = 0
         # Made in start(): its event loop holds a socket pair that only a started
         # engine's stop() closes, so an engine that never starts must not own one.
@@ -133,6 +139,24 @@ class EngineCore:
         #: One PolicyGroupActor per group, started by the supervisor.
         self.group_actors: dict[str, pykka.ActorRef[Any]] = {}
         self.running = False
+
+    @property
+    def inbounds(self) -> list[InboundSpec]:
+        """The listening inbounds' specs, in config order."""
+        return [a.spec for a in self.active_inbounds]
+
+    @property
+    def bound(self) -> list[tuple[str, int]]:
+        """The addresses the listening inbounds are bound to, in config order."""
+        return [a.bound for a in self.active_inbounds]
+
+    def learn_principals(self, config: Config) -> None:
+        """Give every principal_key of ``config`` a C principal id (kept ones keep theirs)."""
+        for ib in config.inbounds:
+            for user in ib.users or ():
+                if user.principal_key not in self.principal_ids:
+                    self.principal_ids[user.principal_key] = len(self._principal_keys)
+                    self._principal_keys.append(user.principal_key)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -157,7 +181,7 @@ class EngineCore:
             self.flow_deps = FlowDeps(self)
             self.routes.publish()
             self.policies.on_publish = self.routes.publish
-            self.resolver.on_answer = self._dns_answer
+            self.resolver.on_answer = self.dns_answer
             # Before the actors start: a group's startup probe round must not be the
             # ring's first event.
             self.log.emit(
@@ -175,9 +199,11 @@ class EngineCore:
 
     def stop(self, reason: str | None = None) -> None:
         """Stop accepting, complete every open flow, emit engine.stopped, join threads."""
-        if not self.running:
-            return
-        self.running = False
+        # After an apply in progress, and no apply after it.
+        with self.apply_lock:
+            if not self.running:
+                return
+            self.running = False
         assert self.supervisor is not None
         with contextlib.suppress(pykka.ActorDeadError):
             self.supervisor.proxy().stop_listeners().get(timeout=_STOP_GRACE_S)
@@ -244,46 +270,53 @@ class EngineCore:
             return self._principal_keys[principal]
         return None
 
-    def listener_users(self, index: int) -> list[tuple[str, str, int]] | None:
-        """Inbound ``index``'s credentials as C takes them, None without authentication."""
-        users = self.config.inbounds[index].users
+    def listener_users(self, spec: InboundSpec) -> list[tuple[str, str, int]] | None:
+        """An inbound's credentials as C takes them, None without authentication."""
+        users = spec.source.users
         if users is None:
             return None
         return [(u.username, u.password, self.principal_ids[u.principal_key]) for u in users]
 
     def _start_c_flow(self, record: ConnRecord) -> pykka.ActorRef[Any]:
         """The FlowActor of a flow C started (dispatcher thread, from the bridge)."""
-        inbound = self.inbounds[record.inbound]
+        inbound = self.inbound_slots[record.inbound]
         flow_id = f"{self.flow_id_prefix}{inbound.index}-{record.flow}"
         peer = (record.source_ip or "", record.source_port)
         return FlowActor.start(self.flow_deps, inbound, None, peer, flow_id, started=record)
 
-    def _dns_answer(self, name: str, addresses: list[str], ttl_s: float) -> None:
+    def dns_answer(self, name: str, addresses: list[str], ttl_s: float) -> None:
         """Copy a resolver answer into C's cache: C then dials the name itself, trying
         the addresses in order within one deadline, as the Python path does."""
         self.bridge.conn.dns_put(name, addresses, int(ttl_s * 1000))
 
     def _take_deferred(self, deferred: Deferred) -> None:
-        """Give a connection C deferred to its listener (closed if that has stopped)."""
-        ref = self.listener_refs.get(deferred.inbound)
-        if ref is not None:
-            with contextlib.suppress(pykka.ActorDeadError):
-                ref.tell(TakeDeferred(deferred))
-                return
-        os.close(deferred.fd)
+        """Finish a connection C accepted and handed back before its handshake, in a
+        FlowActor (dispatcher thread). Its listener may have been replaced by a reload
+        meanwhile: the connection is still served, under the inbound that accepted it.
+        """
+        inbound = self.inbound_slots.get(deferred.inbound)
+        if inbound is None or not self.running:
+            os.close(deferred.fd)
+            return
+        client = socket.socket(fileno=deferred.fd)
+        flow_id = f"{self.flow_id_prefix}{inbound.index}-d{next(self._deferred_ids)}"
+        peer = (deferred.source_ip or "", deferred.source_port)
+        FlowActor.start(self.flow_deps, inbound, client, peer, flow_id, deferred=deferred)
 
     def _await_flows_drained(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S
         while len(self.flows) and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _refuse_unbuilt(self) -> None:
+    @staticmethod
+    def refuse_unbuilt(config: Config) -> None:
+        """ApiError ``unsupported`` naming what ``config`` asks that this build lacks."""
         missing = []
-        if self.config.runtime.tun is not None:
+        if config.runtime.tun is not None:
             missing.append("runtime.tun (the TUN inbound is not built yet)")
-        if self.config.runtime.dns.listen is not None:
+        if config.runtime.dns.listen is not None:
             missing.append("runtime.dns.listen (the DNS server is not built yet)")
-        if self.config.runtime.dns.answer.type == "fake_ip":
+        if config.runtime.dns.answer.type == "fake_ip":
             missing.append("runtime.dns.answer fake_ip (fake-ip answers are not built yet)")
         if missing:
             raise ApiError("unsupported", "this build cannot run: " + "; ".join(missing))
@@ -292,30 +325,15 @@ class EngineCore:
         sockets: list[socket.socket] = []
         try:
             for i, ib in enumerate(self.config.inbounds):
-                sockets.append(self._bind(i, ib.listen.address, ib.listen.port))
+                sockets.append(bind_listener(ib.listen.address, ib.listen.port, ib.tag, i))
         except BaseException:
             for s in sockets:
                 s.close()
             raise
-        self.bound = [s.getsockname()[:2] for s in sockets]
+        self.active_inbounds = tuple(
+            ActiveInbound(self.inbound_slots[i], s.getsockname()[:2]) for i, s in enumerate(sockets)
+        )
         return sockets
-
-    def _bind(self, index: int, address: str, port: int) -> socket.socket:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((address, port))
-            sock.listen(min(socket.SOMAXCONN, 4096))
-        except OSError as ex:
-            sock.close()
-            raise ApiError(
-                "conflict",
-                f"inbound {self.config.inbounds[index].tag!r} cannot listen on "
-                f"{address}:{port}: {os.strerror(ex.errno or 0) if ex.errno else ex}",
-                field_path=f"inbounds[{index}].listen",
-            ) from ex
-        return sock
 
     # -- state read by queries --------------------------------------------------------
 
@@ -357,3 +375,23 @@ class EngineCore:
         old = self.route_state
         self.route_state = RouteState(mode, outbound, old.final, old.ruleset)
         self.routes.publish()
+
+
+def bind_listener(address: str, port: int, tag: str, index: int) -> socket.socket:
+    """A listening TCP socket for inbound ``tag`` (``inbounds[index]``); ApiError
+    ``conflict`` naming the inbound when the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(min(socket.SOMAXCONN, 4096))
+    except OSError as ex:
+        sock.close()
+        raise ApiError(
+            "conflict",
+            f"inbound {tag!r} cannot listen on {address}:{port}: "
+            f"{os.strerror(ex.errno) if ex.errno else ex}",
+            field_path=f"inbounds[{index}].listen",
+        ) from ex
+    return sock

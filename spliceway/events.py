@@ -236,6 +236,12 @@ class EventLog:
         """Sequence of the newest event (0 before the first)."""
         return self._seq
 
+    def resize(self, capacity: int) -> None:
+        """Keep at most ``capacity`` events from now on (a smaller ring evicts its oldest)."""
+        with self._lock:
+            self._ring = deque(self._ring, maxlen=capacity)
+            self.capacity = capacity
+
     def emit(
         self,
         event_type: str,

@@ -45,6 +45,8 @@ class Mirror(NamedTuple):
     routes: CompiledRoutes
     #: The selection chain of each target index when the table was compiled.
     chains: list[list[str]]
+    #: The outbounds the chains name (a reload replaces the engine's set).
+    outbounds: dict[str, Any]
 
 
 def target_spec(tag: str, policies: Any, outbounds: dict[str, Any]) -> tuple[list[str], TargetSpec]:
@@ -104,14 +106,16 @@ class RoutePublisher:
             conn = getattr(getattr(core, "bridge", None), "conn", None)
             if conn is None or self._closed:
                 return
-            state = core.route_state
+            # One consistent view: a reload swaps these together on the dispatcher thread,
+            # and a publish from another thread must not mix two generations.
+            state, rules, outbounds = core.route_state, core.config.rules, core.outbounds
             tags = [state.final]
-            tags += [r.outbound for r in core.config.rules if r.action == "route" and r.outbound]
+            tags += [r.outbound for r in rules if r.action == "route" and r.outbound]
             tags += [state.mode_outbound or BUILTIN_DIRECT, BUILTIN_DIRECT]
             chains: list[list[str]] = []
             targets: dict[str, TargetSpec] = {}
             for tag in dict.fromkeys(tags):
-                chain, spec = target_spec(tag, core.policies, core.outbounds)
+                chain, spec = target_spec(tag, core.policies, outbounds)
                 chains.append(chain)
                 targets[tag] = spec
             key = (tuple(map(tuple, chains)), tuple(targets.items()))
@@ -119,7 +123,7 @@ class RoutePublisher:
                 return
             self._epoch += 1
             routes = compile_route_table(
-                core.config.rules,
+                rules,
                 mode_kind=state.mode,
                 mode_outbound=state.mode_outbound,
                 final=state.final,
@@ -130,7 +134,7 @@ class RoutePublisher:
                 ruleset=state.ruleset,
             )
             with self._lock:
-                self._mirrors[self._epoch] = Mirror(routes, chains)
+                self._mirrors[self._epoch] = Mirror(routes, chains, outbounds)
                 while len(self._mirrors) > _MIRRORS_KEPT:
                     self._mirrors.popitem(last=False)
             conn.set_table(routes.detach())
