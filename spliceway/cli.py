@@ -2,13 +2,14 @@
 
 Subcommands in this build: ``run [-c FILE]`` (foreground engine and, when
 ``api.control`` is enabled, its HTTP control API; SIGINT/SIGTERM stop it
-cleanly with exit 0; SIGHUP is logged and ignored until hot reload is built),
+cleanly with exit 0; SIGHUP re-reads FILE and applies it like ``config.apply``,
+keeping the running configuration when that fails),
 ``validate FILE`` (offline, the environment variables the file names included;
 exit 0, or 1 with one line per problem), ``config-schema`` (the configuration's
 JSON Schema), ``connector state [--json] FILE`` and ``connector dead-letters
 [--json] FILE`` (read the outbox the file names while the engine is stopped;
 exit 1 with the error code when it cannot) and ``build-info``; ``status``, ``flows``,
-``policies``, ``select``, ``mode`` and ``events`` talk to a running engine over its IPC
+``policies``, ``select``, ``mode``, ``reload`` and ``events`` talk to a running engine over its IPC
 socket (``--ipc PATH``, ``$SPLICEWAY_IPC``, else the default; exit 1 with the error
 code and message when the engine refuses or is not there). Exit status 2
 means the engine could not start (invalid configuration, an unset key
@@ -56,7 +57,9 @@ reference:   docs/running.md, docs/configuration.md and docs/ in the source
 
 _RUN_EPILOG = """\
 signals: SIGINT, SIGTERM  stop cleanly (every flow completes, engine.stopped), exit 0
-         SIGHUP           logged and ignored (hot reload is not built yet)
+         SIGHUP           re-read the config file and apply it live (as config.apply;
+                          on failure the running configuration is kept and the
+                          reason logged and emitted as engine.warning reload_failed)
          SIGUSR1          write every thread's stack to the log
 """
 
@@ -160,10 +163,10 @@ def _cannot_start(ex: ApiError) -> int:
     return EXIT_START_FAILED
 
 
-def _setup_logging(config: Any) -> None:
-    level = _LOG_LEVELS.get(config.runtime.log_level, logging.INFO)
+def _setup_logging(runtime: Any) -> None:
+    level = _LOG_LEVELS.get(runtime.log_level, logging.INFO)
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    handlers.extend(logging.FileHandler(path) for path in config.runtime.log_files)
+    handlers.extend(logging.FileHandler(path) for path in runtime.log_files)
     logging.basicConfig(
         level=level,
         handlers=handlers,
@@ -186,7 +189,7 @@ def cmd_run(config_path: str | None) -> int:
         for line in _problems(ex):
             print(f"spliceway: invalid configuration: {line}", file=sys.stderr)
         return EXIT_START_FAILED
-    _setup_logging(config)
+    _setup_logging(config.runtime)
     log = logging.getLogger("spliceway")
     # Blocked in this thread before the engine starts any, so every thread inherits the
     # mask and only sigwait() below takes these signals, synchronously. (A handler would
@@ -242,8 +245,9 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
         log.info("control API listening on %s/api/v1/", engine.control_url)
     if config.api.ipc.enabled:
         log.info("IPC socket listening on %s", config.api.ipc.resolved_path())
+    engine.core.on_runtime_changed = _setup_logging
     while (signum := signal.sigwait(_CONTROL_SIGNALS)) == signal.SIGHUP:
-        _ignore_sighup(engine, log)
+        _reload(engine, config_path, log)
     # Signals that arrive during the stop stay blocked and pending: they change nothing.
     engine.stop(reason="signal")
     log.info("engine stopped on %s", signal.Signals(signum).name)
@@ -251,16 +255,33 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
 
 
 _CONTROL_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-SIGHUP_IGNORED = "sighup_ignored"
+RELOAD_FAILED = "reload_failed"
 
 
-def _ignore_sighup(engine: Any, log: logging.Logger) -> None:
-    message = (
-        "SIGHUP received: hot reload is not built in this version; "
-        "the running configuration is kept"
+def _reload(engine: Any, config_path: str | None, log: logging.Logger) -> None:
+    """SIGHUP: apply the config file again; a failure keeps what runs, logged and emitted."""
+    from spliceway.config import load_config_file
+
+    if config_path is None:
+        message = "SIGHUP received: no configuration file to re-read (the embedded default runs)"
+    else:
+        log.info("SIGHUP received: reloading %s", config_path)
+        try:
+            result = engine.core.reconciler.apply(
+                load_config_file(config_path), persist=False, trigger="sighup"
+            )
+        except ApiError as ex:
+            lines = _problems(ex)
+            message = f"reload of {config_path} failed: {ex.code}: " + "; ".join(lines)
+        else:
+            changed = ", ".join(result["changed_components"]) or "nothing"
+            log.info("reloaded %s (changed: %s)", config_path, changed)
+            return
+    log.warning("%s; the running configuration is kept", message)
+    engine.core.log.emit(
+        "engine.warning",
+        {"code": RELOAD_FAILED, "message": f"{message}; the running configuration is kept"},
     )
-    log.warning("%s", message)
-    engine.core.log.emit("engine.warning", {"code": SIGHUP_IGNORED, "message": message})
 
 
 def cmd_connector(command: str, path: str, as_json: bool) -> int:

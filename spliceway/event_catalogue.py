@@ -160,8 +160,9 @@ FAILURE_CODES: dict[str, str] = {
 
 #: Codes of ``engine.warning`` this build emits.
 ENGINE_WARNING_CODES: dict[str, str] = {
-    "sighup_ignored": "`spliceway run` received SIGHUP. Hot reload is not built, so the "
-    "running configuration is kept.",
+    "reload_failed": "`spliceway run` received SIGHUP and could not apply its configuration "
+    "file (invalid, or a listener or sink failed and was rolled back): the running "
+    "configuration is kept; the message says why.",
 }
 
 _COUNT = "integer"
@@ -403,9 +404,32 @@ _EVENTS: tuple[EventType, ...] = (
     ),
     EventType(
         "config.changed",
-        "Reserved for hot reload (`config.apply`), which is not built.",
-        "Never, in this build.",
-        False,
+        "A new configuration is running: `config.apply`, `config.apply_runtime` or a SIGHUP "
+        "reload completed, with listeners, outbounds, groups, rules, DNS and sinks "
+        "reconciled. A failed apply (rolled back) emits nothing.",
+        "Once per successful apply.",
+        True,
+        (
+            _f("changed_at_unix_ms", UNIX_MS, "When the reload completed."),
+            _f(
+                "trigger",
+                "string",
+                "What applied it: `config.apply`, `config.apply_runtime` or `sighup`.",
+            ),
+            _f(
+                "persistence",
+                "string",
+                "`source_file` (the running configuration is the file's) or `runtime_only` "
+                "(the file differs; a restart goes back to it).",
+            ),
+            _f(
+                "changed_components",
+                "list of string",
+                "The components whose configuration differed, of `proxy_listeners`, "
+                "`outbounds`, `policy_groups`, `routing`, `dns`, `event_dispatcher`, "
+                "`runtime` (empty when the document equals the running one).",
+            ),
+        ),
     ),
     EventType(
         "flow.started",

@@ -165,7 +165,10 @@ class Reconciler:
                     field_path=ex.field_path and f"config.{ex.field_path}",
                 ) from ex
             try:
-                persistence, restore = self._persist(document, persist)
+                if trigger == "sighup":  # the file itself is what is applied
+                    persistence, restore = "source_file", None
+                else:
+                    persistence, restore = self._persist(document, persist)
             except BaseException:
                 plan.listeners.close_sockets()
                 raise

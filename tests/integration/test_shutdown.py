@@ -1,4 +1,4 @@
-"""How an engine ends: engine.stopped closes every event stream; SIGHUP does not end it."""
+"""How an engine ends: engine.stopped closes every event stream; SIGHUP reloads, not ends, it."""
 
 from __future__ import annotations
 
@@ -60,22 +60,26 @@ def test_engine_stopped_is_the_last_frame_of_every_stream(
     assert len({stream_events[-1]["event_id"] for stream_events in received}) == 1
 
 
-def test_sighup_is_logged_and_ignored_and_sigterm_still_stops_cleanly(tmp_path, origin) -> None:
+def test_sighup_reloads_the_file_and_sigterm_still_stops_cleanly(tmp_path, origin) -> None:
     doc = control_config()
     config = write_config(tmp_path, doc)
     with running(config, environ_without("SPLICEWAY_API_KEY")) as proc:
         socks = wait_for_line(proc, r"inbound socks-in \(socks5\) listening on (\S+)").group(1)
         base = wait_for_line(proc, r"control API listening on (http://\S+)/api/v1/").group(1)
-        with Stream(base, {"types": "engine.warning,engine.stopped"}) as stream:
+        with Stream(base, {"types": "config.changed,engine.stopped"}) as stream:
+            # The file now blocks the origin's address: after SIGHUP, new flows obey it.
+            block = {"ip_cidr": ["127.0.0.1/32"], "port": [str(origin[1])], "action": "block"}
+            doc["rules"] = [block]
+            Path(config).write_text(json.dumps(doc))
             proc.send_signal(signal.SIGHUP)
-            event, warning = stream.next_envelope()
-            assert event.event == "engine.warning"
-            assert warning["payload"]["code"] == "sighup_ignored"
-            wait_for_line(proc, r"WARNING spliceway: SIGHUP received")
-            assert proc.poll() is None
-            # Still serving after the SIGHUP.
-            fetched = curl("--socks5-hostname", socks, f"http://127.0.0.1:{origin[1]}/")
-            assert fetched.stdout == "hello from origin\n", fetched.stderr
+            event, changed = stream.next_envelope()
+            assert event.event == "config.changed"
+            assert changed["payload"]["trigger"] == "sighup"
+            assert changed["payload"]["persistence"] == "source_file"
+            assert changed["payload"]["changed_components"] == ["routing"]
+            wait_for_line(proc, r"INFO spliceway: reloaded \S+ \(changed: routing\)")
+            refused = curl("--socks5-hostname", socks, f"http://127.0.0.1:{origin[1]}/")
+            assert refused.returncode == 97, refused.stderr  # the SOCKS5 request was refused
             proc.send_signal(signal.SIGTERM)
             rest = drain(stream)
             assert [e["event_type"] for e in rest] == ["engine.stopped"]
