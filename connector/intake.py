@@ -110,6 +110,11 @@ class Intake:
                 if feed.retry_at <= now:
                     self._feed(feed)
 
+    def take_in(self, feed: Feed) -> None:
+        """Take in what the log holds for ``feed`` now (call with ``lock`` held), so a
+        sink being removed has every event emitted before in its outbox."""
+        self._feed(feed)
+
     def read_storage(self) -> Storage | None:
         """Free space of the outbox filesystem now (None without an outbox)."""
         if self.gate is None:

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: How long stop waits for sinks that are still making progress.
 STOP_GRACE_S = 3.0
+#: How long a sink a reload removes may go on delivering what it had taken in.
+RETIRE_GRACE_S = 1.0
 _STALL_S = 0.5
 
 
@@ -121,10 +123,13 @@ class Connector:
         self.slots.sort(key=lambda s: order[s.spec.tag])
 
     def _retire(self, slot: SinkSlot) -> None:
-        """Stop one sink for good; its outbox keeps what it did not deliver."""
+        """Stop one sink for good: it takes in every event emitted before the reload,
+        delivers what it can within a short grace, and its outbox keeps the rest."""
         if self.intake is not None:
             with self.intake.lock:
                 self.intake.feeds = [f for f in self.intake.feeds if f is not slot.feed]
+                self.intake.take_in(slot.feed)
+        self._drain([slot], RETIRE_GRACE_S)
         self._cursors[slot.spec.tag] = slot.feed.cursor
         if isinstance(slot.transport, WebhookClient):
             slot.transport.abort()
@@ -183,7 +188,7 @@ class Connector:
         if self.intake is not None:
             self.intake.stop()
             self.intake = None
-        self._drain()
+        self._drain(self.slots, STOP_GRACE_S)
         for slot in self.slots:
             if isinstance(slot.transport, WebhookClient):
                 slot.transport.abort()
@@ -193,21 +198,20 @@ class Connector:
                     slot.ref.stop(timeout=STOP_GRACE_S)
         self._close_all()
 
-    def _drain(self) -> None:
-        deadline = time.monotonic() + STOP_GRACE_S
-        last = self._backlog()
+    def _drain(self, slots: list[SinkSlot], grace_s: float) -> None:
+        """Wait up to ``grace_s`` for ``slots`` to deliver, while they make progress."""
+        deadline = time.monotonic() + grace_s
+        last = _backlog(slots)
         progress_at = time.monotonic()
         while last and time.monotonic() < deadline:
             time.sleep(0.02)
-            now = self._backlog()
+            now = _backlog(slots)
             if now < last:
                 progress_at = time.monotonic()
             elif time.monotonic() - progress_at > _STALL_S:
                 return
             last = now
 
-    def _backlog(self) -> int:
-        return sum(s.outbox.pending - s.outbox.unflushed_acks for s in self.slots)
 
     def _close_all(self) -> None:
         for slot in self.slots:
@@ -227,6 +231,10 @@ class Connector:
             with contextlib.suppress(OSError):
                 storage = self.gate.read()
         return [sink_status(slot, storage) for slot in self.slots]
+
+
+def _backlog(slots: list[SinkSlot]) -> int:
+    return sum(s.outbox.pending - s.outbox.unflushed_acks for s in slots)
 
 
 def sink_status(slot: SinkSlot, storage: Storage | None) -> dict[str, Any]:

@@ -273,18 +273,22 @@ class Reconciler:
 
     def _socket_for(self, ib: Any, index: int, change: ListenerChange) -> socket.socket:
         """The socket a new or changed inbound listens on: a running listener's when the
-        configured address is the same (no gap, no EADDRINUSE), else a new one."""
+        configured address is the same (no gap, no EADDRINUSE), else a new one.
+
+        Port 0 (any free port) matches only the same inbound's own listener, which keeps
+        the port it was given.
+        """
         from spliceway.engine_core import bind_listener
 
         address, port = ib.listen.address, ib.listen.port
-        if port != 0:
-            for a in self._core.active_inbounds:
-                listen = a.spec.source.listen
-                if (listen.address, listen.port) == (address, port):
-                    sock = self._core.listen_sockets.get(a.spec.index)
-                    if sock is not None:
-                        change.shared[a.spec.index] = sock.dup()
-                        return sock.dup()
+        for a in self._core.active_inbounds:
+            listen = a.spec.source.listen
+            same_address = (listen.address, listen.port) == (address, port)
+            if same_address and (port != 0 or a.spec.tag == ib.tag):
+                sock = self._core.listen_sockets.get(a.spec.index)
+                if sock is not None and a.spec.index not in change.shared:
+                    change.shared[a.spec.index] = sock.dup()
+                    return sock.dup()
         return bind_listener(address, port, ib.tag, index)
 
     def _allocate_slot(self, used: set[int]) -> int:
@@ -342,8 +346,8 @@ class Reconciler:
     def _install(self, plan: Plan) -> None:
         core = self._core
         old_api = core.config.api
-        core.connector.reconfigure(plan.config.api)
         try:
+            core.connector.reconfigure(plan.config.api)
             assert core.supervisor is not None
             core.supervisor.proxy().reconfigure(plan).get(timeout=30)
         except BaseException:
