@@ -49,7 +49,7 @@ _EPILOG = """\
 exit status: 0 success; 1 validate or a connector command found problems, or a
              command to a running engine failed (its error code and message on
              stderr); 2 the engine could not start (one line per problem on stderr)
-remote:      status, flows, policies, select, mode and events talk to a running
+remote:      status, flows, policies, select, mode, reload and events talk to a running
              engine over its IPC socket (docs/ipc.md)
 reference:   docs/running.md, docs/configuration.md and docs/ in the source
              distribution; spliceway config-schema prints the JSON Schema
@@ -103,7 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     mode = sub.add_parser("mode", help="set the routing mode (mode.set)")
     mode.add_argument("mode", choices=("rule", "direct", "global"))
     mode.add_argument("outbound", nargs="?", help="the outbound or group of mode global")
-    for remote in (status, flows, policies, select, mode):
+    reload = sub.add_parser(
+        "reload", help="apply a configuration file to a running engine (config.apply)"
+    )
+    reload.add_argument("file", help="the whole configuration to run (JSON or YAML)")
+    for remote in (status, flows, policies, select, mode, reload):
         remote.add_argument("--json", action="store_true", help="print JSON")
     events = sub.add_parser(
         "events", help="print a running engine's events, one JSON envelope per line"
@@ -361,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return remote.cmd_select(args.ipc, args.json, args.policy_tag, args.target_tag)
     if args.command == "mode":
         return remote.cmd_mode(args.ipc, args.json, args.mode, args.outbound)
+    if args.command == "reload":
+        return remote.cmd_reload(args.ipc, args.json, args.file)
     types = [t for t in (args.types or "").split(",") if t] or None
     return remote.cmd_events(args.ipc, types)
 

@@ -81,9 +81,23 @@ def _command(method: str, params: dict[str, Any]) -> Callable[[IpcClient], tuple
     return run
 
 
+def _reload(path: str) -> Callable[[IpcClient], tuple[Any, str]]:
+    def run(client: IpcClient) -> tuple[Any, str]:
+        from spliceway.config import read_config_document
+
+        result = client.command("config.apply", {"config": read_config_document(path)})
+        rows = [(k, ",".join(v) if isinstance(v, list) else v) for k, v in result.items()]
+        return result, _table(("FIELD", "VALUE"), rows)
+
+    return run
+
+
 def _fail(ex: ApiError) -> int:
     where = f" ({ex.field_path})" if ex.field_path else ""
     print(f"spliceway: {ex.code}: {ex.message}{where}", file=sys.stderr)
+    for detail in ex.details or ():
+        field = f"{detail.field_path}: " if detail.field_path else ""
+        print(f"spliceway: {field}{detail.message}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -124,6 +138,12 @@ def cmd_mode(ipc: str | None, as_json: bool, mode: str, outbound: str | None) ->
     if outbound is not None:
         params["outbound"] = outbound
     return _once(ipc, as_json, _command("mode.set", params))
+
+
+def cmd_reload(ipc: str | None, as_json: bool, path: str) -> int:
+    """``spliceway reload FILE``: config.apply of FILE's document (the engine validates it,
+    saves it to its own source file and reconciles)."""
+    return _once(ipc, as_json, _reload(path))
 
 
 def cmd_events(ipc: str | None, types: list[str] | None) -> int:

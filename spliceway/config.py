@@ -1794,6 +1794,12 @@ def _decode_yaml(text: str, source: str) -> Any:
 
 def load_config_file(path: str | os.PathLike[str]) -> Config:
     """Read, decode and validate a configuration file (JSON; ``.yaml``/``.yml`` with PyYAML)."""
+    return parse_config(read_config_document(path))
+
+
+def read_config_document(path: str | os.PathLike[str]) -> Any:
+    """A configuration file's document, decoded but not validated (``spliceway reload``
+    sends it as it is, so the engine's source file gets the user's own document)."""
     source = os.fspath(path)
     try:
         raw = Path(source).read_bytes()
@@ -1806,10 +1812,8 @@ def load_config_file(path: str | os.PathLike[str]) -> Config:
         detail = Detail(f"{source}: not UTF-8 (byte offset {exc.start})")
         raise _invalid([detail], "configuration file is not valid UTF-8") from None
     if source.lower().endswith((".yaml", ".yml")):
-        doc = _decode_yaml(text, source)
-    else:
-        doc = _decode_json(text, source)
-    return parse_config(doc)
+        return _decode_yaml(text, source)
+    return _decode_json(text, source)
 
 
 def config_schema() -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from spliceway.config import default_ipc_path
-from spliceway.errors import ApiError
+from spliceway.errors import ApiError, Detail
 
 #: The environment variable that overrides the default socket path.
 IPC_ENV = "SPLICEWAY_IPC"
@@ -64,10 +64,17 @@ class IpcClient:
         reply = self._line()
         if not reply.get("ok"):
             error = reply.get("error") or {}
+            details = [
+                Detail(d.get("message", ""), d.get("field_path"))
+                for d in error.get("details") or ()
+                if isinstance(d, dict)
+            ]
             raise ApiError(
                 error.get("code", "internal"),
                 error.get("message", "no message"),
                 field_path=error.get("field_path"),
+                details=details or None,
+                cause=error.get("cause"),
             )
         (result,) = reply["result"].values()
         return result

@@ -118,3 +118,37 @@ def test_without_an_engine_the_cli_says_so_and_exits_1(sock_path):
     result = cli(sock_path, "status")
     assert result.returncode == 1
     assert result.stderr.startswith("spliceway: not_found: no engine is listening on ")
+
+
+def test_reload_applies_a_file_and_reports_every_problem(sock_path: Path, tmp_path: Path) -> None:
+    source = tmp_path / "running.json"
+    source.write_text(json.dumps(_config(sock_path)))
+    with Engine.from_file(source) as engine:
+        new = _config(sock_path)
+        new["inbounds"].append({"tag": "extra", "protocol": "socks5", "listen": {"port": 0}})
+        given = tmp_path / "new.json"
+        given.write_text(json.dumps(new))
+        table = cli(sock_path, "reload", str(given))
+        assert table.returncode == 0, table.stderr
+        rows = dict(line.split(None, 1) for line in table.stdout.splitlines()[1:])
+        assert rows["applied"] == "True" and rows["reconciled"] == "True"
+        assert rows["persistence"] == "source_file"
+        assert rows["changed_components"] == "proxy_listeners"
+        assert engine.listen_address("extra")[1] > 0
+        # The engine saved the document to its own file, as given.
+        assert json.loads(source.read_text()) == new
+        as_json = cli(sock_path, "reload", "--json", str(given))
+        assert json.loads(as_json.stdout)["changed_components"] == []
+
+        new["rules"] = [{"domain": ["a.test"], "outbound": "nowhere"}, {"port": ["x"]}]
+        given.write_text(json.dumps(new))
+        bad = cli(sock_path, "reload", str(given))
+        assert bad.returncode == 1
+        lines = bad.stderr.splitlines()
+        assert lines[0].startswith("spliceway: invalid_argument: configuration is invalid")
+        assert any(line.startswith("spliceway: rules[0].outbound: ") for line in lines[1:])
+        assert len(lines) >= 3
+        assert "rules" not in json.loads(source.read_text())  # untouched
+        missing = cli(sock_path, "reload", str(tmp_path / "nope.json"))
+        assert missing.returncode == 1
+        assert "cannot read" in missing.stderr
