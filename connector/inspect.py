@@ -6,12 +6,14 @@ holds it) and change nothing on disk: recovery is computed, not applied.
 
 from __future__ import annotations
 
+import os
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 import orjson
 from spliceway.connector.diskgate import DiskGate
-from spliceway.connector.outbox import OutboxStore
+from spliceway.connector.outbox import DiskOutbox, OutboxStore, sink_dir_name
 
 from spliceway.config import Config
 from spliceway.errors import ApiError
@@ -26,7 +28,9 @@ def _store(config: Config) -> OutboxStore:
 
 
 def outbox_state(config: Config) -> dict[str, Any]:
-    """Each configured sink's pending count, dead letters, storage and recovery state."""
+    """Each sink's pending count, dead letters, storage and recovery state: the configured
+    ones, then any the outbox still holds for a sink no longer configured (a reload removed
+    it), with ``configured: false``."""
     api = config.api
     store = _store(config)
     try:
@@ -34,13 +38,20 @@ def outbox_state(config: Config) -> dict[str, Any]:
         storage = gate.read()
         blocked = not storage.allows(0)
         sinks = []
-        for spec in api.event_sinks:
-            outbox = store.open_sink(spec.tag)
+        configured = {sink_dir_name(spec.tag): spec for spec in api.event_sinks}
+        unconfigured = sorted(set(_sink_dirs(store.path)) - set(configured))
+        listed = [(spec.tag, spec.type, store.sink_directory(spec.tag)) for spec in api.event_sinks]
+        listed += [
+            (_tag_of(name), None, os.path.join(store.path, "sinks", name)) for name in unconfigured
+        ]
+        for name, kind, directory in listed:
+            outbox = DiskOutbox(directory, readonly=True, segment_bytes=store.segment_bytes)
             try:
                 sinks.append(
                     {
-                        "name": spec.tag,
-                        "type": spec.type,
+                        "name": name,
+                        "type": kind,
+                        "configured": kind is not None,
                         "pending": outbox.pending,
                         "dead_letters": outbox.dead_letters,
                         "outbox_storage": storage.to_dict(blocked),
@@ -52,6 +63,21 @@ def outbox_state(config: Config) -> dict[str, Any]:
     finally:
         store.close()
     return {"outbox_path": store.path, "sinks": sinks}
+
+
+def _sink_dirs(path: str) -> list[str]:
+    try:
+        return [e.name for e in os.scandir(os.path.join(path, "sinks")) if e.is_dir()]
+    except FileNotFoundError:
+        return []
+
+
+def _tag_of(directory: str) -> str:
+    """The sink tag a directory name stands for (the name itself when it was shortened)."""
+    quoted = directory.removeprefix("t-")
+    if "%h" in quoted:
+        return directory
+    return urllib.parse.unquote(quoted, errors="surrogatepass")
 
 
 def dead_letters(config: Config) -> Iterator[dict[str, Any]]:

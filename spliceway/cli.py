@@ -303,8 +303,9 @@ def cmd_connector(command: str, path: str, as_json: bool) -> int:
             print(f"outbox {state['outbox_path']}")
             print(f"{'SINK':<20} {'TYPE':<8} {'PENDING':>9} {'DEAD':>6} {'BLOCKED':<8} RECOVERY")
             for s in state["sinks"]:
+                kind = s["type"] or "removed"  # no longer configured; its events remain
                 print(
-                    f"{s['name']:<20} {s['type']:<8} {s['pending']:>9} {s['dead_letters']:>6} "
+                    f"{s['name']:<20} {kind:<8} {s['pending']:>9} {s['dead_letters']:>6} "
                     f"{str(s['outbox_storage']['write_blocked']).lower():<8} "
                     f"{s['outbox_recovery']['state']}"
                 )

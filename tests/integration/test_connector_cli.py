@@ -107,3 +107,23 @@ def test_dead_letters_are_listed_with_their_reason(tmp_path, make_engine, policy
     assert letter["attempts"] == 1
     assert letter["envelope"]["event_id"] == letter["event_id"]
     assert json.loads(rx.requests[0].body) == letter["envelope"]
+
+
+def test_state_reports_a_sink_a_reload_removed(tmp_path):
+    from spliceway import Engine
+
+    cfg, path = _sink_config(tmp_path)
+    with Engine.from_file(path) as engine:
+        cfg["api"]["event_sinks"] = cfg["api"]["event_sinks"][1:]  # "central" removed
+        engine.execute("config.apply", {"config": cfg})
+    done = _cli("connector", "state", "--json", path)
+    assert done.returncode == 0, done.stderr
+    sinks = {s["name"]: s for s in json.loads(done.stdout)["sinks"]}
+    assert sinks["audit"]["configured"] is True
+    # Its undelivered events (engine.started at least) stay on disk and are counted.
+    assert sinks["central"]["configured"] is False
+    assert sinks["central"]["type"] is None
+    assert sinks["central"]["pending"] >= 1
+    table = _cli("connector", "state", path)
+    assert table.returncode == 0, table.stderr
+    assert any(line.split()[:2] == ["central", "removed"] for line in table.stdout.splitlines())
