@@ -98,6 +98,25 @@ def envelope_error(error: ApiError, request_id: Any = None) -> bytes:
     return orjson.dumps({"api_id": API_ID, "id": request_id, "ok": False, "error": error.to_dict()})
 
 
+def require_read(principal: Principal) -> None:
+    """Every query and event stream needs ``read`` (docs/security.md); commands need what
+    their table entry says, which ``commands.execute`` checks."""
+    if not principal.grants("read"):
+        raise ApiError("permission_denied", "this endpoint needs the read permission")
+
+
+def caller_capabilities(core: EngineCore, principal: Principal) -> dict[str, Any]:
+    """The capabilities resource as ``principal`` sees it: its own grants, and which
+    transports this engine serves."""
+    api = core.config.api
+    return capabilities(
+        principal.effective_permissions,
+        api_enabled=api.control.enabled,
+        ipc_enabled=api.ipc.enabled,
+        grpc_enabled=api.grpc.enabled,
+    )
+
+
 @dataclass
 class ControlState:
     """What every request of one app shares."""
@@ -249,8 +268,8 @@ class _Gate:
         )
         req.context.principal = principal
         is_command = req.path == COMMANDS_PATH and req.method == "POST"
-        if not is_command and not principal.grants("read"):
-            raise ApiError("permission_denied", "this endpoint needs the read permission")
+        if not is_command:
+            require_read(principal)
         if is_command:
             # Before the rate limit: a request refused for its form spends no command token.
             _require_json(req)
@@ -334,10 +353,7 @@ class _Capabilities:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         queries.check_params("capabilities", _query_args(req))
-        enabled = self._state.core.config.api.control.enabled
-        perms = _principal(req).effective_permissions
-        ipc = self._state.core.config.api.ipc.enabled
-        _send(resp, envelope_ok(capabilities(perms, api_enabled=enabled, ipc_enabled=ipc)))
+        _send(resp, envelope_ok(caller_capabilities(self._state.core, _principal(req))))
 
 
 class _Commands:

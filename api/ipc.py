@@ -101,6 +101,20 @@ def prepare_path(path: str, private_dir: bool) -> None:
     raise _conflict(f"IPC socket {path} is in use by another running engine")
 
 
+def event_list(events: object) -> list[str] | None:
+    """A subscription's ``events`` field (IPC frame, gRPC request) as an allow-list;
+    None, empty or ``"*"``: every type. Anything but a list of known event types is
+    ``invalid_argument`` on ``events`` (not on the HTTP query's ``types``)."""
+    if events is None:
+        return None
+    if not (isinstance(events, list) and all(isinstance(e, str) for e in events)):
+        raise invalid_argument("events must be a list of event types", "events")
+    unknown = [e for e in events if e != "*" and e not in EVENT_CATALOGUE]
+    if unknown:
+        raise invalid_argument(f"unknown event type {unknown[0]!r}", "events")
+    return parse_types(",".join(events)) if events else None
+
+
 class IpcServer:
     """The control socket of one running engine."""
 
@@ -398,16 +412,7 @@ class _Connection:
     def _subscribe(self, events: object) -> dict[str, Any]:
         if self._sub is not None:
             raise ApiError("conflict", "this connection is already subscribed")
-        if events is None:
-            wanted: list[str] | None = None
-        elif isinstance(events, list) and all(isinstance(e, str) for e in events):
-            unknown = [e for e in events if e != "*" and e not in EVENT_CATALOGUE]
-            if unknown:
-                raise invalid_argument(f"unknown event type {unknown[0]!r}", "events")
-            wanted = parse_types(",".join(events)) if events else None
-        else:
-            raise invalid_argument("events must be a list of event types", "events")
-        types = normalize_types(wanted)
+        types = normalize_types(event_list(events))
         self._sub = self._core.log.subscribe(
             types, snapshot=self._core.flows.records, max_pending=self._server._max_pending
         )

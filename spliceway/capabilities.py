@@ -8,6 +8,7 @@ capabilities never sees a feature that answers ``unsupported``.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +21,8 @@ API_ID = "service.api.v1"
 CONFIG_ID = "spliceway.config.v1"
 #: The local control socket's framing (docs/ipc.md).
 IPC_ID = "spliceway.ipc.v1"
+#: The gRPC service ``spliceway.v1.Control`` (docs/grpc.md).
+GRPC_ID = "spliceway.grpc.v1"
 
 #: Features built in this version.
 FEATURES = (
@@ -156,15 +159,48 @@ GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
         "code": "dead_letter_replay_not_built",
         "message": "dead letters are kept and listed (spliceway connector state), not re-sent",
     },
-    {"code": "grpc_not_built", "message": "the gRPC control API is not built"},
+    {
+        "code": "grpc_not_built",
+        "message": "the gRPC control API needs the grpc extra (pip install 'spliceway[grpc]')",
+    },
     {"code": "hot_reload_not_built", "message": "config.apply and config.apply_runtime"},
 )
 
 
+@functools.cache
+def grpc_built() -> bool:
+    """Whether this installation can serve gRPC: the ``grpc`` extra (grpcio,
+    grpcio-reflection, protobuf) imports, at versions the checked-in stubs accept.
+    Asked once per process (the import is the check)."""
+    from spliceway.api.grpc_server import grpc_missing
+
+    return grpc_missing() is None
+
+
 def capabilities(
-    permissions: Iterable[str], api_enabled: bool = True, ipc_enabled: bool = True
+    permissions: Iterable[str],
+    api_enabled: bool = True,
+    ipc_enabled: bool = True,
+    grpc_enabled: bool = False,
 ) -> dict[str, Any]:
-    """The capabilities resource for a caller holding ``permissions``."""
+    """The capabilities resource for a caller holding ``permissions``.
+
+    ``grpc_enabled`` is ``api.grpc.enabled``; the gRPC feature, contract and build
+    feature are listed whenever the build has gRPC (:func:`grpc_built`), the adapter
+    is enabled only when it also serves.
+    """
+    grpc = grpc_built()
+    limitations = [
+        item for item in GLOBAL_LIMITATIONS if not (grpc and item["code"] == "grpc_not_built")
+    ]
+    contracts = [
+        {"name": "api", "id": API_ID, "min_version": 1, "max_version": 1},
+        {"name": "event", "id": SCHEMA_ID, "min_version": 1, "max_version": 1},
+        {"name": "config", "id": CONFIG_ID, "min_version": 1, "max_version": 1},
+        {"name": "ipc", "id": IPC_ID, "min_version": 1, "max_version": 1},
+    ]
+    if grpc:
+        contracts.append({"name": "grpc", "id": GRPC_ID, "min_version": 1, "max_version": 1})
     return {
         "api_id": API_ID,
         "schema_id": SCHEMA_ID,
@@ -174,20 +210,15 @@ def capabilities(
             {"kind": "cli", "enabled": True},
             {"kind": "embedded", "enabled": True},
             {"kind": "ipc", "enabled": ipc_enabled},
-            {"kind": "grpc", "enabled": False},
+            {"kind": "grpc", "enabled": grpc and grpc_enabled},
         ],
         "sinks": [{"kind": "webhook", "enabled": True}, {"kind": "jsonl", "enabled": True}],
-        "features": list(FEATURES),
+        "features": [*FEATURES, "grpc"] if grpc else list(FEATURES),
         # Deep copies: the tables share their level objects, and callers may mutate.
         "protocols": copy.deepcopy(list(PROTOCOLS)),
-        "build_features": list(BUILD_FEATURES),
+        "build_features": [*BUILD_FEATURES, "grpc-api"] if grpc else list(BUILD_FEATURES),
         "permissions": sorted(set(permissions)),
-        "contracts": [
-            {"name": "api", "id": API_ID, "min_version": 1, "max_version": 1},
-            {"name": "event", "id": SCHEMA_ID, "min_version": 1, "max_version": 1},
-            {"name": "config", "id": CONFIG_ID, "min_version": 1, "max_version": 1},
-            {"name": "ipc", "id": IPC_ID, "min_version": 1, "max_version": 1},
-        ],
+        "contracts": contracts,
         "error_codes": [
             {"code": code, "http_status": status} for code, status in HTTP_STATUS.items()
         ],
@@ -200,5 +231,5 @@ def capabilities(
             }
             for c in COMMANDS.values()
         ],
-        "global_limitations": copy.deepcopy(list(GLOBAL_LIMITATIONS)),
+        "global_limitations": copy.deepcopy(limitations),
     }

@@ -1008,10 +1008,14 @@ class IpcApi(_Model):
 
 
 class GrpcApi(_Model):
-    """``api.grpc`` (needs the ``grpc`` extra)."""
+    """``api.grpc``: the gRPC control API (docs/grpc.md; needs the ``grpc`` extra)."""
 
     enabled: SBool = False
-    """Serve the gRPC control API; not built, so this has no effect."""
+    """Serve the gRPC service `spliceway.v1.Control` (with server reflection) on the control
+    API's address and port + 1, with its keys and limits. Needs `api.control.enabled` and
+    the `grpc` extra (`pip install 'spliceway[grpc]'`); the engine refuses to start
+    otherwise (`invalid_argument`, `feature_disabled`).
+    """
 
 
 EventFilter = tuple[Annotated[str, Strict(), AfterValidator(_check_event_type)], ...]

@@ -25,6 +25,7 @@ from typing import Any
 from spliceway import commands, queries
 from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
+from spliceway.api.grpc_server import GrpcServer, check_grpc
 from spliceway.api.ipc import IpcServer
 from spliceway.api.server import ControlServer
 from spliceway.config import Config, default_config, load_config_file, parse_config
@@ -46,6 +47,7 @@ class Engine:
         self._started = False
         self._control: ControlServer | None = None
         self._ipc: IpcServer | None = None
+        self._grpc: GrpcServer | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Engine:
@@ -63,7 +65,8 @@ class Engine:
         return self._core.running
 
     def start(self) -> Engine:
-        """Bind the inbounds, start every actor and, when enabled, the HTTP control API.
+        """Bind the inbounds, start every actor and, when enabled, the HTTP control API
+        (and the gRPC API beside it).
 
         Raises ApiError on failure (an unset ``api_key_env`` variable, a port in
         use); nothing is left running then.
@@ -74,6 +77,8 @@ class Engine:
             control = self._core.config.api.control
             ipc = self._core.config.api.ipc
             keys = KeyTable.from_config(control) if control.enabled else None
+            # Before anything starts: gRPC without its extra or without the control API.
+            check_grpc(self._core.config.api)
             self._core.start()
             try:
                 if ipc.enabled:
@@ -85,7 +90,19 @@ class Engine:
                     app = create_app(self, keys=keys)
                     self._control = ControlServer(app, control.listen.address, control.listen.port)
                     self._control.start()
+                    if self._core.config.api.grpc.enabled:
+                        # Shares the app's state: its keys, rate limits and stream slots.
+                        self._grpc = GrpcServer(
+                            self._core, app.state, control.listen.address, control.listen.port
+                        )
+                        self._grpc.start()
             except BaseException:
+                if self._grpc is not None:
+                    self._grpc.stop()
+                    self._grpc = None
+                if self._control is not None:
+                    # Started before something after it failed (gRPC's port taken).
+                    self._control.stop()
                 self._control = None
                 if self._ipc is not None:
                     self._ipc.stop()
@@ -106,9 +123,14 @@ class Engine:
                 self._control.stop_accepting()
             if self._ipc is not None:
                 self._ipc.stop_accepting()
+            if self._grpc is not None:
+                self._grpc.stop_accepting()
             try:
                 self._core.stop(reason)
             finally:
+                if self._grpc is not None:
+                    self._grpc.stop()
+                    self._grpc = None
                 if self._control is not None:
                     self._control.stop()
                     self._control = None

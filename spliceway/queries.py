@@ -187,12 +187,17 @@ def _sinks(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    # Embedding and IPC callers hold every permission; HTTP renders
-    # capabilities itself with the caller's own grants.
+    # Embedding and IPC callers hold every permission; HTTP and gRPC render
+    # capabilities themselves with the caller's own grants (api.app.caller_capabilities).
     from spliceway.capabilities import capabilities
 
     api = core.config.api
-    return capabilities(PERMISSIONS, api_enabled=api.control.enabled, ipc_enabled=api.ipc.enabled)
+    return capabilities(
+        PERMISSIONS,
+        api_enabled=api.control.enabled,
+        ipc_enabled=api.ipc.enabled,
+        grpc_enabled=api.grpc.enabled,
+    )
 
 
 @dataclass(frozen=True, slots=True)
