@@ -4,6 +4,7 @@ stubs, against real engines on loopback."""
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -331,35 +332,36 @@ def test_grpc_without_the_control_api_is_a_start_error():
     assert (error.code, error.field_path) == ("invalid_argument", "api.grpc.enabled")
 
 
-def _port_pair() -> tuple[socket.socket, int]:
-    """A free control port P whose P + 1 is held by a listener (returned)."""
-    for _ in range(50):
-        holder = socket.create_server(("127.0.0.1", 0))
-        taken = holder.getsockname()[1]
+def _hold_next_port(other: grpc.Server) -> int:
+    """A free control port P whose P + 1 ``other`` now listens on. Both lie below the
+    kernel's ephemeral range, so the engine's own port-0 binds cannot take P meanwhile."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for control_port in random.sample(range(low - 4000, low - 2), 50):
         try:
-            probe = socket.create_server(("127.0.0.1", taken - 1))
+            probe = socket.create_server(("127.0.0.1", control_port))
         except OSError:
-            holder.close()
             continue
         probe.close()
-        return holder, taken - 1
+        try:
+            if other.add_insecure_port(f"127.0.0.1:{control_port + 1}") == control_port + 1:
+                return control_port
+        except RuntimeError:  # taken
+            continue
     raise AssertionError("no free port pair")
 
 
 def test_a_taken_grpc_port_is_a_conflict_and_nothing_stays_listening():
-    holder, control_port = _port_pair()
     # The holder is a grpc server with grpc's default SO_REUSEPORT: ours must not share it.
     other = grpc.server(ThreadPoolExecutor(max_workers=1))
-    holder_port = holder.getsockname()[1]
-    holder.close()
-    assert other.add_insecure_port(f"127.0.0.1:{holder_port}") == holder_port
+    control_port = _hold_next_port(other)
     other.start()
     try:
         cfg = grpc_config()
         cfg["api"]["control"]["listen"]["port"] = control_port
         with pytest.raises(ApiError) as refused:
             Engine(cfg).start()
-        assert refused.value.code == "conflict" and str(holder_port) in refused.value.message
+        assert refused.value.code == "conflict"
+        assert str(control_port + 1) in refused.value.message
         socket.create_server(("127.0.0.1", control_port)).close()  # the HTTP API let go
     finally:
         other.stop(None).wait(5)
