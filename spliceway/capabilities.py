@@ -37,6 +37,7 @@ FEATURES = (
     "commands",
     "openapi",
     "ipc",
+    "hot_reload",
 )
 
 BUILD_FEATURES = (
@@ -46,6 +47,7 @@ BUILD_FEATURES = (
     "policy-groups",
     "webhook-sinks",
     "durable-outbox",
+    "hot-reload",
 )
 
 
@@ -163,7 +165,6 @@ GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
         "code": "grpc_not_built",
         "message": "the gRPC control API needs the grpc extra (pip install 'spliceway[grpc]')",
     },
-    {"code": "hot_reload_not_built", "message": "config.apply and config.apply_runtime"},
 )
 
 

@@ -243,7 +243,8 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
         log.debug("start failed", exc_info=True)
         return _cannot_start(ApiError("internal", f"{type(ex).__name__}: {ex}"))
     _tune_gc()
-    for spec, (address, port) in zip(engine.core.inbounds, engine.core.bound, strict=True):
+    for active in engine.core.active_inbounds:
+        spec, (address, port) = active.spec, active.bound
         log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
     if config.api.control.enabled:
         log.info("control API listening on %s/api/v1/", engine.control_url)

@@ -146,9 +146,9 @@ class Engine:
 
     def listen_address(self, tag: str | None = None) -> tuple[str, int]:
         """The (address, port) an inbound actually bound (the first one by default)."""
-        for spec, bound in zip(self._core.inbounds, self._core.bound, strict=True):
-            if tag is None or spec.tag == tag:
-                return bound
+        for active in self._core.active_inbounds:
+            if tag is None or active.spec.tag == tag:
+                return active.bound
         raise not_found(f"no inbound {tag!r}")
 
     @property

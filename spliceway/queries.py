@@ -127,9 +127,15 @@ def _flow(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     cfg = core.config
     route = core.route_state
+    # One read of the listeners: a reload replaces them (and the config) whole.
     listeners = [
-        {"tag": ib.tag, "protocol": ib.protocol, "listen_address": addr, "listen_port": port}
-        for ib, (addr, port) in zip(cfg.inbounds, core.bound, strict=True)
+        {
+            "tag": a.spec.tag,
+            "protocol": a.spec.protocol,
+            "listen_address": a.bound[0],
+            "listen_port": a.bound[1],
+        }
+        for a in core.active_inbounds
     ]
     outbounds = [
         {"tag": ob.tag, "protocol": ob.protocol, "server": ob.server, "port": ob.port}
