@@ -212,7 +212,6 @@ class Connector:
                 return
             last = now
 
-
     def _close_all(self) -> None:
         for slot in self.slots:
             with contextlib.suppress(OSError):
