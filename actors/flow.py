@@ -43,6 +43,7 @@ from spliceway.runtime import FlowEntry, RouteState
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore, InboundSpec
+    from spliceway.flowhook import FlowHookClient
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,11 @@ class FlowDeps:
     def tcp_idle_timeout_ms(self) -> int:
         """``runtime.tcp_idle_timeout_seconds`` now, in milliseconds."""
         return self._core.tcp_idle_timeout_ms
+
+    @property
+    def flow_hook(self) -> FlowHookClient | None:
+        """The flow hook's client now (a reload replaces it), None without a hook."""
+        return self._core.flow_hook
 
 
 class FlowActor(LoopActor):
@@ -263,13 +269,12 @@ class FlowActor(LoopActor):
         replied = False
         if deferred is not None and deferred.stage == connpath.ROUTE:
             # C finished the handshake (and maybe answered and sniffed) but could not
-            # route or dial this flow: carry on from there.
+            # route or dial this flow, or left it to the flow hook: carry on from there.
             hs = self._c_handshake(deferred, deferred.host, deferred.raw)
             replied = deferred.replied
-            self._start_record(hs, deferred.started_unix_ms)
+            state = self._new_state(hs, deferred.started_unix_ms)
             if replied:
-                assert self.state is not None
-                self.state.sniffed_host = deferred.sniffed
+                state.sniffed_host = deferred.sniffed
         else:
             try:
                 hs = await accept_handshake(
@@ -284,8 +289,42 @@ class FlowActor(LoopActor):
                 logger.debug("handshake from %s failed: %s", self.peer, ex)
                 self._finish()
                 return
-            self._start_record(hs)
+            state = self._new_state(hs)
+        hook = self.deps.flow_hook
+        if hook is not None and hook.settings.selects("tcp", self.inbound.tag):
+            if not await self._ask_hook(hook, state, hs, replied):
+                return
+        else:
+            self._start_record(state)
         await self._route_and_dial(hs, replied)
+
+    async def _ask_hook(
+        self, hook: FlowHookClient, state: records.FlowState, hs: Handshake, replied: bool
+    ) -> bool:
+        """Ask the flow hook about the new flow before it is routed, then start its record;
+        False when the hook denied it (the flow is completed, blocked, and finished)."""
+        # The record flow.started will carry (revision 1, state opening), before the
+        # hook's own fields. The flow is not listed while it waits: a stop or a close
+        # ends it quietly, as one still in its handshake.
+        record = state.render()
+        record["revision"] = 1
+        verdict = await hook.ask(record)
+        if verdict.principal_key is not None:
+            state.principal_key = verdict.principal_key
+        if verdict.labels:
+            state.labels = verdict.labels
+        self._start_record(state)
+        if verdict.allow:
+            return True
+        if not replied:
+            await self._reply(
+                hs.failure_reply(socks5.REP_NOT_ALLOWED, 403, "denied by the flow hook"),
+                quiet=True,
+            )
+        failure = records.Failure("hook", "hook_denied", "the flow hook denied the flow")
+        self._complete(records.BLOCKED, None, failure)
+        self._finish()
+        return False
 
     async def _route_and_dial(self, hs: Handshake, replied: bool) -> None:
         """From the started flow's route to the hand-off (``replied``: the client was told
@@ -363,29 +402,35 @@ class FlowActor(LoopActor):
             early=early,
         )
 
-    def _start_record(self, hs: Handshake, started_at: int | None = None) -> None:
-        deps = self.deps
+    def _new_state(self, hs: Handshake, started_at: int | None = None) -> records.FlowState:
+        """The record of a flow whose handshake completed (at ``started_at``, else now),
+        not yet the actor's: :meth:`_start_record` makes it so and announces it."""
         started = now_ms() if started_at is None else started_at
-        self.state = records.FlowState(
+        state = records.FlowState(
             flow_id=self.flow_id,
             inbound_tag=self.inbound.tag,
             inbound_protocol=self.inbound.protocol,
             source_ip=self.peer[0],
             source_port=self.peer[1],
             started_at_unix_ms=started,
-            mode=deps.route_state.mode,
+            mode=self.deps.route_state.mode,
             target_host=hs.host,
             target_port=hs.port,
             principal_key=hs.principal_key,
             auth_scheme=hs.auth_scheme,
             last_activity_at_unix_ms=started,
         )
-        t = self.state.traffic
+        t = state.traffic
         t.inbound_rx_bytes = hs.rx_bytes
         t.inbound_tx_bytes = hs.tx_bytes
-        deps.counters.total_started += 1
+        return state
+
+    def _start_record(self, state: records.FlowState) -> None:
+        """The flow exists from here: flow.started, listed, completed exactly once."""
+        self.state = state
+        self.deps.counters.total_started += 1
         # When it started (C's time for a flow C runs), as flow.routed carries C's too.
-        self._publish("flow.started", records.lifecycle_payload, occurred=started)
+        self._publish("flow.started", records.lifecycle_payload, occurred=state.started_at_unix_ms)
 
     async def _reply(self, data: bytes, *, quiet: bool = False) -> None:
         if not data or self.client is None:
@@ -449,7 +494,8 @@ class FlowActor(LoopActor):
             source_ip=self.peer[0],
             source_port=self.peer[1],
             inbound_tag=self.inbound.tag,
-            principal_key=hs.principal_key,
+            # The authenticated user's, or the one the flow hook gave in its place.
+            principal_key=self.state.principal_key,
             process_name=None,
         )
 
@@ -520,7 +566,7 @@ class FlowActor(LoopActor):
 
     def _start_record_c(self, rec: connpath.ConnRecord) -> None:
         """flow.started from C's STARTED record, with C's timestamp and counts."""
-        self._start_record(self._c_handshake(rec, rec.name), rec.at_unix_ms)
+        self._start_record(self._new_state(self._c_handshake(rec, rec.name), rec.at_unix_ms))
 
     def _c_route(self, rec: connpath.ConnRecord) -> Any:
         """Apply the route C took (looked up in the table it used); its outbound."""
@@ -729,6 +775,7 @@ class FlowActor(LoopActor):
             event_type,
             payload_fn(s, record),
             principal_key=s.principal_key,
+            labels=s.labels,
             occurred_at_unix_ms=occurred,
         )
 

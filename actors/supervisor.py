@@ -139,6 +139,9 @@ class EngineSupervisor(LoopActor):
         if dns_changed:
             core.resolver.on_answer = core.dns_answer
             core.bridge.conn.dns_flush()
+        if new.api.flow_hook != old.api.flow_hook:
+            # Before the publish below: the table defers the new hook's inbounds.
+            core.replace_flow_hook(new)
         table.on_publish = core.routes.publish
         core.routes.publish()
         if new.runtime.stats_interval_ms != old.runtime.stats_interval_ms:

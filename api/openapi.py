@@ -481,6 +481,8 @@ def _flow_record() -> Schema:
             },
         },
         {
+            # Only on a flow the flow hook labelled (api.flow_hook).
+            "labels": {"type": "object", "additionalProperties": STR},
             "result": obj(
                 {
                     "outcome": enum(
@@ -489,7 +491,7 @@ def _flow_record() -> Schema:
                 },
                 {"close_reason": STR, "failure": failure},
                 description="Present exactly when state is completed.",
-            )
+            ),
         },
         description="A flow (FlowRecord); result only once completed.",
     )

@@ -70,6 +70,8 @@ enum {
     DNS_BUCKETS = 1024,
     DNS_MAX_ENTRIES = 8192,
 };
+/* A route table can defer any listener slot to Python (the flow hook). */
+_Static_assert(MAX_LISTENERS == SW_TABLE_INBOUND_SLOTS, "listener slots != table slots");
 
 #define DEFAULT_RING 8192u
 
@@ -945,6 +947,9 @@ static bool decide(struct cconn *c)
     c->http_req_len = 0;
     const sw_table *t = atomic_load(&c->loop->conn->table);
     if (!t)
+        return false;
+    /* An inbound the flow hook selects: Python asks the hook, then routes. */
+    if (sw_table_inbound_deferred(t, c->listener->index))
         return false;
     sw_route_query q;
     memset(&q, 0, sizeof q);

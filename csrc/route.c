@@ -257,6 +257,12 @@ struct sw_table {
     struct slice cgroup_of[2][2]; /* [field][family 4: 0, 6: 1] */
     struct vec inb_keys, pri_keys; /* struct vkey, sorted by value */
     struct slice scan;   /* in ids: the rules anchored nowhere */
+
+    /* Listener slots whose flows Python takes before routing (the flow hook):
+     * bit i of defer_inb for slot i; defer_any spares every other table the
+     * lookup. */
+    bool defer_any;
+    uint64_t defer_inb[SW_TABLE_INBOUND_SLOTS / 64];
 };
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -489,6 +495,24 @@ static struct rule *building(sw_table *t, uint32_t rule)
     if (!t || t->sealed || rule >= t->nrules)
         return NULL;
     return &t->rules[rule];
+}
+
+int sw_table_defer_inbound(sw_table *t, uint32_t inbound)
+{
+    if (!t || t->sealed)
+        return -EINVAL;
+    if (inbound >= SW_TABLE_INBOUND_SLOTS)
+        return -ERANGE;
+    t->defer_inb[inbound / 64] |= UINT64_C(1) << (inbound % 64);
+    t->defer_any = true;
+    return 0;
+}
+
+int sw_table_inbound_deferred(const sw_table *t, uint32_t inbound)
+{
+    if (!t || !t->defer_any || inbound >= SW_TABLE_INBOUND_SLOTS)
+        return 0;
+    return (t->defer_inb[inbound / 64] >> (inbound % 64)) & 1;
 }
 
 int sw_table_set_mode(sw_table *t, int kind, int32_t mode_target, int32_t final_target)

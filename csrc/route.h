@@ -118,6 +118,15 @@ int sw_table_target(sw_table *table, uint32_t index, int kind, const char *serve
 /* The outbound tag target `index` reaches (after sw_table_target): the C path
  * names it in failure messages, as the Python outbounds do. */
 int sw_table_target_tag(sw_table *table, uint32_t index, const char *tag);
+/* Listener slots sw_table_defer_inbound takes (conn.c's MAX_LISTENERS). */
+#define SW_TABLE_INBOUND_SLOTS 256
+/* Every flow of listener slot `inbound` goes to Python after its handshake,
+ * before any route is decided (Python asks the flow hook there first).  Not a
+ * routing decision: sw_table_decide ignores it; the connection path asks
+ * sw_table_inbound_deferred.  -ERANGE for a slot >= SW_TABLE_INBOUND_SLOTS. */
+int sw_table_defer_inbound(sw_table *table, uint32_t inbound);
+/* 1 when sw_table_defer_inbound named `inbound`, else 0. */
+int sw_table_inbound_deferred(const sw_table *table, uint32_t inbound);
 /* Builds the indexes; afterwards only sw_table_decide and the getters. */
 int sw_table_seal(sw_table *table);
 

@@ -84,6 +84,7 @@ from pydantic import (
 
 from spliceway.errors import ApiError, Detail
 from spliceway.event_catalogue import EVENT_CATALOGUE
+from spliceway.flowhook import HookSettings
 from spliceway.policy import parse_probe_url
 
 __all__ = [
@@ -102,6 +103,7 @@ __all__ = [
     "DnsSettings",
     "FakeIpAnswer",
     "FallbackGroup",
+    "FlowHook",
     "GrpcApi",
     "HttpOutbound",
     "Inbound",
@@ -1018,6 +1020,46 @@ class GrpcApi(_Model):
     """
 
 
+def _check_socket_path(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("must not contain a NUL character")
+    if len(value.encode("utf-8", "surrogateescape")) > 107:
+        raise ValueError("is longer than 107 bytes, the limit of a Unix socket path")
+    return value
+
+
+class FlowHook(_Model):
+    """``api.flow_hook``: a local process asked about each new flow (docs/flow-hook.md)."""
+
+    path: Annotated[str, Strict(), Field(min_length=1), AfterValidator(_check_socket_path)]
+    """Unix stream socket the hook process serves (at most 107 bytes); the engine connects
+    to it at the first selected flow and reconnects, with backoff, when it goes away.
+    """
+    timeout_ms: Timeout = 200
+    """How long a flow waits for the hook's answer, in milliseconds. No answer in time, or
+    no hook listening, lets the flow through (fail-open) and emits one `engine.warning`
+    `ipc_hook_unreachable` per outage.
+    """
+    networks: Annotated[tuple[Literal["tcp", "udp"], ...], Field(min_length=1)] = ("tcp", "udp")
+    """Which flows ask the hook, by network. This build has TCP flows only, so a hook
+    for `udp` alone is never asked.
+    """
+    inbound_tags: Annotated[tuple[NonEmptyStr, ...], Field(min_length=1)] | None = None
+    """Which flows ask the hook, by the inbound they came in on; `null` means every
+    inbound. Flows of the other inbounds never wait for the hook (and stay on the C
+    connection path).
+    """
+
+    def settings(self) -> HookSettings:
+        """These keys as the flow hook client takes them."""
+        return HookSettings(
+            path=self.path,
+            timeout_ms=self.timeout_ms,
+            networks=self.networks,
+            inbound_tags=self.inbound_tags,
+        )
+
+
 EventFilter = tuple[Annotated[str, Strict(), AfterValidator(_check_event_type)], ...]
 
 
@@ -1109,6 +1151,10 @@ class Api(_Model):
     """
     outbox_min_free_percent: Percent = 5
     """The same reserve as a percentage of the filesystem size; the larger of the two applies."""
+    flow_hook: FlowHook | None = None
+    """A flow hook: a local process that allows or denies each new flow and may tag it
+    with a principal and labels (docs/flow-hook.md); `null` means none, at no cost per flow.
+    """
 
 
 # ---------------------------------------------------------------------------
@@ -1530,6 +1576,12 @@ class _Checker:
         low, high = dispatcher.get("backoff_initial_ms"), dispatcher.get("backoff_max_ms", 60000)
         if isinstance(low, int) and isinstance(high, int) and low > high:
             self.add("must not exceed backoff_max_ms", "api.dispatcher.backoff_initial_ms")
+        hook = _sub(api, "flow_hook")
+        tags = hook.get("inbound_tags")
+        if isinstance(tags, list | tuple):
+            for j, tag in enumerate(tags):
+                if isinstance(tag, str) and tag and tag not in self.inbound_tags:
+                    self.add(f"unknown inbound {tag!r}", f"api.flow_hook.inbound_tags[{j}]")
 
     def check_listeners(self) -> None:
         used: dict[tuple[str, int], str] = {}

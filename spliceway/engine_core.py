@@ -35,6 +35,7 @@ from spliceway.connector.service import Connector
 from spliceway.connpath import ConnRecord, Deferred
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
+from spliceway.flowhook import WARNING_CODE, FlowHookClient
 from spliceway.inbound import Users
 from spliceway.outbounds import Outbound
 from spliceway.reconcile import Reconciler
@@ -138,6 +139,12 @@ class EngineCore:
         self.supervisor: pykka.ActorRef[EngineSupervisor] | None = None
         #: One PolicyGroupActor per group, started by the supervisor.
         self.group_actors: dict[str, pykka.ActorRef[Any]] = {}
+        #: The flow hook's client (``api.flow_hook``), on the dispatcher loop; None without
+        #: a hook. Flows read it when they ask, so a reload's replacement takes effect at
+        #: once; the route table defers the inbounds it selects (route_publish).
+        self.flow_hook: FlowHookClient | None = None
+        #: Clients a reload replaced, closed once their outstanding asks are settled.
+        self._retired_hooks: set[FlowHookClient] = set()
         self.running = False
 
     @property
@@ -179,6 +186,8 @@ class EngineCore:
             self.bridge = bridge
             #: What flow actors use of the engine (listeners hand it to theirs).
             self.flow_deps = FlowDeps(self)
+            # Before the first table: it defers the inbounds the hook selects.
+            self.flow_hook = self._new_flow_hook(self.config)
             self.routes.publish()
             self.policies.on_publish = self.routes.publish
             self.resolver.on_answer = self.dns_answer
@@ -221,6 +230,8 @@ class EngineCore:
         for actor in list(self.flow_actors):
             with contextlib.suppress(pykka.ActorDeadError):
                 actor.actor_ref.stop(timeout=_STOP_GRACE_S)
+        # After the flows: one still asking was stopped above, so closing fails none open.
+        self._close_flow_hooks()
         payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
         if reason is not None:
             payload["reason"] = reason
@@ -241,6 +252,7 @@ class EngineCore:
             with contextlib.suppress(Exception):
                 self.supervisor.stop(timeout=_STOP_GRACE_S)
             self.supervisor = None
+        self._close_flow_hooks()
         if bridge is not None:
             self._unhook_c_path()
             with contextlib.suppress(Exception):
@@ -263,6 +275,52 @@ class EngineCore:
         self.policies.on_publish = None
         self.resolver.on_answer = None
         self.routes.close()
+
+    # -- the flow hook ------------------------------------------------------------------
+
+    def _new_flow_hook(self, config: Config) -> FlowHookClient | None:
+        """A client for ``config``'s flow hook on the dispatcher loop (it connects at the
+        first ask), or None without one."""
+        hook = config.api.flow_hook
+        if hook is None:
+            return None
+        return FlowHookClient(hook.settings(), self.dispatcher.loop, self._hook_warning)
+
+    def _hook_warning(self, message: str) -> None:
+        """The client's outage report, as ``engine.warning`` (dispatcher thread)."""
+        logger.warning("%s", message)
+        self.log.emit("engine.warning", {"code": WARNING_CODE, "message": message})
+
+    def replace_flow_hook(self, config: Config) -> None:
+        """Switch to ``config``'s flow hook (a reload; dispatcher thread, before the route
+        table is republished). New flows ask the new client at once; the old one keeps
+        its connection until every ask already sent to it has its answer or timed out,
+        so no flow loses a verdict to the swap."""
+        old, self.flow_hook = self.flow_hook, self._new_flow_hook(config)
+        if old is None:
+            return
+        if not old.pending:
+            old.close()
+            return
+        self._retired_hooks.add(old)
+        # No ask outlives its timeout: after it, every one the old client had is settled.
+        self.dispatcher.loop.call_later(
+            old.settings.timeout_ms / 1000 + 0.05, self._retire_flow_hook, old
+        )
+
+    def _retire_flow_hook(self, client: FlowHookClient) -> None:
+        if client in self._retired_hooks:
+            self._retired_hooks.discard(client)
+            client.close()
+
+    def _close_flow_hooks(self) -> None:
+        """Close the hook's client and any a reload retired (stop, or an undone start)."""
+        clients = [*self._retired_hooks, self.flow_hook]
+        self._retired_hooks.clear()
+        self.flow_hook = None
+        for client in clients:
+            if client is not None:
+                client.close()
 
     def principal_key(self, principal: int) -> str | None:
         """The principal_key C's principal id stands for (None for none)."""

@@ -107,9 +107,14 @@ ENVELOPE_FIELDS: tuple[PayloadField, ...] = (
     _f(
         "principal_key",
         "string or null",
-        "The authenticated user of a flow event (see `inbounds[].users`); `null` otherwise.",
+        "The principal of a flow event: the authenticated user (see `inbounds[].users`), or "
+        "the one the flow hook gave (`api.flow_hook`); `null` otherwise.",
     ),
-    _f("labels", "object of string", "Free-form labels; always empty in this build."),
+    _f(
+        "labels",
+        "object of string",
+        "The labels the flow hook gave a flow, on that flow's events; empty otherwise.",
+    ),
     _f("payload", "object", "The type's own fields, listed below."),
 )
 
@@ -118,7 +123,8 @@ OUTCOMES: dict[str, str] = {
     "direct_relayed": "Relayed to the target by a `direct` outbound.",
     "chained_relayed": "Relayed through an upstream proxy (socks5, http, shadowsocks or a "
     "relay chain).",
-    "blocked": "Refused by a `block` rule, a `block` outbound or a group that chose one.",
+    "blocked": "Refused by a `block` rule, a `block` outbound or a group that chose one, or "
+    "denied by the flow hook (`result.failure.code` `hook_denied`).",
     "failed": "The upstream could not be reached, or failed while relaying (see `result.failure`).",
     "cancelled": "Closed by the `flows.close` command (close reason `manual`), or ended by "
     "an engine stop before its upstream connection was made (while it was routed or dialled).",
@@ -138,6 +144,7 @@ FAILURE_STAGES: dict[str, str] = {
     "handshake": "The upstream proxy's protocol exchange.",
     "relay": "After the relay started: the upstream connection broke.",
     "internal": "An unexpected error inside the engine.",
+    "hook": "The flow hook (`api.flow_hook`), asked before routing.",
 }
 
 #: ``result.failure.code`` values.
@@ -156,6 +163,7 @@ FAILURE_CODES: dict[str, str] = {
     "upstream_reset": "The upstream connection was reset while relaying.",
     "upstream_error": "The upstream connection failed while relaying.",
     "internal_error": "An unexpected error inside the engine.",
+    "hook_denied": "The flow hook denied the flow (outcome `blocked`; its route stays `pending`).",
 }
 
 #: Codes of ``engine.warning`` this build emits.
@@ -163,6 +171,10 @@ ENGINE_WARNING_CODES: dict[str, str] = {
     "reload_failed": "`spliceway run` received SIGHUP and could not apply its configuration "
     "file (invalid, or a listener or sink failed and was rolled back): the running "
     "configuration is kept; the message says why.",
+    "ipc_hook_unreachable": "The flow hook (`api.flow_hook`) could not be reached, did not "
+    "answer within `timeout_ms`, or answered something unreadable: flows are allowed as if "
+    "there were no hook (fail-open). Once per outage; the next comes only after the hook "
+    "has answered in time again.",
 }
 
 _COUNT = "integer"
@@ -263,6 +275,12 @@ FLOW_RECORD_FIELDS: tuple[PayloadField, ...] = (
     _f("timing.ended_at_unix_ms", UNIX_MS, "When it ended; once completed.", required=False),
     _f("timing.duration_ms", "integer", "End minus start; once completed.", required=False),
     _f(
+        "labels",
+        "object of string",
+        "The labels the flow hook gave the flow (`api.flow_hook`); present only then.",
+        required=False,
+    ),
+    _f(
         "result",
         "object",
         "How it ended; present exactly when `state` is `completed`.",
@@ -301,7 +319,11 @@ _LIFECYCLE: tuple[PayloadField, ...] = (
         "string or null",
         "`userpass` (SOCKS5), `basic` (HTTP) or `null` when the inbound has no users.",
     ),
-    _f("auth.principal_key", "string or null", "The user's principal key."),
+    _f(
+        "auth.principal_key",
+        "string or null",
+        "The flow's principal: the authenticated user's key, or the one the flow hook gave.",
+    ),
     _f("auth.attributes", "object", "Always empty in this build."),
     _f("target", "object", "`{host, port}` the client asked for."),
     _f("target.host", "string", "Host name or IP address."),
@@ -426,8 +448,9 @@ _EVENTS: tuple[EventType, ...] = (
                 "changed_components",
                 "list of string",
                 "The components whose configuration differed, of `proxy_listeners`, "
-                "`outbounds`, `policy_groups`, `routing`, `dns`, `event_dispatcher`, "
-                "`runtime` (empty when the document equals the running one).",
+                "`outbounds`, `policy_groups`, `routing`, `dns`, `flow_hook`, "
+                "`event_dispatcher`, `runtime` (empty when the document equals the running "
+                "one).",
             ),
         ),
     ),

@@ -395,6 +395,11 @@ class FlowHookClient:
         }
 
     @property
+    def pending(self) -> int:
+        """Asks waiting for their answer now (each settles within ``timeout_ms``)."""
+        return len(self._waiters)
+
+    @property
     def connected(self) -> bool:
         """Whether a connection to the hook is open now."""
         return self._transport is not None and not self._transport.is_closing()

@@ -17,7 +17,8 @@ One apply is a transaction over the running engine, serialised by the core's
    outbox stays on disk).
 5. **commit** on the dispatcher thread, where every flow decides, so a flow sees
    the old tables or the new ones, never a mix: listeners swapped, tables and
-   group actors replaced, the C route table recompiled and swapped.
+   group actors replaced, the flow hook's client replaced (the old one settles
+   the asks it has), the C route table recompiled and swapped.
 
 A failure in steps 3 to 5 undoes what was done (sinks reconfigured back, the file
 restored) and the error says so; ``config.changed`` is emitted only on success.
@@ -53,6 +54,7 @@ COMPONENTS = (
     "policy_groups",
     "routing",
     "dns",
+    "flow_hook",
     "event_dispatcher",
     "runtime",
 )
@@ -232,6 +234,8 @@ class Reconciler:
             changed.append("routing")
         if old.runtime.dns != new.runtime.dns:
             changed.append("dns")
+        if old.api.flow_hook != new.api.flow_hook:
+            changed.append("flow_hook")
         if (old.api.event_sinks, old.api.dispatcher) != (new.api.event_sinks, new.api.dispatcher):
             changed.append("event_dispatcher")
         if old.runtime != new.runtime:

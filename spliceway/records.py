@@ -116,6 +116,8 @@ class FlowState:
     sniffed_host: str | None = None
     principal_key: str | None = None
     auth_scheme: str | None = None
+    #: The flow hook's labels (an allow that carried some), else None.
+    labels: dict[str, str] | None = None
     route_action: str = "pending"
     route_target: str | None = None
     matched_rule: dict[str, Any] | None = None
@@ -194,6 +196,8 @@ class FlowState:
             },
             "timing": timing,
         }
+        if self.labels is not None:
+            record["labels"] = self.labels
         if self.state == "completed":
             result: dict[str, Any] = {"outcome": self.outcome}
             if self.close_reason is not None:

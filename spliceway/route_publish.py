@@ -7,7 +7,9 @@ atomic swap there). Each table carries an epoch; C's records name the epoch that
 routed a flow, and :meth:`RoutePublisher.mirror` maps it back to the decisions
 Python would have made, for the flow's record.
 
-Until a table is installed C defers every flow to Python after its handshake.
+Until a table is installed C defers every flow to Python after its handshake. A table
+also names the listener slots the flow hook (``api.flow_hook``) selects: C hands their
+flows to Python after the handshake, before routing, so Python asks the hook first.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ class RoutePublisher:
             # One consistent view: a reload swaps these together on the dispatcher thread,
             # and a publish from another thread must not mix two generations.
             state, rules, outbounds = core.route_state, core.config.rules, core.outbounds
+            hook = core.flow_hook
+            # Only TCP flows reach C; a hook for UDP alone leaves C's path as it is.
+            deferred = (
+                tuple(ib.index for ib in core.inbounds if hook.settings.selects("tcp", ib.tag))
+                if hook is not None
+                else ()
+            )
             tags = [state.final]
             tags += [r.outbound for r in rules if r.action == "route" and r.outbound]
             tags += [state.mode_outbound or BUILTIN_DIRECT, BUILTIN_DIRECT]
@@ -118,7 +127,7 @@ class RoutePublisher:
                 chain, spec = target_spec(tag, core.policies, outbounds)
                 chains.append(chain)
                 targets[tag] = spec
-            key = (tuple(map(tuple, chains)), tuple(targets.items()))
+            key = (tuple(map(tuple, chains)), tuple(targets.items()), deferred)
             if state is self._installed_state and key == self._installed:
                 return
             self._epoch += 1
@@ -132,6 +141,7 @@ class RoutePublisher:
                 principals=core.principal_ids,
                 epoch=self._epoch,
                 ruleset=state.ruleset,
+                deferred_inbounds=deferred,
             )
             with self._lock:
                 self._mirrors[self._epoch] = Mirror(routes, chains, outbounds)

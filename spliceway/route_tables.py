@@ -332,6 +332,7 @@ def compile_route_table(
     principals: Mapping[str, int],
     epoch: int,
     ruleset: routing.RuleSet | None = None,
+    deferred_inbounds: Sequence[int] = (),
 ) -> CompiledRoutes:
     """Build and seal the C table for ``rules`` under a mode; return it with its mirror.
 
@@ -342,6 +343,8 @@ def compile_route_table(
     tags to indexes, ``principals`` principal keys to ids (both below 2**32 - 1, the
     "none" value); ``epoch`` is stored in the table; ``ruleset`` is
     ``routing.compile_rules(rules)`` if the caller has it already.
+    ``deferred_inbounds`` are listener slots whose flows C hands to Python after the
+    handshake, before routing (the flow hook's inbounds); the decisions are unchanged.
 
     Raises ValueError for a bad mode, a missing or repeated target tag, an id out of
     range, or a target string with a NUL; RelayError if C refuses (e.g. ENOMEM).
@@ -397,6 +400,8 @@ def compile_route_table(
     for i, rule in enumerate(rules):
         target = index[rule.outbound] if rule.action == "route" and rule.outbound else -1
         _compile_rule(table, i, rule, target, inbounds, principals)
+    for slot in deferred_inbounds:
+        check(lib.sw_table_defer_inbound(table, slot), "sw_table_defer_inbound")
     check(lib.sw_table_seal(table), "sw_table_seal")
 
     if mode_kind == "rule":

@@ -40,6 +40,7 @@ from spliceway.route_tables import (
 )
 
 EINVAL = 22
+ERANGE = 34
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 TARGETS = {
@@ -747,8 +748,42 @@ def test_compiled_routes_ownership():
         )
 
 
+def test_deferred_inbounds_leave_decisions_alone():
+    """The flow hook's inbounds: a table flags their slots for the connection path
+    (``sw_table_inbound_deferred``) and decides every flow exactly as without them."""
+    t = _new(nrules=0, ntargets=1)
+    assert lib.sw_table_set_mode(t, lib.SW_MODE_RULE, -1, 0) == 0
+    assert lib.sw_table_defer_inbound(t, 0) == 0
+    assert lib.sw_table_defer_inbound(t, 63) == 0
+    assert lib.sw_table_defer_inbound(t, 64) == 0
+    assert lib.sw_table_defer_inbound(t, lib.SW_TABLE_INBOUND_SLOTS) == -ERANGE
+    assert lib.sw_table_defer_inbound(ffi.NULL, 0) == -EINVAL
+    assert lib.sw_table_seal(t) == 0
+    assert lib.sw_table_defer_inbound(t, 1) == -EINVAL  # sealed
+    deferred = [i for i in range(lib.SW_TABLE_INBOUND_SLOTS) if lib.sw_table_inbound_deferred(t, i)]
+    assert deferred == [0, 63, 64]
+    assert lib.sw_table_inbound_deferred(t, NO_INBOUND) == 0
+    assert lib.sw_table_inbound_deferred(ffi.NULL, 0) == 0
+    out = ffi.new("sw_route_result *")
+    q, _buf = _query()
+    q.inbound = 0
+    assert lib.sw_table_decide(t, q, out) == 0
+    assert (out.action, out.rule, out.target) == (lib.SW_ROUTE_ROUTE, -1, 0)
+    # Through the compiler: only the slots named, and none by default.
+    kw = {"mode_kind": "rule", "mode_outbound": None, "final": "direct", "epoch": 1}
+    routes = compile_route_table(
+        [], targets=TARGETS, inbounds={}, principals={}, deferred_inbounds=(2, 5), **kw
+    )
+    assert [i for i in range(8) if lib.sw_table_inbound_deferred(routes.table, i)] == [2, 5]
+    routes.close()
+    routes = compile_route_table([], targets=TARGETS, inbounds={}, principals={}, **kw)
+    assert not any(lib.sw_table_inbound_deferred(routes.table, i) for i in range(256))
+    routes.close()
+
+
 _HARNESS = r"""
 #include "route.h"
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -790,7 +825,12 @@ int main(void)
         if (r % 7 == 0)
             CHECK(sw_table_cond_port(T, (uint32_t)r, SW_COND_DST, 443, 443) == 0);
     }
+    /* Deferred inbounds (the flow hook's) are read by the connection path only. */
+    CHECK(sw_table_defer_inbound(T, 255) == 0);
+    CHECK(sw_table_defer_inbound(T, SW_TABLE_INBOUND_SLOTS) == -ERANGE);
     CHECK(sw_table_seal(T) == 0);
+    CHECK(sw_table_inbound_deferred(T, 255) == 1 && sw_table_inbound_deferred(T, 0) == 0);
+    CHECK(sw_table_inbound_deferred(T, UINT32_MAX) == 0);
     for (int i = 0; i < NQ; i++) {
         snprintf(H[i], sizeof H[i], "www.S%d.test.", i * 40);
         Q[i].host = H[i];

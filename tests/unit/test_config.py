@@ -780,6 +780,31 @@ INVALID = [
     ),
     ("not an object", [], [None]),
     ("inbounds not a list", {"inbounds": {"tag": "x"}}, ["inbounds"]),
+    (
+        "flow hook on an unknown inbound",
+        {"inbounds": [IN], "api": {"flow_hook": {"path": "/h.sock", "inbound_tags": ["nope"]}}},
+        ["api.flow_hook.inbound_tags[0]"],
+    ),
+    (
+        "flow hook keys",
+        {
+            "api": {
+                "flow_hook": {
+                    "path": "/" + "x" * 107,
+                    "timeout_ms": 0,
+                    "networks": ["icmp"],
+                    "inbound_tags": [],
+                }
+            }
+        },
+        [
+            "api.flow_hook.path",
+            "api.flow_hook.timeout_ms",
+            "api.flow_hook.networks[0]",
+            "api.flow_hook.inbound_tags",
+        ],
+    ),
+    ("flow hook without a path", {"api": {"flow_hook": {}}}, ["api.flow_hook.path"]),
 ]
 
 
@@ -1096,3 +1121,23 @@ def test_absurd_nesting_is_reported_not_a_crash(tmp_path, name, text):
     with pytest.raises(ApiError) as info:
         load_config_file(path)
     assert [d.message for d in info.value.details] == [f"{path}: nested too deeply"]
+
+
+def test_flow_hook_defaults_and_client_settings():
+    assert parse_config({}).api.flow_hook is None
+    cfg = parse_config({"inbounds": [IN], "api": {"flow_hook": {"path": "/run/h.sock"}}})
+    hook = cfg.api.flow_hook
+    assert hook is not None
+    assert (hook.timeout_ms, hook.networks, hook.inbound_tags) == (200, ("tcp", "udp"), None)
+    settings = hook.settings()
+    assert settings.selects("tcp", IN["tag"]) and settings.path == "/run/h.sock"
+    only = parse_config(
+        {
+            "inbounds": [IN],
+            "api": {"flow_hook": {"path": "/h", "networks": ["tcp"], "inbound_tags": [IN["tag"]]}},
+        }
+    ).api.flow_hook
+    assert only is not None and only.settings().inbound_tags == (IN["tag"],)
+    assert not only.settings().selects("tcp", "other")
+    # Round trip: the normalised document validates again.
+    assert parse_config(cfg.to_dict()) == cfg
