@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pykka
@@ -84,16 +85,23 @@ class EngineSupervisor(LoopActor):
         changed when a new listener cannot start."""
         core = self.core
         change = plan.listeners
+        old = _Tables.of(core)
         # A listener giving its socket to a new slot stops first: the two never accept
         # side by side, and the new one's registration with C reports connections
         # already waiting, so none is stranded.
         for slot in change.shared:
             self._stop_listener(slot)
+        # The tables before the new listeners: C accepts on those at once, and must
+        # route their first flows by the new table (their inbound rules, the hook).
+        self._swap_tables(plan)
         started: list[int] = []
         for spec, sock in change.start:
             if not self._start_listener(spec, sock):
                 for slot in started:
                     self._stop_listener(slot)
+                old.restore(
+                    core, hook_changed=plan.config.api.flow_hook != old.config.api.flow_hook
+                )
                 for slot, spare in change.shared.items():
                     self._start_listener(core.inbound_slots[slot], spare.dup())
                 raise ApiError(
@@ -101,32 +109,42 @@ class EngineSupervisor(LoopActor):
                     f"inbound {spec.tag!r} could not start accepting (see the log)",
                 )
             started.append(spec.index)
-        self._swap(plan)
+        self._swap_actors(plan, old.config, dns_changed=plan.parts.resolver is not old.resolver)
         for slot in change.retire:
             if slot not in change.shared:
                 self._stop_listener(slot)
 
-    def _swap(self, plan: Plan) -> None:
-        """Replace the tables and the actors that serve them (cannot fail half-way)."""
+    def _swap_tables(self, plan: Plan) -> None:
+        """Install what flows read (undone by ``_Tables.restore``): config, outbounds,
+        groups' views, routing state, listeners, the flow hook, the C route table."""
         from spliceway.engine_core import ActiveInbound
 
         core = self.core
         new, parts = plan.config, plan.parts
-        old = core.config
-        dns_changed = parts.resolver is not core.resolver
+        old_config = core.config
         core.learn_principals(new)
         core.config = new
         core.parts = parts
         core.resolver = parts.resolver
         core.outbounds = parts.outbounds
         table = policy.PolicyTable(parts.views)
-        old_table, core.policies = core.policies, table
-        old_table.on_publish = None
+        core.policies.on_publish = None
+        core.policies = table
         core.route_state = parts.route_state
         core.tcp_idle_timeout_ms = int(new.runtime.tcp_idle_timeout_seconds * 1000)
         core.active_inbounds = tuple(
             ActiveInbound(spec, bound) for spec, bound in plan.listeners.active
         )
+        if new.api.flow_hook != old_config.api.flow_hook:
+            # Before the publish below: the table defers the new hook's inbounds.
+            core.replace_flow_hook(new)
+        table.on_publish = core.routes.publish
+        core.routes.publish()
+
+    def _swap_actors(self, plan: Plan, old: Any, *, dns_changed: bool) -> None:
+        """Replace the actors that serve the new tables (cannot fail half-way)."""
+        core = self.core
+        new, parts = plan.config, plan.parts
         # Groups: a kept one keeps its actor (and probe timer); others start afresh.
         for tag in list(core.group_actors):
             if tag not in parts.kept_groups:
@@ -139,11 +157,6 @@ class EngineSupervisor(LoopActor):
         if dns_changed:
             core.resolver.on_answer = core.dns_answer
             core.bridge.conn.dns_flush()
-        if new.api.flow_hook != old.api.flow_hook:
-            # Before the publish below: the table defers the new hook's inbounds.
-            core.replace_flow_hook(new)
-        table.on_publish = core.routes.publish
-        core.routes.publish()
         if new.runtime.stats_interval_ms != old.runtime.stats_interval_ms:
             if self.sampler is not None:
                 with contextlib.suppress(pykka.ActorDeadError):
@@ -165,3 +178,45 @@ class EngineSupervisor(LoopActor):
         for sock in self._sockets:
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """What ``_swap_tables`` replaces, kept to put back when a new listener fails."""
+
+    config: Any
+    parts: Any
+    resolver: Any
+    outbounds: Any
+    policies: Any
+    route_state: Any
+    tcp_idle_timeout_ms: int
+    active_inbounds: Any
+
+    @classmethod
+    def of(cls, core: EngineCore) -> _Tables:
+        return cls(
+            core.config,
+            core.parts,
+            core.resolver,
+            core.outbounds,
+            core.policies,
+            core.route_state,
+            core.tcp_idle_timeout_ms,
+            core.active_inbounds,
+        )
+
+    def restore(self, core: EngineCore, *, hook_changed: bool) -> None:
+        core.policies.on_publish = None
+        core.config = self.config
+        core.parts = self.parts
+        core.resolver = self.resolver
+        core.outbounds = self.outbounds
+        core.policies = self.policies
+        core.route_state = self.route_state
+        core.tcp_idle_timeout_ms = self.tcp_idle_timeout_ms
+        core.active_inbounds = self.active_inbounds
+        if hook_changed:
+            core.replace_flow_hook(self.config)
+        self.policies.on_publish = core.routes.publish
+        core.routes.publish()

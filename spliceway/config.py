@@ -1133,9 +1133,9 @@ class Api(_Model):
     control: ControlApi = Field(default_factory=ControlApi)
     """The HTTP control API."""
     ipc: IpcApi = Field(default_factory=IpcApi)
-    """The local control socket (not built)."""
+    """The local control socket (docs/ipc.md)."""
     grpc: GrpcApi = Field(default_factory=GrpcApi)
-    """The gRPC control API (not built)."""
+    """The gRPC control API on the control port + 1 (docs/grpc.md; needs the `grpc` extra)."""
     event_sinks: tuple[Sink, ...] = ()
     """Where events are delivered, each sink on its own."""
     outbox_path: NonEmptyStr | None = None
