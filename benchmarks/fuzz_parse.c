@@ -7,7 +7,7 @@
  *
  * Inputs come from a seeded PRNG: valid messages generated here (SOCKS5
  * greetings, username/password and requests with IPv4/IPv6/UTF-8 domain
- * addresses; HTTP CONNECT heads with headers and Basic credentials; HTTP
+ * addresses; SOCKS5 UDP ASSOCIATE datagrams with any RSV and FRAG; HTTP CONNECT heads with headers and Basic credentials; HTTP
  * requests with a Host; TLS ClientHellos with SNI, sometimes cut into several
  * records; upstream proxy response heads with obs-fold, sometimes with odd
  * bytes in the version or a field name; "host\0user\0pass"
@@ -26,7 +26,9 @@
  * Invariants checked (a failure prints the input, writes it to
  * fuzz-parse-failure.bin and aborts):
  *   - status is one of the four; SOCKS5, sniffing and the response parser
- *     never defer, HTTP CONNECT never answers ERROR; reply_len <=
+ *     never defer, HTTP CONNECT never answers ERROR, the UDP datagram
+ *     parser answers only OK or ERROR, sw_parse_s5_udp_fields exactly as
+ *     sw_parse_s5_udp without the host text; reply_len <=
  *     SW_PARSE_REPLY_MAX and 0 unless ERROR;
  *   - on OK: 0 < consumed <= len; offsets inside the message; every host,
  *     user and password NUL-terminated with its length == strlen; hosts are
@@ -36,7 +38,10 @@
  *   - over the prefixes of an input every parser answers NEED_MORE until it
  *     reaches a final verdict (OK, ERROR or DEFER) that every longer prefix
  *     repeats with identical fields: Python's parsers decide on the bytes
- *     seen, never on how many follow (SOCKS5, HTTP, sniffing alike);
+ *     seen, never on how many follow (SOCKS5, HTTP, sniffing alike); a
+ *     datagram is whole, so the UDP parser instead answers ERROR until its
+ *     first OK, and every longer prefix the same header fields (the rest is
+ *     payload);
  *   - sw_http_response_error answers -EINVAL (msg "") unless the response
  *     parser answered ERROR, else a length: msg is one of
  *     parse_response_head's messages, NUL-terminated, nothing written past
@@ -79,9 +84,10 @@ enum {
     PREFIX_SWEEP_MAX = 4096, /* longer inputs get sampled prefix lengths */
 };
 
-enum { P_GREETING, P_USERPASS, P_REQUEST, P_HTTP, P_SNIFF, P_RESPONSE, P_COUNT };
+enum { P_GREETING, P_USERPASS, P_REQUEST, P_HTTP, P_SNIFF, P_RESPONSE, P_S5_UDP, P_COUNT };
 static const char *const parser_name[P_COUNT] = {"s5_greeting", "s5_userpass", "s5_request",
-                                                 "http_connect", "sniff", "http_response"};
+                                                 "http_connect", "sniff", "http_response",
+                                                 "s5_udp"};
 /* The libFuzzer entry point reports nothing itself. */
 #define MAYBE_UNUSED __attribute__((unused))
 static MAYBE_UNUSED const char *const status_name[4] = {"ok", "need_more", "error", "defer"};
@@ -279,6 +285,21 @@ static void gen_s5_request(struct buf *b)
     }
     }
     put_u16(b, (unsigned)below(0x10000));
+}
+
+/* RSV(2) FRAG ATYP DST.ADDR DST.PORT DATA: a request's address, odd RSV and
+ * FRAG now and then, a short payload. */
+static void gen_s5_udp(struct buf *b)
+{
+    put_u16(b, chance(8) ? (unsigned)below(0x10000) : 0);
+    put_u8(b, chance(8) ? (unsigned)below(256) : 0);
+    uint8_t tmp[400];
+    struct buf r = {tmp, 0, sizeof tmp};
+    gen_s5_request(&r); /* VER CMD RSV ATYP ADDR PORT: keep from ATYP on */
+    put(b, tmp + 3, r.len - 3);
+    size_t n = below(chance(16) ? 1500 : 32);
+    for (size_t i = 0; i < n; i++)
+        put_u8(b, (unsigned)below(256));
 }
 
 static void b64_encode(struct buf *b, const uint8_t *s, size_t n)
@@ -526,9 +547,12 @@ static void gen_connect_request_args(struct buf *b)
 
 static void gen_valid(struct buf *b)
 {
-    switch (below(8)) {
+    switch (below(9)) {
     case 0:
         gen_s5_greeting(b);
+        break;
+    case 7:
+        gen_s5_udp(b);
         break;
     case 1:
         gen_s5_userpass(b);
@@ -750,6 +774,7 @@ struct verdict {
         sw_http_connect h;
         sw_sniffed s;
         sw_http_response resp;
+        sw_s5_udp d;
     } out;
 };
 
@@ -781,6 +806,11 @@ static bool same_fields(int parser, const struct verdict *a, const struct verdic
     case P_RESPONSE:
         return a->out.resp.consumed == b->out.resp.consumed &&
                a->out.resp.status == b->out.resp.status;
+    case P_S5_UDP:
+        return a->out.d.header_len == b->out.d.header_len && a->out.d.frag == b->out.d.frag &&
+               a->out.d.atyp == b->out.d.atyp && a->out.d.port == b->out.d.port &&
+               a->out.d.addr_off == b->out.d.addr_off && a->out.d.addr_len == b->out.d.addr_len &&
+               a->out.d.host_len == b->out.d.host_len && !strcmp(a->out.d.host, b->out.d.host);
     default:
         return a->out.s.host_len == b->out.s.host_len && !strcmp(a->out.s.host, b->out.s.host);
     }
@@ -1026,6 +1056,23 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
         v->reply_len = 0;
         check_response_error(buf, len, v->status, kind);
         break;
+    case P_S5_UDP: {
+        v->status = sw_parse_s5_udp(buf, len, &v->out.d);
+        v->reply_len = 0;
+        sw_s5_udp f;
+        memset(&f, 0x5A, sizeof f);
+        int fs = sw_parse_s5_udp_fields(buf, len, &f);
+        CHECK(fs == v->status, name, len, "sw_parse_s5_udp_fields: another verdict");
+        CHECK(v->status != SW_PARSE_OK ||
+                  (f.header_len == v->out.d.header_len && f.frag == v->out.d.frag &&
+                   f.atyp == v->out.d.atyp && f.port == v->out.d.port &&
+                   f.addr_off == v->out.d.addr_off && f.addr_len == v->out.d.addr_len &&
+                   f.host_len == 0 && f.host[0] == '\0'),
+              name, len, "sw_parse_s5_udp_fields: other fields");
+        CHECK(v->status == SW_PARSE_OK || v->status == SW_PARSE_ERROR, name, len,
+              "UDP datagram: neither OK nor ERROR");
+        break;
+    }
     default:
         v->status = sw_sniff(buf, len, &v->out.s);
         v->reply_len = 0;
@@ -1110,6 +1157,29 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
             CHECK(!(buf[i] == '\n' &&
                     (buf[i + 1] == '\n' || (buf[i + 1] == '\r' && buf[i + 2] == '\n'))),
                   name, len, "an earlier end of head was passed over");
+        break;
+    }
+    case P_S5_UDP: {
+        const sw_s5_udp *d = &v->out.d;
+        CHECK(d->header_len >= 7 && d->header_len <= len, name, len, "header_len");
+        CHECK(nul_terminated(d->host, sizeof d->host, d->host_len), name, len, "host string");
+        CHECK(d->host_len > 0, name, len, "empty host");
+        CHECK(d->frag == buf[2] && d->atyp == buf[3], name, len, "frag/atyp");
+        CHECK(d->addr_off + d->addr_len + 2u == d->header_len, name, len, "address span");
+        CHECK(d->port == ((unsigned)buf[d->header_len - 2] << 8 | buf[d->header_len - 1]), name,
+              len, "port");
+        if (d->atyp == 1)
+            CHECK(d->addr_off == 4 && d->addr_len == 4 && d->host_len >= 7 && d->host_len <= 15 &&
+                      host_chars(d->host, "."),
+                  name, len, "IPv4");
+        else if (d->atyp == 4)
+            CHECK(d->addr_off == 4 && d->addr_len == 16 && d->host_len >= 2 &&
+                      d->host_len <= 39 && host_chars(d->host, ":."),
+                  name, len, "IPv6");
+        else
+            CHECK(d->atyp == 3 && d->addr_off == 5 && d->addr_len == buf[4] &&
+                      d->host_len == d->addr_len && !memcmp(d->host, buf + 5, d->host_len),
+                  name, len, "domain");
         break;
     }
     default: {
@@ -1322,6 +1392,19 @@ static void sweep_prefixes(const uint8_t *input, size_t len)
                 continue;
             }
             const struct verdict *f = &first[parser];
+            if (parser == P_S5_UDP) {
+                /* ERROR until the header is complete, then OK for good. */
+                if (f->status == SW_PARSE_ERROR && v.status == SW_PARSE_OK) {
+                    first[parser] = v;
+                    continue;
+                }
+                CHECK(!(f->status == SW_PARSE_OK && v.status != SW_PARSE_OK), parser_name[parser],
+                      cut, "a complete header failed with more bytes");
+                if (v.status == SW_PARSE_OK)
+                    CHECK(same_fields(parser, &v, f), parser_name[parser], cut,
+                          "header fields changed with more bytes");
+                continue;
+            }
             if (parser == P_SNIFF && f->status == SW_PARSE_ERROR && final_at[parser] >= SNIFF_LIMIT)
                 continue;
             CHECK(v.status == f->status, parser_name[parser], cut,

@@ -7,7 +7,7 @@
 The driver is compiled with ``cc -fsanitize=address,undefined -fno-sanitize-recover=all``
 into benchmarks/build/ (ignored by git) whenever a source is newer than the binary.
 Besides the messages the driver generates itself, it is seeded with messages built
-here by the Python codecs (upstream proxy response heads among them, some
+here by the Python codecs (SOCKS5 UDP datagrams, upstream proxy response heads, some
 rejected with messages that quote their bytes, and
 ``host\0user\0pass`` arguments for the CONNECT request builder) and with genuine
 ClientHellos from the ssl module (TLS 1.2 and 1.3, with and without SNI), written to
@@ -80,6 +80,7 @@ def seeds() -> dict[str, bytes]:
                ("::ffff:192.0.2.1", 1), ("::192.0.2.1", 2), ("bücher.example", 65535)]  # fmt: skip
     for i, (host, port) in enumerate(targets):
         out[f"s5-request-{i}"] = socks5.client_connect(host, port)
+        out[f"s5-udp-{i}"] = socks5.build_udp_datagram(host, port, b"\x00payload" * i, i % 2)
         if not host.isascii():
             continue
         creds = ("user", "pass:word") if i % 2 else None

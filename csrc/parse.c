@@ -317,6 +317,26 @@ static bool s5_domain_ok(const uint8_t *s, size_t n)
     return utf8_valid(s, n);
 }
 
+/* socks5._parse_address's host text for a validated DST.ADDR of n bytes,
+ * NUL-terminated into out (room for SW_HOST_MAX); its length. */
+static size_t s5_host_text(uint8_t atyp, const uint8_t *addr, size_t n, char *out)
+{
+    if (atyp == S5_ATYP_DOMAIN) {
+        memcpy(out, addr, n); /* <= 255: the host text is the name's UTF-8 as sent */
+    } else if (atyp == S5_ATYP_IPV4) {
+        n = ip4_text(addr, out);
+    } else if (ip6_is_v4_mapped(addr)) {
+        /* socks5._ip_text spells mapped addresses out as ::ffff:a.b.c.d so
+         * that its text does not depend on the interpreter. */
+        memcpy(out, "::ffff:", 7);
+        n = 7 + ip4_text(addr + 12, out + 7);
+    } else {
+        n = ip6_text(addr, out);
+    }
+    out[n] = '\0';
+    return n;
+}
+
 int sw_parse_s5_request(const uint8_t *buf, size_t len, sw_s5_request *out,
                         uint8_t *reply, size_t *reply_len)
 {
@@ -358,31 +378,70 @@ int sw_parse_s5_request(const uint8_t *buf, size_t len, sw_s5_request *out,
     }
     if (len < end + 2)
         return SW_PARSE_NEED_MORE;
-    size_t n;
-    if (atyp == S5_ATYP_DOMAIN) {
-        if (!s5_domain_ok(buf + start, end - start)) {
-            set_reply(reply, reply_len, general_failure, sizeof general_failure);
-            return SW_PARSE_ERROR;
-        }
-        n = end - start; /* <= 255: the host text is the name's UTF-8 as sent */
-        memcpy(out->host, buf + start, n);
-    } else if (atyp == S5_ATYP_IPV4) {
-        n = ip4_text(buf + start, out->host);
-    } else if (ip6_is_v4_mapped(buf + start)) {
-        /* socks5._ip_text spells mapped addresses out as ::ffff:a.b.c.d so
-         * that its text does not depend on the interpreter. */
-        memcpy(out->host, "::ffff:", 7);
-        n = 7 + ip4_text(buf + start + 12, out->host + 7);
-    } else {
-        n = ip6_text(buf + start, out->host);
+    if (atyp == S5_ATYP_DOMAIN && !s5_domain_ok(buf + start, end - start)) {
+        set_reply(reply, reply_len, general_failure, sizeof general_failure);
+        return SW_PARSE_ERROR;
     }
-    out->host[n] = '\0';
+    size_t n = s5_host_text(atyp, buf + start, end - start, out->host);
     out->host_len = (uint16_t)n;
     out->consumed = (uint32_t)(end + 2);
     out->command = buf[1];
     out->atyp = atyp;
     out->port = (uint16_t)(buf[end] << 8 | buf[end + 1]);
     return SW_PARSE_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * SOCKS5 UDP ASSOCIATE datagrams (socks5.parse_udp_datagram)
+ *
+ * A datagram is whole, so there is no NEED_MORE: where _parse_address
+ * would want more bytes, parse_udp_datagram raises, and so do we.  RSV is
+ * not looked at and FRAG is returned, not judged, exactly as Python does:
+ * dropping fragments is the relay's decision (RFC 1928 section 7 lets a
+ * server that does not reassemble drop them), not the codec's.
+ */
+
+int sw_parse_s5_udp_fields(const uint8_t *buf, size_t len, sw_s5_udp *out)
+{
+    /* len(data) < 3, then _parse_address(data, 3) wanting the ATYP byte. */
+    if (len <= 3)
+        return SW_PARSE_ERROR;
+    uint8_t atyp = buf[3];
+    size_t start = 4, end;
+    if (atyp == S5_ATYP_IPV4) {
+        end = start + 4;
+    } else if (atyp == S5_ATYP_IPV6) {
+        end = start + 16;
+    } else if (atyp == S5_ATYP_DOMAIN) {
+        if (len <= start || buf[start] == 0)
+            return SW_PARSE_ERROR;
+        start++;
+        end = start + buf[start - 1];
+    } else {
+        return SW_PARSE_ERROR;
+    }
+    if (len < end + 2)
+        return SW_PARSE_ERROR;
+    if (atyp == S5_ATYP_DOMAIN && !s5_domain_ok(buf + start, end - start))
+        return SW_PARSE_ERROR;
+    out->header_len = (uint32_t)(end + 2);
+    out->frag = buf[2];
+    out->atyp = atyp;
+    out->port = (uint16_t)(buf[end] << 8 | buf[end + 1]);
+    out->addr_off = (uint16_t)start;
+    out->addr_len = (uint16_t)(end - start);
+    out->host_len = 0;
+    out->host[0] = '\0';
+    return SW_PARSE_OK;
+}
+
+int sw_parse_s5_udp(const uint8_t *buf, size_t len, sw_s5_udp *out)
+{
+    int rc = sw_parse_s5_udp_fields(buf, len, out);
+    if (rc == SW_PARSE_OK)
+        out->host_len = (uint16_t)s5_host_text(out->atyp, buf + out->addr_off, out->addr_len,
+                                               out->host);
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------

@@ -5,8 +5,8 @@
  * in spliceway/protocols/ are their reference: for every input a C parser
  * either gives the same verdict, fields and error reply as the Python one,
  * or answers SW_PARSE_DEFER ("let Python handle this connection"), which is
- * always allowed and never wrong.  tests/csrc/test_parse_diff.py holds them
- * to that with Hypothesis; benchmarks/fuzz_parse.c fuzzes them under ASan/UBSan.
+ * always allowed and never wrong.  tests/csrc/test_parse_diff.py (and
+ * test_udp_parse_diff.py for the UDP datagram header) holds them to that with Hypothesis; benchmarks/fuzz_parse.c fuzzes them under ASan/UBSan.
  *
  * Parsers return a status value (never -errno: they never fail); the builder
  * and sw_http_response_error return a length or -errno.  Everything between the SW_CDEF markers is part
@@ -95,6 +95,27 @@ int sw_parse_http_connect(const uint8_t *buf, size_t len, sw_http_connect *out);
  * SW_PARSE_ERROR for None (nothing sniffable). */
 int sw_sniff(const uint8_t *buf, size_t len, sw_sniffed *out);
 
+/* A SOCKS5 UDP ASSOCIATE datagram (RFC 1928 section 7):
+ * RSV(2) FRAG ATYP DST.ADDR DST.PORT DATA. */
+typedef struct sw_s5_udp {
+    uint32_t header_len; /* DATA starts here (<= len) */
+    uint8_t frag;        /* FRAG as sent: the caller drops FRAG != 0 */
+    uint8_t atyp;        /* 1 IPv4, 3 domain, 4 IPv6 */
+    uint16_t port;
+    uint16_t addr_off;   /* the raw DST.ADDR is buf[addr_off, addr_off + addr_len) */
+    uint16_t addr_len;   /* 4, 16, or the domain's length (1..255) */
+    uint16_t host_len;
+    char host[256];      /* NUL-terminated text, exactly Python's UdpDatagram.host */
+} sw_s5_udp;
+
+/* socks5.parse_udp_datagram(buf[0..len)) exactly: SW_PARSE_OK with the
+ * fields (UdpDatagram.fragment, .host, .port; .payload is buf[header_len:])
+ * or SW_PARSE_ERROR where Python raises ProtocolError (too short for its
+ * header, an unknown ATYP, a domain that is empty, not UTF-8 or holds a
+ * control or space).  Never NEED_MORE (a datagram is whole) nor DEFER.
+ * RSV is ignored, as Python ignores it.  `out` is written only on OK. */
+int sw_parse_s5_udp(const uint8_t *buf, size_t len, sw_s5_udp *out);
+
 /* The client side of an upstream HTTP CONNECT proxy. */
 
 /* http.MAX_HEAD_SIZE, parse_response_head's default max_size. */
@@ -156,5 +177,10 @@ int sw_http_connect_request(const char *host, uint16_t port, const char *user,
                             const char *pass, uint8_t *out, size_t cap);
 
 /* SW_CDEF_END */
+
+/* sw_parse_s5_udp without the host text (host_len 0, host ""): the same
+ * verdict and other fields, for the datagram relay's hot path (udp.c), which
+ * keys destinations by the raw address and renders text only for Python. */
+int sw_parse_s5_udp_fields(const uint8_t *buf, size_t len, sw_s5_udp *out);
 
 #endif /* SW_PARSE_H */
