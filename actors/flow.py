@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 #: sw_conn_auth -> FlowRecord auth_scheme.
-_AUTH_SCHEMES = {1: "userpass", 2: "basic"}
+AUTH_SCHEMES = {1: "userpass", 2: "basic"}
 _SNIFF_PEEK = 16 * 1024 + 5
 _SNIFF_RETRY = 0.005
 
@@ -396,7 +396,7 @@ class FlowActor(LoopActor):
             host,
             c.port,
             self.deps.principal_key(c.principal),
-            _AUTH_SCHEMES.get(c.auth),
+            AUTH_SCHEMES.get(c.auth),
             c.client_rx,
             c.client_tx,
             early=early,

@@ -21,6 +21,9 @@ class TrafficSample(NamedTuple):
 class CloseFlow(NamedTuple):
     """``flows.close``: end the flow now (outcome cancelled, close_reason manual)."""
 
+    #: Which flow (an actor holding several, a UDP association, needs it).
+    flow_id: str = ""
+
 
 class StopFlow(NamedTuple):
     """Engine shutdown: end the flow without a manual close reason."""

@@ -143,6 +143,7 @@ struct cconn {
     uint16_t src_port;
     uint8_t src_ip[16];
     uint16_t port, host_len, sniffed_len;
+    uint8_t command;          /* SOCKS5 command; 3 (UDP ASSOCIATE) goes to Python */
     char host[SW_HOST_MAX];
     char sniffed[SW_HOST_MAX];
     /* the route, copied from the table */
@@ -652,6 +653,7 @@ static void conn_defer(struct cconn *c, uint32_t stage)
     d->source_port = c->src_port;
     d->source_family = c->src_family;
     d->replied = c->replied;
+    d->command = c->command ? c->command : 1;
     memcpy(d->source_ip, c->src_ip, 16);
     d->host_len = c->host_len;
     memcpy(d->host, c->host, c->host_len);
@@ -1768,8 +1770,8 @@ static void handshake_step(struct cconn *c)
                 return;
             }
             c->consumed += rq.consumed;
-            if (rq.command != 1) {
-                /* BIND and UDP ASSOCIATE are not offered (as the Python path). */
+            if (rq.command != 1 && rq.command != 3) {
+                /* BIND is not offered (as the Python path). */
                 static const uint8_t unsupported[10] = {5, 7, 0, 1, 0, 0, 0, 0, 0, 0};
                 s5_fail(c, unsupported, sizeof unsupported);
                 return;
@@ -1778,7 +1780,14 @@ static void handshake_step(struct cconn *c)
             c->host[rq.host_len] = 0;
             c->host_len = rq.host_len;
             c->port = rq.port;
+            c->command = rq.command;
             timer_clear(c);
+            if (rq.command == 3) {
+                /* An association is Python's (its UDP socket, its flows); the
+                 * handshake is done, the reply is Python's to send. */
+                conn_defer(c, SW_DEFER_ROUTE);
+                return;
+            }
             after_handshake(c);
             return;
         }

@@ -150,7 +150,10 @@ typedef struct sw_deferred {
     uint16_t source_port;
     uint8_t source_family;
     uint8_t replied;          /* the success reply was sent (sniffing before routing) */
-    uint8_t reserved[2];
+    uint8_t command;          /* SOCKS5 command: 1 CONNECT, 3 UDP ASSOCIATE (deferred at
+                                 SW_DEFER_ROUTE, host:port the client's declared source);
+                                 1 for HTTP */
+    uint8_t reserved[1];
     uint8_t source_ip[16];
     uint16_t host_len;
     uint16_t sniffed_len;

@@ -204,7 +204,7 @@ def _flows_close(core: EngineCore, p: FlowsCloseParams) -> dict[str, Any]:
     if entry is None:
         raise not_found(f"flow {p.flow_id!r} is not active")
     try:
-        closed = entry.actor.ask(CloseFlow(), timeout=_ASK_TIMEOUT)
+        closed = entry.actor.ask(CloseFlow(p.flow_id), timeout=_ASK_TIMEOUT)
     except pykka.ActorDeadError:
         closed = False
     if not closed:

@@ -145,6 +145,9 @@ class Deferred:
     raw: bytes
     #: The flow C already started (sniffed before routing, then needed Python); 0 if none.
     flow: int = 0
+    #: The SOCKS5 command (1 CONNECT; 3 UDP ASSOCIATE, whose host:port is the client's
+    #: declared datagram source); 1 for HTTP.
+    command: int = 1
 
 
 HANDSHAKE = int(lib.SW_DEFER_HANDSHAKE)
@@ -357,6 +360,7 @@ class ConnPath:
                     source_port=d.source_port,
                     replied=bool(d.replied),
                     flow=int(d.flow),
+                    command=int(d.command),
                     host=ffi.string(d.host, d.host_len).decode("utf-8", "surrogateescape"),
                     sniffed=(
                         ffi.string(d.sniffed, d.sniffed_len).decode("ascii", "replace")

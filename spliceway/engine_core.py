@@ -27,9 +27,10 @@ import pykka
 from spliceway import __version__, assembly, policy
 from spliceway.actors.bridge import RelayBridge
 from spliceway.actors.dispatcher import Dispatcher
-from spliceway.actors.flow import FlowActor, FlowDeps
+from spliceway.actors.flow import AUTH_SCHEMES, FlowActor, FlowDeps
 from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
+from spliceway.actors.udp import UdpAssociationActor
 from spliceway.config import Config
 from spliceway.connector.service import Connector
 from spliceway.connpath import ConnRecord, Deferred
@@ -38,6 +39,7 @@ from spliceway.events import EventLog, now_ms
 from spliceway.flowhook import WARNING_CODE, FlowHookClient
 from spliceway.inbound import Users
 from spliceway.outbounds import Outbound
+from spliceway.protocols import socks5
 from spliceway.reconcile import Reconciler
 from spliceway.route_publish import RoutePublisher
 from spliceway.runtime import Counters, FlowTable, RouteState
@@ -359,7 +361,43 @@ class EngineCore:
         client = socket.socket(fileno=deferred.fd)
         flow_id = f"{self.flow_id_prefix}{inbound.index}-d{next(self._deferred_ids)}"
         peer = (deferred.source_ip or "", deferred.source_port)
+        if deferred.command == socks5.CMD_UDP_ASSOCIATE:
+            self.start_association(
+                inbound,
+                client,
+                peer,
+                deferred.port,
+                self.principal_key(deferred.principal),
+                AUTH_SCHEMES.get(deferred.auth),
+                flow_id,
+            )
+            return
         FlowActor.start(self.flow_deps, inbound, client, peer, flow_id, deferred=deferred)
+
+    def start_association(
+        self,
+        inbound: InboundSpec,
+        control: socket.socket,
+        peer: tuple[str, int],
+        declared_port: int,
+        principal_key: str | None,
+        auth_scheme: str | None,
+        id_prefix: str,
+    ) -> None:
+        """A SOCKS5 UDP ASSOCIATE whose handshake is done: its actor replies and relays
+        (dispatcher thread)."""
+        UdpAssociationActor.start(
+            self.flow_deps,
+            self.resolver,
+            inbound,
+            control,
+            peer,
+            declared_port,
+            principal_key,
+            auth_scheme,
+            f"{id_prefix}-",
+            self.config.runtime.udp_upstream_idle_timeout_seconds,
+        )
 
     def _await_flows_drained(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S

@@ -179,6 +179,24 @@ ENGINE_WARNING_CODES: dict[str, str] = {
 
 _COUNT = "integer"
 
+#: What each ``udp_upstream`` counter counts.
+UDP_COUNTER_TEXT: dict[str, str] = {
+    "active_associations": "Upstream associations open now.",
+    "created_associations": "Upstream associations opened since start.",
+    "reused_associations": "New destinations that used an upstream association already open.",
+    "closed_associations": "Upstream associations closed (idle, or their client association "
+    "ended).",
+    "idle_timeouts": "Upstream associations closed because every destination on them was "
+    "idle for `runtime.udp_upstream_idle_timeout_seconds`.",
+    "dropped_associations": "Client UDP ASSOCIATE requests refused because the engine could "
+    "not open their relay socket.",
+    "failed_association_attempts": "Upstream associations that could not be opened.",
+    "send_failures": "Datagrams a socket refused to send (towards a target or the client).",
+    "recv_failures": "Failed reads on a relay or upstream socket.",
+    "packets_sent": "Datagrams sent to targets.",
+    "packets_received": "Datagrams received from targets and relayed to clients.",
+}
+
 #: The fields of a flow record (the ``record`` of flow events, ``GET /api/v1/flows``).
 FLOW_RECORD_FIELDS: tuple[PayloadField, ...] = (
     _f("flow_id", "string", "Identifier of the flow, unique within one engine start."),
@@ -380,8 +398,13 @@ _STATS: tuple[PayloadField, ...] = (
     _f("chained_sessions", _COUNT, "Flows relayed through an upstream proxy."),
     _f("bytes_up", _COUNT, "Payload bytes towards targets, open flows included."),
     _f("bytes_down", _COUNT, "Payload bytes towards clients, open flows included."),
-    _f("udp_upstream", "object", "UDP association counters; all 0 (UDP is not built)."),
-    *(_f(f"udp_upstream.{name}", _COUNT, "0 in this build.") for name in UDP_COUNTERS),
+    _f(
+        "udp_upstream",
+        "object",
+        "UDP counters. An *upstream association* is the upstream UDP socket a SOCKS5 UDP "
+        "association uses for one outbound; every destination routed there shares it.",
+    ),
+    *(_f(f"udp_upstream.{name}", _COUNT, text) for name, text in UDP_COUNTER_TEXT.items()),
 )
 
 _EVENTS: tuple[EventType, ...] = (

@@ -36,6 +36,9 @@ class Traffic:
     #: The upstream side carries ciphertext (shadowsocks): user bytes going up are
     #: what the relay read from the client, not what it wrote to the upstream.
     sealed: bool = False
+    #: Datagrams each way (UDP flows; None for TCP, which has no packet counts).
+    packets_up: int | None = None
+    packets_down: int | None = None
 
     def copy(self, *, sealed: bool) -> Traffic:
         """These counts, with ``sealed`` set (what ``dataclasses.replace`` does, cheaper)."""
@@ -74,8 +77,8 @@ class Traffic:
             "inbound_tx_bytes": self.inbound_tx_bytes,
             "outbound_rx_bytes": self.outbound_rx_bytes,
             "outbound_tx_bytes": self.outbound_tx_bytes,
-            "packets_up": None,
-            "packets_down": None,
+            "packets_up": self.packets_up,
+            "packets_down": self.packets_down,
         }
 
 
@@ -216,8 +219,8 @@ def lifecycle_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any
     traffic: dict[str, Any] = {
         "bytes_up": state.traffic.bytes_up,
         "bytes_down": state.traffic.bytes_down,
-        "packets_up": None,
-        "packets_down": None,
+        "packets_up": state.traffic.packets_up,
+        "packets_down": state.traffic.packets_down,
     }
     timing: dict[str, Any] = {
         "started_at_unix_ms": state.started_at_unix_ms,

@@ -143,11 +143,11 @@ def test_malformed_socks5_gets_error_and_close_then_engine_still_serves(make_eng
     with socket.create_connection(address, timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
         assert sock.recv(64) == b""
-    # UDP ASSOCIATE is answered "command not supported" until UDP lands.
+    # BIND is answered "command not supported" (UDP ASSOCIATE: tests/integration/test_udp.py).
     with socket.create_connection(address, timeout=5) as sock:
         sock.sendall(b"\x05\x01\x00")
         assert sock.recv(2) == b"\x05\x00"
-        sock.sendall(b"\x05\x03\x00\x01\x00\x00\x00\x00\x00\x00")
+        sock.sendall(b"\x05\x02\x00\x01\x00\x00\x00\x00\x00\x00")
         assert sock.recv(64)[:2] == b"\x05\x07"
     result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
     assert result.returncode == 0, result.stderr

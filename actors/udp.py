@@ -1,0 +1,516 @@
+"""UdpAssociationActor: one SOCKS5 UDP ASSOCIATE (RFC 1928 section 7) and its UDP flows.
+
+The association lives as long as its TCP control connection. It owns a UDP socket
+bound to the address the client reached the inbound on (told to the client as
+BND.ADDR/BND.PORT), accepts datagrams only from the client's IP (and port: the
+declared one, or the first datagram's when the client declared 0), and keeps one
+*flow* per destination: a FlowRecord with ``network: udp``, the same lifecycle
+events as a TCP flow, packet and byte counts. Each destination is routed by the
+rules (``network: udp``) when its first datagram arrives.
+
+This is the Python relay: the reference the C datagram relay is measured and
+tested against. It serves the ``direct`` and ``block`` outbounds; a destination
+routed to an outbound without UDP here fails, recorded with ``udp_unsupported``.
+Upstream sockets are one per (association, outbound), closed with the association.
+A destination idle for ``runtime.udp_upstream_idle_timeout_seconds`` completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from spliceway.actors.dispatcher import LoopActor
+from spliceway.actors.messages import CloseFlow, StopFlow
+
+from spliceway import records, routing
+from spliceway.events import now_ms
+from spliceway.protocols import ProtocolError, socks5
+from spliceway.runtime import FlowEntry
+
+if TYPE_CHECKING:
+    from spliceway.actors.flow import FlowDeps
+
+    from spliceway.dns import Resolver
+    from spliceway.engine_core import InboundSpec
+
+logger = logging.getLogger(__name__)
+
+#: Largest datagram read (a UDP payload cannot be larger).
+_MAX_DATAGRAM = 65535
+#: Datagrams read per readiness event before yielding to other actors.
+_BATCH = 64
+
+
+@dataclass(slots=True)
+class _Dest:
+    """One destination of the association: its flow, and where its datagrams go."""
+
+    key: tuple[str, int]
+    state: records.FlowState
+    action: str  # "direct", "block", "failed", "resolving"
+    address: tuple[str, int] | None = None
+    last_active: float = 0.0
+    #: Datagrams that arrived while the name was resolving (bounded).
+    pending: list[bytes] | None = None
+
+
+class UdpAssociationActor(LoopActor):
+    """One UDP association: the client's datagrams, routed per destination."""
+
+    registered = False
+
+    def __init__(
+        self,
+        deps: FlowDeps,
+        resolver: Resolver,
+        inbound: InboundSpec,
+        control: socket.socket,
+        peer: tuple[str, int],
+        declared_port: int,
+        principal_key: str | None,
+        auth_scheme: str | None,
+        id_prefix: str,
+        idle_timeout_s: float,
+    ) -> None:
+        super().__init__(deps.dispatcher)
+        self.deps = deps
+        self.resolver = resolver
+        self.inbound = inbound
+        self.control: socket.socket | None = control
+        self.peer = peer
+        self.client_port = declared_port or None
+        self.principal_key = principal_key
+        self.auth_scheme = auth_scheme
+        self.id_prefix = id_prefix
+        self.idle_timeout_s = idle_timeout_s
+        self.sock: socket.socket | None = None
+        self.upstream: socket.socket | None = None
+        self.dests: dict[tuple[str, int], _Dest] = {}
+        #: Upstream source address -> destination (replies find their flow).
+        self.by_address: dict[tuple[str, int], _Dest] = {}
+        self._n = 0
+        self._timer: Any = None
+        self.dropped = 0
+        # Tracked with the flow actors: an engine stop ends associations with no flow yet.
+        deps.flow_actors.add(self)  # type: ignore[arg-type]
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def on_start(self) -> None:
+        """Bind the relay socket, tell the client where it is, watch the control line."""
+        assert self.control is not None
+        loop = self.dispatcher.loop
+        local_ip = self.control.getsockname()[0]
+        family = socket.AF_INET6 if ":" in local_ip else socket.AF_INET
+        counters = self.deps.counters.udp
+        try:
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            sock.bind((local_ip, 0))
+        except OSError as ex:
+            counters["dropped_associations"] += 1
+            logger.warning("UDP ASSOCIATE from %s: cannot bind: %s", self.peer, ex)
+            self._send_control(socks5.reply(socks5.REP_GENERAL_FAILURE))
+            self.actor_ref.stop(block=False)
+            return
+        self.sock = sock
+        self._send_control(socks5.reply(socks5.REP_SUCCEEDED, local_ip, sock.getsockname()[1]))
+        self.control.setblocking(False)
+        loop.add_reader(self.control.fileno(), self._on_control)
+        loop.add_reader(sock.fileno(), self._on_client)
+        self._arm_timer()
+
+    def _send_control(self, data: bytes) -> None:
+        assert self.control is not None
+        try:
+            self.control.setblocking(True)
+            self.control.settimeout(5)
+            self.control.sendall(data)
+        except OSError:
+            pass
+
+    def on_stop(self) -> None:
+        """Complete every destination's flow and close the sockets."""
+        self.deps.flow_actors.discard(self)  # type: ignore[arg-type]
+        loop = self.dispatcher.loop
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for dest in list(self.dests.values()):
+            self._end(dest, records.CANCELLED if dest.action == "resolving" else None)
+        self._close_upstream(idle=False)
+        if self.sock is not None:
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        if self.control is not None:
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(self.control.fileno())
+            self.control.close()
+            self.control = None
+
+    def on_failure(self, *exc_info: object) -> None:
+        """Never leave sockets open after a bug."""
+        self.on_stop()
+
+    def _on_control(self) -> None:
+        # The association ends with its TCP connection (EOF, reset, or stray bytes
+        # read and ignored until then).
+        assert self.control is not None
+        try:
+            data = self.control.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.actor_ref.stop(block=False)
+
+    # -- client -> upstream ----------------------------------------------------------
+
+    def _on_client(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        for _ in range(_BATCH):
+            try:
+                data, source = sock.recvfrom(_MAX_DATAGRAM)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.deps.counters.udp["recv_failures"] += 1
+                return
+            self._from_client(data, source)
+
+    def _from_client(self, data: bytes, source: tuple[Any, ...]) -> None:
+        if source[0] != self.peer[0] or (
+            self.client_port is not None and source[1] != self.client_port
+        ):
+            self.dropped += 1  # not the client that asked for this association
+            return
+        try:
+            datagram = socks5.parse_udp_datagram(data)
+        except ProtocolError:
+            self.dropped += 1
+            return
+        if datagram.fragment != 0:
+            self.dropped += 1  # fragmentation is optional (RFC 1928 section 7): not done
+            return
+        self.client_port = source[1]
+        key = (datagram.host, datagram.port)
+        dest = self.dests.get(key)
+        if dest is None:
+            dest = self._open(key)
+        dest.last_active = self.dispatcher.loop.time()
+        t = dest.state.traffic
+        t.inbound_rx_bytes += len(data)
+        t.packets_up = (t.packets_up or 0) + 1
+        payload = datagram.payload
+        if dest.action == "resolving":
+            assert dest.pending is not None
+            if len(dest.pending) < 64:
+                dest.pending.append(payload)
+            else:
+                self.dropped += 1
+            return
+        self._send_up(dest, payload)
+
+    def _send_up(self, dest: _Dest, payload: bytes) -> None:
+        upstream = self.upstream
+        if dest.action != "direct" or dest.address is None or upstream is None:
+            return
+        try:
+            upstream.sendto(payload, dest.address)
+        except OSError:
+            self.deps.counters.udp["send_failures"] += 1
+            return
+        t = dest.state.traffic
+        t.bytes_up += len(payload)
+        t.outbound_tx_bytes += len(payload)
+        self.deps.counters.udp["packets_sent"] += 1
+
+    def _upstream(self) -> socket.socket | None:
+        """The association's direct upstream socket (one per association and outbound:
+        the *upstream association* ``stats.udp_upstream`` counts), made or reused for a
+        new destination. Dual-stack, so one socket reaches IPv4 and IPv6 targets."""
+        counters = self.deps.counters.udp
+        if self.upstream is not None:
+            counters["reused_associations"] += 1
+            return self.upstream
+        try:
+            up = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+            up.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            up.setblocking(False)
+            up.bind(("::", 0))
+        except OSError:
+            counters["failed_association_attempts"] += 1
+            return None
+        counters["created_associations"] += 1
+        counters["active_associations"] += 1
+        self.upstream = up
+        self.dispatcher.loop.add_reader(up.fileno(), self._on_upstream)
+        return up
+
+    def _close_upstream(self, *, idle: bool) -> None:
+        up, self.upstream = self.upstream, None
+        if up is None:
+            return
+        with contextlib.suppress(ValueError, OSError):
+            self.dispatcher.loop.remove_reader(up.fileno())
+        up.close()
+        counters = self.deps.counters.udp
+        counters["active_associations"] -= 1
+        counters["closed_associations"] += 1
+        if idle:
+            counters["idle_timeouts"] += 1
+
+    # -- upstream -> client ----------------------------------------------------------
+
+    def _on_upstream(self) -> None:
+        up, sock = self.upstream, self.sock
+        if up is None or sock is None or self.client_port is None:
+            return
+        for _ in range(_BATCH):
+            try:
+                data, source = up.recvfrom(_MAX_DATAGRAM)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.deps.counters.udp["recv_failures"] += 1
+                return
+            dest = self.by_address.get((source[0], source[1]))
+            if dest is None:
+                self.dropped += 1  # from nobody the client sent to
+                continue
+            self.deps.counters.udp["packets_received"] += 1
+            # The reply names the destination as the client addressed it, so a client
+            # that sent to a name matches the reply to its request.
+            wire = socks5.build_udp_datagram(dest.key[0], dest.key[1], data)
+            try:
+                sock.sendto(wire, (self.peer[0], self.client_port))
+            except OSError:
+                self.deps.counters.udp["send_failures"] += 1
+                continue
+            dest.last_active = self.dispatcher.loop.time()
+            t = dest.state.traffic
+            t.outbound_rx_bytes += len(data)
+            t.bytes_down += len(data)
+            t.inbound_tx_bytes += len(wire)
+            t.packets_down = (t.packets_down or 0) + 1
+
+    # -- flows ----------------------------------------------------------------------
+
+    def _open(self, key: tuple[str, int]) -> _Dest:
+        """A new destination: its flow starts, is routed, and (for a name) resolves."""
+        deps = self.deps
+        self._n += 1
+        started = now_ms()
+        state = records.FlowState(
+            flow_id=f"{self.id_prefix}u{self._n}",
+            inbound_tag=self.inbound.tag,
+            inbound_protocol=self.inbound.protocol,
+            source_ip=self.peer[0],
+            source_port=self.client_port or 0,
+            started_at_unix_ms=started,
+            mode=deps.route_state.mode,
+            network="udp",
+            target_host=key[0],
+            target_port=key[1],
+            principal_key=self.principal_key,
+            auth_scheme=self.auth_scheme,
+            last_activity_at_unix_ms=started,
+        )
+        state.traffic.packets_up = 0
+        state.traffic.packets_down = 0
+        dest = _Dest(key, state, "failed")
+        self.dests[key] = dest
+        deps.counters.total_started += 1
+        self._publish(dest, "flow.started")
+        facts = routing.FlowFacts(
+            network="udp",
+            host=key[0],
+            port=key[1],
+            source_ip=self.peer[0],
+            source_port=self.client_port,
+            inbound_tag=self.inbound.tag,
+            principal_key=self.principal_key,
+        )
+        decision = deps.route_state.decide(facts)
+        chain = (
+            deps.policies.resolve(decision.target, key[0], self.peer[0]) if decision.target else []
+        )
+        outbound = deps.outbounds.get(chain[-1]) if chain else None
+        state.mode = decision.mode
+        state.route_action = decision.action
+        state.route_target = decision.target
+        state.matched_rule = decision.matched_rule.to_dict() if decision.matched_rule else None
+        if outbound is not None:
+            state.selection_chain = chain
+            state.outbound_tag = outbound.tag
+            state.outbound_protocol = outbound.protocol
+        if decision.action == "block" or outbound is None or outbound.protocol == "block":
+            dest.action = "block"
+            self._end(dest, records.BLOCKED)
+            return dest
+        if outbound.protocol != "direct":
+            self._end(
+                dest,
+                records.FAILED,
+                records.Failure(
+                    "route",
+                    "udp_unsupported",
+                    f"outbound {outbound.tag!r} ({outbound.protocol}) does not relay UDP "
+                    "in this build",
+                ),
+            )
+            return dest
+        if _is_ip(key[0]):
+            self._routed(dest, _norm(key[0]))
+        else:
+            dest.action = "resolving"
+            dest.pending = []
+            self.dispatcher.spawn(self._resolve(dest))
+        return dest
+
+    async def _resolve(self, dest: _Dest) -> None:
+        try:
+            addresses = await self.resolver.resolve(dest.key[0])
+        except Exception as ex:  # InvalidHostname, ResolveError: the flow fails
+            addresses, error = [], str(ex)
+        else:
+            error = f"{dest.key[0]} has no address"
+        if dest.action != "resolving" or self.actor_stopped.is_set():
+            return
+        if not addresses:
+            self._end(dest, records.FAILED, records.Failure("dns", "dns_failed", error))
+            return
+        pending, dest.pending = dest.pending or [], None
+        self._routed(dest, addresses[0])
+        for payload in pending:
+            self._send_up(dest, payload)
+
+    def _routed(self, dest: _Dest, ip: str) -> None:
+        if self._upstream() is None:
+            self._end(
+                dest,
+                records.FAILED,
+                records.Failure("connect", "connect_failed", "no upstream UDP socket"),
+            )
+            return
+        dest.action = "direct"
+        dest.address = (_v6(ip), dest.key[1])
+        self.by_address[dest.address] = dest
+        s = dest.state
+        s.resolved_ip = ip
+        s.remote_host, s.remote_port = dest.key
+        s.state = "active"
+        self.deps.counters.direct_sessions += 1
+        self._publish(dest, "flow.routed")
+
+    def _end(
+        self, dest: _Dest, outcome: str | None, failure: records.Failure | None = None
+    ) -> None:
+        s = dest.state
+        if s.state == "completed":
+            return
+        self.dests.pop(dest.key, None)
+        if dest.address is not None:
+            self.by_address.pop(dest.address, None)
+        dest.action = "closed"
+        s.state = "completed"
+        s.outcome = outcome or (
+            records.DIRECT_RELAYED if s.route_action != "pending" else records.CANCELLED
+        )
+        s.failure = failure
+        if failure is not None:
+            s.close_reason = records.UPSTREAM_ERROR if outcome == records.FAILED else None
+        s.ended_at_unix_ms = max(now_ms(), s.started_at_unix_ms)
+        c = self.deps.counters
+        c.completed_sessions += 1
+        c.completed_bytes_up += s.traffic.bytes_up
+        c.completed_bytes_down += s.traffic.bytes_down
+        if s.outcome == records.FAILED:
+            c.failed_sessions += 1
+        elif s.outcome == records.BLOCKED:
+            c.blocked_sessions += 1
+        self._publish(dest, "flow.completed")
+
+    def _publish(self, dest: _Dest, event_type: str) -> None:
+        s = dest.state
+        s.revision += 1
+        record = s.render()
+        deps = self.deps
+        if s.state == "completed":
+            deps.flows.remove(s.flow_id)
+        else:
+            deps.flows.put(
+                s.flow_id, FlowEntry(self.actor_ref, record, s.inbound_tag, s.principal_key)
+            )
+        deps.log.emit(
+            event_type,
+            records.lifecycle_payload(s, record),
+            principal_key=s.principal_key,
+            occurred_at_unix_ms=s.ended_at_unix_ms if event_type == "flow.completed" else None,
+        )
+
+    # -- idle -----------------------------------------------------------------------
+
+    def _arm_timer(self) -> None:
+        interval = max(0.05, min(1.0, self.idle_timeout_s / 4))
+        self._timer = self.dispatcher.loop.call_later(interval, self._on_timer)
+
+    def _on_timer(self) -> None:
+        if self.actor_stopped.is_set():
+            return
+        now = self.dispatcher.loop.time()
+        for dest in list(self.dests.values()):
+            if dest.action == "direct" and now - dest.last_active >= self.idle_timeout_s:
+                dest.state.close_reason = records.IDLE_TIMEOUT
+                self._end(dest, None)
+        if self.upstream is not None and not any(d.action == "direct" for d in self.dests.values()):
+            self._close_upstream(idle=True)
+        self._arm_timer()
+
+    def on_receive(self, message: Any) -> Any:
+        """``CloseFlow``: end one destination's flow (cancelled, manual); ``StopFlow``
+        (engine shutdown): end the association and every flow in it."""
+        if isinstance(message, CloseFlow):
+            dest = next(
+                (d for d in self.dests.values() if d.state.flow_id == message.flow_id), None
+            )
+            if dest is None:
+                return False
+            dest.state.close_reason = records.MANUAL
+            self._end(dest, records.CANCELLED)
+            return True
+        if isinstance(message, StopFlow):
+            self.stop_now()
+        return None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _v6(ip: str) -> str:
+    """``ip`` as the dual-stack upstream socket names it (IPv4 as ``::ffff:a.b.c.d``)."""
+    addr = ipaddress.ip_address(ip)
+    return f"::ffff:{addr}" if addr.version == 4 else str(addr)
+
+
+def _norm(ip: str) -> str:
+    """An address as the socket API reports it (IPv4-mapped IPv6 unwrapped)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)

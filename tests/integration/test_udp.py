@@ -1,0 +1,130 @@
+"""SOCKS5 UDP ASSOCIATE through the engine: real UDP sockets on loopback."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+from spliceway.protocols import socks5
+from tests.conftest import base_config, wait_until
+from tests.helpers.udp import Association, UdpEcho
+
+
+def completed(engine: Any, n: int) -> list[dict[str, Any]]:
+    def done() -> list[dict[str, Any]] | None:
+        events = engine.query("events", {"types": "flow.completed"})["events"]
+        return events if len(events) >= n else None
+
+    return [e["payload"]["record"] for e in wait_until(done, what=f"{n} flow.completed")]
+
+
+@pytest.mark.parametrize("inbound", ["socks-in", "mixed-in"])
+def test_round_trips_are_counted_exactly(make_engine, inbound: str) -> None:
+    engine = make_engine()
+    with UdpEcho() as echo, Association(engine.listen_address(inbound)) as assoc:
+        wire_up = wire_down = 0
+        for n in range(5):
+            payload = b"x" * (10 + n)
+            wire_up += assoc.send("127.0.0.1", echo.port, payload)
+            host, port, back, size = assoc.recv()
+            assert (host, port, back) == ("127.0.0.1", echo.port, payload)
+            wire_down += size
+        (flow,) = engine.query("flows")["active_flows"]
+        assert flow["network"] == "udp" and flow["state"] == "active"
+        assert flow["inbound"]["tag"] == inbound
+    (record,) = completed(engine, 1)  # the association ended with its TCP connection
+    payload_bytes = sum(10 + n for n in range(5))
+    assert record["network"] == "udp"
+    assert (record["target"]["host"], record["target"]["port"]) == ("127.0.0.1", echo.port)
+    assert record["result"]["outcome"] == "direct_relayed"
+    assert record["traffic"] == {
+        "bytes_up": payload_bytes,
+        "bytes_down": payload_bytes,
+        "inbound_rx_bytes": wire_up,
+        "inbound_tx_bytes": wire_down,
+        "outbound_rx_bytes": payload_bytes,
+        "outbound_tx_bytes": payload_bytes,
+        "packets_up": 5,
+        "packets_down": 5,
+    }
+    udp = engine.query("stats")["udp_upstream"]
+    assert udp["packets_sent"] == 5 and udp["packets_received"] == 5
+    assert udp["created_associations"] == 1 and udp["closed_associations"] == 1
+    assert udp["active_associations"] == 0
+
+
+def test_many_destinations_share_one_association(make_engine) -> None:
+    engine = make_engine()
+    echoes = [UdpEcho() for _ in range(4)]
+    try:
+        with Association(engine.listen_address("socks-in")) as assoc:
+            for echo in echoes:
+                assoc.send("127.0.0.1", echo.port, b"hi")
+                assert assoc.recv()[1] == echo.port
+            assoc.send("localhost", echoes[0].port, b"by name")
+            assert assoc.recv()[:3] == ("localhost", echoes[0].port, b"by name")
+            assert len(engine.query("flows")["active_flows"]) == 5
+        records = completed(engine, 5)
+    finally:
+        for echo in echoes:
+            echo.close()
+    assert {r["target"]["host"] for r in records} == {"127.0.0.1", "localhost"}
+    udp = engine.query("stats")["udp_upstream"]
+    assert (udp["created_associations"], udp["reused_associations"]) == (1, 4)
+
+
+def test_a_datagram_from_another_address_is_dropped(make_engine) -> None:
+    engine = make_engine()
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in")) as assoc:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            stranger.sendto(socks5.build_udp_datagram("127.0.0.1", echo.port, b"x"), assoc.relay)
+        assoc.send("127.0.0.1", echo.port, b"mine")
+        assert assoc.recv()[2] == b"mine"
+        assert echo.received == 1  # the stranger's datagram never left the engine
+
+
+def test_a_fragment_and_garbage_are_dropped(make_engine) -> None:
+    engine = make_engine()
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in")) as assoc:
+        assoc.udp.sendto(socks5.build_udp_datagram("127.0.0.1", echo.port, b"f", 1), assoc.relay)
+        assoc.udp.sendto(b"\x00\x00", assoc.relay)
+        assoc.send("127.0.0.1", echo.port, b"ok")
+        assert assoc.recv()[2] == b"ok"
+        assert echo.received == 1
+
+
+def test_rules_route_udp_by_network(make_engine) -> None:
+    engine = make_engine(base_config(rules=[{"network": "udp", "port": ["9"], "action": "block"}]))
+    with Association(engine.listen_address("socks-in")) as assoc:
+        assoc.send("127.0.0.1", 9, b"discard")
+        (record,) = completed(engine, 1)
+    assert record["result"]["outcome"] == "blocked"
+    assert record["route"]["matched_rule"]["index"] == 0
+
+
+def test_an_idle_destination_completes(make_engine) -> None:
+    cfg = base_config()
+    cfg["runtime"]["udp_upstream_idle_timeout_seconds"] = 1
+    engine = make_engine(cfg)
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in")) as assoc:
+        assoc.send("127.0.0.1", echo.port, b"once")
+        assoc.recv()
+        (record,) = completed(engine, 1)
+        assert record["result"] == {"outcome": "direct_relayed", "close_reason": "idle_timeout"}
+        assert engine.query("stats")["udp_upstream"]["idle_timeouts"] == 1
+        # The association itself lives on: a new datagram opens a new flow.
+        assoc.send("127.0.0.1", echo.port, b"again")
+        assert assoc.recv()[2] == b"again"
+
+
+def test_flows_close_ends_one_udp_flow(make_engine) -> None:
+    engine = make_engine()
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in")) as assoc:
+        assoc.send("127.0.0.1", echo.port, b"x")
+        assoc.recv()
+        (flow,) = engine.query("flows")["active_flows"]
+        assert engine.execute("flows.close", {"flow_id": flow["flow_id"]})["closed"] is True
+        (record,) = completed(engine, 1)
+        assert record["result"] == {"outcome": "cancelled", "close_reason": "manual"}
