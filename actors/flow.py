@@ -122,6 +122,10 @@ class FlowDeps:
         """``runtime.tcp_idle_timeout_seconds`` now, in milliseconds."""
         return self._core.tcp_idle_timeout_ms
 
+    def start_association(self, *args: Any) -> None:
+        """Hand a UDP ASSOCIATE's control connection to its association actor."""
+        self._core.start_association(*args)
+
     @property
     def flow_hook(self) -> FlowHookClient | None:
         """The flow hook's client now (a reload replaces it), None without a hook."""
@@ -193,6 +197,22 @@ class FlowActor(LoopActor):
         if self.state is not None and not self._done:
             failure = records.Failure("internal", "internal_error", str(ex))
             self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+
+    def _become_association(self, hs: Handshake) -> None:
+        """A UDP ASSOCIATE: its control connection goes to an association actor (whose
+        flows are the destinations), and this actor ends without a flow of its own."""
+        client, self.client = self.client, None
+        assert client is not None
+        self.deps.start_association(
+            self.inbound,
+            client,
+            self.peer,
+            hs.port,
+            hs.principal_key,
+            hs.auth_scheme,
+            self.flow_id,
+        )
+        self._finish()
 
     def _teardown(self) -> None:
         self.deps.flow_actors.discard(self)
@@ -288,6 +308,9 @@ class FlowActor(LoopActor):
             except HandshakeFailed as ex:
                 logger.debug("handshake from %s failed: %s", self.peer, ex)
                 self._finish()
+                return
+            if hs.udp:
+                self._become_association(hs)
                 return
             state = self._new_state(hs)
         hook = self.deps.flow_hook

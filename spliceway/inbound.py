@@ -48,6 +48,9 @@ class Handshake:
     early: bytes = b""
     #: True for absolute-URI forwarding: no reply on success, the origin answers.
     forward: bool = False
+    #: A SOCKS5 UDP ASSOCIATE: host:port is the client's declared datagram source, and
+    #: the connection becomes the association's control line.
+    udp: bool = False
 
     def success_reply(self) -> bytes:
         """Bytes telling the client its tunnel is open."""
@@ -197,8 +200,8 @@ async def _socks5(reader: _Reader, users: Users) -> Handshake:
             )
         await reader.send(socks5.method_selection(socks5.METHOD_NO_AUTH))
     request = await reader.parse(socks5.parse_request)
-    if request.command != socks5.CMD_CONNECT:
-        # UDP ASSOCIATE arrives with the DNS/UDP work; BIND is not offered.
+    if request.command not in (socks5.CMD_CONNECT, socks5.CMD_UDP_ASSOCIATE):
+        # BIND is not offered.
         raise await reader.fail(
             socks5.reply(socks5.REP_COMMAND_NOT_SUPPORTED),
             "command_not_supported",
@@ -212,6 +215,7 @@ async def _socks5(reader: _Reader, users: Users) -> Handshake:
         scheme,
         reader.rx,
         reader.tx,
+        udp=request.command == socks5.CMD_UDP_ASSOCIATE,
         early=reader.buf,
     )
 
