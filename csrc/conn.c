@@ -953,6 +953,9 @@ static bool decide(struct cconn *c)
     /* An inbound the flow hook selects: Python asks the hook, then routes. */
     if (sw_table_inbound_deferred(t, c->listener->index))
         return false;
+    /* A fake-ip address: Python routes it by the domain it stands for. */
+    if (sw_table_host_deferred(t, c->host, c->host_len))
+        return false;
     sw_route_query q;
     memset(&q, 0, sizeof q);
     q.host = c->host;

@@ -263,6 +263,15 @@ struct sw_table {
      * lookup. */
     bool defer_any;
     uint64_t defer_inb[SW_TABLE_INBOUND_SLOTS / 64];
+
+    /* Networks whose IP-literal targets Python takes before routing (fake-ip
+     * ranges: Python maps the address back to its domain). */
+    uint32_t ndefer_nets;
+    struct {
+        int family;
+        unsigned prefix;
+        u128 net;
+    } defer_nets[SW_TABLE_DEFER_NETS];
 };
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -369,6 +378,9 @@ static void unmap(struct ipaddr *ip)
         ip->v &= 0xffffffffu;
     }
 }
+
+/* What a host text is to routing._view (classify()). */
+enum { H_NONE, H_NAME, H_IP, H_NONASCII, H_PERCENT };
 
 /* routing._parse_ip for ASCII text without '%' (see the top). */
 static bool parse_ip(const char *s, size_t n, struct ipaddr *out)
@@ -513,6 +525,57 @@ int sw_table_inbound_deferred(const sw_table *t, uint32_t inbound)
     if (!t || !t->defer_any || inbound >= SW_TABLE_INBOUND_SLOTS)
         return 0;
     return (t->defer_inb[inbound / 64] >> (inbound % 64)) & 1;
+}
+
+int sw_table_defer_cidr(sw_table *t, int family, const uint8_t *addr, int prefix)
+{
+    if (!t || t->sealed || !addr)
+        return -EINVAL;
+    int bytes = family == 4 ? 4 : family == 6 ? 16 : 0;
+    if (!bytes || prefix < 0 || prefix > bytes * 8)
+        return -EINVAL;
+    if (t->ndefer_nets == SW_TABLE_DEFER_NETS)
+        return -ENOSPC;
+    u128 a = 0;
+    for (int i = 0; i < bytes; i++)
+        a = (a << 8) | addr[i];
+    unsigned bits = (unsigned)bytes * 8;
+    /* Host bits cleared, so the lookup compares the prefix only. */
+    if (prefix == 0)
+        a = 0;
+    else if ((unsigned)prefix < bits)
+        a = a >> (bits - (unsigned)prefix) << (bits - (unsigned)prefix);
+    t->defer_nets[t->ndefer_nets].family = family;
+    t->defer_nets[t->ndefer_nets].prefix = (unsigned)prefix;
+    t->defer_nets[t->ndefer_nets].net = a;
+    t->ndefer_nets++;
+    return 0;
+}
+
+static int classify(const char *s, uint32_t n, struct ipaddr *ip);
+
+int sw_table_host_deferred(const sw_table *t, const char *host, uint32_t host_len)
+{
+    if (!t || !t->ndefer_nets || !host)
+        return 0;
+    struct ipaddr ip;
+    switch (classify(host, host_len, &ip)) {
+    case H_PERCENT:
+        return 1; /* a scoped IPv6 literal: only Python reads it */
+    case H_IP:
+        break;
+    default:
+        return 0;
+    }
+    for (uint32_t i = 0; i < t->ndefer_nets; i++) {
+        unsigned bits = t->defer_nets[i].family == 4 ? 32 : 128;
+        unsigned prefix = t->defer_nets[i].prefix;
+        if (ip.family != t->defer_nets[i].family)
+            continue;
+        if (prefix == 0 || ip.v >> (bits - prefix) == t->defer_nets[i].net >> (bits - prefix))
+            return 1;
+    }
+    return 0;
 }
 
 int sw_table_set_mode(sw_table *t, int kind, int32_t mode_target, int32_t final_target)
@@ -1236,8 +1299,6 @@ int sw_table_seal(sw_table *t)
 }
 
 /* ---- decide ------------------------------------------------------------- */
-
-enum { H_NONE, H_NAME, H_IP, H_NONASCII, H_PERCENT };
 
 /* What a host text is to routing._view (see the top for the unsure ones). */
 static int classify(const char *s, uint32_t n, struct ipaddr *ip)

@@ -127,6 +127,18 @@ int sw_table_target_tag(sw_table *table, uint32_t index, const char *tag);
 int sw_table_defer_inbound(sw_table *table, uint32_t inbound);
 /* 1 when sw_table_defer_inbound named `inbound`, else 0. */
 int sw_table_inbound_deferred(const sw_table *table, uint32_t inbound);
+/* Networks sw_table_defer_cidr takes (fake-ip ranges: one or two). */
+#define SW_TABLE_DEFER_NETS 8
+/* A flow whose target host is an IP literal in family/addr/prefix (4 or 16
+ * bytes, network order) goes to Python after its handshake, before routing:
+ * a fake-ip address, which Python maps back to its domain.  Not a routing
+ * decision: sw_table_decide ignores it; the connection path asks
+ * sw_table_host_deferred.  -ENOSPC past SW_TABLE_DEFER_NETS networks. */
+int sw_table_defer_cidr(sw_table *table, int family, const uint8_t *addr, int prefix);
+/* 1 when `host` (the target text, as sw_route_query.host) is an IP literal in
+ * a network sw_table_defer_cidr named (IPv4-mapped IPv6 read as IPv4, as
+ * routing._parse_ip does), or a scoped IPv6 literal while any is named. */
+int sw_table_host_deferred(const sw_table *table, const char *host, uint32_t host_len);
 /* Builds the indexes; afterwards only sw_table_decide and the getters. */
 int sw_table_seal(sw_table *table);
 

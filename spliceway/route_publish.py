@@ -9,7 +9,9 @@ Python would have made, for the flow's record.
 
 Until a table is installed C defers every flow to Python after its handshake. A table
 also names the listener slots the flow hook (``api.flow_hook``) selects: C hands their
-flows to Python after the handshake, before routing, so Python asks the hook first.
+flows to Python after the handshake, before routing, so Python asks the hook first; and
+the fake-ip range (``runtime.dns.answer``), whose addresses C hands over likewise, so
+Python routes them by the domain they stand for.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class RoutePublisher:
                 if hook is not None
                 else ()
             )
+            # Fake-ip addresses: Python maps them back to their domain, then routes.
+            answer = core.config.runtime.dns.answer
+            cidrs = (answer.fake_ip_range,) if answer.type == "fake_ip" else ()
             tags = [state.final]
             tags += [r.outbound for r in rules if r.action == "route" and r.outbound]
             tags += [state.mode_outbound or BUILTIN_DIRECT, BUILTIN_DIRECT]
@@ -127,7 +132,7 @@ class RoutePublisher:
                 chain, spec = target_spec(tag, core.policies, outbounds)
                 chains.append(chain)
                 targets[tag] = spec
-            key = (tuple(map(tuple, chains)), tuple(targets.items()), deferred)
+            key = (tuple(map(tuple, chains)), tuple(targets.items()), deferred, cidrs)
             if state is self._installed_state and key == self._installed:
                 return
             self._epoch += 1
@@ -142,6 +147,7 @@ class RoutePublisher:
                 epoch=self._epoch,
                 ruleset=state.ruleset,
                 deferred_inbounds=deferred,
+                deferred_cidrs=cidrs,
             )
             with self._lock:
                 self._mirrors[self._epoch] = Mirror(routes, chains, outbounds)

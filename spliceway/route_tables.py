@@ -333,6 +333,7 @@ def compile_route_table(
     epoch: int,
     ruleset: routing.RuleSet | None = None,
     deferred_inbounds: Sequence[int] = (),
+    deferred_cidrs: Sequence[str] = (),
 ) -> CompiledRoutes:
     """Build and seal the C table for ``rules`` under a mode; return it with its mirror.
 
@@ -345,6 +346,8 @@ def compile_route_table(
     ``routing.compile_rules(rules)`` if the caller has it already.
     ``deferred_inbounds`` are listener slots whose flows C hands to Python after the
     handshake, before routing (the flow hook's inbounds); the decisions are unchanged.
+    ``deferred_cidrs`` are networks (fake-ip ranges) whose IP-literal targets C hands to
+    Python likewise, which routes them by the domain the address stands for.
 
     Raises ValueError for a bad mode, a missing or repeated target tag, an id out of
     range, or a target string with a NUL; RelayError if C refuses (e.g. ENOMEM).
@@ -402,6 +405,11 @@ def compile_route_table(
         _compile_rule(table, i, rule, target, inbounds, principals)
     for slot in deferred_inbounds:
         check(lib.sw_table_defer_inbound(table, slot), "sw_table_defer_inbound")
+    for cidr in deferred_cidrs:
+        net = ipaddress.ip_network(cidr, strict=False)
+        addr = ffi.new("uint8_t[]", net.network_address.packed)
+        rc = lib.sw_table_defer_cidr(table, net.version, addr, net.prefixlen)
+        check(rc, "sw_table_defer_cidr")
     check(lib.sw_table_seal(table), "sw_table_seal")
 
     if mode_kind == "rule":

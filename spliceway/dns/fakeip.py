@@ -120,7 +120,16 @@ class FakeIpPool:
         return str(ipaddress.ip_address(self._first + offset))
 
     def _offset(self, ip: str) -> int | None:
-        """The offset of ``ip`` in this pool, None when it is not one of its addresses."""
+        """The offset of ``ip`` in this pool, None when it is not one of its addresses.
+
+        Reads a flow's target as the route table does (``[v6]`` brackets allowed, an
+        IPv4-mapped IPv6 address as IPv4) but never a scoped IPv6 address, so every
+        address it maps is one C hands to Python (csrc/route.c sw_table_host_deferred).
+        """
+        if ip[:1] == "[" and ip[-1:] == "]":
+            ip = ip[1:-1]
+        if "%" in ip:
+            return None
         try:
             address: _Address = ipaddress.ip_address(ip)
         except ValueError:
@@ -279,13 +288,16 @@ class FakeIpPool:
                     self._dirty = True
                 raise
 
-    def close(self) -> None:
-        """Write what is pending and stop the delayed writer (engine stop, reload)."""
+    def close(self, *, save: bool = True) -> None:
+        """Stop the delayed writer and (``save``) write what is pending: engine stop,
+        reload. ``save=False`` leaves the file as it is (an apply rolled back)."""
         with self._lock:
             self._closed = True
             timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
+        if not save:
+            return
         try:
             self.save()
         except OSError as ex:

@@ -35,7 +35,8 @@ import re
 import socket
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import dns.asyncresolver
 import dns.exception
@@ -49,6 +50,7 @@ from spliceway.dns.cache import AnswerCache, CacheEntry
 __all__ = [
     "LOOPBACK_ADDRESSES",
     "SYSTEM_TTL_SECONDS",
+    "Answer",
     "InvalidHostname",
     "ResolveError",
     "Resolver",
@@ -117,8 +119,28 @@ def _ordered(addresses: Iterable[str]) -> list[str]:
     return [a for a in unique if ":" not in a] + [a for a in unique if ":" in a]
 
 
-#: (addresses, ttl seconds); empty addresses mean a definitive negative answer.
-_Answer = tuple[list[str], float]
+class _Answer(NamedTuple):
+    """One server's answer; empty addresses mean a definitive negative answer."""
+
+    addresses: list[str]
+    ttl: float
+    #: The negative answer says the name does not exist (NXDOMAIN), not only that it
+    #: has no address.
+    nxdomain: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What :meth:`Resolver.resolve_answer` found: the addresses (IPv4 first) with how
+    long a client may keep them, or a definitive negative answer."""
+
+    addresses: tuple[str, ...]
+    #: Seconds the answer stays valid: the cache entry's remaining lifetime, or the
+    #: server's TTL without a cache; 0 for IP literals, ``localhost`` and negatives.
+    ttl_seconds: int
+    #: For an empty answer: the name does not exist (NXDOMAIN, or getaddrinfo's
+    #: EAI_NONAME), as opposed to existing without A/AAAA records.
+    nxdomain: bool = False
 
 
 class _SystemServer:
@@ -146,12 +168,12 @@ class _SystemServer:
     @staticmethod
     def _negative(ex: socket.gaierror) -> _Answer:
         if ex.errno in _GAI_NEGATIVE:
-            return [], 0
+            return _Answer([], 0, ex.errno == socket.EAI_NONAME)
         raise ex
 
     @staticmethod
     def _answer(infos: list[tuple[Any, ...]]) -> _Answer:
-        return _ordered(str(info[4][0]) for info in infos), SYSTEM_TTL_SECONDS
+        return _Answer(_ordered(str(info[4][0]) for info in infos), SYSTEM_TTL_SECONDS)
 
 
 class _Do53Server:
@@ -159,6 +181,7 @@ class _Do53Server:
 
     def __init__(self, kind: str, ip: str, port: int) -> None:
         self.label = f"{kind}://{ip}:{port}" if ":" not in ip else f"{kind}://[{ip}]:{port}"
+        self.kind, self.ip, self.port = kind, ip, port
         self.tcp = kind == "tcp"
         self._sync = dns.resolver.Resolver(configure=False)
         self._async = dns.asyncresolver.Resolver(configure=False)
@@ -171,8 +194,10 @@ class _Do53Server:
             answers = self._sync.resolve_name(
                 dns.name.from_text(name), lifetime=timeout, tcp=self.tcp, search=False
             )
-        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-            return [], 0
+        except dns.resolver.NXDOMAIN:
+            return _Answer([], 0, True)
+        except dns.resolver.NoAnswer:
+            return _Answer([], 0)
         return self._answer(answers)
 
     async def resolve(self, name: str, timeout: float) -> _Answer:
@@ -180,8 +205,10 @@ class _Do53Server:
             answers = await self._async.resolve_name(
                 dns.name.from_text(name), lifetime=timeout, tcp=self.tcp, search=False
             )
-        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-            return [], 0
+        except dns.resolver.NXDOMAIN:
+            return _Answer([], 0, True)
+        except dns.resolver.NoAnswer:
+            return _Answer([], 0)
         return self._answer(answers)
 
     @staticmethod
@@ -190,7 +217,7 @@ class _Do53Server:
             [*answers.addresses(socket.AF_INET), *answers.addresses(socket.AF_INET6)]
         )
         ttls = [a.chaining_result.minimum_ttl for a in answers.values() if a.rrset is not None]
-        return addresses, min(ttls, default=0)
+        return _Answer(addresses, min(ttls, default=0))
 
 
 _Server = _SystemServer | _Do53Server
@@ -265,6 +292,37 @@ class Resolver:
                 failures.append(f"{server.label}: {_reason(ex)}")
         raise self._failed(name, failures)
 
+    async def resolve_answer(self, host: str, timeout: float = 5.0) -> Answer:
+        """As :meth:`resolve`, with the answer's lifetime and its kind of negative (what
+        the engine's DNS server answers with)."""
+        name, known = self._prepare(host)
+        if known is not None:
+            entry = None if self.cache is None else self.cache.peek(name)
+            return Answer(tuple(known), 0 if entry is None else entry.ttl_seconds)
+        deadline = time.monotonic() + timeout
+        failures: list[str] = []
+        for i, server in enumerate(self._servers):
+            budget = self._budget(deadline, i)
+            if budget is None:
+                break
+            try:
+                answer = await server.resolve(name, budget)
+            except _SERVER_ERRORS as ex:
+                failures.append(f"{server.label}: {_reason(ex)}")
+                continue
+            addresses = self._keep(name, answer)
+            if not addresses:
+                return Answer((), 0, answer.nxdomain)
+            ttl = answer.ttl if self.cache is None else self.cache.clamp_ttl(answer.ttl)
+            return Answer(tuple(addresses), int(ttl))
+        raise self._failed(name, failures)
+
+    @property
+    def upstreams(self) -> list[tuple[str, str, int]]:
+        """The ``udp://`` / ``tcp://`` servers as ``(kind, ip, port)``, in order (where the
+        DNS server forwards the query types the resolver does not answer)."""
+        return [(s.kind, s.ip, s.port) for s in self._servers if isinstance(s, _Do53Server)]
+
     def _prepare(self, host: str) -> tuple[str, list[str] | None]:
         """The normalized name, and its addresses when no server needs asking."""
         if isinstance(host, str) and _ip_literal(host):
@@ -285,7 +343,7 @@ class Resolver:
         return remaining / (len(self._servers) - index)
 
     def _keep(self, name: str, answer: _Answer) -> list[str]:
-        addresses, ttl = answer
+        addresses, ttl, _ = answer
         if addresses and self.cache is not None:
             self.cache.put(name, addresses, ttl)
             hook = self.on_answer  # read once: stop() may clear it meanwhile

@@ -40,6 +40,7 @@ from spliceway.route_tables import (
 )
 
 EINVAL = 22
+ENOSPC = 28
 ERANGE = 34
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
@@ -329,6 +330,7 @@ def compile_cfg(cfg: dict, epoch: int = 1) -> CompiledRoutes:
         inbounds=INBOUNDS,
         principals=PRINCIPALS,
         epoch=epoch,
+        deferred_cidrs=cfg.get("deferred_cidrs", ()),
     )
 
 
@@ -828,7 +830,14 @@ int main(void)
     /* Deferred inbounds (the flow hook's) are read by the connection path only. */
     CHECK(sw_table_defer_inbound(T, 255) == 0);
     CHECK(sw_table_defer_inbound(T, SW_TABLE_INBOUND_SLOTS) == -ERANGE);
+    /* So are deferred networks (fake-ip ranges). */
+    const uint8_t fake[4] = {198, 18, 0, 0};
+    CHECK(sw_table_defer_cidr(T, 4, fake, 15) == 0);
     CHECK(sw_table_seal(T) == 0);
+    CHECK(sw_table_host_deferred(T, "198.19.1.2", 10) == 1);
+    CHECK(sw_table_host_deferred(T, "[::ffff:198.18.0.9]", 19) == 1);
+    CHECK(sw_table_host_deferred(T, "198.20.1.2", 10) == 0);
+    CHECK(sw_table_host_deferred(T, "198.19.1.2x", 11) == 0);
     CHECK(sw_table_inbound_deferred(T, 255) == 1 && sw_table_inbound_deferred(T, 0) == 0);
     CHECK(sw_table_inbound_deferred(T, UINT32_MAX) == 0);
     for (int i = 0; i < NQ; i++) {
@@ -898,3 +907,91 @@ def test_c_harness(tmp_path, sanitize):
     assert built.returncode == 0, built.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------
+# fake-ip ranges: targets C hands to Python before routing
+# ---------------------------------------------------------------------------
+
+_DEFER_NETS = ["198.18.0.0/15", "10.0.0.0/29", "fc00::/64", "::ffff:0:0/120", "0.0.0.0/0"]
+
+
+def _host_deferred(routes: CompiledRoutes, host: str) -> bool:
+    data = host.encode("utf-8", "surrogatepass")
+    return bool(lib.sw_table_host_deferred(routes.table, data, len(data)))
+
+
+def _defer_reference(nets: list[str], host: str) -> bool:
+    """What C must answer: an IP literal (as routing._parse_ip reads it) in one of the
+    networks, or any text with '%' (a scoped IPv6 literal only Python reads)."""
+    if "%" in host:
+        return True
+    parsed = routing._parse_ip(host)
+    if parsed is None:
+        return False
+    version, value = parsed
+    for text in nets:
+        net = ipaddress.ip_network(text)
+        if net.version == version and int(net.network_address) == value & int(net.netmask):
+            return True
+    return False
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    nets=st.lists(st.sampled_from(_DEFER_NETS[:4]), min_size=1, max_size=3, unique=True),
+    host=st.one_of(
+        _ip_texts,
+        _fuzz_text,
+        st.text(max_size=8),
+        st.ip_addresses(network="198.18.0.0/15").map(str),
+        st.ip_addresses(network="10.0.0.0/28").map(str),
+        st.ip_addresses(network="fc00::/63").map(str),
+        st.ip_addresses(network="10.0.0.0/28").map(lambda a: f"::ffff:{a}"),
+        st.ip_addresses(network="fc00::/64").map(lambda a: f"[{a}]"),
+    ),
+)
+def test_deferred_cidrs_match_python(nets, host):
+    """``sw_table_host_deferred`` against the reference; the decisions stay the oracle's."""
+    cfg = {**_PROBE, "deferred_cidrs": nets}
+    routes = compile_cfg(cfg)
+    try:
+        assert _host_deferred(routes, host) == _defer_reference(nets, host), host
+        facts = routing.FlowFacts(network="tcp", host=host, port=1)
+        check_flow(_PROBE_ORACLE, routes, facts)
+    finally:
+        routes.close()
+
+
+def test_deferred_cidrs_and_the_fake_ip_pool():
+    """Every address the fake-ip pool maps back is one C defers; none by default;
+    bad arguments refused."""
+    from spliceway.dns.fakeip import FakeIpPool
+
+    pool = FakeIpPool("198.18.0.0/15")
+    ip = pool.lookup("fake.example")
+    routes = compile_cfg({**_PROBE, "deferred_cidrs": ["198.18.0.0/15"]})
+    for host in (ip, f"::ffff:{ip}", f"[{ip}]", "198.19.255.255", "198.18.0.0"):
+        assert _host_deferred(routes, host), host
+    for host in ("198.20.0.1", "fake.example", "", "198.018.0.2"):
+        assert not _host_deferred(routes, host), host
+    assert pool.domain_of(f"::ffff:{ip}") == pool.domain_of(f"[{ip}]") == "fake.example"
+    routes.close()
+    plain = compile_cfg(_PROBE)
+    assert not _host_deferred(plain, ip)
+    plain.close()
+    t = _new(nrules=0, ntargets=1)
+    addr = ffi.new("uint8_t[]", bytes(16))
+    assert lib.sw_table_defer_cidr(t, 5, addr, 8) == -EINVAL
+    assert lib.sw_table_defer_cidr(t, 4, addr, 33) == -EINVAL
+    assert lib.sw_table_defer_cidr(t, 4, ffi.NULL, 8) == -EINVAL
+    assert lib.sw_table_defer_cidr(ffi.NULL, 4, addr, 8) == -EINVAL
+    for _ in range(lib.SW_TABLE_DEFER_NETS):
+        assert lib.sw_table_defer_cidr(t, 6, addr, 128) == 0
+    assert lib.sw_table_defer_cidr(t, 4, addr, 0) == -ENOSPC
+    assert lib.sw_table_set_mode(t, lib.SW_MODE_RULE, -1, 0) == 0
+    assert lib.sw_table_seal(t) == 0
+    assert lib.sw_table_defer_cidr(t, 4, addr, 8) == -EINVAL  # sealed
+    assert lib.sw_table_host_deferred(t, b"::", 2) == 1
+    assert lib.sw_table_host_deferred(t, b"::1", 3) == 0
+    assert lib.sw_table_host_deferred(ffi.NULL, b"::", 2) == 0
