@@ -9,19 +9,22 @@ events as a TCP flow, packet and byte counts. Each destination is routed by the
 rules (``network: udp``) when its first datagram arrives.
 
 This is the Python relay: the reference the C datagram relay is measured and
-tested against. It serves the ``direct`` and ``block`` outbounds; a destination
-routed to an outbound without UDP here fails, recorded with ``udp_unsupported``.
-Upstream sockets are one per (association, outbound), closed with the association.
-A destination idle for ``runtime.udp_upstream_idle_timeout_seconds`` completes.
+tested against. It serves the ``direct``, ``socks5`` (a UDP ASSOCIATE of its own
+with the upstream proxy) and ``block`` outbounds; a destination routed to an
+outbound without UDP here fails, recorded with ``udp_unsupported``. Upstream
+sockets are one per (association, outbound), closed with the association.
+A destination idle for ``runtime.udp_upstream_idle_timeout_seconds`` completes,
+and an upstream association none of whose destinations remain closes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
@@ -29,6 +32,7 @@ from spliceway.actors.messages import CloseFlow, StopFlow
 
 from spliceway import records, routing
 from spliceway.events import now_ms
+from spliceway.outbounds import DialError
 from spliceway.protocols import ProtocolError, socks5
 from spliceway.runtime import FlowEntry
 
@@ -47,15 +51,33 @@ _BATCH = 64
 
 
 @dataclass(slots=True)
+class _Upstream:
+    """An *upstream association*: the UDP socket one outbound's destinations share
+    (``direct``: datagrams go to each target; ``socks5``: to the proxy's relay, wrapped
+    in the SOCKS5 header, over an association whose TCP control connection it holds)."""
+
+    tag: str
+    kind: str
+    sock: socket.socket | None = None
+    relay: tuple[str, int] | None = None
+    control: socket.socket | None = None
+    #: Set once the proxy's association is up (socks5), or failed (None).
+    ready: asyncio.Future[bool] | None = None
+    #: Reply source -> destination.
+    by_source: dict[tuple[str, int], _Dest] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class _Dest:
     """One destination of the association: its flow, and where its datagrams go."""
 
     key: tuple[str, int]
     state: records.FlowState
-    action: str  # "direct", "block", "failed", "resolving"
+    action: str  # "opening", "relaying", "block", "closed"
+    upstream: _Upstream | None = None
     address: tuple[str, int] | None = None
     last_active: float = 0.0
-    #: Datagrams that arrived while the name was resolving (bounded).
+    #: Datagrams that arrived while the destination was opening (bounded).
     pending: list[bytes] | None = None
 
 
@@ -89,10 +111,9 @@ class UdpAssociationActor(LoopActor):
         self.id_prefix = id_prefix
         self.idle_timeout_s = idle_timeout_s
         self.sock: socket.socket | None = None
-        self.upstream: socket.socket | None = None
+        #: Upstream associations by outbound tag.
+        self.upstreams: dict[str, _Upstream] = {}
         self.dests: dict[tuple[str, int], _Dest] = {}
-        #: Upstream source address -> destination (replies find their flow).
-        self.by_address: dict[tuple[str, int], _Dest] = {}
         self._n = 0
         self._timer: Any = None
         self.dropped = 0
@@ -142,8 +163,9 @@ class UdpAssociationActor(LoopActor):
             self._timer.cancel()
             self._timer = None
         for dest in list(self.dests.values()):
-            self._end(dest, records.CANCELLED if dest.action == "resolving" else None)
-        self._close_upstream(idle=False)
+            self._end(dest, records.CANCELLED if dest.action == "opening" else None)
+        for up in list(self.upstreams.values()):
+            self._close_upstream(up, idle=False)
         if self.sock is not None:
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(self.sock.fileno())
@@ -212,7 +234,7 @@ class UdpAssociationActor(LoopActor):
         t.inbound_rx_bytes += len(data)
         t.packets_up = (t.packets_up or 0) + 1
         payload = datagram.payload
-        if dest.action == "resolving":
+        if dest.action == "opening":
             assert dest.pending is not None
             if len(dest.pending) < 64:
                 dest.pending.append(payload)
@@ -222,48 +244,105 @@ class UdpAssociationActor(LoopActor):
         self._send_up(dest, payload)
 
     def _send_up(self, dest: _Dest, payload: bytes) -> None:
-        upstream = self.upstream
-        if dest.action != "direct" or dest.address is None or upstream is None:
+        up = dest.upstream
+        if dest.action != "relaying" or up is None or up.sock is None:
             return
+        if up.kind == "socks5":
+            assert up.relay is not None
+            wire, to = socks5.build_udp_datagram(dest.key[0], dest.key[1], payload), up.relay
+        else:
+            assert dest.address is not None
+            wire, to = payload, dest.address
         try:
-            upstream.sendto(payload, dest.address)
+            up.sock.sendto(wire, to)
         except OSError:
             self.deps.counters.udp["send_failures"] += 1
             return
         t = dest.state.traffic
         t.bytes_up += len(payload)
-        t.outbound_tx_bytes += len(payload)
+        t.outbound_tx_bytes += len(wire)
         self.deps.counters.udp["packets_sent"] += 1
 
-    def _upstream(self) -> socket.socket | None:
-        """The association's direct upstream socket (one per association and outbound:
-        the *upstream association* ``stats.udp_upstream`` counts), made or reused for a
-        new destination. Dual-stack, so one socket reaches IPv4 and IPv6 targets."""
+    async def _upstream(self, outbound: Any) -> _Upstream | None:
+        """The upstream association of ``outbound``, opened or reused for a new
+        destination (``stats.udp_upstream`` counts them); None when it cannot open."""
         counters = self.deps.counters.udp
-        if self.upstream is not None:
+        up = self.upstreams.get(outbound.tag)
+        if up is not None:
+            if up.ready is not None and not await up.ready:
+                return None
             counters["reused_associations"] += 1
-            return self.upstream
+            return up
+        up = _Upstream(outbound.tag, outbound.protocol)
+        up.ready = self.dispatcher.loop.create_future()
+        self.upstreams[outbound.tag] = up
         try:
-            up = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-            up.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            up.setblocking(False)
-            up.bind(("::", 0))
-        except OSError:
+            if up.kind == "socks5":
+                up.control, up.relay = await outbound.udp_associate(self.dispatcher.loop)
+                family = socket.AF_INET6 if ":" in up.relay[0] else socket.AF_INET
+                sock = socket.socket(family, socket.SOCK_DGRAM)
+                sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            else:
+                # Dual-stack: one socket reaches IPv4 and IPv6 targets.
+                sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind(("::", 0))
+            sock.setblocking(False)
+        except (OSError, DialError) as ex:
+            logger.debug("UDP upstream %s failed: %s", outbound.tag, ex)
             counters["failed_association_attempts"] += 1
+            self.upstreams.pop(outbound.tag, None)
+            if up.control is not None:
+                up.control.close()
+            up.ready.set_result(False)
             return None
+        if self.actor_stopped.is_set():
+            sock.close()
+            if up.control is not None:
+                up.control.close()
+            up.ready.set_result(False)
+            return None
+        up.sock = sock
+        loop = self.dispatcher.loop
+        loop.add_reader(sock.fileno(), self._on_upstream, up)
+        if up.control is not None:
+            up.control.setblocking(False)
+            loop.add_reader(up.control.fileno(), self._on_upstream_control, up)
         counters["created_associations"] += 1
         counters["active_associations"] += 1
-        self.upstream = up
-        self.dispatcher.loop.add_reader(up.fileno(), self._on_upstream)
+        up.ready.set_result(True)
         return up
 
-    def _close_upstream(self, *, idle: bool) -> None:
-        up, self.upstream = self.upstream, None
-        if up is None:
+    def _on_upstream_control(self, up: _Upstream) -> None:
+        # The proxy ended the association: its destinations cannot go on.
+        assert up.control is not None
+        try:
+            if up.control.recv(4096):
+                return
+        except BlockingIOError:
             return
-        with contextlib.suppress(ValueError, OSError):
-            self.dispatcher.loop.remove_reader(up.fileno())
-        up.close()
+        except OSError:
+            pass
+        for dest in [d for d in self.dests.values() if d.upstream is up]:
+            self._end(
+                dest,
+                records.FAILED,
+                records.Failure("relay", "upstream_reset", f"proxy {up.tag} ended the association"),
+            )
+        self._close_upstream(up, idle=False)
+
+    def _close_upstream(self, up: _Upstream, *, idle: bool) -> None:
+        if self.upstreams.get(up.tag) is up:
+            del self.upstreams[up.tag]
+        loop = self.dispatcher.loop
+        for sock in (up.sock, up.control):
+            if sock is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(sock.fileno())
+                sock.close()
+        if up.sock is None:
+            return
+        up.sock = up.control = None
         counters = self.deps.counters.udp
         counters["active_associations"] -= 1
         counters["closed_associations"] += 1
@@ -272,26 +351,44 @@ class UdpAssociationActor(LoopActor):
 
     # -- upstream -> client ----------------------------------------------------------
 
-    def _on_upstream(self) -> None:
-        up, sock = self.upstream, self.sock
-        if up is None or sock is None or self.client_port is None:
+    def _on_upstream(self, up: _Upstream) -> None:
+        sock = self.sock
+        if up.sock is None or sock is None or self.client_port is None:
             return
         for _ in range(_BATCH):
             try:
-                data, source = up.recvfrom(_MAX_DATAGRAM)
+                data, source = up.sock.recvfrom(_MAX_DATAGRAM)
             except BlockingIOError:
                 return
             except OSError:
                 self.deps.counters.udp["recv_failures"] += 1
                 return
-            dest = self.by_address.get((source[0], source[1]))
+            if up.kind == "socks5":
+                if source[:2] != up.relay and (_norm(source[0]), source[1]) != up.relay:
+                    self.dropped += 1  # only the proxy's relay speaks on this socket
+                    continue
+                try:
+                    reply = socks5.parse_udp_datagram(data)
+                except ProtocolError:
+                    self.dropped += 1
+                    continue
+                origin, payload = (_norm_host(reply.host), reply.port), reply.payload
+            else:
+                origin, payload = (source[0], source[1]), data
+            dest = up.by_source.get(origin)
+            if dest is None:
+                # A proxy reports the address it heard from, not the name it was given.
+                dest = next(
+                    (d for d in self.dests.values() if d.upstream is up and d.key[1] == origin[1]),
+                    None,
+                )
             if dest is None:
                 self.dropped += 1  # from nobody the client sent to
                 continue
             self.deps.counters.udp["packets_received"] += 1
             # The reply names the destination as the client addressed it, so a client
             # that sent to a name matches the reply to its request.
-            wire = socks5.build_udp_datagram(dest.key[0], dest.key[1], data)
+            wire = socks5.build_udp_datagram(dest.key[0], dest.key[1], payload)
             try:
                 sock.sendto(wire, (self.peer[0], self.client_port))
             except OSError:
@@ -300,7 +397,7 @@ class UdpAssociationActor(LoopActor):
             dest.last_active = self.dispatcher.loop.time()
             t = dest.state.traffic
             t.outbound_rx_bytes += len(data)
-            t.bytes_down += len(data)
+            t.bytes_down += len(payload)
             t.inbound_tx_bytes += len(wire)
             t.packets_down = (t.packets_down or 0) + 1
 
@@ -358,7 +455,7 @@ class UdpAssociationActor(LoopActor):
             dest.action = "block"
             self._end(dest, records.BLOCKED)
             return dest
-        if outbound.protocol != "direct":
+        if outbound.protocol not in ("direct", "socks5"):
             self._end(
                 dest,
                 records.FAILED,
@@ -370,48 +467,62 @@ class UdpAssociationActor(LoopActor):
                 ),
             )
             return dest
-        if _is_ip(key[0]):
-            self._routed(dest, _norm(key[0]))
-        else:
-            dest.action = "resolving"
-            dest.pending = []
-            self.dispatcher.spawn(self._resolve(dest))
+        dest.action = "opening"
+        dest.pending = []
+        self.dispatcher.spawn(self._open_path(dest, outbound))
         return dest
 
-    async def _resolve(self, dest: _Dest) -> None:
-        try:
-            addresses = await self.resolver.resolve(dest.key[0])
-        except Exception as ex:  # InvalidHostname, ResolveError: the flow fails
-            addresses, error = [], str(ex)
-        else:
-            error = f"{dest.key[0]} has no address"
-        if dest.action != "resolving" or self.actor_stopped.is_set():
+    async def _open_path(self, dest: _Dest, outbound: Any) -> None:
+        """Resolve (direct) and open the upstream association, then send what waited."""
+        ip = None
+        if outbound.protocol == "direct":
+            if _is_ip(dest.key[0]):
+                ip = _norm(dest.key[0])
+            else:
+                try:
+                    addresses = await self.resolver.resolve(dest.key[0])
+                except Exception as ex:  # InvalidHostname, ResolveError: the flow fails
+                    addresses, error = [], str(ex)
+                else:
+                    error = f"{dest.key[0]} has no address"
+                if not addresses:
+                    if dest.action == "opening":
+                        self._end(dest, records.FAILED, records.Failure("dns", "dns_failed", error))
+                    return
+                ip = addresses[0]
+        up = await self._upstream(outbound)
+        if dest.action != "opening" or self.actor_stopped.is_set():
             return
-        if not addresses:
-            self._end(dest, records.FAILED, records.Failure("dns", "dns_failed", error))
-            return
-        pending, dest.pending = dest.pending or [], None
-        self._routed(dest, addresses[0])
-        for payload in pending:
-            self._send_up(dest, payload)
-
-    def _routed(self, dest: _Dest, ip: str) -> None:
-        if self._upstream() is None:
+        if up is None:
             self._end(
                 dest,
                 records.FAILED,
-                records.Failure("connect", "connect_failed", "no upstream UDP socket"),
+                records.Failure(
+                    "connect", "connect_failed", f"no UDP association through {outbound.tag!r}"
+                ),
             )
             return
-        dest.action = "direct"
-        dest.address = (_v6(ip), dest.key[1])
-        self.by_address[dest.address] = dest
+        dest.upstream = up
         s = dest.state
-        s.resolved_ip = ip
-        s.remote_host, s.remote_port = dest.key
+        if ip is not None:
+            dest.address = (_v6(ip), dest.key[1])
+            up.by_source[dest.address] = dest
+            s.resolved_ip = ip
+            s.remote_host, s.remote_port = dest.key
+        else:
+            up.by_source[(_norm_host(dest.key[0]), dest.key[1])] = dest
+            s.remote_host, s.remote_port = outbound.server, outbound.port
+            s.relay_chain = [outbound.tag]
+        dest.action = "relaying"
         s.state = "active"
-        self.deps.counters.direct_sessions += 1
+        if outbound.chained:
+            self.deps.counters.chained_sessions += 1
+        else:
+            self.deps.counters.direct_sessions += 1
         self._publish(dest, "flow.routed")
+        pending, dest.pending = dest.pending or [], None
+        for payload in pending:
+            self._send_up(dest, payload)
 
     def _end(
         self, dest: _Dest, outcome: str | None, failure: records.Failure | None = None
@@ -420,13 +531,14 @@ class UdpAssociationActor(LoopActor):
         if s.state == "completed":
             return
         self.dests.pop(dest.key, None)
-        if dest.address is not None:
-            self.by_address.pop(dest.address, None)
+        up = dest.upstream
+        if up is not None:
+            for source in [k for k, d in up.by_source.items() if d is dest]:
+                del up.by_source[source]
         dest.action = "closed"
         s.state = "completed"
-        s.outcome = outcome or (
-            records.DIRECT_RELAYED if s.route_action != "pending" else records.CANCELLED
-        )
+        chained = up is not None and up.kind != "direct"
+        s.outcome = outcome or (records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED)
         s.failure = failure
         if failure is not None:
             s.close_reason = records.UPSTREAM_ERROR if outcome == records.FAILED else None
@@ -470,11 +582,12 @@ class UdpAssociationActor(LoopActor):
             return
         now = self.dispatcher.loop.time()
         for dest in list(self.dests.values()):
-            if dest.action == "direct" and now - dest.last_active >= self.idle_timeout_s:
+            if dest.action == "relaying" and now - dest.last_active >= self.idle_timeout_s:
                 dest.state.close_reason = records.IDLE_TIMEOUT
                 self._end(dest, None)
-        if self.upstream is not None and not any(d.action == "direct" for d in self.dests.values()):
-            self._close_upstream(idle=True)
+        for up in list(self.upstreams.values()):
+            if up.sock is not None and not any(d.upstream is up for d in self.dests.values()):
+                self._close_upstream(up, idle=True)
         self._arm_timer()
 
     def on_receive(self, message: Any) -> Any:
@@ -506,6 +619,11 @@ def _v6(ip: str) -> str:
     """``ip`` as the dual-stack upstream socket names it (IPv4 as ``::ffff:a.b.c.d``)."""
     addr = ipaddress.ip_address(ip)
     return f"::ffff:{addr}" if addr.version == 4 else str(addr)
+
+
+def _norm_host(host: str) -> str:
+    """A reply or destination host in the form replies are matched by."""
+    return _norm(host) if _is_ip(host) else host.lower()
 
 
 def _norm(ip: str) -> str:

@@ -352,13 +352,74 @@ class Socks5Outbound(_CredentialedProxy):
         buf: bytearray,
     ) -> Dialed:
         """SOCKS5 handshake on a connected socket (no timeout of its own)."""
+        # Bytes already in buf were counted by whoever read them (the previous hop).
+        consumed = -len(buf)
+        tx, consumed, reply = await self._request(
+            loop, sock, buf, socks5.client_connect(host, port), consumed
+        )
+        if reply.code != socks5.REP_SUCCEEDED:
+            raise DialError(
+                SOCKS_REPLY_NAMES.get(reply.code, "upstream_rejected"),
+                f"proxy {self.tag} answered SOCKS5 reply {reply.code} for {host}:{port}",
+                remote=f"{self.server}:{self.port}",
+            )
+        return Dialed(
+            sock,
+            self.server,
+            self.port,
+            tx_bytes=tx,
+            rx_bytes=consumed + len(buf),
+            leftover=bytes(buf[reply.consumed :]),
+        )
+
+    async def udp_associate(
+        self, loop: asyncio.AbstractEventLoop
+    ) -> tuple[socket.socket, tuple[str, int]]:
+        """A UDP association with this proxy (RFC 1928 section 7): its TCP control
+        connection (the association ends when it closes) and the relay address to send
+        datagrams to. DialError on failure, within ``connect_timeout_ms``."""
+        deadline = loop.time() + self.connect_timeout
+        sock = await self.reach(loop, deadline)
+        buf = bytearray()
+        try:
+            async with asyncio.timeout_at(deadline):
+                request = socks5.client_request(socks5.CMD_UDP_ASSOCIATE, "0.0.0.0", 0)
+                _, _, reply = await self._request(loop, sock, buf, request, 0)
+        except TimeoutError as ex:
+            sock.close()
+            raise DialError(
+                "connect_timeout", f"proxy {self.tag} handshake timed out", member_down=True
+            ) from ex
+        except BaseException:
+            sock.close()
+            raise
+        if reply.code != socks5.REP_SUCCEEDED:
+            sock.close()
+            raise DialError(
+                SOCKS_REPLY_NAMES.get(reply.code, "upstream_rejected"),
+                f"proxy {self.tag} answered SOCKS5 reply {reply.code} to UDP ASSOCIATE",
+                remote=f"{self.server}:{self.port}",
+            )
+        host = reply.bind_host
+        if host in ("0.0.0.0", "::"):
+            # "Send to the address you reached me on" (RFC 1928 leaves it open).
+            host = sock.getpeername()[0]
+        return sock, (host, reply.bind_port)
+
+    async def _request(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        buf: bytearray,
+        request: bytes,
+        consumed: int,
+    ) -> tuple[int, int, socks5.Reply]:
+        """Greeting, authentication and ``request``; (bytes sent, bytes consumed, reply)."""
         with_auth = self.username is not None
-        # Not pipelined with the CONNECT: some servers (microsocks) drop bytes sent
+        # Not pipelined with the request: some servers (microsocks) drop bytes sent
         # before their method selection, and a lost request costs a whole timeout.
         greeting = socks5.client_greeting(with_auth)
         tx = len(greeting)
-        # Bytes already in buf were counted by whoever read them (the previous hop).
-        consumed = -len(buf)
         await loop.sock_sendall(sock, greeting)
         try:
             sel = await _recv_until(loop, sock, buf, socks5.parse_method_selection)
@@ -377,26 +438,12 @@ class Socks5Outbound(_CredentialedProxy):
                     raise self._auth_failed("rejected the credentials")
             elif sel.method != socks5.METHOD_NO_AUTH:
                 raise self._auth_failed("requires authentication")
-            request = socks5.client_connect(host, port)
             await loop.sock_sendall(sock, request)
             tx += len(request)
             reply = await _recv_until(loop, sock, buf, socks5.parse_reply)
         except ProtocolError as ex:
             raise self._broken(ex) from ex
-        if reply.code != socks5.REP_SUCCEEDED:
-            raise DialError(
-                SOCKS_REPLY_NAMES.get(reply.code, "upstream_rejected"),
-                f"proxy {self.tag} answered SOCKS5 reply {reply.code} for {host}:{port}",
-                remote=f"{self.server}:{self.port}",
-            )
-        return Dialed(
-            sock,
-            self.server,
-            self.port,
-            tx_bytes=tx,
-            rx_bytes=consumed + len(buf),
-            leftover=bytes(buf[reply.consumed :]),
-        )
+        return tx, consumed, reply
 
 
 SOCKS_REPLY_NAMES = {

@@ -162,3 +162,26 @@ class CountingForwarder(LoopbackServer):
             dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+
+
+@contextmanager
+def dante(tmp: Path) -> Iterator[int]:
+    """Debian's dante-server (danted) on 127.0.0.1, no auth, CONNECT and UDP ASSOCIATE
+    allowed to loopback only; yields its port."""
+    port = free_port()
+    conf = tmp / "danted.conf"
+    conf.write_text(
+        f"""logoutput: {tmp / "danted.log"}
+internal: 127.0.0.1 port = {port}
+external: 127.0.0.1
+socksmethod: none
+clientmethod: none
+user.privileged: root
+user.unprivileged: nobody
+client pass {{ from: 127.0.0.0/8 to: 0.0.0.0/0 }}
+socks pass {{ from: 127.0.0.0/8 to: 127.0.0.0/8 command: connect udpassociate udpreply }}
+"""
+    )
+    args = ["danted", "-f", str(conf), "-p", str(tmp / "danted.pid"), "-N", "1"]
+    with upstream_process(args, port) as p:
+        yield p

@@ -128,3 +128,30 @@ def test_flows_close_ends_one_udp_flow(make_engine) -> None:
         assert engine.execute("flows.close", {"flow_id": flow["flow_id"]})["closed"] is True
         (record,) = completed(engine, 1)
         assert record["result"] == {"outcome": "cancelled", "close_reason": "manual"}
+
+
+def test_socks5_outbound_relays_udp_through_dante(make_engine, tmp_path) -> None:
+    from tests.helpers.upstreams import dante
+
+    with dante(tmp_path) as port, UdpEcho() as echo:
+        cfg = base_config(
+            outbounds=[
+                {"tag": "direct", "protocol": "direct"},
+                {"tag": "hop", "protocol": "socks5", "server": "127.0.0.1", "port": port},
+            ],
+            route={"final": "hop"},
+        )
+        engine = make_engine(cfg)
+        with Association(engine.listen_address("socks-in")) as assoc:
+            for n in range(3):
+                assoc.send("127.0.0.1", echo.port, b"via dante %d" % n)
+                assert assoc.recv()[:3] == ("127.0.0.1", echo.port, b"via dante %d" % n)
+        (record,) = completed(engine, 1)
+    assert record["result"]["outcome"] == "chained_relayed"
+    assert record["path"]["outbound"]["tag"] == "hop"
+    t = record["traffic"]
+    assert (t["packets_up"], t["packets_down"]) == (3, 3)
+    assert t["bytes_up"] == t["bytes_down"] == 3 * len(b"via dante 0")
+    # Each way, the hop's datagrams carry the SOCKS5 header (10 bytes for IPv4).
+    assert t["outbound_tx_bytes"] == t["bytes_up"] + 3 * 10
+    assert t["outbound_rx_bytes"] == t["bytes_down"] + 3 * 10
