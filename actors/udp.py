@@ -10,7 +10,8 @@ rules (``network: udp``) when its first datagram arrives.
 
 This is the Python relay: the reference the C datagram relay is measured and
 tested against. It serves the ``direct``, ``socks5`` (a UDP ASSOCIATE of its own
-with the upstream proxy) and ``block`` outbounds; a destination routed to an
+with the upstream proxy), ``shadowsocks`` (AEAD per packet, SIP004) and ``block``
+outbounds; a destination routed to an
 outbound without UDP here fails, recorded with ``udp_unsupported``. Upstream
 sockets are one per (association, outbound), closed with the association.
 A destination idle for ``runtime.udp_upstream_idle_timeout_seconds`` completes,
@@ -31,9 +32,10 @@ from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, StopFlow
 
 from spliceway import records, routing
+from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.events import now_ms
 from spliceway.outbounds import DialError
-from spliceway.protocols import ProtocolError, socks5
+from spliceway.protocols import ProtocolError, shadowsocks, socks5
 from spliceway.runtime import FlowEntry
 
 if TYPE_CHECKING:
@@ -61,6 +63,8 @@ class _Upstream:
     sock: socket.socket | None = None
     relay: tuple[str, int] | None = None
     control: socket.socket | None = None
+    #: The shadowsocks outbound (its cipher and key seal each packet).
+    outbound: Any = None
     #: Set once the proxy's association is up (socks5), or failed (None).
     ready: asyncio.Future[bool] | None = None
     #: Reply source -> destination.
@@ -250,6 +254,11 @@ class UdpAssociationActor(LoopActor):
         if up.kind == "socks5":
             assert up.relay is not None
             wire, to = socks5.build_udp_datagram(dest.key[0], dest.key[1], payload), up.relay
+        elif up.kind == "shadowsocks":
+            assert up.relay is not None and up.outbound is not None
+            ob = up.outbound
+            wire = shadowsocks.seal_packet(ob.cipher, ob.master_key, *dest.key, payload)
+            to = up.relay
         else:
             assert dest.address is not None
             wire, to = payload, dest.address
@@ -277,8 +286,12 @@ class UdpAssociationActor(LoopActor):
         up.ready = self.dispatcher.loop.create_future()
         self.upstreams[outbound.tag] = up
         try:
-            if up.kind == "socks5":
-                up.control, up.relay = await outbound.udp_associate(self.dispatcher.loop)
+            if up.kind in ("socks5", "shadowsocks"):
+                if up.kind == "socks5":
+                    up.control, up.relay = await outbound.udp_associate(self.dispatcher.loop)
+                else:
+                    up.outbound = outbound
+                    up.relay = await self._server_address(outbound)
                 family = socket.AF_INET6 if ":" in up.relay[0] else socket.AF_INET
                 sock = socket.socket(family, socket.SOCK_DGRAM)
                 sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
@@ -288,7 +301,7 @@ class UdpAssociationActor(LoopActor):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
                 sock.bind(("::", 0))
             sock.setblocking(False)
-        except (OSError, DialError) as ex:
+        except (OSError, DialError, ResolveError, InvalidHostname) as ex:
             logger.debug("UDP upstream %s failed: %s", outbound.tag, ex)
             counters["failed_association_attempts"] += 1
             self.upstreams.pop(outbound.tag, None)
@@ -312,6 +325,15 @@ class UdpAssociationActor(LoopActor):
         counters["active_associations"] += 1
         up.ready.set_result(True)
         return up
+
+    async def _server_address(self, outbound: Any) -> tuple[str, int]:
+        """Where a shadowsocks server takes UDP: its address, resolved by the engine."""
+        if _is_ip(outbound.server):
+            return _norm(outbound.server), outbound.port
+        addresses = await self.resolver.resolve(outbound.server)
+        if not addresses:
+            raise OSError(f"{outbound.server} has no address")
+        return addresses[0], outbound.port
 
     def _on_upstream_control(self, up: _Upstream) -> None:
         # The proxy ended the association: its destinations cannot go on.
@@ -373,6 +395,19 @@ class UdpAssociationActor(LoopActor):
                     self.dropped += 1
                     continue
                 origin, payload = (_norm_host(reply.host), reply.port), reply.payload
+            elif up.kind == "shadowsocks":
+                if (_norm(source[0]), source[1]) != up.relay:
+                    self.dropped += 1  # only the server speaks on this socket
+                    continue
+                assert up.outbound is not None
+                try:
+                    host, port, payload = shadowsocks.open_packet(
+                        up.outbound.cipher, up.outbound.master_key, data
+                    )
+                except ProtocolError:
+                    self.dropped += 1
+                    continue
+                origin = (_norm_host(host), port)
             else:
                 origin, payload = (source[0], source[1]), data
             dest = up.by_source.get(origin)
@@ -455,7 +490,7 @@ class UdpAssociationActor(LoopActor):
             dest.action = "block"
             self._end(dest, records.BLOCKED)
             return dest
-        if outbound.protocol not in ("direct", "socks5"):
+        if outbound.protocol not in ("direct", "socks5", "shadowsocks"):
             self._end(
                 dest,
                 records.FAILED,

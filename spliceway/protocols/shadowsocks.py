@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from spliceway.protocols import ProtocolError
-from spliceway.protocols.socks5 import encode_address
+from spliceway.protocols.socks5 import encode_address, parse_udp_datagram
 
 __all__ = [
     "CIPHERS",
@@ -179,3 +179,30 @@ class Decryptor:
 def target_header(host: str, port: int) -> bytes:
     """The target in SOCKS5 address form, the start of the client's first payload."""
     return encode_address(host, port)
+
+
+#: A UDP packet's nonce: each packet has its own salt, so the nonce never repeats.
+_ZERO_NONCE = bytes(_NONCE_SIZE)
+
+
+def seal_packet(cipher: Cipher, master: bytes, host: str, port: int, payload: bytes) -> bytes:
+    """One shadowsocks AEAD UDP packet (SIP004): ``salt || seal(target || payload)``."""
+    salt = os.urandom(cipher.key_size)
+    body = encode_address(host, port) + payload
+    return salt + cipher.aead(_subkey(master, salt)).encrypt(_ZERO_NONCE, body, None)
+
+
+def open_packet(cipher: Cipher, master: bytes, packet: bytes) -> tuple[str, int, bytes]:
+    """(source host, port, payload) of a sealed UDP packet; ProtocolError when it is too
+    short, fails authentication, or its address does not parse."""
+    size = cipher.key_size
+    if len(packet) < size + TAG_SIZE:
+        raise ProtocolError("shadowsocks UDP packet shorter than salt and tag")
+    salt = packet[:size]
+    try:
+        body = cipher.aead(_subkey(master, salt)).decrypt(_ZERO_NONCE, packet[size:], None)
+    except InvalidTag as ex:
+        raise ProtocolError("shadowsocks authentication failed (wrong key or tampered)") from ex
+    # The body is a SOCKS5 UDP datagram without its RSV and FRAG: parse it as one.
+    datagram = parse_udp_datagram(bytes(3) + body)
+    return datagram.host, datagram.port, datagram.payload

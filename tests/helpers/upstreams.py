@@ -103,10 +103,13 @@ def microsocks(auth: tuple[str, str] | None = None) -> Iterator[int]:
 
 
 @contextmanager
-def ss_server(method: str, password: str = "secret") -> Iterator[int]:
-    """Debian's ss-server (shadowsocks-libev, TCP) on 127.0.0.1; yields its port."""
+def ss_server(method: str, password: str = "secret", *, udp: bool = False) -> Iterator[int]:
+    """Debian's ss-server (shadowsocks-libev, TCP; and UDP with ``udp``) on 127.0.0.1;
+    yields its port."""
     port = free_port()
     args = ["ss-server", "-s", "127.0.0.1", "-p", str(port), "-k", password, "-m", method]
+    if udp:
+        args.append("-u")
     with upstream_process(args, port) as p:
         yield p
 

@@ -155,3 +155,36 @@ def test_socks5_outbound_relays_udp_through_dante(make_engine, tmp_path) -> None
     # Each way, the hop's datagrams carry the SOCKS5 header (10 bytes for IPv4).
     assert t["outbound_tx_bytes"] == t["bytes_up"] + 3 * 10
     assert t["outbound_rx_bytes"] == t["bytes_down"] + 3 * 10
+
+
+@pytest.mark.parametrize("method", ["chacha20-ietf-poly1305", "aes-256-gcm"])
+def test_shadowsocks_outbound_relays_udp_through_ss_server(make_engine, method: str) -> None:
+    from tests.helpers.upstreams import ss_server
+
+    with ss_server(method, "pw", udp=True) as port, UdpEcho() as echo:
+        cfg = base_config(
+            outbounds=[
+                {"tag": "direct", "protocol": "direct"},
+                {
+                    "tag": "ss",
+                    "protocol": "shadowsocks",
+                    "server": "127.0.0.1",
+                    "port": port,
+                    "method": method,
+                    "password": "pw",
+                },
+            ],
+            route={"final": "ss"},
+        )
+        engine = make_engine(cfg)
+        with Association(engine.listen_address("socks-in")) as assoc:
+            for n in range(3):
+                assoc.send("127.0.0.1", echo.port, b"sealed %d" % n)
+                assert assoc.recv()[:3] == ("127.0.0.1", echo.port, b"sealed %d" % n)
+        (record,) = completed(engine, 1)
+    assert record["result"]["outcome"] == "chained_relayed"
+    t = record["traffic"]
+    assert (t["packets_up"], t["packets_down"]) == (3, 3)
+    # salt (32) + sealed IPv4 address (7) + payload + tag (16) per packet
+    assert t["outbound_tx_bytes"] == t["bytes_up"] + 3 * (32 + 7 + 16)
+    assert t["outbound_rx_bytes"] == t["bytes_down"] + 3 * (32 + 7 + 16)
