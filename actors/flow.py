@@ -42,6 +42,7 @@ from spliceway.relay import Cause
 from spliceway.runtime import FlowEntry, RouteState
 
 if TYPE_CHECKING:
+    from spliceway.dns.fakeip import FakeIpPool
     from spliceway.engine_core import EngineCore, InboundSpec
     from spliceway.flowhook import FlowHookClient
 
@@ -130,6 +131,11 @@ class FlowDeps:
     def flow_hook(self) -> FlowHookClient | None:
         """The flow hook's client now (a reload replaces it), None without a hook."""
         return self._core.flow_hook
+
+    @property
+    def fakeip(self) -> FakeIpPool | None:
+        """The fake-ip pool now (``runtime.dns.answer.type: fake_ip``), else None."""
+        return self._core.dns.pool
 
 
 class FlowActor(LoopActor):
@@ -427,7 +433,16 @@ class FlowActor(LoopActor):
 
     def _new_state(self, hs: Handshake, started_at: int | None = None) -> records.FlowState:
         """The record of a flow whose handshake completed (at ``started_at``, else now),
-        not yet the actor's: :meth:`_start_record` makes it so and announces it."""
+        not yet the actor's: :meth:`_start_record` makes it so and announces it. A target
+        that is a mapped fake-ip address becomes its domain (``hs.host`` too)."""
+        pool = self.deps.fakeip
+        if pool is not None:
+            # A fake-ip address stands for the domain the client resolved: the flow is
+            # that domain's (target.host, domain rules, the dial). The route table hands
+            # every such flow to Python (route_publish), so this is the one place.
+            domain = pool.domain_of(hs.host)
+            if domain is not None:
+                hs.host = domain
         started = now_ms() if started_at is None else started_at
         state = records.FlowState(
             flow_id=self.flow_id,

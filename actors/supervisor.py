@@ -157,6 +157,8 @@ class EngineSupervisor(LoopActor):
         if dns_changed:
             core.resolver.on_answer = core.dns_answer
             core.bridge.conn.dns_flush()
+        if plan.dns is not None:
+            core.dns.install(plan.dns)
         if new.runtime.stats_interval_ms != old.runtime.stats_interval_ms:
             if self.sampler is not None:
                 with contextlib.suppress(pykka.ActorDeadError):

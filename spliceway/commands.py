@@ -142,9 +142,10 @@ class FakeIpParams(_Params):
     """``diagnostics.fakeip_lookup`` / ``fakeip.clear``."""
 
     domain: str | None = None
-    """A domain name: look up its fake address (or clear its entry)."""
+    """A domain name: look up its fake address (or clear its mapping). Case and a
+    trailing dot do not matter."""
     ip: str | None = None
-    """A fake address: look up its domain (or clear its entry)."""
+    """A fake address: look up its domain (or clear its mapping)."""
 
 
 class TunStartParams(_Params):
@@ -312,7 +313,14 @@ def _dns_cache(core: EngineCore, p: DnsCacheParams) -> dict[str, Any]:
     return dns.dns_cache_result(core.resolver, p.domain, p.limit)
 
 
-_FAKE_IP = "fake-ip answers (runtime.dns.answer fake_ip, not built yet)"
+def _fakeip_lookup(core: EngineCore, p: FakeIpParams) -> dict[str, Any]:
+    return dns.fakeip_lookup_result(core.dns.pool, p.domain, p.ip)
+
+
+def _fakeip_clear(core: EngineCore, p: FakeIpParams) -> dict[str, Any]:
+    return dns.fakeip_clear_result(core.dns.pool, p.domain, p.ip)
+
+
 _TUN = "the TUN inbound (not built yet)"
 _APPLY_ERRORS = (
     (
@@ -505,16 +513,38 @@ COMMANDS: dict[str, Command] = {
             "diagnostics.fakeip_lookup",
             "read",
             FakeIpParams,
-            missing=_FAKE_IP,
-            summary="Find the fake address of a name, or the name of a fake address.",
+            _fakeip_lookup,
+            summary="Find the fake address of a name, or the name of a fake address "
+            "(`runtime.dns.answer.type: fake_ip`); never allocates one. `enabled: false` "
+            "when fake-ip answers are not configured; null when there is no mapping.",
+            errors=(
+                (
+                    "invalid_argument",
+                    "Neither or both of `params.domain` and `params.ip`, or `params.ip` is "
+                    "not an IP address.",
+                ),
+            ),
             example={"domain": "example.com"},
         ),
         Command(
             "fakeip.clear",
             "admin",
             FakeIpParams,
-            missing=_FAKE_IP,
-            summary="Forget fake-ip assignments.",
+            _fakeip_clear,
+            summary="Forget fake-ip mappings: the one of `domain`, of `ip`, or every one with "
+            "`{}`; `persist_path` is rewritten before the answer. Clients holding an old "
+            "address must resolve again (this is not a DNS cache flush).",
+            errors=(
+                (
+                    "invalid_argument",
+                    "Both `params.domain` and `params.ip`, or `params.ip` is not an IP address.",
+                ),
+                (
+                    "internal",
+                    "The mappings were removed but `persist_path` could not be written.",
+                ),
+            ),
+            example={"domain": "example.com"},
         ),
     )
 }

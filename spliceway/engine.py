@@ -151,6 +151,14 @@ class Engine:
                 return active.bound
         raise not_found(f"no inbound {tag!r}")
 
+    def dns_address(self) -> tuple[str, int]:
+        """The (address, port) the DNS server (``runtime.dns.listen``) bound, UDP and TCP
+        alike; ``not_found`` when it is not running."""
+        server = self._core.dns.server
+        if server is None:
+            raise not_found("the DNS server is not running (runtime.dns.listen is null)")
+        return server.bound
+
     @property
     def control_url(self) -> str:
         """Base URL (``http://host:port``) of the running HTTP control API."""

@@ -2,8 +2,9 @@
 
 The public face is ``spliceway.Engine`` (engine.py); transports and the command
 table reach the engine through an ``EngineCore``. Start order: the connector
-(outbox lock and recovery, sink actors), bind every inbound (all or nothing),
-dispatcher, relay bridge, supervisor (listeners, sampler), then ``engine.started``.
+(outbox lock and recovery, sink actors), bind every inbound and the DNS server's
+address (all or nothing), dispatcher, relay bridge, ``engine.started``, the DNS
+server, supervisor (listeners, sampler).
 Stop reverses it, and every flow still open completes with exactly one
 ``flow.completed`` before ``engine.stopped``, which the sinks still take in.
 """
@@ -34,6 +35,7 @@ from spliceway.actors.udp import UdpAssociationActor
 from spliceway.config import Config
 from spliceway.connector.service import Connector
 from spliceway.connpath import ConnRecord, Deferred
+from spliceway.dns.service import FAKEIP_WARNING, DnsService
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
 from spliceway.flowhook import WARNING_CODE, FlowHookClient
@@ -133,6 +135,9 @@ class EngineCore:
         self.listen_sockets: dict[int, socket.socket] = {}
         self.reconciler = Reconciler(self)
         self.routes = RoutePublisher(self)
+        #: The fake-ip pool and the DNS server (``runtime.dns``); they read the resolver
+        #: through the core, so a reload's new one answers at once.
+        self.dns = DnsService(lambda: self.resolver, self._dns_warning)
         self.started_at_unix_ms = 0
         # Made in start(): its event loop holds a socket pair that only a started
         # engine's stop() closes, so an engine that never starts must not own one.
@@ -175,6 +180,12 @@ class EngineCore:
         self.connector.start()
         try:
             sockets = self._bind_all()
+            try:
+                dns_plan = self.dns.prepare(self.config.runtime.dns)
+            except BaseException:
+                for sock in sockets:
+                    sock.close()
+                raise
         except BaseException:
             self.connector.stop()
             raise
@@ -199,11 +210,14 @@ class EngineCore:
                 "engine.started",
                 {"build_id": self.build_id, "started_at_unix_ms": self.started_at_unix_ms},
             )
+            # After engine.started: a damaged fake-ip file's warning follows it.
+            self.dns.install(dns_plan)
             self.supervisor = EngineSupervisor.start(self, sockets)
             # Its on_start runs on the dispatcher; a proxied read is answered only after it,
             # so the group actors (policies.* commands) exist once start() returns.
             self.supervisor.proxy().listeners.get(timeout=_STOP_GRACE_S)
         except BaseException:
+            dns_plan.discard()
             self._abort_start(sockets, bridge)
             raise
         self.running = True
@@ -218,6 +232,8 @@ class EngineCore:
         assert self.supervisor is not None
         with contextlib.suppress(pykka.ActorDeadError):
             self.supervisor.proxy().stop_listeners().get(timeout=_STOP_GRACE_S)
+        # No new names either; the fake-ip table is written out.
+        self.dns.stop()
         for entry in self.flows.entries():
             with contextlib.suppress(pykka.ActorDeadError):
                 entry.actor.tell(StopFlow())
@@ -250,6 +266,7 @@ class EngineCore:
 
     def _abort_start(self, sockets: list[socket.socket], bridge: RelayBridge | None) -> None:
         """Undo a start that failed after binding: nothing may be left running or open."""
+        self.dns.stop()
         if self.supervisor is not None:
             with contextlib.suppress(Exception):
                 self.supervisor.stop(timeout=_STOP_GRACE_S)
@@ -287,6 +304,10 @@ class EngineCore:
         if hook is None:
             return None
         return FlowHookClient(hook.settings(), self.dispatcher.loop, self._hook_warning)
+
+    def _dns_warning(self, message: str) -> None:
+        """A fake-ip table that could not be read back whole, as ``engine.warning``."""
+        self.log.emit("engine.warning", {"code": FAKEIP_WARNING, "message": message})
 
     def _hook_warning(self, message: str) -> None:
         """The client's outage report, as ``engine.warning`` (dispatcher thread)."""
@@ -410,10 +431,6 @@ class EngineCore:
         missing = []
         if config.runtime.tun is not None:
             missing.append("runtime.tun (the TUN inbound is not built yet)")
-        if config.runtime.dns.listen is not None:
-            missing.append("runtime.dns.listen (the DNS server is not built yet)")
-        if config.runtime.dns.answer.type == "fake_ip":
-            missing.append("runtime.dns.answer fake_ip (fake-ip answers are not built yet)")
         if missing:
             raise ApiError("unsupported", "this build cannot run: " + "; ".join(missing))
 

@@ -9,8 +9,10 @@ One apply is a transaction over the running engine, serialised by the core's
 2. **prepare**, nothing visible yet: the routing parts (reusing every unchanged
    outbound, resolver and group view), and a socket for every inbound that is new
    or changed: bound afresh for a new address, or a duplicate of the running
-   listener's socket when the address stays, so clients see no gap. A port that
-   cannot be bound fails here, before anything changed.
+   listener's socket when the address stays, so clients see no gap; for a changed
+   ``runtime.dns``, the fake-ip pool and the DNS server's sockets
+   (:mod:`spliceway.dns.service`). A port that cannot be bound fails here, before
+   anything changed.
 3. **persist** (``config.apply`` with a source file): the file is replaced
    atomically (:mod:`spliceway.atomic_file`); its old bytes are kept to restore.
 4. **sinks**: the connector adds, restarts and removes sinks (a removed sink's
@@ -18,7 +20,8 @@ One apply is a transaction over the running engine, serialised by the core's
 5. **commit** on the dispatcher thread, where every flow decides, so a flow sees
    the old tables or the new ones, never a mix: listeners swapped, tables and
    group actors replaced, the flow hook's client replaced (the old one settles
-   the asks it has), the C route table recompiled and swapped.
+   the asks it has), the C route table recompiled and swapped, the fake-ip pool and
+   DNS server replaced.
 
 A failure in steps 3 to 5 undoes what was done (sinks reconfigured back, the file
 restored) and the error says so; ``config.changed`` is emitted only on success.
@@ -43,6 +46,7 @@ from spliceway.errors import ApiError
 from spliceway.events import now_ms
 
 if TYPE_CHECKING:
+    from spliceway.dns.service import DnsPlan
     from spliceway.engine_core import EngineCore, InboundSpec
 
 logger = logging.getLogger(__name__)
@@ -102,6 +106,14 @@ class Plan:
     parts: assembly.RoutingParts
     listeners: ListenerChange
     changed: list[str]
+    #: The new ``runtime.dns`` (pool, DNS server sockets) when it changed.
+    dns: DnsPlan | None = None
+
+    def discard(self) -> None:
+        """Close and drop what was prepared (the apply did not go through)."""
+        self.listeners.close_sockets()
+        if self.dns is not None:
+            self.dns.discard()
 
 
 def check_fixed(old: Config, new: Config, outbox_open: bool) -> None:
@@ -172,7 +184,7 @@ class Reconciler:
                 else:
                     persistence, restore = self._persist(document, persist)
             except BaseException:
-                plan.listeners.close_sockets()
+                plan.discard()
                 raise
             try:
                 try:
@@ -180,7 +192,7 @@ class Reconciler:
                 finally:
                     plan.listeners.close_spares()
             except BaseException as ex:
-                plan.listeners.close_sockets()
+                plan.discard()
                 outcome = self._undo_file(restore)
                 if isinstance(ex, ApiError):
                     raise ApiError(
@@ -240,7 +252,14 @@ class Reconciler:
             changed.append("event_dispatcher")
         if old.runtime != new.runtime:
             changed.append("runtime")
-        return Plan(new, parts, listeners, changed)
+        dns = None
+        if old.runtime.dns != new.runtime.dns:
+            try:
+                dns = core.dns.prepare(new.runtime.dns)
+            except BaseException:
+                listeners.close_sockets()
+                raise
+        return Plan(new, parts, listeners, changed, dns)
 
     def _plan_listeners(self, old: Config, new: Config) -> ListenerChange:
         """Which listeners stay, start and stop; binds the new addresses (may raise)."""

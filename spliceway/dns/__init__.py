@@ -1,12 +1,20 @@
-"""The engine resolver (runtime.dns): servers in order, an LRU/TTL cache, diagnostics.
+"""The engine resolver (runtime.dns): servers in order, an LRU/TTL cache, diagnostics;
+the fake-ip pool (fakeip.py) and the engine's DNS server (server.py, service.py).
 
 ``Resolver`` is built by ``EngineCore`` from ``config.runtime.dns``; outbounds resolve
 every hostname through it. ``dns_lookup_result``/``dns_cache_result`` are the results
-of the ``diagnostics.dns_lookup``/``diagnostics.dns_cache`` commands.
+of the ``diagnostics.dns_lookup``/``diagnostics.dns_cache`` commands,
+``fakeip_lookup_result``/``fakeip_clear_result`` of ``diagnostics.fakeip_lookup`` /
+``fakeip.clear``.
 """
 
 from spliceway.dns.cache import AnswerCache, CacheEntry
-from spliceway.dns.diagnostics import dns_cache_result, dns_lookup_result
+from spliceway.dns.diagnostics import (
+    dns_cache_result,
+    dns_lookup_result,
+    fakeip_clear_result,
+    fakeip_lookup_result,
+)
 from spliceway.dns.resolver import (
     LOOPBACK_ADDRESSES,
     SYSTEM_TTL_SECONDS,
@@ -26,5 +34,7 @@ __all__ = [
     "Resolver",
     "dns_cache_result",
     "dns_lookup_result",
+    "fakeip_clear_result",
+    "fakeip_lookup_result",
     "normalize_hostname",
 ]

@@ -1,17 +1,21 @@
-"""Result documents of the ``diagnostics.dns_lookup`` and ``diagnostics.dns_cache`` commands.
+"""Result documents of the ``diagnostics.dns_lookup``, ``diagnostics.dns_cache``,
+``diagnostics.fakeip_lookup`` and ``fakeip.clear`` commands.
 
-Pure functions of a :class:`~spliceway.dns.resolver.Resolver`: the command table
-validates nothing beyond what is here and returns these dicts as the results.
+Pure functions of a :class:`~spliceway.dns.resolver.Resolver` or a
+:class:`~spliceway.dns.fakeip.FakeIpPool`: the command table validates nothing beyond
+what is here and returns these dicts as the results.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
-from spliceway.dns.resolver import InvalidHostname, ResolveError, Resolver
-from spliceway.errors import invalid_argument
+from spliceway.dns.fakeip import FakeIpPool, domain_key
+from spliceway.dns.resolver import InvalidHostname, ResolveError, Resolver, normalize_hostname
+from spliceway.errors import ApiError, invalid_argument
 
-__all__ = ["dns_cache_result", "dns_lookup_result"]
+__all__ = ["dns_cache_result", "dns_lookup_result", "fakeip_clear_result", "fakeip_lookup_result"]
 
 
 def dns_lookup_result(resolver: Resolver, hostname: Any) -> dict[str, Any]:
@@ -72,3 +76,61 @@ def dns_cache_result(resolver: Resolver, domain: Any = None, limit: Any = 256) -
         ],
         "count": resolver.cache_count(),
     }
+
+
+def _fakeip_params(domain: Any, ip: Any) -> tuple[str | None, str | None]:
+    """``(domain key, ip)`` checked: a non-empty domain, an IP address, not both."""
+    if domain is not None and ip is not None:
+        raise invalid_argument("give domain or ip, not both", field_path="params.ip")
+    key = None
+    if domain is not None:
+        if not isinstance(domain, str) or not domain.strip("."):
+            raise invalid_argument("domain must be a non-empty string", field_path="params.domain")
+        try:
+            key = normalize_hostname(domain)
+        except InvalidHostname:
+            key = domain_key(domain)  # no such mapping can exist: a miss, not an error
+    if ip is not None:
+        try:
+            ipaddress.ip_address(ip[1:-1] if ip[:1] == "[" and ip[-1:] == "]" else ip)
+        except ValueError as ex:
+            raise invalid_argument(f"{ip!r} is not an IP address", field_path="params.ip") from ex
+    return key, ip
+
+
+def fakeip_lookup_result(pool: FakeIpPool | None, domain: Any, ip: Any) -> dict[str, Any]:
+    """``diagnostics.fakeip_lookup`` (interface 4.2 rule 12): ``{enabled, domain, fake_ip}``
+    for a domain, ``{enabled, ip, domain}`` for an address; null when not mapped. Never
+    allocates and does not count as use. ``enabled: false`` without fake-ip answers.
+    ``invalid_argument`` for neither or both parameters, or an ``ip`` that is no address.
+    """
+    if domain is None and ip is None:
+        raise invalid_argument("give domain or ip", field_path="params")
+    key, ip = _fakeip_params(domain, ip)
+    enabled = pool is not None
+    if key is not None:
+        fake = pool.peek_ip(key) if pool is not None else None
+        return {"enabled": enabled, "domain": domain, "fake_ip": fake}
+    assert ip is not None
+    found = pool.peek_domain(ip) if pool is not None else None
+    return {"enabled": enabled, "ip": ip, "domain": found}
+
+
+def fakeip_clear_result(pool: FakeIpPool | None, domain: Any, ip: Any) -> dict[str, Any]:
+    """``fakeip.clear`` (interface 4.2 rule 13, decisions 2): ``{cleared: n}``, the number
+    of mappings removed (the one of ``domain``, of ``ip``, or all with neither), written to
+    ``persist_path`` before answering. 0 without fake-ip answers. ``invalid_argument``
+    for both parameters; ``internal`` when the file cannot be written (the mappings are
+    gone from memory all the same, and the next write retries)."""
+    key, ip = _fakeip_params(domain, ip)
+    if pool is None:
+        return {"cleared": 0}
+    try:
+        cleared = pool.clear(domain=key, ip=ip)
+    except OSError as ex:
+        raise ApiError(
+            "internal",
+            f"the mappings were removed, but the fake-ip table {pool.persist_path} could not be "
+            f"written: {ex.strerror or ex}",
+        ) from ex
+    return {"cleared": cleared}

@@ -1,0 +1,681 @@
+"""The engine's DNS server (``runtime.dns.listen``): UDP and TCP on one address.
+
+It answers through the engine: A and AAAA with the resolver and its cache
+(``answer.type: real``) or with addresses of the fake-ip pool (``fake_ip``), so a
+client that resolves here and connects through the proxy is routed by name.
+
+What it answers (where the spec leaves room, these are the choices):
+
+- **A / AAAA, real:** the resolver's addresses of the asked family, with the cache
+  entry's remaining TTL (the server's TTL without a cache). No address of that family
+  but some of the other: NOERROR, empty (NODATA). A name that does not exist: NXDOMAIN
+  (a name that is not a valid host name too). Every server failed: SERVFAIL.
+- **A / AAAA, fake_ip:** the pool's address for the asked family with TTL
+  :data:`FAKE_TTL_SECONDS` (1 s, as mihomo: a client re-asks soon, so an address the
+  pool reuses once its range is full is not held long by the old name); the other
+  family gets NOERROR, empty. ``localhost`` keeps its real loopback answer. A PTR
+  query for a fake address answers its domain.
+- **HTTPS / SVCB with fake_ip:** NOERROR, empty: their address hints would hand the
+  client real addresses that bypass the fake ones.
+- **Other types** (MX, TXT, SRV, PTR, ...): forwarded to the ``udp://`` / ``tcp://``
+  servers of ``runtime.dns.servers`` in order (SERVFAIL when none answers); with only
+  ``system`` there is nothing to forward to: NOTIMP. ANY, AXFR, IXFR: NOTIMP.
+- **Not a standard query** (another opcode or class): NOTIMP; EDNS version above 0:
+  BADVERS; a question count other than 1: FORMERR.
+- **Malformed:** a message whose 12-byte header reads as a query (QR clear) but whose
+  rest does not parse gets FORMERR; anything shorter, or with QR set (a response:
+  answering it could loop), is dropped. Both are counted; nothing raises.
+
+Answers go out with RA set and RD/CD copied. Over UDP an answer is limited to 512
+bytes, or the client's EDNS payload size, and is truncated (TC, no records) past it;
+over TCP (two-byte length prefix, RFC 1035 4.2.2) to 65535. EDNS answers advertise
+a 1232-byte payload (DNS flag day 2020).
+
+**Speed.** A positive answer is kept as wire bytes for :data:`WIRE_CACHE_SECONDS` (1 s)
+under its question (name case-folded, type, class, EDNS or not), so a repeated query
+is answered by checking the header and question by hand and joining the client's ID
+and question to the stored records: no dnspython parse or render. Its TTLs may thus
+read up to 1 s high. The wire cache is dropped when the resolver is replaced (a
+reload) or a fake-ip mapping goes away (clear, reuse), and is off in real mode when
+``runtime.dns.cache`` is ``null``. Everything else goes through dnspython.
+
+The server runs on its own thread's asyncio loop (:class:`DnsServer`): a query load
+does not delay flows on the dispatcher loop, and resolving never blocks the loop.
+UDP datagrams are read in batches per readiness event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import dns.asyncquery
+import dns.exception
+import dns.flags
+import dns.message
+import dns.name
+import dns.opcode
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rdtypes.ANY.PTR
+import dns.rdtypes.IN.A
+import dns.rdtypes.IN.AAAA
+import dns.reversename
+import dns.rrset
+
+from spliceway.actors.dispatcher import Dispatcher
+from spliceway.dns.resolver import Answer, InvalidHostname, ResolveError, normalize_hostname
+from spliceway.errors import ApiError
+
+if TYPE_CHECKING:
+    from spliceway.dns.fakeip import FakeIpPool
+    from spliceway.dns.resolver import Resolver
+
+__all__ = [
+    "FAKE_TTL_SECONDS",
+    "WIRE_CACHE_SECONDS",
+    "DnsCounters",
+    "DnsResponder",
+    "DnsServer",
+    "bind_dns",
+]
+
+logger = logging.getLogger(__name__)
+
+#: TTL of a fake-ip answer.
+FAKE_TTL_SECONDS: Final = 1
+#: How long an answer is served from its wire bytes before it is built again.
+WIRE_CACHE_SECONDS: Final = 1.0
+#: Payload size advertised in EDNS answers.
+EDNS_PAYLOAD: Final = 1232
+#: Budget for resolving or forwarding one query.
+QUERY_TIMEOUT_SECONDS: Final = 4.0
+#: Queries answered at once on the slow path; more are dropped (and counted) until
+#: some finish, so a flood of uncached names cannot grow memory without bound.
+MAX_PENDING: Final = 1024
+#: Open TCP connections; more are closed at once.
+MAX_TCP_CLIENTS: Final = 256
+#: A TCP connection with no complete query for this long is closed.
+TCP_IDLE_SECONDS: Final = 10.0
+
+_WIRE_CACHE_MAX = 8192
+_UDP_BATCH = 64
+_UDP_RECV = 4096
+_HEADER = struct.Struct(">HHHHHH")
+_ID_FLAGS = struct.Struct(">HH")
+_QR = 0x8000
+_OPCODE = 0x7800
+_RD_CD = 0x0110
+_RA = 0x0080
+_TC = 0x0200
+_OPT = 41
+_PADDING = 12
+_NOT_SERVED = frozenset({dns.rdatatype.ANY, dns.rdatatype.AXFR, dns.rdatatype.IXFR})
+_HINTED = frozenset({dns.rdatatype.HTTPS, dns.rdatatype.SVCB})
+_ADDRESS_TYPES = {dns.rdatatype.A: 4, dns.rdatatype.AAAA: 6}
+
+
+class _Slow:
+    """The fast path's "build it properly" answer."""
+
+
+#: Returned by :meth:`DnsResponder.quick` when the full path must answer.
+SLOW: Final = _Slow()
+
+
+class DnsCounters:
+    """What the server did, since it started (read from any thread)."""
+
+    __slots__ = (
+        "cache_hits",
+        "dropped",
+        "fake_ip_answers",
+        "formerr",
+        "forwarded",
+        "notimp",
+        "nxdomain",
+        "other_rcode",
+        "queries",
+        "send_failed",
+        "servfail",
+        "slow_noerror",
+        "tcp_connections",
+        "tcp_queries",
+        "truncated",
+    )
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters as a document (``answered`` and ``noerror`` include cache hits)."""
+        noerror = self.slow_noerror + self.cache_hits
+        answered = (
+            noerror + self.nxdomain + self.servfail + self.formerr + self.notimp + self.other_rcode
+        )
+        return {
+            "queries": self.queries,
+            "udp_queries": self.queries - self.tcp_queries,
+            "tcp_queries": self.tcp_queries,
+            "tcp_connections": self.tcp_connections,
+            "answered": answered,
+            "cache_hits": self.cache_hits,
+            "noerror": noerror,
+            "nxdomain": self.nxdomain,
+            "servfail": self.servfail,
+            "formerr": self.formerr,
+            "notimp": self.notimp,
+            "other_rcode": self.other_rcode,
+            "dropped": self.dropped,
+            "send_failed": self.send_failed,
+            "truncated": self.truncated,
+            "forwarded": self.forwarded,
+            "fake_ip_answers": self.fake_ip_answers,
+        }
+
+
+def _header_reply(data: bytes, rcode: int) -> bytes | None:
+    """A bare answer (no sections) with ``rcode`` to the query whose header starts
+    ``data``; None when ``data`` has no header or is not a query."""
+    if len(data) < 12:
+        return None
+    qid, flags = _ID_FLAGS.unpack_from(data)
+    if flags & _QR:
+        return None
+    out = _QR | (flags & _OPCODE) | (flags & 0x0100) | _RA | rcode
+    return _HEADER.pack(qid, out, 0, 0, 0, 0)
+
+
+def _fast_key(data: bytes, tcp: bool) -> tuple[bytes, int, int] | None:
+    """``(key, end of question, size limit)`` for a plain query the wire cache can
+    answer: QR clear, opcode QUERY, one question with an uncompressed name, no answer
+    or authority records, and at most one additional record which is an EDNS(0) OPT
+    without padding. None otherwise (the full path decides)."""
+    n = len(data)
+    if n < 17:
+        return None
+    _, flags, qd, an, ns, ar = _HEADER.unpack_from(data)
+    if flags & 0xF800 or qd != 1 or an or ns or ar > 1:
+        return None
+    i = 12
+    while True:
+        if i >= n:
+            return None
+        length = data[i]
+        if length == 0:
+            break
+        if length > 63:
+            return None
+        i += length + 1
+    qend = i + 5
+    if qend > n:
+        return None
+    if not ar:
+        if qend != n:
+            return None
+        # Label lengths are below 0x41, so lower() changes only the labels' letters.
+        return data[12:i].lower() + data[i:qend], qend, 65535 if tcp else 512
+    # One OPT: root name, type 41, class = payload, TTL = ext-rcode, version, flags.
+    if n < qend + 11 or data[qend] != 0 or data[qend + 1] != 0 or data[qend + 2] != _OPT:
+        return None
+    payload = (data[qend + 3] << 8) | data[qend + 4]
+    rdlen = (data[qend + 9] << 8) | data[qend + 10]
+    if data[qend + 6] != 0 or qend + 11 + rdlen != n:
+        return None
+    j, end = qend + 11, n
+    while j < end:
+        if j + 4 > end:
+            return None
+        code = (data[j] << 8) | data[j + 1]
+        olen = (data[j + 2] << 8) | data[j + 3]
+        if code == _PADDING:
+            return None
+        j += 4 + olen
+    if j != end:
+        return None
+    limit = 65535 if tcp else max(512, payload)
+    return data[12:i].lower() + data[i:qend] + b"E", qend, limit
+
+
+class DnsResponder:
+    """Turns one query message into its answer; no sockets (see the module docstring).
+
+    ``resolver`` and ``pool`` are read at every query, so a reload's replacements
+    answer at once; ``pool`` returns None in real mode. Everything runs on one asyncio
+    loop (the server's); :meth:`quick` is plain code and :meth:`respond` a coroutine.
+    """
+
+    def __init__(
+        self,
+        resolver: Callable[[], Resolver],
+        pool: Callable[[], FakeIpPool | None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._resolver = resolver
+        self._pool = pool
+        self._clock = clock
+        self.counters = DnsCounters()
+        #: key -> (flags without RD/CD, counts, records after the question, expires_at)
+        self._wire: dict[bytes, tuple[int, bytes, bytes, float]] = {}
+        #: What the wire cache was built from; a change empties it.
+        self._wire_source: tuple[Any, Any, int] = (None, None, -1)
+        #: Resolutions in flight by name: concurrent queries for one name share one.
+        self._inflight: dict[str, asyncio.Task[Answer]] = {}
+        self.pending = 0
+
+    # -- the fast path ------------------------------------------------------------------
+
+    def _wire_valid(self) -> bool:
+        """Whether the wire cache may be used (empties it when its source changed)."""
+        resolver, pool = self._resolver(), self._pool()
+        source = (resolver, pool, -1 if pool is None else pool.generation)
+        if source != self._wire_source:
+            self._wire.clear()
+            self._wire_source = source
+        return pool is not None or resolver.cache is not None
+
+    def quick(self, data: bytes, tcp: bool) -> bytes | _Slow:
+        """The answer to ``data`` from the wire cache, or :data:`SLOW`."""
+        found = _fast_key(data, tcp)
+        if found is None or not self._wire_valid():
+            return SLOW
+        key, qend, limit = found
+        entry = self._wire.get(key)
+        if entry is None:
+            return SLOW
+        flags, counts, tail, expires = entry
+        if expires <= self._clock():
+            del self._wire[key]
+            return SLOW
+        if qend + len(tail) > limit:
+            return SLOW
+        self.counters.cache_hits += 1
+        qid, qflags = _ID_FLAGS.unpack_from(data)
+        return _ID_FLAGS.pack(qid, flags | (qflags & _RD_CD)) + counts + data[12:qend] + tail
+
+    def _keep_wire(self, data: bytes, tcp: bool, wire: bytes) -> None:
+        """Keep ``wire`` (a positive answer to ``data``) for :meth:`quick`."""
+        found = _fast_key(data, tcp)
+        if found is None or not self._wire_valid():
+            return
+        key, qend, _ = found
+        # The answer's question must be the query's byte for byte (case included):
+        # quick() puts the client's question in front of the stored records.
+        if wire[12:qend] != data[12:qend] or len(wire) < qend:
+            return
+        if len(self._wire) >= _WIRE_CACHE_MAX:
+            self._wire.clear()
+        flags = _ID_FLAGS.unpack_from(wire)[1] & ~_RD_CD
+        expires = self._clock() + WIRE_CACHE_SECONDS
+        self._wire[key] = (flags, wire[4:12], wire[qend:], expires)
+
+    # -- the full path ------------------------------------------------------------------
+
+    async def respond(self, data: bytes, tcp: bool) -> bytes | None:
+        """The answer to ``data`` (``tcp``: it came over TCP), or None to drop it.
+
+        Never raises: an unexpected error is logged and answered SERVFAIL."""
+        fast = self.quick(data, tcp)
+        if not isinstance(fast, _Slow):
+            return fast
+        try:
+            return await self._respond(data, tcp)
+        except Exception:
+            logger.exception("the DNS server failed to answer a query")
+            reply = _header_reply(data, dns.rcode.SERVFAIL)
+            self._count(reply, dns.rcode.SERVFAIL)
+            return reply
+
+    def _count(self, reply: bytes | None, rcode: int) -> None:
+        c = self.counters
+        if reply is None:
+            c.dropped += 1
+        elif rcode == dns.rcode.NOERROR:
+            c.slow_noerror += 1
+        elif rcode == dns.rcode.NXDOMAIN:
+            c.nxdomain += 1
+        elif rcode == dns.rcode.SERVFAIL:
+            c.servfail += 1
+        elif rcode == dns.rcode.FORMERR:
+            c.formerr += 1
+        elif rcode == dns.rcode.NOTIMP:
+            c.notimp += 1
+        else:
+            c.other_rcode += 1
+
+    async def _respond(self, data: bytes, tcp: bool) -> bytes | None:
+        try:
+            query = dns.message.from_wire(data)
+        except Exception:  # dnspython raises many kinds for a bad message; none matters
+            reply = _header_reply(data, dns.rcode.FORMERR)
+            self._count(reply, dns.rcode.FORMERR)
+            return reply
+        if query.flags & dns.flags.QR:
+            self._count(None, 0)
+            return None
+        limit = 65535 if tcp else max(512, query.payload if query.edns >= 0 else 512)
+        response = dns.message.make_response(query, our_payload=EDNS_PAYLOAD)
+        response.flags |= dns.flags.RA | (query.flags & dns.flags.CD)
+        cacheable = await self._answer(query, response)
+        wire = self._render(response, limit)
+        rcode = response.rcode()
+        self._count(wire, rcode)
+        if cacheable and not (response.flags & dns.flags.TC):
+            self._keep_wire(data, tcp, wire)
+        return wire
+
+    def _render(self, response: dns.message.Message, limit: int) -> bytes:
+        """``response`` in wire form within ``limit`` bytes: truncated (TC set, no
+        records) when it does not fit."""
+        try:
+            return response.to_wire(max_size=limit)
+        except dns.exception.TooBig:
+            self.counters.truncated += 1
+            response.answer, response.authority, response.additional = [], [], []
+            response.flags |= dns.flags.TC
+            return response.to_wire(max_size=limit)
+
+    async def _answer(self, query: dns.message.Message, response: dns.message.Message) -> bool:
+        """Fill ``response``; True when it may be kept in the wire cache."""
+        if query.opcode() != dns.opcode.QUERY:
+            response.set_rcode(dns.rcode.NOTIMP)
+            return False
+        if query.edns > 0:
+            response.set_rcode(dns.rcode.BADVERS)
+            return False
+        if len(query.question) != 1:
+            response.set_rcode(dns.rcode.FORMERR)
+            return False
+        question = query.question[0]
+        qtype = question.rdtype
+        if question.rdclass != dns.rdataclass.IN or qtype in _NOT_SERVED:
+            response.set_rcode(dns.rcode.NOTIMP)
+            return False
+        pool = self._pool()
+        family = _ADDRESS_TYPES.get(qtype)
+        if family is not None:
+            return await self._answer_address(question.name, family, response, pool)
+        if pool is not None:
+            if qtype in _HINTED:
+                return False  # NOERROR, no records
+            if qtype == dns.rdatatype.PTR and self._answer_ptr(question.name, response, pool):
+                return False
+        await self._forward(query, response)
+        return False
+
+    async def _answer_address(
+        self,
+        qname: dns.name.Name,
+        family: int,
+        response: dns.message.Message,
+        pool: FakeIpPool | None,
+    ) -> bool:
+        try:
+            name = normalize_hostname(qname.to_text(omit_final_dot=True))
+        except InvalidHostname:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+            return False
+        rdtype = dns.rdatatype.A if family == 4 else dns.rdatatype.AAAA
+        if pool is not None and name != "localhost" and not name.endswith(".localhost"):
+            if pool.version == family:
+                address = pool.lookup(name)
+                self.counters.fake_ip_answers += 1
+                response.answer.append(
+                    dns.rrset.from_text(qname, FAKE_TTL_SECONDS, "IN", rdtype, address)
+                )
+            return True
+        try:
+            answer = await self._resolve(name)
+        except ResolveError:
+            response.set_rcode(dns.rcode.SERVFAIL)
+            return False
+        if not answer.addresses:
+            if answer.nxdomain:
+                response.set_rcode(dns.rcode.NXDOMAIN)
+            return False
+        wanted = [a for a in answer.addresses if (":" in a) == (family == 6)]
+        if wanted:
+            response.answer.append(
+                dns.rrset.from_text_list(qname, answer.ttl_seconds, "IN", rdtype, wanted)
+            )
+        return True
+
+    async def _resolve(self, name: str) -> Answer:
+        """The resolver's answer for ``name``; concurrent callers share one resolution."""
+        task = self._inflight.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                self._resolver().resolve_answer(name, QUERY_TIMEOUT_SECONDS)
+            )
+            self._inflight[name] = task
+            task.add_done_callback(lambda _: self._inflight.pop(name, None))
+        # shield: one caller's cancellation (server stop) must not fail the others.
+        return await asyncio.shield(task)
+
+    def _answer_ptr(
+        self, qname: dns.name.Name, response: dns.message.Message, pool: FakeIpPool
+    ) -> bool:
+        """Answer a PTR query for a fake address with its domain; False if it is not one."""
+        try:
+            address = dns.reversename.to_address(qname)
+        except (dns.exception.SyntaxError, ValueError):
+            return False
+        if not pool.contains(address):
+            return False
+        domain = pool.peek_domain(address)
+        if domain is None:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+        else:
+            rrset = dns.rrset.from_text(qname, FAKE_TTL_SECONDS, "IN", "PTR", f"{domain}.")
+            response.answer.append(rrset)
+        return True
+
+    async def _forward(self, query: dns.message.Message, response: dns.message.Message) -> None:
+        """Ask the ``udp://`` / ``tcp://`` servers in order; their answer's sections go
+        into ``response``. NOTIMP when there are none, SERVFAIL when none answered."""
+        upstreams = self._resolver().upstreams
+        if not upstreams:
+            response.set_rcode(dns.rcode.NOTIMP)
+            return
+        deadline = time.monotonic() + QUERY_TIMEOUT_SECONDS
+        outgoing = dns.message.make_query(query.question[0].name, query.question[0].rdtype)
+        outgoing.flags = dns.flags.RD | (query.flags & dns.flags.CD)
+        for i, (kind, ip, port) in enumerate(upstreams):
+            budget = (deadline - time.monotonic()) / (len(upstreams) - i)
+            if budget <= 0:
+                break
+            try:
+                if kind == "tcp":
+                    got = await dns.asyncquery.tcp(outgoing, ip, timeout=budget, port=port)
+                else:
+                    got, _ = await dns.asyncquery.udp_with_fallback(
+                        outgoing, ip, timeout=budget, port=port
+                    )
+            except (dns.exception.DNSException, OSError, EOFError):
+                continue
+            if got.rcode() in (dns.rcode.SERVFAIL, dns.rcode.REFUSED):
+                continue
+            self.counters.forwarded += 1
+            response.set_rcode(got.rcode())
+            response.answer = got.answer
+            response.authority = got.authority
+            response.additional = [r for r in got.additional if r.rdtype != _OPT]
+            return
+        response.set_rcode(dns.rcode.SERVFAIL)
+
+
+def bind_dns(address: str, port: int) -> tuple[socket.socket, socket.socket]:
+    """A UDP and a TCP socket (listening) on ``address:port``; with port 0, one free port
+    for both. ApiError ``conflict`` on ``runtime.dns.listen`` when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    last: OSError | None = None
+    # Port 0: the UDP socket's port may be taken for TCP; a few new ports, then give up.
+    for _ in range(8 if port == 0 else 1):
+        udp = socket.socket(family, socket.SOCK_DGRAM)
+        tcp = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            udp.bind((address, port))
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.bind((address, udp.getsockname()[1]))
+            tcp.listen(128)
+            udp.setblocking(False)
+            tcp.setblocking(False)
+            return udp, tcp
+        except OSError as ex:
+            udp.close()
+            tcp.close()
+            last = ex
+    assert last is not None
+    raise ApiError(
+        "conflict",
+        f"the DNS server cannot listen on {address}:{port}: "
+        f"{last.strerror if last.strerror else last}",
+        field_path="runtime.dns.listen",
+    ) from last
+
+
+class DnsServer:
+    """Serves a :class:`DnsResponder` on a bound UDP and TCP socket pair (``bind_dns``),
+    on its own thread's asyncio loop. The sockets are the server's from the constructor
+    on, closed by :meth:`stop` (or by :meth:`start` when it fails)."""
+
+    def __init__(self, udp: socket.socket, tcp: socket.socket, responder: DnsResponder) -> None:
+        self._udp = udp
+        self._tcp = tcp
+        self.responder = responder
+        self.counters = responder.counters
+        #: The (address, port) bound: the same port for UDP and TCP.
+        self.bound: tuple[str, int] = udp.getsockname()[:2]
+        self._dispatcher = Dispatcher("spliceway-dns")
+        self._tcp_server: asyncio.Server | None = None
+        self._tcp_clients: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._running = False
+
+    def start(self) -> None:
+        """Start serving; returns once both sockets are served."""
+        self._dispatcher.start()
+        try:
+            self._dispatcher.run_sync(self._attach)
+        except BaseException:
+            self._dispatcher.stop()
+            self._close_sockets()
+            raise
+        self._running = True
+
+    def stop(self) -> None:
+        """Stop serving, close the sockets and join the thread (idempotent)."""
+        if self._running:
+            self._running = False
+            with contextlib.suppress(Exception):
+                self._dispatcher.run_sync(self._detach)
+        self._dispatcher.stop()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._udp, self._tcp):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    # -- on the server's loop ------------------------------------------------------------
+
+    def _attach(self) -> None:
+        loop = self._dispatcher.loop
+        loop.add_reader(self._udp.fileno(), self._udp_readable)
+        server = loop.create_task(
+            asyncio.start_server(self._tcp_client, sock=self._tcp, limit=65536 + 2)
+        )
+        server.add_done_callback(self._tcp_started)
+
+    def _tcp_started(self, task: asyncio.Task[asyncio.Server]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._tcp_server = task.result()
+        elif not task.cancelled():
+            logger.error("the DNS server cannot serve TCP: %s", task.exception())
+
+    def _detach(self) -> None:
+        with contextlib.suppress(Exception):
+            self._dispatcher.loop.remove_reader(self._udp.fileno())
+        if self._tcp_server is not None:
+            self._tcp_server.close()
+        for task in [*self._tasks, *self._tcp_clients]:
+            task.cancel()
+
+    def _udp_readable(self) -> None:
+        sock, responder, counters = self._udp, self.responder, self.counters
+        quick = responder.quick
+        # Several datagrams per wakeup: a loop round per datagram would cost more than
+        # answering it from the wire cache.
+        for _ in range(_UDP_BATCH):
+            try:
+                data, addr = sock.recvfrom(_UDP_RECV)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                # An ICMP error queued on the socket (a client gone): nothing to read.
+                continue
+            counters.queries += 1
+            out = quick(data, False)
+            if isinstance(out, _Slow):
+                if responder.pending >= MAX_PENDING:
+                    counters.dropped += 1
+                    continue
+                self._spawn(self._udp_slow(data, addr))
+                continue
+            self._send(out, addr)
+
+    def _send(self, data: bytes, addr: Any) -> None:
+        try:
+            self._udp.sendto(data, addr)
+        except OSError:
+            # Socket buffer full or the client unreachable: UDP may lose it.
+            self.counters.send_failed += 1
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._dispatcher.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _udp_slow(self, data: bytes, addr: Any) -> None:
+        self.responder.pending += 1
+        try:
+            out = await self.responder.respond(data, False)
+        finally:
+            self.responder.pending -= 1
+        if out is not None:
+            self._send(out, addr)
+
+    async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        counters = self.counters
+        counters.tcp_connections += 1
+        task = asyncio.current_task()
+        if task is None or len(self._tcp_clients) >= MAX_TCP_CLIENTS:
+            writer.close()
+            return
+        self._tcp_clients.add(task)
+        try:
+            while True:
+                async with asyncio.timeout(TCP_IDLE_SECONDS):
+                    size = int.from_bytes(await reader.readexactly(2), "big")
+                    data = await reader.readexactly(size)
+                counters.queries += 1
+                counters.tcp_queries += 1
+                out = await self.responder.respond(data, True)
+                if out is None:
+                    return  # dropped: nothing sensible follows on this stream
+                writer.write(len(out).to_bytes(2, "big") + out)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError):
+            pass
+        finally:
+            self._tcp_clients.discard(task)
+            writer.close()
