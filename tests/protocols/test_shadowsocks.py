@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spliceway.protocols import ProtocolError
+from spliceway.protocols import shadowsocks as ss
 from spliceway.protocols.shadowsocks import (
     CIPHERS,
     MAX_PAYLOAD,
@@ -110,3 +111,31 @@ def test_reordered_chunks_fail(method: str) -> None:
 def test_target_header_is_socks5_address_form() -> None:
     assert target_header("127.0.0.1", 80) == b"\x01\x7f\x00\x00\x01\x00\x50"
     assert target_header("a.b", 443) == b"\x03\x03a.b\x01\xbb"
+
+
+# -- UDP packets (SIP004: a salt per packet, nonce zero) ---------------------------------
+
+
+@pytest.mark.parametrize("method", sorted(ss.CIPHERS))
+def test_udp_packet_round_trip_and_size(method):
+    cipher = ss.CIPHERS[method]
+    key = ss.master_key("pw", cipher.key_size)
+    packet = ss.seal_packet(cipher, key, "example.com", 53, b"query")
+    assert len(packet) == cipher.key_size + (1 + 1 + 11 + 2) + 5 + ss.TAG_SIZE
+    assert ss.open_packet(cipher, key, packet) == ("example.com", 53, b"query")
+    # Every packet has its own salt.
+    assert (
+        ss.seal_packet(cipher, key, "example.com", 53, b"query")[: cipher.key_size]
+        != (packet[: cipher.key_size])
+    )
+    with pytest.raises(ProtocolError):
+        ss.open_packet(cipher, ss.master_key("other", cipher.key_size), packet)
+    with pytest.raises(ProtocolError):
+        ss.open_packet(cipher, key, packet[:-1])
+
+
+@given(st.binary(max_size=200))
+def test_open_packet_rejects_garbage_with_protocol_error_only(data):
+    cipher = ss.CIPHERS["aes-128-gcm"]
+    with pytest.raises(ProtocolError):
+        ss.open_packet(cipher, ss.master_key("pw", 16), data)
