@@ -75,7 +75,10 @@ class _Upstream:
 class _Dest:
     """One destination of the association: its flow, and where its datagrams go."""
 
+    #: The destination as the client addressed it (replies name it so).
     key: tuple[str, int]
+    #: Where it goes: ``key``, or the domain a fake-ip address stands for.
+    target: tuple[str, int]
     state: records.FlowState
     action: str  # "opening", "relaying", "block", "closed"
     upstream: _Upstream | None = None
@@ -253,11 +256,11 @@ class UdpAssociationActor(LoopActor):
             return
         if up.kind == "socks5":
             assert up.relay is not None
-            wire, to = socks5.build_udp_datagram(dest.key[0], dest.key[1], payload), up.relay
+            wire, to = socks5.build_udp_datagram(*dest.target, payload), up.relay
         elif up.kind == "shadowsocks":
             assert up.relay is not None and up.outbound is not None
             ob = up.outbound
-            wire = shadowsocks.seal_packet(ob.cipher, ob.master_key, *dest.key, payload)
+            wire = shadowsocks.seal_packet(ob.cipher, ob.master_key, *dest.target, payload)
             to = up.relay
         else:
             assert dest.address is not None
@@ -414,7 +417,11 @@ class UdpAssociationActor(LoopActor):
             if dest is None:
                 # A proxy reports the address it heard from, not the name it was given.
                 dest = next(
-                    (d for d in self.dests.values() if d.upstream is up and d.key[1] == origin[1]),
+                    (
+                        d
+                        for d in self.dests.values()
+                        if d.upstream is up and d.target[1] == origin[1]
+                    ),
                     None,
                 )
             if dest is None:
@@ -443,6 +450,13 @@ class UdpAssociationActor(LoopActor):
         deps = self.deps
         self._n += 1
         started = now_ms()
+        target = key
+        pool = deps.fakeip
+        if pool is not None:
+            # A fake-ip address stands for the domain the client resolved (as for TCP).
+            domain = pool.domain_of(key[0])
+            if domain is not None:
+                target = (domain, key[1])
         state = records.FlowState(
             flow_id=f"{self.id_prefix}u{self._n}",
             inbound_tag=self.inbound.tag,
@@ -452,22 +466,22 @@ class UdpAssociationActor(LoopActor):
             started_at_unix_ms=started,
             mode=deps.route_state.mode,
             network="udp",
-            target_host=key[0],
-            target_port=key[1],
+            target_host=target[0],
+            target_port=target[1],
             principal_key=self.principal_key,
             auth_scheme=self.auth_scheme,
             last_activity_at_unix_ms=started,
         )
         state.traffic.packets_up = 0
         state.traffic.packets_down = 0
-        dest = _Dest(key, state, "failed")
+        dest = _Dest(key, target, state, "failed")
         self.dests[key] = dest
         deps.counters.total_started += 1
         self._publish(dest, "flow.started")
         facts = routing.FlowFacts(
             network="udp",
-            host=key[0],
-            port=key[1],
+            host=target[0],
+            port=target[1],
             source_ip=self.peer[0],
             source_port=self.client_port,
             inbound_tag=self.inbound.tag,
@@ -475,7 +489,9 @@ class UdpAssociationActor(LoopActor):
         )
         decision = deps.route_state.decide(facts)
         chain = (
-            deps.policies.resolve(decision.target, key[0], self.peer[0]) if decision.target else []
+            deps.policies.resolve(decision.target, target[0], self.peer[0])
+            if decision.target
+            else []
         )
         outbound = deps.outbounds.get(chain[-1]) if chain else None
         state.mode = decision.mode
@@ -511,15 +527,15 @@ class UdpAssociationActor(LoopActor):
         """Resolve (direct) and open the upstream association, then send what waited."""
         ip = None
         if outbound.protocol == "direct":
-            if _is_ip(dest.key[0]):
-                ip = _norm(dest.key[0])
+            if _is_ip(dest.target[0]):
+                ip = _norm(dest.target[0])
             else:
                 try:
-                    addresses = await self.resolver.resolve(dest.key[0])
+                    addresses = await self.resolver.resolve(dest.target[0])
                 except Exception as ex:  # InvalidHostname, ResolveError: the flow fails
                     addresses, error = [], str(ex)
                 else:
-                    error = f"{dest.key[0]} has no address"
+                    error = f"{dest.target[0]} has no address"
                 if not addresses:
                     if dest.action == "opening":
                         self._end(dest, records.FAILED, records.Failure("dns", "dns_failed", error))
@@ -540,12 +556,12 @@ class UdpAssociationActor(LoopActor):
         dest.upstream = up
         s = dest.state
         if ip is not None:
-            dest.address = (_v6(ip), dest.key[1])
+            dest.address = (_v6(ip), dest.target[1])
             up.by_source[dest.address] = dest
             s.resolved_ip = ip
-            s.remote_host, s.remote_port = dest.key
+            s.remote_host, s.remote_port = dest.target
         else:
-            up.by_source[(_norm_host(dest.key[0]), dest.key[1])] = dest
+            up.by_source[(_norm_host(dest.target[0]), dest.target[1])] = dest
             s.remote_host, s.remote_port = outbound.server, outbound.port
             s.relay_chain = [outbound.tag]
         dest.action = "relaying"

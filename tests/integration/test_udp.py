@@ -188,3 +188,15 @@ def test_shadowsocks_outbound_relays_udp_through_ss_server(make_engine, method: 
     # salt (32) + sealed IPv4 address (7) + payload + tag (16) per packet
     assert t["outbound_tx_bytes"] == t["bytes_up"] + 3 * (32 + 7 + 16)
     assert t["outbound_rx_bytes"] == t["bytes_down"] + 3 * (32 + 7 + 16)
+
+
+def test_a_datagram_to_a_fake_ip_goes_by_its_domain(make_engine) -> None:
+    cfg = base_config(rules=[{"domain": ["echo.test"], "network": "udp", "action": "block"}])
+    cfg["runtime"]["dns"] = {"answer": {"type": "fake_ip"}}
+    engine = make_engine(cfg)
+    fake = engine.core.dns.pool.lookup("echo.test")  # what the engine's DNS server answers
+    with Association(engine.listen_address("socks-in")) as assoc:
+        assoc.send(fake, 7, b"x")
+        (record,) = completed(engine, 1)
+    assert record["target"]["host"] == "echo.test"
+    assert record["result"]["outcome"] == "blocked"
