@@ -38,6 +38,9 @@ FEATURES = (
     "openapi",
     "ipc",
     "hot_reload",
+    # runtime.dns.listen (UDP and TCP) and runtime.dns.answer fake_ip (docs/dns.md).
+    "dns_server",
+    "fake_ip",
 )
 
 BUILD_FEATURES = (
@@ -48,6 +51,7 @@ BUILD_FEATURES = (
     "webhook-sinks",
     "durable-outbox",
     "hot-reload",
+    "dns-server",
 )
 
 

@@ -839,13 +839,22 @@ class FakeIpAnswer(_Model):
     """Answer with synthetic addresses from ``fake_ip_range``."""
 
     type: Literal["fake_ip"]
-    """`fake_ip`: names resolve to synthetic addresses. Not built: the engine refuses to start
-    with it.
+    """`fake_ip`: the DNS server (`listen`) answers A (or AAAA, for an IPv6 range) with a
+    synthetic address of the name, TTL 1 s; a connection through the proxy to that address is
+    routed by the name (`target.host` is the name, domain rules match). Outbounds still resolve
+    real addresses. See docs/dns.md.
     """
     fake_ip_range: Cidr = "198.18.0.0/15"
-    """Network the synthetic addresses are taken from."""
+    """Network (IPv4 or IPv6) the synthetic addresses are taken from, in order; its network
+    address, first host (kept for a TUN gateway) and broadcast address are never handed out.
+    When every address is taken, the least recently used name gives its address up.
+    """
     persist_path: NonEmptyStr | None = None
-    """File keeping the name-to-address table across restarts; `null` keeps it in memory only."""
+    """File keeping the name-to-address table across restarts (written atomically within 1 s
+    of a change, and at stop); `null` keeps it in memory only. A damaged file is set aside as
+    `<path>.damaged` and reported (`engine.warning` `fakeip_table_damaged`); the table starts
+    empty.
+    """
 
 
 class DnsSettings(_Model):
@@ -867,8 +876,8 @@ class DnsSettings(_Model):
     )
     """What kind of addresses names resolve to."""
     listen: Listen | None = None
-    """Address of a DNS server for clients; not built: the engine refuses to start when this is
-    not `null`.
+    """Address (UDP and TCP, one port) of a DNS server for clients, answering through this
+    resolver and cache, or with fake-ip addresses; `null`: no server. See docs/dns.md.
     """
 
 

@@ -175,6 +175,10 @@ ENGINE_WARNING_CODES: dict[str, str] = {
     "answer within `timeout_ms`, or answered something unreadable: flows are allowed as if "
     "there were no hook (fail-open). Once per outage; the next comes only after the hook "
     "has answered in time again.",
+    "fakeip_table_damaged": "The fake-ip table (`runtime.dns.answer.persist_path`) could not be "
+    "read back whole at start or reload: unreadable or damaged (it is moved aside to "
+    "`<path>.damaged` and the table starts empty), or some mappings lay outside the "
+    "configured range (they are dropped).",
 }
 
 _COUNT = "integer"

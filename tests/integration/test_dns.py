@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from spliceway import ApiError, Engine
+from spliceway import ApiError
 from spliceway.config import DnsSettings
 from spliceway.dns import ResolveError, Resolver, dns_cache_result, dns_lookup_result
 from tests.conftest import base_config
@@ -255,11 +255,3 @@ def test_unknown_name_fails_the_flow_with_dns_failed(make_engine, server):
     failure = only_record(engine)["result"]["failure"]
     assert (failure["code"], failure["stage"]) == ("dns_failed", "resolve")
     assert server.count("nx.test") >= 1
-
-
-def test_fake_ip_answers_are_refused_as_not_built():
-    cfg = base_config(runtime={"dns": {"answer": {"type": "fake_ip"}}})
-    with pytest.raises(ApiError) as info:
-        Engine(cfg)
-    assert info.value.code == "unsupported"
-    assert "fake_ip" in info.value.message
