@@ -25,6 +25,7 @@ from typing import Any
 from spliceway.capabilities import API_ID
 from spliceway.commands import COMMANDS, PERMISSIONS
 from spliceway.config import EVENT_TYPES
+from spliceway.dns.server import COUNTER_NAMES as DNS_SERVER_COUNTERS
 from spliceway.errors import HTTP_STATUS, code_for_http_status
 from spliceway.event_catalogue import UDP_COUNTERS
 from spliceway.events import SCHEMA_ID as EVENT_SCHEMA_ID
@@ -410,7 +411,19 @@ def _runtime() -> Schema:
             "active_sessions": array(ref("FlowRecord")),
             "recent_completed_sessions": array(ref("FlowRecord")),
         },
-        {"config_path": string(description="Present when the engine was started from a file.")},
+        {
+            "config_path": string(description="Present when the engine was started from a file."),
+            "dns_server": obj(
+                {
+                    "listen_address": STR,
+                    "listen_port": PORT,
+                    "counters": obj(dict.fromkeys(DNS_SERVER_COUNTERS, COUNT)),
+                },
+                description="Present while the DNS server (`runtime.dns.listen`) runs: the "
+                "address it bound (UDP and TCP) and what it did since it started "
+                "(docs/dns.md).",
+            ),
+        },
         description="The runtime snapshot.",
     )
 

@@ -93,6 +93,14 @@ def _runtime(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     }
     if core.config_path is not None:
         out["config_path"] = core.config_path
+    server = core.dns.server
+    if server is not None:
+        address, port = server.bound
+        out["dns_server"] = {
+            "listen_address": address,
+            "listen_port": port,
+            "counters": server.counters.snapshot(),
+        }
     return out
 
 

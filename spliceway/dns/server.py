@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from spliceway.dns.resolver import Resolver
 
 __all__ = [
+    "COUNTER_NAMES",
     "FAKE_TTL_SECONDS",
     "WIRE_CACHE_SECONDS",
     "DnsCounters",
@@ -128,6 +129,28 @@ class _Slow:
 
 #: Returned by :meth:`DnsResponder.quick` when the full path must answer.
 SLOW: Final = _Slow()
+
+
+#: The counters the runtime snapshot's ``dns_server.counters`` holds, in order.
+COUNTER_NAMES: Final = (
+    "queries",
+    "udp_queries",
+    "tcp_queries",
+    "tcp_connections",
+    "answered",
+    "cache_hits",
+    "noerror",
+    "nxdomain",
+    "servfail",
+    "formerr",
+    "notimp",
+    "other_rcode",
+    "dropped",
+    "send_failed",
+    "truncated",
+    "forwarded",
+    "fake_ip_answers",
+)
 
 
 class DnsCounters:
