@@ -246,6 +246,8 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
     for active in engine.core.active_inbounds:
         spec, (address, port) = active.spec, active.bound
         log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
+    if engine.core.dns.server is not None:
+        log.info("DNS server listening on %s:%d (udp, tcp)", *engine.core.dns.server.bound)
     if config.api.control.enabled:
         log.info("control API listening on %s/api/v1/", engine.control_url)
     if config.api.ipc.enabled:
