@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""The engine's DNS server against dnsmasq: cached answers per second and latency.
+
+    python benchmarks/bench_dns.py [--quick] [--reps 3] [--seconds 3] [--inflight 1,16,64]
+
+Three servers run side by side on 127.0.0.1, measured in the same run, interleaved
+(a b c, c b a, ...):
+
+- **dnsmasq**: Debian's dnsmasq with a cache (``--cache-size=10000``, no hosts file,
+  no resolv.conf), forwarding to the zone server below.
+- **spliceway**: the engine as its own process (``spliceway run``, one socks5 inbound,
+  control API and IPC off) with ``runtime.dns.listen``, ``answer.type: real``, the
+  resolver asking the zone server, ``cache.max_entries`` 10000.
+- **spliceway-fakeip**: the same with ``answer.type: fake_ip`` (no upstream at all).
+
+The zone: ``n0.bench.test`` .. ``n99.bench.test`` (A, TTL 3600), served by a small
+authoritative dnspython server in this process (tests/helpers/dnsserver.py). Every
+server first gets a 1 s unrecorded run, so each name is in its cache: what is measured
+is the cached path (the upstream is asked again only when an entry expires, which it
+does not within a run).
+
+Load: benchmarks/dnsload.c (built with ``cc -O2`` into benchmarks/build/), a C
+generator keeping ``--inflight`` A queries in flight on one UDP socket (no EDNS, RD,
+the names in turn), sending and receiving in sendmmsg/recvmmsg batches so it is not
+the bottleneck; each answer is timed from its query's send. Per run (``--seconds``
+after 0.5 s of warm-up): answers/s, p50/p99 latency, and the CPU the server used per
+query (utime + stime from /proc). The table gives the median of the runs and the
+ratio to dnsmasq.
+
+Bounded: every run stops at its duration and is killed after 60 s; the default takes
+about 2 minutes (``--quick``: about 25 s). Output: the table on stdout, progress on
+stderr, every run in benchmarks/results/<timestamp>-dns.json with the servers' logs
+beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_e2e as e2e
+
+sys.path.insert(0, str(e2e.ROOT))
+from tests.helpers.dnsserver import DnsServer
+
+VARIANTS = ("dnsmasq", "spliceway", "spliceway-fakeip")
+NAMES = 100
+SUFFIX = "bench.test"
+DNS_RE = re.compile(r"DNS server listening on ([0-9.]+):(\d+)")
+
+
+def build_dnsload(cc: str) -> Path:
+    """benchmarks/build/dnsload, rebuilt when its source is newer."""
+    src, exe = e2e.BENCH / "dnsload.c", e2e.BUILD / "dnsload"
+    e2e.BUILD.mkdir(exist_ok=True)
+    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+        subprocess.run([cc, "-O2", "-Wall", "-Wextra", "-o", str(exe), str(src)], check=True)
+    return exe
+
+
+class Server:
+    """One DNS server under test, as its own process: its port and CPU time."""
+
+    def __init__(self, variant: str, zone_port: int, tmp: Path, out: Path) -> None:
+        self.variant = variant
+        if variant == "dnsmasq":
+            self.port = e2e.free_port()
+            cmd = [
+                "dnsmasq",
+                "--no-daemon",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--no-hosts",
+                f"--server=127.0.0.1#{zone_port}",
+                f"--port={self.port}",
+                "--listen-address=127.0.0.1",
+                "--bind-interfaces",
+                "--cache-size=10000",
+                "--user=root",
+            ]
+            self.m = e2e.Managed("dnsmasq", cmd)
+            self.m.keep_log(out / "dnsmasq.log")
+            if not self.m.alive() and self.m.proc.wait(1) is not None:
+                self.m.abort("dnsmasq did not start")
+            self.launch = "dnsmasq"
+            return
+        answer = {"type": "fake_ip"} if variant == "spliceway-fakeip" else {"type": "real"}
+        cfg = json.loads(json.dumps(e2e.SPLICEWAY_CONFIG))
+        cfg["runtime"] = {
+            "stats_interval_ms": 60_000,
+            "dns": {
+                "servers": [f"udp://127.0.0.1:{zone_port}"],
+                "cache": {"max_entries": 10000},
+                "answer": answer,
+                "listen": {"address": "127.0.0.1", "port": 0},
+            },
+        }
+        self.m, self.launch = e2e.start_spliceway(
+            cfg, tmp / f"{variant}.json", out / f"{variant}.log"
+        )
+        match = self.m.wait_for(DNS_RE, 30)
+        if match is None or not self.m.alive():
+            self.m.abort(f"{variant}: spliceway did not report its DNS server")
+        self.port = int(match.group(2))
+
+    def cpu(self) -> float:
+        return e2e.proc_cpu_s(self.m.pid)
+
+    def stop(self) -> dict[str, Any]:
+        info = self.m.stop(10)
+        info.update(self.m.stderr_report())
+        return info
+
+
+def load(exe: Path, server: Server, inflight: int, seconds: float, warmup: float) -> dict:
+    """One dnsload run against ``server``: its JSON line."""
+    argv = [
+        str(exe),
+        "--target",
+        f"127.0.0.1:{server.port}",
+        "--inflight",
+        str(inflight),
+        "--duration",
+        str(seconds),
+        "--warmup",
+        str(warmup),
+        "--names",
+        str(NAMES),
+        "--suffix",
+        SUFFIX,
+    ]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=seconds + warmup + 60, check=True
+    )
+    return json.loads(done.stdout)
+
+
+def measure(exe: Path, server: Server, inflight: int, seconds: float) -> dict[str, Any]:
+    """One recorded run: dnsload's figures plus the server's CPU per query."""
+    cpu0 = server.cpu()
+    res = load(exe, server, inflight, seconds, 0.5)
+    res["server_cpu_us"] = (server.cpu() - cpu0) * 1e6 / max(res["answered"], 1)
+    return res
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
+    med = statistics.median
+    return {
+        "qps": med(r["qps"] for r in runs),
+        "p50_us": med(r["p50_us"] for r in runs),
+        "p99_us": med(r["p99_us"] for r in runs),
+        "server_cpu_us": med(r["server_cpu_us"] for r in runs),
+        "lost": sum(r["lost"] for r in runs),
+        "not_noerror": sum(r["other_rcode"] for r in runs),
+        "runs": len(runs),
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    lines = [
+        f"cached A answers over UDP, {NAMES} names ({meta['nproc']} CPUs, {meta['reps']} runs "
+        f"of {meta['seconds']} s each, medians)",
+        "",
+        f"{'inflight':>8}  {'server':<17} {'answers/s':>10} {'p50 us':>7} {'p99 us':>7} "
+        f"{'CPU us/query':>13} {'x dnsmasq':>10}",
+    ]
+    for inflight, by_variant in results["summary"].items():
+        base = by_variant["dnsmasq"]["qps"]
+        for variant in VARIANTS:
+            s = by_variant[variant]
+            lines.append(
+                f"{inflight:>8}  {variant:<17} {s['qps']:10.0f} {s['p50_us']:7.0f} "
+                f"{s['p99_us']:7.0f} {s['server_cpu_us']:13.2f} {s['qps'] / base:10.2f}"
+            )
+        bad = {
+            v: (s["lost"], s["not_noerror"])
+            for v, s in by_variant.items()
+            if any((s["lost"], s["not_noerror"]))
+        }
+        if bad:
+            lines.append(f"          lost / not NOERROR: {bad}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1 run of 2 s per case")
+    ap.add_argument("--reps", type=int, default=3, help="runs per server and inflight")
+    ap.add_argument("--seconds", type=float, default=3.0, help="length of one run")
+    ap.add_argument("--inflight", default="1,16,64", help="queries in flight, comma separated")
+    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.reps, a.seconds = 1, 2.0
+    if shutil.which("dnsmasq") is None:
+        raise SystemExit("dnsmasq is missing: apt-get install dnsmasq")
+    inflights = [int(x) for x in a.inflight.split(",")]
+    exe = build_dnsload(a.cc)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    e2e.RESULTS.mkdir(exist_ok=True)
+    out = e2e.RESULTS / f"{stamp}-dns.logs"
+    out.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix="swdns-"))
+    zone = DnsServer({f"n{i}.{SUFFIX}": ["10.0.0.1"] for i in range(NAMES)}, ttl=3600)
+    servers: dict[str, Server] = {}
+    results: dict[str, Any] = {"runs": [], "summary": {}}
+    try:
+        for variant in VARIANTS:
+            servers[variant] = Server(variant, zone.port, tmp, out)
+        for variant, server in servers.items():
+            e2e.log(f"warm-up {variant}")
+            warm = load(exe, server, 4, 1.0, 0)
+            if warm["recorded"] == 0:
+                raise SystemExit(f"{variant} answered nothing")
+        order = list(VARIANTS)
+        for inflight in inflights:
+            for rep in range(a.reps):
+                for variant in order:
+                    res = measure(exe, servers[variant], inflight, a.seconds)
+                    res.update(variant=variant, rep=rep)
+                    results["runs"].append(res)
+                    e2e.log(
+                        f"inflight {inflight} rep {rep} {variant}: {res['qps']:.0f}/s, "
+                        f"p50 {res['p50_us']:.0f} us, p99 {res['p99_us']:.0f} us"
+                    )
+                order.reverse()
+            results["summary"][inflight] = {
+                v: summary(
+                    [r for r in results["runs"] if r["inflight"] == inflight and r["variant"] == v]
+                )
+                for v in VARIANTS
+            }
+    finally:
+        results["servers"] = {v: s.stop() for v, s in servers.items()}
+        zone.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    results["zone_queries"] = zone.count()
+    dnsmasq_version = subprocess.run(
+        ["dnsmasq", "--version"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()[:1]
+    results["meta"] = {
+        "stamp": stamp,
+        "nproc": os.cpu_count(),
+        "reps": a.reps,
+        "seconds": a.seconds,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "dnsmasq": dnsmasq_version[0] if dnsmasq_version else "?",
+        "launch": servers["spliceway"].launch if "spliceway" in servers else None,
+        "git": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=e2e.ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip(),
+    }
+    text = report(results)
+    print(text)
+    path = e2e.RESULTS / f"{stamp}-dns.json"
+    path.write_text(json.dumps(results, indent=1))
+    e2e.log(f"results in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
