@@ -31,9 +31,9 @@
  *       default otherwise): non-blocking sockets, epoll on the UDP socket and the
  *       control connection.  Prints one JSON line: round trips/s, latency
  *       percentiles (send to reply, us), sent/received/lost/late/bad counts, its own
- *       CPU seconds.  Exit status 0, or 1 if the association could not be set up or
- *       the proxy closed the control connection during the run (JSON still printed
- *       with "error").
+ *       CPU seconds.  Exit status 0 whenever the JSON line is printed: when the
+ *       association could not be set up or the proxy closed the control connection
+ *       during the run, its "error" says so (null otherwise); 2 on bad usage.
  *
  * Build: cc -O2 -Wall -Wextra -o udpload udpload.c
  */
@@ -619,7 +619,7 @@ static int run_client(int argc, char **argv) {
     fflush(stdout);
     if (C.ctl >= 0) close(C.ctl);
     close(C.udp);
-    return rc;
+    return 0; /* the JSON line tells (rc != 0: "error" is set) */
 usage:
     fprintf(stderr,
             "usage: udpload client --target H:P (--socks H:P | --direct) [--window W]\n"
