@@ -788,6 +788,7 @@ _HARNESS = r"""
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CHECK(c) \
@@ -838,6 +839,15 @@ int main(void)
     CHECK(sw_table_host_deferred(T, "[::ffff:198.18.0.9]", 19) == 1);
     CHECK(sw_table_host_deferred(T, "198.20.1.2", 10) == 0);
     CHECK(sw_table_host_deferred(T, "198.19.1.2x", 11) == 0);
+    /* Random IP-ish texts, not NUL-terminated, under the sanitizers. */
+    unsigned seed = 1;
+    char rnd[48];
+    for (int i = 0; i < 200000; i++) {
+        int n = rand_r(&seed) % 48;
+        for (int j = 0; j < n; j++)
+            rnd[j] = "0123456789abcdef.:[]%/x"[rand_r(&seed) % 23];
+        CHECK(sw_table_host_deferred(T, rnd, (uint32_t)n) <= 1);
+    }
     CHECK(sw_table_inbound_deferred(T, 255) == 1 && sw_table_inbound_deferred(T, 0) == 0);
     CHECK(sw_table_inbound_deferred(T, UINT32_MAX) == 0);
     for (int i = 0; i < NQ; i++) {
