@@ -59,6 +59,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -1197,19 +1198,47 @@ static void client_error(struct assoc *a)
     getsockopt(a->fd, SOL_SOCKET, SO_ERROR, &err, &len); /* clears it */
 }
 
+static uint64_t mono_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
 static void *loop_main(void *arg)
 {
     struct uloop *L = arg;
     struct epoll_event events[EVENTS_MAX];
+    uint64_t busy_us = L->udp->o.busy_poll_us, spin_until = 0;
     pthread_mutex_lock(&L->lock);
     while (!atomic_load(&L->stop)) {
         int timeout = sleep_ms(L);
+        /* Busy polling: a thread that sleeps must be woken by the sender of
+         * the next datagram, and in a ping-pong (a game, a DNS exchange, the
+         * window-1 benchmark) that wake-up, two per round trip, costs more
+         * than the relaying itself (an IPI, a VM exit under virtualisation). */
+        if (spin_until && timeout != 0) {
+            if (mono_us() < spin_until)
+                timeout = 0;
+            else
+                spin_until = 0;
+        }
         pthread_mutex_unlock(&L->lock);
         int n = epoll_wait(L->epfd, events, EVENTS_MAX, timeout);
         pthread_mutex_lock(&L->lock);
         if (n < 0 && errno != EINTR)
             break;
+        if (n <= 0 && spin_until) {
+            /* polling: nothing to do, and timers are not due; let a thread
+             * this CPU woke (the peer we just sent to) run first */
+            pthread_mutex_unlock(&L->lock);
+            sched_yield();
+            pthread_mutex_lock(&L->lock);
+            continue;
+        }
         now_update(L);
+        if (busy_us && n > 0)
+            spin_until = mono_us() + busy_us;
         for (int i = 0; i < n; i++) {
             struct ep *ep = events[i].data.ptr;
             uint32_t ev = events[i].events;

@@ -671,9 +671,10 @@ def test_assoc_capacity() -> None:
             s.close()
 
 
-def test_burst_through_two_loops(echo: Echo) -> None:
+@pytest.mark.parametrize("busy_poll_us", [0, 200])
+def test_burst_through_two_loops(echo: Echo, busy_poll_us: int) -> None:
     """Many associations over two loops, windows of 16 datagrams each, nothing lost."""
-    relay = UdpRelay(loops=2)
+    relay = UdpRelay(loops=2, busy_poll_us=busy_poll_us)
     e = Env(relay)
     try:
         host, port = echo.addrs[0]
