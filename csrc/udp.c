@@ -1659,6 +1659,30 @@ int sw_udp_assoc_counters(sw_udp *udp, uint64_t assoc, sw_udp_counters *total,
     return 0;
 }
 
+int sw_udp_assoc_dests(sw_udp *udp, uint64_t assoc, uint32_t *ids, sw_udp_counters *out,
+                       size_t max)
+{
+    int rc;
+    if (!ids && max)
+        return -EINVAL;
+    struct assoc *a = assoc_lock(udp, assoc, &rc);
+    if (!a)
+        return rc;
+    size_t n = 0;
+    for (uint32_t i = 0; i <= a->by_id.mask; i++) {
+        for (struct hlink *l = a->by_id.b[i]; l; l = l->next, n++) {
+            if (n >= max)
+                continue;
+            struct dest *d = CONTAINER(l, struct dest, by_id);
+            ids[n] = d->id;
+            if (out)
+                out[n] = d->c;
+        }
+    }
+    assoc_unlock(a);
+    return (int)n;
+}
+
 int sw_udp_upstream_add(sw_udp *udp, uint64_t assoc, int fd, uint32_t idle_timeout_ms,
                         uint32_t *upstream_out)
 {

@@ -203,7 +203,8 @@ enum sw_udp_end {
                                      sw_udp_assoc_close */
     SW_UDP_END_ASSOC = 3,         /* its association ended */
     SW_UDP_END_UPSTREAM = 4,      /* destination: its upstream ended */
-    SW_UDP_END_ERROR = 5,         /* a socket error (err) */
+    SW_UDP_END_ERROR = 5,         /* its socket failed FAIL_LIMIT (16) reads in a
+                                     row; err is the last errno */
     SW_UDP_END_SHUTDOWN = 6       /* sw_udp_shutdown */
 };
 
@@ -317,6 +318,11 @@ int sw_udp_assoc_close(sw_udp *udp, uint64_t assoc);
 /* Live totals: the sum over its destinations (ended ones included), drops. */
 int sw_udp_assoc_counters(sw_udp *udp, uint64_t assoc, sw_udp_counters *total,
                           sw_udp_drops *drops);
+/* The live destinations of an association, in no particular order: up to
+ * max ids and their counters (out may be NULL), in one call for samplers.
+ * Returns how many live destinations there are, which may exceed max. */
+int sw_udp_assoc_dests(sw_udp *udp, uint64_t assoc, uint32_t *ids, sw_udp_counters *out,
+                       size_t max);
 
 /* Hands a UDP socket (AF_INET or AF_INET6, bound or not, not connected) to
  * the association; C owns it on success.  idle_timeout_ms 0 = never. */

@@ -416,6 +416,20 @@ class UdpRelay:
             return None
         return _counters(total[0]), _drops(drops[0])
 
+    def association_dests(self, assoc: int) -> dict[int, UdpCounters] | None:
+        """Every live destination of an association with its counters (one C call),
+        or None once the association has ended."""
+        size = 64
+        while True:
+            ids = ffi.new("uint32_t[]", size)
+            out = ffi.new("sw_udp_counters[]", size)
+            rc = lib.sw_udp_assoc_dests(self._ptr, _assoc(assoc), ids, out, size)
+            if not self._done(rc, "association_dests"):
+                return None
+            if rc <= size:
+                return {int(ids[i]): _counters(out[i]) for i in range(rc)}
+            size = rc + 16  # more appeared than room: ask again, bigger
+
     # -- upstreams -----------------------------------------------------------------
 
     def add_upstream(self, assoc: int, fd: int, idle_timeout: float | None = None) -> int:

@@ -241,6 +241,9 @@ def test_many_destinations_one_association(env: Env) -> None:
         got = {recv(client) for _ in servers.addrs}
         want = {(0, h, p, b"d%d" % i) for i, (h, p) in enumerate(servers.addrs)}
         assert got == want
+        live = env.relay.association_dests(assoc)
+        assert live is not None and sorted(live) == list(range(1, 25))
+        assert all(c.client_tx_packets == 1 for c in live.values())
         # Again: the destinations are known now, no new records.
         for i, (host, port) in enumerate(servers.addrs):
             client.sendto(dgram(host, port, b"again%d" % i), relay_addr)
