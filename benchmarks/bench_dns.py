@@ -27,10 +27,17 @@ after 0.5 s of warm-up): answers/s, p50/p99 latency, and the CPU the server used
 query (utime + stime from /proc). The table gives the median of the runs and the
 ratio to dnsmasq.
 
+``--flows`` measures instead where the server's loop should run: an engine in this
+process (one socks5 inbound, the C connection path) serves TCP flows
+(``loadgen rate``, 16 in flight, to tinyserver) while its DNS server answers cached
+queries (dnsload, 16 in flight), with the server on the dispatcher's loop (where the
+flows' actors run: what the engine does) and on a thread of its own; each alone, then
+both at once, for both placements.
+
 Bounded: every run stops at its duration and is killed after 60 s; the default takes
-about 2 minutes (``--quick``: about 25 s). Output: the table on stdout, progress on
-stderr, every run in benchmarks/results/<timestamp>-dns.json with the servers' logs
-beside it.
+about 2 minutes (``--quick``: about 25 s; ``--flows``: about 40 s). Output: the table
+on stdout, progress on stderr, every run in benchmarks/results/<timestamp>-dns.json
+with the servers' logs beside it (``--flows``: the table only).
 """
 
 from __future__ import annotations
@@ -195,6 +202,85 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def flows_experiment(exe: Path, cc: str, seconds: float) -> dict[str, Any]:
+    """Flows and DNS answers per second, alone and together, for both placements."""
+    from spliceway import Engine
+    from spliceway.dns.server import DnsResponder, bind_dns
+    from spliceway.dns.server import DnsServer as EngineDnsServer
+
+    tools = e2e.build_tools(cc)
+    target = e2e.Server(tools["tinyserver"], None, 900, 1)
+    zone = DnsServer({f"n{i}.{SUFFIX}": ["10.0.0.1"] for i in range(NAMES)}, ttl=3600)
+    cfg = json.loads(json.dumps(e2e.SPLICEWAY_CONFIG))
+    cfg["runtime"] = {
+        "stats_interval_ms": 60_000,
+        "dns": {"servers": [f"udp://127.0.0.1:{zone.port}"], "cache": {"max_entries": 10000}},
+    }
+    engine = Engine(cfg)
+    engine.start()
+    core = engine.core
+    socks_port = engine.listen_address()[1]
+    loadgen = [str(tools["loadgen"]), *e2e.rate_argv(target.rate, socks_port, 16, seconds, 1)]
+    out: dict[str, Any] = {}
+    try:
+        for placement in ("own-thread", "dispatcher"):
+            udp, tcp = bind_dns("127.0.0.1", 0)
+            responder = DnsResponder(lambda: core.resolver, lambda: None)
+            loop = None if placement == "own-thread" else core.dispatcher
+            server = EngineDnsServer(udp, tcp, responder, dispatcher=loop)
+            server.start()
+
+            class _Port:
+                port = server.bound[1]
+
+            try:
+                load(exe, _Port, 4, 1.0, 0)  # type: ignore[arg-type]
+                flows = e2e.run_loadgen(loadgen, timeout=seconds + 60)
+                dns_alone = load(exe, _Port, 16, seconds, 0.5)  # type: ignore[arg-type]
+                argv = [
+                    str(exe), "--target", f"127.0.0.1:{_Port.port}", "--inflight", "16",
+                    "--duration", str(seconds), "--warmup", "0.5",
+                    "--names", str(NAMES), "--suffix", SUFFIX,
+                ]  # fmt: skip
+                dns_proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+                both_flows = e2e.run_loadgen(loadgen, timeout=seconds + 60)
+                dns_out, _ = dns_proc.communicate(timeout=seconds + 60)
+                both_dns = json.loads(dns_out)
+            finally:
+                server.stop()
+            out[placement] = {
+                "flows_alone_conn_per_s": flows["conn_per_s"],
+                "dns_alone_qps": dns_alone["qps"],
+                "flows_with_dns_conn_per_s": both_flows["conn_per_s"],
+                "flows_with_dns_p99_us": both_flows["lat_us"]["p99"],
+                "flows_alone_p99_us": flows["lat_us"]["p99"],
+                "dns_with_flows_qps": both_dns["qps"],
+                "dns_with_flows_p99_us": both_dns["p99_us"],
+            }
+            e2e.log(f"{placement}: {out[placement]}")
+    finally:
+        engine.stop()
+        zone.close()
+        target.stop()
+    return out
+
+
+def flows_report(out: dict[str, Any]) -> str:
+    lines = [
+        "TCP flows (loadgen rate, 16 in flight) and cached DNS answers (16 in flight), one engine",
+        "",
+        f"{'DNS server loop':<16} {'flows alone':>12} {'DNS alone':>10} "
+        f"{'flows + DNS':>12} {'DNS + flows':>12} {'flow p99 us':>12} {'DNS p99 us':>11}",
+    ]
+    for placement, r in out.items():
+        lines.append(
+            f"{placement:<16} {r['flows_alone_conn_per_s']:12.0f} {r['dns_alone_qps']:10.0f} "
+            f"{r['flows_with_dns_conn_per_s']:12.0f} {r['dns_with_flows_qps']:12.0f} "
+            f"{r['flows_with_dns_p99_us']:12.0f} {r['dns_with_flows_p99_us']:11.0f}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 run of 2 s per case")
@@ -202,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0, help="length of one run")
     ap.add_argument("--inflight", default="1,16,64", help="queries in flight, comma separated")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    ap.add_argument(
+        "--flows", action="store_true", help="flows and DNS on one engine, per server loop"
+    )
     a = ap.parse_args(argv)
+    if a.flows:
+        result = flows_experiment(build_dnsload(a.cc), a.cc, a.seconds)
+        print(flows_report(result))
+        return 0
     if a.quick:
         a.reps, a.seconds = 1, 2.0
     if shutil.which("dnsmasq") is None:

@@ -30,6 +30,7 @@ from spliceway.dns.fakeip import FakeIpPool
 from spliceway.dns.server import DnsResponder, DnsServer, bind_dns
 
 if TYPE_CHECKING:
+    from spliceway.actors.dispatcher import Dispatcher
     from spliceway.dns.resolver import Resolver
 
 __all__ = ["FAKEIP_WARNING", "DnsPlan", "DnsService"]
@@ -72,11 +73,18 @@ class DnsPlan:
 
 class DnsService:
     """The running pool and server; ``resolver`` gives the engine's resolver now, ``warn``
-    reports a damaged pool file (the engine emits ``engine.warning``)."""
+    reports a damaged pool file (the engine emits ``engine.warning``), ``loop`` gives the
+    dispatcher the server runs on (None: a thread of its own)."""
 
-    def __init__(self, resolver: Callable[[], Resolver], warn: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        resolver: Callable[[], Resolver],
+        warn: Callable[[str], None],
+        loop: Callable[[], Dispatcher | None] = lambda: None,
+    ) -> None:
         self._resolver = resolver
         self._warn = warn
+        self._loop = loop
         self.settings: DnsSettings | None = None
         #: The fake-ip pool (``answer.type: fake_ip``), else None.
         self.pool: FakeIpPool | None = None
@@ -131,7 +139,7 @@ class DnsService:
             udp, tcp = plan.sockets
             plan.sockets = None
             responder = DnsResponder(self._resolver, lambda: self.pool)
-            server = DnsServer(udp, tcp, responder)
+            server = DnsServer(udp, tcp, responder, self._loop())
             try:
                 server.start()
             except Exception:
