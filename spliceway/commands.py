@@ -244,9 +244,12 @@ def _config_apply_runtime(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
 
 def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
     state = core.route_state
+    # A fake-ip address is routed by its domain, as a flow to it would be.
+    pool = core.dns.pool
+    host = (pool.peek_domain(p.target) if pool is not None else None) or p.target
     facts = routing.FlowFacts(
         network=p.protocol,
-        host=p.target,
+        host=host,
         port=p.port,
         sniffed_host=None,
         resolved_ip=None,
@@ -401,7 +404,8 @@ COMMANDS: dict[str, Command] = {
             TraceRouteParams,
             _trace_route,
             summary="Show how a flow to `target:port` would be routed now, without opening "
-            "one (rules on the source, principal, process or sniffed host do not match).",
+            "one (rules on the source, principal, process or sniffed host do not match; a "
+            "mapped fake-ip address is routed by its domain).",
             example={"target": "example.com", "port": 443},
         ),
         Command(

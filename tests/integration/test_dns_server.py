@@ -329,6 +329,16 @@ def test_socks5_flow_to_a_fake_ip_is_routed_by_its_domain(make_engine, zone, ori
     assert relayed["path"]["remote"]["host"] == "origin.test"
 
 
+def test_trace_route_maps_a_fake_ip_to_its_domain(make_engine, zone):
+    engine = make_engine(routed_config(zone))
+    ip = dig(engine, "blocked.test")[1][0][4]
+    traced = engine.execute("diagnostics.trace_route", {"target": ip, "port": 80})
+    assert traced["target"] == ip
+    assert traced["matched_rule"]["index"] == 0 and traced["route_action"] == {"block": True}
+    other = engine.execute("diagnostics.trace_route", {"target": "198.18.3.3", "port": 80})
+    assert other["matched_rule"]["index"] == 2  # unmapped: by address
+
+
 def test_http_proxy_flow_to_a_fake_ip_is_routed_by_its_domain(make_engine, zone, origin):
     engine = make_engine(routed_config(zone))
     ip = dig(engine, "origin.test")[1][0][4]
