@@ -130,7 +130,7 @@ def test_the_fast_path_answers_what_the_full_path_does(data, tcp, fake):
 
 
 def test_cache_hit_keeps_the_clients_id_question_case_and_flags():
-    responder = DnsResponder(lambda: R.resolver, lambda: None)
+    responder = DnsResponder(lambda: R.resolver, lambda: None, clock=lambda: 0.0)
     asked = R.resolver.asked
     q = dns.message.make_query("a.test", "A")
     first = R.ask(responder, q.to_wire())
