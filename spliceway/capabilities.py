@@ -100,7 +100,10 @@ def _protocol(
 
 
 _UDP_ASSOCIATE = _level(
-    False, "unsupported", "UDP ASSOCIATE is answered with REP 7 (command not supported)"
+    True,
+    "supported",
+    "UDP ASSOCIATE (RFC 1928 section 7)",
+    "no fragmentation: a datagram with FRAG != 0 is dropped",
 )
 
 PROTOCOLS: tuple[dict[str, Any], ...] = (
@@ -111,8 +114,7 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
         inbound_tcp=_YES,
         inbound_udp=_UDP_ASSOCIATE,
         outbound_tcp=_YES,
-        outbound_udp=_level(False, "unsupported", "UDP through a socks5 upstream is not built"),
-        limitations=[{"code": "udp_not_built", "message": "UDP relay is not built yet"}],
+        outbound_udp=_level(True, "supported", "a UDP ASSOCIATE with the upstream proxy"),
     ),
     _protocol(
         "http",
@@ -128,7 +130,7 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
         inbound_tcp=_YES,
         inbound_udp=_UDP_ASSOCIATE,
     ),
-    _protocol("direct", "direct", compiled=True, outbound_tcp=_YES, outbound_udp=_NOT_BUILT),
+    _protocol("direct", "direct", compiled=True, outbound_tcp=_YES, outbound_udp=_YES),
     _protocol("block", "block", compiled=True, outbound_tcp=_YES, outbound_udp=_YES),
     _protocol(
         "shadowsocks",
@@ -142,8 +144,9 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
             "chacha20-ietf-poly1305",
             "relayed by the C copy path (no splice: the stream is encrypted)",
         ),
-        outbound_udp=_level(False, "unsupported", "UDP through shadowsocks is not built"),
-        limitations=[{"code": "udp_not_built", "message": "UDP relay is not built yet"}],
+        outbound_udp=_level(
+            True, "supported", "AEAD per packet (SIP004), as ss-server -u takes it"
+        ),
     ),
     _protocol(
         "tun",
@@ -156,7 +159,15 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
 )
 
 GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
-    {"code": "udp_relay_not_built", "message": "UDP flows (socks5 UDP ASSOCIATE) are not built"},
+    {
+        "code": "udp_relay_in_python",
+        "message": "UDP ASSOCIATE datagrams are relayed by Python; the C datagram relay is "
+        "built but not wired in yet",
+    },
+    {
+        "code": "udp_relay_chains_not_built",
+        "message": "UDP through http outbounds and relay groups is not supported",
+    },
     {
         "code": "relay_hops_fixed",
         "message": "relay group hops must be socks5, http or shadowsocks outbounds, not groups",

@@ -83,7 +83,8 @@ def test_capabilities(client: falcon.testing.TestClient) -> None:
     socks = protocols["socks5"]
     assert socks["compiled"] is True
     assert socks["inbound"]["tcp"] == {"supported": True, "level": "supported", "notes": []}
-    assert socks["inbound"]["udp"]["supported"] is False
+    assert socks["inbound"]["udp"]["supported"] is True
+    assert protocols["shadowsocks"]["outbound"]["udp"]["supported"] is True
     assert socks["mux"]["level"] == "not_applicable"
     assert protocols["shadowsocks"]["compiled"] is True
     assert protocols["shadowsocks"]["outbound"]["tcp"]["supported"] is True
