@@ -234,8 +234,10 @@ struct dest {
     socklen_t to_len;
     struct pkt *pend_head, *pend_tail;
     uint32_t npend;
-    uint64_t last_up;     /* monotonic ms C last sent for it: replies from an
-                             address several destinations share go to this */
+    uint64_t last_up;     /* L->send_seq when C last sent for it: a reply from
+                             an address several destinations share goes to the
+                             one that sent last (a sequence, not a clock: two
+                             sends in one millisecond must still be ordered) */
     sw_udp_counters c;
     /* The reply header: RSV RSV FRAG=0, then the key (ATYP..PORT as sent). */
     uint8_t hdr[HDR_MAX];
@@ -319,6 +321,7 @@ struct uloop {
     struct timer **heap;
     size_t heap_len, heap_cap;
     uint64_t now, now_unix;
+    uint64_t send_seq;         /* counts datagrams C sent upstream (dest->last_up) */
     struct assoc *dead_assocs;
     struct upstream *dead_ups;
     uint32_t *free_slots;
@@ -1031,7 +1034,7 @@ static void client_datagram(struct assoc *a, uint8_t *buf, size_t len, int flags
     switch (d->action) {
     case SW_UDP_DIRECT: {
         struct upstream *u = d->up;
-        d->last_up = L->now;
+        d->last_up = ++L->send_seq;
         touch_up(L, u);
         tx_add(L, u->fd, d, &d->to.sa, d->to_len, NULL, 0, payload, n);
         break;
@@ -1841,7 +1844,7 @@ int sw_udp_dest_set(sw_udp *udp, uint64_t assoc, uint32_t dest, const sw_udp_ver
         p->next = NULL;
         L->pending_bytes -= p->len;
         if (d->action == SW_UDP_DIRECT) {
-            d->last_up = L->now;
+            d->last_up = ++L->send_seq;
             touch_up(L, u);
             /* sent from p itself: freed after the flush (the list is kept) */
             tx_add(L, u->fd, d, &d->to.sa, d->to_len, NULL, 0, p->data, p->len);

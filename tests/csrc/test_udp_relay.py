@@ -708,3 +708,82 @@ def test_burst_through_two_loops(echo: Echo, busy_poll_us: int) -> None:
         relay.close()
         for s in e.sockets:
             s.close()
+
+
+def test_concurrent_associations_keep_record_order(echo: Echo) -> None:
+    """Eight client threads open associations, talk to five names each (all resolving to
+    one echo server, so replies are told apart by which destination sent last) and close
+    them, while one thread answers NEW_DEST through a tiny ring: every destination's
+    records come in order, each association's AssocEnded after all of its others."""
+    relay = UdpRelay(loops=2, ring_records=8)
+    host, port = echo.addrs[0]
+    records: list[UdpRecord] = []
+    stop = threading.Event()
+    upstreams: dict[int, int] = {}
+
+    def answer() -> None:
+        while not stop.is_set():
+            select.select([relay.fileno()], [], [], 0.05)
+            for rec in relay.drain():
+                records.append(rec)
+                if isinstance(rec, NewDest):
+                    if rec.assoc not in upstreams:
+                        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                        upstreams[rec.assoc] = relay.add_upstream(rec.assoc, s.detach())
+                    relay.set_direct(rec.assoc, rec.dest, upstreams[rec.assoc], host, port)
+
+    errors: list[BaseException] = []
+
+    def client(k: int) -> None:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
+                c.bind((LOOP, 0))
+                c.settimeout(0.3)
+                srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                srv.bind((LOOP, 0))
+                addr = srv.getsockname()
+                assoc = relay.add_association(srv.detach(), LOOP, c.getsockname()[1], 30)
+                for rnd in range(3):
+                    for name in range(5):
+                        data = dgram(f"n{name}.c{k}.example", port, b"%d/%d/%d" % (k, rnd, name))
+                        for _ in range(30):  # a NEW_DEST may find the ring full: retry
+                            c.sendto(data, addr)
+                            with contextlib.suppress(TimeoutError):
+                                assert socks5.parse_udp_datagram(c.recv(100)) == (
+                                    socks5.parse_udp_datagram(data)
+                                )
+                                break
+                        else:
+                            raise AssertionError(f"no reply for {data!r}")
+                assert relay.close_association(assoc)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    answerer = threading.Thread(target=answer)
+    answerer.start()
+    workers = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    wait_until(lambda: sum(isinstance(r, AssocEnded) for r in records) == 8)
+    stop.set()
+    answerer.join()
+    relay.close()
+    assert not errors, errors
+    by_assoc: dict[int, list[UdpRecord]] = {}
+    for r in records:
+        by_assoc.setdefault(r.assoc, []).append(r)
+    assert len(by_assoc) == 8
+    for recs in by_assoc.values():
+        assert isinstance(recs[-1], AssocEnded) and recs[-1].reason == End.CLOSED
+        news = [r.dest for r in recs if isinstance(r, NewDest)]
+        ends = [r.dest for r in recs if isinstance(r, DestEnded)]
+        assert sorted(news) == sorted(ends) == list(range(1, 6))
+        for d in news:
+            kinds = [type(r) for r in recs if getattr(r, "dest", None) == d]
+            assert kinds == [NewDest, DestEnded]
+        total = recs[-1].counters
+        assert total.client_tx_packets == total.upstream_tx_packets >= 15
+    st = relay.stats()
+    assert st.assocs_ended == 8 and st.dests_ended == 40
