@@ -4,6 +4,7 @@ through it against the same echo without it, in the same run.
     python benchmarks/bench_udp_relay.py                    # windows 1 and 16, 64 B, 3 x 3 s
     python benchmarks/bench_udp_relay.py --windows 1,16,64 --size 512 --seconds 5 --reps 5
     python benchmarks/bench_udp_relay.py --loops 2 --json benchmarks/results/udp-relay.json
+    python benchmarks/bench_udp_relay.py --pin 0,0,1 --busy-poll-us 100 --also dante=127.0.0.1:1080
 
 No engine: this process is a minimal SOCKS5 control plane around ``spliceway.udprelay``
 (a TCP listener answering UDP ASSOCIATE with a fresh association socket, whose one
@@ -12,10 +13,12 @@ figures are the data plane's.  The load is benchmarks/udpload.c (built with ``cc
 into benchmarks/build/ when its source is newer): ``udpload echo`` is the server,
 ``udpload client --socks`` the SOCKS5 UDP client (one association per run) and
 ``udpload client --direct`` the baseline, alternating run by run.  Reported per
-window: round trips/s (median of the runs), the ratio to direct, latency p50/p99 (of
-the median run), datagrams lost, and the relay loop's CPU seconds per million round
-trips (its threads, sw-udp-N, from /proc).  Everything binds 127.0.0.1 and stops by
-itself.
+window and path: round trips/s (median of the runs), the ratio to direct, latency
+p50/p99 (of the median run), datagrams lost, and for the relay its loops' CPU seconds
+per million round trips (its threads, sw-udp-N, from /proc).  ``--also`` adds SOCKS5
+proxies started by hand (danted, sing-box...) to the same alternation, for a
+same-run comparison; ``--pin`` pins the client, the echo server and the relay loops.
+Everything binds 127.0.0.1 and stops by itself.
 """
 
 from __future__ import annotations
@@ -133,9 +136,9 @@ class ControlPlane:
                     self.ended.append(rec)
 
 
-def client_run(exe: Path, args: list[str], seconds: float) -> dict[str, Any]:
+def client_run(exe: Path, args: list[str], seconds: float, pin: list[str]) -> dict[str, Any]:
     out = subprocess.run(
-        [str(exe), "client", *args, "--seconds", str(seconds)],
+        [*pin, str(exe), "client", *args, "--seconds", str(seconds)],
         capture_output=True, text=True, timeout=seconds + 30, check=True,
     )  # fmt: skip
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -152,14 +155,28 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="runs per mode and window (default 3)")
     ap.add_argument("--loops", type=int, default=1, help="relay threads (default 1)")
     ap.add_argument("--busy-poll-us", type=int, default=0, help="UdpRelay busy_poll_us")
+    ap.add_argument(
+        "--pin", metavar="C,E,R",
+        help="CPUs for the client, the echo server and the relay loops (e.g. 0,0,1)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--also", action="append", default=[], metavar="NAME=HOST:PORT",
+        help="a SOCKS5 proxy already running (e.g. danted) measured in the same runs",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
     args = ap.parse_args()
     windows = [int(w) for w in args.windows.split(",")]
 
     exe = build(args.cc)
+    pins = {"client": [], "echo": []}
+    if args.pin:
+        c, e, r = args.pin.split(",")
+        pins = {"client": ["taskset", "-c", c], "echo": ["taskset", "-c", e]}
+        # Threads started from now on (the relay loops) inherit this affinity.
+        os.sched_setaffinity(0, {int(x) for x in r.split("+")})
     echo = subprocess.Popen(
-        [str(exe), "echo", "--port", "0", "--bind", LOOP, "--max-seconds", "3600"],
+        [*pins["echo"], str(exe), "echo", "--port", "0", "--bind", LOOP, "--max-seconds", "3600"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     relay = UdpRelay(loops=args.loops, busy_poll_us=args.busy_poll_us)
@@ -169,18 +186,25 @@ def main() -> int:
         plane = ControlPlane(relay, (LOOP, echo_port))
         target = f"{LOOP}:{echo_port}"
         results: dict[int, dict[str, list[dict[str, Any]]]] = {}
-        print(f"cpus {os.cpu_count()}, relay loops {args.loops}, busy poll "
-              f"{args.busy_poll_us} us, {args.size} B payloads, "
+        print(f"cpus {os.cpu_count()}, pinned {args.pin or 'no'}, relay loops {args.loops}, "
+              f"busy poll {args.busy_poll_us} us, {args.size} B payloads, "
               f"{args.reps} x {args.seconds:g} s per mode and window", flush=True)  # fmt: skip
+        others = dict(a.split("=", 1) for a in args.also)
         for window in windows:
             runs: dict[str, list[dict[str, Any]]] = {"direct": [], "relay": []}
+            runs.update({name: [] for name in others})
             common = ["--target", target, "--window", str(window), "--size", str(args.size)]
             for _ in range(args.reps):
-                runs["direct"].append(client_run(exe, [*common, "--direct"], args.seconds))
+                direct = client_run(exe, [*common, "--direct"], args.seconds, pins["client"])
+                runs["direct"].append(direct)
                 cpu0 = relay_cpu_seconds()
-                r = client_run(exe, [*common, "--socks", f"{LOOP}:{plane.port}"], args.seconds)
+                socks = [*common, "--socks", f"{LOOP}:{plane.port}"]
+                r = client_run(exe, socks, args.seconds, pins["client"])
                 r["relay_cpu_s"] = relay_cpu_seconds() - cpu0
                 runs["relay"].append(r)
+                for name, addr in others.items():
+                    socks = [*common, "--socks", addr]
+                    runs[name].append(client_run(exe, socks, args.seconds, pins["client"]))
             results[window] = runs
         report(results)
         st = relay.stats()
@@ -200,23 +224,25 @@ def main() -> int:
 
 
 def report(results: dict[int, dict[str, list[dict[str, Any]]]]) -> None:
-    print(f"{'window':>6} {'direct rt/s':>12} {'relay rt/s':>12} {'ratio':>6} "
-          f"{'p50 us d/r':>14} {'p99 us d/r':>14} {'lost d/r':>9} {'cpu s/Mrt':>9}")  # fmt: skip
+    """Per window and path: median rt/s, ratio to direct, the median run's p50/p99."""
+    print(f"{'window':>6} {'path':<10} {'rt/s':>10} {'ratio':>6} {'p50 us':>8} {'p99 us':>8} "
+          f"{'lost':>5} {'relay cpu s/M rt':>16}")  # fmt: skip
     for window, runs in results.items():
-        d = sorted(runs["direct"], key=lambda r: r["rtt_per_s"])
-        r = sorted(runs["relay"], key=lambda r: r["rtt_per_s"])
-        dm, rm = d[len(d) // 2], r[len(r) // 2]
-        d_rate = statistics.median(x["rtt_per_s"] for x in d)
-        r_rate = statistics.median(x["rtt_per_s"] for x in r)
-        trips = sum(x["received"] for x in r)
-        cpu = sum(x["relay_cpu_s"] for x in r) / trips * 1e6 if trips else 0.0
-        lost = f"{sum(x['lost'] for x in d)}/{sum(x['lost'] for x in r)}"
-        print(
-            f"{window:>6} {d_rate:>12,.0f} {r_rate:>12,.0f} {r_rate / d_rate:>6.2f} "
-            f"{dm['lat_us']['p50']:>6.1f}/{rm['lat_us']['p50']:<7.1f} "
-            f"{dm['lat_us']['p99']:>6.1f}/{rm['lat_us']['p99']:<7.1f} {lost:>9} {cpu:>9.2f}",
-            flush=True,
-        )
+        d_rate = statistics.median(x["rtt_per_s"] for x in runs["direct"])
+        for path, rs in runs.items():
+            ordered = sorted(rs, key=lambda r: r["rtt_per_s"])
+            mid = ordered[len(ordered) // 2]
+            rate = statistics.median(x["rtt_per_s"] for x in rs)
+            trips = sum(x["received"] for x in rs)
+            cpu = ""
+            if path == "relay" and trips:
+                cpu = f"{sum(x['relay_cpu_s'] for x in rs) / trips * 1e6:.2f}"
+            print(
+                f"{window:>6} {path:<10} {rate:>10,.0f} {rate / d_rate:>6.2f} "
+                f"{mid['lat_us']['p50']:>8.1f} {mid['lat_us']['p99']:>8.1f} "
+                f"{sum(x['lost'] for x in rs):>5} {cpu:>16}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
