@@ -64,8 +64,9 @@
  *   DEST_ENDED and UPSTREAM_ENDED of an association before its ASSOC_ENDED.
  *   NEW_DEST and DATAGRAM records need room in the ring: without it the
  *   datagram is dropped and counted (dropped_no_dest, dropped_python).
- *   *_ENDED records are never lost: when the ring is full they wait in an
- *   overflow list, in order, which sw_udp_drain reads after the ring.
+ *   *_ENDED records are not lost to a full ring: they wait in an overflow
+ *   list, in order, which sw_udp_drain reads after the ring (only a failed
+ *   malloc of that list's item would lose one).
  *
  * Threads
  *   Each association belongs to one loop, with its destinations and
