@@ -695,7 +695,7 @@ static void upstream_end(struct upstream *u, uint32_t reason, int err)
     if (reason == SW_UDP_END_IDLE)
         L->st.idle_timeouts++;
     else if (reason == SW_UDP_END_ERROR)
-        L->st.dropped_associations++;
+        L->st.upstream_errors++;
 }
 
 static void assoc_end(struct assoc *a, uint32_t reason, int err)
@@ -835,6 +835,7 @@ static void tx_done(struct uloop *L, unsigned i, bool up, bool ok)
     } else {
         d->c.client_send_failures++;
         L->st.client_send_failures++;
+        L->st.send_failures++;
     }
 }
 
@@ -1105,6 +1106,7 @@ static void client_readable(struct assoc *a)
         if (n < 0) {
             a->drops.recv_failures++;
             L->st.client_recv_failures++;
+            L->st.recv_failures++;
             if (++a->fails >= FAIL_LIMIT)
                 assoc_end(a, SW_UDP_END_ERROR, -n);
             return;
@@ -1131,6 +1133,7 @@ static void upstream_readable(struct upstream *u)
         if (n < 0) {
             u->drops.recv_failures++;
             L->st.recv_failures++;
+            L->st.upstream_recv_failures++;
             if (++u->fails >= FAIL_LIMIT)
                 upstream_end(u, SW_UDP_END_ERROR, -n);
             return;
@@ -1141,7 +1144,6 @@ static void upstream_readable(struct upstream *u)
         touch_up(L, u);
         for (int i = 0; i < n; i++) {
             size_t len = L->rx[i].msg_len;
-            L->st.packets_received++;
             u->c.upstream_rx_packets++;
             u->c.upstream_rx_bytes += len;
             struct addr16 from;
@@ -1155,6 +1157,7 @@ static void upstream_readable(struct upstream *u)
                 continue;
             }
             touch(L, d);
+            L->st.packets_received++;
             d->c.upstream_rx_packets++;
             d->c.upstream_rx_bytes += len;
             tx_add(L, a->fd, d, (const struct sockaddr *)&a->client_sa, a->client_salen, d->hdr,

@@ -80,8 +80,8 @@
  *   boundaries (client and upstream, each way) in packets and bytes as
  *   read or written, the payload bytes delivered each way, and what was
  *   dropped, why.  Global, sw_udp_stats: its first eleven fields are
- *   stats.udp_upstream (spliceway/event_catalogue.py UDP_COUNTERS) for the
- *   upstreams C relays; the Python outbounds add their own.
+ *   stats.udp_upstream (spliceway/event_catalogue.py UDP_COUNTERS) for what
+ *   C relays; the Python outbounds add their own.
  *
  * Conventions as relay.h: 0 or a count on success, -errno on failure
  * (sw_strerror renders it); -ENOENT names an association, destination or
@@ -234,8 +234,11 @@ typedef struct sw_udp_record {
                                  (socks5.parse_udp_datagram), NUL-terminated */
 } sw_udp_record;
 
-/* stats.udp_upstream first (for the upstreams C relays), then the client
- * side.  Totals since sw_udp_new; "active" fields are current. */
+/* stats.udp_upstream first (spliceway/event_catalogue.py UDP_COUNTER_TEXT),
+ * counting what happens inside C only, so that Python adds its own (the
+ * proxies it relays) without counting anything twice: a call C refuses is
+ * counted by its caller, never here.  Then the client side.  Totals since
+ * sw_udp_new; "active" fields are current. */
 typedef struct sw_udp_stats {
     uint64_t active_associations;  /* upstreams open now */
     uint64_t created_associations; /* sw_udp_upstream_add successes */
@@ -244,13 +247,20 @@ typedef struct sw_udp_stats {
                                       already used */
     uint64_t closed_associations;  /* upstreams ended, for any reason */
     uint64_t idle_timeouts;        /* ... of which for idleness */
-    uint64_t dropped_associations; /* ... of which for a socket error */
-    uint64_t failed_association_attempts; /* sw_udp_upstream_add refusals */
-    uint64_t send_failures;        /* datagrams an upstream socket refused */
-    uint64_t recv_failures;        /* upstream read errors (not EAGAIN/EINTR) */
+    uint64_t dropped_associations; /* always 0: a refused sw_udp_assoc_add is
+                                      the caller's to count */
+    uint64_t failed_association_attempts; /* sw_udp_upstream_add refusals
+                                      (other than -ENOENT/-ESHUTDOWN) */
+    uint64_t send_failures;        /* datagrams a socket refused: upstream
+                                      sends, and the loops' replies to clients
+                                      (not sw_udp_send_to_client's: its caller
+                                      sees the error) */
+    uint64_t recv_failures;        /* read errors (not EAGAIN/EINTR) on upstream
+                                      and client sockets */
     uint64_t packets_sent;         /* datagrams sent on upstream sockets */
-    uint64_t packets_received;     /* datagrams read from upstream sockets,
-                                      unsolicited ones included */
+    uint64_t packets_received;     /* datagrams read from upstream sockets and
+                                      relayed to a client (attributed to a
+                                      destination; see dropped_unsolicited) */
     /* client side */
     uint64_t assocs_active;
     uint64_t assocs_added;
@@ -261,7 +271,7 @@ typedef struct sw_udp_stats {
     uint64_t dest_idle_timeouts;
     uint64_t client_packets_received; /* every datagram read from clients */
     uint64_t client_packets_sent;     /* every datagram written to clients */
-    uint64_t client_send_failures;
+    uint64_t client_send_failures;    /* every refused write to a client */
     uint64_t client_recv_failures;
     uint64_t dropped_foreign;
     uint64_t dropped_fragment;
@@ -273,6 +283,8 @@ typedef struct sw_udp_stats {
     uint64_t dropped_unsolicited;
     uint64_t records_overflowed;   /* *_ENDED records that waited outside a
                                       full ring */
+    uint64_t upstream_errors;      /* upstreams ended for a socket error */
+    uint64_t upstream_recv_failures; /* the upstream share of recv_failures */
 } sw_udp_stats;
 
 int sw_udp_abi_version(void);

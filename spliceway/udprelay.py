@@ -132,7 +132,13 @@ class UdpDrops(NamedTuple):
 
 
 class UdpStats(NamedTuple):
-    """Relay-wide totals (``sw_udp_stats``); the first eleven are ``stats.udp_upstream``."""
+    """Relay-wide totals (``sw_udp_stats``); the first eleven are ``stats.udp_upstream``.
+
+    Those count what happens inside C only (``dropped_associations`` is always 0: a
+    refused :meth:`UdpRelay.add_association` is the caller's to count, and so is a
+    failed :meth:`UdpRelay.send_to_client`), so the engine adds its own Python-relayed
+    counts to them without counting anything twice.
+    """
 
     active_associations: int
     created_associations: int
@@ -165,6 +171,8 @@ class UdpStats(NamedTuple):
     dropped_python: int
     dropped_unsolicited: int
     records_overflowed: int
+    upstream_errors: int
+    upstream_recv_failures: int
 
     def udp_upstream(self) -> dict[str, int]:
         """The ``stats.udp_upstream`` object's fields, for C's upstreams."""
