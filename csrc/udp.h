@@ -97,7 +97,7 @@
 /* SW_CDEF_BEGIN */
 
 /* Bumped whenever a struct layout or a function signature below changes. */
-#define SW_UDP_ABI_VERSION 1
+#define SW_UDP_ABI_VERSION 2
 
 typedef struct sw_udp sw_udp;
 

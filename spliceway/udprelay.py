@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 #: The C ABI this module was written against; the compiled library must match.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
