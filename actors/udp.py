@@ -1,21 +1,24 @@
 """UdpAssociationActor: one SOCKS5 UDP ASSOCIATE (RFC 1928 section 7) and its UDP flows.
 
-The association lives as long as its TCP control connection. It owns a UDP socket
-bound to the address the client reached the inbound on (told to the client as
-BND.ADDR/BND.PORT), accepts datagrams only from the client's IP (and port: the
-declared one, or the first datagram's when the client declared 0), and keeps one
-*flow* per destination: a FlowRecord with ``network: udp``, the same lifecycle
-events as a TCP flow, packet and byte counts. Each destination is routed by the
-rules (``network: udp``) when its first datagram arrives.
+C moves the datagrams, Python decides. The association's client socket (bound to
+the address the client reached the inbound on, told to it as BND.ADDR/BND.PORT)
+belongs to the C datagram relay (:mod:`spliceway.udprelay`): it accepts datagrams
+only from the client's IP and port (the declared one, or the first datagram's when
+the client declared 0), drops fragments and malformed headers, and reports each new
+destination. This actor answers each with a verdict, once the rules (``network:
+udp``) have routed it:
 
-This is the Python relay: the reference the C datagram relay is measured and
-tested against. It serves the ``direct``, ``socks5`` (a UDP ASSOCIATE of its own
-with the upstream proxy), ``shadowsocks`` (AEAD per packet, SIP004) and ``block``
-outbounds; a destination routed to an
-outbound without UDP here fails, recorded with ``udp_unsupported``. Upstream
-sockets are one per (association, outbound), closed with the association.
-A destination idle for ``runtime.udp_upstream_idle_timeout_seconds`` completes,
-and an upstream association none of whose destinations remain closes.
+- ``direct``: C sends to the resolved address over the association's upstream
+  socket, and wraps the replies, without Python;
+- ``socks5`` / ``shadowsocks``: C hands the datagrams to Python, which relays them
+  through its own UDP ASSOCIATE with the upstream proxy, or seals each one (AEAD
+  per packet, SIP004), and gives the replies back to C for the client;
+- ``block``, or an outbound without UDP: C drops them (counted).
+
+Each destination is a *flow* (``network: udp``) with the same lifecycle events as a
+TCP one; its ``flow.completed`` carries C's exact counters. A destination idle for
+``runtime.udp_upstream_idle_timeout_seconds`` ends; the association ends with its
+TCP control connection.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ import ipaddress
 import logging
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, StopFlow
 
-from spliceway import records, routing
+from spliceway import records, routing, udprelay
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.events import now_ms
 from spliceway.outbounds import DialError
 from spliceway.protocols import ProtocolError, shadowsocks, socks5
+from spliceway.relay import RelayError
 from spliceway.runtime import FlowEntry
 
 if TYPE_CHECKING:
@@ -46,26 +50,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Largest datagram read (a UDP payload cannot be larger).
+#: Largest datagram read from a proxy upstream (a UDP payload cannot be larger).
 _MAX_DATAGRAM = 65535
 #: Datagrams read per readiness event before yielding to other actors.
 _BATCH = 64
 
 
+class UdpRecords(NamedTuple):
+    """Records of the C relay for one association, in order."""
+
+    records: list[udprelay.UdpRecord]
+
+
 @dataclass(slots=True)
-class _Upstream:
-    """An *upstream association*: the UDP socket one outbound's destinations share
-    (``direct``: datagrams go to each target; ``socks5``: to the proxy's relay, wrapped
-    in the SOCKS5 header, over an association whose TCP control connection it holds)."""
+class _ProxyUpstream:
+    """An *upstream association* Python relays: the UDP socket one proxy outbound's
+    destinations share (``socks5``: to the proxy's relay over an association whose TCP
+    control connection it holds; ``shadowsocks``: sealed packets to the server)."""
 
     tag: str
     kind: str
+    outbound: Any
     sock: socket.socket | None = None
     relay: tuple[str, int] | None = None
     control: socket.socket | None = None
-    #: The shadowsocks outbound (its cipher and key seal each packet).
-    outbound: Any = None
-    #: Set once the proxy's association is up (socks5), or failed (None).
+    #: Set once it is up (True) or could not open (False).
     ready: asyncio.Future[bool] | None = None
     #: Reply source -> destination.
     by_source: dict[tuple[str, int], _Dest] = field(default_factory=dict)
@@ -73,29 +82,34 @@ class _Upstream:
 
 @dataclass(slots=True)
 class _Dest:
-    """One destination of the association: its flow, and where its datagrams go."""
+    """One destination of the association: its flow, and how its datagrams go."""
 
+    id: int
     #: The destination as the client addressed it (replies name it so).
     key: tuple[str, int]
     #: Where it goes: ``key``, or the domain a fake-ip address stands for.
     target: tuple[str, int]
     state: records.FlowState
-    action: str  # "opening", "relaying", "block", "closed"
-    upstream: _Upstream | None = None
-    address: tuple[str, int] | None = None
-    last_active: float = 0.0
-    #: Datagrams that arrived while the destination was opening (bounded).
-    pending: list[bytes] | None = None
+    action: str = "opening"  # "opening", "direct", "python", "closed"
+    proxy: _ProxyUpstream | None = None
+    manual_close: bool = False
+    # What Python relayed itself (proxy outbounds), added to C's counters.
+    py_packets_up: int = 0
+    py_bytes_up: int = 0
+    py_wire_up: int = 0
+    py_wire_down: int = 0
 
 
 class UdpAssociationActor(LoopActor):
-    """One UDP association: the client's datagrams, routed per destination."""
+    """One UDP association: the verdicts on its destinations, and their flows."""
 
     registered = False
 
     def __init__(
         self,
         deps: FlowDeps,
+        relay: udprelay.UdpRelay,
+        register: Any,
         resolver: Resolver,
         inbound: InboundSpec,
         control: socket.socket,
@@ -108,76 +122,74 @@ class UdpAssociationActor(LoopActor):
     ) -> None:
         super().__init__(deps.dispatcher)
         self.deps = deps
+        self.relay = relay
+        #: ``register(assoc_id, actor_ref or None)``: where the engine sends our records.
+        self._register = register
         self.resolver = resolver
         self.inbound = inbound
         self.control: socket.socket | None = control
         self.peer = peer
-        self.client_port = declared_port or None
+        self.declared_port = declared_port
         self.principal_key = principal_key
         self.auth_scheme = auth_scheme
         self.id_prefix = id_prefix
         self.idle_timeout_s = idle_timeout_s
-        self.sock: socket.socket | None = None
-        #: Upstream associations by outbound tag.
-        self.upstreams: dict[str, _Upstream] = {}
-        self.dests: dict[tuple[str, int], _Dest] = {}
+        self.assoc: int | None = None
+        #: The C upstream (a dual-stack socket) the association's direct destinations share.
+        self.direct_upstream: int | None = None
+        self.proxies: dict[str, _ProxyUpstream] = {}
+        self.dests: dict[int, _Dest] = {}
         self._n = 0
-        self._timer: Any = None
-        self.dropped = 0
         # Tracked with the flow actors: an engine stop ends associations with no flow yet.
         deps.flow_actors.add(self)  # type: ignore[arg-type]
 
     # -- lifecycle ------------------------------------------------------------------
 
     def on_start(self) -> None:
-        """Bind the relay socket, tell the client where it is, watch the control line."""
+        """Bind the client socket, give it to C, tell the client where it is."""
         assert self.control is not None
-        loop = self.dispatcher.loop
         local_ip = self.control.getsockname()[0]
         family = socket.AF_INET6 if ":" in local_ip else socket.AF_INET
-        counters = self.deps.counters.udp
+        sock = None
         try:
             sock = socket.socket(family, socket.SOCK_DGRAM)
-            sock.setblocking(False)
             sock.bind((local_ip, 0))
-        except OSError as ex:
-            counters["dropped_associations"] += 1
-            logger.warning("UDP ASSOCIATE from %s: cannot bind: %s", self.peer, ex)
+            port = sock.getsockname()[1]
+            self.assoc = self.relay.add_association(
+                sock.fileno(), self.peer[0], self.declared_port, self.idle_timeout_s
+            )
+            sock.detach()  # C's now
+        except (OSError, RelayError, ValueError) as ex:
+            if sock is not None:
+                sock.close()
+            self.deps.counters.udp["dropped_associations"] += 1
+            logger.warning("UDP ASSOCIATE from %s refused: %s", self.peer, ex)
             self._send_control(socks5.reply(socks5.REP_GENERAL_FAILURE))
-            self.actor_ref.stop(block=False)
+            self.stop_now()
             return
-        self.sock = sock
-        self._send_control(socks5.reply(socks5.REP_SUCCEEDED, local_ip, sock.getsockname()[1]))
+        self._register(self.assoc, self.actor_ref)
+        self._send_control(socks5.reply(socks5.REP_SUCCEEDED, local_ip, port))
         self.control.setblocking(False)
-        loop.add_reader(self.control.fileno(), self._on_control)
-        loop.add_reader(sock.fileno(), self._on_client)
-        self._arm_timer()
+        self.dispatcher.loop.add_reader(self.control.fileno(), self._on_control)
 
     def _send_control(self, data: bytes) -> None:
         assert self.control is not None
-        try:
-            self.control.setblocking(True)
-            self.control.settimeout(5)
-            self.control.sendall(data)
-        except OSError:
-            pass
+        # One short reply into a fresh connection's empty buffer: it does not block.
+        with contextlib.suppress(OSError):
+            self.control.send(data)
 
     def on_stop(self) -> None:
-        """Complete every destination's flow and close the sockets."""
+        """End every destination's flow, the association in C, and the sockets."""
         self.deps.flow_actors.discard(self)  # type: ignore[arg-type]
         loop = self.dispatcher.loop
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         for dest in list(self.dests.values()):
-            self._end(dest, records.CANCELLED if dest.action == "opening" else None)
-        for up in list(self.upstreams.values()):
-            self._close_upstream(up, idle=False)
-        if self.sock is not None:
-            with contextlib.suppress(ValueError, OSError):
-                loop.remove_reader(self.sock.fileno())
-            self.sock.close()
-            self.sock = None
+            self._complete(dest, None if dest.action != "opening" else records.CANCELLED)
+        for proxy in list(self.proxies.values()):
+            self._close_proxy(proxy, idle=False)
+        if self.assoc is not None:
+            self._register(self.assoc, None)
+            with contextlib.suppress(RelayError):
+                self.relay.close_association(self.assoc)
         if self.control is not None:
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(self.control.fileno())
@@ -185,7 +197,7 @@ class UdpAssociationActor(LoopActor):
             self.control = None
 
     def on_failure(self, *exc_info: object) -> None:
-        """Never leave sockets open after a bug."""
+        """Never leave sockets or a C association behind after a bug."""
         self.on_stop()
 
     def _on_control(self) -> None:
@@ -199,291 +211,92 @@ class UdpAssociationActor(LoopActor):
         except OSError:
             data = b""
         if not data:
-            self.actor_ref.stop(block=False)
+            self.stop_now()
 
-    # -- client -> upstream ----------------------------------------------------------
+    # -- messages -------------------------------------------------------------------
 
-    def _on_client(self) -> None:
-        sock = self.sock
-        if sock is None:
-            return
-        for _ in range(_BATCH):
-            try:
-                data, source = sock.recvfrom(_MAX_DATAGRAM)
-            except BlockingIOError:
-                return
-            except OSError:
-                self.deps.counters.udp["recv_failures"] += 1
-                return
-            self._from_client(data, source)
-
-    def _from_client(self, data: bytes, source: tuple[Any, ...]) -> None:
-        if source[0] != self.peer[0] or (
-            self.client_port is not None and source[1] != self.client_port
-        ):
-            self.dropped += 1  # not the client that asked for this association
-            return
-        try:
-            datagram = socks5.parse_udp_datagram(data)
-        except ProtocolError:
-            self.dropped += 1
-            return
-        if datagram.fragment != 0:
-            self.dropped += 1  # fragmentation is optional (RFC 1928 section 7): not done
-            return
-        self.client_port = source[1]
-        key = (datagram.host, datagram.port)
-        dest = self.dests.get(key)
-        if dest is None:
-            dest = self._open(key)
-        dest.last_active = self.dispatcher.loop.time()
-        t = dest.state.traffic
-        t.inbound_rx_bytes += len(data)
-        t.packets_up = (t.packets_up or 0) + 1
-        payload = datagram.payload
-        if dest.action == "opening":
-            assert dest.pending is not None
-            if len(dest.pending) < 64:
-                dest.pending.append(payload)
-            else:
-                self.dropped += 1
-            return
-        self._send_up(dest, payload)
-
-    def _send_up(self, dest: _Dest, payload: bytes) -> None:
-        up = dest.upstream
-        if dest.action != "relaying" or up is None or up.sock is None:
-            return
-        if up.kind == "socks5":
-            assert up.relay is not None
-            wire, to = socks5.build_udp_datagram(*dest.target, payload), up.relay
-        elif up.kind == "shadowsocks":
-            assert up.relay is not None and up.outbound is not None
-            ob = up.outbound
-            wire = shadowsocks.seal_packet(ob.cipher, ob.master_key, *dest.target, payload)
-            to = up.relay
-        else:
-            assert dest.address is not None
-            wire, to = payload, dest.address
-        try:
-            up.sock.sendto(wire, to)
-        except OSError:
-            self.deps.counters.udp["send_failures"] += 1
-            return
-        t = dest.state.traffic
-        t.bytes_up += len(payload)
-        t.outbound_tx_bytes += len(wire)
-        self.deps.counters.udp["packets_sent"] += 1
-
-    async def _upstream(self, outbound: Any) -> _Upstream | None:
-        """The upstream association of ``outbound``, opened or reused for a new
-        destination (``stats.udp_upstream`` counts them); None when it cannot open."""
-        counters = self.deps.counters.udp
-        up = self.upstreams.get(outbound.tag)
-        if up is not None:
-            if up.ready is not None and not await up.ready:
-                return None
-            counters["reused_associations"] += 1
-            return up
-        up = _Upstream(outbound.tag, outbound.protocol)
-        up.ready = self.dispatcher.loop.create_future()
-        self.upstreams[outbound.tag] = up
-        try:
-            if up.kind in ("socks5", "shadowsocks"):
-                if up.kind == "socks5":
-                    up.control, up.relay = await outbound.udp_associate(self.dispatcher.loop)
-                else:
-                    up.outbound = outbound
-                    up.relay = await self._server_address(outbound)
-                family = socket.AF_INET6 if ":" in up.relay[0] else socket.AF_INET
-                sock = socket.socket(family, socket.SOCK_DGRAM)
-                sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
-            else:
-                # Dual-stack: one socket reaches IPv4 and IPv6 targets.
-                sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                sock.bind(("::", 0))
-            sock.setblocking(False)
-        except (OSError, DialError, ResolveError, InvalidHostname) as ex:
-            logger.debug("UDP upstream %s failed: %s", outbound.tag, ex)
-            counters["failed_association_attempts"] += 1
-            self.upstreams.pop(outbound.tag, None)
-            if up.control is not None:
-                up.control.close()
-            up.ready.set_result(False)
-            return None
-        if self.actor_stopped.is_set():
-            sock.close()
-            if up.control is not None:
-                up.control.close()
-            up.ready.set_result(False)
-            return None
-        up.sock = sock
-        loop = self.dispatcher.loop
-        loop.add_reader(sock.fileno(), self._on_upstream, up)
-        if up.control is not None:
-            up.control.setblocking(False)
-            loop.add_reader(up.control.fileno(), self._on_upstream_control, up)
-        counters["created_associations"] += 1
-        counters["active_associations"] += 1
-        up.ready.set_result(True)
-        return up
-
-    async def _server_address(self, outbound: Any) -> tuple[str, int]:
-        """Where a shadowsocks server takes UDP: its address, resolved by the engine."""
-        if _is_ip(outbound.server):
-            return _norm(outbound.server), outbound.port
-        addresses = await self.resolver.resolve(outbound.server)
-        if not addresses:
-            raise OSError(f"{outbound.server} has no address")
-        return addresses[0], outbound.port
-
-    def _on_upstream_control(self, up: _Upstream) -> None:
-        # The proxy ended the association: its destinations cannot go on.
-        assert up.control is not None
-        try:
-            if up.control.recv(4096):
-                return
-        except BlockingIOError:
-            return
-        except OSError:
-            pass
-        for dest in [d for d in self.dests.values() if d.upstream is up]:
-            self._end(
-                dest,
-                records.FAILED,
-                records.Failure("relay", "upstream_reset", f"proxy {up.tag} ended the association"),
+    def on_receive(self, message: Any) -> Any:
+        """C's records; ``CloseFlow`` (one destination's flow, cancelled and manual);
+        ``StopFlow`` (engine shutdown: the association and all its flows end)."""
+        if isinstance(message, UdpRecords):
+            for record in message.records:
+                self._on_record(record)
+        elif isinstance(message, CloseFlow):
+            dest = next(
+                (d for d in self.dests.values() if d.state.flow_id == message.flow_id), None
             )
-        self._close_upstream(up, idle=False)
+            if dest is None or self.assoc is None:
+                return False
+            dest.manual_close = True
+            if dest.action == "opening":
+                self._complete(dest, records.CANCELLED)
+            with contextlib.suppress(RelayError):
+                self.relay.close_dest(self.assoc, dest.id)
+            return True
+        elif isinstance(message, StopFlow):
+            self.stop_now()
+        return None
 
-    def _close_upstream(self, up: _Upstream, *, idle: bool) -> None:
-        if self.upstreams.get(up.tag) is up:
-            del self.upstreams[up.tag]
-        loop = self.dispatcher.loop
-        for sock in (up.sock, up.control):
-            if sock is not None:
-                with contextlib.suppress(ValueError, OSError):
-                    loop.remove_reader(sock.fileno())
-                sock.close()
-        if up.sock is None:
-            return
-        up.sock = up.control = None
-        counters = self.deps.counters.udp
-        counters["active_associations"] -= 1
-        counters["closed_associations"] += 1
-        if idle:
-            counters["idle_timeouts"] += 1
+    def _on_record(self, record: udprelay.UdpRecord) -> None:
+        if isinstance(record, udprelay.NewDest):
+            self._open(record)
+        elif isinstance(record, udprelay.Datagram):
+            dest = self.dests.get(record.dest)
+            if dest is not None and dest.action == "python":
+                self._send_proxied(dest, record.payload)
+        elif isinstance(record, udprelay.DestEnded):
+            dest = self.dests.get(record.dest)
+            if dest is not None:
+                self._take_counters(dest, record.counters)
+                self._ended(dest, record)
+        elif isinstance(record, udprelay.UpstreamEnded):
+            if record.upstream == self.direct_upstream:
+                self.direct_upstream = None
+        elif isinstance(record, udprelay.AssocEnded):
+            self.assoc = None
+            self.stop_now()
 
-    # -- upstream -> client ----------------------------------------------------------
+    # -- destinations ---------------------------------------------------------------
 
-    def _on_upstream(self, up: _Upstream) -> None:
-        sock = self.sock
-        if up.sock is None or sock is None or self.client_port is None:
-            return
-        for _ in range(_BATCH):
-            try:
-                data, source = up.sock.recvfrom(_MAX_DATAGRAM)
-            except BlockingIOError:
-                return
-            except OSError:
-                self.deps.counters.udp["recv_failures"] += 1
-                return
-            if up.kind == "socks5":
-                if source[:2] != up.relay and (_norm(source[0]), source[1]) != up.relay:
-                    self.dropped += 1  # only the proxy's relay speaks on this socket
-                    continue
-                try:
-                    reply = socks5.parse_udp_datagram(data)
-                except ProtocolError:
-                    self.dropped += 1
-                    continue
-                origin, payload = (_norm_host(reply.host), reply.port), reply.payload
-            elif up.kind == "shadowsocks":
-                if (_norm(source[0]), source[1]) != up.relay:
-                    self.dropped += 1  # only the server speaks on this socket
-                    continue
-                assert up.outbound is not None
-                try:
-                    host, port, payload = shadowsocks.open_packet(
-                        up.outbound.cipher, up.outbound.master_key, data
-                    )
-                except ProtocolError:
-                    self.dropped += 1
-                    continue
-                origin = (_norm_host(host), port)
-            else:
-                origin, payload = (source[0], source[1]), data
-            dest = up.by_source.get(origin)
-            if dest is None:
-                # A proxy reports the address it heard from, not the name it was given.
-                dest = next(
-                    (
-                        d
-                        for d in self.dests.values()
-                        if d.upstream is up and d.target[1] == origin[1]
-                    ),
-                    None,
-                )
-            if dest is None:
-                self.dropped += 1  # from nobody the client sent to
-                continue
-            self.deps.counters.udp["packets_received"] += 1
-            # The reply names the destination as the client addressed it, so a client
-            # that sent to a name matches the reply to its request.
-            wire = socks5.build_udp_datagram(dest.key[0], dest.key[1], payload)
-            try:
-                sock.sendto(wire, (self.peer[0], self.client_port))
-            except OSError:
-                self.deps.counters.udp["send_failures"] += 1
-                continue
-            dest.last_active = self.dispatcher.loop.time()
-            t = dest.state.traffic
-            t.outbound_rx_bytes += len(data)
-            t.bytes_down += len(payload)
-            t.inbound_tx_bytes += len(wire)
-            t.packets_down = (t.packets_down or 0) + 1
-
-    # -- flows ----------------------------------------------------------------------
-
-    def _open(self, key: tuple[str, int]) -> _Dest:
-        """A new destination: its flow starts, is routed, and (for a name) resolves."""
+    def _open(self, new: udprelay.NewDest) -> None:
+        """A new destination: its flow starts and is routed; a verdict follows."""
         deps = self.deps
         self._n += 1
-        started = now_ms()
+        key = (new.host, new.port)
         target = key
         pool = deps.fakeip
         if pool is not None:
             # A fake-ip address stands for the domain the client resolved (as for TCP).
-            domain = pool.domain_of(key[0])
+            domain = pool.domain_of(new.host)
             if domain is not None:
-                target = (domain, key[1])
+                target = (domain, new.port)
         state = records.FlowState(
             flow_id=f"{self.id_prefix}u{self._n}",
             inbound_tag=self.inbound.tag,
             inbound_protocol=self.inbound.protocol,
             source_ip=self.peer[0],
-            source_port=self.client_port or 0,
-            started_at_unix_ms=started,
+            source_port=new.client_port,
+            started_at_unix_ms=new.at_unix_ms,
             mode=deps.route_state.mode,
             network="udp",
             target_host=target[0],
             target_port=target[1],
             principal_key=self.principal_key,
             auth_scheme=self.auth_scheme,
-            last_activity_at_unix_ms=started,
+            last_activity_at_unix_ms=new.at_unix_ms,
         )
         state.traffic.packets_up = 0
         state.traffic.packets_down = 0
-        dest = _Dest(key, target, state, "failed")
-        self.dests[key] = dest
+        dest = _Dest(new.dest, key, target, state)
+        self.dests[new.dest] = dest
         deps.counters.total_started += 1
-        self._publish(dest, "flow.started")
+        self._publish(dest, "flow.started", occurred=new.at_unix_ms)
         facts = routing.FlowFacts(
             network="udp",
             host=target[0],
             port=target[1],
             source_ip=self.peer[0],
-            source_port=self.client_port,
+            source_port=new.client_port,
             inbound_tag=self.inbound.tag,
             principal_key=self.principal_key,
         )
@@ -503,11 +316,10 @@ class UdpAssociationActor(LoopActor):
             state.outbound_tag = outbound.tag
             state.outbound_protocol = outbound.protocol
         if decision.action == "block" or outbound is None or outbound.protocol == "block":
-            dest.action = "block"
-            self._end(dest, records.BLOCKED)
-            return dest
+            self._refuse(dest, records.BLOCKED)
+            return
         if outbound.protocol not in ("direct", "socks5", "shadowsocks"):
-            self._end(
+            self._refuse(
                 dest,
                 records.FAILED,
                 records.Failure(
@@ -517,35 +329,80 @@ class UdpAssociationActor(LoopActor):
                     "in this build",
                 ),
             )
-            return dest
-        dest.action = "opening"
-        dest.pending = []
+            return
+        # C holds the destination's datagrams (bounded) until the verdict.
         self.dispatcher.spawn(self._open_path(dest, outbound))
-        return dest
+
+    def _refuse(self, dest: _Dest, outcome: str, failure: records.Failure | None = None) -> None:
+        """Drop the destination's datagrams in C and complete its flow now."""
+        if self.assoc is not None:
+            with contextlib.suppress(RelayError):
+                self.relay.set_drop(self.assoc, dest.id)
+        self._complete(dest, outcome, failure)
 
     async def _open_path(self, dest: _Dest, outbound: Any) -> None:
-        """Resolve (direct) and open the upstream association, then send what waited."""
-        ip = None
-        if outbound.protocol == "direct":
-            if _is_ip(dest.target[0]):
-                ip = _norm(dest.target[0])
+        try:
+            if outbound.protocol == "direct":
+                await self._open_direct(dest)
             else:
-                try:
-                    addresses = await self.resolver.resolve(dest.target[0])
-                except Exception as ex:  # InvalidHostname, ResolveError: the flow fails
-                    addresses, error = [], str(ex)
-                else:
-                    error = f"{dest.target[0]} has no address"
-                if not addresses:
-                    if dest.action == "opening":
-                        self._end(dest, records.FAILED, records.Failure("dns", "dns_failed", error))
-                    return
-                ip = addresses[0]
-        up = await self._upstream(outbound)
-        if dest.action != "opening" or self.actor_stopped.is_set():
+                await self._open_proxied(dest, outbound)
+        except RelayError as ex:
+            if dest.action == "opening":
+                self._refuse(
+                    dest, records.FAILED, records.Failure("connect", "connect_failed", str(ex))
+                )
+
+    async def _open_direct(self, dest: _Dest) -> None:
+        host, port = dest.target
+        if _is_ip(host):
+            ip = _norm(host)
+        else:
+            try:
+                addresses = await self.resolver.resolve(host)
+            except (InvalidHostname, ResolveError) as ex:
+                addresses, error = [], str(ex)
+            else:
+                error = f"{host} has no address"
+            if not addresses:
+                if dest.action == "opening":
+                    self._refuse(dest, records.FAILED, records.Failure("dns", "dns_failed", error))
+                return
+            ip = addresses[0]
+        if dest.action != "opening" or self.assoc is None:
             return
-        if up is None:
-            self._end(
+        upstream = self._direct_upstream()
+        if not self.relay.set_direct(self.assoc, dest.id, upstream, _v6(ip), port):
+            return  # ended meanwhile: its DestEnded follows
+        dest.action = "direct"
+        s = dest.state
+        s.resolved_ip = ip
+        s.remote_host, s.remote_port = dest.target
+        self._routed(dest, chained=False)
+
+    def _direct_upstream(self) -> int:
+        """The association's C upstream for direct destinations (a dual-stack socket, so
+        IPv4 and IPv6 targets share it), made on first use."""
+        assert self.assoc is not None
+        if self.direct_upstream is None:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+            try:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind(("::", 0))
+                self.direct_upstream = self.relay.add_upstream(
+                    self.assoc, sock.fileno(), self.idle_timeout_s
+                )
+            except BaseException:
+                sock.close()
+                raise
+            sock.detach()  # C's now
+        return self.direct_upstream
+
+    async def _open_proxied(self, dest: _Dest, outbound: Any) -> None:
+        proxy = await self._proxy(outbound)
+        if dest.action != "opening" or self.assoc is None:
+            return
+        if proxy is None:
+            self._refuse(
                 dest,
                 records.FAILED,
                 records.Failure(
@@ -553,46 +410,79 @@ class UdpAssociationActor(LoopActor):
                 ),
             )
             return
-        dest.upstream = up
+        if not self.relay.set_python(self.assoc, dest.id):
+            return
+        dest.action = "python"
+        dest.proxy = proxy
+        proxy.by_source[(_norm_host(dest.target[0]), dest.target[1])] = dest
         s = dest.state
-        if ip is not None:
-            dest.address = (_v6(ip), dest.target[1])
-            up.by_source[dest.address] = dest
-            s.resolved_ip = ip
-            s.remote_host, s.remote_port = dest.target
-        else:
-            up.by_source[(_norm_host(dest.target[0]), dest.target[1])] = dest
-            s.remote_host, s.remote_port = outbound.server, outbound.port
-            s.relay_chain = [outbound.tag]
-        dest.action = "relaying"
-        s.state = "active"
-        if outbound.chained:
+        s.remote_host, s.remote_port = outbound.server, outbound.port
+        s.relay_chain = [outbound.tag]
+        self._routed(dest, chained=True)
+
+    def _routed(self, dest: _Dest, *, chained: bool) -> None:
+        dest.state.state = "active"
+        if chained:
             self.deps.counters.chained_sessions += 1
         else:
             self.deps.counters.direct_sessions += 1
         self._publish(dest, "flow.routed")
-        pending, dest.pending = dest.pending or [], None
-        for payload in pending:
-            self._send_up(dest, payload)
 
-    def _end(
+    def _ended(self, dest: _Dest, record: udprelay.DestEnded) -> None:
+        s = dest.state
+        if dest.manual_close:
+            s.close_reason = records.MANUAL
+            self._complete(dest, records.CANCELLED)
+        elif record.reason == udprelay.End.IDLE:
+            s.close_reason = records.IDLE_TIMEOUT
+            self._complete(dest, None)
+        elif record.reason == udprelay.End.ERROR:
+            self._complete(
+                dest,
+                records.FAILED,
+                records.Failure("relay", "upstream_error", f"UDP relay error {record.errno}"),
+            )
+        else:
+            self._complete(dest, None)
+
+    def _take_counters(self, dest: _Dest, c: udprelay.UdpCounters) -> None:
+        """C's exact counters (plus what Python relayed itself) into the flow's record."""
+        t = dest.state.traffic
+        t.bytes_up = c.bytes_up + dest.py_bytes_up
+        t.bytes_down = c.bytes_down
+        t.packets_up = c.upstream_tx_packets + dest.py_packets_up
+        t.packets_down = c.client_tx_packets
+        t.inbound_rx_bytes = c.client_rx_bytes
+        t.inbound_tx_bytes = c.client_tx_bytes
+        t.outbound_rx_bytes = c.upstream_rx_bytes + dest.py_wire_down
+        t.outbound_tx_bytes = c.upstream_tx_bytes + dest.py_wire_up
+
+    def _complete(
         self, dest: _Dest, outcome: str | None, failure: records.Failure | None = None
     ) -> None:
         s = dest.state
         if s.state == "completed":
             return
-        self.dests.pop(dest.key, None)
-        up = dest.upstream
-        if up is not None:
-            for source in [k for k, d in up.by_source.items() if d is dest]:
-                del up.by_source[source]
+        self.dests.pop(dest.id, None)
+        proxy = dest.proxy
+        if proxy is not None:
+            for source in [k for k, d in proxy.by_source.items() if d is dest]:
+                del proxy.by_source[source]
+            if not proxy.by_source:
+                self._close_proxy(proxy, idle=dest.state.close_reason == records.IDLE_TIMEOUT)
+        if outcome is None and self.assoc is not None and dest.action in ("direct", "python"):
+            # Ended by the association or the engine: C's last counts of it.
+            with contextlib.suppress(RelayError):
+                counters = self.relay.dest_counters(self.assoc, dest.id)
+                if counters is not None:
+                    self._take_counters(dest, counters)
+        chained = dest.action == "python"
         dest.action = "closed"
         s.state = "completed"
-        chained = up is not None and up.kind != "direct"
         s.outcome = outcome or (records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED)
         s.failure = failure
-        if failure is not None:
-            s.close_reason = records.UPSTREAM_ERROR if outcome == records.FAILED else None
+        if failure is not None and outcome == records.FAILED:
+            s.close_reason = records.UPSTREAM_ERROR
         s.ended_at_unix_ms = max(now_ms(), s.started_at_unix_ms)
         c = self.deps.counters
         c.completed_sessions += 1
@@ -602,9 +492,9 @@ class UdpAssociationActor(LoopActor):
             c.failed_sessions += 1
         elif s.outcome == records.BLOCKED:
             c.blocked_sessions += 1
-        self._publish(dest, "flow.completed")
+        self._publish(dest, "flow.completed", occurred=s.ended_at_unix_ms)
 
-    def _publish(self, dest: _Dest, event_type: str) -> None:
+    def _publish(self, dest: _Dest, event_type: str, occurred: int | None = None) -> None:
         s = dest.state
         s.revision += 1
         record = s.render()
@@ -619,43 +509,168 @@ class UdpAssociationActor(LoopActor):
             event_type,
             records.lifecycle_payload(s, record),
             principal_key=s.principal_key,
-            occurred_at_unix_ms=s.ended_at_unix_ms if event_type == "flow.completed" else None,
+            occurred_at_unix_ms=occurred,
         )
 
-    # -- idle -----------------------------------------------------------------------
+    # -- proxy upstreams (Python relays) ---------------------------------------------
 
-    def _arm_timer(self) -> None:
-        interval = max(0.05, min(1.0, self.idle_timeout_s / 4))
-        self._timer = self.dispatcher.loop.call_later(interval, self._on_timer)
-
-    def _on_timer(self) -> None:
+    async def _proxy(self, outbound: Any) -> _ProxyUpstream | None:
+        """The upstream association of a proxy ``outbound``, opened or reused for a new
+        destination (``stats.udp_upstream`` counts them); None when it cannot open."""
+        counters = self.deps.counters.udp
+        proxy = self.proxies.get(outbound.tag)
+        if proxy is not None:
+            if proxy.ready is not None and not await proxy.ready:
+                return None
+            counters["reused_associations"] += 1
+            return proxy
+        proxy = _ProxyUpstream(outbound.tag, outbound.protocol, outbound)
+        proxy.ready = self.dispatcher.loop.create_future()
+        self.proxies[outbound.tag] = proxy
+        sock = None
+        try:
+            if proxy.kind == "socks5":
+                proxy.control, proxy.relay = await outbound.udp_associate(self.dispatcher.loop)
+            else:
+                proxy.relay = await self._server_address(outbound)
+            family = socket.AF_INET6 if ":" in proxy.relay[0] else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            sock.setblocking(False)
+        except (OSError, DialError, ResolveError, InvalidHostname) as ex:
+            logger.debug("UDP upstream %s failed: %s", outbound.tag, ex)
+            counters["failed_association_attempts"] += 1
+            self.proxies.pop(outbound.tag, None)
+            for s in (sock, proxy.control):
+                if s is not None:
+                    s.close()
+            proxy.ready.set_result(False)
+            return None
         if self.actor_stopped.is_set():
-            return
-        now = self.dispatcher.loop.time()
-        for dest in list(self.dests.values()):
-            if dest.action == "relaying" and now - dest.last_active >= self.idle_timeout_s:
-                dest.state.close_reason = records.IDLE_TIMEOUT
-                self._end(dest, None)
-        for up in list(self.upstreams.values()):
-            if up.sock is not None and not any(d.upstream is up for d in self.dests.values()):
-                self._close_upstream(up, idle=True)
-        self._arm_timer()
+            sock.close()
+            if proxy.control is not None:
+                proxy.control.close()
+            proxy.ready.set_result(False)
+            return None
+        proxy.sock = sock
+        loop = self.dispatcher.loop
+        loop.add_reader(sock.fileno(), self._on_proxy, proxy)
+        if proxy.control is not None:
+            proxy.control.setblocking(False)
+            loop.add_reader(proxy.control.fileno(), self._on_proxy_control, proxy)
+        counters["created_associations"] += 1
+        counters["active_associations"] += 1
+        proxy.ready.set_result(True)
+        return proxy
 
-    def on_receive(self, message: Any) -> Any:
-        """``CloseFlow``: end one destination's flow (cancelled, manual); ``StopFlow``
-        (engine shutdown): end the association and every flow in it."""
-        if isinstance(message, CloseFlow):
-            dest = next(
-                (d for d in self.dests.values() if d.state.flow_id == message.flow_id), None
+    async def _server_address(self, outbound: Any) -> tuple[str, int]:
+        """Where a shadowsocks server takes UDP: its address, resolved by the engine."""
+        if _is_ip(outbound.server):
+            return _norm(outbound.server), outbound.port
+        addresses = await self.resolver.resolve(outbound.server)
+        if not addresses:
+            raise OSError(f"{outbound.server} has no address")
+        return addresses[0], outbound.port
+
+    def _send_proxied(self, dest: _Dest, payload: bytes) -> None:
+        proxy = dest.proxy
+        if proxy is None or proxy.sock is None or proxy.relay is None:
+            return
+        if proxy.kind == "socks5":
+            wire = socks5.build_udp_datagram(*dest.target, payload)
+        else:
+            ob = proxy.outbound
+            wire = shadowsocks.seal_packet(ob.cipher, ob.master_key, *dest.target, payload)
+        try:
+            proxy.sock.sendto(wire, proxy.relay)
+        except OSError:
+            self.deps.counters.udp["send_failures"] += 1
+            return
+        dest.py_packets_up += 1
+        dest.py_bytes_up += len(payload)
+        dest.py_wire_up += len(wire)
+        self.deps.counters.udp["packets_sent"] += 1
+
+    def _on_proxy(self, proxy: _ProxyUpstream) -> None:
+        if proxy.sock is None or self.assoc is None:
+            return
+        for _ in range(_BATCH):
+            try:
+                data, source = proxy.sock.recvfrom(_MAX_DATAGRAM)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.deps.counters.udp["recv_failures"] += 1
+                return
+            if (_norm(source[0]), source[1]) != proxy.relay and source[:2] != proxy.relay:
+                continue  # only the proxy speaks on this socket
+            try:
+                if proxy.kind == "socks5":
+                    reply = socks5.parse_udp_datagram(data)
+                    origin, payload = (_norm_host(reply.host), reply.port), reply.payload
+                else:
+                    ob = proxy.outbound
+                    host, port, payload = shadowsocks.open_packet(ob.cipher, ob.master_key, data)
+                    origin = (_norm_host(host), port)
+            except ProtocolError:
+                continue
+            dest = proxy.by_source.get(origin) or next(
+                # A proxy reports the address it heard from, not the name it was given.
+                (d for d in proxy.by_source.values() if d.target[1] == origin[1]),
+                None,
             )
             if dest is None:
-                return False
-            dest.state.close_reason = records.MANUAL
-            self._end(dest, records.CANCELLED)
-            return True
-        if isinstance(message, StopFlow):
-            self.stop_now()
-        return None
+                continue
+            self.deps.counters.udp["packets_received"] += 1
+            try:
+                sent = self.relay.send_to_client(self.assoc, dest.id, payload)
+            except RelayError:
+                self.deps.counters.udp["send_failures"] += 1
+                continue
+            if sent is not None:
+                dest.py_wire_down += len(data)
+
+    def _on_proxy_control(self, proxy: _ProxyUpstream) -> None:
+        # The proxy ended the association: its destinations cannot go on.
+        assert proxy.control is not None
+        try:
+            if proxy.control.recv(4096):
+                return
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        for dest in list(proxy.by_source.values()):
+            if self.assoc is not None:
+                with contextlib.suppress(RelayError):
+                    self.relay.set_drop(self.assoc, dest.id)
+            self._complete(
+                dest,
+                records.FAILED,
+                records.Failure(
+                    "relay", "upstream_reset", f"proxy {proxy.tag} ended the association"
+                ),
+            )
+        self._close_proxy(proxy, idle=False)
+
+    def _close_proxy(self, proxy: _ProxyUpstream, *, idle: bool) -> None:
+        if self.proxies.get(proxy.tag) is proxy:
+            del self.proxies[proxy.tag]
+        loop = self.dispatcher.loop
+        opened = proxy.sock is not None
+        for sock in (proxy.sock, proxy.control):
+            if sock is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(sock.fileno())
+                sock.close()
+        proxy.sock = proxy.control = None
+        if not opened:
+            return
+        counters = self.deps.counters.udp
+        counters["active_associations"] -= 1
+        counters["closed_associations"] += 1
+        if idle:
+            counters["idle_timeouts"] += 1
 
 
 def _is_ip(host: str) -> bool:
@@ -667,7 +682,7 @@ def _is_ip(host: str) -> bool:
 
 
 def _v6(ip: str) -> str:
-    """``ip`` as the dual-stack upstream socket names it (IPv4 as ``::ffff:a.b.c.d``)."""
+    """``ip`` as the dual-stack upstream socket reaches it (IPv4 as ``::ffff:a.b.c.d``)."""
     addr = ipaddress.ip_address(ip)
     return f"::ffff:{addr}" if addr.version == 4 else str(addr)
 

@@ -160,9 +160,9 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
 
 GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
     {
-        "code": "udp_relay_in_python",
-        "message": "UDP ASSOCIATE datagrams are relayed by Python; the C datagram relay is "
-        "built but not wired in yet",
+        "code": "udp_proxy_relay_in_python",
+        "message": "UDP through socks5 and shadowsocks outbounds is relayed by Python (direct "
+        "UDP is relayed in C)",
     },
     {
         "code": "udp_relay_chains_not_built",

@@ -31,7 +31,7 @@ from spliceway.actors.dispatcher import Dispatcher
 from spliceway.actors.flow import AUTH_SCHEMES, FlowActor, FlowDeps
 from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
-from spliceway.actors.udp import UdpAssociationActor
+from spliceway.actors.udp import UdpAssociationActor, UdpRecords
 from spliceway.config import Config
 from spliceway.connector.service import Connector
 from spliceway.connpath import ConnRecord, Deferred
@@ -45,6 +45,7 @@ from spliceway.protocols import socks5
 from spliceway.reconcile import Reconciler
 from spliceway.route_publish import RoutePublisher
 from spliceway.runtime import Counters, FlowTable, RouteState
+from spliceway.udprelay import UdpRelay
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class EngineCore:
         #: of taking the interpreter from them (docs/dns.md has the measurement).
         self.dns = DnsService(lambda: self.resolver, self._dns_warning, lambda: self.dispatcher)
         self.started_at_unix_ms = 0
+        #: UDP associations by the C relay's id (their actors take its records).
+        self.udp_assocs: dict[int, pykka.ActorRef[Any]] = {}
         # Made in start(): its event loop holds a socket pair that only a started
         # engine's stop() closes, so an engine that never starts must not own one.
         self.dispatcher: Dispatcher
@@ -199,6 +202,10 @@ class EngineCore:
             bridge = RelayBridge(self.dispatcher)
             self.dispatcher.run_sync(lambda: bridge.attach(self._start_c_flow, self._take_deferred))
             self.bridge = bridge
+            self.udp = UdpRelay(loops=1)
+            self.dispatcher.run_sync(
+                lambda: self.dispatcher.loop.add_reader(self.udp.fileno(), self._on_udp_ready)
+            )
             #: What flow actors use of the engine (listeners hand it to theirs).
             self.flow_deps = FlowDeps(self)
             # Before the first table: it defers the inbounds the hook selects.
@@ -250,6 +257,7 @@ class EngineCore:
         for actor in list(self.flow_actors):
             with contextlib.suppress(pykka.ActorDeadError):
                 actor.actor_ref.stop(timeout=_STOP_GRACE_S)
+        self._close_udp()
         # After the flows: one still asking was stopped above, so closing fails none open.
         self._close_flow_hooks()
         payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
@@ -268,6 +276,7 @@ class EngineCore:
 
     def _abort_start(self, sockets: list[socket.socket], bridge: RelayBridge | None) -> None:
         """Undo a start that failed after binding: nothing may be left running or open."""
+        self._close_udp()
         self.dns.stop()
         if self.supervisor is not None:
             with contextlib.suppress(Exception):
@@ -397,6 +406,38 @@ class EngineCore:
             return
         FlowActor.start(self.flow_deps, inbound, client, peer, flow_id, deferred=deferred)
 
+    def _on_udp_ready(self) -> None:
+        """The C UDP relay has records: each association's go to its actor, in order."""
+        by_assoc: dict[int, list[Any]] = {}
+        for record in self.udp.drain():
+            by_assoc.setdefault(record.assoc, []).append(record)
+        for assoc, batch in by_assoc.items():
+            ref = self.udp_assocs.get(assoc)
+            if ref is not None:
+                with contextlib.suppress(pykka.ActorDeadError):
+                    ref.tell(UdpRecords(batch))
+
+    def _register_association(self, assoc: int, ref: pykka.ActorRef[Any] | None) -> None:
+        if ref is None:
+            self.udp_assocs.pop(assoc, None)
+        else:
+            self.udp_assocs[assoc] = ref
+
+    def _close_udp(self) -> None:
+        """Stop the C UDP relay (after every association actor has stopped)."""
+        relay = getattr(self, "udp", None)
+        if relay is None or relay.closed:
+            return
+
+        def close() -> None:
+            with contextlib.suppress(ValueError, OSError):
+                self.dispatcher.loop.remove_reader(relay.fileno())
+            relay.close()
+
+        self.dispatcher.run_sync(close)
+        # Its loops' threads and descriptors are freed with the last reference to it.
+        del self.udp
+
     def start_association(
         self,
         inbound: InboundSpec,
@@ -411,6 +452,8 @@ class EngineCore:
         (dispatcher thread)."""
         UdpAssociationActor.start(
             self.flow_deps,
+            self.udp,
+            self._register_association,
             self.resolver,
             inbound,
             control,
@@ -478,8 +521,17 @@ class EngineCore:
             "chained_sessions": c.chained_sessions,
             "bytes_up": up,
             "bytes_down": down,
-            "udp_upstream": dict(c.udp),
+            "udp_upstream": self._udp_upstream(),
         }
+
+    def _udp_upstream(self) -> dict[str, int]:
+        """``stats.udp_upstream``: C's upstreams (direct) plus Python's (proxies)."""
+        out = dict(self.counters.udp)
+        relay = getattr(self, "udp", None)
+        if relay is not None:
+            for name, value in relay.stats().udp_upstream().items():
+                out[name] = out.get(name, 0) + value
+        return out
 
     def leaf_outbound(self, tag: str) -> Outbound:
         """The outbound ``tag`` (an outbound or a group) uses now."""
