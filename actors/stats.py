@@ -8,12 +8,14 @@ revision), and it emits one ``stats.sampled`` with the engine totals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 import pykka
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import TrafficSample
+from spliceway.actors.udp import SampleUdp
 
 from spliceway.events import now_ms
 
@@ -51,10 +53,18 @@ class StatsSamplerActor(LoopActor):
             return
         try:
             self.sample_flows()
+            self.sample_udp()
             self.core.log.emit("stats.sampled", self.core.stats_snapshot())
         except Exception:
             logger.exception("stats sampling failed")
         self._schedule()
+
+    def sample_udp(self) -> None:
+        """Ask each UDP association to sample its flows (one C call each)."""
+        message = SampleUdp(now_ms())
+        for ref in list(self.core.udp_assocs.values()):
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.tell(message)
 
     def sample_flows(self) -> int:
         """Tell each flow whose counters moved since the last tick; returns how many."""

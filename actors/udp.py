@@ -62,6 +62,12 @@ class UdpRecords(NamedTuple):
     records: list[udprelay.UdpRecord]
 
 
+class SampleUdp(NamedTuple):
+    """The stats sampler's tick: publish ``flow.updated`` for flows whose counts moved."""
+
+    sampled_at_unix_ms: int
+
+
 @dataclass(slots=True)
 class _ProxyUpstream:
     """An *upstream association* Python relays: the UDP socket one proxy outbound's
@@ -235,7 +241,38 @@ class UdpAssociationActor(LoopActor):
             return True
         elif isinstance(message, StopFlow):
             self.stop_now()
+        elif isinstance(message, SampleUdp):
+            self._sample(message.sampled_at_unix_ms)
         return None
+
+    def _sample(self, sampled_at: int) -> None:
+        """Every live destination's counters in one C call; a flow.updated for each that
+        moved, with its throughput since the last sample."""
+        if self.assoc is None or not self.dests:
+            return
+        try:
+            live = self.relay.association_dests(self.assoc)
+        except RelayError:
+            return
+        for dest_id, counters in (live or {}).items():
+            dest = self.dests.get(dest_id)
+            if dest is None or dest.action not in ("direct", "python"):
+                continue
+            s = dest.state
+            t = s.traffic
+            before = (t.bytes_up, t.bytes_down, t.packets_up, t.packets_down)
+            self._take_counters(dest, counters)
+            if (t.bytes_up, t.bytes_down, t.packets_up, t.packets_down) == before:
+                continue
+            previous_at = s.sampled_at_unix_ms or s.started_at_unix_ms
+            elapsed_ms = max(sampled_at - previous_at, 1)
+            s.upload_bps = (t.bytes_up - before[0]) * 8000 // elapsed_ms
+            s.download_bps = (t.bytes_down - before[1]) * 8000 // elapsed_ms
+            s.sampled_at_unix_ms = sampled_at
+            s.last_activity_at_unix_ms = (
+                counters.last_activity_unix_ms or s.last_activity_at_unix_ms
+            )
+            self._publish_updated(dest)
 
     def _on_record(self, record: udprelay.UdpRecord) -> None:
         if isinstance(record, udprelay.NewDest):
@@ -493,6 +530,17 @@ class UdpAssociationActor(LoopActor):
         elif s.outcome == records.BLOCKED:
             c.blocked_sessions += 1
         self._publish(dest, "flow.completed", occurred=s.ended_at_unix_ms)
+
+    def _publish_updated(self, dest: _Dest) -> None:
+        s = dest.state
+        s.revision += 1
+        record = s.render()
+        self.deps.flows.put(
+            s.flow_id, FlowEntry(self.actor_ref, record, s.inbound_tag, s.principal_key)
+        )
+        self.deps.log.emit(
+            "flow.updated", records.updated_payload(s, record), principal_key=s.principal_key
+        )
 
     def _publish(self, dest: _Dest, event_type: str, occurred: int | None = None) -> None:
         s = dest.state

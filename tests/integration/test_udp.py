@@ -200,3 +200,23 @@ def test_a_datagram_to_a_fake_ip_goes_by_its_domain(make_engine) -> None:
         (record,) = completed(engine, 1)
     assert record["target"]["host"] == "echo.test"
     assert record["result"]["outcome"] == "blocked"
+
+
+def test_an_open_udp_flow_is_sampled_with_live_counts(make_engine) -> None:
+    engine = make_engine()  # stats every 200 ms
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in")) as assoc:
+        for _ in range(4):
+            assoc.send("127.0.0.1", echo.port, b"12345678")
+            assoc.recv()
+
+        def updated() -> dict[str, Any] | None:
+            events = engine.query("events", {"types": "flow.updated"})["events"]
+            return events[-1]["payload"] if events else None
+
+        payload = wait_until(updated, what="a flow.updated of the UDP flow")
+        assert payload["network"] == "udp"
+        assert (payload["bytes_up"], payload["bytes_down"]) == (32, 32)
+        assert payload["record"]["traffic"]["packets_up"] == 4
+        (flow,) = engine.query("flows")["active_flows"]
+        assert flow["traffic"]["bytes_up"] == 32
+        assert engine.query("stats")["bytes_up"] >= 32
