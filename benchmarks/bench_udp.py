@@ -446,6 +446,12 @@ def collect_notes(res: dict, r: UdpRunner) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 rep of 1.5 s runs (about a minute)")
+    ap.add_argument(
+        "--udp-busy-poll-us",
+        type=int,
+        default=0,
+        help="spliceway's runtime.udp_busy_poll_us (default 0: the engine's own default)",
+    )
     ap.add_argument("--peers", default=",".join(ORDER), help="comma list of proxies")
     ap.add_argument("--windows", default="1,16", help="datagrams in flight, comma list")
     ap.add_argument("--reps", type=int, help="repetitions of each run (default 3, quick 1)")
@@ -476,6 +482,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.udp_busy_poll_us:
+        peers.SPLICEWAY_RUNTIME["udp_busy_poll_us"] = a.udp_busy_poll_us
     wanted = [x.strip() for x in a.peers.split(",") if x.strip()]
     unknown = [x for x in wanted if x not in ORDER]
     if unknown:

@@ -242,6 +242,10 @@ class Spec:
         return r
 
 
+#: ``runtime`` settings a benchmark gives the spliceway it starts (e.g. udp_busy_poll_us).
+SPLICEWAY_RUNTIME: dict = {}
+
+
 def _start_spliceway(spec: Spec, tmp: Path, log_path: Path | None) -> Running:
     if spec.mode == HTTP:
         inbound = {
@@ -257,6 +261,8 @@ def _start_spliceway(spec: Spec, tmp: Path, log_path: Path | None) -> Running:
         "outbounds": [{"tag": "direct", "protocol": "direct"}],
         "api": e2e.NO_API,
     }
+    if SPLICEWAY_RUNTIME:
+        config["runtime"] = dict(SPLICEWAY_RUNTIME)
     m, launch = e2e.start_spliceway(config, tmp / f"{spec.name}.json", log_path)
     found = m.wait_for(pattern, 30)
     if found is None or not m.alive():

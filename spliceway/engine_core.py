@@ -202,7 +202,7 @@ class EngineCore:
             bridge = RelayBridge(self.dispatcher)
             self.dispatcher.run_sync(lambda: bridge.attach(self._start_c_flow, self._take_deferred))
             self.bridge = bridge
-            self.udp = UdpRelay(loops=1)
+            self.udp = UdpRelay(loops=1, busy_poll_us=self.config.runtime.udp_busy_poll_us)
             self.dispatcher.run_sync(
                 lambda: self.dispatcher.loop.add_reader(self.udp.fileno(), self._on_udp_ready)
             )
