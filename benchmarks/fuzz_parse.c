@@ -1,6 +1,7 @@
 /*
  * fuzz_parse: a standalone fuzz driver for the C handshake and sniff parsers
- * (csrc/parse.c), meant to be built with -fsanitize=address,undefined (see
+ * (csrc/parse.c) and the TUN packet parser and rewriter (csrc/pkt.c),
+ * meant to be built with -fsanitize=address,undefined (see
  * benchmarks/fuzz_parse.py, which builds and runs it).
  *
  *   fuzz_parse [-n COUNT] [-t SECONDS] [-s SEED] [-p EVERY] [SEEDFILE...]
@@ -10,7 +11,8 @@
  * addresses; SOCKS5 UDP ASSOCIATE datagrams with any RSV and FRAG; HTTP CONNECT heads with headers and Basic credentials; HTTP
  * requests with a Host; TLS ClientHellos with SNI, sometimes cut into several
  * records; upstream proxy response heads with obs-fold, sometimes with odd
- * bytes in the version or a field name; "host\0user\0pass"
+ * bytes in the version or a field name; IPv4/IPv6 packets with TCP, UDP,
+ * ICMP or other payloads, options and extension headers; "host\0user\0pass"
  * arguments for the CONNECT request builder) and any SEEDFILEs (raw
  * messages, e.g. genuine ClientHellos), then
  * mutated: bit flips, interesting bytes, inserted/deleted/duplicated runs,
@@ -53,6 +55,17 @@
  *     "invalid header name", a token for "invalid character in header");
  *     the same at cap == length + 1, -ENOSPC below it (cap == length, a
  *     random one, 0) with the longest prefix that splits no UTF-8 sequence;
+ *   - packets (sw_pkt_parse and the rewrite and builders after it): a status
+ *     of enum sw_pkt_status, out zeroed unless OK; on OK the lengths and
+ *     offsets nest inside the input and the addresses are the header's; the
+ *     NAT rewrite of TCP/UDP parses back with exactly the new endpoints,
+ *     touches no payload or trailing byte, keeps a verified checksum
+ *     verified, and reversed restores every byte but the two forms of a
+ *     zero checksum (other protocols: -EINVAL, untouched); an echo reply
+ *     parses back swapped with the checksum verdict unchanged; a reset and
+ *     a UDP datagram built into exact-size blocks parse back, verify, and
+ *     -EMSGSIZE one byte short; a prefix of an input parses OK only with the
+ *     whole input's fields;
  *   - the builder answers -EINVAL, -ENOSPC or a length <= cap; the same
  *     length again with cap == length (same bytes), -ENOSPC below it, and
  *     -EINVAL whatever the cap; a request is ASCII, "CONNECT <a> HTTP/1.1",
@@ -66,6 +79,7 @@
  */
 #define _GNU_SOURCE
 #include "parse.h"
+#include "pkt.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -545,9 +559,139 @@ static void gen_connect_request_args(struct buf *b)
     gen_utf8_text(b, chance(16) ? 200 : 20);
 }
 
+/* An IPv4 or IPv6 packet as a TUN device carries it (csrc/pkt.h): TCP with
+ * options, UDP, ICMP/ICMPv6 echo or another protocol; IPv4 options or IPv6
+ * hop-by-hop / destination options headers now and then, sometimes a routing
+ * or fragment header, an IPv4 fragment, a wrong checksum, or trailing bytes.
+ * Checksums are right otherwise, so the rewrite's checksum property is
+ * exercised too. */
+static uint16_t pseudo_csum(uint8_t version, uint8_t proto, const uint8_t *src,
+                            const uint8_t *dst, const uint8_t *l4, size_t n)
+{
+    static uint8_t tmp[40 + 70000];
+    size_t alen = version == 4 ? 4 : 16, k = 0;
+    memcpy(tmp, src, alen);
+    memcpy(tmp + alen, dst, alen);
+    k = 2 * alen;
+    uint8_t len32[4] = {(uint8_t)(n >> 24), (uint8_t)(n >> 16), (uint8_t)(n >> 8), (uint8_t)n};
+    memcpy(tmp + k, len32, 4);
+    tmp[k + 4] = tmp[k + 5] = tmp[k + 6] = 0;
+    tmp[k + 7] = proto;
+    k += 8;
+    memcpy(tmp + k, l4, n);
+    return sw_pkt_checksum(tmp, k + n);
+}
+
+static void gen_ip_packet(struct buf *b)
+{
+    uint8_t version = chance(2) ? 4 : 6, proto;
+    size_t alen = version == 4 ? 4 : 16;
+    uint8_t src[16], dst[16], l4[1600];
+    for (size_t i = 0; i < 16; i++)
+        src[i] = (uint8_t)rnd(), dst[i] = (uint8_t)rnd();
+    size_t n = 0, payload = below(chance(16) ? 1400 : 40), csum_at = SIZE_MAX;
+    switch (below(4)) {
+    case 0: {
+        proto = SW_PROTO_TCP;
+        size_t opts = below(11) * 4;
+        for (size_t i = 0; i < 20 + opts; i++)
+            l4[i] = (uint8_t)rnd();
+        l4[12] = (uint8_t)(((20 + opts) / 4) << 4);
+        n = 20 + opts;
+        csum_at = 16;
+        break;
+    }
+    case 1:
+        proto = SW_PROTO_UDP;
+        for (size_t i = 0; i < 4; i++)
+            l4[i] = (uint8_t)rnd();
+        l4[4] = (uint8_t)((8 + payload) >> 8), l4[5] = (uint8_t)(8 + payload);
+        n = 8;
+        csum_at = 6;
+        break;
+    case 2:
+        proto = version == 4 ? SW_PROTO_ICMP : SW_PROTO_ICMPV6;
+        l4[0] = chance(4) ? (uint8_t)rnd() : version == 4 ? 8 : 128;
+        l4[1] = chance(4) ? 1 : 0;
+        for (size_t i = 2; i < 8; i++)
+            l4[i] = (uint8_t)rnd();
+        n = 8;
+        csum_at = 2;
+        break;
+    default:
+        proto = (uint8_t)rnd();
+    }
+    for (size_t i = 0; i < payload; i++)
+        l4[n + i] = (uint8_t)rnd();
+    n += payload;
+    if (csum_at != SIZE_MAX) {
+        l4[csum_at] = l4[csum_at + 1] = 0;
+        uint16_t c = proto == SW_PROTO_ICMP ? sw_pkt_checksum(l4, n)
+                                            : pseudo_csum(version, proto, src, dst, l4, n);
+        if (proto == SW_PROTO_UDP && c == 0)
+            c = 0xffff;
+        if (proto == SW_PROTO_UDP && version == 4 && chance(8))
+            c = 0;
+        if (chance(16))
+            c ^= (uint16_t)(1 + below(0xfffe));
+        l4[csum_at] = (uint8_t)(c >> 8), l4[csum_at + 1] = (uint8_t)c;
+    }
+    if (version == 4) {
+        size_t opts = chance(4) ? below(11) * 4 : 0;
+        uint8_t h[60] = {0};
+        h[0] = (uint8_t)(0x40 | (20 + opts) / 4);
+        size_t total = 20 + opts + n;
+        h[2] = (uint8_t)(total >> 8), h[3] = (uint8_t)total;
+        h[6] = chance(8) ? (uint8_t)rnd() : 0x40;
+        h[8] = (uint8_t)rnd(), h[9] = proto;
+        memcpy(h + 12, src, 4);
+        memcpy(h + 16, dst, 4);
+        for (size_t i = 20; i < 20 + opts; i++)
+            h[i] = (uint8_t)rnd();
+        uint16_t c = sw_pkt_checksum(h, 20 + opts);
+        if (chance(32))
+            c ^= 1;
+        h[10] = (uint8_t)(c >> 8), h[11] = (uint8_t)c;
+        put(b, h, 20 + opts);
+    } else {
+        uint8_t ext[8 * 40];
+        size_t elen = 0, count = chance(4) ? below(4) : 0;
+        uint8_t first = proto;
+        uint8_t *prev_next = &first;
+        for (size_t k = 0; k < count; k++) {
+            static const uint8_t kinds[] = {0, 60, 60, 60, 43, 44};
+            uint8_t code = kinds[below(sizeof kinds)];
+            size_t len = 8 * (1 + below(3));
+            *prev_next = code;
+            ext[elen] = proto;
+            ext[elen + 1] = (uint8_t)(len / 8 - 1);
+            for (size_t i = 2; i < len; i++)
+                ext[elen + i] = (uint8_t)rnd();
+            prev_next = &ext[elen];
+            elen += len;
+        }
+        *prev_next = proto;
+        uint8_t h[40] = {0x60};
+        size_t plen = elen + n;
+        h[4] = (uint8_t)(plen >> 8), h[5] = (uint8_t)plen;
+        h[6] = first, h[7] = (uint8_t)rnd();
+        memcpy(h + 8, src, 16);
+        memcpy(h + 24, dst, 16);
+        put(b, h, 40);
+        put(b, ext, elen);
+    }
+    (void)alen;
+    put(b, l4, n);
+    if (chance(8))
+        put_u16(b, (unsigned)rnd());
+}
+
 static void gen_valid(struct buf *b)
 {
-    switch (below(9)) {
+    switch (below(10)) {
+    case 8:
+        gen_ip_packet(b);
+        break;
     case 0:
         gen_s5_greeting(b);
         break;
@@ -1354,6 +1498,149 @@ static void run_builder(const uint8_t *input, size_t len)
     free(pass);
 }
 
+/* ---------------------------------------------------------------------------
+ * The TUN packet parser, rewriter and builders (csrc/pkt.h), on every input
+ */
+
+static uint64_t pkt_status[8], pkt_rewritten, pkt_verified, pkt_echoed, pkt_rst, pkt_udp;
+
+static bool zeroed(const void *p, size_t n)
+{
+    const uint8_t *c = p;
+    for (size_t i = 0; i < n; i++)
+        if (c[i])
+            return false;
+    return true;
+}
+
+/* Parses buf (an exact block) and checks what any OK verdict promises. */
+static int pkt_parse_checked(const uint8_t *buf, size_t len, sw_pkt *pk)
+{
+    memset(pk, 0xA5, sizeof *pk);
+    int st = sw_pkt_parse(buf, len, pk);
+    CHECK(st >= SW_PKT_OK && st <= SW_PKT_BAD_L4, "pkt", len, "status");
+    if (st != SW_PKT_OK) {
+        CHECK(zeroed(pk, sizeof *pk), "pkt", len, "out not zeroed on a refusal");
+        return st;
+    }
+    size_t alen = pk->version == 4 ? 4 : 16;
+    CHECK(pk->version == 4 || pk->version == 6, "pkt", len, "version");
+    CHECK(pk->ip_len <= len && pk->l4_off + pk->l4_len == pk->ip_len, "pkt", len, "lengths");
+    CHECK(pk->l4_off >= (pk->version == 4 ? 20u : 40u), "pkt", len, "l4_off");
+    CHECK(pk->payload_off >= pk->l4_off && pk->payload_off + pk->payload_len <= pk->ip_len, "pkt",
+          len, "payload span");
+    CHECK(zeroed(pk->src + alen, 16 - alen) && zeroed(pk->dst + alen, 16 - alen), "pkt", len,
+          "address tail");
+    CHECK(!memcmp(pk->src, buf + (pk->version == 4 ? 12 : 8), alen) &&
+              !memcmp(pk->dst, buf + (pk->version == 4 ? 16 : 24), alen),
+          "pkt", len, "addresses");
+    return st;
+}
+
+static void run_pkt(const uint8_t *input, size_t len)
+{
+    uint8_t *p = exact_copy(input, len);
+    sw_pkt pk, k2, k3;
+    int st = pkt_parse_checked(p, len, &pk);
+    pkt_status[st]++;
+    if (st != SW_PKT_OK) {
+        free(p);
+        return;
+    }
+    size_t alen = pk.version == 4 ? 4 : 16;
+    int csum_ok = sw_pkt_l4_csum_ok(p, &pk);
+    CHECK(csum_ok == 0 || csum_ok == 1, "pkt", len, "l4_csum_ok");
+
+    /* The NAT rewrite: the new endpoints parse back, nothing else moves, a
+     * checksum that verified still does, and the reverse rewrite restores
+     * every byte but the two forms of a zero checksum. */
+    uint8_t *q = exact_copy(input, len);
+    uint8_t na[16] = {0}, nb[16] = {0};
+    for (size_t i = 0; i < alen; i++)
+        na[i] = (uint8_t)rnd(), nb[i] = (uint8_t)rnd();
+    uint16_t np1 = (uint16_t)rnd(), np2 = (uint16_t)rnd();
+    k2 = pk;
+    int rc = sw_pkt_rewrite(q, &k2, na, np1, nb, np2);
+    if (pk.proto == SW_PROTO_TCP || pk.proto == SW_PROTO_UDP) {
+        CHECK(rc == 0, "pkt_rewrite", len, "refused TCP/UDP");
+        pkt_rewritten++;
+        CHECK(pkt_parse_checked(q, len, &k3) == SW_PKT_OK, "pkt_rewrite", len, "no longer parses");
+        CHECK(!memcmp(&k2, &k3, sizeof k2), "pkt_rewrite", len, "fields != its parse");
+        CHECK(!memcmp(k3.src, na, 16) && !memcmp(k3.dst, nb, 16) && k3.sport == np1 &&
+                  k3.dport == np2,
+              "pkt_rewrite", len, "endpoints");
+        CHECK(!memcmp(q + pk.payload_off, p + pk.payload_off, pk.payload_len) &&
+                  !memcmp(q + pk.ip_len, p + pk.ip_len, len - pk.ip_len),
+              "pkt_rewrite", len, "payload or trailer touched");
+        if (csum_ok) {
+            CHECK(sw_pkt_l4_csum_ok(q, &k3) == 1, "pkt_rewrite", len, "checksum broken");
+            pkt_verified++;
+        }
+        CHECK(sw_pkt_rewrite(q, &k3, pk.src, pk.sport, pk.dst, pk.dport) == 0, "pkt_rewrite", len,
+              "reverse");
+        size_t at = pk.l4_off + (pk.proto == SW_PROTO_TCP ? 16 : 6);
+        for (size_t i = 0; i < len; i++)
+            if (q[i] != p[i] && !(i == at || i == at + 1))
+                CHECK(0, "pkt_rewrite", len, "reverse rewrite differs");
+        uint16_t a = (uint16_t)(q[at] << 8 | q[at + 1]), b = (uint16_t)(p[at] << 8 | p[at + 1]);
+        CHECK(a == b || (a % 0xffff) == (b % 0xffff), "pkt_rewrite", len, "reverse checksum");
+    } else {
+        CHECK(rc == -EINVAL && !memcmp(q, p, len), "pkt_rewrite", len, "rewrote another protocol");
+    }
+    free(q);
+
+    q = exact_copy(input, len);
+    k2 = pk;
+    rc = sw_pkt_echo_reply(q, &k2);
+    if (rc == 0) {
+        pkt_echoed++;
+        CHECK(pkt_parse_checked(q, len, &k3) == SW_PKT_OK && !memcmp(&k2, &k3, sizeof k2),
+              "pkt_echo", len, "reply fields");
+        CHECK(!memcmp(k3.src, pk.dst, 16) && !memcmp(k3.dst, pk.src, 16), "pkt_echo", len, "swap");
+        CHECK(sw_pkt_l4_csum_ok(q, &k3) == csum_ok, "pkt_echo", len, "checksum");
+    } else {
+        CHECK(rc == -EINVAL && !memcmp(q, p, len), "pkt_echo", len, "refusal touched the packet");
+    }
+    free(q);
+
+    size_t need = (pk.version == 4 ? 20 : 40) + 20, cap = chance(4) ? below(need + 1) : need;
+    q = malloc(cap); /* exactly cap bytes: ASan catches a write past it */
+    rc = sw_pkt_build_tcp_rst(q, cap, &pk);
+    if (pk.proto != SW_PROTO_TCP || (pk.tcp_flags & SW_TCP_RST)) {
+        CHECK(rc == -EINVAL, "pkt_rst", len, "answered a non-TCP or RST packet");
+    } else if (cap < need) {
+        CHECK(rc == -EMSGSIZE, "pkt_rst", len, "short cap");
+    } else {
+        pkt_rst++;
+        CHECK(rc == (int)need && pkt_parse_checked(q, cap, &k3) == SW_PKT_OK, "pkt_rst", len,
+              "length");
+        CHECK((k3.tcp_flags & SW_TCP_RST) && sw_pkt_l4_csum_ok(q, &k3) &&
+                  !memcmp(k3.src, pk.dst, 16) && k3.sport == pk.dport && k3.dport == pk.sport,
+              "pkt_rst", len, "reset fields");
+    }
+    free(q);
+
+    /* A UDP datagram carrying this packet's payload, in a block of exactly
+     * the length it needs (or one byte short). */
+    need = (pk.version == 4 ? 20 : 40) + 8 + pk.payload_len;
+    cap = chance(8) ? need - 1 : need;
+    q = malloc(cap);
+    rc = sw_pkt_build_udp(q, cap, pk.version, pk.src, pk.sport, pk.dst, pk.dport,
+                          p + pk.payload_off, pk.payload_len);
+    if (cap < need) {
+        CHECK(rc == -EMSGSIZE, "pkt_udp", len, "short cap");
+    } else {
+        pkt_udp++;
+        CHECK(rc == (int)need && pkt_parse_checked(q, cap, &k3) == SW_PKT_OK &&
+                  k3.proto == SW_PROTO_UDP && sw_pkt_l4_csum_ok(q, &k3) &&
+                  k3.payload_len == pk.payload_len &&
+                  !memcmp(q + k3.payload_off, p + pk.payload_off, pk.payload_len),
+              "pkt_udp", len, "datagram");
+    }
+    free(q);
+    free(p);
+}
+
 /* Every parser once on the whole input, in a block of exactly its length,
  * then the builder on it. */
 static void run_all(const uint8_t *input, size_t len)
@@ -1364,6 +1651,7 @@ static void run_all(const uint8_t *input, size_t len)
         run_one(parser, p, len, &v, 0);
     free(p);
     run_builder(input, len);
+    run_pkt(input, len);
 }
 
 /* Every parser at every prefix length (or a sample of them for long inputs):
@@ -1380,8 +1668,17 @@ static void sweep_prefixes(const uint8_t *input, size_t len)
         final_at[parser] = SIZE_MAX;
     size_t step = len > PREFIX_SWEEP_MAX ? len / 64 : 1;
     prefix_sweeps++;
+    /* A packet depends only on the bytes its IP length covers: a prefix is
+     * OK only with the whole input's fields. */
+    sw_pkt whole, part;
+    uint8_t *wp = exact_copy(input, len);
+    int whole_st = sw_pkt_parse(wp, len, &whole);
+    free(wp);
     for (size_t cut = 0;; cut = cut + step < len ? cut + step : len) {
         uint8_t *p = exact_copy(input, cut);
+        if (pkt_parse_checked(p, cut, &part) == SW_PKT_OK)
+            CHECK(whole_st == SW_PKT_OK && !memcmp(&part, &whole, sizeof part), "pkt", cut,
+                  "a prefix parsed other than the whole");
         for (int parser = 0; parser < P_COUNT; parser++) {
             run_one(parser, p, cut, &v, 1);
             if (final_at[parser] == SIZE_MAX) {
@@ -1423,7 +1720,7 @@ static void sweep_prefixes(const uint8_t *input, size_t len)
 
 #ifdef SW_FUZZ_LIBFUZZER
 /* clang -fsanitize=fuzzer,address,undefined -DSW_FUZZ_LIBFUZZER -Icsrc \
- *     benchmarks/fuzz_parse.c csrc/parse.c csrc/iplit.c */
+ *     benchmarks/fuzz_parse.c csrc/parse.c csrc/iplit.c csrc/pkt.c */
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size > MAX_INPUT)
@@ -1479,6 +1776,13 @@ static void report(double seconds)
                    parser_name[p], outcomes[kind][p][0], outcomes[kind][p][1],
                    outcomes[kind][p][2], outcomes[kind][p][3]);
     }
+    printf("pkt: ok %" PRIu64 ", short %" PRIu64 ", bad_version %" PRIu64 ", bad_header %" PRIu64
+           ", bad_checksum %" PRIu64 ", fragment %" PRIu64 ", ext_header %" PRIu64 ", bad_l4 %" PRIu64
+           "; rewritten %" PRIu64 " (%" PRIu64 " with a verified checksum), echo replies %" PRIu64
+           ", resets %" PRIu64 ", udp built %" PRIu64 "\n",
+           pkt_status[0], pkt_status[1], pkt_status[2], pkt_status[3], pkt_status[4],
+           pkt_status[5], pkt_status[6], pkt_status[7], pkt_rewritten, pkt_verified, pkt_echoed,
+           pkt_rst, pkt_udp);
     printf("connect_request: %" PRIu64 " built, %" PRIu64 " -EINVAL (each built one also at "
            "cap == length and length - 1)\n",
            builder_built, builder_einval);

@@ -1,4 +1,5 @@
-"""Build and run benchmarks/fuzz_parse.c, the ASan/UBSan fuzz driver of csrc/parse.c.
+"""Build and run benchmarks/fuzz_parse.c, the ASan/UBSan fuzz driver of csrc/parse.c
+and csrc/pkt.c.
 
     python benchmarks/fuzz_parse.py                      # 5 million inputs (or 600 s)
     python benchmarks/fuzz_parse.py --count 20000000 --seconds 1800 --seed 7
@@ -35,8 +36,11 @@ from spliceway.protocols import http, socks5
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 BUILD = BENCH / "build"
-C_FILES = (BENCH / "fuzz_parse.c", ROOT / "csrc" / "parse.c", ROOT / "csrc" / "iplit.c")
-SOURCES = (*C_FILES, ROOT / "csrc" / "parse.h", ROOT / "csrc" / "iplit.h")
+C_FILES = (
+    BENCH / "fuzz_parse.c", ROOT / "csrc" / "parse.c", ROOT / "csrc" / "iplit.c",
+    ROOT / "csrc" / "pkt.c",
+)  # fmt: skip
+SOURCES = (*C_FILES, ROOT / "csrc" / "parse.h", ROOT / "csrc" / "iplit.h", ROOT / "csrc" / "pkt.h")
 
 
 def build(cc: str) -> Path:
