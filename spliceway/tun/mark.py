@@ -1,0 +1,86 @@
+"""Keeping the engine's own sockets out of its TUN: the socket mark.
+
+While a TUN with ``auto_route`` runs, the first rule of :mod:`spliceway.tun.routing`
+sends every packet carrying the engine's mark (SO_MARK) around the TUN rules, so
+the engine's upstream connections, UDP upstreams, DNS queries, probes and webhook
+deliveries leave by the physical egress (interface.md 4.6) instead of looping back
+into the TUN they serve. sing-tun's ``default_mark`` and hev-socks5-tunnel's
+``socks5.mark`` do the same.
+
+:func:`apply_mark` is called on each socket the engine creates to reach the outside,
+before ``connect``/``sendto`` (the route is chosen then). It does nothing while no
+TUN runs (:func:`current_mark` is 0), so no socket pays for a TUN that is not there
+and no privilege is needed then; SO_MARK itself needs CAP_NET_ADMIN, which a running
+TUN implies.
+
+Where each socket is created (each must call :func:`apply_mark`, or in C set
+``SO_MARK`` to :func:`current_mark` when it is not 0):
+
+- ``spliceway/outbounds.py`` ``_open_tcp``: every Python TCP dial (direct, and the
+  first hop to a socks5/http/shadowsocks server).
+- ``csrc/conn.c`` ``start_connect``: the C connection path's upstream socket.
+- ``actors/udp.py``: the association's upstream UDP sockets (the ones created with
+  ``socket.socket(family, socket.SOCK_DGRAM)`` for direct and proxied UDP); the C UDP
+  relay (``csrc/udp.c``) is handed these fds and creates none itself.
+- ``spliceway/dns/resolver.py``: dnspython's UDP/TCP queries to ``udp://``/``tcp://``
+  servers (pass a marked socket, or a socket factory, to dnspython). The ``system``
+  resolver (getaddrinfo) cannot be marked: its queries follow ``dns_hijack`` back
+  into the engine, so a TUN with ``dns_hijack`` needs an explicit server.
+- ``connector/webhook.py``: ``socket.create_connection`` of each delivery.
+- ``spliceway/probe.py`` and ``spliceway/diagnostics.py``: probe connections (they
+  dial through ``outbounds.open_tcp``, so they are covered there).
+"""
+
+from __future__ import annotations
+
+import socket
+
+#: SO_MARK from <asm-generic/socket.h> (Python exposes it only from 3.12).
+SO_MARK: int = getattr(socket, "SO_MARK", 36)
+
+_mark = 0
+
+
+def current_mark() -> int:
+    """The mark to put on outbound sockets now: 0 while no TUN routes the host."""
+    return _mark
+
+
+def set_mark(value: int) -> None:
+    """Start (non-zero) or stop (0) marking; the TUN controller calls it around auto_route."""
+    global _mark
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise ValueError(f"mark {value} is not a 32-bit value")
+    _mark = value
+
+
+def apply_mark(sock: socket.socket | int) -> None:
+    """Mark ``sock`` (a socket or a file descriptor) when a TUN runs; otherwise nothing.
+
+    Raises ``OSError`` (EPERM) only if the process lost CAP_NET_ADMIN while a TUN runs,
+    which the TUN's own start has excluded.
+    """
+    mark = _mark
+    if not mark:
+        return
+    if isinstance(sock, int):
+        s = socket.socket(fileno=sock)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+        finally:
+            s.detach()
+        return
+    sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+
+
+def marked_socket(
+    family: int = socket.AF_INET, type: int = socket.SOCK_STREAM, proto: int = 0
+) -> socket.socket:
+    """``socket.socket(family, type, proto)`` with :func:`apply_mark` applied."""
+    sock = socket.socket(family, type, proto)
+    try:
+        apply_mark(sock)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
