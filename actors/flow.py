@@ -49,6 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+#: Longest a flow waits for its process lookup (``runtime.process_lookup``); one takes
+#: well under a millisecond, unless hundreds queue behind each other.
+PROCESS_LOOKUP_TIMEOUT = 1.0
+#: What a flow C started keeps for later while its record waits for the process lookup.
+_HELD = (ConnRouted, ConnEnded, ConnTakeOver, RelayFinished)
 #: sw_conn_auth -> FlowRecord auth_scheme.
 AUTH_SCHEMES = {1: "userpass", 2: "basic"}
 _SNIFF_PEEK = 16 * 1024 + 5
@@ -88,6 +93,7 @@ class FlowDeps:
         "group_actors",
         "log",
         "principal_key",
+        "process_lookup",
         "routes",
     )
 
@@ -101,7 +107,25 @@ class FlowDeps:
         self.group_actors = core.group_actors
         self.log = core.log
         self.principal_key = core.principal_key
+        self.process_lookup = core.process_lookup
         self.routes = core.routes
+
+    def lookup_wanted(self, peer_ip: str) -> bool:
+        """Whether the process behind a flow from ``peer_ip`` is to be looked up now
+        (``runtime.process_lookup`` and the rules of now; a client on this host)."""
+        core = self._core
+        return self.process_lookup.wanted(
+            peer_ip,
+            core.config.runtime.process_lookup,
+            core.route_state.ruleset.has_process_conditions,
+        )
+
+    def listener_address(self, index: int) -> tuple[str | None, int]:
+        """The address listener slot ``index`` is bound to; ``(None, 0)`` once it is gone."""
+        for active in self._core.active_inbounds:
+            if active.spec.index == index:
+                return active.bound
+        return None, 0
 
     @property
     def route_state(self) -> RouteState:
@@ -178,15 +202,22 @@ class FlowActor(LoopActor):
         #: Whether the outbound the flow was routed to chains through a proxy (it may
         #: have left the engine's outbounds since, by a reload).
         self._chained = False
+        #: While a flow C started waits for its process lookup: C's reports, kept in order.
+        self._held: list[Any] | None = None
         deps.flow_actors.add(self)
 
     # -- lifecycle -----------------------------------------------------------------
 
     def on_start(self) -> None:
         """Begin the handshake on the dispatcher loop (or record C's flow.started)."""
-        if self._started is not None:
-            self._start_record_c(self._started)
-            self._started = None
+        started, self._started = self._started, None
+        if started is not None:
+            if started.source_ip and self.deps.lookup_wanted(started.source_ip):
+                self._held = []
+                self.deps.process_lookup.holding += 1
+                self._task = self.dispatcher.spawn(self._start_c_after_lookup(started))
+                return
+            self._start_record_c(started)
             return
         self._task = self.dispatcher.spawn(self._establish())
 
@@ -222,6 +253,9 @@ class FlowActor(LoopActor):
 
     def _teardown(self) -> None:
         self.deps.flow_actors.discard(self)
+        held, self._held = self._held, None
+        for message in held or ():
+            self._dropped(message)
         task = self._task
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
@@ -235,6 +269,9 @@ class FlowActor(LoopActor):
 
     def on_receive(self, message: Any) -> Any:
         """Handle relay completions, traffic samples and close requests."""
+        if self._held is not None and isinstance(message, _HELD):
+            self._held.append(message)
+            return None
         if isinstance(message, RelayFinished):
             self._on_relay_finished(message.completion)
         elif isinstance(message, TrafficSample):
@@ -319,6 +356,9 @@ class FlowActor(LoopActor):
                 self._become_association(hs)
                 return
             state = self._new_state(hs)
+        if self.deps.lookup_wanted(self.peer[0]):
+            # Before flow.started, the hook and the route: a process_name rule needs it.
+            await self._look_up(state, client.getsockname()[:2])
         hook = self.deps.flow_hook
         if hook is not None and hook.settings.selects("tcp", self.inbound.tag):
             if not await self._ask_hook(hook, state, hs, replied):
@@ -534,7 +574,7 @@ class FlowActor(LoopActor):
             inbound_tag=self.inbound.tag,
             # The authenticated user's, or the one the flow hook gave in its place.
             principal_key=self.state.principal_key,
-            process_name=None,
+            process_name=self.state.process_name,
         )
 
     def _set_route(self, decision: routing.RouteDecision, chain: list[str], outbound: Any) -> None:
@@ -599,6 +639,36 @@ class FlowActor(LoopActor):
         else:
             self.deps.counters.direct_sessions += 1
         self._publish("flow.routed", records.lifecycle_payload)
+
+    # -- the process behind the flow ---------------------------------------------------
+
+    async def _look_up(self, state: records.FlowState, server: tuple[str | None, int]) -> None:
+        """Fill ``state``'s process from its client's socket (``runtime.process_lookup``),
+        found off the loop; nothing when none is found in time."""
+        lookup = self.deps.process_lookup.lookup_tcp((self.peer[0], self.peer[1]), server)
+        try:
+            found = await asyncio.wait_for(lookup, PROCESS_LOOKUP_TIMEOUT)
+        except TimeoutError:
+            logger.debug("process lookup for flow %s timed out", self.flow_id)
+            return
+        if found is not None:
+            state.set_process(found.pid, found.name, found.path)
+
+    async def _start_c_after_lookup(self, rec: connpath.ConnRecord) -> None:
+        """flow.started of a flow C runs, once its process is known; then what C reported
+        meanwhile, in order. C relays the flow all along: only its record waits."""
+        try:
+            state = self._new_state(self._c_handshake(rec, rec.name), rec.at_unix_ms)
+            await self._look_up(state, self.deps.listener_address(rec.inbound))
+        except asyncio.CancelledError:
+            return  # stopped meanwhile: _teardown dropped what was held
+        finally:
+            self.deps.process_lookup.holding -= 1
+        self._task = None
+        self._start_record(state)
+        held, self._held = self._held, None
+        for message in held or ():
+            self.on_receive(message)
 
     # -- flows the C connection path runs ---------------------------------------------
 

@@ -440,7 +440,10 @@ def _flow_record() -> Schema:
             "state": enum(["opening", "active", "completed"]),
             "network": enum(["tcp", "udp"]),
             "inbound": obj({"tag": STR, "protocol": STR}),
-            "source": obj({"ip": STR, "port": PORT}),
+            "source": obj(
+                {"ip": STR, "port": PORT},
+                {"process_id": integer(1), "process_name": STR, "process_path": STR},
+            ),
             "target": obj({"host": STR, "port": PORT}, {"resolved_ip": STR, "sniffed_host": STR}),
             "route": obj(
                 {

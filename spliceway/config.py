@@ -763,8 +763,10 @@ class Rule(_Model):
     never matches. A single string or a list.
     """
     process_name: NameList | None = None
-    """Names of the local client process. This build cannot see processes, so a rule that names
-    one never matches. A single string or a list.
+    """Names of the client's process: the base name of its executable (`curl`, `firefox`),
+    compared exactly. Only a flow whose client runs on this host has one, found while
+    `runtime.process_lookup` is `auto` or `always`; with `off` such a rule never matches.
+    A single string or a list.
     """
     action: Literal["route", "block"] = "route"
     """`route` sends a matching flow to `outbound`; `block` refuses it (outcome `blocked`)."""
@@ -933,6 +935,16 @@ class Runtime(_Model):
     tcp_idle_timeout_seconds: PosInt = 600
     """A relayed TCP flow that moves no byte in either direction for this many seconds is
     closed (close reason `idle_timeout`).
+    """
+    process_lookup: Literal["auto", "always", "off"] = "auto"
+    """Finding the process behind a flow whose client runs on this host (its address is a
+    loopback address or one of this host's interface addresses): `auto` only while a rule
+    names a `process_name`, `always` for every such flow, `off` never. A found process fills
+    the record's `source.process_id`, `process_name` (the executable's base name) and
+    `process_path`; a flow from another host has none. The lookup (netlink `sock_diag`, then
+    `/proc`) runs beside the flow, off the event loop: a flow a `process_name` rule could
+    decide waits for it before routing; another is relayed at once, and its record carries
+    the process when the lookup ended before the client closed its socket.
     """
     latency_test_url: ProbeUrl | None = None
     """Plain `http://` URL for probing groups that set no `url` of their own, and for

@@ -41,6 +41,7 @@ from spliceway.events import EventLog, now_ms
 from spliceway.flowhook import WARNING_CODE, FlowHookClient
 from spliceway.inbound import Users
 from spliceway.outbounds import Outbound
+from spliceway.process_lookup import LocalAddresses, ProcessLookup
 from spliceway.protocols import socks5
 from spliceway.reconcile import Reconciler
 from spliceway.route_publish import RoutePublisher
@@ -144,6 +145,10 @@ class EngineCore:
         self.started_at_unix_ms = 0
         #: UDP associations by the C relay's id (their actors take its records).
         self.udp_assocs: dict[int, pykka.ActorRef[Any]] = {}
+        #: ``runtime.process_lookup``'s lookups (its worker thread starts with the first).
+        self.process_lookup = ProcessLookup()
+        #: Readable when this host's addresses change (the lookup's locality snapshot).
+        self._address_watch: socket.socket | None = None
         # Made in start(): its event loop holds a socket pair that only a started
         # engine's stop() closes, so an engine that never starts must not own one.
         self.dispatcher: Dispatcher
@@ -206,6 +211,7 @@ class EngineCore:
             self.dispatcher.run_sync(
                 lambda: self.dispatcher.loop.add_reader(self.udp.fileno(), self._on_udp_ready)
             )
+            self._watch_addresses()
             #: What flow actors use of the engine (listeners hand it to theirs).
             self.flow_deps = FlowDeps(self)
             # Before the first table: it defers the inbounds the hook selects.
@@ -260,6 +266,7 @@ class EngineCore:
         self._close_udp()
         # After the flows: one still asking was stopped above, so closing fails none open.
         self._close_flow_hooks()
+        self._close_process_lookup()
         payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
         if reason is not None:
             payload["reason"] = reason
@@ -283,6 +290,7 @@ class EngineCore:
                 self.supervisor.stop(timeout=_STOP_GRACE_S)
             self.supervisor = None
         self._close_flow_hooks()
+        self._close_process_lookup()
         if bridge is not None:
             self._unhook_c_path()
             with contextlib.suppress(Exception):
@@ -467,8 +475,45 @@ class EngineCore:
 
     def _await_flows_drained(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S
-        while len(self.flows) and time.monotonic() < deadline:
+        # A flow C started whose record waits for its process lookup is not listed yet;
+        # it is, with its end, within the lookup's bounded wait.
+        while (len(self.flows) or self.process_lookup.holding) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    # -- process lookup ---------------------------------------------------------------
+
+    def _watch_addresses(self) -> None:
+        """Take this host's addresses now and follow their changes (for the locality
+        test of ``runtime.process_lookup``: a client on this host is looked up)."""
+        lookup = self.process_lookup
+        try:
+            watch = LocalAddresses.watch_socket()
+        except OSError as ex:
+            logger.warning("cannot follow this host's address changes: %s", ex)
+            watch = None
+        # After subscribing: a change from here on is seen by the next refresh.
+        lookup.refresh_local()
+        if watch is None:
+            return
+        self._address_watch = watch
+
+        def changed() -> None:
+            # Drain the notifications; one refresh (off the loop) covers them all.
+            with contextlib.suppress(OSError):
+                while watch.recv(65536):
+                    pass
+            lookup.refresh_local_later()
+
+        self.dispatcher.run_sync(lambda: self.dispatcher.loop.add_reader(watch.fileno(), changed))
+
+    def _close_process_lookup(self) -> None:
+        """Stop following addresses and stop the lookup worker (after the flows)."""
+        watch, self._address_watch = self._address_watch, None
+        if watch is not None:
+            with contextlib.suppress(Exception):
+                self.dispatcher.run_sync(lambda: self.dispatcher.loop.remove_reader(watch.fileno()))
+            watch.close()
+        self.process_lookup.close()
 
     @staticmethod
     def refuse_unbuilt(config: Config) -> None:

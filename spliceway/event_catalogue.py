@@ -222,6 +222,25 @@ FLOW_RECORD_FIELDS: tuple[PayloadField, ...] = (
     _f("source", "object", "The client's end of the connection."),
     _f("source.ip", "string", "Client IP address."),
     _f("source.port", "integer", "Client port."),
+    _f(
+        "source.process_id",
+        "integer",
+        "Process id of the client, when it runs on this host and was found "
+        "(`runtime.process_lookup`).",
+        required=False,
+    ),
+    _f(
+        "source.process_name",
+        "string",
+        "Base name of that process's executable (`curl`); present with `process_id`.",
+        required=False,
+    ),
+    _f(
+        "source.process_path",
+        "string",
+        "Path of that process's executable; present when it could be read.",
+        required=False,
+    ),
     _f("target", "object", "What the client asked for."),
     _f("target.host", "string", "Host name or IP address the client asked for."),
     _f("target.port", "integer", "Port the client asked for."),

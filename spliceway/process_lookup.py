@@ -51,6 +51,7 @@ __all__ = [
     "build_diag_request",
     "build_dump_request",
     "is_loopback",
+    "lookup_active",
     "parse_addr_reply",
     "parse_diag_reply",
 ]
@@ -437,7 +438,8 @@ class SockDiag:
         self, protocol: int, client: tuple[str, int], server: tuple[str | None, int]
     ) -> SockInfo | None:
         """The socket of a local client at ``client`` connected to ``server`` (this
-        engine's end; address None when its listener is on a wildcard address).
+        engine's end; address None when its listener is on a wildcard address, port 0
+        when unknown).
 
         Tries the exact lookup first (with the client's own address as the server's
         when unknown: a connection to one of this host's addresses normally has it as
@@ -462,7 +464,9 @@ class SockDiag:
                 # alone is the last resort (an unconnected socket has no remote port).
                 dumped = self.dump_local(fam, protocol, (None, client[1]), None)
             elif s_ip is None:
-                dumped = self.dump_local(fam, protocol, (c_ip, client[1]), server[1])
+                # Port 0: the server's port is unknown too (its listener is gone).
+                dport = server[1] or None
+                dumped = self.dump_local(fam, protocol, (c_ip, client[1]), dport)
             else:
                 dumped = []
             for info in dumped:
@@ -655,26 +659,27 @@ class ProcTable:
 # -- the engine's service ---------------------------------------------------------------------
 
 
+def lookup_active(mode: LookupMode, process_rules: bool) -> bool:
+    """Whether ``runtime.process_lookup`` ``mode`` looks flows up, given whether a rule
+    names a ``process_name``."""
+    return mode == "always" or (mode == "auto" and process_rules)
+
+
 class ProcessLookup:
     """``runtime.process_lookup`` for the engine: which flows to look up, and the lookups.
 
-    ``mode``: ``auto`` looks up only while a ``process_name`` rule exists
-    (:attr:`process_rules`, set by the engine), ``always`` every local flow, ``off``
-    none. Lookups run in one worker thread; :meth:`lookup_tcp` is awaited on the loop.
-    ``max_pending`` bounds the lookups queued or running: past it a flow gets None.
+    The mode and the rules are the caller's (a reload replaces them): :meth:`wanted`
+    takes them. Lookups run in one worker thread; :meth:`lookup_tcp` is awaited on the
+    loop. ``max_pending`` bounds the lookups queued or running: past it a flow gets None.
     """
 
     def __init__(
         self,
-        mode: LookupMode = "auto",
         *,
         max_pending: int = 256,
         proc: ProcTable | None = None,
         local: LocalAddresses | None = None,
     ) -> None:
-        self.mode: LookupMode = mode
-        #: Whether the routing rules name a process (``auto`` looks up only then).
-        self.process_rules = False
         self.local = local if local is not None else LocalAddresses()
         self._proc = proc if proc is not None else ProcTable()
         self._max_pending = max_pending
@@ -682,20 +687,17 @@ class ProcessLookup:
         self._executor: ThreadPoolExecutor | None = None
         self._diag: SockDiag | None = None
         self._lock = threading.Lock()
+        #: Flows whose records wait for a lookup (the loop's count; a stop waits for them).
+        self.holding = 0
         #: Counters: lookups done, found, refused for the bound, failed by an error.
         self.looked_up = 0
         self.found = 0
         self.shed = 0
         self.errors = 0
 
-    @property
-    def active(self) -> bool:
-        """Whether any flow would be looked up now (``mode`` and the rules)."""
-        return self.mode == "always" or (self.mode == "auto" and self.process_rules)
-
-    def wanted(self, peer_ip: str) -> bool:
+    def wanted(self, peer_ip: str, mode: LookupMode, process_rules: bool) -> bool:
         """Whether a flow from ``peer_ip`` is to be looked up (cheap: loop-safe)."""
-        return self.active and self.local.is_local(peer_ip)
+        return lookup_active(mode, process_rules) and self.local.is_local(peer_ip)
 
     def _worker(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -119,6 +119,10 @@ class FlowState:
     sniffed_host: str | None = None
     principal_key: str | None = None
     auth_scheme: str | None = None
+    #: The local client process (``runtime.process_lookup``), when one was found.
+    process_id: int | None = None
+    process_name: str | None = None
+    process_path: str | None = None
     #: The flow hook's labels (an allow that carried some), else None.
     labels: dict[str, str] | None = None
     route_action: str = "pending"
@@ -142,6 +146,11 @@ class FlowState:
     _fixed: tuple[dict[str, Any], dict[str, Any]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+
+    def set_process(self, pid: int, name: str | None, path: str | None) -> None:
+        """The local client process behind the flow (its ``source.process_*``)."""
+        self.process_id, self.process_name, self.process_path = pid, name, path
+        self._fixed = None  # the source object changes from the next revision on
 
     def render(self) -> dict[str, Any]:
         """The FlowRecord (docs/events.md) for the current revision."""
@@ -171,9 +180,16 @@ class FlowState:
         if fixed is None:
             # What never changes after the start: one pair of dicts for every revision
             # (records are immutable once published, so sharing them is safe).
+            source: dict[str, Any] = {"ip": self.source_ip, "port": self.source_port}
+            if self.process_id is not None:
+                source["process_id"] = self.process_id
+            if self.process_name is not None:
+                source["process_name"] = self.process_name
+            if self.process_path is not None:
+                source["process_path"] = self.process_path
             fixed = self._fixed = (
                 {"tag": self.inbound_tag, "protocol": self.inbound_protocol},
-                {"ip": self.source_ip, "port": self.source_port},
+                source,
             )
         record: dict[str, Any] = {
             "flow_id": self.flow_id,

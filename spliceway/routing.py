@@ -329,6 +329,8 @@ class RuleSet:
     has_suffix_conditions: bool
     has_ip_conditions: bool
     has_source_ip_conditions: bool
+    #: Any rule names a ``process_name`` (``runtime.process_lookup: auto`` looks up then).
+    has_process_conditions: bool
     #: Whether deciding must parse the target host as an IP literal.
     needs_host_ip: bool
     #: Whether deciding derives anything from the facts before trying rules.
@@ -370,6 +372,7 @@ def compile_rules(rules: Sequence[Rule]) -> RuleSet:
         has_suffix_conditions="domain_suffix" in keys_used,
         has_ip_conditions=has_ip,
         has_source_ip_conditions=has_source_ip,
+        has_process_conditions="process_name" in keys_used,
         needs_host_ip=has_domain or has_ip,
         needs_view=has_domain or has_ip or has_source_ip,
     )

@@ -369,12 +369,11 @@ def test_is_loopback() -> None:
     ],
 )
 def test_wanted_by_mode(mode: pl.LookupMode, rules: bool, expected: bool) -> None:
-    lookup = ProcessLookup(mode, local=LocalAddresses(frozenset({"192.0.2.2"})))
-    lookup.process_rules = rules
-    assert lookup.wanted("127.0.0.1") is expected
-    assert lookup.wanted("192.0.2.2") is expected
+    lookup = ProcessLookup(local=LocalAddresses(frozenset({"192.0.2.2"})))
+    assert lookup.wanted("127.0.0.1", mode, rules) is expected
+    assert lookup.wanted("192.0.2.2", mode, rules) is expected
     # A remote client is never looked up, whatever the mode.
-    assert lookup.wanted("198.51.100.7") is False
+    assert lookup.wanted("198.51.100.7", mode, rules) is False
 
 
 def test_service_finds_a_child_process(connected) -> None:
@@ -388,7 +387,7 @@ def test_service_finds_a_child_process(connected) -> None:
         ],
         stdin=subprocess.PIPE,
     )
-    lookup = ProcessLookup("always")
+    lookup = ProcessLookup()
     try:
         accepted, peer = srv.accept()
         with accepted:
@@ -405,7 +404,7 @@ def test_service_finds_a_child_process(connected) -> None:
 
 
 def test_service_sheds_past_its_bound() -> None:
-    lookup = ProcessLookup("always", max_pending=0)
+    lookup = ProcessLookup(max_pending=0)
     try:
         assert asyncio.run(lookup.lookup_tcp(("127.0.0.1", 1), ("127.0.0.1", 2))) is None
         assert lookup.shed == 1 and lookup.looked_up == 0
@@ -414,7 +413,7 @@ def test_service_sheds_past_its_bound() -> None:
 
 
 def test_service_lookup_of_nothing() -> None:
-    lookup = ProcessLookup("always")
+    lookup = ProcessLookup()
     try:
         assert lookup.find(socket.IPPROTO_TCP, ("127.0.0.1", 1), ("127.0.0.1", 2)) is None
         assert lookup.errors == 0
