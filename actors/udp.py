@@ -41,6 +41,7 @@ from spliceway.outbounds import DialError
 from spliceway.protocols import ProtocolError, shadowsocks, socks5
 from spliceway.relay import RelayError
 from spliceway.runtime import FlowEntry
+from spliceway.tun.mark import apply_mark
 
 if TYPE_CHECKING:
     from spliceway.actors.flow import FlowDeps
@@ -424,6 +425,8 @@ class UdpAssociationActor(LoopActor):
             sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
             try:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                # Upstream datagrams leave by the physical egress while a TUN runs.
+                apply_mark(sock)
                 sock.bind(("::", 0))
                 self.direct_upstream = self.relay.add_upstream(
                     self.assoc, sock.fileno(), self.idle_timeout_s
@@ -583,6 +586,7 @@ class UdpAssociationActor(LoopActor):
                 proxy.relay = await self._server_address(outbound)
             family = socket.AF_INET6 if ":" in proxy.relay[0] else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_DGRAM)
+            apply_mark(sock)  # to the proxy by the physical egress while a TUN runs
             sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
             sock.setblocking(False)
         except (OSError, DialError, ResolveError, InvalidHostname) as ex:

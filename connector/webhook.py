@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import httptools
 
 from spliceway import __version__
+from spliceway.tun.mark import create_connection
 
 __all__ = ["DeliveryError", "Response", "WebhookClient"]
 
@@ -233,7 +234,8 @@ class WebhookClient:
             raise DeliveryError("aborted")
         sock: socket.socket | None = None
         try:
-            sock = socket.create_connection((self._host, self._port), _remaining(deadline))
+            # Marked while a TUN runs: deliveries use the physical egress (interface.md 4.6).
+            sock = create_connection((self._host, self._port), _remaining(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock.settimeout(_remaining(deadline))

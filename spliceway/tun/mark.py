@@ -84,3 +84,24 @@ def marked_socket(
         sock.close()
         raise
     return sock
+
+
+def create_connection(address: tuple[str, int], timeout: float | None = None) -> socket.socket:
+    """``socket.create_connection(address, timeout)`` whose socket is marked before it
+    connects (the standard one offers no hook between ``socket()`` and ``connect()``)."""
+    if not _mark:
+        return socket.create_connection(address, timeout)
+    host, port = address
+    last: OSError | None = None
+    for family, type_, proto, _, sockaddr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, type_, proto)
+        try:
+            apply_mark(sock)
+            if timeout is not None:
+                sock.settimeout(timeout)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as ex:
+            sock.close()
+            last = ex
+    raise last if last is not None else OSError(f"no address for {host}")

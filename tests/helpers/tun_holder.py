@@ -10,9 +10,11 @@ it answers one JSON line per command read from stdin:
 - ``packets``: ``{"packets": [[version, proto, src, dst, dport], ...]}``: every packet
   the kernel routed into the TUN so far (nobody else reads the device: there is no
   packet loop here, so a captured packet ends in this list).
-- ``connect HOST PORT``: a TCP connection made by this process after
-  :func:`spliceway.tun.mark.apply_mark` (what the engine's outbounds do), sending an
-  HTTP GET: ``{"connected": bool, "reply": first line or "error": text}``.
+- ``connect HOST PORT``: a TCP connection dialled by the engine's own
+  ``spliceway.outbounds.open_tcp`` (which marks it while a TUN runs), sending an HTTP
+  GET: ``{"connected": bool, "reply": first line or "error": text}``.
+- ``webhook-connect HOST PORT``: the same through
+  :func:`spliceway.tun.mark.create_connection`, the webhook client's dial.
 - ``stop``: ``{"stopped": bool}`` (``TunController.stop``); ``exit``: exit at once.
 
 Options: ``--state-dir DIR``; ``--fail-after-routes`` makes the start fail after its
@@ -71,20 +73,49 @@ def _capture(fd: int, packets: list, stop: threading.Event) -> None:
             packets.append(summary)
 
 
+def _exchange(sock: socket.socket) -> dict:
+    sock.settimeout(3)
+    sock.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+    reply = sock.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace")
+    return {"connected": True, "reply": reply}
+
+
 def _connect(host: str, port: int) -> dict:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """Dial as the engine's outbounds do (spliceway.outbounds.open_tcp)."""
+    import asyncio
+
+    from spliceway.config import DnsSettings
+    from spliceway.dns.resolver import Resolver
+    from spliceway.outbounds import DialError, open_tcp
+
+    async def dial() -> socket.socket:
+        loop = asyncio.get_running_loop()
+        sock, _ = await open_tcp(loop, host, port, loop.time() + 3, Resolver(DnsSettings()))
+        return sock
+
     try:
-        mark.apply_mark(sock)
-        sock.settimeout(3)
-        sock.connect((host, port))
-        sock.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
-        reply = sock.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace")
-        return {"connected": True, "reply": reply}
+        sock = asyncio.run(dial())
+    except (OSError, DialError) as ex:
+        return {"connected": False, "error": str(ex)}
+    with sock:
+        sock.setblocking(True)
+        try:
+            return _exchange(sock)
+        except OSError as ex:
+            return {"connected": False, "error": str(ex)}
+
+
+def _webhook_connect(host: str, port: int) -> dict:
+    """Dial as webhook deliveries do (spliceway.tun.mark.create_connection)."""
+    try:
+        sock = mark.create_connection((host, port), 3)
     except OSError as ex:
         return {"connected": False, "error": str(ex)}
-    finally:
-        sock.close()
+    with sock:
+        try:
+            return _exchange(sock)
+        except OSError as ex:
+            return {"connected": False, "error": str(ex)}
 
 
 def main(argv: list[str]) -> int:
@@ -129,6 +160,8 @@ def main(argv: list[str]) -> int:
             say({"packets": list(packets)})
         elif cmd[0] == "connect":
             say(_connect(cmd[1], int(cmd[2])))
+        elif cmd[0] == "webhook-connect":
+            say(_webhook_connect(cmd[1], int(cmd[2])))
         elif cmd[0] == "stop":
             stop.set()
             reader.join()

@@ -205,11 +205,13 @@ def test_marked_sockets_bypass_the_tun(topo: Topology, state_dir: str) -> None:
     assert f"dev {topo.host_if}" in topo.host.route_get(SERVER_IP, "mark", hex(ENGINE_MARK))
     assert f"dev {topo.host_if}" in topo.host.route_get(SERVER_IP6, "mark", hex(ENGINE_MARK))
     assert _tun_dev(topo.host.route_get(SERVER_IP, "mark", "0x1"), name)
-    # The holder's connection carries the engine's mark (spliceway.tun.mark.apply_mark,
-    # switched on by the controller): it reaches the server through the veth.
+    # The engine's own dials (outbounds.open_tcp, the webhook client's create_connection)
+    # carry the mark the controller switched on: they reach the server through the veth.
     answer = holder.ask(f"connect {SERVER_IP} {port}")
     assert answer == {"connected": True, "reply": "HTTP/1.1 200 OK"}, answer
     answer = holder.ask(f"connect {SERVER_IP6} {port}")
+    assert answer == {"connected": True, "reply": "HTTP/1.1 200 OK"}, answer
+    answer = holder.ask(f"webhook-connect {SERVER_IP} {port}")
     assert answer == {"connected": True, "reply": "HTTP/1.1 200 OK"}, answer
     # An ordinary (unmarked) client's SYN goes into the TUN, where no stack answers it.
     done = topo.host.run(
