@@ -1,8 +1,8 @@
 """cffi build script for ``spliceway._relay`` (named by setup.py's ``cffi_modules``).
 
 The cdef is the marked section of each module's header (``relay.h``, ``parse.h``,
-``route.h``, ``conn.h``, ``udp.h``, ``pkt.h``) itself, so the declarations Python sees can never drift
-from the ones the C code is compiled against.
+``route.h``, ``conn.h``, ``udp.h``, ``pkt.h``, ``tun.h``) itself, so the declarations
+Python sees can never drift from the ones the C code is compiled against.
 
 ``SPLICEWAY_RELAY_SANITIZE=address`` (or ``thread``, ``undefined``, comma
 separated) builds an instrumented debug extension; load it with the matching
@@ -32,7 +32,7 @@ def _rel(path: pathlib.Path) -> str:
 
 
 #: The C modules linked into the extension, each a ``.c`` with its ``.h``.
-MODULES = ("relay", "parse", "route", "conn", "udp", "pkt")
+MODULES = ("relay", "parse", "route", "conn", "udp", "pkt", "tun")
 #: Helpers those modules share, compiled in but not part of the cdef.
 INTERNAL = ("iplit",)
 
