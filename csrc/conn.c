@@ -956,6 +956,10 @@ static bool decide(struct cconn *c)
     /* A fake-ip address: Python routes it by the domain it stands for. */
     if (sw_table_host_deferred(t, c->host, c->host_len))
         return false;
+    /* process_lookup always, a client on this host: Python finds its process
+     * before routing, so every record of the flow carries it. */
+    if (sw_table_source_deferred(t, c->src_family, c->src_ip))
+        return false;
     sw_route_query q;
     memset(&q, 0, sizeof q);
     q.host = c->host;

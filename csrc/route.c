@@ -49,7 +49,10 @@
  *   conditions is, else unknown when one is, else true.  The first rule that
  *   is not false decides: true gives its action, unknown SW_ROUTE_DEFER (with
  *   `rule` naming the rule Python must look at).  Unknown comes from:
- *   - opaque conditions (domain_regex, process_name);
+ *   - opaque conditions (domain_regex);
+ *   - process conditions (process_name) for a source on this host: loopback
+ *     or an address sw_table_local_addr named (any other source has no
+ *     process: false; and false everywhere with SW_PROCESS_OFF);
  *   - a host (target or sniffed) with a byte >= 0x80: Python lowercases with
  *     str.lower, which is Unicode-aware (the Kelvin sign becomes 'k'), so its
  *     domain conditions are unknown unless another, ASCII, host matches.  It
@@ -104,6 +107,7 @@ enum {
     K_INBOUND = 1u << 8,
     K_PRINCIPAL = 1u << 9,
     K_OPAQUE = 1u << 10,
+    K_PROCESS = 1u << 11,
     K_DOMAIN = K_EXACT | K_SUFFIX | K_KEYWORD,
 };
 
@@ -272,6 +276,11 @@ struct sw_table {
         unsigned prefix;
         u128 net;
     } defer_nets[SW_TABLE_DEFER_NETS];
+
+    /* process_name conditions (enum sw_process_mode), and this host's
+     * addresses: sorted and unique per family once sealed (bisected). */
+    int process_mode;
+    struct vec local[2]; /* u128: [0] IPv4, [1] IPv6 */
 };
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -425,6 +434,7 @@ int sw_table_new(uint32_t nrules, uint32_t ntargets, uint64_t epoch, sw_table **
     t->nrules = nrules;
     t->ntargets = ntargets;
     t->mode_target = t->final_target = -1;
+    t->process_mode = SW_PROCESS_RULES;
     t->rules = calloc(nrules ? nrules : 1, sizeof *t->rules);
     t->targets = calloc(ntargets ? ntargets : 1, sizeof *t->targets);
     if (!t->rules || !t->targets) {
@@ -481,6 +491,8 @@ void sw_table_free(sw_table *t)
     vec_free(&t->b_port);
     vec_free(&t->b_inb);
     vec_free(&t->b_pri);
+    vec_free(&t->local[0]);
+    vec_free(&t->local[1]);
     if (t->targets)
         for (uint32_t i = 0; i < t->ntargets; i++)
             target_clear(&t->targets[i]);
@@ -740,6 +752,81 @@ int sw_table_cond_opaque(sw_table *t, uint32_t rule)
         return -EINVAL;
     r->kinds |= K_OPAQUE;
     return 0;
+}
+
+int sw_table_cond_process(sw_table *t, uint32_t rule)
+{
+    struct rule *r = building(t, rule);
+    if (!r)
+        return -EINVAL;
+    r->kinds |= K_PROCESS;
+    return 0;
+}
+
+int sw_table_set_process(sw_table *t, int mode)
+{
+    if (!t || t->sealed ||
+        (mode != SW_PROCESS_OFF && mode != SW_PROCESS_RULES && mode != SW_PROCESS_ALL))
+        return -EINVAL;
+    t->process_mode = mode;
+    return 0;
+}
+
+static u128 addr_value(int family, const uint8_t *addr)
+{
+    u128 v = 0;
+    for (int i = 0; i < (family == 4 ? 4 : 16); i++)
+        v = (v << 8) | addr[i];
+    return v;
+}
+
+int sw_table_local_addr(sw_table *t, int family, const uint8_t *addr)
+{
+    if (!t || t->sealed || !addr || (family != 4 && family != 6))
+        return -EINVAL;
+    struct ipaddr ip = {.family = family, .v = addr_value(family, addr)};
+    unmap(&ip);
+    u128 *p = vec_push(&t->local[ip.family == 4 ? 0 : 1], sizeof *p);
+    if (!p)
+        return -ENOMEM;
+    *p = ip.v;
+    return 0;
+}
+
+static int cmp_local(const void *a, const void *b)
+{
+    u128 x = *(const u128 *)a, y = *(const u128 *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* An unmapped source on this host: loopback, or one of the table's addresses. */
+static bool source_local(const sw_table *t, int family, u128 v)
+{
+    if (family == 4 ? (v >> 24) == 127 : family == 6 && v == 1)
+        return true;
+    const struct vec *set = &t->local[family == 4 ? 0 : 1];
+    const u128 *a = set->p;
+    size_t lo = 0, hi = set->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else if (a[mid] > v)
+            hi = mid;
+        else
+            return true;
+    }
+    return false;
+}
+
+int sw_table_source_deferred(const sw_table *t, int family, const uint8_t *ip)
+{
+    if (!t || !t->sealed || t->process_mode != SW_PROCESS_ALL || !ip ||
+        (family != 4 && family != 6))
+        return 0;
+    struct ipaddr src = {.family = family, .v = addr_value(family, ip)};
+    unmap(&src);
+    return source_local(t, src.family, src.v);
 }
 
 static int dup_opt(const char *s, const char **out)
@@ -1273,6 +1360,17 @@ int sw_table_seal(sw_table *t)
         if ((ru->kinds & (K_DOMAIN | K_OPAQUE)) && t->first_domain == (int32_t)t->nrules)
             t->first_domain = (int32_t)r;
     }
+    /* Bisected by source_local: sorted, duplicates dropped. */
+    for (int f = 0; f < 2; f++) {
+        struct vec *set = &t->local[f];
+        sort_vec(set, sizeof(u128), cmp_local);
+        u128 *a = set->p;
+        size_t n = 0;
+        for (size_t i = 0; i < set->n; i++)
+            if (!n || a[n - 1] != a[i])
+                a[n++] = a[i];
+        set->n = n;
+    }
     int rc = seal_rule_nets(t);
     if (!rc)
         rc = seal_rule_ports(t);
@@ -1324,6 +1422,7 @@ struct view {
     const struct dentry *whole[2]; /* the entry equal to the host, if any */
     int nhosts;
     bool dom_unknown;    /* a host whose domain conditions only Python knows */
+    bool src_local;      /* a process condition is unknown (else false) */
     int dst;             /* 0 none, 4, 6, -1 unknown */
     u128 dst_ip;
     int src;             /* 0 none, 4, 6 */
@@ -1488,6 +1587,9 @@ static int rule_eval(const sw_table *t, const struct view *v, uint32_t r, uint32
     uint32_t k = ru->kinds & ~skip;
     bool unknown = false;
     int tv;
+    /* A client elsewhere has no process (one here only Python knows: unknown). */
+    if ((k & K_PROCESS) && !v->src_local)
+        return TV_FALSE;
     if ((k & K_NETWORK) && !(ru->netmask & v->netmask))
         return TV_FALSE;
     if ((k & K_PORT_DST) && !in_ports(t->ports.p, ru->s[S_PORT_DST], v->port))
@@ -1522,7 +1624,7 @@ static int rule_eval(const sw_table *t, const struct view *v, uint32_t r, uint32
             return TV_FALSE;
         unknown |= tv == TV_UNKNOWN;
     }
-    if (k & K_OPAQUE)
+    if (k & (K_OPAQUE | K_PROCESS))
         unknown = true;
     return unknown ? TV_UNKNOWN : TV_TRUE;
 }
@@ -1673,6 +1775,9 @@ static void make_view(const sw_table *t, const sw_route_query *q, struct view *v
         v->src = src.family;
         v->src_ip = src.v;
         v->sport = q->source_port;
+        /* Only tables with process rules pay for the lookup. */
+        v->src_local = (t->kinds & K_PROCESS) && t->process_mode != SW_PROCESS_OFF &&
+                       source_local(t, src.family, src.v);
     }
     v->port = q->port;
     v->netmask = (q->network == SW_NET_TCP || q->network == SW_NET_UDP)

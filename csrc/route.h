@@ -12,8 +12,8 @@
  * The reference is spliceway/routing.py (decide()).  sw_table_decide either
  * gives the same rule index / target as routing.decide, or SW_ROUTE_DEFER
  * when the first rule that could match needs a condition C does not check
- * (domain_regex, process_name): tests/csrc/test_route_diff.py holds it to
- * that on random configs x targets.
+ * (domain_regex; process_name for a client on this host): tests/csrc/
+ * test_route_diff.py holds it to that on random configs x targets.
  */
 #ifndef SW_ROUTE_H
 #define SW_ROUTE_H
@@ -106,9 +106,35 @@ int sw_table_cond_port(sw_table *table, uint32_t rule, int field, uint16_t lo, u
 int sw_table_cond_network(sw_table *table, uint32_t rule, int network);
 int sw_table_cond_inbound(sw_table *table, uint32_t rule, uint32_t inbound);
 int sw_table_cond_principal(sw_table *table, uint32_t rule, uint32_t principal);
-/* The rule also has a condition only Python can check (domain_regex,
- * process_name): reaching it with every other condition matching defers. */
+/* The rule also has a condition only Python can check (domain_regex):
+ * reaching it with every other condition matching defers. */
 int sw_table_cond_opaque(sw_table *table, uint32_t rule);
+
+/* How a process_name condition is decided (runtime.process_lookup).  Only
+ * Python knows the process behind a flow, and only when the client is on
+ * this host: a source in 127/8 or ::1 (IPv4-mapped read as IPv4), or one of
+ * the addresses sw_table_local_addr named. */
+enum sw_process_mode {
+    SW_PROCESS_OFF = 0,   /* no lookups: a process condition never holds */
+    SW_PROCESS_RULES = 1, /* the default: unknown (so the rule defers) for a
+                             source on this host, false for any other */
+    SW_PROCESS_ALL = 2    /* as RULES, and every flow from a source on this
+                             host goes to Python before routing
+                             (sw_table_source_deferred) */
+};
+/* The rule has a process_name condition (see sw_process_mode). */
+int sw_table_cond_process(sw_table *table, uint32_t rule);
+/* mode: enum sw_process_mode. */
+int sw_table_set_process(sw_table *table, int mode);
+/* One of this host's addresses: family 4 or 6, addr 4 or 16 bytes (network
+ * order; IPv4-mapped IPv6 is taken as IPv4).  Any number. */
+int sw_table_local_addr(sw_table *table, int family, const uint8_t *addr);
+/* 1 when the table's mode is SW_PROCESS_ALL and a source (family 4 or 6, ip
+ * 4 or 16 bytes as sw_route_query.source_ip) is on this host: the connection
+ * path hands such a flow to Python after its handshake, before routing, so
+ * Python finds its process first.  Not a routing decision: sw_table_decide
+ * ignores it. */
+int sw_table_source_deferred(const sw_table *table, int family, const uint8_t *ip);
 /* Target `index`: kind enum sw_out_kind; server/port/user/pass for socks5 and
  * http (user NULL = no credentials); server is an IP literal or a name
  * looked up in the DNS cache.  Strings are copied. */

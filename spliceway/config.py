@@ -941,10 +941,12 @@ class Runtime(_Model):
     loopback address or one of this host's interface addresses): `auto` only while a rule
     names a `process_name`, `always` for every such flow, `off` never. A found process fills
     the record's `source.process_id`, `process_name` (the executable's base name) and
-    `process_path`; a flow from another host has none. The lookup (netlink `sock_diag`, then
-    `/proc`) runs beside the flow, off the event loop: a flow a `process_name` rule could
-    decide waits for it before routing; another is relayed at once, and its record carries
-    the process when the lookup ended before the client closed its socket.
+    `process_path`; a flow from another host has none, and no `process_name` rule matches
+    it. The lookup (netlink `sock_diag`, then `/proc`) runs off the event loop, before
+    routing for a flow that reaches a `process_name` rule and, with `always`, for every
+    such flow (which then takes the Python connection path, not the C one). Under `auto`
+    a flow decided by an earlier rule is relayed at once, and its record carries the
+    process when the lookup ended before the client closed its socket.
     """
     latency_test_url: ProbeUrl | None = None
     """Plain `http://` URL for probing groups that set no `url` of their own, and for

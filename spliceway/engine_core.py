@@ -218,6 +218,8 @@ class EngineCore:
             self.flow_hook = self._new_flow_hook(self.config)
             self.routes.publish()
             self.policies.on_publish = self.routes.publish
+            # The table names this host's addresses (process_name rules defer for them).
+            self.process_lookup.on_local_change = self.routes.publish
             self.resolver.on_answer = self.dns_answer
             # Before the actors start: a group's startup probe round must not be the
             # ring's first event.
@@ -310,6 +312,7 @@ class EngineCore:
 
     def _unhook_c_path(self) -> None:
         """Nothing feeds the C path from here on (tables, DNS answers): before it shuts down."""
+        self.process_lookup.on_local_change = None
         self.policies.on_publish = None
         self.resolver.on_answer = None
         self.routes.close()

@@ -689,6 +689,9 @@ class ProcessLookup:
         self._lock = threading.Lock()
         #: Flows whose records wait for a lookup (the loop's count; a stop waits for them).
         self.holding = 0
+        #: Called (in the worker) when this host's addresses changed: the route table
+        #: knows them too.
+        self.on_local_change: Callable[[], None] | None = None
         #: Counters: lookups done, found, refused for the bound, failed by an error.
         self.looked_up = 0
         self.found = 0
@@ -706,11 +709,19 @@ class ProcessLookup:
             return self._executor
 
     def refresh_local(self) -> None:
-        """Re-read this host's addresses (blocking)."""
+        """Re-read this host's addresses (blocking); :attr:`on_local_change` if they changed."""
+        before = self.local.addresses
         try:
-            self.local.refresh()
-        except OSError as ex:
+            after = self.local.refresh()
+        except (OSError, NetlinkParseError) as ex:
             logger.warning("cannot list this host's addresses: %s", ex)
+            return
+        callback = self.on_local_change
+        if after != before and callback is not None:
+            try:
+                callback()
+            except Exception:
+                logger.exception("reacting to this host's new addresses failed")
 
     def refresh_local_later(self) -> None:
         """Re-read this host's addresses in the worker (from the loop)."""

@@ -11,7 +11,9 @@ Until a table is installed C defers every flow to Python after its handshake. A 
 also names the listener slots the flow hook (``api.flow_hook``) selects: C hands their
 flows to Python after the handshake, before routing, so Python asks the hook first; and
 the fake-ip range (``runtime.dns.answer``), whose addresses C hands over likewise, so
-Python routes them by the domain they stand for.
+Python routes them by the domain they stand for. And ``runtime.process_lookup`` with this
+host's addresses: a ``process_name`` rule defers flows from clients on this host to
+Python (which finds the process) and fails others; ``always`` hands every such flow over.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ class RoutePublisher:
             # Fake-ip addresses: Python maps them back to their domain, then routes.
             answer = core.config.runtime.dns.answer
             cidrs = (answer.fake_ip_range,) if answer.type == "fake_ip" else ()
+            process_lookup = core.config.runtime.process_lookup
+            local = tuple(sorted(core.process_lookup.local.addresses))
             tags = [state.final]
             tags += [r.outbound for r in rules if r.action == "route" and r.outbound]
             tags += [state.mode_outbound or BUILTIN_DIRECT, BUILTIN_DIRECT]
@@ -132,7 +136,14 @@ class RoutePublisher:
                 chain, spec = target_spec(tag, core.policies, outbounds)
                 chains.append(chain)
                 targets[tag] = spec
-            key = (tuple(map(tuple, chains)), tuple(targets.items()), deferred, cidrs)
+            key = (
+                tuple(map(tuple, chains)),
+                tuple(targets.items()),
+                deferred,
+                cidrs,
+                process_lookup,
+                local,
+            )
             if state is self._installed_state and key == self._installed:
                 return
             self._epoch += 1
@@ -148,6 +159,8 @@ class RoutePublisher:
                 ruleset=state.ruleset,
                 deferred_inbounds=deferred,
                 deferred_cidrs=cidrs,
+                process_lookup=process_lookup,
+                local_addresses=local,
             )
             with self._lock:
                 self._mirrors[self._epoch] = Mirror(routes, chains, outbounds)

@@ -12,9 +12,13 @@ What the engine supplies, because only it knows them: the index of each inbound 
 path does with it (:class:`TargetSpec`). Targets are indexed in the mapping's order.
 
 What C cannot check is compiled as opaque (``sw_table_cond_opaque``), so reaching such a
-rule defers to Python: ``domain_regex``, ``process_name``, and a domain item whose
-lowercased text holds a NUL (a C string cannot carry it; the rule's whole condition of
-that kind is then left to Python). Inbound tags and principal keys missing from the
+rule defers to Python: ``domain_regex``, and a domain item whose lowercased text holds a
+NUL (a C string cannot carry it; the rule's whole condition of that kind is then left to
+Python). ``process_name`` is a process condition (``sw_table_cond_process``): only a
+client on this host has a process, which only Python finds, so reaching such a rule
+defers for a source on this host (loopback or one of ``local_addresses``) and fails for
+any other, as ``routing.decide`` fails it for a flow without a ``process_name``; with
+``process_mode`` ``off`` it never holds. Inbound tags and principal keys missing from the
 mappings are dropped: a query can only name mapped ones (:meth:`CompiledRoutes.decide`
 answers None for a flow whose tag or key is not mapped); a condition left with no item
 gets the "none" value, which never matches.
@@ -39,6 +43,7 @@ __all__ = [
     "OUT_DIRECT",
     "OUT_HTTP",
     "OUT_SOCKS5",
+    "PROCESS_MODES",
     "CompiledRoutes",
     "TargetSpec",
     "compile_route_table",
@@ -61,7 +66,13 @@ _DOMAIN_KINDS = {
     "domain_suffix": lib.SW_DOMAIN_SUFFIX,
     "domain_keyword": lib.SW_DOMAIN_KEYWORD,
 }
-_OPAQUE_KEYS = ("domain_regex", "process_name")
+_OPAQUE_KEYS = ("domain_regex",)
+#: ``runtime.process_lookup`` -> ``sw_process_mode``.
+PROCESS_MODES: dict[str, int] = {
+    "off": lib.SW_PROCESS_OFF,
+    "auto": lib.SW_PROCESS_RULES,
+    "always": lib.SW_PROCESS_ALL,
+}
 _NETWORKS = {"tcp": lib.SW_NET_TCP, "udp": lib.SW_NET_UDP}
 
 
@@ -209,15 +220,18 @@ class CompiledRoutes:
         """``sw_table_decide`` on ``facts``: ``(action, rule, target)``, or None for facts C
         cannot express.
 
-        Those are: a ``resolved_ip`` (mode ``rule`` with ip_cidr rules), an inbound tag or
-        principal key missing from the mappings, a port outside 0..65535, and a source
-        address and port of which only one is known or the address does not parse.
+        Those are: a ``resolved_ip`` (mode ``rule`` with ip_cidr rules), a
+        ``process_name`` (C never knows one), an inbound tag or principal key missing from
+        the mappings, a port outside 0..65535, and a source address and port of which only
+        one is known or the address does not parse.
         """
         if (
             facts.resolved_ip is not None
             and self.ruleset.has_ip_conditions
             and self.mode_kind == "rule"
         ):
+            return None
+        if facts.process_name is not None:
             return None
         query = ffi.new("sw_route_query *")
         keep: list[Any] = []
@@ -281,6 +295,8 @@ def _compile_rule(
         items = _values(value)
         if key in _OPAQUE_KEYS:
             opaque = True
+        elif key == "process_name":
+            check(lib.sw_table_cond_process(table, index), "sw_table_cond_process")
         elif key in _DOMAIN_KINDS:
             # routing lowercases with str.lower (Unicode-aware): C gets the result and
             # only drops the trailing dot (domain, domain_suffix) and lowercases ASCII.
@@ -334,6 +350,8 @@ def compile_route_table(
     ruleset: routing.RuleSet | None = None,
     deferred_inbounds: Sequence[int] = (),
     deferred_cidrs: Sequence[str] = (),
+    process_lookup: str = "auto",
+    local_addresses: Sequence[str] = (),
 ) -> CompiledRoutes:
     """Build and seal the C table for ``rules`` under a mode; return it with its mirror.
 
@@ -348,6 +366,9 @@ def compile_route_table(
     handshake, before routing (the flow hook's inbounds); the decisions are unchanged.
     ``deferred_cidrs`` are networks (fake-ip ranges) whose IP-literal targets C hands to
     Python likewise, which routes them by the domain the address stands for.
+    ``process_lookup`` is ``runtime.process_lookup`` (``always``: C hands Python every
+    flow from a client on this host likewise, to find its process before routing) and
+    ``local_addresses`` this host's addresses (loopback is always local).
 
     Raises ValueError for a bad mode, a missing or repeated target tag, an id out of
     range, or a target string with a NUL; RelayError if C refuses (e.g. ENOMEM).
@@ -410,6 +431,11 @@ def compile_route_table(
         addr = ffi.new("uint8_t[]", net.network_address.packed)
         rc = lib.sw_table_defer_cidr(table, net.version, addr, net.prefixlen)
         check(rc, "sw_table_defer_cidr")
+    check(lib.sw_table_set_process(table, PROCESS_MODES[process_lookup]), "sw_table_set_process")
+    for text in local_addresses:
+        ip = ipaddress.ip_address(text)
+        rc = lib.sw_table_local_addr(table, ip.version, ffi.new("uint8_t[]", ip.packed))
+        check(rc, "sw_table_local_addr")
     check(lib.sw_table_seal(table), "sw_table_seal")
 
     if mode_kind == "rule":

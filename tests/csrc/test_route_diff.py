@@ -3,7 +3,8 @@
 On random configs x random flows, C must give exactly routing.decide's RouteDecision
 (mapped back through spliceway.route_tables.CompiledRoutes) or defer; and it defers
 exactly when the first rule whose checkable conditions all hold has an opaque one
-(domain_regex, process_name), unless a host is one C leaves to Python (non-ASCII, or a
+(domain_regex; process_name for a source on this host, which fails for any other source
+and under process_lookup off), unless a host is one C leaves to Python (non-ASCII, or a
 '%' that may be an IPv6 scope id), where it may defer at or before Python's rule.
 Plus the table's lifecycle and argument checks, and a C harness for the parts
 outside the cdef (target info, mode, concurrent decides).
@@ -53,7 +54,9 @@ TARGETS = {
 }
 INBOUNDS = {"in0": 0, "in1": 1, "in2": 2}
 PRINCIPALS = {"alice": 10, "bob": 11, "carol": 12}
-OPAQUE_KEYS = ("domain_regex", "process_name")
+OPAQUE_KEYS = ("domain_regex",)
+#: Addresses the random configs call this host's (loopback always is).
+LOCAL_CHOICES = ["10.0.0.7", "2001:db8::9", "192.168.1.5", "::ffff:10.1.2.3", "fe80::1"]
 DOMAIN_KEYS = ("domain", "domain_suffix", "domain_keyword")
 
 # ---------------------------------------------------------------------------
@@ -149,6 +152,8 @@ def configs(draw: st.DrawFn) -> dict:
     order = draw(st.permutations(list(TARGETS)))
     return {
         "rules": rules,
+        "process_lookup": draw(st.sampled_from(["auto", "auto", "always", "off"])),
+        "local_addresses": draw(st.lists(st.sampled_from(LOCAL_CHOICES), max_size=3)),
         "mode_kind": mode,
         "mode_outbound": draw(st.sampled_from(list(TARGETS))) if mode == "global" else None,
         "final": draw(st.sampled_from(list(TARGETS))),
@@ -288,9 +293,9 @@ def _is_opaque(rule: Rule) -> bool:
     return any("\0" in v.lower() for k in DOMAIN_KEYS for v in (getattr(rule, k) or ()))
 
 
-def _checkable(rule: Rule) -> Rule:
-    """``rule`` without what C leaves to Python."""
-    drop = dict.fromkeys(OPAQUE_KEYS)
+def _checkable(rule: Rule, *, local: bool) -> Rule:
+    """``rule`` without what C leaves to Python (for a source on this host, or not)."""
+    drop = dict.fromkeys((*OPAQUE_KEYS, "process_name") if local else OPAQUE_KEYS)
     for k in DOMAIN_KEYS:
         if any("\0" in v.lower() for v in (getattr(rule, k) or ())):
             drop[k] = None
@@ -308,15 +313,39 @@ class Oracle:
         self.cfg = cfg
         self.rules = cfg["rules"]
         self.ruleset = routing.compile_rules(self.rules)
-        self.checkable = routing.compile_rules([_checkable(r) for r in self.rules])
+        # A process_name condition is unknown to C for a source on this host (so it is
+        # dropped like an opaque one), and false for any other (kept: a flow without a
+        # process_name never matches it), as under process_lookup off.
+        self.checkable = routing.compile_rules([_checkable(r, local=True) for r in self.rules])
+        self.checkable_remote = routing.compile_rules(
+            [_checkable(r, local=False) for r in self.rules]
+        )
         self.opaque = [_is_opaque(r) for r in self.rules]
+        self.process = [r.process_name is not None for r in self.rules]
+        self.process_mode = cfg.get("process_lookup", "auto")
+        self.local = {routing._parse_ip(a) for a in cfg.get("local_addresses", ())}
+
+    def source_local(self, facts: routing.FlowFacts) -> bool:
+        """Whether C counts the flow's client on this host (process conditions unknown)."""
+        if self.process_mode == "off":
+            return False
+        src = routing._parse_ip(facts.source_ip)
+        if src is None:
+            return False
+        loopback = (src[0] == 4 and src[1] >> 24 == 127) or src == (6, 1)
+        return loopback or src in self.local
+
+    def defers_at(self, index: int, facts: routing.FlowFacts) -> bool:
+        """Whether rule ``index`` is unknown to C when its checkable conditions hold."""
+        return self.opaque[index] or (self.process[index] and self.source_local(facts))
 
     def decide(self, facts: routing.FlowFacts) -> routing.RouteDecision:
         c = self.cfg
         return routing.decide(self.ruleset, c["mode_kind"], c["mode_outbound"], c["final"], facts)
 
     def first_checkable(self, facts: routing.FlowFacts) -> int | None:
-        decision = routing.decide(self.checkable, "rule", None, "final", facts)
+        ruleset = self.checkable if self.source_local(facts) else self.checkable_remote
+        decision = routing.decide(ruleset, "rule", None, "final", facts)
         return None if decision.matched_rule is None else decision.matched_rule.index
 
 
@@ -331,6 +360,8 @@ def compile_cfg(cfg: dict, epoch: int = 1) -> CompiledRoutes:
         principals=PRINCIPALS,
         epoch=epoch,
         deferred_cidrs=cfg.get("deferred_cidrs", ()),
+        process_lookup=cfg.get("process_lookup", "auto"),
+        local_addresses=cfg.get("local_addresses", ()),
     )
 
 
@@ -346,7 +377,7 @@ def check_flow(oracle: Oracle, routes: CompiledRoutes, facts: routing.FlowFacts)
         return "mode"
     unsure = _unsure(facts.host) or _unsure(facts.sniffed_host)
     first = oracle.first_checkable(facts)
-    opaque_first = first is not None and oracle.opaque[first]
+    opaque_first = first is not None and oracle.defers_at(first, facts)
     if action == lib.SW_ROUTE_DEFER:
         if unsure:
             matched = expected.matched_rule
@@ -354,7 +385,7 @@ def check_flow(oracle: Oracle, routes: CompiledRoutes, facts: routing.FlowFacts)
             assert 0 <= rule <= limit, (facts, rule, expected)
             return "defer-unsure"
         assert opaque_first and rule == first, (facts, rule, first, expected)
-        return "defer-opaque"
+        return "defer-opaque" if oracle.opaque[first] else "defer-process"
     assert got == expected, (facts, raw, got, expected)
     assert unsure or not opaque_first, (facts, first)
     return "match" if expected.matched_rule else "final"
@@ -443,7 +474,9 @@ def test_c_decide_matches_routing_or_defers():
 
     run()
     # The random configs do produce matches, finals and both kinds of deferral.
-    assert {"match", "final", "defer-opaque", "defer-unsure", "mode"} <= set(seen), seen
+    assert {"match", "final", "defer-opaque", "defer-process", "defer-unsure", "mode"} <= set(
+        seen
+    ), seen
 
 
 _ab = st.text(alphabet="ab.", min_size=1, max_size=5)
@@ -850,6 +883,46 @@ int main(void)
     }
     CHECK(sw_table_inbound_deferred(T, 255) == 1 && sw_table_inbound_deferred(T, 0) == 0);
     CHECK(sw_table_inbound_deferred(T, UINT32_MAX) == 0);
+    /* A process_name rule and many local addresses, repeated (sorted, deduplicated,
+     * bisected): 10.0.0.0-250 and 2001:db8::0-252 are on this host. */
+    sw_table *P;
+    CHECK(sw_table_new(2, 1, 1, &P) == 0);
+    CHECK(sw_table_target(P, 0, SW_OUT_DIRECT, NULL, 0, NULL, NULL, 0) == 0);
+    CHECK(sw_table_set_mode(P, SW_MODE_RULE, -1, 0) == 0);
+    CHECK(sw_table_rule(P, 0, SW_ROUTE_BLOCK, -1) == 0);
+    CHECK(sw_table_cond_process(P, 0) == 0);
+    CHECK(sw_table_rule(P, 1, SW_ROUTE_ROUTE, 0) == 0);
+    CHECK(sw_table_set_process(P, SW_PROCESS_ALL) == 0);
+    uint8_t a4[4] = {10, 0, 0, 0}, a6[16] = {0x20, 0x01, 0x0d, 0xb8};
+    for (int i = 0; i < 1000; i++) {
+        a4[3] = (uint8_t)(i * 7 % 251);
+        a6[15] = (uint8_t)(i * 13 % 253);
+        CHECK(sw_table_local_addr(P, 4, a4) == 0);
+        CHECK(sw_table_local_addr(P, 6, a6) == 0);
+    }
+    CHECK(sw_table_seal(P) == 0);
+    for (int i = 0; i < 256; i++) {
+        for (int family = 4; family <= 6; family += 2) {
+            sw_route_query q;
+            sw_route_result r;
+            memset(&q, 0, sizeof q);
+            q.host = "h";
+            q.host_len = 1;
+            q.inbound = UINT32_MAX;
+            q.principal = SW_NO_PRINCIPAL;
+            q.source_family = (uint8_t)family;
+            memcpy(q.source_ip, family == 4 ? a4 : a6, family == 4 ? 4 : 16);
+            q.source_ip[family == 4 ? 3 : 15] = (uint8_t)i;
+            CHECK(sw_table_decide(P, &q, &r) == 0);
+            int local = i <= (family == 4 ? 250 : 252);
+            CHECK(local ? r.action == SW_ROUTE_DEFER && r.rule == 0
+                        : r.action == SW_ROUTE_ROUTE && r.rule == 1);
+            CHECK(sw_table_source_deferred(P, family, q.source_ip) == local);
+        }
+    }
+    const uint8_t lo[4] = {127, 0, 0, 1};
+    CHECK(sw_table_source_deferred(P, 4, lo) == 1);
+    sw_table_free(P);
     for (int i = 0; i < NQ; i++) {
         snprintf(H[i], sizeof H[i], "www.S%d.test.", i * 40);
         Q[i].host = H[i];
@@ -1005,3 +1078,107 @@ def test_deferred_cidrs_and_the_fake_ip_pool():
     assert lib.sw_table_host_deferred(t, b"::", 2) == 1
     assert lib.sw_table_host_deferred(t, b"::1", 3) == 0
     assert lib.sw_table_host_deferred(ffi.NULL, b"::", 2) == 0
+
+
+# ---------------------------------------------------------------------------
+# process_name conditions and runtime.process_lookup
+# ---------------------------------------------------------------------------
+
+
+def _process_cfg(mode: str, local: tuple[str, ...] = ("192.0.2.2", "2001:db8::2")) -> dict:
+    return {
+        "rules": [
+            Rule.model_validate({"port": "22", "outbound": "p2"}),
+            Rule.model_validate({"process_name": ["curl"], "action": "block"}),
+            Rule.model_validate({"domain_suffix": "example.com", "outbound": "p1"}),
+        ],
+        "process_lookup": mode,
+        "local_addresses": local,
+        "mode_kind": "rule",
+        "mode_outbound": None,
+        "final": "direct",
+        "targets": TARGETS,
+    }
+
+
+def _from(source: str, port: int = 443, host: str = "a.example.com") -> routing.FlowFacts:
+    return routing.FlowFacts("tcp", host, port, source_ip=source, source_port=40000)
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_process_rules_defer_for_local_sources_only(mode):
+    routes = compile_cfg(_process_cfg(mode))
+    for local in ("127.0.0.1", "127.9.9.9", "::1", "::ffff:127.0.0.1", "192.0.2.2", "2001:db8::2"):
+        assert routes.query(_from(local)) == (lib.SW_ROUTE_DEFER, 1, -1), local
+        # A rule before it still decides first.
+        assert routes.query(_from(local, port=22))[:2] == (lib.SW_ROUTE_ROUTE, 0)
+    for remote in ("192.0.2.3", "10.0.0.1", "2001:db8::3", "::ffff:192.0.2.3"):
+        # No process from elsewhere: the rule fails, as routing.decide fails it.
+        raw = routes.query(_from(remote))
+        assert raw == (lib.SW_ROUTE_ROUTE, 2, routes.targets.index("p1")), remote
+        assert routes.decide(_from(remote)) == Oracle(_process_cfg(mode)).decide(_from(remote))
+    # Unknown source: nothing to look up either.
+    assert routes.query(routing.FlowFacts("tcp", "a.example.com", 443))[:2] == (
+        lib.SW_ROUTE_ROUTE,
+        2,
+    )
+    # C never knows a process: facts carrying one are not expressible.
+    facts = routing.FlowFacts(
+        "tcp", "x", 1, source_ip="127.0.0.1", source_port=1, process_name="curl"
+    )
+    assert routes.query(facts) is None
+    routes.close()
+
+
+def test_process_rules_never_hold_with_lookups_off():
+    routes = compile_cfg(_process_cfg("off"))
+    for source in ("127.0.0.1", "192.0.2.2", "10.0.0.1"):
+        assert routes.query(_from(source))[:2] == (lib.SW_ROUTE_ROUTE, 2), source
+    routes.close()
+
+
+def _source_deferred(routes: CompiledRoutes, text: str) -> int:
+    ip = ipaddress.ip_address(text)
+    return lib.sw_table_source_deferred(routes.table, ip.version, ffi.new("uint8_t[]", ip.packed))
+
+
+def test_source_deferred_only_with_always():
+    local = ("127.0.0.1", "::1", "127.0.0.5", "192.0.2.2", "2001:db8::2", "::ffff:192.0.2.2")
+    remote = ("192.0.2.3", "2001:db8::3", "::ffff:10.0.0.1", "0.0.0.0")
+    for mode in ("auto", "off", "always"):
+        # Without any process rule too: `always` looks every local flow up.
+        cfg = {**_process_cfg(mode), "rules": []}
+        routes = compile_cfg(cfg)
+        for text in local:
+            assert _source_deferred(routes, text) == (mode == "always"), (mode, text)
+        for text in remote:
+            assert _source_deferred(routes, text) == 0, (mode, text)
+        routes.close()
+
+
+def test_process_arguments():
+    t = _new()
+    addr = ffi.new("uint8_t[16]", b"\x20\x01\x0d\xb8" + bytes(11) + b"\x02")
+    assert lib.sw_table_set_process(t, 3) == -EINVAL
+    assert lib.sw_table_set_process(ffi.NULL, 1) == -EINVAL
+    assert lib.sw_table_local_addr(t, 5, addr) == -EINVAL
+    assert lib.sw_table_local_addr(t, 4, ffi.NULL) == -EINVAL
+    assert lib.sw_table_cond_process(t, 2) == -EINVAL
+    for _ in range(3):  # duplicates are fine
+        assert lib.sw_table_local_addr(t, 6, addr) == 0
+    assert lib.sw_table_set_process(t, lib.SW_PROCESS_ALL) == 0
+    # Unsealed: nothing is deferred yet.
+    assert lib.sw_table_source_deferred(t, 6, addr) == 0
+    assert lib.sw_table_set_mode(t, lib.SW_MODE_RULE, -1, 0) == 0
+    assert lib.sw_table_rule(t, 0, lib.SW_ROUTE_ROUTE, 0) == 0
+    assert lib.sw_table_rule(t, 1, lib.SW_ROUTE_ROUTE, 1) == 0
+    assert lib.sw_table_cond_process(t, 0) == 0
+    assert lib.sw_table_seal(t) == 0
+    assert lib.sw_table_source_deferred(t, 6, addr) == 1
+    assert lib.sw_table_source_deferred(t, 5, addr) == 0
+    assert lib.sw_table_source_deferred(t, 6, ffi.NULL) == 0
+    assert lib.sw_table_set_process(t, lib.SW_PROCESS_OFF) == -EINVAL  # sealed
+    assert lib.sw_table_local_addr(t, 6, addr) == -EINVAL
+    assert lib.sw_table_cond_process(t, 1) == -EINVAL
+    # A process rule does not make the sniffed host matter (it is no domain rule).
+    assert lib.sw_table_first_domain_rule(t) == 2
