@@ -111,7 +111,11 @@ class TunController:
         an event or re-dial); it must be quick."""
         self._state_dir = state_dir
         self._on_egress_change = on_egress_change
-        self._lock = threading.RLock()
+        # _life serialises start and stop (held across the slow netlink work); _lock
+        # guards the fields only, briefly, so the monitor thread's health check never
+        # waits behind a stop that is joining that very thread.
+        self._life = threading.Lock()
+        self._lock = threading.Lock()
         self._device: TunDevice | None = None
         self._options: TunOptions | None = None
         self._plan = RoutingPlan((), ())
@@ -151,21 +155,20 @@ class TunController:
         ``insufficient_os_privilege`` without CAP_NET_ADMIN, ``internal`` when the kernel
         refuses a route or rule (with what was refused; nothing is left behind).
         """
-        with self._lock:
-            if self._device is not None:
-                raise ApiError("conflict", "a TUN is already running")
-            opts = resolve_tun_options(
-                params,
-                network_mtu=network_mtu,
-                managed_by_config=managed_by_config,
-                queues=queues,
-            )
-            return self.start_options(opts, vnet_hdr=vnet_hdr)
+        if self.running:
+            raise ApiError("conflict", "a TUN is already running")
+        opts = resolve_tun_options(
+            params,
+            network_mtu=network_mtu,
+            managed_by_config=managed_by_config,
+            queues=queues,
+        )
+        return self.start_options(opts, vnet_hdr=vnet_hdr)
 
     def start_options(self, opts: TunOptions, *, vnet_hdr: bool = False) -> TunHandle:
         """:meth:`start` with options already resolved."""
-        with self._lock:
-            if self._device is not None:
+        with self._life:
+            if self.running:
                 raise ApiError("conflict", "a TUN is already running")
             require_net_admin()
             with translate_privilege("removing an earlier TUN's routes and rules"):
@@ -177,13 +180,22 @@ class TunController:
                     leftovers.previous_owner,
                     "; ".join(leftovers.removed),
                 )
-            dev = TunDevice.create(
-                opts.name,
-                mtu=opts.mtu,
-                addresses=opts.interfaces,
-                queues=opts.queues,
-                vnet_hdr=vnet_hdr,
-            )
+            try:
+                dev = TunDevice.create(
+                    opts.name,
+                    mtu=opts.mtu,
+                    addresses=opts.interfaces,
+                    queues=opts.queues,
+                    vnet_hdr=vnet_hdr,
+                )
+            except ApiError:
+                raise
+            except FileNotFoundError as ex:
+                raise ApiError(
+                    "unsupported", f"this system has no TUN driver ({ex.filename} is missing)"
+                ) from ex
+            except Exception as ex:  # OSError or pyroute2's NetlinkError: say which step
+                raise ApiError("internal", f"creating the TUN device failed: {ex}") from ex
             plan = build_plan(opts, dev.name)
             monitor: EgressMonitor | None = None
             try:
@@ -213,9 +225,11 @@ class TunController:
                     monitor.stop()
                 self._teardown(dev, plan)
                 raise
-            self._device, self._options, self._plan, self._monitor = dev, opts, plan, monitor
-            self._healthy, self._last_error = True, None
-            self.ipv6_to_ipv4_fallbacks = 0
+            with self._lock:
+                self._device, self._options, self._plan = dev, opts, plan
+                self._monitor = monitor
+                self._healthy, self._last_error = True, None
+                self.ipv6_to_ipv4_fallbacks = 0
             log.info(
                 "TUN %s up: %s, mtu %d, %d routes, %d rules",
                 dev.name,
@@ -232,13 +246,14 @@ class TunController:
         Raises ``ApiError(internal)`` if some route or rule could not be removed (the
         state file is then kept, so the next start sweeps it again).
         """
-        with self._lock:
-            dev, plan, monitor = self._device, self._plan, self._monitor
-            if dev is None:
-                return False
-            self._device, self._options, self._monitor = None, None, None
-            self._plan = RoutingPlan((), ())
-            self._healthy = False
+        with self._life:
+            with self._lock:
+                dev, plan, monitor = self._device, self._plan, self._monitor
+                if dev is None:
+                    return False
+                self._device, self._options, self._monitor = None, None, None
+                self._plan = RoutingPlan((), ())
+                self._healthy = False
             if monitor is not None:
                 monitor.stop()
             errors = self._teardown(dev, plan)
