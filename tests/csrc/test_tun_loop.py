@@ -1,0 +1,417 @@
+"""The TUN packet loop (csrc/tun.c) packet by packet, without a TUN device.
+
+The loop only read()s and write()s its fd one packet at a time, so one end of an
+AF_UNIX SOCK_DGRAM socketpair stands in for the TUN: the test writes crafted packets
+(spliceway/tun/packet.py builds them) into the other end and reads what the loop
+writes back. That reaches every branch deterministically and needs no privileges:
+the NAT rewrite both ways with checksums that verify, the entry's states and its
+expiry, resets for packets with no entry, eviction at max_tcp, every drop reason, UDP
+records, replies and session ends, ICMP echo. tests/integration/test_tun_netns.py runs
+the same loop on a real TUN in a network namespace.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from spliceway.tun import packet as P
+from spliceway.tun.stack import TunStack, TunStackError, ffi, lib
+
+A4, B4 = ipaddress.ip_address("198.18.0.1"), ipaddress.ip_address("198.18.0.2")
+A6, B6 = ipaddress.ip_address("fdfe::1"), ipaddress.ip_address("fdfe::2")
+CLIENT = {4: ipaddress.ip_address("198.18.0.1"), 6: ipaddress.ip_address("fdfe::1")}
+SERVER = {4: ipaddress.ip_address("203.0.113.9"), 6: ipaddress.ip_address("2001:db8::9")}
+NAT = {4: B4, 6: B6}
+LISTENER = {4: A4, 6: A6}
+
+
+def tcp(version: int, src, sport: int, dst, dport: int, flags: int, seq: int = 1000,
+        ack: int = 0, payload: bytes = b"") -> bytes:  # fmt: skip
+    s, d = ipaddress.ip_address(src).packed, ipaddress.ip_address(dst).packed
+    hdr = bytearray(20)
+    hdr[0:4] = sport.to_bytes(2, "big") + dport.to_bytes(2, "big")
+    hdr[4:12] = seq.to_bytes(4, "big") + ack.to_bytes(4, "big")
+    hdr[12], hdr[13], hdr[14:16] = 5 << 4, flags, b"\xff\xff"
+    seg = bytes(hdr) + payload
+    c = P.checksum(P.pseudo_header(version, P.PROTO_TCP, s, d, len(seg)) + seg)
+    seg = seg[:16] + c.to_bytes(2, "big") + seg[18:]
+    return P.ip_header(version, P.PROTO_TCP, s, d, len(seg)) + seg
+
+
+def udp(version: int, src, sport: int, dst, dport: int, payload: bytes) -> bytes:
+    s, d = ipaddress.ip_address(src).packed, ipaddress.ip_address(dst).packed
+    return P.build_udp(version, s, sport, d, dport, payload)
+
+
+def echo(version: int, src, dst, ident: int = 7, seq: int = 1, data: bytes = b"ping") -> bytes:
+    s, d = ipaddress.ip_address(src).packed, ipaddress.ip_address(dst).packed
+    typ, proto = (8, P.PROTO_ICMP) if version == 4 else (128, P.PROTO_ICMPV6)
+    body = bytearray(bytes([typ, 0, 0, 0]) + ident.to_bytes(2, "big") + seq.to_bytes(2, "big"))
+    body += data
+    if version == 4:
+        c = P.checksum(bytes(body))
+    else:
+        c = P.checksum(P.pseudo_header(6, proto, s, d, len(body)) + bytes(body))
+    body[2:4] = c.to_bytes(2, "big")
+    return P.ip_header(version, proto, s, d, len(body)) + bytes(body)
+
+
+class Loop:
+    """A TunStack over one end of a socketpair; ``send``/``recv`` at the other end."""
+
+    def __init__(self, **kw) -> None:
+        self.peer, self.dev = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.peer.settimeout(2)
+        mtu = kw.pop("mtu", 1500)
+        self.stack = TunStack(self.dev.fileno(), ["198.18.0.1/30", "fdfe::1/126"], mtu, **kw)
+        self.stack.start()
+        self.port = {v: self.stack.listen_port(v) for v in (4, 6)}
+
+    def send(self, pkt: bytes) -> None:
+        self.peer.send(pkt)
+
+    def recv(self, timeout: float = 2) -> P.Packet:
+        self.peer.settimeout(timeout)
+        data = self.peer.recv(70000)
+        pk = P.parse(data)
+        assert P.l4_csum_ok(data, pk), data.hex()
+        self.last = data
+        return pk
+
+    def nothing(self, timeout: float = 0.2) -> None:
+        self.peer.settimeout(timeout)
+        with pytest.raises(TimeoutError):
+            self.peer.recv(70000)
+
+    def stats(self) -> dict[str, int]:
+        return self.stack.stats()
+
+    def wait(self, cond: Callable[[dict[str, int]], bool], timeout: float = 4) -> dict[str, int]:
+        end = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            if cond(st) or time.monotonic() > end:
+                return st
+            time.sleep(0.05)
+
+    def records(self, n: int = 1, timeout: float = 2):
+        out: list = []
+        end = time.monotonic() + timeout
+        while len(out) < n and time.monotonic() < end:
+            out += self.stack.records()
+            if len(out) < n:
+                time.sleep(0.01)
+        return out
+
+    def close(self) -> None:
+        self.stack.stop()
+        self.peer.close()
+        self.dev.close()
+
+
+@pytest.fixture
+def loop_factory() -> Iterator[Callable[..., Loop]]:
+    made: list[Loop] = []
+
+    def make(**kw) -> Loop:
+        made.append(Loop(**kw))
+        return made[-1]
+
+    yield make
+    for lp in made:
+        lp.close()
+
+
+@pytest.fixture
+def loop(loop_factory) -> Loop:
+    return loop_factory()
+
+
+@pytest.mark.parametrize("v", [4, 6])
+def test_tcp_nat_both_ways(loop: Loop, v: int) -> None:
+    c, s = CLIENT[v], SERVER[v]
+    loop.send(tcp(v, c, 40000, s, 443, P.TCP_SYN, seq=111))
+    syn = loop.recv()
+    assert (syn.src, syn.dst) == (NAT[v].packed, LISTENER[v].packed)
+    assert (syn.dport, syn.seq, syn.tcp_flags) == (loop.port[v], 111, P.TCP_SYN)
+    natport = syn.sport
+    assert 10000 <= natport <= 65535
+    flow = loop.stack.nat_lookup(v, natport)
+    assert flow is not None and flow.state == "syn"
+    assert (flow.src, flow.sport, flow.dst, flow.dport) == (c, 40000, s, 443)
+    assert loop.stack.nat_lookup(10 - v, natport) is None  # the other family
+    # The listener's answer goes back as if from the real destination.
+    loop.send(tcp(v, LISTENER[v], loop.port[v], NAT[v], natport, P.TCP_SYN | P.TCP_ACK, 999, 112))
+    synack = loop.recv()
+    assert (synack.src, synack.sport, synack.dst, synack.dport) == (s.packed, 443, c.packed, 40000)
+    assert (synack.seq, synack.ack) == (999, 112)
+    loop.send(tcp(v, c, 40000, s, 443, P.TCP_ACK, 112, 1000, b"GET / HTTP/1.0\r\n\r\n"))
+    data = loop.recv()
+    assert data.sport == natport and loop.last[data.payload_off :] == b"GET / HTTP/1.0\r\n\r\n"
+    flow = loop.stack.nat_lookup(v, natport)
+    assert flow.state == "established" and (flow.packets_out, flow.packets_in) == (2, 1)
+    st = loop.stats()
+    assert (st["tcp_created"], st["tcp_active"], st["packets_in"], st["packets_out"]) == (
+        1,
+        1,
+        3,
+        3,
+    )
+
+
+def test_close_linger_then_expiry(loop_factory) -> None:
+    loop = loop_factory(tcp_closed_timeout=0.1)
+    c, s = CLIENT[4], SERVER[4]
+    loop.send(tcp(4, c, 40001, s, 80, P.TCP_SYN))
+    natport = loop.recv().sport
+    back = (LISTENER[4], loop.port[4], NAT[4], natport)
+    loop.send(tcp(4, *back, P.TCP_SYN | P.TCP_ACK))
+    loop.recv()
+    loop.send(tcp(4, c, 40001, s, 80, P.TCP_ACK | P.TCP_FIN))
+    loop.recv()
+    assert loop.stack.nat_lookup(4, natport).state == "fin"
+    loop.send(tcp(4, *back, P.TCP_ACK | P.TCP_FIN))
+    loop.recv()
+    assert loop.stack.nat_lookup(4, natport).state == "closed"
+    # Lingering: the last ACK still translates.
+    loop.send(tcp(4, c, 40001, s, 80, P.TCP_ACK))
+    assert loop.recv().sport == natport
+    st = loop.wait(lambda st: st["tcp_expired"] == 1)
+    assert (st["tcp_expired"], st["tcp_active"]) == (1, 0)
+    assert loop.stack.nat_lookup(4, natport) is None
+
+
+def test_reset_closes_and_syn_reopens_with_a_new_port(loop: Loop) -> None:
+    c, s = CLIENT[6], SERVER[6]
+    loop.send(tcp(6, c, 40002, s, 80, P.TCP_SYN))
+    first = loop.recv().sport
+    loop.send(tcp(6, LISTENER[6], loop.port[6], NAT[6], first, P.TCP_RST | P.TCP_ACK))
+    loop.recv()
+    assert loop.stack.nat_lookup(6, first).state == "closed"
+    loop.send(tcp(6, c, 40002, s, 80, P.TCP_SYN))
+    second = loop.recv().sport
+    assert second != first and loop.stack.nat_lookup(6, first) is None
+    assert loop.stats()["tcp_replaced"] == 1
+
+
+@pytest.mark.parametrize("v", [4, 6])
+def test_no_entry_is_answered_with_a_reset(loop: Loop, v: int) -> None:
+    c, s = CLIENT[v], SERVER[v]
+    loop.send(tcp(v, c, 40003, s, 80, P.TCP_ACK, seq=5, ack=77))
+    rst = loop.recv()
+    assert rst.tcp_flags == P.TCP_RST and rst.seq == 77
+    assert (rst.src, rst.sport, rst.dst, rst.dport) == (s.packed, 80, c.packed, 40003)
+    # From the listener to a NAT port nobody holds: reset back to the listener.
+    loop.send(tcp(v, LISTENER[v], loop.port[v], NAT[v], 12345, P.TCP_ACK | P.TCP_PSH, 9, 10))
+    rst = loop.recv()
+    assert (rst.src, rst.sport, rst.dst, rst.dport) == (
+        NAT[v].packed, 12345, LISTENER[v].packed, loop.port[v])  # fmt: skip
+    loop.send(tcp(v, c, 40003, s, 80, P.TCP_RST))  # a reset is never answered
+    loop.nothing()
+    st = loop.stats()
+    assert (st["drop_no_session"], st["tcp_resets_sent"], st["tcp_created"]) == (3, 2, 0)
+
+
+def test_no_rst_drops_silently(loop_factory) -> None:
+    loop = loop_factory(no_rst=True)
+    loop.send(tcp(4, CLIENT[4], 40004, SERVER[4], 80, P.TCP_ACK))
+    loop.nothing()
+    assert loop.stats()["drop_no_session"] == 1
+
+
+def test_eviction_at_max_tcp(loop_factory) -> None:
+    loop = loop_factory(max_tcp=2)
+    c, s = CLIENT[4], SERVER[4]
+    ports = []
+    for sport in (1, 2):
+        loop.send(tcp(4, c, sport, s, 80, P.TCP_SYN))
+        ports.append(loop.recv().sport)
+    loop.send(tcp(4, c, 3, s, 80, P.TCP_SYN))  # evicts the oldest half-open one
+    ports.append(loop.recv().sport)
+    assert loop.stack.nat_lookup(4, ports[0]) is None
+    assert loop.stats()["tcp_evicted"] == 1
+    for sport in (2, 3):  # both established: nothing left to evict
+        loop.send(tcp(4, c, sport, s, 80, P.TCP_ACK))
+        loop.recv()
+    loop.send(tcp(4, c, 4, s, 80, P.TCP_SYN))
+    loop.nothing()
+    st = loop.stats()
+    assert (st["drop_nat_full"], st["tcp_active"], st["tcp_created"]) == (1, 2, 3)
+
+
+def test_nat_ports_cycle(loop: Loop) -> None:
+    """Ports are handed out in order and not reused while the cycle has others."""
+    got = []
+    for sport in range(1, 6):
+        loop.send(tcp(4, CLIENT[4], sport, SERVER[4], 80, P.TCP_SYN))
+        got.append(loop.recv().sport)
+    assert got == list(range(got[0], got[0] + 5))
+
+
+def _malformed() -> dict[str, bytes]:
+    c, s = CLIENT[4].packed, SERVER[4].packed
+    good = tcp(4, CLIENT[4], 5, SERVER[4], 80, P.TCP_SYN)
+    frag = bytearray(good)
+    frag[6:8] = b"\x20\x00"
+    frag[10:12] = b"\0\0"
+    frag[10:12] = P.checksum(bytes(frag[:20])).to_bytes(2, "big")
+    bad_udp = bytearray(udp(4, CLIENT[4], 5, SERVER[4], 53, b"query"))
+    bad_udp[-1] ^= 0xFF
+    gre = P.ip_header(4, 47, c, s, 4) + b"\0\0\x08\x00"
+    unreachable = bytearray(echo(4, CLIENT[4], SERVER[4]))
+    unreachable[20] = 3  # destination unreachable, not an echo request
+    six = tcp(6, CLIENT[6], 5, SERVER[6], 80, P.TCP_SYN)
+    rh = bytearray(six)
+    rh[6] = 43
+    rh[4:6] = (len(six) - 40 + 8).to_bytes(2, "big")
+    rh = rh[:40] + bytes([6, 0]) + bytes(6) + rh[40:]
+    return {
+        "drop_short": good[:30],
+        "drop_bad_version": b"\x50" + good[1:],
+        "drop_bad_header": b"\x44" + good[1:],
+        "drop_bad_checksum": good[:10] + bytes([good[10] ^ 1]) + good[11:],
+        "drop_fragment": bytes(frag),
+        "drop_ext_header": bytes(rh),
+        "drop_bad_l4": P.ip_header(4, 6, c, s, 12) + bytes(12),
+        "drop_not_unicast": tcp(4, CLIENT[4], 5, "224.0.0.251", 80, P.TCP_SYN),
+        "drop_unsupported": gre,
+        "drop_udp_checksum": bytes(bad_udp),
+    } | {"drop_unsupported ": bytes(unreachable)}
+
+
+def test_every_drop_is_counted_by_its_reason(loop: Loop) -> None:
+    cases = _malformed()
+    for name, pkt in cases.items():
+        before = loop.stats()
+        loop.send(pkt)
+        key = name.strip()
+        after = loop.wait(lambda st, b=before, k=key: st[k] == b[k] + 1, 2)
+        assert after[key] == before[key] + 1, name
+        assert after["packets_in"] == before["packets_in"] + 1
+        others = {k: after[k] - before[k] for k in after if k.startswith("drop_") and k != key}
+        assert not any(others.values()), (name, others)
+    loop.nothing()
+    assert loop.stats()["packets_out"] == 0
+
+
+def test_family_and_mtu_drops(loop_factory) -> None:
+    loop = loop_factory(mtu=1280)
+    loop.send(tcp(4, CLIENT[4], 1, SERVER[4], 80, P.TCP_SYN, payload=bytes(1300)))
+    assert loop.wait(lambda st: st["drop_too_big"] == 1)["drop_too_big"] == 1
+    peer, dev = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    only4 = TunStack(dev.fileno(), ["198.18.0.1/30"])
+    only4.start()
+    try:
+        peer.send(tcp(6, CLIENT[6], 1, SERVER[6], 80, P.TCP_SYN))
+        end = time.monotonic() + 2
+        while only4.stats()["drop_family"] == 0 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert only4.stats()["drop_family"] == 1
+    finally:
+        only4.stop()
+        peer.close()
+        dev.close()
+
+
+@pytest.mark.parametrize("v", [4, 6])
+def test_icmp_echo_is_answered(loop: Loop, v: int) -> None:
+    loop.send(echo(v, CLIENT[v], SERVER[v], ident=0x1234, seq=9, data=b"abc" * 50))
+    rep = loop.recv()
+    assert (rep.src, rep.dst) == (SERVER[v].packed, CLIENT[v].packed)
+    assert rep.icmp_type == (0 if v == 4 else 129) and (rep.sport, rep.dport) == (0x1234, 9)
+    assert loop.last[rep.payload_off :] == b"abc" * 50
+    assert loop.stats()["icmp_echo_replies"] == 1
+
+
+@pytest.mark.parametrize("v", [4, 6])
+def test_udp_records_and_replies(loop: Loop, v: int) -> None:
+    c, s = CLIENT[v], SERVER[v]
+    loop.send(udp(v, c, 5353, s, 53, b"query-1"))
+    loop.send(udp(v, c, 5353, s, 53, b""))
+    loop.send(udp(v, c, 5354, s, 53, b"other"))
+    recs = loop.records(3)
+    assert [(r.kind, r.payload, r.new_session) for r in recs] == [
+        ("udp", b"query-1", True), ("udp", b"", False), ("udp", b"other", True)]  # fmt: skip
+    first = recs[0]
+    assert (first.src, first.sport, first.dst, first.dport) == (c, 5353, s, 53)
+    assert recs[1].session == first.session != recs[2].session
+    n = loop.stack.udp_send(first.session, b"answer")
+    assert n == (20 if v == 4 else 40) + 8 + 6
+    rep = loop.recv()
+    assert (rep.src, rep.sport, rep.dst, rep.dport) == (s.packed, 53, c.packed, 5353)
+    assert loop.last[rep.payload_off :] == b"answer"
+    other = ipaddress.ip_address("203.0.113.77" if v == 4 else "2001:db8::77")
+    loop.stack.udp_send(first.session, b"cone", src=(other, 9999))
+    rep = loop.recv()
+    assert (rep.src, rep.sport) == (other.packed, 9999)
+    loop.stack.udp_close(recs[2].session)
+    ended = loop.records(1)
+    assert [(r.kind, r.reason, r.session, r.packets_in) for r in ended] == [
+        ("ended", "closed", recs[2].session, 1)]  # fmt: skip
+    with pytest.raises(TunStackError) as err:
+        loop.stack.udp_send(recs[2].session, b"late")
+    assert err.value.errno == 2  # ENOENT: a closed session's id never matches again
+    loop.stack.inject_udp((s, 53), (c, 5354), b"late")
+    rep = loop.recv()
+    assert (rep.sport, rep.dport) == (53, 5354)
+    st = loop.stats()
+    assert (st["udp_created"], st["udp_ended"], st["udp_active"]) == (2, 1, 1)
+    assert (st["udp_datagrams_in"], st["udp_datagrams_out"]) == (3, 3)
+    rest = loop.stack.stop()
+    assert [(r.kind, r.reason, r.packets_in, r.packets_out, r.bytes_out) for r in rest] == [
+        ("ended", "shutdown", 2, 2, 10)]  # fmt: skip
+
+
+def test_udp_idle_expiry(loop_factory) -> None:
+    loop = loop_factory(udp_idle_timeout=0.2)
+    loop.send(udp(4, CLIENT[4], 1, SERVER[4], 53, b"x"))
+    (rec,) = loop.records(1)
+    end = loop.records(1, timeout=4)
+    assert [(r.kind, r.reason, r.session) for r in end] == [("ended", "idle", rec.session)]
+    assert loop.stats()["udp_active"] == 0
+
+
+def test_udp_ring_full_drops_and_signals(loop_factory) -> None:
+    loop = loop_factory(ring_records=2)
+    for i in range(4):
+        loop.send(udp(4, CLIENT[4], 100 + i, SERVER[4], 53, b"x"))
+    st = loop.wait(lambda st: st["drop_udp_ring"] == 2)
+    assert (st["drop_udp_ring"], st["udp_created"]) == (2, 2)
+    os.read(loop.stack.fileno(), 8)  # the eventfd was signalled
+    assert len(loop.stack.records()) == 2
+    loop.send(udp(4, CLIENT[4], 200, SERVER[4], 53, b"y"))
+    assert [r.sport for r in loop.records(1)] == [200]
+
+
+def test_drain_keeps_what_does_not_fit(loop: Loop) -> None:
+    for i in range(3):
+        loop.send(udp(4, CLIENT[4], 300, SERVER[4], 53, bytes([i]) * 1000))
+    loop.wait(lambda st: st["udp_datagrams_in"] == 3)
+    out = ffi.new("sw_tun_record[]", 8)
+    buf = ffi.new("uint8_t[]", 2500)
+    used = ffi.new("size_t *")
+    assert lib.sw_tun_drain(loop.stack._tun, out, 8, buf, 2500, used) == 2
+    assert used[0] == 2000 and out[1].payload_off == 1000
+    assert [r.payload[:1] for r in loop.stack.records()] == [b"\x02"]
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="second address"):
+        TunStack(0, ["198.18.0.3/30"])  # .4 is outside the /30 (.3 is its broadcast)
+    with pytest.raises(ValueError, match="no address"):
+        TunStack(0, [])
+    peer, dev = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        with pytest.raises(TunStackError):
+            TunStack(dev.fileno(), ["198.18.0.1/30"], mtu=100).start()
+        with pytest.raises(TunStackError):
+            TunStack(dev.fileno(), ["198.18.0.1/30"], max_tcp=60000).start()
+    finally:
+        peer.close()
+        dev.close()
