@@ -541,6 +541,20 @@ def sweep(
     return result
 
 
+def sweep_if_recorded(state_dir: str | None = None) -> SweepResult | None:
+    """At engine start: sweep only when a dead engine's record exists in this namespace.
+
+    Cheap when there is nothing to do (one failed ``open``), needs no privilege then,
+    and never touches a live engine's TUN. Lifts strict_route's kill switch after a
+    crash even when the restarted engine starts no TUN. Returns None when nothing was
+    recorded or the recorded owner still runs.
+    """
+    state = read_state(state_dir)
+    if state is None or state.owner_alive():
+        return None
+    return sweep(state_dir, rule_base=state.rule_base, tables=(state.table, state.dns_table))
+
+
 # ---------------------------------------------------------------------------
 # Command line: python -m spliceway.tun.routing sweep|show
 # ---------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def _udp_probe(ns: Netns, host: str, port: int) -> None:
     """Send one UDP datagram from ``ns`` (an unbound socket, as any application's)."""
     family = "AF_INET6" if ":" in host else "AF_INET"
     ns.run(
-        "python3",
+        sys.executable,
         "-c",
         f"import socket; s = socket.socket(socket.{family}, socket.SOCK_DGRAM); "
         f"s.sendto(b'probe', ({host!r}, {port}))",
@@ -389,3 +389,20 @@ def test_status_reports_the_egress_and_counts_its_changes(topo: Topology, state_
     topo.host.run("ip", "link", "set", topo.host_if, "down")
     assert wait_until(lambda: current()["ipv6_egress"]["availability"] == "unavailable")
     holder.stop()
+
+
+def test_engine_start_sweep_lifts_the_kill_switch(topo: Topology, state_dir: str) -> None:
+    before = topo.host.snapshot()
+    holder = _hold(topo, state_dir)
+    code = (
+        "import sys; from spliceway.tun.routing import sweep_if_recorded; "
+        f"r = sweep_if_recorded({state_dir!r}); print('none' if r is None else 'swept')"
+    )
+    # While the owner runs, an engine starting next to it touches nothing.
+    assert topo.host.run(sys.executable, "-c", code).stdout.strip() == "none"
+    holder.proc.send_signal(signal.SIGKILL)
+    holder.proc.wait(timeout=10)
+    assert _blocked(topo.host.route_get(SERVER_IP))  # strict_route's kill switch
+    assert topo.host.run(sys.executable, "-c", code).stdout.strip() == "swept"
+    assert topo.host.snapshot() == before
+    assert topo.host.run(sys.executable, "-c", code).stdout.strip() == "none"
