@@ -18,7 +18,14 @@ Where each socket is created (each must call :func:`apply_mark`, or in C set
 
 - ``spliceway/outbounds.py`` ``_open_tcp``: every Python TCP dial (direct, and the
   first hop to a socks5/http/shadowsocks server).
-- ``csrc/conn.c`` ``start_connect``: the C connection path's upstream socket.
+- ``csrc/conn.c`` ``start_connect``: the C connection path's upstream socket. NOT YET
+  DONE (conn.c was being changed for the TUN listener): add ``_Atomic uint32_t mark``
+  to ``struct sw_conn``, ``int sw_conn_set_mark(sw_conn *, uint32_t)`` storing it, and
+  in ``start_connect`` after ``socket()``: when the mark is not 0,
+  ``setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof mark)``, failing the flow
+  (``SW_END_INTERNAL``) if that fails; ``ConnPath.__init__`` then calls
+  ``subscribe(self.set_mark)`` (held weakly) with ``set_mark`` calling
+  ``lib.sw_conn_set_mark``, and ``close`` unsubscribes.
 - ``actors/udp.py``: the association's upstream UDP sockets (the ones created with
   ``socket.socket(family, socket.SOCK_DGRAM)`` for direct and proxied UDP); the C UDP
   relay (``csrc/udp.c``) is handed these fds and creates none itself.
@@ -33,12 +40,19 @@ Where each socket is created (each must call :func:`apply_mark`, or in C set
 
 from __future__ import annotations
 
+import inspect
 import socket
+import weakref
+from collections.abc import Callable
 
 #: SO_MARK from <asm-generic/socket.h> (Python exposes it only from 3.12).
 SO_MARK: int = getattr(socket, "SO_MARK", 36)
 
 _mark = 0
+#: Called with the new mark on every change: parts that create sockets outside Python
+#: (the C connection path) keep their own copy of the mark. Bound methods are held
+#: weakly, so a subscriber that is dropped without unsubscribing is not kept alive.
+_subscribers: list[Callable[[], Callable[[int], None] | None]] = []
 
 
 def current_mark() -> int:
@@ -52,6 +66,35 @@ def set_mark(value: int) -> None:
     if not 0 <= value <= 0xFFFFFFFF:
         raise ValueError(f"mark {value} is not a 32-bit value")
     _mark = value
+    for ref in list(_subscribers):
+        fn = ref()
+        if fn is None:
+            _subscribers.remove(ref)
+        else:
+            fn(value)
+
+
+def subscribe(fn: Callable[[int], None]) -> Callable[[], None]:
+    """Call ``fn(mark)`` now and on every change; returns the function that unsubscribes.
+
+    A bound method is held weakly (its object may go away without unsubscribing).
+    """
+    ref: Callable[[], Callable[[int], None] | None]
+    if inspect.ismethod(fn):
+        ref = weakref.WeakMethod(fn)
+    else:
+
+        def ref() -> Callable[[int], None]:
+            return fn
+
+    _subscribers.append(ref)
+    fn(_mark)
+
+    def unsubscribe() -> None:
+        if ref in _subscribers:
+            _subscribers.remove(ref)
+
+    return unsubscribe
 
 
 def apply_mark(sock: socket.socket | int) -> None:
