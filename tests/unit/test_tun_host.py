@@ -204,3 +204,30 @@ def test_egress_status_fields() -> None:
         "ipv6_egress": {"availability": "unavailable", "reason": "no route"},
     }
     assert Egress().v4.to_dict() == {"availability": "unknown"}
+
+
+def test_mark_subscribers_follow_changes_and_are_held_weakly() -> None:
+    seen: list[int] = []
+
+    class Part:
+        def set_mark(self, value: int) -> None:
+            seen.append(value)
+
+    part = Part()
+    mark.subscribe(part.set_mark)
+    mark.set_mark(7)
+    mark.set_mark(0)
+    assert seen == [0, 7, 0]
+    del part  # dropped without unsubscribing: no longer called, not kept alive
+    import gc
+
+    gc.collect()
+    mark.set_mark(9)
+    mark.set_mark(0)
+    assert seen == [0, 7, 0]
+    calls: list[int] = []
+    unsubscribe = mark.subscribe(calls.append)
+    mark.set_mark(1)
+    unsubscribe()
+    mark.set_mark(0)
+    assert calls == [0, 1]
