@@ -431,8 +431,11 @@ def _quick_flows(rnd: random.Random, rules: list[Rule], n: int) -> list[routing.
         src = None
         if rnd.random() < 0.7:
             src = _inside(rnd.choice(nets), rnd.getrandbits(128)) if nets else "127.0.0.1"
-            if rnd.random() < 0.3:
-                src = rnd.choice(["10.0.0.7", "::ffff:127.0.0.1", "2001:db8::9", "fe80::1"])
+            if rnd.random() < 0.4:
+                # Sources on this host (loopback) make process conditions unknown to C.
+                src = rnd.choice(
+                    ["10.0.0.7", "127.0.0.1", "::1", "::ffff:127.0.0.1", "2001:db8::9", "fe80::1"]
+                )
         out.append(
             routing.FlowFacts(
                 network=rnd.choice(["tcp", "tcp", "udp"]),
@@ -448,6 +451,11 @@ def _quick_flows(rnd: random.Random, rules: list[Rule], n: int) -> list[routing.
             )
         )
     return out
+
+
+def _facts(host: str, source: str | None) -> routing.FlowFacts:
+    port = None if source is None else 40000
+    return routing.FlowFacts("tcp", host, 443, source_ip=source, source_port=port)
 
 
 def test_c_decide_matches_routing_or_defers():
@@ -473,7 +481,27 @@ def test_c_decide_matches_routing_or_defers():
         routes.close()
 
     run()
-    # The random configs do produce matches, finals and both kinds of deferral.
+    # Deferrals are rare in random configs, so one fixed config makes sure each kind is
+    # checked against the oracle in every run, not only in lucky ones.
+    fixed = {
+        "rules": [
+            Rule.model_validate({"process_name": ["curl"], "outbound": "p1"}),
+            Rule.model_validate({"domain_regex": ["^a"], "outbound": "p1"}),
+            Rule.model_validate({"domain_suffix": ["ex"], "action": "block"}),
+        ],
+        "process_lookup": "auto",
+        "local_addresses": ["10.0.0.7"],
+        "mode_kind": "rule",
+        "mode_outbound": None,
+        "final": "direct",
+        "targets": TARGETS,
+    }
+    oracle, routes = Oracle(fixed), compile_cfg(fixed)
+    for source in ("127.0.0.1", "::1", "10.0.0.7", "192.0.2.1", None):
+        for host in ("a.ex", "b.ex", "zz.org"):
+            seen[check_flow(oracle, routes, _facts(host, source))] += 1
+    routes.close()
+    # Together they produce matches, finals and both kinds of deferral.
     assert {"match", "final", "defer-opaque", "defer-process", "defer-unsure", "mode"} <= set(
         seen
     ), seen
