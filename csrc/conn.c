@@ -91,6 +91,7 @@ enum state {
     ST_UP_S5_REPLY,   /* upstream socks5: waiting for the CONNECT reply */
     ST_UP_HTTP_REPLY, /* upstream http: waiting for the CONNECT response head */
     ST_SNIFF_POST,    /* replied; sniffing before the hand-off */
+    ST_TUN,           /* TUN: looked up, about to be routed */
 };
 
 struct ep {
@@ -112,6 +113,7 @@ struct listener {
     sw_listener_opts opts;
     struct user *users;
     size_t nusers;
+    sw_tun *tun;              /* SW_IN_TUN: the stack whose NAT names the flows */
     struct listener *next_retired; /* in conn->retired_listeners once unlistened */
 };
 
@@ -821,6 +823,8 @@ static const char HTTP_ESTABLISHED[] = "HTTP/1.1 200 Connection established\r\n\
 
 static int success_reply(struct cconn *c)
 {
+    if (c->proto == 3)
+        return 0; /* TUN: the kernel's handshake was the reply */
     if (c->proto == 1)
         return client_send(c, S5_SUCCESS, sizeof S5_SUCCESS);
     return client_send(c, HTTP_ESTABLISHED, sizeof HTTP_ESTABLISHED - 1);
@@ -846,6 +850,13 @@ static void failure_reply(struct cconn *c, int socks_code, int http_status, cons
 {
     if (c->replied)
         return;
+    if (c->proto == 3) {
+        /* TUN: the client only knows a TCP connection; a reset on close is
+         * the nearest to the refusal a direct connection would have met. */
+        struct linger lg = {1, 0};
+        (void)setsockopt(c->cfd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+        return;
+    }
     if (c->proto == 1) {
         uint8_t r[10] = {5, (uint8_t)socks_code, 0, 1, 0, 0, 0, 0, 0, 0};
         (void)client_send(c, r, sizeof r);
@@ -1926,6 +1937,58 @@ static void timer_fired(struct cconn *c)
     }
 }
 
+/* An IPv6 address as CPython 3.11's str(IPv6Address) writes it (the host a
+ * Python inbound would give the flow): lowercase hextets without leading
+ * zeros, the first longest run of two or more zero hextets as "::", never
+ * an IPv4 tail (inet_ntop writes one for mapped and compatible addresses). */
+static size_t ip6_text(const uint8_t *a, char *out)
+{
+    int best = -1, best_len = 1;
+    for (int i = 0; i < 8;) {
+        int j = i;
+        while (j < 8 && !a[2 * j] && !a[2 * j + 1])
+            j++;
+        if (j - i > best_len)
+            best = i, best_len = j - i;
+        i = j > i ? j : i + 1;
+    }
+    size_t n = 0;
+    for (int i = 0; i < 8; i++) {
+        if (i == best) {
+            n += (size_t)sprintf(out + n, "::");
+            i += best_len - 1;
+            continue;
+        }
+        if (n && out[n - 1] != ':')
+            out[n++] = ':';
+        n += (size_t)sprintf(out + n, "%x", (unsigned)(a[2 * i] << 8 | a[2 * i + 1]));
+    }
+    out[n] = 0;
+    return n;
+}
+
+/* The TUN "handshake": the accepted socket's peer is the stack's NAT address
+ * and port; its entry holds the original source and destination. */
+static bool tun_handshake(struct cconn *c)
+{
+    sw_tun_flow f;
+    if (!c->src_family ||
+        sw_tun_peer_lookup(c->listener->tun, c->src_family, c->src_ip, c->src_port, &f) < 0)
+        return false;
+    c->proto = 3;
+    c->command = 1;
+    c->src_family = f.version;
+    memcpy(c->src_ip, f.src, 16);
+    c->src_port = f.sport;
+    if (f.version == 4)
+        c->host_len = (uint16_t)sprintf(c->host, "%u.%u.%u.%u", f.dst[0], f.dst[1], f.dst[2],
+                                        f.dst[3]);
+    else
+        c->host_len = (uint16_t)ip6_text(f.dst, c->host);
+    c->port = f.dport;
+    return true;
+}
+
 static void accept_on(struct cloop *L, struct listener *l)
 {
     sw_conn *conn = L->conn;
@@ -1998,6 +2061,10 @@ static void accept_on(struct cloop *L, struct listener *l)
             c->proto = 2;
             c->state = ST_HTTP_HEAD;
             break;
+        case SW_IN_TUN:
+            c->proto = 3;
+            c->state = ST_TUN;
+            break;
         default:
             c->state = ST_HS_FIRST;
             break;
@@ -2011,6 +2078,16 @@ static void accept_on(struct cloop *L, struct listener *l)
         if (epoll_ctl(L->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ||
             timer_set(c, mono_ms() + l->opts.handshake_timeout_ms) < 0) {
             conn_drop(c);
+            continue;
+        }
+        if (c->state == ST_TUN) {
+            /* Nothing to read first: the NAT entry is the whole handshake. */
+            if (!tun_handshake(c)) {
+                conn_drop(c);
+                continue;
+            }
+            timer_clear(c);
+            after_handshake(c);
             continue;
         }
         /* Clients usually send their greeting with the ACK: read it now
@@ -2356,10 +2433,27 @@ int sw_conn_listener_user(sw_conn *conn, uint32_t inbound, const char *user, con
     return rc;
 }
 
+static int listen_on(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_opts *opts,
+                     sw_tun *tun);
+
 int sw_conn_listen(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_opts *opts)
 {
     if (!conn || fd < 0 || !opts || opts->protocol < SW_IN_SOCKS5 || opts->protocol > SW_IN_MIXED)
         return -EINVAL;
+    return listen_on(conn, inbound, fd, opts, NULL);
+}
+
+int sw_conn_listen_tun(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_opts *opts,
+                       sw_tun *tun)
+{
+    if (!conn || fd < 0 || !opts || !tun || opts->protocol != SW_IN_TUN)
+        return -EINVAL;
+    return listen_on(conn, inbound, fd, opts, tun);
+}
+
+static int listen_on(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_opts *opts,
+                     sw_tun *tun)
+{
     if (atomic_load(&conn->shut))
         return -ESHUTDOWN;
     pthread_mutex_lock(&conn->listen_lock);
@@ -2380,6 +2474,7 @@ int sw_conn_listen(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_op
     }
     l->fd = fd;
     l->opts = *opts;
+    l->tun = tun;
     atomic_store(&l->active, 1);
     for (int i = 0; i < conn->nloops; i++) {
         struct epoll_event ev = {.events = EPOLLIN | EPOLLET | EPOLLEXCLUSIVE,

@@ -27,6 +27,7 @@
 
 #include "relay.h"
 #include "route.h"
+#include "tun.h"
 
 /* SW_CDEF_BEGIN */
 
@@ -35,7 +36,11 @@ typedef struct sw_conn sw_conn;
 enum sw_inbound_protocol {
     SW_IN_SOCKS5 = 1,
     SW_IN_HTTP = 2,
-    SW_IN_MIXED = 3
+    SW_IN_MIXED = 3,
+    SW_IN_TUN = 4   /* the TUN stack's kernel listener (sw_conn_listen_tun): the
+                       "handshake" is the NAT lookup of the peer (no byte read or
+                       written); the flow's source and target are the original
+                       ones; a refused flow is closed with a reset */
 };
 
 #define SW_DNS_MAX_ADDRS 8
@@ -111,7 +116,7 @@ typedef struct sw_conn_record {
     uint16_t port;            /* target port */
     uint16_t source_port;
     uint16_t resolved_port;   /* ROUTED: port connected to */
-    uint8_t protocol;         /* the handshake spoken: 1 socks5, 2 http */
+    uint8_t protocol;         /* the handshake spoken: 1 socks5, 2 http, 3 tun */
     uint8_t auth;             /* enum sw_conn_auth */
     uint8_t source_family;    /* 4 or 6 */
     uint8_t resolved_family;  /* ROUTED: 4, 6, or 0 */
@@ -137,7 +142,9 @@ typedef struct sw_deferred {
     int32_t fd;               /* the client socket, now Python's */
     uint32_t stage;           /* enum sw_defer_stage */
     uint32_t inbound;
-    uint32_t protocol;        /* the handshake spoken: 1 socks5, 2 http */
+    uint32_t protocol;        /* the handshake spoken: 1 socks5, 2 http, 3 tun (host
+                                 is the original destination's address; nothing
+                                 was or is to be written to the client) */
     uint32_t principal;
     uint32_t auth;            /* enum sw_conn_auth */
     uint32_t client_rx;       /* bytes C read from the client */
@@ -185,6 +192,16 @@ int sw_conn_listener_user(sw_conn *conn, uint32_t inbound, const char *user,
 /* Start accepting on `fd` (a bound, listening socket the caller keeps owning)
  * as listener `inbound`. */
 int sw_conn_listen(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_opts *opts);
+/* Start accepting on the TUN stack's kernel listener `fd` (its listener on
+ * address A, family 4 or 6) as listener `inbound`: opts->protocol must be
+ * SW_IN_TUN.  Each accepted socket's peer must be the stack's NAT address B;
+ * its NAT entry (sw_tun_peer_lookup) gives the flow's source and target
+ * (the target's host is the address as Python's ipaddress writes it), and
+ * the flow is routed, dialled and relayed as any other.  A peer with no
+ * entry is closed (handshake_failed).  tun must outlive the listener:
+ * sw_conn_unlisten before sw_tun_free. */
+int sw_conn_listen_tun(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_opts *opts,
+                       sw_tun *tun);
 /* Stop accepting on `inbound`; returns once no loop will touch its fd again. */
 int sw_conn_unlisten(sw_conn *conn, uint32_t inbound);
 

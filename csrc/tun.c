@@ -1045,6 +1045,15 @@ int sw_tun_nat_lookup(sw_tun *t, uint8_t version, uint16_t natport, sw_tun_flow 
     return rc;
 }
 
+int sw_tun_peer_lookup(sw_tun *t, uint8_t version, const uint8_t *peer_ip, uint16_t peer_port,
+                       sw_tun_flow *out)
+{
+    if (version == 4 ? !t->o.has4 || memcmp(peer_ip, t->o.next4, 4)
+                     : version != 6 || !t->o.has6 || memcmp(peer_ip, t->o.next6, 16))
+        return -ENOENT;
+    return sw_tun_nat_lookup(t, version, peer_port, out);
+}
+
 int sw_tun_fd(sw_tun *t) { return t->efd; }
 
 int sw_tun_drain(sw_tun *t, sw_tun_record *out, size_t max, uint8_t *payload, size_t cap,

@@ -221,6 +221,12 @@ void sw_tun_free(sw_tun *tun);
  * there is no such entry (expired, never made, or another family). */
 int sw_tun_nat_lookup(sw_tun *tun, uint8_t version, uint16_t natport, sw_tun_flow *out);
 
+/* The same for a socket accepted on the listener: its peer (peer_ip 4 or 16
+ * bytes of version's family) must be B, else -ENOENT: a local process that
+ * connects to A:P directly gets no one else's flow. */
+int sw_tun_peer_lookup(sw_tun *tun, uint8_t version, const uint8_t *peer_ip, uint16_t peer_port,
+                       sw_tun_flow *out);
+
 /* Readable while records are pending (drain until it is not). */
 int sw_tun_fd(sw_tun *tun);
 /* Copies up to max records, oldest first; UDP payloads into payload[0, cap)

@@ -58,7 +58,7 @@ _PROTOCOLS = {
     "http": int(lib.SW_IN_HTTP),
     "mixed": int(lib.SW_IN_MIXED),
 }
-_SPOKEN = {1: "socks5", 2: "http"}
+_SPOKEN = {1: "socks5", 2: "http", 3: "tun"}
 #: Records copied per C call; a drain loops until the rings are empty.
 _BATCH = 256
 
@@ -267,6 +267,23 @@ class ConnPath:
             },
         )
         check(lib.sw_conn_listen(self._ptr, inbound, fd, opts), "sw_conn_listen")
+
+    def listen_tun(self, inbound: int, fd: int, options: ListenerOptions, tun: object) -> None:
+        """Accept on a TUN stack's kernel listener ``fd`` (``TunStack.listeners[v]``) as
+        listener ``inbound``: each connection's NAT entry in ``tun`` (its ``sw_tun *``)
+        gives the flow's original source and target, and C routes, dials and relays it
+        like any other (records carry protocol "tun"). Unlisten before the stack stops."""
+        opts = ffi.new(
+            "sw_listener_opts *",
+            {
+                "protocol": lib.SW_IN_TUN,
+                "sniff": int(options.sniff),
+                "sniff_timeout_ms": options.sniff_timeout_ms,
+                "handshake_timeout_ms": options.handshake_timeout_ms,
+                "idle_timeout_ms": options.idle_timeout_ms,
+            },
+        )
+        check(lib.sw_conn_listen_tun(self._ptr, inbound, fd, opts, tun), "sw_conn_listen_tun")
 
     def unlisten(self, inbound: int) -> None:
         """Stop accepting on ``inbound``; afterwards its fd may be closed."""

@@ -251,6 +251,11 @@ class TunStack:
     def running(self) -> bool:
         return self._tun is not None
 
+    @property
+    def handle(self) -> Any:
+        """The ``sw_tun *`` (for ``ConnPath.listen_tun``); valid until :meth:`stop`."""
+        return self._need()
+
     def _need(self) -> Any:
         if self._tun is None:
             raise TunStackError(0, "the TUN stack is not running")
