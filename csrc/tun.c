@@ -22,6 +22,11 @@
  *   once a second (sing-tun refreshes as rarely), which keeps the list
  *   pointers out of the per-packet path.
  *
+ *   Each entry keeps the listener port it was made for (lport): the DNS
+ *   listener's for a connection to port 53 when dns_port is set, else the
+ *   main one.  The reverse path checks it, so one listener's packets never
+ *   translate for another's connection.
+ *
  * UDP sessions
  *   A fixed array of max_udp slots with a free list; a session id is
  *   generation << 32 | slot + 1, so sw_tun_udp_send finds its slot in O(1)
@@ -69,6 +74,8 @@ enum {
     /* Activity moves an entry to its list's tail at most this often. */
     REFRESH_MS = 1000,
     RST_MAX = 60,
+    /* A connection to this port goes to the DNS listener when there is one. */
+    DNS_PORT = 53,
 };
 
 #define DEFAULT_RING_BYTES (8u << 20)
@@ -84,6 +91,7 @@ struct nat {
     uint32_t hash;
     uint16_t natport;
     uint16_t sport, dport;
+    uint16_t lport;           /* the listener it goes to: port4/6 or dns_port4/6 */
     uint8_t version;
     uint8_t state;            /* enum sw_tun_tcp_state */
     uint8_t list;             /* enum nat_list */
@@ -307,7 +315,8 @@ static uint16_t nat_port_alloc(sw_tun *t)
     }
 }
 
-static struct nat *nat_create(sw_tun *t, const sw_pkt *pk, uint32_t hash, uint64_t now)
+static struct nat *nat_create(sw_tun *t, const sw_pkt *pk, uint32_t hash, uint16_t lport,
+                              uint64_t now)
 {
     if (t->st.tcp_active >= t->o.max_tcp) {
         struct nat *victim = t->lists[L_CLOSED].head ? t->lists[L_CLOSED].head
@@ -326,6 +335,7 @@ static struct nat *nat_create(sw_tun *t, const sw_pkt *pk, uint32_t hash, uint64
     memcpy(n->dst, pk->dst, alen);
     n->sport = pk->sport;
     n->dport = pk->dport;
+    n->lport = lport;
     n->hash = hash;
     n->natport = nat_port_alloc(t);
     n->state = SW_TUN_TCP_SYN;
@@ -599,12 +609,16 @@ static int on_tcp(sw_tun *t, sw_pkt *pk, struct pbuf *buf, uint64_t now)
     bool v4 = pk->version == 4;
     const uint8_t *a = v4 ? t->o.addr4 : t->o.addr6, *b = v4 ? t->o.next4 : t->o.next6;
     uint16_t port = v4 ? t->o.port4 : t->o.port6;
+    uint16_t dns_port = v4 ? t->o.dns_port4 : t->o.dns_port6;
     size_t alen = alen_of(pk->version);
 
-    if (pk->sport == port && !memcmp(pk->src, a, alen)) {
-        /* The listener's side: back to (original destination -> client). */
+    if ((pk->sport == port || (dns_port && pk->sport == dns_port)) &&
+        !memcmp(pk->src, a, alen)) {
+        /* A listener's side: back to (original destination -> client), for an
+         * entry made for that listener only. */
         struct nat *n = t->by_port[pk->dport];
-        if (!n || n->version != pk->version || memcmp(pk->dst, b, alen))
+        if (!n || n->version != pk->version || n->lport != pk->sport ||
+            memcmp(pk->dst, b, alen))
             return no_session(t, pk, buf);
         n->packets_in++;
         nat_track(t, n, pk->tcp_flags, false, now);
@@ -628,7 +642,7 @@ static int on_tcp(sw_tun *t, sw_pkt *pk, struct pbuf *buf, uint64_t now)
     if (!n) {
         if (!syn)
             return no_session(t, pk, buf);
-        n = nat_create(t, pk, hash, now);
+        n = nat_create(t, pk, hash, dns_port && pk->dport == DNS_PORT ? dns_port : port, now);
         if (!n) {
             t->st.drop_nat_full++;
             return V_DROP;
@@ -636,7 +650,7 @@ static int on_tcp(sw_tun *t, sw_pkt *pk, struct pbuf *buf, uint64_t now)
     }
     n->packets_out++;
     nat_track(t, n, pk->tcp_flags, true, now);
-    sw_pkt_rewrite(p, pk, b, n->natport, a, port);
+    sw_pkt_rewrite(p, pk, b, n->natport, a, n->lport);
     return V_WRITE;
 }
 
@@ -891,6 +905,8 @@ static int check_opts(sw_tun_opts *o)
     if (o->has4 && (!memcmp(o->addr4, o->next4, 4) || !o->port4))
         return -EINVAL;
     if (o->has6 && (!memcmp(o->addr6, o->next6, 16) || !o->port6))
+        return -EINVAL;
+    if ((o->has4 && o->dns_port4 == o->port4) || (o->has6 && o->dns_port6 == o->port6))
         return -EINVAL;
     return 0;
 }

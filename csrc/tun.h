@@ -31,6 +31,17 @@
  *   A TCP packet with no entry (not a SYN, or from A:P to an unknown N) is
  *   answered with a reset (unless no_rst), so neither side hangs.
  *
+ * DNS over TCP (dns_port4 / dns_port6)
+ *   With a family's dns_port set (not 0), a new connection whose original
+ *   destination port is 53 goes to a second listener, A:D (D = dns_port),
+ *   instead of A:P: the same NAT entry and NAT port, only the listener's
+ *   port differs (the entry remembers which).  The reverse path takes
+ *   packets from A:P and from A:D, each only for the entries made for that
+ *   listener (a packet from the other one is answered as having no entry).
+ *   sw_tun_nat_lookup is unchanged: the flow still names port 53.  So a DNS
+ *   hijack can answer TCP queries itself while every other connection,
+ *   port 53 of a family without dns_port included, reaches A:P.
+ *
  * UDP
  *   A datagram (checksum verified) goes to the caller as a record
  *   (SW_TUN_REC_UDP) carrying its session, endpoints and payload, on a
@@ -75,7 +86,7 @@
 
 /* SW_CDEF_BEGIN */
 
-#define SW_TUN_ABI_VERSION 1
+#define SW_TUN_ABI_VERSION 2
 
 typedef struct sw_tun sw_tun;
 
@@ -108,6 +119,9 @@ typedef struct sw_tun_opts {
     uint32_t ring_bytes;      /* UDP payload bytes waiting in the ring; default
                                  8 MiB */
     uint32_t batch;           /* packets read per wake-up; default 64, max 1024 */
+    uint16_t dns_port4;       /* 0: off; else the DNS listener's port on addr4,
+                                 where connections to port 53 go (not port4) */
+    uint16_t dns_port6;       /* ... on addr6 */
 } sw_tun_opts;
 
 /* The original endpoints behind a NAT port. */
@@ -206,7 +220,8 @@ typedef struct sw_tun_stats {
 int sw_tun_abi_version(void);
 
 /* Validates opts, starts the loop.  -EINVAL: bad fd, no family, an MTU over
- * 65535 or under 576 (IPv4) / 1280 (IPv6), max_tcp over 55535, A == B. */
+ * 65535 or under 576 (IPv4) / 1280 (IPv6), max_tcp over 55535, A == B, a
+ * dns_port equal to its family's listener port. */
 int sw_tun_new(const sw_tun_opts *opts, sw_tun **out);
 /* Stops and joins the loop, ends every UDP session (UDP_ENDED, reason
  * SHUTDOWN; drainable after) and drops the NAT.  Later calls but drain,

@@ -8,6 +8,11 @@ listener (source B:natport) and back. The accepted sockets are ordinary kernel s
 :meth:`TunStack.lookup_peer` (or C's SW_IN_TUN listener in csrc/conn.c) turns one back
 into its original source and destination, and the relay splices it like any other.
 
+With ``dns_tcp``, a second listener per family on A (:attr:`TunStack.dns_listeners`)
+takes the TCP connections to port 53 (csrc/tun.h, "DNS over TCP"), so a DNS hijack
+answers them itself (:mod:`spliceway.tun.dns_hijack`) instead of the connection path
+relaying them; their NAT entries look up like any other's.
+
 UDP datagrams come out as :class:`UdpRecord` (``records()``, with ``fileno()``
 readable while any wait); replies go back with :meth:`TunStack.udp_send`. ICMP echo is
 answered inside C. See csrc/tun.h for the exact contract and every counter.
@@ -33,6 +38,9 @@ IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
 
 #: linux/in.h (the socket module lacks it); it also applies to IPv6 sockets.
 _IP_FREEBIND = 15
+
+#: csrc/tun.h's SW_TUN_ABI_VERSION this module is written for.
+ABI_VERSION = 2
 
 #: sw_tun_tcp_state names.
 TCP_STATES = {1: "syn", 2: "established", 3: "fin", 4: "closed"}
@@ -124,6 +132,7 @@ class TunStack:
 
     ``addresses``: the TUN's interfaces (at most one per family; the first of a family
     counts). Timeouts are in seconds; 0 or None means csrc/tun.h's default.
+    ``dns_tcp``: TCP connections to port 53 go to :attr:`dns_listeners` instead.
     """
 
     def __init__(
@@ -143,6 +152,7 @@ class TunStack:
         batch: int = 0,
         no_rst: bool = False,
         backlog: int = 4096,
+        dns_tcp: bool = False,
     ) -> None:
         self.fd = fd
         self.mtu = mtu
@@ -162,7 +172,12 @@ class TunStack:
         }  # fmt: skip
         self.no_rst = no_rst
         self.backlog = backlog
+        self.dns_tcp = dns_tcp
+        #: The kernel listener on A per family (4, 6): every captured TCP connection.
         self.listeners: dict[int, socket.socket] = {}
+        #: With ``dns_tcp``: the listener on A per family taking the connections to
+        #: port 53 instead (the caller serves them; they close with :meth:`stop`).
+        self.dns_listeners: dict[int, socket.socket] = {}
         self._tun: Any = None
         self._rec = ffi.new("sw_tun_record[]", 256)
         self._payload = ffi.new("uint8_t[]", 65536 * 4)
@@ -193,6 +208,8 @@ class TunStack:
         """Opens the listeners (in this thread's network namespace) and starts the loop."""
         if self._tun is not None:
             return
+        if lib.sw_tun_abi_version() != ABI_VERSION:
+            raise TunStackError(0, "the extension's TUN stack is another version; rebuild it")
         opts = ffi.new("sw_tun_opts *")
         opts.fd = self.fd
         opts.mtu = self.mtu
@@ -206,12 +223,16 @@ class TunStack:
             for version, ep in self.endpoints.items():
                 sock = self.listeners[version] = self._listen(ep)
                 port = sock.getsockname()[1]
+                dns_port = 0
+                if self.dns_tcp:
+                    dns_sock = self.dns_listeners[version] = self._listen(ep)
+                    dns_port = dns_sock.getsockname()[1]
                 if version == 4:
-                    opts.has4, opts.port4 = 1, port
+                    opts.has4, opts.port4, opts.dns_port4 = 1, port, dns_port
                     ffi.memmove(opts.addr4, ep.address.packed, 4)
                     ffi.memmove(opts.next4, ep.nat_address.packed, 4)
                 else:
-                    opts.has6, opts.port6 = 1, port
+                    opts.has6, opts.port6, opts.dns_port6 = 1, port, dns_port
                     ffi.memmove(opts.addr6, ep.address.packed, 16)
                     ffi.memmove(opts.next6, ep.nat_address.packed, 16)
             out = ffi.new("sw_tun **")
@@ -222,9 +243,10 @@ class TunStack:
         self._tun = out[0]
 
     def _close_listeners(self) -> None:
-        for sock in self.listeners.values():
+        for sock in (*self.listeners.values(), *self.dns_listeners.values()):
             sock.close()
         self.listeners.clear()
+        self.dns_listeners.clear()
 
     def stop(self) -> list[UdpRecord]:
         """Stops the loop and closes the listeners; returns the records still waiting
@@ -265,6 +287,11 @@ class TunStack:
 
     def listen_port(self, version: int) -> int:
         return int(self.listeners[version].getsockname()[1])
+
+    def dns_port(self, version: int) -> int:
+        """The DNS listener's port of a family (``dns_tcp``), else 0."""
+        sock = self.dns_listeners.get(version)
+        return int(sock.getsockname()[1]) if sock is not None else 0
 
     def nat_lookup(self, version: int, natport: int) -> TunFlow | None:
         """The original endpoints behind NAT port ``natport``, or None."""

@@ -165,6 +165,89 @@ def test_tcp_nat_both_ways(loop: Loop, v: int) -> None:
     )
 
 
+@pytest.mark.parametrize("v", [4, 6])
+def test_port_53_goes_to_the_dns_listener(loop_factory, v: int) -> None:
+    """dns_tcp: a connection to port 53 is NATed onto A:dns_port (same NAT entry, same
+    port cycle, same lookup); the rest onto A:port; each listener's packets translate
+    only for its own entries."""
+    loop = loop_factory(dns_tcp=True)
+    dns_port = loop.stack.dns_port(v)
+    assert dns_port not in (0, loop.port[v])
+    c, s = CLIENT[v], SERVER[v]
+    loop.send(tcp(v, c, 40010, s, 53, P.TCP_SYN, seq=7))
+    syn = loop.recv()
+    assert (syn.src, syn.dst, syn.dport, syn.seq) == (NAT[v].packed, LISTENER[v].packed,
+                                                      dns_port, 7)  # fmt: skip
+    dns_nat = syn.sport
+    flow = loop.stack.nat_lookup(v, dns_nat)
+    assert (flow.src, flow.sport, flow.dst, flow.dport) == (c, 40010, s, 53)
+    loop.send(tcp(v, LISTENER[v], dns_port, NAT[v], dns_nat, P.TCP_SYN | P.TCP_ACK, 500, 8))
+    synack = loop.recv()
+    assert (synack.src, synack.sport, synack.dst, synack.dport) == (s.packed, 53, c.packed, 40010)
+    loop.send(tcp(v, c, 40010, s, 53, P.TCP_ACK | P.TCP_PSH, 8, 501, b"\x00\x01q"))
+    data = loop.recv()
+    assert (data.sport, data.dport) == (dns_nat, dns_port)
+    assert loop.stack.nat_lookup(v, dns_nat).state == "established"
+    # Another port: the main listener, the next NAT port of the same cycle.
+    loop.send(tcp(v, c, 40011, s, 853, P.TCP_SYN))
+    other = loop.recv()
+    assert (other.dport, other.sport) == (loop.port[v], dns_nat + 1)
+    # The main listener speaking for the DNS entry, or the DNS listener for the other:
+    # no such entry for that listener, answered with a reset, nothing translated.
+    loop.send(tcp(v, LISTENER[v], loop.port[v], NAT[v], dns_nat, P.TCP_ACK, 501, 9))
+    rst = loop.recv()
+    assert rst.tcp_flags == P.TCP_RST and (rst.src, rst.sport) == (NAT[v].packed, dns_nat)
+    loop.send(tcp(v, LISTENER[v], dns_port, NAT[v], other.sport, P.TCP_SYN | P.TCP_ACK, 1, 2))
+    rst = loop.recv()
+    assert rst.tcp_flags == P.TCP_RST and rst.dport == dns_port
+    st = loop.stats()
+    assert (st["tcp_created"], st["drop_no_session"], st["tcp_resets_sent"]) == (2, 2, 2)
+    # The entries are untouched by the refused packets.
+    assert loop.stack.nat_lookup(v, dns_nat).state == "established"
+    assert loop.stack.nat_lookup(v, other.sport).state == "syn"
+
+
+def test_port_53_without_dns_listener_goes_to_the_main_one(loop: Loop) -> None:
+    assert loop.stack.dns_listeners == {} and loop.stack.dns_port(4) == 0
+    loop.send(tcp(4, CLIENT[4], 40012, SERVER[4], 53, P.TCP_SYN))
+    assert loop.recv().dport == loop.port[4]
+
+
+def _raw_tun(dev: socket.socket, **fields: int):
+    """A sw_tun over ``dev`` from explicit options (both families, ports 1000/2000)."""
+    opts = ffi.new("sw_tun_opts *")
+    opts.fd, opts.has4, opts.has6, opts.port4, opts.port6 = dev.fileno(), 1, 1, 1000, 2000
+    ffi.memmove(opts.addr4, A4.packed, 4)
+    ffi.memmove(opts.next4, B4.packed, 4)
+    ffi.memmove(opts.addr6, A6.packed, 16)
+    ffi.memmove(opts.next6, B6.packed, 16)
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    out = ffi.new("sw_tun **")
+    return lib.sw_tun_new(opts, out), out[0]
+
+
+def test_dns_port_is_per_family_and_checked() -> None:
+    peer, dev = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    peer.settimeout(2)
+    try:
+        assert _raw_tun(dev, dns_port4=1000)[0] == -22  # EINVAL: the main listener's port
+        assert _raw_tun(dev, dns_port6=2000)[0] == -22
+        rc, tun = _raw_tun(dev, dns_port4=1053)  # IPv6 without one
+        assert rc == 0
+        try:
+            got = {}
+            for v in (4, 6):
+                peer.send(tcp(v, CLIENT[v], 5, SERVER[v], 53, P.TCP_SYN))
+                got[v] = P.parse(peer.recv(2048)).dport
+            assert got == {4: 1053, 6: 2000}
+        finally:
+            lib.sw_tun_free(tun)
+    finally:
+        peer.close()
+        dev.close()
+
+
 def test_close_linger_then_expiry(loop_factory) -> None:
     loop = loop_factory(tcp_closed_timeout=0.1)
     c, s = CLIENT[4], SERVER[4]
