@@ -12,7 +12,8 @@ udp``) have routed it:
   socket, and wraps the replies, without Python;
 - ``socks5`` / ``shadowsocks``: C hands the datagrams to Python, which relays them
   through its own UDP ASSOCIATE with the upstream proxy, or seals each one (AEAD
-  per packet, SIP004), and gives the replies back to C for the client;
+  per packet, SIP004), and gives the replies back to C for the client (the proxy
+  upstreams are :mod:`spliceway.actors.udp_upstream`'s, shared with the TUN);
 - ``block``, or an outbound without UDP: C drops them (counted).
 
 Each destination is a *flow* (``network: udp``) with the same lifecycle events as a
@@ -23,22 +24,26 @@ TCP control connection.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, StopFlow
+from spliceway.actors.udp_upstream import (
+    ProxyUpstream,
+    ProxyUpstreams,
+    is_ip,
+    norm,
+    v6,
+)
 
 from spliceway import records, routing, udprelay
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.events import now_ms
-from spliceway.outbounds import DialError
-from spliceway.protocols import ProtocolError, shadowsocks, socks5
+from spliceway.protocols import socks5
 from spliceway.relay import RelayError
 from spliceway.runtime import FlowEntry
 from spliceway.tun.mark import apply_mark
@@ -50,11 +55,6 @@ if TYPE_CHECKING:
     from spliceway.engine_core import InboundSpec
 
 logger = logging.getLogger(__name__)
-
-#: Largest datagram read from a proxy upstream (a UDP payload cannot be larger).
-_MAX_DATAGRAM = 65535
-#: Datagrams read per readiness event before yielding to other actors.
-_BATCH = 64
 
 
 class UdpRecords(NamedTuple):
@@ -70,24 +70,6 @@ class SampleUdp(NamedTuple):
 
 
 @dataclass(slots=True)
-class _ProxyUpstream:
-    """An *upstream association* Python relays: the UDP socket one proxy outbound's
-    destinations share (``socks5``: to the proxy's relay over an association whose TCP
-    control connection it holds; ``shadowsocks``: sealed packets to the server)."""
-
-    tag: str
-    kind: str
-    outbound: Any
-    sock: socket.socket | None = None
-    relay: tuple[str, int] | None = None
-    control: socket.socket | None = None
-    #: Set once it is up (True) or could not open (False).
-    ready: asyncio.Future[bool] | None = None
-    #: Reply source -> destination.
-    by_source: dict[tuple[str, int], _Dest] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
 class _Dest:
     """One destination of the association: its flow, and how its datagrams go."""
 
@@ -98,7 +80,7 @@ class _Dest:
     target: tuple[str, int]
     state: records.FlowState
     action: str = "opening"  # "opening", "direct", "python", "closed"
-    proxy: _ProxyUpstream | None = None
+    proxy: ProxyUpstream | None = None
     manual_close: bool = False
     # What Python relayed itself (proxy outbounds), added to C's counters.
     py_packets_up: int = 0
@@ -144,7 +126,15 @@ class UdpAssociationActor(LoopActor):
         self.assoc: int | None = None
         #: The C upstream (a dual-stack socket) the association's direct destinations share.
         self.direct_upstream: int | None = None
-        self.proxies: dict[str, _ProxyUpstream] = {}
+        #: The proxy outbounds' upstream associations (one per outbound).
+        self.upstreams = ProxyUpstreams(
+            deps.counters,
+            deps.dispatcher,
+            lambda: self.resolver,
+            self._alive,
+            self._deliver,
+            self._proxy_lost,
+        )
         self.dests: dict[int, _Dest] = {}
         self._n = 0
         # Tracked with the flow actors: an engine stop ends associations with no flow yet.
@@ -191,8 +181,7 @@ class UdpAssociationActor(LoopActor):
         loop = self.dispatcher.loop
         for dest in list(self.dests.values()):
             self._complete(dest, None if dest.action != "opening" else records.CANCELLED)
-        for proxy in list(self.proxies.values()):
-            self._close_proxy(proxy, idle=False)
+        self.upstreams.close_all()
         if self.assoc is not None:
             self._register(self.assoc, None)
             with contextlib.suppress(RelayError):
@@ -281,7 +270,7 @@ class UdpAssociationActor(LoopActor):
         elif isinstance(record, udprelay.Datagram):
             dest = self.dests.get(record.dest)
             if dest is not None and dest.action == "python":
-                self._send_proxied(dest, record.payload)
+                self.upstreams.send(dest.proxy, dest, record.payload)
         elif isinstance(record, udprelay.DestEnded):
             dest = self.dests.get(record.dest)
             if dest is not None:
@@ -392,8 +381,8 @@ class UdpAssociationActor(LoopActor):
 
     async def _open_direct(self, dest: _Dest) -> None:
         host, port = dest.target
-        if _is_ip(host):
-            ip = _norm(host)
+        if is_ip(host):
+            ip = norm(host)
         else:
             try:
                 addresses = await self.resolver.resolve(host)
@@ -409,7 +398,7 @@ class UdpAssociationActor(LoopActor):
         if dest.action != "opening" or self.assoc is None:
             return
         upstream = self._direct_upstream()
-        if not self.relay.set_direct(self.assoc, dest.id, upstream, _v6(ip), port):
+        if not self.relay.set_direct(self.assoc, dest.id, upstream, v6(ip), port):
             return  # ended meanwhile: its DestEnded follows
         dest.action = "direct"
         s = dest.state
@@ -438,7 +427,7 @@ class UdpAssociationActor(LoopActor):
         return self.direct_upstream
 
     async def _open_proxied(self, dest: _Dest, outbound: Any) -> None:
-        proxy = await self._proxy(outbound)
+        proxy = await self.upstreams.open(outbound)
         if dest.action != "opening" or self.assoc is None:
             return
         if proxy is None:
@@ -454,7 +443,7 @@ class UdpAssociationActor(LoopActor):
             return
         dest.action = "python"
         dest.proxy = proxy
-        proxy.by_source[(_norm_host(dest.target[0]), dest.target[1])] = dest
+        self.upstreams.attach(proxy, dest)
         s = dest.state
         s.remote_host, s.remote_port = outbound.server, outbound.port
         s.relay_chain = [outbound.tag]
@@ -506,10 +495,9 @@ class UdpAssociationActor(LoopActor):
         self.dests.pop(dest.id, None)
         proxy = dest.proxy
         if proxy is not None:
-            for source in [k for k, d in proxy.by_source.items() if d is dest]:
-                del proxy.by_source[source]
-            if not proxy.by_source:
-                self._close_proxy(proxy, idle=dest.state.close_reason == records.IDLE_TIMEOUT)
+            self.upstreams.release(
+                proxy, dest, idle=dest.state.close_reason == records.IDLE_TIMEOUT
+            )
         if outcome is None and self.assoc is not None and dest.action in ("direct", "python"):
             # Ended by the association or the engine: C's last counts of it.
             with contextlib.suppress(RelayError):
@@ -563,190 +551,27 @@ class UdpAssociationActor(LoopActor):
             occurred_at_unix_ms=occurred,
         )
 
-    # -- proxy upstreams (Python relays) ---------------------------------------------
+    # -- proxy upstreams (Python relays: actors/udp_upstream.py) -----------------------
 
-    async def _proxy(self, outbound: Any) -> _ProxyUpstream | None:
-        """The upstream association of a proxy ``outbound``, opened or reused for a new
-        destination (``stats.udp_upstream`` counts them); None when it cannot open."""
-        counters = self.deps.counters.udp
-        proxy = self.proxies.get(outbound.tag)
-        if proxy is not None:
-            if proxy.ready is not None and not await proxy.ready:
-                return None
-            counters["reused_associations"] += 1
-            return proxy
-        proxy = _ProxyUpstream(outbound.tag, outbound.protocol, outbound)
-        proxy.ready = self.dispatcher.loop.create_future()
-        self.proxies[outbound.tag] = proxy
-        sock = None
+    def _alive(self) -> bool:
+        return not self.actor_stopped.is_set() and self.assoc is not None
+
+    def _deliver(self, dest: _Dest, payload: bytes) -> bool:
+        """A proxy's reply for ``dest``, to the client through C."""
+        assert self.assoc is not None
         try:
-            if proxy.kind == "socks5":
-                proxy.control, proxy.relay = await outbound.udp_associate(self.dispatcher.loop)
-            else:
-                proxy.relay = await self._server_address(outbound)
-            family = socket.AF_INET6 if ":" in proxy.relay[0] else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_DGRAM)
-            apply_mark(sock)  # to the proxy by the physical egress while a TUN runs
-            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
-            sock.setblocking(False)
-        except (OSError, DialError, ResolveError, InvalidHostname) as ex:
-            logger.debug("UDP upstream %s failed: %s", outbound.tag, ex)
-            counters["failed_association_attempts"] += 1
-            self.proxies.pop(outbound.tag, None)
-            for s in (sock, proxy.control):
-                if s is not None:
-                    s.close()
-            proxy.ready.set_result(False)
-            return None
-        if self.actor_stopped.is_set():
-            sock.close()
-            if proxy.control is not None:
-                proxy.control.close()
-            proxy.ready.set_result(False)
-            return None
-        proxy.sock = sock
-        loop = self.dispatcher.loop
-        loop.add_reader(sock.fileno(), self._on_proxy, proxy)
-        if proxy.control is not None:
-            proxy.control.setblocking(False)
-            loop.add_reader(proxy.control.fileno(), self._on_proxy_control, proxy)
-        counters["created_associations"] += 1
-        counters["active_associations"] += 1
-        proxy.ready.set_result(True)
-        return proxy
-
-    async def _server_address(self, outbound: Any) -> tuple[str, int]:
-        """Where a shadowsocks server takes UDP: its address, resolved by the engine."""
-        if _is_ip(outbound.server):
-            return _norm(outbound.server), outbound.port
-        addresses = await self.resolver.resolve(outbound.server)
-        if not addresses:
-            raise OSError(f"{outbound.server} has no address")
-        return addresses[0], outbound.port
-
-    def _send_proxied(self, dest: _Dest, payload: bytes) -> None:
-        proxy = dest.proxy
-        if proxy is None or proxy.sock is None or proxy.relay is None:
-            return
-        if proxy.kind == "socks5":
-            wire = socks5.build_udp_datagram(*dest.target, payload)
-        else:
-            ob = proxy.outbound
-            wire = shadowsocks.seal_packet(ob.cipher, ob.master_key, *dest.target, payload)
-        try:
-            proxy.sock.sendto(wire, proxy.relay)
-        except OSError:
+            sent = self.relay.send_to_client(self.assoc, dest.id, payload)
+        except RelayError:
             self.deps.counters.udp["send_failures"] += 1
-            return
-        dest.py_packets_up += 1
-        dest.py_bytes_up += len(payload)
-        dest.py_wire_up += len(wire)
-        self.deps.counters.udp["packets_sent"] += 1
+            return False
+        return sent is not None
 
-    def _on_proxy(self, proxy: _ProxyUpstream) -> None:
-        if proxy.sock is None or self.assoc is None:
-            return
-        for _ in range(_BATCH):
-            try:
-                data, source = proxy.sock.recvfrom(_MAX_DATAGRAM)
-            except BlockingIOError:
-                return
-            except OSError:
-                self.deps.counters.udp["recv_failures"] += 1
-                return
-            if (_norm(source[0]), source[1]) != proxy.relay and source[:2] != proxy.relay:
-                continue  # only the proxy speaks on this socket
-            try:
-                if proxy.kind == "socks5":
-                    reply = socks5.parse_udp_datagram(data)
-                    origin, payload = (_norm_host(reply.host), reply.port), reply.payload
-                else:
-                    ob = proxy.outbound
-                    host, port, payload = shadowsocks.open_packet(ob.cipher, ob.master_key, data)
-                    origin = (_norm_host(host), port)
-            except ProtocolError:
-                continue
-            dest = proxy.by_source.get(origin) or next(
-                # A proxy reports the address it heard from, not the name it was given.
-                (d for d in proxy.by_source.values() if d.target[1] == origin[1]),
-                None,
-            )
-            if dest is None:
-                continue
-            self.deps.counters.udp["packets_received"] += 1
-            try:
-                sent = self.relay.send_to_client(self.assoc, dest.id, payload)
-            except RelayError:
-                self.deps.counters.udp["send_failures"] += 1
-                continue
-            if sent is not None:
-                dest.py_wire_down += len(data)
-
-    def _on_proxy_control(self, proxy: _ProxyUpstream) -> None:
-        # The proxy ended the association: its destinations cannot go on.
-        assert proxy.control is not None
-        try:
-            if proxy.control.recv(4096):
-                return
-        except BlockingIOError:
-            return
-        except OSError:
-            pass
-        for dest in list(proxy.by_source.values()):
-            if self.assoc is not None:
-                with contextlib.suppress(RelayError):
-                    self.relay.set_drop(self.assoc, dest.id)
-            self._complete(
-                dest,
-                records.FAILED,
-                records.Failure(
-                    "relay", "upstream_reset", f"proxy {proxy.tag} ended the association"
-                ),
-            )
-        self._close_proxy(proxy, idle=False)
-
-    def _close_proxy(self, proxy: _ProxyUpstream, *, idle: bool) -> None:
-        if self.proxies.get(proxy.tag) is proxy:
-            del self.proxies[proxy.tag]
-        loop = self.dispatcher.loop
-        opened = proxy.sock is not None
-        for sock in (proxy.sock, proxy.control):
-            if sock is not None:
-                with contextlib.suppress(ValueError, OSError):
-                    loop.remove_reader(sock.fileno())
-                sock.close()
-        proxy.sock = proxy.control = None
-        if not opened:
-            return
-        counters = self.deps.counters.udp
-        counters["active_associations"] -= 1
-        counters["closed_associations"] += 1
-        if idle:
-            counters["idle_timeouts"] += 1
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _v6(ip: str) -> str:
-    """``ip`` as the dual-stack upstream socket reaches it (IPv4 as ``::ffff:a.b.c.d``)."""
-    addr = ipaddress.ip_address(ip)
-    return f"::ffff:{addr}" if addr.version == 4 else str(addr)
-
-
-def _norm_host(host: str) -> str:
-    """A reply or destination host in the form replies are matched by."""
-    return _norm(host) if _is_ip(host) else host.lower()
-
-
-def _norm(ip: str) -> str:
-    """An address as the socket API reports it (IPv4-mapped IPv6 unwrapped)."""
-    addr = ipaddress.ip_address(ip.split("%")[0])
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return str(addr.ipv4_mapped)
-    return str(addr)
+    def _proxy_lost(self, dest: _Dest, proxy: ProxyUpstream) -> None:
+        if self.assoc is not None:
+            with contextlib.suppress(RelayError):
+                self.relay.set_drop(self.assoc, dest.id)
+        self._complete(
+            dest,
+            records.FAILED,
+            records.Failure("relay", "upstream_reset", f"proxy {proxy.tag} ended the association"),
+        )
