@@ -34,7 +34,7 @@ from spliceway.actors.policy import MemberFailed
 
 from spliceway import connpath, flowlog, records, routing
 from spliceway.events import now_ms
-from spliceway.inbound import Handshake, HandshakeFailed
+from spliceway.inbound import Handshake, HandshakeFailed, refuse_quietly
 from spliceway.inbound import accept as accept_handshake
 from spliceway.outbounds import DialError
 from spliceway.protocols import NEED_MORE, sniff, socks5
@@ -358,7 +358,11 @@ class FlowActor(LoopActor):
             state = self._new_state(hs)
         if self.deps.lookup_wanted(self.peer[0]):
             # Before flow.started, the hook and the route: a process_name rule needs it.
-            await self._look_up(state, client.getsockname()[:2])
+            # A TUN's client socket is connected to the original destination, which
+            # this accepted socket's own address (the TUN's listener) is not.
+            tun = self.inbound.protocol == "tun" and deferred is not None
+            server = (deferred.host, deferred.port) if tun else client.getsockname()[:2]
+            await self._look_up(state, server)
         hook = self.deps.flow_hook
         if hook is not None and hook.settings.selects("tcp", self.inbound.tag):
             if not await self._ask_hook(hook, state, hs, replied):
@@ -386,10 +390,7 @@ class FlowActor(LoopActor):
         if verdict.allow:
             return True
         if not replied:
-            await self._reply(
-                hs.failure_reply(socks5.REP_NOT_ALLOWED, 403, "denied by the flow hook"),
-                quiet=True,
-            )
+            await self._refuse(hs, socks5.REP_NOT_ALLOWED, 403, "denied by the flow hook")
         failure = records.Failure("hook", "hook_denied", "the flow hook denied the flow")
         self._complete(records.BLOCKED, None, failure)
         self._finish()
@@ -423,9 +424,7 @@ class FlowActor(LoopActor):
         if decision.action == "block" or outbound is None or outbound.protocol == "block":
             self._set_route(decision, chain, outbound)
             if not replied:
-                await self._reply(
-                    hs.failure_reply(socks5.REP_NOT_ALLOWED, 403, "blocked by rule"), quiet=True
-                )
+                await self._refuse(hs, socks5.REP_NOT_ALLOWED, 403, "blocked by rule")
             self._complete(records.BLOCKED, None)
             self._finish()
             return
@@ -436,9 +435,7 @@ class FlowActor(LoopActor):
             if ex.member_down:
                 self._report_member_down(chain, ex.message)
             if not replied:
-                await self._reply(
-                    hs.failure_reply(ex.socks_reply, ex.http_status, ex.message), quiet=True
-                )
+                await self._refuse(hs, ex.socks_reply, ex.http_status, ex.message)
             remote = (
                 {"host": hs.host, "port": hs.port} if ex.remote is None else {"host": ex.remote}
             )
@@ -509,6 +506,15 @@ class FlowActor(LoopActor):
         self.deps.counters.total_started += 1
         # When it started (C's time for a flow C runs), as flow.routed carries C's too.
         self._publish("flow.started", records.lifecycle_payload, occurred=state.started_at_unix_ms)
+
+    async def _refuse(self, hs: Handshake, socks_code: int, http_status: int, message: str) -> None:
+        """Tell the client its request failed: the protocol's reply, or for a TUN's
+        client (which knows only a TCP connection) a reset when the socket closes."""
+        if hs.protocol == "tun":
+            if self.client is not None:
+                refuse_quietly(self.client)
+            return
+        await self._reply(hs.failure_reply(socks_code, http_status, message), quiet=True)
 
     async def _reply(self, data: bytes, *, quiet: bool = False) -> None:
         if not data or self.client is None:
@@ -659,7 +665,12 @@ class FlowActor(LoopActor):
         meanwhile, in order. C relays the flow all along: only its record waits."""
         try:
             state = self._new_state(self._c_handshake(rec, rec.name), rec.at_unix_ms)
-            await self._look_up(state, self.deps.listener_address(rec.inbound))
+            server = (
+                (rec.name, rec.port)
+                if self.inbound.protocol == "tun"
+                else self.deps.listener_address(rec.inbound)
+            )
+            await self._look_up(state, server)
         except asyncio.CancelledError:
             return  # stopped meanwhile: _teardown dropped what was held
         finally:

@@ -41,6 +41,8 @@ FEATURES = (
     # runtime.dns.listen (UDP and TCP) and runtime.dns.answer fake_ip (docs/dns.md).
     "dns_server",
     "fake_ip",
+    # tun.start / tun.stop / tun_status and runtime.tun (docs/tun.md); Linux only.
+    "tun",
 )
 
 BUILD_FEATURES = (
@@ -52,6 +54,7 @@ BUILD_FEATURES = (
     "durable-outbox",
     "hot-reload",
     "dns-server",
+    "tun-system-stack",
 )
 
 
@@ -60,7 +63,8 @@ _BASELINES = {
     "http": "RFC 9110 CONNECT and absolute-form forwarding",
     "mixed": "socks5 and http on one port, told apart by the first byte",
     "shadowsocks": "SIP004 AEAD",
-    "tun": "Linux TUN with a userspace TCP/IP stack",
+    "tun": "Linux TUN, system stack (captured TCP NATed to a kernel listener, as sing-tun's "
+    '"system" stack), routes and rules over netlink',
 }
 
 
@@ -70,7 +74,6 @@ def _level(supported: bool, level: str, *notes: str) -> dict[str, Any]:
 
 _YES = _level(True, "supported")
 _NA = _level(False, "not_applicable")
-_NOT_BUILT = _level(False, "not_built")
 
 
 def _protocol(
@@ -151,9 +154,14 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
     _protocol(
         "tun",
         "tun",
-        compiled=False,
-        inbound_tcp=_NOT_BUILT,
-        inbound_udp=_NOT_BUILT,
+        compiled=True,
+        inbound_tcp=_level(
+            True,
+            "supported",
+            "the kernel terminates TCP; accepted connections take the C path (spliced)",
+            "auto_route, strict_route, include_cidrs/exclude_cidrs, dns_hijack",
+        ),
+        inbound_udp=_level(True, "supported", "sessions relayed by Python"),
         transports=("tcp", "udp"),
     ),
 )

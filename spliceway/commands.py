@@ -324,7 +324,46 @@ def _fakeip_clear(core: EngineCore, p: FakeIpParams) -> dict[str, Any]:
     return dns.fakeip_clear_result(core.dns.pool, p.domain, p.ip)
 
 
-_TUN = "the TUN inbound (not built yet)"
+def _tun_service(core: EngineCore) -> Any:
+    tun = core.tun
+    if tun is None or not core.running:
+        raise ApiError("conflict", "the engine is not running")
+    if core.config.runtime.tun is not None:
+        raise ApiError(
+            "conflict",
+            "the TUN is managed by configuration (runtime.tun): change it with config.apply",
+        )
+    return tun
+
+
+def _tun_start(core: EngineCore, p: TunStartParams) -> dict[str, Any]:
+    tun = _tun_service(core)
+    # Only what the caller set: the service fills defaults (mtu from runtime.network).
+    tun.start(p.model_dump(exclude_unset=True), managed_by_config=False, field_prefix="params.")
+    return {"accepted": True}
+
+
+def _tun_stop(core: EngineCore, p: NoParams) -> dict[str, Any]:
+    return {"accepted": bool(_tun_service(core).stop())}
+
+
+_TUN_ERRORS = (
+    (
+        "conflict",
+        "A TUN is already running (`tun.start`), the TUN is managed by configuration "
+        "(`runtime.tun`), or the engine is stopping.",
+    ),
+    (
+        "insufficient_os_privilege",
+        "The engine lacks CAP_NET_ADMIN (creating a TUN device and its routes needs it).",
+    ),
+    ("unsupported", "This system has no TUN driver (`/dev/net/tun`)."),
+    (
+        "internal",
+        "The kernel refused the device, a route or a rule (the message says which); "
+        "nothing is left behind.",
+    ),
+)
 _APPLY_ERRORS = (
     (
         "invalid_argument",
@@ -460,16 +499,28 @@ COMMANDS: dict[str, Command] = {
             "tun.start",
             "admin",
             TunStartParams,
-            missing=_TUN,
-            summary="Start the TUN inbound.",
-            example={"addr": "198.18.0.1/15", "tag": "tun-in"},
+            _tun_start,
+            summary="Create a TUN device and capture this host's traffic into it (routes "
+            "and rules per `auto_route`, `strict_route`, `dns_hijack`); every captured TCP "
+            "and UDP connection becomes a flow of inbound `tag` (protocol `tun`). Check "
+            "`tun_status` afterwards.",
+            errors=_TUN_ERRORS,
+            example={"addr": "172.19.0.1/30", "tag": "tun-in"},
         ),
         Command(
             "tun.stop",
             "admin",
             NoParams,
-            missing=_TUN,
-            summary="Stop the TUN inbound.",
+            _tun_stop,
+            summary="Remove the TUN device and every route, rule and address it added; "
+            "`accepted: false` when no TUN was running.",
+            errors=(
+                ("conflict", "The TUN is managed by configuration (`runtime.tun`)."),
+                (
+                    "internal",
+                    "Some route or rule could not be removed (named; the next start removes it).",
+                ),
+            ),
         ),
         Command(
             "diagnostics.probe_target",

@@ -4,7 +4,7 @@ The public face is ``spliceway.Engine`` (engine.py); transports and the command
 table reach the engine through an ``EngineCore``. Start order: the connector
 (outbox lock and recovery, sink actors), bind every inbound and the DNS server's
 address (all or nothing), dispatcher, relay bridge, ``engine.started``, the DNS
-server, supervisor (listeners, sampler).
+server, supervisor (listeners, sampler), the TUN of ``runtime.tun``.
 Stop reverses it, and every flow still open completes with exactly one
 ``flow.completed`` before ``engine.stopped``, which the sinks still take in.
 """
@@ -46,11 +46,15 @@ from spliceway.protocols import socks5
 from spliceway.reconcile import Reconciler
 from spliceway.route_publish import RoutePublisher
 from spliceway.runtime import Counters, FlowTable, RouteState
+from spliceway.tun.routing import sweep_if_recorded
+from spliceway.tun.service import TunParts, TunService
 from spliceway.udprelay import UdpRelay
 
 logger = logging.getLogger(__name__)
 
 BUILD_ID = f"spliceway-{__version__}"
+#: A TUN inbound's sniffing budget (tun.start has no setting): an inbound's default.
+_TUN_SNIFF_TIMEOUT_MS = 300
 _STOP_GRACE_S = 10.0
 
 
@@ -100,7 +104,6 @@ class EngineCore:
     def __init__(self, config: Config, config_path: str | None = None) -> None:
         self.config = config
         self.config_path = config_path
-        self.refuse_unbuilt(config)
         self.build_id = BUILD_ID
         runtime = config.runtime
         self.log = EventLog(runtime.event_ring_capacity)
@@ -162,12 +165,21 @@ class EngineCore:
         self.flow_hook: FlowHookClient | None = None
         #: Clients a reload replaced, closed once their outstanding asks are settled.
         self._retired_hooks: set[FlowHookClient] = set()
+        #: The TUN inbound (``runtime.tun``, ``tun.start``); made in start().
+        self.tun: TunService | None = None
         self.running = False
 
     @property
     def inbounds(self) -> list[InboundSpec]:
         """The listening inbounds' specs, in config order."""
         return [a.spec for a in self.active_inbounds]
+
+    def route_inbounds(self) -> dict[str, tuple[int, ...]]:
+        """Every inbound tag a rule may name and its listener slots (a TUN has two)."""
+        out = {a.spec.tag: (a.spec.index,) for a in self.active_inbounds}
+        if self.tun is not None:
+            out.update(self.tun.route_inbounds())
+        return out
 
     @property
     def bound(self) -> list[tuple[str, int]]:
@@ -186,6 +198,9 @@ class EngineCore:
 
     def start(self) -> None:
         """Bind every inbound and start the actors; raises ApiError on failure."""
+        # A crashed engine's TUN routes and rules (strict_route's kill switch among them)
+        # go first, whether or not this one runs a TUN: one failed open when none.
+        self._sweep_tun_leftovers()
         # The outbox first: a second engine on the same outbox must fail before binding.
         self.connector.start()
         try:
@@ -233,6 +248,13 @@ class EngineCore:
             # Its on_start runs on the dispatcher; a proxied read is answered only after it,
             # so the group actors (policies.* commands) exist once start() returns.
             self.supervisor.proxy().listeners.get(timeout=_STOP_GRACE_S)
+            self.tun = TunService(self._tun_parts())
+            if self.config.runtime.tun is not None:
+                self.tun.start(
+                    self.config.runtime.tun.model_dump(exclude_none=True),
+                    managed_by_config=True,
+                    field_prefix="runtime.tun.",
+                )
         except BaseException:
             dns_plan.discard()
             self._abort_start(sockets, bridge)
@@ -247,6 +269,7 @@ class EngineCore:
                 return
             self.running = False
         assert self.supervisor is not None
+        self._stop_tun()
         with contextlib.suppress(pykka.ActorDeadError):
             self.supervisor.proxy().stop_listeners().get(timeout=_STOP_GRACE_S)
         # No new names either; the fake-ip table is written out.
@@ -285,6 +308,7 @@ class EngineCore:
 
     def _abort_start(self, sockets: list[socket.socket], bridge: RelayBridge | None) -> None:
         """Undo a start that failed after binding: nothing may be left running or open."""
+        self._stop_tun()
         self._close_udp()
         self.dns.stop()
         if self.supervisor is not None:
@@ -518,14 +542,46 @@ class EngineCore:
             watch.close()
         self.process_lookup.close()
 
+    # -- the TUN -----------------------------------------------------------------------
+
     @staticmethod
-    def refuse_unbuilt(config: Config) -> None:
-        """ApiError ``unsupported`` naming what ``config`` asks that this build lacks."""
-        missing = []
-        if config.runtime.tun is not None:
-            missing.append("runtime.tun (the TUN inbound is not built yet)")
-        if missing:
-            raise ApiError("unsupported", "this build cannot run: " + "; ".join(missing))
+    def _sweep_tun_leftovers() -> None:
+        try:
+            swept = sweep_if_recorded()
+        except Exception as ex:  # no privilege, no netlink: the TUN's own start says so
+            logger.warning("could not remove a crashed engine's TUN routes and rules: %s", ex)
+            return
+        if swept is not None and swept.removed:
+            logger.warning(
+                "removed what a crashed engine's TUN (pid %s) left behind: %s",
+                swept.previous_owner,
+                "; ".join(swept.removed),
+            )
+
+    def _tun_parts(self) -> TunParts:
+        def register(slot: int, tag: str) -> InboundSpec:
+            spec = InboundSpec(slot, tag, "tun", True, _TUN_SNIFF_TIMEOUT_MS, Users(None))
+            self.inbound_slots[slot] = spec
+            return spec
+
+        return TunParts(
+            dispatcher=self.dispatcher,
+            conn=self.bridge.conn,
+            register=register,
+            republish=self.routes.publish,
+            inbound_tags=lambda: {ib.tag for ib in self.config.inbounds},
+            idle_timeout_ms=lambda: self.tcp_idle_timeout_ms,
+            network_mtu=lambda: self.config.runtime.network.mtu,
+        )
+
+    def _stop_tun(self) -> None:
+        """Take a running TUN down (engine stop, or a start undone); never raises."""
+        if self.tun is None:
+            return
+        try:
+            self.tun.stop()
+        except Exception:
+            logger.exception("stopping the TUN failed")
 
     def _bind_all(self) -> list[socket.socket]:
         sockets: list[socket.socket] = []

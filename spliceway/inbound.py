@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ class HandshakeFailed(Exception):
 class Handshake:
     """What a client asked for, and the bytes its handshake moved."""
 
-    protocol: str  # "socks5" or "http"
+    protocol: str  # "socks5", "http" or "tun"
     host: str
     port: int
     principal_key: str | None
@@ -53,18 +54,29 @@ class Handshake:
     udp: bool = False
 
     def success_reply(self) -> bytes:
-        """Bytes telling the client its tunnel is open."""
-        if self.forward:
+        """Bytes telling the client its tunnel is open (none for a TUN's: the kernel's
+        handshake already told it)."""
+        if self.forward or self.protocol == "tun":
             return b""
         if self.protocol == "socks5":
             return socks5.reply(socks5.REP_SUCCEEDED)
         return http_proto.CONNECT_ESTABLISHED
 
     def failure_reply(self, socks_code: int, http_status: int, message: str) -> bytes:
-        """Bytes telling the client the request failed."""
+        """Bytes telling the client the request failed (none for a TUN's: it is reset,
+        see :func:`refuse_quietly`)."""
+        if self.protocol == "tun":
+            return b""
         if self.protocol == "socks5":
             return socks5.reply(socks_code)
         return http_proto.response(http_status, body=(message + "\n").encode())
+
+
+def refuse_quietly(sock: socket.socket) -> None:
+    """Make closing ``sock`` send a reset: what a TUN's client, which only knows a TCP
+    connection, gets for a refused one (as C's SW_IN_TUN listener does)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 class Users:

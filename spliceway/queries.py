@@ -180,7 +180,9 @@ def _events(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tun_status(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    return {"running": False, "name": None, "addr": None, "tag": None}
+    if core.tun is None:
+        return {"running": False, "name": None, "addr": None, "tag": None}
+    return core.tun.status()
 
 
 def _policies(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:

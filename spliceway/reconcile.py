@@ -61,9 +61,11 @@ COMPONENTS = (
     "flow_hook",
     "event_dispatcher",
     "runtime",
+    "tun",
 )
-#: C's listener slots (csrc/conn.c MAX_LISTENERS).
-_SLOTS = 256
+#: C's listener slots for configured inbounds: csrc/conn.c's MAX_LISTENERS (256) but
+#: the last two, which are the TUN's (spliceway.tun.service.TUN_SLOTS).
+_SLOTS = 254
 
 
 @dataclass(slots=True)
@@ -168,7 +170,6 @@ class Reconciler:
                 raise ApiError("conflict", "the engine is not running (it is stopping)")
             old = core.config
             check_fixed(old, new, core.connector.store is not None)
-            core.refuse_unbuilt(new)
             check_environment(new)
             try:
                 plan = self._prepare(old, new)
@@ -186,13 +187,17 @@ class Reconciler:
             except BaseException:
                 plan.discard()
                 raise
+            tun_swapped = False
             try:
                 try:
+                    tun_swapped = self._swap_tun(old.runtime.tun, new.runtime.tun)
                     self._install(plan)
                 finally:
                     plan.listeners.close_spares()
             except BaseException as ex:
                 plan.discard()
+                if tun_swapped:
+                    self._restore_tun(old.runtime.tun)
                 outcome = self._undo_file(restore)
                 if isinstance(ex, ApiError):
                     raise ApiError(
@@ -227,6 +232,42 @@ class Reconciler:
             "changed_components": plan.changed,
         }
 
+    # -- the TUN of runtime.tun ----------------------------------------------------------
+
+    def _swap_tun(self, before: Any, after: Any) -> bool:
+        """Make the TUN match a changed ``runtime.tun`` (first, so a TUN that cannot
+        start fails the apply before anything else changed); True when it changed."""
+        tun = self._core.tun
+        if tun is None or before == after:
+            return False
+        if tun.running and (tun.managed_by_config or after is not None):
+            tun.stop()
+        if after is None:
+            return True
+        try:
+            tun.start(
+                after.model_dump(exclude_none=True),
+                managed_by_config=True,
+                field_prefix="config.runtime.tun.",
+            )
+        except BaseException:
+            self._restore_tun(before)
+            raise
+        return True
+
+    def _restore_tun(self, before: Any) -> None:
+        """Put the previous configuration's TUN back (a rollback); logged, never raised."""
+        tun = self._core.tun
+        if tun is None:
+            return
+        try:
+            if tun.running:
+                tun.stop()
+            if before is not None:
+                tun.start(before.model_dump(exclude_none=True), managed_by_config=True)
+        except Exception:
+            logger.exception("restoring the previous configuration's TUN failed")
+
     # -- prepare ----------------------------------------------------------------------
 
     def _prepare(self, old: Config, new: Config) -> Plan:
@@ -252,6 +293,8 @@ class Reconciler:
             changed.append("event_dispatcher")
         if old.runtime != new.runtime:
             changed.append("runtime")
+        if old.runtime.tun != new.runtime.tun:
+            changed.append("tun")
         dns = None
         if old.runtime.dns != new.runtime.dns:
             try:

@@ -117,8 +117,14 @@ class RoutePublisher:
             state, rules, outbounds = core.route_state, core.config.rules, core.outbounds
             hook = core.flow_hook
             # Only TCP flows reach C; a hook for UDP alone leaves C's path as it is.
+            inbounds = core.route_inbounds()
             deferred = (
-                tuple(ib.index for ib in core.inbounds if hook.settings.selects("tcp", ib.tag))
+                tuple(
+                    slot
+                    for tag, slots in inbounds.items()
+                    if hook.settings.selects("tcp", tag)
+                    for slot in slots
+                )
                 if hook is not None
                 else ()
             )
@@ -137,6 +143,7 @@ class RoutePublisher:
                 chains.append(chain)
                 targets[tag] = spec
             key = (
+                tuple(inbounds.items()),
                 tuple(map(tuple, chains)),
                 tuple(targets.items()),
                 deferred,
@@ -153,7 +160,7 @@ class RoutePublisher:
                 mode_outbound=state.mode_outbound,
                 final=state.final,
                 targets=targets,
-                inbounds={ib.tag: ib.index for ib in core.inbounds},
+                inbounds=inbounds,
                 principals=core.principal_ids,
                 epoch=self._epoch,
                 ruleset=state.ruleset,

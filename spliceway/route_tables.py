@@ -149,7 +149,7 @@ class CompiledRoutes:
         mode_decision: routing.RouteDecision | None,
         final_decision: routing.RouteDecision,
         ruleset: routing.RuleSet,
-        inbounds: Mapping[str, int],
+        inbounds: Mapping[str, int | Sequence[int]],
         principals: Mapping[str, int],
     ) -> None:
         self._table = table
@@ -259,7 +259,7 @@ class CompiledRoutes:
         if facts.inbound_tag is None:
             query.inbound = NO_INBOUND
         elif facts.inbound_tag in self.inbounds:
-            query.inbound = self.inbounds[facts.inbound_tag]
+            query.inbound = _ids(self.inbounds[facts.inbound_tag])[0]
         else:
             return None
         if facts.principal_key is None:
@@ -277,12 +277,17 @@ def _values(value: tuple[str, ...] | str) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else value
 
 
+def _ids(value: int | Sequence[int]) -> Sequence[int]:
+    """The ids a tag stands for: one, or several (a TUN's listener per family)."""
+    return (value,) if isinstance(value, int) else value
+
+
 def _compile_rule(
     table: Any,
     index: int,
     rule: Rule,
     target: int,
-    inbounds: Mapping[str, int],
+    inbounds: Mapping[str, int | Sequence[int]],
     principals: Mapping[str, int],
 ) -> None:
     """Rule ``index``: its action and every condition (see the module docstring)."""
@@ -328,7 +333,7 @@ def _compile_rule(
                 if key == "inbound_tag"
                 else (principals, NO_PRINCIPAL, lib.sw_table_cond_principal)
             )
-            ids = sorted({mapping[v] for v in items if v in mapping}) or [none]
+            ids = sorted({i for v in items if v in mapping for i in _ids(mapping[v])}) or [none]
             for i in ids:
                 check(add(table, index, i), f"sw_table_cond_{key}")
         else:  # pragma: no cover - a CONDITION_KEYS entry this module does not know
@@ -344,7 +349,7 @@ def compile_route_table(
     mode_outbound: str | None,
     final: str,
     targets: Mapping[str, TargetSpec] | Sequence[tuple[str, TargetSpec]],
-    inbounds: Mapping[str, int],
+    inbounds: Mapping[str, int | Sequence[int]],
     principals: Mapping[str, int],
     epoch: int,
     ruleset: routing.RuleSet | None = None,
@@ -385,7 +390,7 @@ def compile_route_table(
         ("inbound", inbounds, NO_INBOUND),
         ("principal", principals, NO_PRINCIPAL),
     ):
-        bad = sorted(k for k, v in ids.items() if not 0 <= v < none)
+        bad = sorted(k for k, v in ids.items() if not all(0 <= i < none for i in _ids(v)))
         if bad:
             raise ValueError(f"{what} ids out of range for {', '.join(map(repr, bad))}")
     tags = tuple(specs)

@@ -88,7 +88,8 @@ def test_capabilities(client: falcon.testing.TestClient) -> None:
     assert socks["mux"]["level"] == "not_applicable"
     assert protocols["shadowsocks"]["compiled"] is True
     assert protocols["shadowsocks"]["outbound"]["tcp"]["supported"] is True
-    assert protocols["tun"]["compiled"] is False
+    assert protocols["tun"]["compiled"] is True
+    assert protocols["tun"]["inbound"]["tcp"]["supported"] is True
     for item in result["protocols"]:
         assert set(item) == {
             "protocol",
@@ -107,8 +108,9 @@ def test_capabilities(client: falcon.testing.TestClient) -> None:
     assert methods["diagnostics.trace_route"]["available"] is True
     for method in ("policies.select", "policies.probe", "diagnostics.probe_outbound"):
         assert methods[method]["available"] is True
-    assert methods["tun.start"]["available"] is False
-    assert "TUN" in methods["tun.start"]["missing"]
+    assert methods["tun.start"]["available"] is True
+    # Every command of the table is built.
+    assert all(c["available"] for c in result["commands"]), result["commands"]
     for lim in result["global_limitations"]:
         assert set(lim) == {"code", "message"}
 
@@ -359,18 +361,20 @@ def test_config_validate(client: falcon.testing.TestClient) -> None:
     assert "runtime.udp_upstream_idle_timeout_seconds" in paths
 
 
-def test_not_built_command_is_501_naming_what_is_missing(
+def test_tun_commands_validate_before_touching_the_host(
     client: falcon.testing.TestClient,
 ) -> None:
-    error = err(
-        command(client, {"method": "tun.start", "params": {"addr": "10.0.0.1", "tag": "t"}}),
-        501,
-        "unsupported",
-    )
-    assert "TUN" in error["message"]
-    # Parameters are still validated first: a malformed request is the caller's error.
+    # Each is refused before any device, route or rule exists (the TUN itself is
+    # tested in network namespaces: tests/integration/test_tun_engine.py).
     error = err(command(client, {"method": "tun.start", "params": {}}), 400, "invalid_argument")
     assert error["field_path"] == "params.addr"
+    params = {"addr": "10.0.0.1", "tag": "socks-in"}  # the inbound's tag
+    error = err(command(client, {"method": "tun.start", "params": params}), 400, "invalid_argument")
+    assert error["field_path"] == "params.tag"
+    params = {"addr": "10.0.0.1/24", "tag": "t", "mtu": 1000}  # IPv6 (dual_stack) needs 1280
+    error = err(command(client, {"method": "tun.start", "params": params}), 400, "invalid_argument")
+    assert error["field_path"] == "params.mtu"
+    assert ok(command(client, {"method": "tun.stop", "params": {}})) == {"accepted": False}
 
 
 def test_flows_close_over_http(

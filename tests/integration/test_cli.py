@@ -178,7 +178,7 @@ def _taken_port_config(kind: str, port: int) -> dict:
     [
         ("inbound", "cannot start: conflict: inbounds[0].listen: inbound 'socks-in' cannot listen"),
         ("control", "cannot start: conflict: api.control.listen: control API cannot listen"),
-        ("tun", "cannot start: unsupported: this build cannot run: runtime.tun"),
+        ("tun", "cannot start: invalid_argument: runtime.tun.tag: tag 'socks-in' already names"),
         ("invalid", "invalid configuration: inbounds[0].listen: required key is missing"),
     ],
 )
@@ -190,7 +190,8 @@ def test_every_failed_start_is_one_line_with_nothing_leaked(tmp_path, case, expe
             doc = _taken_port_config(case, port)
         elif case == "tun":
             doc = socks_config()
-            doc["runtime"] = {"tun": {"addr": "172.19.0.1/30", "tag": "tun-in"}}
+            # Refused before any device, route or rule exists in this namespace.
+            doc["runtime"] = {"tun": {"addr": "172.19.0.1/30", "tag": "socks-in"}}
         else:
             doc = {"inbounds": [{"tag": "x", "protocol": "socks5"}]}
         result = spliceway_dev("run", "-c", write_config(tmp_path, doc))

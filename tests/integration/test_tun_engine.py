@@ -1,0 +1,301 @@
+"""The engine's TUN inbound, end to end, in network namespaces the tests create.
+
+Each test builds a "host" namespace linked to an "internet" one (tests/helpers/netns.py)
+and runs a real engine (``python -m spliceway run``) in the host namespace, with a TUN
+from ``runtime.tun`` or ``tun.start``. Clients in the host namespace (curl, wget, dig,
+a Python socket) have no proxy settings: the TUN's routes capture their traffic, and
+each connection must come out as a flow with its real destination, routed by the rules
+and relayed by the engine to the servers in the internet namespace. The test talks to
+the engine over its IPC socket (a path on disk, reachable from any namespace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spliceway.errors import ApiError
+from spliceway.ipc_client import IpcClient
+from tests.helpers.netns import (
+    SERVER_IP,
+    SERVER_IP6,
+    SERVER_IP_B,
+    Topology,
+    topology,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+TUN = {"addr": "172.19.0.1/30", "tag": "tun-in", "dns_hijack": False}
+TUN4 = "172.19.0.1"
+
+
+class Engine:
+    """A spliceway engine process in the host namespace, driven over IPC."""
+
+    def __init__(self, topo: Topology, home: Path, config: dict[str, Any]) -> None:
+        self.topo = topo
+        self.home = home
+        self.ipc = str(home / "ipc.sock")
+        doc = {
+            "inbounds": [],
+            "route": {"final": "direct"},
+            "api": {"control": {"enabled": False}, "ipc": {"path": self.ipc}},
+            **config,
+        }
+        path = home / "config.json"
+        path.write_text(json.dumps(doc))
+        self.log = open(home / "engine.log", "ab")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(home / "run")}
+        self.proc = topo.host.popen(
+            sys.executable, "-m", "spliceway", "run", "--config", str(path),
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        assert wait_until(self._answers, timeout=30), self.output()
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the engine exited: {self.output()}")
+        try:
+            self.query("health")
+        except ApiError:
+            return False
+        return True
+
+    def output(self) -> str:
+        return (self.home / "engine.log").read_text(errors="replace")[-4000:]
+
+    def query(self, name: str, params: dict[str, Any] | None = None) -> Any:
+        with IpcClient(self.ipc, timeout=20) as c:
+            return c.query(name, params)
+
+    def command(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        with IpcClient(self.ipc, timeout=30) as c:
+            return c.command(method, params)
+
+    def completed(self, n: int = 1, timeout: float = 10) -> list[dict[str, Any]]:
+        """The first ``n`` flow.completed records (waits for them)."""
+        got: list[dict[str, Any]] = []
+
+        def enough() -> bool:
+            nonlocal got
+            events = self.query("events", {"types": "flow.completed"})["events"]
+            got = [e["payload"]["record"] for e in events]
+            return len(got) >= n
+
+        assert wait_until(enough, timeout=timeout), got
+        return got
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def topo() -> Iterator[Topology]:
+    with topology() as t:
+        yield t
+
+
+def _client(topo: Topology, host: str, port: int, size: int) -> dict[str, Any]:
+    """A plain socket client in the host namespace: sends ``size`` random bytes to an
+    echo server and reads them back; its local address and whether they matched."""
+    script = textwrap.dedent(
+        f"""
+        import hashlib, json, os, socket, threading
+        data = os.urandom({size})
+        c = socket.create_connection(({host!r}, {port}), timeout=30)
+        t = threading.Thread(target=lambda: (c.sendall(data), c.shutdown(socket.SHUT_WR)))
+        t.start()
+        got = bytearray()
+        while chunk := c.recv(1 << 20):
+            got += chunk
+        t.join()
+        print(json.dumps({{"local": c.getsockname()[:2], "same": got == data, "n": len(got)}}))
+        """
+    )
+    out = topo.host.run(sys.executable, "-c", script, timeout=60)
+    return json.loads(out.stdout)
+
+
+def _snapshot(topo: Topology) -> dict[str, str]:
+    return topo.host.snapshot()
+
+
+# ---------------------------------------------------------------------------
+# TCP through the TUN
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [4, 6])
+def test_a_large_transfer_is_one_flow_with_its_real_destination(
+    topo: Topology, tmp_path: Path, version: int
+) -> None:
+    port = topo.serve("echo")
+    engine = Engine(topo, tmp_path, {"runtime": {"tun": TUN}})
+    try:
+        target = SERVER_IP if version == 4 else SERVER_IP6
+        size = 8 << 20
+        result = _client(topo, target, port, size)
+        assert result["same"] and result["n"] == size
+        (record,) = engine.completed()
+        assert record["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+        assert record["network"] == "tcp"
+        assert (record["target"]["host"], record["target"]["port"]) == (target, port)
+        assert [record["source"]["ip"], record["source"]["port"]] == result["local"]
+        assert record["route"]["target"] == "direct"
+        assert record["result"]["outcome"] == "direct_relayed"
+        traffic = record["traffic"]
+        assert traffic["bytes_up"] == traffic["bytes_down"] == size
+        assert traffic["inbound_rx_bytes"] == traffic["outbound_tx_bytes"] == size
+    finally:
+        engine.stop()
+
+
+def test_curl_without_proxy_settings_gets_the_page(topo: Topology, tmp_path: Path) -> None:
+    port = topo.serve("http")
+    engine = Engine(topo, tmp_path, {"runtime": {"tun": TUN}})
+    try:
+        url = f"http://{SERVER_IP}:{port}/hello"
+        res = topo.host.run("curl", "-sS", "--max-time", "10", "-o", "/dev/null",
+                            "-w", "%{http_code} %{size_download} %{local_ip}", url)  # fmt: skip
+        code, size, local = res.stdout.split()
+        assert code == "200" and int(size) > 0
+        (record,) = engine.completed()
+        assert record["target"]["host"] == SERVER_IP and record["target"]["port"] == port
+        assert record["source"]["ip"] == local == TUN4
+        assert record["target"]["sniffed_host"] == f"{SERVER_IP}"
+        assert record["traffic"]["bytes_down"] >= int(size)
+        status = engine.query("tun_status")
+        assert status["running"] is True and status["managed_by_config"] is True
+        assert status["tag"] == "tun-in" and status["addr"] == TUN["addr"]
+    finally:
+        engine.stop()
+
+
+def test_rules_route_tun_flows_by_ip_and_by_process(topo: Topology, tmp_path: Path) -> None:
+    port = topo.serve("http")
+    rules = [
+        {"ip_cidr": [f"{SERVER_IP_B}/32"], "action": "block"},
+        {"process_name": ["wget"], "action": "block"},
+    ]
+    engine = Engine(topo, tmp_path, {"runtime": {"tun": TUN}, "rules": rules})
+    try:
+        curl = ["curl", "-sS", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}"]
+        ok = topo.host.run(*curl, f"http://{SERVER_IP}:{port}/", check=False)
+        assert ok.stdout == "200", ok.stderr
+        blocked = topo.host.run(*curl, f"http://{SERVER_IP_B}:{port}/", check=False)
+        assert blocked.returncode != 0 and blocked.stdout == "000"
+        wget = topo.host.run("wget", "-q", "-T", "10", "-t", "1", "-O", "/dev/null",
+                             f"http://{SERVER_IP}:{port}/", check=False)  # fmt: skip
+        assert wget.returncode != 0
+        records = engine.completed(3)
+        by_target = {(r["target"]["host"], r["source"].get("process_name")): r for r in records}
+        good = by_target[(SERVER_IP, "curl")]
+        assert good["result"]["outcome"] == "direct_relayed"
+        assert good["source"]["process_path"].endswith("/curl")
+        # C blocks it by rule 0 before a process condition is reached: no lookup.
+        (ip_blocked,) = [r for r in records if r["target"]["host"] == SERVER_IP_B]
+        assert ip_blocked["result"]["outcome"] == "blocked"
+        assert ip_blocked["route"]["matched_rule"]["index"] == 0
+        wget_blocked = by_target[(SERVER_IP, "wget")]
+        assert wget_blocked["result"]["outcome"] == "blocked"
+        assert wget_blocked["route"]["matched_rule"]["index"] == 1
+    finally:
+        engine.stop()
+
+
+# ---------------------------------------------------------------------------
+# control: tun.start / tun.stop / config, and cleanup
+# ---------------------------------------------------------------------------
+
+
+def test_tun_start_and_stop_leave_the_namespace_as_it_was(topo: Topology, tmp_path: Path) -> None:
+    port = topo.serve("echo")
+    engine = Engine(topo, tmp_path, {})
+    try:
+        before = _snapshot(topo)
+        assert engine.query("tun_status")["running"] is False
+        assert engine.command("tun.start", {**TUN, "strict_route": True}) == {"accepted": True}
+        status = engine.query("tun_status")
+        assert status["running"] is True and status["managed_by_config"] is False
+        assert status["strict_route"] is True and status["dual_stack"] is True
+        with pytest.raises(ApiError) as again:
+            engine.command("tun.start", TUN)
+        assert again.value.code == "conflict"
+        assert _client(topo, SERVER_IP, port, 1000)["same"]
+        (record,) = engine.completed()
+        assert record["inbound"]["protocol"] == "tun"
+        assert engine.command("tun.stop", {}) == {"accepted": True}
+        assert _snapshot(topo) == before
+        assert engine.query("tun_status") == {
+            "running": False, "name": None, "addr": None, "tag": None,
+        }  # fmt: skip
+        assert engine.command("tun.stop", {}) == {"accepted": False}
+    finally:
+        engine.stop()
+    assert _snapshot(topo) == before
+
+
+def test_a_configured_tun_refuses_the_commands_and_follows_config_apply(
+    topo: Topology, tmp_path: Path
+) -> None:
+    port = topo.serve("echo")
+    before = _snapshot(topo)
+    engine = Engine(topo, tmp_path, {"runtime": {"tun": TUN}})
+    try:
+        for method, params in (("tun.start", TUN), ("tun.stop", {})):
+            with pytest.raises(ApiError) as refused:
+                engine.command(method, params)
+            assert refused.value.code == "conflict", method
+        doc = json.loads((tmp_path / "config.json").read_text())
+        doc["runtime"] = {}
+        result = engine.command("config.apply_runtime", {"config": doc})
+        assert "tun" in result["changed_components"]
+        assert engine.query("tun_status")["running"] is False
+        assert _snapshot(topo) == before
+        doc["runtime"] = {"tun": {**TUN, "tag": "tun-b"}}
+        engine.command("config.apply_runtime", {"config": doc})
+        assert engine.query("tun_status")["tag"] == "tun-b"
+        assert _client(topo, SERVER_IP, port, 1000)["same"]
+        (record,) = engine.completed()
+        assert record["inbound"] == {"tag": "tun-b", "protocol": "tun"}
+    finally:
+        engine.stop()
+    assert _snapshot(topo) == before
+
+
+def test_kill_9_then_a_restart_leaves_nothing_behind(topo: Topology, tmp_path: Path) -> None:
+    before = _snapshot(topo)
+    engine = Engine(topo, tmp_path, {"runtime": {"tun": {**TUN, "strict_route": True}}})
+    engine.kill9()
+    # What the dead engine added is still there (routes outlive their process) ...
+    assert _snapshot(topo)["rules4"] != before["rules4"]
+    # ... until the next engine starts, TUN or not.
+    (tmp_path / "ipc.sock").unlink(missing_ok=True)
+    engine = Engine(topo, tmp_path, {})
+    try:
+        after = _snapshot(topo)
+        assert {k: after[k] for k in ("rules4", "rules6", "routes4", "routes6")} == {
+            k: before[k] for k in ("rules4", "rules6", "routes4", "routes6")
+        }
+    finally:
+        engine.stop()
+    assert _snapshot(topo) == before
