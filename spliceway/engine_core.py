@@ -572,7 +572,14 @@ class EngineCore:
             inbound_tags=lambda: {ib.tag for ib in self.config.inbounds},
             idle_timeout_ms=lambda: self.tcp_idle_timeout_ms,
             network_mtu=lambda: self.config.runtime.network.mtu,
+            end_flows=self._end_flows_of,
         )
+
+    def _end_flows_of(self, tag: str) -> None:
+        for entry in self.flows.entries():
+            if entry.inbound_tag == tag:
+                with contextlib.suppress(pykka.ActorDeadError):
+                    entry.actor.tell(StopFlow())
 
     def _stop_tun(self) -> None:
         """Take a running TUN down (engine stop, or a start undone); never raises."""

@@ -56,6 +56,8 @@ class TunParts:
     """``runtime.tcp_idle_timeout_seconds`` now, in ms."""
     network_mtu: Callable[[], int]
     """``runtime.network.mtu`` now."""
+    end_flows: Callable[[str], None]
+    """End the open flows of inbound ``tag`` (the TUN is going: their clients with it)."""
     start_udp: Callable[[Any, TunStack, TunHandle], pykka.ActorRef[Any] | None] | None = None
     """Starts the actor of the stack's UDP sessions (given the TUN's spec, the stack and
     the handle), on the dispatcher; None: none (datagrams are dropped, counted)."""
@@ -181,9 +183,8 @@ class TunService:
     # -- stop --------------------------------------------------------------------------
 
     def stop(self) -> bool:
-        """Take the TUN down; False when none was running. Flows already accepted keep
-        running on their kernel sockets (their bytes no longer reach the TUN's
-        clients once the device is gone, so they end by themselves)."""
+        """Take the TUN down; False when none was running. Its open flows end first
+        (their clients reach them only through the device that is going)."""
         with self._lock:
             run, self._running = self._running, None
             if run is None:
@@ -191,6 +192,7 @@ class TunService:
             self._parts.republish()
             with contextlib.suppress(pykka.ActorDeadError):
                 run.actor.stop(timeout=_ACTOR_TIMEOUT)
+            self._parts.end_flows(run.tag)
             # The loop reads the device's fd: it stops before the controller closes it.
             run.stack.stop()
             self.controller.stop()

@@ -136,7 +136,19 @@ def _client(topo: Topology, host: str, port: int, size: int) -> dict[str, Any]:
 
 
 def _snapshot(topo: Topology) -> dict[str, str]:
-    return topo.host.snapshot()
+    """The host namespace's rules, routes, addresses and links once settled: a fresh
+    veth's link-local address is tentative (and its routes in flux) for a moment."""
+    last: dict[str, str] = {}
+
+    def settled() -> bool:
+        nonlocal last
+        now = topo.host.snapshot()
+        same = now == last and "tentative" not in now["addresses"]
+        last = now
+        return same
+
+    assert wait_until(settled, timeout=10), last
+    return last
 
 
 # ---------------------------------------------------------------------------
@@ -243,7 +255,19 @@ def test_tun_start_and_stop_leave_the_namespace_as_it_was(topo: Topology, tmp_pa
         assert _client(topo, SERVER_IP, port, 1000)["same"]
         (record,) = engine.completed()
         assert record["inbound"]["protocol"] == "tun"
+        # A connection still open when the TUN goes: its flow ends with it.
+        idle = topo.host.popen(
+            sys.executable, "-c",
+            f"import socket; c = socket.create_connection(({SERVER_IP!r}, {port})); "
+            "c.settimeout(60); print('up', flush=True); c.recv(1)",
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert idle.stdout is not None and idle.stdout.readline() == "up\n"
+        assert wait_until(lambda: len(engine.query("flows")["active_flows"]) == 1)
         assert engine.command("tun.stop", {}) == {"accepted": True}
+        ended = engine.completed(2)[1]
+        assert ended["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+        assert engine.query("flows")["active_flows"] == []
         assert _snapshot(topo) == before
         assert engine.query("tun_status") == {
             "running": False, "name": None, "addr": None, "tag": None,
