@@ -323,3 +323,28 @@ def test_kill_9_then_a_restart_leaves_nothing_behind(topo: Topology, tmp_path: P
     finally:
         engine.stop()
     assert _snapshot(topo) == before
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_strict_route_keeps_the_uncaptured_family_from_leaking(
+    topo: Topology, tmp_path: Path, strict: bool
+) -> None:
+    port = topo.serve("http")
+    tun = {**TUN, "dual_stack": False, "strict_route": strict}  # IPv4 only
+    engine = Engine(topo, tmp_path, {"runtime": {"tun": tun}})
+    try:
+        curl = ["curl", "-sS", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}"]
+        v6 = topo.host.run(*curl, f"http://[{SERVER_IP6}]:{port}/", check=False)
+        v4 = topo.host.run(*curl, f"http://{SERVER_IP}:{port}/", check=False)
+        assert v4.stdout == "200"
+        if strict:
+            # Not captured, and not let around the TUN either: unreachable.
+            assert v6.returncode != 0 and v6.stdout == "000"
+        else:
+            assert v6.stdout == "200"  # around the TUN, straight out
+        # Only the captured connection is a flow.
+        (record,) = engine.completed()
+        assert record["target"]["host"] == SERVER_IP
+        assert engine.query("tun_status")["strict_route"] is strict
+    finally:
+        engine.stop()
