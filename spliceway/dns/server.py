@@ -89,6 +89,7 @@ __all__ = [
     "DnsResponder",
     "DnsServer",
     "bind_dns",
+    "serve_tcp_client",
 ]
 
 logger = logging.getLogger(__name__)
@@ -693,27 +694,43 @@ class DnsServer:
             self._send(out, addr)
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        counters = self.counters
-        counters.tcp_connections += 1
-        task = asyncio.current_task()
-        if task is None or len(self._tcp_clients) >= MAX_TCP_CLIENTS:
-            writer.close()
-            return
-        self._tcp_clients.add(task)
-        try:
-            while True:
-                async with asyncio.timeout(TCP_IDLE_SECONDS):
-                    size = int.from_bytes(await reader.readexactly(2), "big")
-                    data = await reader.readexactly(size)
-                counters.queries += 1
-                counters.tcp_queries += 1
-                out = await self.responder.respond(data, True)
-                if out is None:
-                    return  # dropped: nothing sensible follows on this stream
-                writer.write(len(out).to_bytes(2, "big") + out)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError):
-            pass
-        finally:
-            self._tcp_clients.discard(task)
-            writer.close()
+        await serve_tcp_client(reader, writer, self.responder, self._tcp_clients)
+
+
+async def serve_tcp_client(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    responder: DnsResponder,
+    clients: set[asyncio.Task[Any]],
+) -> None:
+    """Serve one TCP client's queries (two-byte length prefix, RFC 1035 4.2.2) until it
+    closes, sends a query the responder drops, or is idle :data:`TCP_IDLE_SECONDS`.
+
+    ``clients`` holds the serving tasks of one server (at most :data:`MAX_TCP_CLIENTS`;
+    a client past that is closed at once), so its owner can cancel them when it stops.
+    Counted in ``responder.counters``. Used by :class:`DnsServer` and by the TUN's DNS
+    hijack (:mod:`spliceway.tun.dns_hijack`)."""
+    counters = responder.counters
+    counters.tcp_connections += 1
+    task = asyncio.current_task()
+    if task is None or len(clients) >= MAX_TCP_CLIENTS:
+        writer.close()
+        return
+    clients.add(task)
+    try:
+        while True:
+            async with asyncio.timeout(TCP_IDLE_SECONDS):
+                size = int.from_bytes(await reader.readexactly(2), "big")
+                data = await reader.readexactly(size)
+            counters.queries += 1
+            counters.tcp_queries += 1
+            out = await responder.respond(data, True)
+            if out is None:
+                return  # dropped: nothing sensible follows on this stream
+            writer.write(len(out).to_bytes(2, "big") + out)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError):
+        pass
+    finally:
+        clients.discard(task)
+        writer.close()
