@@ -551,7 +551,6 @@ class TunUdpActor(LoopActor):
                 self._fail(sess, records.Failure("connect", "connect_failed", str(ex)))
 
     def _fail(self, sess: _Session, failure: records.Failure) -> None:
-        self.counters.datagrams_dropped += len(sess.queue)
         self._complete(sess, records.FAILED, failure)
 
     async def _open_direct(self, sess: _Session) -> None:
@@ -647,9 +646,15 @@ class TunUdpActor(LoopActor):
             return False
         udp = self.deps.counters.udp
         try:
-            sock.send(payload)
+            try:
+                sock.send(payload)
+            except ConnectionRefusedError:
+                # An ICMP unreachable for an earlier datagram, reported (and cleared)
+                # instead of sending this one: the next try sends it.
+                self.counters.upstream_errors += 1
+                sock.send(payload)
         except OSError:
-            # Buffer full, or an ICMP error of an earlier datagram: UDP may lose it.
+            # Buffer full, or the target unreachable again: UDP may lose it.
             udp["send_failures"] += 1
             return False
         udp["packets_sent"] += 1
@@ -748,6 +753,7 @@ class TunUdpActor(LoopActor):
             return
         chained = sess.action == "python"
         sess.action = "closed"
+        self.counters.datagrams_dropped += len(sess.queue)
         sess.queue.clear()
         sess.queued_bytes = 0
         idle = s.close_reason == records.IDLE_TIMEOUT

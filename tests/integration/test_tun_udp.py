@@ -34,9 +34,11 @@ from typing import Any
 import pykka
 import pytest
 from spliceway.actors.tun_udp import TunUdpActor, TunUdpCounters, TunUdpStats
+from spliceway.actors.udp import SampleUdp
 
 from spliceway.dns.server import DnsResponder
 from spliceway.engine_core import InboundSpec
+from spliceway.events import now_ms
 from spliceway.inbound import Users
 from spliceway.tun import mark
 from spliceway.tun.dns_hijack import TunDnsTcp
@@ -320,6 +322,45 @@ def test_an_idle_session_ends_with_exact_counts(make_tun, who: str) -> None:
     _echo_round_trips(c, (SERVER_IP, port), [b"again"])
     assert len(tun.events("flow.started")) == 2
     assert tun.counters.unknown_sessions == 0
+
+
+def test_flows_close_and_stats_ticks(make_tun) -> None:
+    """A stats tick (SampleUdp) publishes flow.updated with live counts; flows.close
+    ends the flow (cancelled, manual) and its session in the stack."""
+    tun = make_tun()
+    port = udp_echo(tun.topo)
+    tun.start_actor()
+    c = tun.client(4)
+    _echo_round_trips(c, (SERVER_IP, port), [b"12345678"] * 3)
+    assert tun.actor is not None
+    tun.actor.tell(SampleUdp(now_ms()))
+    (updated,) = tun.wait_events("flow.updated", 1)
+    assert (updated["bytes_up"], updated["bytes_down"]) == (24, 24)
+    assert updated["record"]["traffic"]["packets_down"] == 3
+    tun.actor.tell(SampleUdp(now_ms()))  # nothing moved: no new revision
+    (flow,) = tun.engine.query("flows")["active_flows"]
+    assert flow["traffic"]["bytes_up"] == 24
+    assert tun.engine.execute("flows.close", {"flow_id": flow["flow_id"]})["closed"] is True
+    (done,) = tun.wait_events("flow.completed", 1)
+    assert done["record"]["result"] == {"outcome": "cancelled", "close_reason": "manual"}
+    assert done["record"]["traffic"]["packets_up"] == 3
+    wait_until(lambda: tun.stack.stats()["udp_active"] == 0, what="the session closed")
+    assert len(tun.events("flow.updated")) == 1 and tun.counters.unknown_sessions == 0
+    _echo_round_trips(c, (SERVER_IP, port), [b"new flow"])
+    assert len(tun.events("flow.started")) == 2
+
+
+def test_an_unreachable_port_is_counted_and_sending_goes_on(make_tun) -> None:
+    """The target answers with ICMP port unreachable: read (or met by the next send)
+    on the flow's connected socket, counted, and every datagram still goes out."""
+    tun = make_tun()
+    tun.start_actor()
+    c = tun.client(4)
+    c.sendto(b"anyone?", (SERVER_IP, 9))
+    wait_until(lambda: tun.counters.upstream_errors >= 1, what="the ICMP error")
+    c.sendto(b"still?", (SERVER_IP, 9))
+    wait_until(lambda: tun.counters.datagrams_relayed == 2, what="both sent")
+    assert tun.counters.errors == 0 and tun.counters.datagrams_dropped == 0
 
 
 def test_a_record_of_a_session_the_actor_never_saw_is_counted(make_tun) -> None:
