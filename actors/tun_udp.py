@@ -241,8 +241,13 @@ class TunUdpActor(LoopActor):
 
     def on_start(self) -> None:
         """Watch the stack's records; take those already waiting."""
-        fd = self.stack.fileno()
-        self.dispatcher.loop.add_reader(fd, self._on_records)
+        try:
+            fd = self.stack.fileno()  # TunStackError: the stack is not running
+            self.dispatcher.loop.add_reader(fd, self._on_records)
+        except BaseException:
+            # pykka does not call on_stop after a failed on_start: leave nothing behind.
+            self.on_stop()
+            raise
         self._fd = fd
         self._schedule_sweep()
         self._on_records()
@@ -597,8 +602,12 @@ class TunUdpActor(LoopActor):
         # one socket are distinct, so the proxy's replies map back to one session each.
         proxy = await self.upstreams.open(outbound, (outbound.tag, sess.source))
         if sess.action != "opening" or self.actor_stopped.is_set():
+            if proxy is not None:
+                # Opened for nobody (the session ended meanwhile): close it unless a
+                # session waiting on it too takes it first.
+                self.dispatcher.loop.call_soon(self._close_unused, proxy)
             return
-        if proxy is None:
+        if proxy is None or proxy.sock is None:
             self._fail(
                 sess,
                 records.Failure(
@@ -613,6 +622,10 @@ class TunUdpActor(LoopActor):
         s.remote_host, s.remote_port = outbound.server, outbound.port
         s.relay_chain = [outbound.tag]
         self._routed(sess, chained=True)
+
+    def _close_unused(self, proxy: ProxyUpstream) -> None:
+        if not proxy.by_source:
+            self.upstreams.close(proxy, idle=False)
 
     def _routed(self, sess: _Session, *, chained: bool) -> None:
         sess.state.state = "active"
