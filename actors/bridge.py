@@ -22,6 +22,7 @@ from spliceway.actors.messages import ConnEnded, ConnRouted, ConnTakeOver, Relay
 from spliceway import connpath
 from spliceway.connpath import ConnPath, ConnRecord, Deferred
 from spliceway.relay import Completion, Counters, Relay
+from spliceway.tun import mark
 
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher
@@ -61,6 +62,10 @@ class RelayBridge:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.relay = Relay(loops=relay_loops())
         self.conn = ConnPath(self.relay)
+        # C dials upstreams itself: it gets the TUN's socket mark now and on every
+        # change, so its connections leave by the physical egress (spliceway.tun.mark;
+        # the subscription holds the bound method weakly).
+        self._unsubscribe_mark = mark.subscribe(self.conn.set_mark)
         self._dispatcher = dispatcher
         self._actors: dict[int, pykka.ActorRef[Any]] = {}
         #: C flow number -> actor, from STARTED until ROUTED or ENDED.
@@ -182,6 +187,7 @@ class RelayBridge:
     def shutdown(self) -> None:
         """Stop the C path and the relay (any thread): what C held ends with ENDED
         records, open relayed flows complete with SHUTDOWN; all still delivered."""
+        self._unsubscribe_mark()
         self.conn.close()
         self.relay.close()
 

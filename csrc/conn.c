@@ -57,6 +57,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifndef SO_MARK
+#define SO_MARK 36 /* <asm-generic/socket.h> */
+#endif
+
 enum {
     MAX_LISTENERS = 256,
     EVENTS_MAX = 128,
@@ -257,9 +261,12 @@ struct sw_conn {
     size_t nmessages;
     pthread_mutex_t drain_lock;
     _Atomic int shut;
+    /* SO_MARK for upstream sockets, 0 for none (sw_conn_set_mark): read once per
+     * dial, so a change applies to the next socket. */
+    _Atomic uint32_t mark;
     struct {
         _Atomic uint64_t accepted, handshake_failed, deferred, started, routed, ended,
-            accept_paused, accept_errors;
+            accept_paused, accept_errors, mark_failed;
     } stats;
 };
 
@@ -1114,6 +1121,14 @@ static void start_connect(struct cconn *c)
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    /* The engine's own traffic must leave by the physical egress, not loop back
+     * into the TUN it serves (spliceway/tun/mark.py): the route is chosen at
+     * connect(), so the mark goes on first.  A refusal (EPERM: no CAP_NET_ADMIN)
+     * is counted, not fatal: the flow is dialled unmarked, as it would be
+     * without a TUN. */
+    uint32_t mark = atomic_load_explicit(&c->loop->conn->mark, memory_order_relaxed);
+    if (mark && setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof mark) < 0)
+        atomic_fetch_add_explicit(&c->loop->conn->stats.mark_failed, 1, memory_order_relaxed);
     c->ufd = fd;
     c->up_watched = false;
     int rc = connect(fd, (struct sockaddr *)&c->up_addr, c->up_addr_len);
@@ -2662,5 +2677,14 @@ int sw_conn_stats_get(sw_conn *conn, sw_conn_stats *out)
     out->ended = atomic_load(&conn->stats.ended);
     out->accept_paused = atomic_load(&conn->stats.accept_paused);
     out->accept_errors = atomic_load(&conn->stats.accept_errors);
+    out->mark_failed = atomic_load(&conn->stats.mark_failed);
+    return 0;
+}
+
+int sw_conn_set_mark(sw_conn *conn, uint32_t mark)
+{
+    if (!conn)
+        return -EINVAL;
+    atomic_store_explicit(&conn->mark, mark, memory_order_relaxed);
     return 0;
 }

@@ -389,8 +389,19 @@ class ConnPath:
             )
         return out
 
+    def set_mark(self, mark: int) -> None:
+        """Put SO_MARK ``mark`` (0: none) on every upstream socket C dials from now on.
+
+        The engine keeps it current with :func:`spliceway.tun.mark.subscribe` (see
+        ``RelayBridge``). A socket the kernel refuses to mark (no CAP_NET_ADMIN) is
+        dialled unmarked and counted in :meth:`stats` ``mark_failed``.
+        """
+        if not 0 <= mark <= 0xFFFFFFFF:
+            raise ValueError(f"mark {mark} is not a 32-bit value")
+        check(lib.sw_conn_set_mark(self._ptr, mark), "sw_conn_set_mark")
+
     def stats(self) -> dict[str, int]:
-        """C's own counters (accepted, deferred, paused...)."""
+        """C's own counters (accepted, deferred, paused, mark_failed...)."""
         out = ffi.new("sw_conn_stats *")
         check(lib.sw_conn_stats_get(self._ptr, out), "sw_conn_stats_get")
         return {name: int(getattr(out, name)) for name in dir(out)}

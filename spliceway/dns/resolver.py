@@ -20,7 +20,9 @@ Behaviour where the spec leaves room:
   server the C library's own timeouts apply.
 - ``udp://`` and ``tcp://`` servers are queried with dnspython (A and AAAA; a truncated
   UDP answer is retried over TCP by dnspython). The cached TTL is the smallest TTL of
-  the answer, CNAME chain included.
+  the answer, CNAME chain included. Their sockets carry the TUN's mark while one runs
+  (:mod:`spliceway.dns.transport`), so the queries go around the TUN; ``system``
+  queries cannot be marked (see :mod:`spliceway.tun.mark`).
 - Addresses come IPv4 first, then IPv6, without duplicates.
 - Negative answers are not cached: a name that starts to exist is seen at once, and a
   miss costs one query, as it would without a cache.
@@ -41,11 +43,11 @@ from typing import Any, NamedTuple
 import dns.asyncresolver
 import dns.exception
 import dns.name
-import dns.nameserver
 import dns.resolver
 
 from spliceway.config import DnsSettings, parse_dns_server
 from spliceway.dns.cache import AnswerCache, CacheEntry
+from spliceway.dns.transport import MarkedDo53Nameserver
 
 __all__ = [
     "LOOPBACK_ADDRESSES",
@@ -186,7 +188,8 @@ class _Do53Server:
         self._sync = dns.resolver.Resolver(configure=False)
         self._async = dns.asyncresolver.Resolver(configure=False)
         for r in (self._sync, self._async):
-            r.nameservers = [dns.nameserver.Do53Nameserver(ip, port)]
+            # Its sockets carry the TUN's mark while one runs (spliceway.dns.transport).
+            r.nameservers = [MarkedDo53Nameserver(ip, port)]
             r.cache = None  # AnswerCache does the caching, with the configured clamps
 
     def lookup(self, name: str, timeout: float) -> _Answer:

@@ -19,7 +19,8 @@ What it answers (where the spec leaves room, these are the choices):
   client real addresses that bypass the fake ones.
 - **Other types** (MX, TXT, SRV, PTR, ...): forwarded to the ``udp://`` / ``tcp://``
   servers of ``runtime.dns.servers`` in order (SERVFAIL when none answers); with only
-  ``system`` there is nothing to forward to: NOTIMP. ANY, AXFR, IXFR: NOTIMP.
+  ``system`` there is nothing to forward to: NOTIMP. ANY, AXFR, IXFR: NOTIMP. The
+  forwarded queries' sockets carry the TUN's mark while one runs, as the resolver's.
 - **Not a standard query** (another opcode or class): NOTIMP; EDNS version above 0:
   BADVERS; a question count other than 1: FORMERR.
 - **Malformed:** a message whose 12-byte header reads as a query (QR clear) but whose
@@ -75,6 +76,7 @@ import dns.rrset
 
 from spliceway.actors.dispatcher import Dispatcher
 from spliceway.dns.resolver import Answer, InvalidHostname, ResolveError, normalize_hostname
+from spliceway.dns.transport import BACKEND
 from spliceway.errors import ApiError
 
 if TYPE_CHECKING:
@@ -521,11 +523,15 @@ class DnsResponder:
             if budget <= 0:
                 break
             try:
+                # BACKEND: the sockets carry the TUN's mark while one runs, so the
+                # query goes around the TUN (spliceway.dns.transport).
                 if kind == "tcp":
-                    got = await dns.asyncquery.tcp(outgoing, ip, timeout=budget, port=port)
+                    got = await dns.asyncquery.tcp(
+                        outgoing, ip, timeout=budget, port=port, backend=BACKEND
+                    )
                 else:
                     got, _ = await dns.asyncquery.udp_with_fallback(
-                        outgoing, ip, timeout=budget, port=port
+                        outgoing, ip, timeout=budget, port=port, backend=BACKEND
                     )
             except (dns.exception.DNSException, OSError, EOFError):
                 continue

@@ -18,19 +18,21 @@ Where each socket is created (each must call :func:`apply_mark`, or in C set
 
 - ``spliceway/outbounds.py`` ``_open_tcp``: every Python TCP dial (direct, and the
   first hop to a socks5/http/shadowsocks server).
-- ``csrc/conn.c`` ``start_connect``: the C connection path's upstream socket. NOT YET
-  DONE (conn.c was being changed for the TUN listener): add ``_Atomic uint32_t mark``
-  to ``struct sw_conn``, ``int sw_conn_set_mark(sw_conn *, uint32_t)`` storing it, and
-  in ``start_connect`` after ``socket()``: when the mark is not 0,
-  ``setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof mark)``, failing the flow
-  (``SW_END_INTERNAL``) if that fails; ``ConnPath.__init__`` then calls
-  ``subscribe(self.set_mark)`` (held weakly) with ``set_mark`` calling
-  ``lib.sw_conn_set_mark``, and ``close`` unsubscribes.
-- ``actors/udp.py``: the association's upstream UDP sockets (the ones created with
-  ``socket.socket(family, socket.SOCK_DGRAM)`` for direct and proxied UDP); the C UDP
-  relay (``csrc/udp.c``) is handed these fds and creates none itself.
-- ``spliceway/dns/resolver.py``: dnspython's UDP/TCP queries to ``udp://``/``tcp://``
-  servers (pass a marked socket, or a socket factory, to dnspython). The ``system``
+- ``csrc/conn.c`` ``start_connect``: the C connection path's upstream socket gets
+  ``SO_MARK`` before ``connect`` from the mark C keeps (``sw_conn_set_mark``, read
+  once per dial). ``RelayBridge`` subscribes ``ConnPath.set_mark`` (:func:`subscribe`,
+  held weakly) when it creates the path and unsubscribes at shutdown. A socket the
+  kernel refuses to mark is dialled unmarked and counted (``ConnPath.stats()``
+  ``mark_failed``), not failed: the TUN's start has checked CAP_NET_ADMIN, so it
+  does not happen while a TUN runs.
+- ``actors/udp.py`` and ``actors/udp_upstream.py``: the association's upstream UDP
+  sockets (the ones created with ``socket.socket(family, socket.SOCK_DGRAM)`` for
+  direct and proxied UDP); the C UDP relay (``csrc/udp.c``) is handed these fds and
+  creates none itself.
+- ``spliceway/dns/resolver.py`` and ``spliceway/dns/server.py`` (forwarded query
+  types): dnspython's UDP/TCP queries to ``udp://``/``tcp://`` servers run on sockets
+  :mod:`spliceway.dns.transport` makes with :func:`marked_socket` (a ``Do53Nameserver``
+  for the resolver, an asyncio backend for ``dns.asyncquery``). The ``system``
   resolver (getaddrinfo) cannot be marked: its queries follow ``dns_hijack`` back
   into the engine, so a TUN with ``dns_hijack`` needs an explicit server.
 - ``connector/webhook.py``: ``socket.create_connection`` of each delivery.
