@@ -6,7 +6,8 @@ to the C connection path as ``SW_IN_TUN`` listeners, so each accepted connection
 looked up in the stack's NAT table (its "handshake"), then routed, dialled and
 spliced like one from any other inbound, and recorded with ``inbound {tag,
 protocol: "tun"}``. It also starts and stops the actor that owns the stack's UDP
-sessions, when there is one.
+sessions and, with ``dns_hijack``, the server answering DNS over TCP on the stack's
+port-53 listeners.
 
 Only the listeners' registration runs here, on the dispatcher: the device, the
 routes and the packet loop are brought up and down by
@@ -29,6 +30,7 @@ from spliceway.connpath import ConnPath, ListenerOptions
 
 if TYPE_CHECKING:
     from spliceway.engine_core import InboundSpec
+    from spliceway.tun.dns_hijack import TunDnsTcp
     from spliceway.tun.stack import TunStack
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class TunActor(LoopActor):
         specs: dict[int, InboundSpec],
         idle_timeout_ms: int,
         start_udp: UdpStarter | None = None,
+        dns_tcp: TunDnsTcp | None = None,
     ) -> None:
         """``specs``: the listener slot's spec per family (4, 6) the stack captures."""
         super().__init__(dispatcher)
@@ -57,6 +60,7 @@ class TunActor(LoopActor):
         self.specs = specs
         self.idle_timeout_ms = idle_timeout_ms
         self._start_udp = start_udp
+        self.dns_tcp = dns_tcp
         self._listening: list[int] = []
         self.udp: pykka.ActorRef[Any] | None = None
 
@@ -79,6 +83,8 @@ class TunActor(LoopActor):
             self._listening.append(spec.index)
         if self._start_udp is not None:
             self.udp = self._start_udp()
+        if self.dns_tcp is not None:
+            self.dns_tcp.start()
 
     def on_stop(self) -> None:
         """Stop the UDP sessions' actor and accepting (idempotent)."""
@@ -94,6 +100,9 @@ class TunActor(LoopActor):
             with contextlib.suppress(pykka.ActorDeadError):
                 # On this same dispatcher thread: a blocking stop would wait for itself.
                 udp.stop(block=False)
+        dns_tcp, self.dns_tcp = self.dns_tcp, None
+        if dns_tcp is not None:
+            dns_tcp.stop()
         # Each returns once no C loop can touch the listener's fd again.
         while self._listening:
             slot = self._listening.pop()

@@ -31,10 +31,12 @@ from spliceway.actors.dispatcher import Dispatcher
 from spliceway.actors.flow import AUTH_SCHEMES, FlowActor, FlowDeps
 from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
+from spliceway.actors.tun_udp import TunUdpActor
 from spliceway.actors.udp import UdpAssociationActor, UdpRecords
 from spliceway.config import Config
 from spliceway.connector.service import Connector
 from spliceway.connpath import ConnRecord, Deferred
+from spliceway.dns.server import DnsResponder
 from spliceway.dns.service import FAKEIP_WARNING, DnsService
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
@@ -147,7 +149,10 @@ class EngineCore:
         self.dns = DnsService(lambda: self.resolver, self._dns_warning, lambda: self.dispatcher)
         self.started_at_unix_ms = 0
         #: UDP associations by the C relay's id (their actors take its records).
-        self.udp_assocs: dict[int, pykka.ActorRef[Any]] = {}
+        #: The TUN's UDP actor is among them, under ``("tun", tag)``.
+        self.udp_assocs: dict[Any, pykka.ActorRef[Any]] = {}
+        #: The DNS responder for a TUN's dns_hijack when no DNS server runs.
+        self._tun_responder: DnsResponder | None = None
         #: ``runtime.process_lookup``'s lookups (its worker thread starts with the first).
         self.process_lookup = ProcessLookup()
         #: Readable when this host's addresses change (the lookup's locality snapshot).
@@ -573,9 +578,38 @@ class EngineCore:
             idle_timeout_ms=lambda: self.tcp_idle_timeout_ms,
             network_mtu=lambda: self.config.runtime.network.mtu,
             end_flows=self._end_flows_of,
+            udp_idle_timeout_s=lambda: self.config.runtime.udp_upstream_idle_timeout_seconds,
+            dns_responder=self._dns_responder,
+            start_udp=self._start_tun_udp,
         )
 
+    def _dns_responder(self) -> DnsResponder:
+        """The DNS server's responder (one set of counters), else one of the TUN's own."""
+        server = self.dns.server
+        if server is not None:
+            return server.responder
+        if self._tun_responder is None:
+            self._tun_responder = DnsResponder(lambda: self.resolver, lambda: self.dns.pool)
+        return self._tun_responder
+
+    def _start_tun_udp(
+        self, spec: InboundSpec, stack: Any, dns: DnsResponder | None
+    ) -> pykka.ActorRef[Any]:
+        """The actor of a TUN's UDP sessions (on the dispatcher, from the TunActor); the
+        stats sampler ticks it like a SOCKS5 association."""
+        ref = TunUdpActor.start(
+            self.flow_deps,
+            lambda: self.resolver,
+            spec,
+            stack,
+            dns,
+            self.config.runtime.udp_upstream_idle_timeout_seconds,
+        )
+        self.udp_assocs[("tun", spec.tag)] = ref
+        return ref
+
     def _end_flows_of(self, tag: str) -> None:
+        self.udp_assocs.pop(("tun", tag), None)
         for entry in self.flows.entries():
             if entry.inbound_tag == tag:
                 with contextlib.suppress(pykka.ActorDeadError):

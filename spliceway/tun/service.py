@@ -58,9 +58,14 @@ class TunParts:
     """``runtime.network.mtu`` now."""
     end_flows: Callable[[str], None]
     """End the open flows of inbound ``tag`` (the TUN is going: their clients with it)."""
-    start_udp: Callable[[Any, TunStack, TunHandle], pykka.ActorRef[Any] | None] | None = None
+    udp_idle_timeout_s: Callable[[], float]
+    """``runtime.udp_upstream_idle_timeout_seconds`` now."""
+    dns_responder: Callable[[], Any]
+    """The engine's DNS responder (``DnsResponder``), for ``dns_hijack``."""
+    start_udp: Callable[[Any, TunStack, Any], pykka.ActorRef[Any] | None] | None = None
     """Starts the actor of the stack's UDP sessions (given the TUN's spec, the stack and
-    the handle), on the dispatcher; None: none (datagrams are dropped, counted)."""
+    the DNS responder or None), on the dispatcher; None: none (datagrams are dropped,
+    counted)."""
 
 
 @dataclass(slots=True)
@@ -149,23 +154,42 @@ class TunService:
 
     def _start_loop(self, handle: TunHandle) -> _Running:
         from spliceway.actors.tun import TunActor
+        from spliceway.tun.dns_hijack import TunDnsTcp
 
         parts = self._parts
         opts = handle.options
-        stack = TunStack(handle.fds[0], opts.interfaces, handle.mtu)
+        stack = TunStack(
+            handle.fds[0],
+            opts.interfaces,
+            handle.mtu,
+            dns_tcp=opts.dns_hijack,
+            udp_idle_timeout=parts.udp_idle_timeout_s(),
+        )
         stack.start()
         try:
             specs = {v: parts.register(TUN_SLOTS[v], opts.tag) for v in stack.listeners}
+            dns = parts.dns_responder() if opts.dns_hijack else None
+            dns_tcp = (
+                TunDnsTcp(dns, list(stack.dns_listeners.values()), parts.dispatcher)
+                if dns is not None
+                else None
+            )
             start_udp = None
             if parts.start_udp is not None:
                 udp_starter = parts.start_udp
                 spec = next(iter(specs.values()))
 
                 def start_udp() -> pykka.ActorRef[Any] | None:
-                    return udp_starter(spec, stack, handle)
+                    return udp_starter(spec, stack, dns)
 
             actor = TunActor.start(
-                parts.dispatcher, parts.conn, stack, specs, parts.idle_timeout_ms(), start_udp
+                parts.dispatcher,
+                parts.conn,
+                stack,
+                specs,
+                parts.idle_timeout_ms(),
+                start_udp,
+                dns_tcp,
             )
             try:
                 # on_start (listen_tun) has run once an ask is answered: a failure there

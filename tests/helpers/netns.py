@@ -228,6 +228,9 @@ class Topology:
             f"--listen-address={address}",
             "--port=53",
             *(f"--address=/{name}/{ip}" for name, ip in records.items()),
+            # Answered from these records only: a name's AAAA gets NODATA, not REFUSED
+            # (which a resolver asking A and AAAA could take for a failed server).
+            *(f"--local=/{name}/" for name in records),
         ]
         self.internet.popen(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10

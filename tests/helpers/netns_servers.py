@@ -2,9 +2,9 @@
 
 KIND is ``http`` (the origin of tests.helpers.servers: ``/``, ``/bytes/N``,
 ``/host``), ``echo`` (TCP echo), ``sink`` (TCP: counts bytes until EOF, answers
-``<count> <sha256>\\n``) or ``udp-echo``. Each listens on every address of both
-families (``::`` with IPV6_V6ONLY off) and prints ``ready <port>`` on stdout once
-it accepts, then serves until killed.
+``<count> <sha256>\\n``) or ``udp-echo`` (replies from the address it was sent to).
+Each listens on every address of both families (``::`` with IPV6_V6ONLY off) and
+prints ``ready <port>`` on stdout once it accepts, then serves until killed.
 """
 
 from __future__ import annotations
@@ -63,10 +63,19 @@ def main(argv: list[str]) -> int:
         return 0
     if kind == "udp-echo":
         sock = _listener(port, socket.SOCK_DGRAM)
+        # Reply from the address the datagram was sent to, as a well-behaved server on
+        # a host with several addresses does (a client's connected socket, or a NAT,
+        # takes replies from that address only); IPv4 arrives v4-mapped here.
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)
         print(f"ready {sock.getsockname()[1]}", flush=True)
         while True:
-            data, peer = sock.recvfrom(65535)
-            sock.sendto(data, peer)
+            data, ancdata, _, peer = sock.recvmsg(65535, socket.CMSG_SPACE(20))
+            reply_from = [
+                (socket.IPPROTO_IPV6, socket.IPV6_PKTINFO, cdata[:16] + bytes(4))
+                for level, ctype, cdata in ancdata
+                if (level, ctype) == (socket.IPPROTO_IPV6, socket.IPV6_PKTINFO)
+            ]
+            sock.sendmsg([data], reply_from, 0, peer)
     handler = {"echo": _echo, "sink": _sink}[kind]
     sock = _listener(port, socket.SOCK_STREAM)
     print(f"ready {sock.getsockname()[1]}", flush=True)

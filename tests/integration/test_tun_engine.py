@@ -26,6 +26,7 @@ import pytest
 from spliceway.errors import ApiError
 from spliceway.ipc_client import IpcClient
 from tests.helpers.netns import (
+    OTHER_IP,
     SERVER_IP,
     SERVER_IP6,
     SERVER_IP_B,
@@ -346,5 +347,108 @@ def test_strict_route_keeps_the_uncaptured_family_from_leaking(
         (record,) = engine.completed()
         assert record["target"]["host"] == SERVER_IP
         assert engine.query("tun_status")["strict_route"] is strict
+    finally:
+        engine.stop()
+
+
+# ---------------------------------------------------------------------------
+# DNS hijack, fake-ip and domain rules
+# ---------------------------------------------------------------------------
+
+NAMES = {"www.example.test": SERVER_IP, "blocked.example.test": SERVER_IP_B}
+
+
+def _dig(topo: Topology, name: str, *extra: str) -> list[str]:
+    # Any address will do: dns_hijack answers every query to port 53 itself.
+    out = topo.host.run("dig", "+short", "+time=3", "+tries=1", *extra,
+                        f"@{OTHER_IP}", name, check=False)  # fmt: skip
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("transport", ["udp", "tcp"])
+def test_dig_is_answered_through_dns_hijack(
+    topo: Topology, tmp_path: Path, transport: str
+) -> None:
+    dns_ip = topo.dns(NAMES)
+    runtime = {
+        "tun": {**TUN, "dns_hijack": True},
+        "dns": {"servers": [f"udp://{dns_ip}:53"], "cache": None},
+    }
+    engine = Engine(topo, tmp_path, {"runtime": runtime})
+    try:
+        extra = ("+tcp",) if transport == "tcp" else ()
+        assert _dig(topo, "www.example.test", *extra) == [SERVER_IP]
+        assert _dig(topo, "blocked.example.test", *extra) == [SERVER_IP_B]
+        # Hijacked queries are answered, not relayed: no flows.
+        assert engine.query("events", {"types": "flow.started"})["events"] == []
+    finally:
+        engine.stop()
+
+
+def test_fake_ip_flows_carry_their_domain_and_obey_domain_rules(
+    topo: Topology, tmp_path: Path
+) -> None:
+    port = topo.serve("http")
+    dns_ip = topo.dns(NAMES)
+    runtime = {
+        "tun": {**TUN, "dns_hijack": True},
+        "dns": {"servers": [f"udp://{dns_ip}:53"], "answer": {"type": "fake_ip"}},
+    }
+    rules = [{"domain": ["blocked.example.test"], "action": "block"}]
+    engine = Engine(topo, tmp_path, {"runtime": runtime, "rules": rules})
+    try:
+        (fake,) = _dig(topo, "www.example.test")
+        (fake_b,) = _dig(topo, "blocked.example.test")
+        assert fake.startswith("198.1") and fake != fake_b and SERVER_IP not in (fake, fake_b)
+        curl = ["curl", "-sS", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}"]
+        ok = topo.host.run(*curl, "--resolve", f"www.example.test:{port}:{fake}",
+                           f"http://www.example.test:{port}/", check=False)  # fmt: skip
+        assert ok.stdout == "200", ok.stderr
+        no = topo.host.run(*curl, "--resolve", f"blocked.example.test:{port}:{fake_b}",
+                           f"http://blocked.example.test:{port}/", check=False)  # fmt: skip
+        assert no.returncode != 0
+        records = {r["target"]["host"]: r for r in engine.completed(2)}
+        good = records["www.example.test"]
+        assert good["result"]["outcome"] == "direct_relayed"
+        assert good["target"]["port"] == port
+        assert good["target"]["resolved_ip"] == SERVER_IP  # dialled by its real address
+        assert good["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+        blocked = records["blocked.example.test"]
+        assert blocked["result"]["outcome"] == "blocked"
+        assert blocked["route"]["matched_rule"]["index"] == 0
+    finally:
+        engine.stop()
+
+
+def test_udp_round_trips_through_the_tun(topo: Topology, tmp_path: Path) -> None:
+    port = topo.serve("udp-echo")
+    engine = Engine(topo, tmp_path, {"runtime": {"tun": TUN}})
+    try:
+        script = textwrap.dedent(
+            f"""
+            import json, os, socket
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.settimeout(5)
+            s.connect(({SERVER_IP!r}, {port}))
+            sizes, ok = [1, 100, 1200, 1400], 0
+            for n in sizes:
+                data = os.urandom(n)
+                s.send(data)
+                ok += s.recv(65535) == data
+            print(json.dumps({{"ok": ok, "local": s.getsockname()}}))
+            """
+        )
+        result = json.loads(topo.host.run(sys.executable, "-c", script).stdout)
+        assert result["ok"] == 4
+        flows = engine.query("flows")["active_flows"]
+        (flow,) = [f for f in flows if f["network"] == "udp"]
+        assert flow["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+        assert (flow["target"]["host"], flow["target"]["port"]) == (SERVER_IP, port)
+        assert [flow["source"]["ip"], flow["source"]["port"]] == result["local"]
+        engine.command("flows.close", {"flow_id": flow["flow_id"]})
+        (record,) = engine.completed()
+        traffic = record["traffic"]
+        assert traffic["packets_up"] == traffic["packets_down"] == 4
+        assert traffic["bytes_up"] == traffic["bytes_down"] == 1 + 100 + 1200 + 1400
     finally:
         engine.stop()
