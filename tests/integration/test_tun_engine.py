@@ -366,9 +366,7 @@ def _dig(topo: Topology, name: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("transport", ["udp", "tcp"])
-def test_dig_is_answered_through_dns_hijack(
-    topo: Topology, tmp_path: Path, transport: str
-) -> None:
+def test_dig_is_answered_through_dns_hijack(topo: Topology, tmp_path: Path, transport: str) -> None:
     dns_ip = topo.dns(NAMES)
     runtime = {
         "tun": {**TUN, "dns_hijack": True},
