@@ -178,6 +178,12 @@ class _SystemServer:
         return _Answer(_ordered(str(info[4][0]) for info in infos), SYSTEM_TTL_SECONDS)
 
 
+# What a failing server may raise; anything else is a bug and propagates.
+_SERVER_ERRORS = (dns.exception.DNSException, OSError)
+#: The queries of a lookup, in the order their addresses come.
+_FAMILIES = ("A", "AAAA")
+
+
 class _Do53Server:
     """``udp://IP:PORT`` or ``tcp://IP:PORT``: dnspython's stub resolver on one server."""
 
@@ -193,39 +199,57 @@ class _Do53Server:
             r.cache = None  # AnswerCache does the caching, with the configured clamps
 
     def lookup(self, name: str, timeout: float) -> _Answer:
-        try:
-            answers = self._sync.resolve_name(
-                dns.name.from_text(name), lifetime=timeout, tcp=self.tcp, search=False
-            )
-        except dns.resolver.NXDOMAIN:
-            return _Answer([], 0, True)
-        except dns.resolver.NoAnswer:
-            return _Answer([], 0)
-        return self._answer(answers)
+        qname = dns.name.from_text(name)
+        deadline = time.monotonic() + timeout
+        results: list[Any] = []
+        for rdtype in _FAMILIES:
+            # One budget for both queries, as the asynchronous path runs them at once.
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise dns.exception.Timeout(timeout=timeout)
+                results.append(self._sync.resolve(qname, rdtype, **self._query_args(left)))
+            except _SERVER_ERRORS as ex:
+                results.append(ex)
+                if isinstance(ex, dns.exception.Timeout):
+                    break  # a server that does not answer one will not answer the other
+        return self._combine(results)
 
     async def resolve(self, name: str, timeout: float) -> _Answer:
-        try:
-            answers = await self._async.resolve_name(
-                dns.name.from_text(name), lifetime=timeout, tcp=self.tcp, search=False
-            )
-        except dns.resolver.NXDOMAIN:
-            return _Answer([], 0, True)
-        except dns.resolver.NoAnswer:
-            return _Answer([], 0)
-        return self._answer(answers)
+        qname = dns.name.from_text(name)
+        results = await asyncio.gather(
+            *(self._async.resolve(qname, t, **self._query_args(timeout)) for t in _FAMILIES),
+            return_exceptions=True,
+        )
+        return self._combine(list(results))
+
+    def _query_args(self, timeout: float) -> dict[str, Any]:
+        return {"lifetime": timeout, "tcp": self.tcp, "search": False,
+                "raise_on_no_answer": False}  # fmt: skip
 
     @staticmethod
-    def _answer(answers: dns.resolver.HostAnswers) -> _Answer:
-        addresses = _ordered(
-            [*answers.addresses(socket.AF_INET), *answers.addresses(socket.AF_INET6)]
-        )
-        ttls = [a.chaining_result.minimum_ttl for a in answers.values() if a.rrset is not None]
-        return _Answer(addresses, min(ttls, default=0))
+    def _combine(results: list[Any]) -> _Answer:
+        """One answer from the A and the AAAA query. A family whose query failed (a
+        server answering REFUSED or SERVFAIL for AAAA alone, as dnsmasq does for a name
+        it only holds an A record of) does not spoil the other's addresses; the server
+        failed only when no family gave an address and one failed."""
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, _SERVER_ERRORS):
+                raise r  # a bug, not a server failure
+        if any(isinstance(r, dns.resolver.NXDOMAIN) for r in results):
+            return _Answer([], 0, True)
+        answers = [r for r in results if isinstance(r, dns.resolver.Answer) and r.rrset]
+        if answers:
+            addresses = _ordered(str(rr.address) for a in answers for rr in a.rrset)
+            ttl = min(a.chaining_result.minimum_ttl for a in answers)
+            return _Answer(addresses, ttl)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return _Answer([], 0)
 
 
 _Server = _SystemServer | _Do53Server
-# What a failing server may raise; anything else is a bug and propagates.
-_SERVER_ERRORS = (dns.exception.DNSException, OSError)
 
 
 class Resolver:

@@ -3,7 +3,9 @@
 It serves a zone given as ``{name: [addresses]}`` (IPv4 addresses answer A queries,
 IPv6 ones AAAA), built with dnspython's message API. A name in the zone without
 addresses of the asked type gets NOERROR/no data, a name outside it NXDOMAIN, and
-``fail = True`` turns every answer into SERVFAIL. Every query is recorded in
+``fail = True`` turns every answer into SERVFAIL, and a type in ``refuse`` (e.g.
+``{"AAAA"}``) is answered REFUSED, as dnsmasq answers a type it holds no record of
+for a name it knows only locally and cannot forward. Every query is recorded in
 ``queries`` as ``(name, type, transport)``.
 """
 
@@ -36,6 +38,7 @@ class DnsServer:
         self.zone = {_key(name): list(addrs) for name, addrs in zone.items()}
         self.ttl = ttl
         self.fail = False
+        self.refuse: set[str] = set()
         self.queries: list[tuple[str, str, str]] = []
         self._lock = threading.Lock()
         self._udp, self._tcp = _bind_pair()
@@ -84,6 +87,9 @@ class DnsServer:
             self.queries.append((name, rdtype, transport))
         if self.fail:
             response.set_rcode(dns.rcode.SERVFAIL)
+            return response
+        if rdtype in self.refuse:
+            response.set_rcode(dns.rcode.REFUSED)
             return response
         if name not in self.zone:
             response.set_rcode(dns.rcode.NXDOMAIN)

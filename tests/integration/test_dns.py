@@ -92,6 +92,20 @@ def test_falls_back_on_servfail(server):
         assert server.count() >= 1
 
 
+@pytest.mark.parametrize("transport", ["udp", "tcp"])
+def test_one_family_refused_keeps_the_other_familys_addresses(server, transport):
+    server.refuse = {"AAAA"}
+    url = server.udp_url if transport == "udp" else server.tcp_url
+    r = resolver(url)
+    assert r.lookup("both.test") == ["10.1.0.1"]
+    assert asyncio.run(resolver(url).resolve("both.test")) == ["10.1.0.1"]
+    # No address at all, and a family failed: the server failed, not the name.
+    with pytest.raises(ResolveError, match="REFUSED"):
+        r.lookup("v6only.test")
+    # A name that does not exist is final whatever the other family got.
+    assert r.lookup("missing.test") == []
+
+
 def test_every_server_failing_is_a_resolve_error(server):
     server.fail = True
     r = resolver(server.udp_url, f"tcp://127.0.0.1:{refused_port()}")
