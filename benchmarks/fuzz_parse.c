@@ -66,6 +66,16 @@
  *     a UDP datagram built into exact-size blocks parse back, verify, and
  *     -EMSGSIZE one byte short; a prefix of an input parses OK only with the
  *     whole input's fields;
+ *   - offloads: every input of at least SW_VNET_HDR_LEN bytes is also read
+ *     as [virtio-net header][packet] (what a TUN with IFF_VNET_HDR reads;
+ *     gen_vnet_frame makes plausible ones, GSO and partial checksums with
+ *     now and then a field off by one): sw_pkt_vnet_check agrees with the
+ *     driver's own statement of the rules (vnet_expect) and touches
+ *     nothing; for an accepted NEEDS_CSUM packet sw_pkt_rewrite_partial
+ *     parses back with exactly the new endpoints, touches no payload, moves
+ *     a field that held the old addresses' pseudo-header sum to exactly the
+ *     new ones' (which then finishes into a checksum that verifies), and
+ *     reversed restores every byte but a field of 0 (back as 0xffff);
  *   - the builder answers -EINVAL, -ENOSPC or a length <= cap; the same
  *     length again with cap == length (same bytes), -ENOSPC below it, and
  *     -EINVAL whatever the cap; a request is ASCII, "CONNECT <a> HTTP/1.1",
@@ -686,11 +696,86 @@ static void gen_ip_packet(struct buf *b)
         put_u16(b, (unsigned)rnd());
 }
 
+/* The pseudo-header's sum as Linux leaves it in a CHECKSUM_PARTIAL packet's
+ * field (folded, not complemented) for a transport length of n. */
+static uint16_t pseudo_psum(const sw_pkt *pk, uint32_t n)
+{
+    uint8_t tmp[40];
+    size_t alen = pk->version == 4 ? 4 : 16;
+    memcpy(tmp, pk->src, alen);
+    memcpy(tmp + alen, pk->dst, alen);
+    size_t k = 2 * alen;
+    tmp[k] = (uint8_t)(n >> 24), tmp[k + 1] = (uint8_t)(n >> 16);
+    tmp[k + 2] = (uint8_t)(n >> 8), tmp[k + 3] = (uint8_t)n;
+    tmp[k + 4] = tmp[k + 5] = tmp[k + 6] = 0;
+    tmp[k + 7] = pk->proto;
+    return (uint16_t)~sw_pkt_checksum(tmp, k + 8);
+}
+
+/* The transport length a partial sum covers, and where its field is (0: no
+ * such field). */
+static uint32_t partial_len(const sw_pkt *pk)
+{
+    return pk->proto == SW_PROTO_TCP ? pk->l4_len : pk->payload_len + 8;
+}
+static size_t partial_at(const sw_pkt *pk)
+{
+    return pk->proto == SW_PROTO_TCP ? pk->l4_off + 16
+           : pk->proto == SW_PROTO_UDP ? pk->l4_off + 6
+                                       : 0;
+}
+
+/* [virtio-net header][packet] as a TUN with IFF_VNET_HDR reads it: mostly
+ * the header Linux would send (NEEDS_CSUM with the field partial, GSO for
+ * TCP), sometimes one field moved off, sometimes random. */
+static void gen_vnet_frame(struct buf *b)
+{
+    uint8_t tmp[4096];
+    struct buf pb = {tmp, 0, sizeof tmp};
+    gen_ip_packet(&pb);
+    sw_pkt pk;
+    sw_vnet_hdr h = {0};
+    if (sw_pkt_parse(tmp, pb.len, &pk) == SW_PKT_OK) {
+        size_t at = partial_at(&pk);
+        if (at && !chance(4)) {
+            uint16_t ps = pseudo_psum(&pk, partial_len(&pk));
+            tmp[at] = (uint8_t)(ps >> 8), tmp[at + 1] = (uint8_t)ps;
+            h.flags = SW_VNET_F_NEEDS_CSUM;
+            h.csum_start = (uint16_t)pk.l4_off;
+            h.csum_offset = (uint16_t)(at - pk.l4_off);
+            if (pk.proto == SW_PROTO_TCP && chance(2)) {
+                h.gso_type = pk.version == 4 ? SW_VNET_GSO_TCPV4 : SW_VNET_GSO_TCPV6;
+                if (chance(8))
+                    h.gso_type |= SW_VNET_GSO_ECN;
+                h.gso_size = (uint16_t)(1 + below(1500));
+                h.hdr_len = (uint16_t)(chance(2) ? pk.payload_off : pk.ip_len);
+            }
+        } else if (chance(4)) {
+            h.flags = SW_VNET_F_DATA_VALID;
+        }
+    }
+    switch (below(12)) { /* one field moved, now and then */
+    case 0: h.hdr_len = (uint16_t)(h.hdr_len + 1 + below(3)); break;
+    case 1: h.csum_start = (uint16_t)(h.csum_start + (chance(2) ? 1 : -1)); break;
+    case 2: h.csum_offset = (uint16_t)below(20); break;
+    case 3: h.gso_type = (uint8_t)rnd(); break;
+    case 4: h.flags = (uint8_t)rnd(); break;
+    case 5: h.gso_size = chance(2) ? 0 : 0xffff; break;
+    case 6: memcpy(&h, (uint64_t[2]){rnd(), rnd()}, sizeof h); break;
+    default: break;
+    }
+    put(b, &h, sizeof h);
+    put(b, tmp, pb.len);
+}
+
 static void gen_valid(struct buf *b)
 {
-    switch (below(10)) {
+    switch (below(11)) {
     case 8:
         gen_ip_packet(b);
+        break;
+    case 9:
+        gen_vnet_frame(b);
         break;
     case 0:
         gen_s5_greeting(b);
@@ -1503,6 +1588,7 @@ static void run_builder(const uint8_t *input, size_t len)
  */
 
 static uint64_t pkt_status[8], pkt_rewritten, pkt_verified, pkt_echoed, pkt_rst, pkt_udp;
+static uint64_t vnet_parsed, vnet_accepted, vnet_gso, vnet_partial, vnet_exact;
 
 static bool zeroed(const void *p, size_t n)
 {
@@ -1641,6 +1727,107 @@ static void run_pkt(const uint8_t *input, size_t len)
     free(p);
 }
 
+/* The rules of sw_pkt_vnet_check (csrc/pkt.h), stated again here. */
+static bool vnet_expect(const sw_vnet_hdr *h, const sw_pkt *pk)
+{
+    bool csum = h->flags == SW_VNET_F_NEEDS_CSUM;
+    if (h->flags > 2)
+        return false;
+    switch (h->gso_type) {
+    case SW_VNET_GSO_NONE:
+        break;
+    case SW_VNET_GSO_TCPV4:
+    case SW_VNET_GSO_TCPV4 | SW_VNET_GSO_ECN:
+        if (pk->version != 4)
+            return false;
+        goto tcp;
+    case SW_VNET_GSO_TCPV6:
+    case SW_VNET_GSO_TCPV6 | SW_VNET_GSO_ECN:
+        if (pk->version != 6)
+            return false;
+    tcp:
+        if (pk->proto != SW_PROTO_TCP || !csum || h->gso_size == 0 || h->gso_size == 65535)
+            return false;
+        break;
+    default:
+        return false;
+    }
+    if (csum && (!partial_at(pk) || h->csum_start != pk->l4_off ||
+                 h->csum_start + h->csum_offset != partial_at(pk)))
+        return false;
+    return h->hdr_len <= pk->ip_len;
+}
+
+/* The input as [virtio-net header][packet]: the header check against an
+ * independent statement of it, then the partial rewrite of an accepted
+ * NEEDS_CSUM packet. */
+static void run_vnet(const uint8_t *input, size_t len)
+{
+    if (len < SW_VNET_HDR_LEN)
+        return;
+    sw_vnet_hdr h;
+    memcpy(&h, input, sizeof h);
+    size_t n = len - SW_VNET_HDR_LEN;
+    uint8_t *p = exact_copy(input + SW_VNET_HDR_LEN, n);
+    sw_pkt pk, k2, k3;
+    if (pkt_parse_checked(p, n, &pk) != SW_PKT_OK) {
+        free(p);
+        return;
+    }
+    vnet_parsed++;
+    k2 = pk;
+    sw_vnet_hdr h2 = h;
+    int rc = sw_pkt_vnet_check(&h, &pk);
+    CHECK(rc == 0 || rc == -EINVAL, "vnet", n, "check's answer");
+    CHECK((rc == 0) == vnet_expect(&h, &pk), "vnet", n, "check != the rules");
+    CHECK(!memcmp(&h, &h2, sizeof h) && !memcmp(&k2, &pk, sizeof pk), "vnet", n, "check wrote");
+    if (rc != 0 || !(h.flags & SW_VNET_F_NEEDS_CSUM)) {
+        free(p);
+        return;
+    }
+    vnet_accepted++;
+    vnet_gso += h.gso_type != SW_VNET_GSO_NONE;
+    size_t at = partial_at(&pk), alen = pk.version == 4 ? 4 : 16;
+    bool exact = ((p[at] << 8) | p[at + 1]) == pseudo_psum(&pk, partial_len(&pk));
+    uint8_t *q = exact_copy(p, n);
+    uint8_t na[16] = {0}, nb[16] = {0};
+    for (size_t i = 0; i < alen; i++)
+        na[i] = (uint8_t)rnd(), nb[i] = (uint8_t)rnd();
+    uint16_t np1 = (uint16_t)rnd(), np2 = (uint16_t)rnd();
+    CHECK(sw_pkt_rewrite_partial(q, &k2, na, np1, nb, np2) == 0, "vnet_rewrite", n, "refused");
+    vnet_partial++;
+    CHECK(pkt_parse_checked(q, n, &k3) == SW_PKT_OK && !memcmp(&k2, &k3, sizeof k2),
+          "vnet_rewrite", n, "fields != its parse");
+    CHECK(!memcmp(k3.src, na, 16) && !memcmp(k3.dst, nb, 16) && k3.sport == np1 &&
+              k3.dport == np2,
+          "vnet_rewrite", n, "endpoints");
+    CHECK(!memcmp(q + pk.payload_off, p + pk.payload_off, pk.payload_len) &&
+              !memcmp(q + pk.ip_len, p + pk.ip_len, n - pk.ip_len),
+          "vnet_rewrite", n, "payload or trailer touched");
+    uint16_t field = (uint16_t)(q[at] << 8 | q[at + 1]);
+    if (exact) {
+        vnet_exact++;
+        CHECK(field == pseudo_psum(&k3, partial_len(&k3)), "vnet_rewrite", n,
+              "not the new addresses' partial sum");
+        /* Finished as the kernel would: the checksum over the segment. */
+        uint8_t *r = exact_copy(q, n);
+        uint16_t c = sw_pkt_checksum(r + k3.l4_off, partial_len(&k3));
+        r[at] = (uint8_t)(c >> 8), r[at + 1] = (uint8_t)c;
+        sw_pkt k4;
+        CHECK(pkt_parse_checked(r, n, &k4) == SW_PKT_OK && sw_pkt_l4_csum_ok(r, &k4) == 1,
+              "vnet_rewrite", n, "finished checksum does not verify");
+        free(r);
+    }
+    CHECK(sw_pkt_rewrite_partial(q, &k3, pk.src, pk.sport, pk.dst, pk.dport) == 0, "vnet_rewrite",
+          n, "reverse");
+    for (size_t i = 0; i < n; i++)
+        if (q[i] != p[i] && !((i == at || i == at + 1) && p[at] == 0 && p[at + 1] == 0 &&
+                              q[at] == 0xff && q[at + 1] == 0xff))
+            CHECK(0, "vnet_rewrite", n, "reverse rewrite differs");
+    free(q);
+    free(p);
+}
+
 /* Every parser once on the whole input, in a block of exactly its length,
  * then the builder on it. */
 static void run_all(const uint8_t *input, size_t len)
@@ -1652,6 +1839,7 @@ static void run_all(const uint8_t *input, size_t len)
     free(p);
     run_builder(input, len);
     run_pkt(input, len);
+    run_vnet(input, len);
 }
 
 /* Every parser at every prefix length (or a sample of them for long inputs):
@@ -1783,6 +1971,10 @@ static void report(double seconds)
            pkt_status[0], pkt_status[1], pkt_status[2], pkt_status[3], pkt_status[4],
            pkt_status[5], pkt_status[6], pkt_status[7], pkt_rewritten, pkt_verified, pkt_echoed,
            pkt_rst, pkt_udp);
+    printf("vnet: %" PRIu64 " frames with a packet that parses, %" PRIu64
+           " accepted with NEEDS_CSUM (%" PRIu64 " GSO), %" PRIu64 " partial rewrites (%" PRIu64
+           " of an exact partial sum)\n",
+           vnet_parsed, vnet_accepted, vnet_gso, vnet_partial, vnet_exact);
     printf("connect_request: %" PRIu64 " built, %" PRIu64 " -EINVAL (each built one also at "
            "cap == length and length - 1)\n",
            builder_built, builder_einval);

@@ -11,6 +11,7 @@
 #include "pkt.h"
 
 #include <errno.h>
+#include <stdbool.h>
 #include <string.h>
 
 enum {
@@ -251,8 +252,20 @@ int sw_pkt_l4_csum_ok(const uint8_t *p, const sw_pkt *pk)
 static size_t src_off(const sw_pkt *pk) { return pk->version == 4 ? 12 : 8; }
 static size_t dst_off(const sw_pkt *pk) { return pk->version == 4 ? 16 : 24; }
 
-int sw_pkt_rewrite(uint8_t *p, sw_pkt *pk, const uint8_t *src, uint16_t sport,
-                   const uint8_t *dst, uint16_t dport)
+/* The partial (pseudo-header) sum P of n bytes (n even) changed from old to
+ * new: P' = P + sum(~m) + sum(m'), folded.  Never 0 for a P that is not 0
+ * (a positive sum folds to 1..0xffff), which is also how Linux's own
+ * pseudo-header sums look, so the result equals a recomputation exactly. */
+static uint16_t psum_replace(uint16_t psum, const uint8_t *old, const uint8_t *new, size_t n)
+{
+    uint64_t sum = psum;
+    for (size_t i = 0; i < n; i += 2)
+        sum += (uint16_t)~get16(old + i) + (uint64_t)get16(new + i);
+    return fold(sum);
+}
+
+static int rewrite(uint8_t *p, sw_pkt *pk, const uint8_t *src, uint16_t sport,
+                   const uint8_t *dst, uint16_t dport, bool partial)
 {
     size_t csum_at;
     if (pk->proto == SW_PROTO_TCP)
@@ -269,9 +282,14 @@ int sw_pkt_rewrite(uint8_t *p, sw_pkt *pk, const uint8_t *src, uint16_t sport,
     put16(ports + 2, dport);
 
     /* The transport checksum covers the addresses (pseudo-header) and the
-     * ports; IPv4 UDP without a checksum (0) keeps none. */
+     * ports; IPv4 UDP without a checksum (0) keeps none.  A partial one is
+     * the pseudo-header's sum alone: the ports are not in it. */
     uint16_t hc = get16(l4 + csum_at);
-    if (!(pk->proto == SW_PROTO_UDP && pk->version == 4 && hc == 0)) {
+    if (partial) {
+        hc = psum_replace(hc, sa, src, alen);
+        hc = psum_replace(hc, da, dst, alen);
+        put16(l4 + csum_at, hc);
+    } else if (!(pk->proto == SW_PROTO_UDP && pk->version == 4 && hc == 0)) {
         hc = csum_replace(hc, sa, src, alen);
         hc = csum_replace(hc, da, dst, alen);
         hc = csum_replace(hc, l4, ports, 4);
@@ -293,6 +311,42 @@ int sw_pkt_rewrite(uint8_t *p, sw_pkt *pk, const uint8_t *src, uint16_t sport,
     pk->sport = sport;
     pk->dport = dport;
     pk->l4_csum = get16(l4 + csum_at);
+    return 0;
+}
+
+int sw_pkt_rewrite(uint8_t *p, sw_pkt *pk, const uint8_t *src, uint16_t sport,
+                   const uint8_t *dst, uint16_t dport)
+{
+    return rewrite(p, pk, src, sport, dst, dport, false);
+}
+
+int sw_pkt_rewrite_partial(uint8_t *p, sw_pkt *pk, const uint8_t *src, uint16_t sport,
+                           const uint8_t *dst, uint16_t dport)
+{
+    return rewrite(p, pk, src, sport, dst, dport, true);
+}
+
+int sw_pkt_vnet_check(const sw_vnet_hdr *h, const sw_pkt *pk)
+{
+    bool needs_csum = h->flags & SW_VNET_F_NEEDS_CSUM;
+    if (h->flags != 0 && h->flags != SW_VNET_F_NEEDS_CSUM && h->flags != SW_VNET_F_DATA_VALID)
+        return -EINVAL;
+    uint8_t gso = h->gso_type & (uint8_t)~SW_VNET_GSO_ECN;
+    if (gso != SW_VNET_GSO_NONE) {
+        uint8_t want = pk->version == 4 ? SW_VNET_GSO_TCPV4 : SW_VNET_GSO_TCPV6;
+        if (pk->proto != SW_PROTO_TCP || gso != want || !needs_csum || h->gso_size == 0 ||
+            h->gso_size == 0xffff)
+            return -EINVAL;
+    } else if (h->gso_type != SW_VNET_GSO_NONE) {
+        return -EINVAL; /* ECN alone */
+    }
+    if (needs_csum) {
+        uint32_t off = pk->proto == SW_PROTO_TCP ? 16 : pk->proto == SW_PROTO_UDP ? 6 : 0;
+        if (!off || h->csum_start != pk->l4_off || h->csum_offset != off)
+            return -EINVAL;
+    }
+    if (h->hdr_len > pk->ip_len)
+        return -EINVAL;
     return 0;
 }
 

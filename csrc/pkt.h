@@ -36,6 +36,18 @@
  * the original held 0xffff; a UDP checksum that comes out 0 is sent as
  * 0xffff (RFC 768), and an IPv4 UDP checksum of 0 (none) stays 0.
  *
+ * With a TUN opened with IFF_VNET_HDR (csrc/tun.h, "Offloads"), every packet
+ * comes with a virtio-net header (sw_vnet_hdr).  Its NEEDS_CSUM flag means
+ * the transport checksum field does not hold a checksum but the folded,
+ * uncomplemented one's complement sum of the pseudo-header (what Linux leaves
+ * there for CHECKSUM_PARTIAL: the device, here whoever the packet is written
+ * back to, finishes the sum over the segment).  sw_pkt_rewrite_partial keeps
+ * such a field what it is: the pseudo-header's ports are not in it, so only
+ * the address change moves it, P' = P + ~m + m' (RFC 1624 in the other
+ * sense: a sum, not a checksum); for a field that held the pseudo-header sum
+ * of the old addresses, that is exactly the sum for the new ones.  The
+ * parser never looks at a transport checksum, so it needs no flag.
+ *
  * Multi-byte fields in sw_pkt are host order; addresses are network order
  * bytes, an IPv4 address in the first 4 of 16 (the rest zero).  Everything
  * between the SW_CDEF markers is part of the cffi cdef.
@@ -99,6 +111,40 @@ typedef struct sw_pkt {
     uint8_t dst[16];
 } sw_pkt;
 
+/* The virtio-net header (linux/virtio_net.h, struct virtio_net_hdr: 10
+ * bytes, no num_buffers) a TUN opened with IFF_VNET_HDR puts before every
+ * packet it reads and wants before every packet written.  Its 16-bit fields
+ * are in host byte order (the legacy layout, which the TUN uses unless told
+ * TUNSETVNETLE/BE); copy it out of a buffer with memcpy. */
+#define SW_VNET_HDR_LEN 10
+
+enum sw_vnet_flag {
+    SW_VNET_F_NEEDS_CSUM = 1, /* the transport checksum is partial (see above):
+                                 csum_start is the transport header, csum_offset
+                                 its checksum field */
+    SW_VNET_F_DATA_VALID = 2  /* the checksum was verified (informational) */
+};
+
+enum sw_vnet_gso {
+    SW_VNET_GSO_NONE = 0,
+    SW_VNET_GSO_TCPV4 = 1,    /* a TCP segment of several, gso_size payload bytes
+                                 each (the last may be shorter) */
+    SW_VNET_GSO_UDP = 3,      /* UFO: never accepted */
+    SW_VNET_GSO_TCPV6 = 4,
+    SW_VNET_GSO_UDP_L4 = 5,   /* USO: never accepted (not offered) */
+    SW_VNET_GSO_ECN = 0x80    /* flag: the TCP segments carry CWR */
+};
+
+typedef struct sw_vnet_hdr {
+    uint8_t flags;            /* enum sw_vnet_flag */
+    uint8_t gso_type;         /* enum sw_vnet_gso */
+    uint16_t hdr_len;         /* a hint: bytes of headers (Linux sends the
+                                 skb's linear length, which may be more) */
+    uint16_t gso_size;        /* GSO: payload bytes per segment */
+    uint16_t csum_start;      /* NEEDS_CSUM: where the checksummed bytes start */
+    uint16_t csum_offset;     /* ... and the field's offset from there */
+} sw_vnet_hdr;
+
 /* Parses one packet of len bytes.  Returns enum sw_pkt_status; out is
  * filled on SW_PKT_OK (and zeroed otherwise). */
 int sw_pkt_parse(const uint8_t *p, size_t len, sw_pkt *out);
@@ -118,6 +164,25 @@ int sw_pkt_l4_csum_ok(const uint8_t *p, const sw_pkt *pk);
  * another protocol. */
 int sw_pkt_rewrite(uint8_t *p, sw_pkt *pk, const uint8_t *src, uint16_t sport,
                    const uint8_t *dst, uint16_t dport);
+
+/* sw_pkt_rewrite for a packet whose transport checksum field is partial
+ * (SW_VNET_F_NEEDS_CSUM): the field moves by the address change only (see
+ * above), the IPv4 header checksum as in sw_pkt_rewrite. */
+int sw_pkt_rewrite_partial(uint8_t *p, sw_pkt *pk, const uint8_t *src, uint16_t sport,
+                           const uint8_t *dst, uint16_t dport);
+
+/* Whether a virtio-net header fits the parsed packet it came with: 0, or
+ * -EINVAL when any of these fails:
+ *   flags is 0, NEEDS_CSUM or DATA_VALID;
+ *   gso_type is NONE, or TCPV4 (with or without ECN) on an IPv4 TCP packet,
+ *     or TCPV6 on an IPv6 one; GSO comes with NEEDS_CSUM and a gso_size
+ *     other than 0 and 0xffff (GSO_BY_FRAGS);
+ *   NEEDS_CSUM only on TCP or UDP, csum_start the transport header's offset
+ *     and csum_offset its checksum field's (16 / 6);
+ *   hdr_len <= ip_len (so the packet can be written back with it).
+ * csum_start/csum_offset without NEEDS_CSUM, and gso_size without GSO, are
+ * ignored (Linux sends zeros). */
+int sw_pkt_vnet_check(const sw_vnet_hdr *h, const sw_pkt *pk);
 
 /* Turns a parsed ICMP echo request (type 8 code 0, or ICMPv6 128 code 0)
  * into its echo reply in place: addresses swapped, type 0 (or 129), TTL or

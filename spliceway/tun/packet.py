@@ -7,11 +7,19 @@ them to these, status for status and byte for byte.  csrc/pkt.h states the contr
 updated); the docstrings here repeat only what a reader of Python needs.
 
 Addresses are ``bytes`` of 4 (IPv4) or 16 (IPv6); ports and other fields are ints.
+
+With offloads (a TUN opened with IFF_VNET_HDR), each packet comes with a
+:class:`VnetHeader`; :func:`vnet_check` says whether it fits its packet, and a packet
+whose transport checksum is partial (``VNET_F_NEEDS_CSUM``: the field holds
+:func:`partial_csum`, the pseudo-header's sum) is rewritten with
+``rewrite(..., partial=True)``. :func:`complete_csum` finishes such a checksum, as the
+kernel does when it takes the packet back.
 """
 
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass, replace
 
 IP4_MIN = 20
@@ -26,6 +34,19 @@ PROTO_ICMP = 1
 PROTO_TCP = 6
 PROTO_UDP = 17
 PROTO_ICMPV6 = 58
+
+#: linux/virtio_net.h: sizeof(struct virtio_net_hdr), its flags and GSO types.
+VNET_HDR_LEN = 10
+VNET_F_NEEDS_CSUM = 1
+VNET_F_DATA_VALID = 2
+VNET_GSO_NONE = 0
+VNET_GSO_TCPV4 = 1
+VNET_GSO_UDP = 3
+VNET_GSO_TCPV6 = 4
+VNET_GSO_UDP_L4 = 5
+VNET_GSO_ECN = 0x80
+#: Host byte order, as the TUN uses it (the legacy layout), no padding.
+_VNET = struct.Struct("=BBHHHH")
 
 TCP_FIN = 1
 TCP_SYN = 2
@@ -79,6 +100,27 @@ class Packet:
     ack: int = 0
 
 
+@dataclass(frozen=True)
+class VnetHeader:
+    """sw_vnet_hdr: the virtio-net header before each packet of an IFF_VNET_HDR TUN."""
+
+    flags: int = 0
+    gso_type: int = VNET_GSO_NONE
+    hdr_len: int = 0
+    gso_size: int = 0
+    csum_start: int = 0
+    csum_offset: int = 0
+
+    def pack(self) -> bytes:
+        return _VNET.pack(self.flags, self.gso_type, self.hdr_len, self.gso_size,
+                          self.csum_start, self.csum_offset)  # fmt: skip
+
+    @classmethod
+    def unpack(cls, data: bytes) -> VnetHeader:
+        """From the first VNET_HDR_LEN bytes of ``data``."""
+        return cls(*_VNET.unpack_from(data))
+
+
 def _u16(b: bytes, off: int) -> int:
     return int.from_bytes(b[off : off + 2], "big")
 
@@ -118,6 +160,24 @@ def csum_replace(hc: int, old: bytes, new: bytes) -> int:
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     return ~total & 0xFFFF
+
+
+def partial_csum(version: int, proto: int, src: bytes, dst: bytes, l4_len: int) -> int:
+    """What a partial (NEEDS_CSUM) checksum field holds: the pseudo-header's one's
+    complement sum, folded and not complemented (Linux's ``~csum_tcpudp_magic``)."""
+    return ones_sum(pseudo_header(version, proto, src, dst, l4_len))
+
+
+def complete_csum(buf: bytes, csum_start: int, csum_offset: int) -> bytes:
+    """Finishes a partial checksum: the complemented sum of everything from
+    ``csum_start`` on, the field's partial sum included, written into the field (what
+    the kernel, or wireguard-go's gsoNoneChecksum, does for CHECKSUM_PARTIAL)."""
+    at = csum_start + csum_offset
+    initial = _u16(buf, at)
+    out = bytearray(buf)
+    out[at : at + 2] = b"\0\0"
+    out[at : at + 2] = (~ones_sum(bytes(out[csum_start:]), initial) & 0xFFFF).to_bytes(2, "big")
+    return bytes(out)
 
 
 def _parse_l4(buf: bytes, version: int, proto: int, ttl: int, src: bytes, dst: bytes,
@@ -231,15 +291,50 @@ def l4_csum_ok(buf: bytes, pk: Packet) -> bool:
     return False
 
 
+def _psum_replace(psum: int, old: bytes, new: bytes) -> int:
+    """A partial sum moved from ``old`` to ``new``: P + sum(~m) + sum(m'), folded."""
+    total = psum
+    for i in range(0, len(old), 2):
+        total += (~_u16(old, i) & 0xFFFF) + _u16(new, i)
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return total
+
+
+def vnet_check(hdr: VnetHeader, pk: Packet) -> bool:
+    """Whether a virtio-net header fits the parsed packet it came with (sw_pkt_vnet_check:
+    known flags, GSO only TCP of the packet's family with NEEDS_CSUM and a usable
+    gso_size, NEEDS_CSUM only on TCP/UDP at their checksum field, hdr_len <= ip_len)."""
+    needs_csum = bool(hdr.flags & VNET_F_NEEDS_CSUM)
+    if hdr.flags not in (0, VNET_F_NEEDS_CSUM, VNET_F_DATA_VALID):
+        return False
+    gso = hdr.gso_type & ~VNET_GSO_ECN & 0xFF
+    if gso != VNET_GSO_NONE:
+        want = VNET_GSO_TCPV4 if pk.version == 4 else VNET_GSO_TCPV6
+        if pk.proto != PROTO_TCP or gso != want or not needs_csum:
+            return False
+        if hdr.gso_size in (0, 0xFFFF):
+            return False
+    elif hdr.gso_type != VNET_GSO_NONE:
+        return False
+    if needs_csum:
+        off = {PROTO_TCP: 16, PROTO_UDP: 6}.get(pk.proto)
+        if off is None or hdr.csum_start != pk.l4_off or hdr.csum_offset != off:
+            return False
+    return hdr.hdr_len <= pk.ip_len
+
+
 def _addr_offsets(version: int) -> tuple[int, int, int]:
     return (12, 16, 4) if version == 4 else (8, 24, 16)
 
 
-def rewrite(buf: bytes, pk: Packet, src: bytes, sport: int, dst: bytes, dport: int
-            ) -> tuple[bytes, Packet]:  # fmt: skip
+def rewrite(buf: bytes, pk: Packet, src: bytes, sport: int, dst: bytes, dport: int,
+            *, partial: bool = False) -> tuple[bytes, Packet]:  # fmt: skip
     """The NAT rewrite of a TCP or UDP packet: new endpoints, checksums updated
     incrementally (RFC 1624).  Returns the new bytes (the whole buffer, bytes past
-    ip_len untouched) and fields."""
+    ip_len untouched) and fields.  ``partial``: the transport checksum field holds the
+    pseudo-header's sum (NEEDS_CSUM), which only the address change moves, as a sum:
+    P' = P + ~m + m' (sw_pkt_rewrite_partial)."""
     if pk.proto == PROTO_TCP:
         csum_at = pk.l4_off + 16
     elif pk.proto == PROTO_UDP:
@@ -250,7 +345,11 @@ def rewrite(buf: bytes, pk: Packet, src: bytes, sport: int, dst: bytes, dport: i
     out = bytearray(buf)
     ports = sport.to_bytes(2, "big") + dport.to_bytes(2, "big")
     hc = _u16(out, csum_at)
-    if not (pk.proto == PROTO_UDP and pk.version == 4 and hc == 0):
+    if partial:
+        hc = _psum_replace(hc, bytes(out[so : so + alen]), src)
+        hc = _psum_replace(hc, bytes(out[do : do + alen]), dst)
+        out[csum_at : csum_at + 2] = hc.to_bytes(2, "big")
+    elif not (pk.proto == PROTO_UDP and pk.version == 4 and hc == 0):
         hc = csum_replace(hc, bytes(out[so : so + alen]), src)
         hc = csum_replace(hc, bytes(out[do : do + alen]), dst)
         hc = csum_replace(hc, bytes(out[pk.l4_off : pk.l4_off + 4]), ports)

@@ -13,12 +13,19 @@ destination options headers; TCP with options, UDP, ICMP/ICMPv6 echo, other prot
 with correct checksums, the same with a wrong checksum, mutations (bit flips, byte
 sets, cuts, extensions), random bytes, and every prefix of some.  Under an ASan build
 every input goes to C in a malloc() block of its exact length (test_parse_diff.exact).
+
+Offloads (a TUN with IFF_VNET_HDR): ``sw_pkt_vnet_check`` gives Python's ``vnet_check``
+verdict for headers near and across every bound, and ``sw_pkt_rewrite_partial`` the
+same bytes as ``rewrite(partial=True)``; a field that held the pseudo-header's partial
+sum holds exactly the new addresses' after it, finishing it gives a checksum that
+verifies, and the reverse rewrite gives back every byte.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -92,6 +99,19 @@ def c_rewrite(buf: bytes, cpk, src: bytes, sport: int, dst: bytes, dport: int):
     pk = ffi.new("sw_pkt *", cpk[0])
     rc = lib.sw_pkt_rewrite(b, pk, _addr(src), sport, _addr(dst), dport)
     return rc, bytes(ffi.buffer(b, len(buf))), pk
+
+
+def c_rewrite_partial(buf: bytes, cpk, src: bytes, sport: int, dst: bytes, dport: int):
+    b = ffi.new("uint8_t[]", buf)
+    pk = ffi.new("sw_pkt *", cpk[0])
+    rc = lib.sw_pkt_rewrite_partial(b, pk, _addr(src), sport, _addr(dst), dport)
+    return rc, bytes(ffi.buffer(b, len(buf))), pk
+
+
+def c_vnet_check(hdr: P.VnetHeader, cpk) -> int:
+    h = ffi.new("sw_vnet_hdr *")
+    ffi.memmove(h, hdr.pack(), P.VNET_HDR_LEN)
+    return int(lib.sw_pkt_vnet_check(h, cpk))
 
 
 def c_echo(buf: bytes, cpk):
@@ -437,3 +457,195 @@ def test_known_packets() -> None:
     pk6 = P.parse(ok6)
     assert (pk6.l4_off, pk6.proto, pk6.sport) == (40 + 8 + 16, 6, 12345)
     assert check_parse(ok6) is not None
+
+
+# -- offloads: the virtio-net header and partial checksums ----------------------------------
+
+
+def _csum_at(pk: P.Packet) -> int:
+    return pk.l4_off + (16 if pk.proto == P.PROTO_TCP else 6)
+
+
+def _seg_len(pk: P.Packet) -> int:
+    """The transport length Linux's partial sum covers: the TCP segment, the UDP length."""
+    return pk.l4_len if pk.proto == P.PROTO_TCP else pk.payload_len + P.UDP_HDR
+
+
+def _with_partial(buf: bytes, pk: P.Packet) -> bytes:
+    """buf with its transport checksum field turned partial, as Linux leaves it for a
+    CHECKSUM_PARTIAL packet (NEEDS_CSUM)."""
+    at = _csum_at(pk)
+    psum = P.partial_csum(pk.version, pk.proto, pk.src, pk.dst, _seg_len(pk))
+    return buf[:at] + psum.to_bytes(2, "big") + buf[at + 2 :]
+
+
+@st.composite
+def partial_packets(draw) -> tuple[bytes, P.Packet]:
+    """TCP or UDP packets that parse, with a partial checksum (and sometimes a large
+    payload, as GSO brings)."""
+    buf = draw(packets())
+    try:
+        pk = P.parse(buf)
+    except P.PacketError:
+        pk = None
+    if pk is None or pk.proto not in (P.PROTO_TCP, P.PROTO_UDP):
+        version = draw(st.sampled_from([4, 6]))
+        alen = 4 if version == 4 else 16
+        src, dst = draw(st.binary(min_size=alen, max_size=alen)), draw(
+            st.binary(min_size=alen, max_size=alen))  # fmt: skip
+        payload = bytes(draw(st.sampled_from([0, 1, 1400, 9000, 65000 - 60])))
+        tcp = bytes.fromhex("3039005000000001000000005010ffff00000000") + payload
+        buf = (_ip4(6, src, dst, tcp, b"", 64) if version == 4
+               else _ip6(6, src, dst, tcp, [], 64))  # fmt: skip
+        pk = P.parse(buf)
+    return _with_partial(buf, pk), pk
+
+
+def _hdr_for(pk: P.Packet, gso: bool = False) -> P.VnetHeader:
+    """The header Linux sends with pk (NEEDS_CSUM; GSO when asked, TCP only)."""
+    if not gso:
+        return P.VnetHeader(P.VNET_F_NEEDS_CSUM, 0, 0, 0, pk.l4_off, _csum_at(pk) - pk.l4_off)
+    gso_type = P.VNET_GSO_TCPV4 if pk.version == 4 else P.VNET_GSO_TCPV6
+    return P.VnetHeader(P.VNET_F_NEEDS_CSUM, gso_type, pk.payload_off, 1448, pk.l4_off, 16)
+
+
+@_settings(500)
+@given(partial_packets(), st.data())
+def test_partial_rewrite(both: tuple[bytes, P.Packet], data) -> None:
+    buf, ppk = both
+    parsed = check_parse(buf)
+    assert parsed is not None
+    cpk = parsed[0]
+    assert c_vnet_check(_hdr_for(ppk), cpk) == 0 and P.vnet_check(_hdr_for(ppk), ppk)
+    if ppk.proto == P.PROTO_TCP:
+        assert c_vnet_check(_hdr_for(ppk, True), cpk) == 0
+    alen = 4 if ppk.version == 4 else 16
+    src = data.draw(st.binary(min_size=alen, max_size=alen))
+    dst = data.draw(st.binary(min_size=alen, max_size=alen))
+    sport, dport = data.draw(port), data.draw(port)
+    rc, cbytes, cout = c_rewrite_partial(buf, cpk, src, sport, dst, dport)
+    pbytes, pout = P.rewrite(buf, ppk, src, sport, dst, dport, partial=True)
+    assert rc == 0 and cbytes == pbytes
+    assert (cout.sport, cout.dport, cout.l4_csum) == (pout.sport, pout.dport, pout.l4_csum)
+    again = P.parse(pbytes)  # the IPv4 header checksum still verifies
+    assert (again.src, again.sport, again.dst, again.dport) == (src, sport, dst, dport)
+    # Exactly the new addresses' partial sum, which finishes into a good checksum.
+    assert pbytes == _with_partial(pbytes, again)
+    done = P.complete_csum(pbytes[: again.ip_len], again.l4_off, _csum_at(again) - again.l4_off)
+    assert P.l4_csum_ok(done, P.parse(done))
+    # And back: every byte as it was (a partial sum has one form of zero only).
+    back, _ = P.rewrite(pbytes, pout, ppk.src, ppk.sport, ppk.dst, ppk.dport, partial=True)
+    assert back == buf
+
+
+@_settings(800)
+@given(mutated(), st.data())
+def test_partial_rewrite_mutated(buf: bytes, data) -> None:
+    """Whatever the field holds, C and Python move it the same way."""
+    both = check_parse(buf)
+    if both is None or both[1].proto not in (P.PROTO_TCP, P.PROTO_UDP):
+        return
+    cpk, ppk = both
+    alen = 4 if ppk.version == 4 else 16
+    src, dst = bytes(range(alen)), data.draw(st.binary(min_size=alen, max_size=alen))
+    rc, cbytes, _ = c_rewrite_partial(buf, cpk, src, 1, dst, 65535)
+    assert rc == 0 and cbytes == P.rewrite(buf, ppk, src, 1, dst, 65535, partial=True)[0]
+
+
+def _near(x: int) -> st.SearchStrategy[int]:
+    return st.sampled_from([x, x - 1, x + 1, 0]).filter(lambda v: 0 <= v <= 0xFFFF) | st.integers(
+        0, 0xFFFF)  # fmt: skip
+
+
+@st.composite
+def vnet_headers(draw, pk: P.Packet) -> P.VnetHeader:
+    flags = draw(st.sampled_from([0, 1, 1, 1, 2, 3, 4, 0x81]) | st.integers(0, 255))
+    gso = draw(st.sampled_from([0, 0, 1, 4, 0x81, 0x84, 3, 5, 0x80, 2]) | st.integers(0, 255))
+    return P.VnetHeader(
+        flags, gso,
+        draw(_near(pk.ip_len) | _near(pk.payload_off)),
+        draw(st.sampled_from([0, 1, 1448, 0xFFFF, 0xFFFE]) | st.integers(0, 0xFFFF)),
+        draw(_near(pk.l4_off)),
+        draw(st.sampled_from([16, 6, 2, 0, 17]) | st.integers(0, 0xFFFF)),
+    )  # fmt: skip
+
+
+@_settings(1500)
+@given(st.one_of(packets(), mutated()), st.data())
+def test_vnet_check(buf: bytes, data) -> None:
+    both = check_parse(buf)
+    if both is None:
+        return
+    cpk, ppk = both
+    hdr = data.draw(vnet_headers(ppk))
+    ok = P.vnet_check(hdr, ppk)
+    assert (c_vnet_check(hdr, cpk) == 0) == ok, hdr
+    note(f"vnet: {'ok' if ok else 'refused'}")
+
+
+def test_vnet_known_headers() -> None:
+    """Hand-checked verdicts, so a bug both sides share still shows."""
+    assert ffi.sizeof("sw_vnet_hdr") == P.VNET_HDR_LEN == lib.SW_VNET_HDR_LEN
+    a, b = bytes([10, 0, 0, 1]), bytes([1, 2, 3, 4])
+    tcp = bytes.fromhex("3039005000000001000000005010ffff00000000") + bytes(3000)
+    t4 = _ip4(6, a, b, tcp, b"", 64)
+    t6 = _ip6(6, bytes(16), bytes(16), tcp, [(60, bytes(6))], 64)
+    u4 = _ip4(17, a, b, bytes.fromhex("3039003500100000") + bytes(8), b"", 64)
+    icmp = _ip4(1, a, b, bytes([8, 0, 0, 0, 0, 1, 0, 1]), b"", 64)
+    ip_len = len(t4)
+    gso4 = P.VnetHeader(1, P.VNET_GSO_TCPV4, 40, 1448, 20, 16)
+    gso6 = P.VnetHeader(1, P.VNET_GSO_TCPV6, 68, 1428, 48, 16)
+    cases = [
+        (t4, P.VnetHeader(), True),
+        (t4, P.VnetHeader(2), True),  # DATA_VALID
+        (t4, P.VnetHeader(1, 0, 0, 0, 20, 16), True),
+        (t4, gso4, True),
+        (t4, replace(gso4, gso_type=P.VNET_GSO_TCPV4 | P.VNET_GSO_ECN), True),
+        (t4, replace(gso4, hdr_len=ip_len), True),
+        (t4, replace(gso4, hdr_len=ip_len + 1), False),
+        (t4, replace(gso4, gso_type=P.VNET_GSO_TCPV6), False),
+        (t4, replace(gso4, gso_type=P.VNET_GSO_UDP_L4), False),
+        (t4, replace(gso4, gso_type=P.VNET_GSO_UDP), False),
+        (t4, replace(gso4, gso_type=2), False),
+        (t4, replace(gso4, flags=0), False),  # GSO without NEEDS_CSUM
+        (t4, replace(gso4, flags=3), False),
+        (t4, replace(gso4, flags=5), False),
+        (t4, replace(gso4, gso_size=0), False),
+        (t4, replace(gso4, gso_size=0xFFFF), False),
+        (t4, replace(gso4, csum_start=21), False),
+        (t4, replace(gso4, csum_offset=6), False),
+        (t4, P.VnetHeader(0, P.VNET_GSO_ECN), False),
+        (t4, P.VnetHeader(0, 0, 0, 1448, 99, 99), True),  # ignored without the flags
+        (t6, gso6, True),
+        (t6, replace(gso6, gso_type=P.VNET_GSO_TCPV4), False),
+        (t6, replace(gso6, csum_start=40), False),  # the options header is not TCP
+        (u4, P.VnetHeader(1, 0, 0, 0, 20, 6), True),
+        (u4, P.VnetHeader(1, 0, 0, 0, 20, 16), False),
+        (u4, P.VnetHeader(1, P.VNET_GSO_TCPV4, 28, 8, 20, 6), False),  # GSO on UDP
+        (icmp, P.VnetHeader(), True),
+        (icmp, P.VnetHeader(1, 0, 0, 0, 20, 2), False),
+    ]
+    for buf, hdr, want in cases:
+        parsed = check_parse(buf)
+        assert parsed is not None
+        cpk, pk = parsed
+        assert P.vnet_check(hdr, pk) == want, hdr
+        assert (c_vnet_check(hdr, cpk) == 0) == want, hdr
+
+
+def test_partial_csum_is_what_finishes_into_the_checksum() -> None:
+    """The partial sum, finished over the segment, is the full checksum (both families,
+    TCP and UDP), so the partial rewrite's expectations are Linux's."""
+    for version, alen in ((4, 4), (6, 16)):
+        src, dst = bytes(range(1, alen + 1)), bytes(range(100, 100 + alen))
+        tcp = bytes.fromhex("3039005000000001000000005010ffff00000000") + b"data" * 300
+        buf = _ip4(6, src, dst, tcp, b"", 64) if version == 4 else _ip6(6, src, dst, tcp, [], 64)
+        pk = P.parse(buf)
+        full = _l4(version, 6, src, dst, tcp, 16, False)
+        assert P.complete_csum(_with_partial(buf, pk), pk.l4_off, 16)[pk.l4_off :] == full
+        udp = b"\x30\x39\x00\x35" + (8 + 5).to_bytes(2, "big") + b"\0\0" + b"hello"
+        mk = _ip4 if version == 4 else _ip6
+        ubuf = mk(17, src, dst, udp, b"" if version == 4 else [], 64)
+        upk = P.parse(ubuf)
+        done = P.complete_csum(_with_partial(ubuf, upk), upk.l4_off, 6)
+        assert P.l4_csum_ok(done, P.parse(done))
