@@ -11,6 +11,16 @@
  *   than one batch, not system calls.  epoll wakes the loop for the device,
  *   for the stop eventfd, and at the earliest timeout (at most every second).
  *
+ * Offloads
+ *   With vnet_hdr each batch slot holds a header and the largest IP packet
+ *   there is (40 + 65535 bytes), so one read takes a whole GSO burst; the
+ *   header stays in front of the packet in the slot and goes back out with
+ *   it, so a rewritten packet is written with one write() as before.  The
+ *   loop never cuts segments or finishes checksums itself: that is the
+ *   kernel's work on the way back in, where it costs least (often nothing:
+ *   a locally delivered CHECKSUM_PARTIAL segment is never summed).  Packets
+ *   the loop builds get a zeroed header written in front of them.
+ *
  * NAT entries
  *   Indexed twice: by NAT port (an array of 65536 pointers: the reverse
  *   path is one load) and by (version, source, destination) in a chained
@@ -74,6 +84,9 @@ enum {
     /* Activity moves an entry to its list's tail at most this often. */
     REFRESH_MS = 1000,
     RST_MAX = 60,
+    /* With vnet_hdr: the largest packet a read may bring (IPv6 with a full
+     * payload length; IPv4 stays under it), GSO or not. */
+    VNET_PKT_MAX = 40 + 65535,
     /* A connection to this port goes to the DNS listener when there is one. */
     DNS_PORT = 53,
 };
@@ -125,6 +138,7 @@ struct slot {
 struct sw_tun {
     sw_tun_opts o;
     int fd;
+    size_t hl;                /* SW_VNET_HDR_LEN with vnet_hdr, else 0 */
     int epfd;
     int stopfd;
     int efd;                  /* records pending */
@@ -554,12 +568,17 @@ enum verdict { V_DROP, V_WRITE, V_REPLACE };
 
 /* One packet of a batch. */
 struct pbuf {
-    uint8_t *data;            /* mtu + 1 bytes: a longer read shows as too big */
-    size_t len;               /* as read */
+    uint8_t *frame;           /* what one read fills: the vnet header (hl bytes,
+                                 none without vnet_hdr), then the packet */
+    uint8_t *data;            /* the packet, frame + hl: mtu + 1 bytes (with
+                                 vnet_hdr VNET_PKT_MAX + 1): a longer read
+                                 shows as too big */
+    size_t len;               /* the packet's bytes as read */
     size_t wlen;              /* V_WRITE: the IP length (trailing bytes stay) */
     int verdict;
-    uint8_t rst[RST_MAX];     /* V_REPLACE: a reset answers it */
-    size_t rst_len;
+    uint8_t rst[SW_VNET_HDR_LEN + RST_MAX]; /* V_REPLACE: a zeroed header (with
+                                 vnet_hdr), then the reset that answers it */
+    size_t rst_len;           /* header included */
 };
 
 static bool not_unicast(const sw_pkt *pk)
@@ -595,15 +614,26 @@ static int no_session(sw_tun *t, const sw_pkt *pk, struct pbuf *b)
     t->st.drop_no_session++;
     if (t->o.no_rst)
         return V_DROP;
-    int n = sw_pkt_build_tcp_rst(b->rst, sizeof b->rst, pk);
+    memset(b->rst, 0, t->hl);
+    int n = sw_pkt_build_tcp_rst(b->rst + t->hl, RST_MAX, pk);
     if (n <= 0)
         return V_DROP;
-    b->rst_len = (size_t)n;
+    b->rst_len = t->hl + (size_t)n;
     t->st.tcp_resets_sent++;
     return V_REPLACE;
 }
 
-static int on_tcp(sw_tun *t, sw_pkt *pk, struct pbuf *buf, uint64_t now)
+/* The NAT rewrite, as a partial sum when the checksum is one (NEEDS_CSUM). */
+static void tcp_rewrite(uint8_t *p, sw_pkt *pk, bool partial, const uint8_t *src,
+                        uint16_t sport, const uint8_t *dst, uint16_t dport)
+{
+    if (partial)
+        sw_pkt_rewrite_partial(p, pk, src, sport, dst, dport);
+    else
+        sw_pkt_rewrite(p, pk, src, sport, dst, dport);
+}
+
+static int on_tcp(sw_tun *t, sw_pkt *pk, struct pbuf *buf, bool partial, uint64_t now)
 {
     uint8_t *p = buf->data;
     bool v4 = pk->version == 4;
@@ -622,7 +652,7 @@ static int on_tcp(sw_tun *t, sw_pkt *pk, struct pbuf *buf, uint64_t now)
             return no_session(t, pk, buf);
         n->packets_in++;
         nat_track(t, n, pk->tcp_flags, false, now);
-        sw_pkt_rewrite(p, pk, n->dst, n->dport, n->src, n->sport);
+        tcp_rewrite(p, pk, partial, n->dst, n->dport, n->src, n->sport);
         return V_WRITE;
     }
     if (not_unicast(pk)) {
@@ -650,17 +680,19 @@ static int on_tcp(sw_tun *t, sw_pkt *pk, struct pbuf *buf, uint64_t now)
     }
     n->packets_out++;
     nat_track(t, n, pk->tcp_flags, true, now);
-    sw_pkt_rewrite(p, pk, b, n->natport, a, n->lport);
+    tcp_rewrite(p, pk, partial, b, n->natport, a, n->lport);
     return V_WRITE;
 }
 
-static int on_udp(sw_tun *t, const uint8_t *p, sw_pkt *pk, uint64_t now, bool *announce)
+static int on_udp(sw_tun *t, const uint8_t *p, sw_pkt *pk, bool partial, uint64_t now,
+                  bool *announce)
 {
     if (not_unicast(pk)) {
         t->st.drop_not_unicast++;
         return V_DROP;
     }
-    if (!sw_pkt_l4_csum_ok(p, pk)) {
+    /* A partial checksum is the sender's to finish: nothing to verify. */
+    if (!partial && !sw_pkt_l4_csum_ok(p, pk)) {
         t->st.drop_udp_checksum++;
         return V_DROP;
     }
@@ -706,10 +738,32 @@ static int classify_one(sw_tun *t, struct pbuf *b, sw_pkt *pkp, uint64_t now, bo
 {
     sw_pkt pk;
     uint8_t *p = b->data;
+    sw_vnet_hdr vh = {0};
+    if (t->hl) {
+        memcpy(&vh, b->frame, sizeof vh);
+        /* A packet that is not GSO is still held to the MTU. */
+        if (vh.gso_type == SW_VNET_GSO_NONE && b->len > t->o.mtu) {
+            t->st.drop_too_big++;
+            return V_DROP;
+        }
+    }
     int st = sw_pkt_parse(p, b->len, &pk);
     if (st != SW_PKT_OK) {
         count_parse_drop(t, st);
         return V_DROP;
+    }
+    bool partial = false;
+    if (t->hl) {
+        if (sw_pkt_vnet_check(&vh, &pk) < 0) {
+            t->st.drop_bad_vnet++;
+            return V_DROP;
+        }
+        partial = vh.flags & SW_VNET_F_NEEDS_CSUM;
+        t->st.csum_partial_in += partial;
+        if (vh.gso_type != SW_VNET_GSO_NONE) {
+            t->st.gso_packets_in++;
+            t->st.gso_bytes_in += b->len;
+        }
     }
     if ((pk.version == 4 && !t->o.has4) || (pk.version == 6 && !t->o.has6)) {
         t->st.drop_family++;
@@ -718,9 +772,11 @@ static int classify_one(sw_tun *t, struct pbuf *b, sw_pkt *pkp, uint64_t now, bo
     switch (pk.proto) {
     case SW_PROTO_TCP:
         *pkp = pk;
-        return on_tcp(t, pkp, b, now);
+        /* Written back with the header it came with: same lengths, same
+         * offsets, the checksum still partial when it was. */
+        return on_tcp(t, pkp, b, partial, now);
     case SW_PROTO_UDP:
-        return on_udp(t, p, &pk, now, announce);
+        return on_udp(t, p, &pk, partial, now, announce);
     case SW_PROTO_ICMP:
     case SW_PROTO_ICMPV6:
         if (not_unicast(&pk)) {
@@ -729,6 +785,7 @@ static int classify_one(sw_tun *t, struct pbuf *b, sw_pkt *pkp, uint64_t now, bo
         }
         if (sw_pkt_echo_reply(p, &pk) == 0) {
             t->st.icmp_echo_replies++;
+            memset(b->frame, 0, t->hl); /* a packet of the loop's own */
             *pkp = pk;
             return V_WRITE;
         }
@@ -751,6 +808,8 @@ static void classify(sw_tun *t, struct pbuf *b, uint64_t now, bool *announce)
  * The loop
  */
 
+/* Writes one frame (with vnet_hdr: header and packet); counts the packet's
+ * bytes without the header. */
 static void write_out(sw_tun *t, const uint8_t *p, size_t len, uint64_t *pk, uint64_t *by,
                       uint64_t *err)
 {
@@ -758,7 +817,7 @@ static void write_out(sw_tun *t, const uint8_t *p, size_t len, uint64_t *pk, uin
         ssize_t n = write(t->fd, p, len);
         if (n >= 0) {
             (*pk)++;
-            *by += (uint64_t)n;
+            *by += (size_t)n > t->hl ? (uint64_t)n - t->hl : 0;
             return;
         }
         if (errno != EINTR) {
@@ -772,7 +831,11 @@ static void *loop_main(void *arg)
 {
     sw_tun *t = arg;
     uint32_t batch = t->o.batch;
-    size_t bufsize = (size_t)t->o.mtu + 1;
+    size_t hl = t->hl;
+    /* The packet's room: one byte more than the largest accepted, so a
+     * longer read shows (without vnet_hdr, longer than the MTU). */
+    size_t pktmax = hl ? VNET_PKT_MAX : t->o.mtu;
+    size_t bufsize = hl + pktmax + 1;
     struct pbuf *bufs = calloc(batch, sizeof *bufs);
     uint8_t *mem = malloc(bufsize * batch);
     if (!bufs || !mem) {
@@ -780,8 +843,10 @@ static void *loop_main(void *arg)
         free(mem);
         return NULL;
     }
-    for (uint32_t i = 0; i < batch; i++)
-        bufs[i].data = mem + bufsize * i;
+    for (uint32_t i = 0; i < batch; i++) {
+        bufs[i].frame = mem + bufsize * i;
+        bufs[i].data = bufs[i].frame + hl;
+    }
 
     while (!atomic_load(&t->stop)) {
         struct epoll_event evs[4];
@@ -799,10 +864,10 @@ static void *loop_main(void *arg)
          * under the lock, so timers and lookups still get their turn. */
         for (bool more = readable; more;) {
             uint32_t n = 0;
-            uint64_t rerr = 0, rbytes = 0, big = 0;
+            uint64_t rerr = 0, rbytes = 0, big = 0, badv = 0;
             more = false;
             while (n < batch) {
-                ssize_t r = read(t->fd, bufs[n].data, bufsize);
+                ssize_t r = read(t->fd, bufs[n].frame, bufsize);
                 if (r < 0) {
                     if (errno == EINTR)
                         continue;
@@ -810,12 +875,16 @@ static void *loop_main(void *arg)
                         rerr++;
                     break;
                 }
-                if ((size_t)r > t->o.mtu) {
+                if ((size_t)r < hl) {
+                    badv++;
+                    continue;
+                }
+                if ((size_t)r - hl > pktmax) {
                     big++;
                     continue;
                 }
-                rbytes += (uint64_t)r;
-                bufs[n++].len = (size_t)r;
+                rbytes += (uint64_t)r - hl;
+                bufs[n++].len = (size_t)r - hl;
             }
             if (n == batch)
                 more = true;
@@ -823,9 +892,10 @@ static void *loop_main(void *arg)
             bool announce = false;
             uint64_t now = mono_ms();
             pthread_mutex_lock(&t->lock);
-            t->st.packets_in += n + big;
+            t->st.packets_in += n + big + badv;
             t->st.bytes_in += rbytes;
             t->st.drop_too_big += big;
+            t->st.drop_bad_vnet += badv;
             t->st.read_errors += rerr;
             for (uint32_t i = 0; i < n; i++)
                 classify(t, &bufs[i], now, &announce);
@@ -836,7 +906,7 @@ static void *loop_main(void *arg)
             uint64_t wpk = 0, wby = 0, werr = 0;
             for (uint32_t i = 0; i < n; i++) {
                 if (bufs[i].verdict == V_WRITE)
-                    write_out(t, bufs[i].data, bufs[i].wlen, &wpk, &wby, &werr);
+                    write_out(t, bufs[i].frame, hl + bufs[i].wlen, &wpk, &wby, &werr);
                 else if (bufs[i].verdict == V_REPLACE) {
                     write_out(t, bufs[i].rst, bufs[i].rst_len, &wpk, &wby, &werr);
                 }
@@ -902,6 +972,8 @@ static int check_opts(sw_tun_opts *o)
         o->batch = DEFAULT_BATCH;
     if (o->batch > MAX_BATCH)
         return -EINVAL;
+    if (o->vnet_hdr > 1)
+        return -EINVAL;
     if (o->has4 && (!memcmp(o->addr4, o->next4, 4) || !o->port4))
         return -EINVAL;
     if (o->has6 && (!memcmp(o->addr6, o->next6, 16) || !o->port6))
@@ -928,6 +1000,7 @@ int sw_tun_new(const sw_tun_opts *opts, sw_tun **out)
         return -ENOMEM;
     t->o = o;
     t->fd = o.fd;
+    t->hl = o.vnet_hdr ? SW_VNET_HDR_LEN : 0;
     t->epfd = t->stopfd = t->efd = -1;
     pthread_mutex_init(&t->lock, NULL);
     pthread_mutex_init(&t->drain_lock, NULL);
@@ -1110,8 +1183,9 @@ int sw_tun_drain(sw_tun *t, sw_tun_record *out, size_t max, uint8_t *payload, si
     return (int)n;
 }
 
-/* Builds and writes one UDP packet; counts it.  Called with the lock held
- * (the session's counters), which the write is short enough to keep. */
+/* Builds and writes one UDP packet (behind a zeroed header with vnet_hdr);
+ * counts it.  Called with the lock held (the session's counters), which the
+ * write is short enough to keep. */
 static int udp_write(sw_tun *t, uint8_t version, const uint8_t *src, uint16_t sport,
                      const uint8_t *dst, uint16_t dport, const uint8_t *payload, size_t len)
 {
@@ -1119,21 +1193,23 @@ static int udp_write(sw_tun *t, uint8_t version, const uint8_t *src, uint16_t sp
     if (need > t->o.mtu)
         return -EMSGSIZE;
     uint8_t stackbuf[2048];
-    uint8_t *buf = need <= sizeof stackbuf ? stackbuf : malloc(need);
+    size_t hl = t->hl;
+    uint8_t *buf = hl + need <= sizeof stackbuf ? stackbuf : malloc(hl + need);
     if (!buf)
         return -ENOMEM;
-    int n = sw_pkt_build_udp(buf, need, version, src, sport, dst, dport, payload, len);
+    memset(buf, 0, hl);
+    int n = sw_pkt_build_udp(buf + hl, need, version, src, sport, dst, dport, payload, len);
     if (n > 0) {
         ssize_t w;
         do
-            w = write(t->fd, buf, (size_t)n);
+            w = write(t->fd, buf, hl + (size_t)n);
         while (w < 0 && errno == EINTR);
         if (w < 0) {
             n = -errno;
             t->st.write_errors++;
         } else {
             t->st.packets_out++;
-            t->st.bytes_out += (uint64_t)w;
+            t->st.bytes_out += (size_t)w > hl ? (uint64_t)w - hl : 0;
             t->st.udp_datagrams_out++;
         }
     }

@@ -61,6 +61,34 @@
  *   answered from the destination (built in place: addresses swapped, type,
  *   checksum).  Other ICMP is dropped (drop_unsupported).
  *
+ * Offloads (vnet_hdr)
+ *   With vnet_hdr 1 the fd is a TUN opened with IFF_VNET_HDR, its header
+ *   size SW_VNET_HDR_LEN (TUNSETVNETHDRSZ 10: struct virtio_net_hdr, no
+ *   num_buffers) and, for the offloads to happen, TUNSETOFFLOAD TUN_F_CSUM |
+ *   TUN_F_TSO4 | TUN_F_TSO6 (spliceway/tun/device.py does all three).  Every
+ *   read is then [sw_vnet_hdr][packet], the packet up to 64 KiB: the kernel
+ *   hands over TCP segments it has not cut yet (GSO, a whole burst of a
+ *   connection per read) and leaves TCP/UDP checksums to finish
+ *   (NEEDS_CSUM: the field holds the pseudo-header's sum, csum_start and
+ *   csum_offset say where; see csrc/pkt.h).  The header must pass
+ *   sw_pkt_vnet_check against the parsed packet, else the packet is
+ *   drop_bad_vnet (a read shorter than the header too); a packet without
+ *   GSO is still limited to the MTU (drop_too_big), one with GSO to 64 KiB.
+ *   TCP is NATed as without it, but a partial checksum is updated as a
+ *   partial sum (sw_pkt_rewrite_partial: only the address change moves it;
+ *   the IPv4 header checksum is complete and updated as always), and the
+ *   packet is written back with the header it came with, unchanged (the
+ *   rewrite changes no length, so gso_type, gso_size, hdr_len, csum_start
+ *   and csum_offset still hold): the kernel takes the segments in one write
+ *   and finishes the checksums or cuts the segments only where it has to.
+ *   A packet without NEEDS_CSUM has a full checksum and is updated as
+ *   without offloads.  A UDP datagram with NEEDS_CSUM has no checksum to
+ *   verify; its payload goes to the ring as any other.  What the loop makes
+ *   itself (resets, echo replies, UDP replies from sw_tun_udp_send and
+ *   sw_tun_inject_udp) goes out with a zeroed header (no GSO, no NEEDS_CSUM)
+ *   and full checksums.  bytes_in and bytes_out count packets without their
+ *   headers; gso_packets_in and gso_bytes_in show how much came as GSO.
+ *
  * Drops
  *   Every packet read is either written back (rewritten or answered), handed
  *   over (UDP), or dropped and counted by exactly one reason in
@@ -86,7 +114,7 @@
 
 /* SW_CDEF_BEGIN */
 
-#define SW_TUN_ABI_VERSION 2
+#define SW_TUN_ABI_VERSION 3
 
 typedef struct sw_tun sw_tun;
 
@@ -96,13 +124,16 @@ typedef struct sw_tun_opts {
                                  non-blocking; the caller keeps owning it and
                                  closes it after sw_tun_free */
     uint32_t mtu;             /* largest packet read or written; default 1500,
-                                 at most 65535; a longer read is drop_too_big */
+                                 at most 65535; a longer read is drop_too_big
+                                 (with vnet_hdr: a longer one without GSO) */
     uint8_t has4;             /* 1: IPv4 is captured (addr4, next4, port4) */
     uint8_t has6;             /* 1: IPv6 is captured (addr6, next6, port6) */
     uint16_t port4;           /* the kernel listener's port on addr4 */
     uint16_t port6;           /* ... on addr6 */
     uint8_t no_rst;           /* 1: drop TCP packets with no NAT entry silently */
-    uint8_t reserved;
+    uint8_t vnet_hdr;         /* 1: every read and write starts with a
+                                 sw_vnet_hdr (IFF_VNET_HDR, see "Offloads");
+                                 0: raw packets */
     uint8_t addr4[4];         /* A: the TUN's IPv4 address, where the listener is */
     uint8_t next4[4];         /* B: the NAT source, in the prefix, not assigned */
     uint8_t addr6[16];
@@ -215,13 +246,19 @@ typedef struct sw_tun_stats {
     uint64_t drop_udp_checksum; /* a UDP checksum that does not verify */
     uint64_t drop_udp_full;     /* a new UDP pair at max_udp */
     uint64_t drop_udp_ring;     /* no ring room (records or ring_bytes) */
+    uint64_t drop_bad_vnet;     /* vnet_hdr: a header sw_pkt_vnet_check refuses,
+                                   or a read shorter than the header */
+    uint64_t gso_packets_in;    /* vnet_hdr: packets read with GSO (each several
+                                   TCP segments; counted in packets_in once) */
+    uint64_t gso_bytes_in;      /* ... their bytes (in bytes_in too) */
+    uint64_t csum_partial_in;   /* vnet_hdr: packets read with NEEDS_CSUM */
 } sw_tun_stats;
 
 int sw_tun_abi_version(void);
 
 /* Validates opts, starts the loop.  -EINVAL: bad fd, no family, an MTU over
  * 65535 or under 576 (IPv4) / 1280 (IPv6), max_tcp over 55535, A == B, a
- * dns_port equal to its family's listener port. */
+ * dns_port equal to its family's listener port, vnet_hdr other than 0 or 1. */
 int sw_tun_new(const sw_tun_opts *opts, sw_tun **out);
 /* Stops and joins the loop, ends every UDP session (UDP_ENDED, reason
  * SHUTDOWN; drainable after) and drops the NAT.  Later calls but drain,

@@ -13,6 +13,13 @@ takes the TCP connections to port 53 (csrc/tun.h, "DNS over TCP"), so a DNS hija
 answers them itself (:mod:`spliceway.tun.dns_hijack`) instead of the connection path
 relaying them; their NAT entries look up like any other's.
 
+With ``vnet_hdr``, the fd is a TUN opened with IFF_VNET_HDR and its offloads
+(:func:`spliceway.tun.device.open_tun` with ``vnet_hdr=True``, or ``TunDevice.create``):
+each read brings a virtio-net header and up to 64 KiB of TCP segments at once (GSO) with
+checksums left partial, and the loop writes them back the same way (csrc/tun.h,
+"Offloads"), so a bulk transfer costs a read and a write per burst rather than per
+MTU-sized packet. The option must match how the device was opened.
+
 UDP datagrams come out as :class:`UdpRecord` (``records()``, with ``fileno()``
 readable while any wait); replies go back with :meth:`TunStack.udp_send`. ICMP echo is
 answered inside C. See csrc/tun.h for the exact contract and every counter.
@@ -40,7 +47,7 @@ IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
 _IP_FREEBIND = 15
 
 #: csrc/tun.h's SW_TUN_ABI_VERSION this module is written for.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 #: sw_tun_tcp_state names.
 TCP_STATES = {1: "syn", 2: "established", 3: "fin", 4: "closed"}
@@ -133,6 +140,8 @@ class TunStack:
     ``addresses``: the TUN's interfaces (at most one per family; the first of a family
     counts). Timeouts are in seconds; 0 or None means csrc/tun.h's default.
     ``dns_tcp``: TCP connections to port 53 go to :attr:`dns_listeners` instead.
+    ``vnet_hdr``: the fd was opened with IFF_VNET_HDR (and its offloads): every packet
+    read and written has a virtio-net header (see the module's docstring).
     """
 
     def __init__(
@@ -153,6 +162,7 @@ class TunStack:
         no_rst: bool = False,
         backlog: int = 4096,
         dns_tcp: bool = False,
+        vnet_hdr: bool = False,
     ) -> None:
         self.fd = fd
         self.mtu = mtu
@@ -173,6 +183,7 @@ class TunStack:
         self.no_rst = no_rst
         self.backlog = backlog
         self.dns_tcp = dns_tcp
+        self.vnet_hdr = vnet_hdr
         #: The kernel listener on A per family (4, 6): every captured TCP connection.
         self.listeners: dict[int, socket.socket] = {}
         #: With ``dns_tcp``: the listener on A per family taking the connections to
@@ -214,6 +225,7 @@ class TunStack:
         opts.fd = self.fd
         opts.mtu = self.mtu
         opts.no_rst = int(self.no_rst)
+        opts.vnet_hdr = int(self.vnet_hdr)
         for name, value in self._limits.items():
             setattr(opts, name, value)
         for name, seconds in self._timeouts.items():

@@ -6,8 +6,11 @@ AF_UNIX SOCK_DGRAM socketpair stands in for the TUN: the test writes crafted pac
 writes back. That reaches every branch deterministically and needs no privileges:
 the NAT rewrite both ways with checksums that verify, the entry's states and its
 expiry, resets for packets with no entry, eviction at max_tcp, every drop reason, UDP
-records, replies and session ends, ICMP echo. tests/integration/test_tun_netns.py runs
-the same loop on a real TUN in a network namespace.
+records, replies and session ends, ICMP echo. With vnet_hdr (offloads) every frame
+starts with a virtio-net header: GSO bursts and partial checksums NATed and written back
+with their headers, the loop's own packets with a zeroed one, malformed headers counted.
+tests/integration/test_tun_netns.py runs the same loop on a real TUN in a network
+namespace.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -495,6 +499,230 @@ def test_bad_options_are_refused() -> None:
             TunStack(dev.fileno(), ["198.18.0.1/30"], mtu=100).start()
         with pytest.raises(TunStackError):
             TunStack(dev.fileno(), ["198.18.0.1/30"], max_tcp=60000).start()
+    finally:
+        peer.close()
+        dev.close()
+
+
+# -- offloads (vnet_hdr): every frame is [virtio-net header][packet] ----------------------
+
+
+def _partial_of(pkt: bytes, pk: P.Packet) -> bytes:
+    """pkt (TCP or UDP) with the checksum field holding the pseudo-header's partial sum,
+    as Linux hands over a CHECKSUM_PARTIAL packet (NEEDS_CSUM)."""
+    at = pk.l4_off + (16 if pk.proto == P.PROTO_TCP else 6)
+    seg = pk.l4_len if pk.proto == P.PROTO_TCP else pk.payload_len + 8
+    psum = P.partial_csum(pk.version, pk.proto, pk.src, pk.dst, seg)
+    return pkt[:at] + psum.to_bytes(2, "big") + pkt[at + 2 :]
+
+
+def _partial(pkt: bytes) -> bytes:
+    return _partial_of(pkt, P.parse(pkt))
+
+
+def _csum_hdr(pkt: bytes, gso_size: int = 0) -> P.VnetHeader:
+    """The header Linux sends with pkt: NEEDS_CSUM, and GSO (TCP) when gso_size is given;
+    hdr_len the whole linear part, as Linux's skb_headlen may be."""
+    pk = P.parse(pkt)
+    off = 16 if pk.proto == P.PROTO_TCP else 6
+    if not gso_size:
+        return P.VnetHeader(P.VNET_F_NEEDS_CSUM, 0, 0, 0, pk.l4_off, off)
+    gso = P.VNET_GSO_TCPV4 if pk.version == 4 else P.VNET_GSO_TCPV6
+    return P.VnetHeader(P.VNET_F_NEEDS_CSUM, gso, pk.payload_off + 100, gso_size, pk.l4_off, off)
+
+
+class VnetLoop(Loop):
+    """The same harness with vnet_hdr: frames carry a virtio-net header."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(vnet_hdr=True, **kw)
+
+    def send_frame(self, hdr: P.VnetHeader, pkt: bytes) -> None:
+        self.peer.send(hdr.pack() + pkt)
+
+    def send(self, pkt: bytes) -> None:
+        self.send_frame(P.VnetHeader(), pkt)
+
+    def recv_frame(self, timeout: float = 2) -> tuple[P.VnetHeader, P.Packet]:
+        """The next frame's header and packet; a partial checksum must be exactly the
+        pseudo-header's sum and finish into one that verifies, a full one verify."""
+        self.peer.settimeout(timeout)
+        frame = self.peer.recv(70000 + P.VNET_HDR_LEN)
+        hdr, data = P.VnetHeader.unpack(frame), frame[P.VNET_HDR_LEN :]
+        pk = P.parse(data)
+        assert pk.ip_len == len(data)
+        if hdr.flags & P.VNET_F_NEEDS_CSUM:
+            assert data == _partial_of(data, pk), data.hex()
+            done = P.complete_csum(data, hdr.csum_start, hdr.csum_offset)
+            assert P.l4_csum_ok(done, P.parse(done))
+            self.last = done
+        else:
+            assert P.l4_csum_ok(data, pk), data.hex()
+            self.last = data
+        return hdr, pk
+
+    def recv(self, timeout: float = 2) -> P.Packet:
+        return self.recv_frame(timeout)[1]
+
+
+@pytest.fixture
+def vloop() -> Iterator[VnetLoop]:
+    lp = VnetLoop()
+    yield lp
+    lp.close()
+
+
+@pytest.mark.parametrize("v", [4, 6])
+def test_vnet_gso_nat_both_ways(vloop: VnetLoop, v: int) -> None:
+    """A GSO burst each way (60000 bytes, past the MTU) with a partial checksum: NATed,
+    written back in one frame with the header it came with, the checksum still the
+    pseudo-header's sum (of the new addresses), the payload untouched."""
+    c, s = CLIENT[v], SERVER[v]
+    syn = _partial(tcp(v, c, 41000, s, 443, P.TCP_SYN, seq=10))
+    vloop.send_frame(_csum_hdr(syn), syn)
+    hdr, out = vloop.recv_frame()
+    assert hdr == _csum_hdr(syn) and out.dport == vloop.port[v]
+    natport = out.sport
+    back = (LISTENER[v], vloop.port[v], NAT[v], natport)
+    synack = _partial(tcp(v, *back, P.TCP_SYN | P.TCP_ACK, 500, 11))
+    vloop.send_frame(_csum_hdr(synack), synack)
+    hdr, out = vloop.recv_frame()
+    assert (out.src, out.sport, out.dst, out.dport) == (s.packed, 443, c.packed, 41000)
+    body = os.urandom(60000)
+    burst = _partial(tcp(v, c, 41000, s, 443, P.TCP_ACK | P.TCP_PSH, 11, 501, body))
+    assert len(burst) > 1500
+    sent = _csum_hdr(burst, gso_size=1448)
+    vloop.send_frame(sent, burst)
+    hdr, out = vloop.recv_frame()
+    assert hdr == sent and out.ip_len == len(burst)
+    up = (NAT[v].packed, natport, LISTENER[v].packed, vloop.port[v])
+    assert (out.src, out.sport, out.dst, out.dport) == up
+    assert vloop.last[out.payload_off :] == body
+    down = _partial(tcp(v, *back, P.TCP_ACK, 501, 60011, body[::-1]))
+    sent = _csum_hdr(down, gso_size=1428)
+    vloop.send_frame(sent, down)
+    hdr, out = vloop.recv_frame()
+    assert hdr == sent and (out.src, out.dst) == (s.packed, c.packed)
+    assert vloop.last[out.payload_off :] == body[::-1]
+    flow = vloop.stack.nat_lookup(v, natport)
+    assert flow.state == "established" and (flow.packets_out, flow.packets_in) == (2, 2)
+    st = vloop.stats()
+    assert (st["gso_packets_in"], st["csum_partial_in"], st["drop_bad_vnet"]) == (2, 4, 0)
+    assert st["gso_bytes_in"] == 2 * len(burst)
+    assert st["bytes_in"] == st["bytes_out"] == len(syn) + len(synack) + 2 * len(burst)
+
+
+@pytest.mark.parametrize("v", [4, 6])
+def test_vnet_full_checksums_stay_full(vloop: VnetLoop, v: int) -> None:
+    """Without NEEDS_CSUM the checksum is complete and updated as without offloads; the
+    header (here DATA_VALID) goes back as it came."""
+    c, s = CLIENT[v], SERVER[v]
+    pkt = tcp(v, c, 41001, s, 80, P.TCP_SYN)
+    vloop.send_frame(P.VnetHeader(P.VNET_F_DATA_VALID), pkt)
+    hdr, out = vloop.recv_frame()
+    assert hdr == P.VnetHeader(P.VNET_F_DATA_VALID) and out.dst == LISTENER[v].packed
+    assert vloop.stats()["csum_partial_in"] == 0
+
+
+@pytest.mark.parametrize("v", [4, 6])
+def test_vnet_own_packets_have_a_zeroed_header(vloop: VnetLoop, v: int) -> None:
+    """Resets, echo replies and UDP replies: a zeroed header and full checksums. A UDP
+    datagram with a partial checksum (unverifiable) is handed over as any other."""
+    c, s = CLIENT[v], SERVER[v]
+    data = _partial(tcp(v, c, 41002, s, 80, P.TCP_ACK, seq=5, ack=77, payload=b"x" * 3000))
+    vloop.send_frame(_csum_hdr(data, gso_size=1000), data)
+    hdr, rst = vloop.recv_frame()
+    assert hdr == P.VnetHeader() and rst.tcp_flags == P.TCP_RST and rst.seq == 77
+    vloop.send(echo(v, c, s, data=b"ping" * 10))
+    hdr, rep = vloop.recv_frame()
+    assert hdr == P.VnetHeader() and rep.icmp_type == (0 if v == 4 else 129)
+    dgram = _partial(udp(v, c, 5353, s, 53, b"question"))
+    assert not P.l4_csum_ok(dgram, P.parse(dgram))
+    vloop.send_frame(_csum_hdr(dgram), dgram)
+    (rec,) = vloop.records(1)
+    assert (rec.payload, rec.sport, rec.dport) == (b"question", 5353, 53)
+    vloop.stack.udp_send(rec.session, b"answer")
+    hdr, ans = vloop.recv_frame()
+    assert hdr == P.VnetHeader() and vloop.last[ans.payload_off :] == b"answer"
+    vloop.stack.inject_udp((s, 53), (c, 5353), b"late")
+    hdr, late = vloop.recv_frame()
+    assert hdr == P.VnetHeader() and vloop.last[late.payload_off :] == b"late"
+    st = vloop.stats()
+    assert (st["tcp_resets_sent"], st["icmp_echo_replies"], st["udp_datagrams_in"]) == (1, 1, 1)
+    assert st["drop_udp_checksum"] == 0 and st["bytes_out"] == sum(
+        p.ip_len for p in (rst, rep, ans, late))  # fmt: skip
+
+
+def test_vnet_malformed_headers_are_counted(vloop: VnetLoop) -> None:
+    """Each frame with a header that does not fit its packet is dropped as drop_bad_vnet
+    (one reason, nothing written); the loop goes on."""
+    c, s = CLIENT[4], SERVER[4]
+    syn = _partial(tcp(4, c, 41003, s, 80, P.TCP_SYN))
+    big = _partial(tcp(4, c, 41003, s, 80, P.TCP_ACK, payload=bytes(5000)))
+    syn6 = _partial(tcp(6, CLIENT[6], 41003, SERVER[6], 80, P.TCP_SYN))
+    dgram = _partial(udp(4, c, 5, s, 53, b"q"))
+    good, gso = _csum_hdr(syn), _csum_hdr(big, gso_size=1448)
+    frames = {
+        "unknown gso type": (replace(gso, gso_type=2), big),
+        "udp gso (ufo)": (replace(gso, gso_type=P.VNET_GSO_UDP), big),
+        "udp gso (uso)": (replace(gso, gso_type=P.VNET_GSO_UDP_L4), big),
+        "ecn without gso": (replace(good, gso_type=P.VNET_GSO_ECN), syn),
+        "gso of the other family": (replace(gso, gso_type=P.VNET_GSO_TCPV6), big),
+        "tcpv4 gso on ipv6": (replace(_csum_hdr(syn6, 1428), gso_type=P.VNET_GSO_TCPV4), syn6),
+        "gso on udp": (P.VnetHeader(1, P.VNET_GSO_TCPV4, 28, 8, 20, 6), dgram),
+        "gso without needs_csum": (replace(gso, flags=0), big),
+        "gso_size 0": (replace(gso, gso_size=0), big),
+        "gso_size GSO_BY_FRAGS": (replace(gso, gso_size=0xFFFF), big),
+        "csum_start past the header": (replace(good, csum_start=24), syn),
+        "csum_start in the ip header": (replace(good, csum_start=0), syn),
+        "csum_offset of udp on tcp": (replace(good, csum_offset=6), syn),
+        "hdr_len past the packet": (replace(gso, hdr_len=len(big) + 1), big),
+        "unknown flag": (replace(good, flags=P.VNET_F_NEEDS_CSUM | 4), syn),
+        "needs_csum on icmp": (P.VnetHeader(1, 0, 0, 0, 20, 2), echo(4, c, s)),
+    }
+    for name, (hdr, pkt) in frames.items():
+        before = vloop.stats()
+        vloop.send_frame(hdr, pkt)
+        after = vloop.wait(lambda st, b=before: st["drop_bad_vnet"] == b["drop_bad_vnet"] + 1, 2)
+        assert after["drop_bad_vnet"] == before["drop_bad_vnet"] + 1, name
+        others = {k: after[k] - before[k] for k in after
+                  if k.startswith("drop_") and k != "drop_bad_vnet"}  # fmt: skip
+        assert not any(others.values()), (name, others)
+    # Shorter than a header: counted the same way.
+    vloop.peer.send(b"\x01\x01\x00")
+    st = vloop.wait(lambda st: st["drop_bad_vnet"] == len(frames) + 1)
+    assert st["drop_bad_vnet"] == len(frames) + 1 and st["packets_in"] == len(frames) + 1
+    vloop.nothing()
+    assert (st["tcp_created"], st["packets_out"], st["gso_packets_in"]) == (0, 0, 0)
+    # Still working.
+    vloop.send_frame(good, syn)
+    assert vloop.recv_frame()[0] == good
+
+
+def test_vnet_mtu_holds_without_gso() -> None:
+    """Past the MTU only with GSO (up to 64 KiB); a packet without it is drop_too_big."""
+    loop = VnetLoop(mtu=1280)
+    try:
+        c, s = CLIENT[4], SERVER[4]
+        syn = _partial(tcp(4, c, 41004, s, 80, P.TCP_SYN))
+        loop.send_frame(_csum_hdr(syn), syn)
+        loop.recv_frame()
+        data = _partial(tcp(4, c, 41004, s, 80, P.TCP_ACK, payload=bytes(2000)))
+        loop.send_frame(_csum_hdr(data), data)
+        assert loop.wait(lambda st: st["drop_too_big"] == 1)["drop_too_big"] == 1
+        biggest = _partial(tcp(4, c, 41004, s, 80, P.TCP_ACK, payload=bytes(65535 - 40)))
+        loop.send_frame(_csum_hdr(biggest, gso_size=1240), biggest)
+        hdr, out = loop.recv_frame()
+        assert hdr.gso_size == 1240 and out.ip_len == 65535
+        assert loop.stats()["drop_too_big"] == 1
+    finally:
+        loop.close()
+
+
+def test_vnet_hdr_option_is_checked() -> None:
+    peer, dev = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        assert _raw_tun(dev, vnet_hdr=2)[0] == -22
     finally:
         peer.close()
         dev.close()
