@@ -10,6 +10,19 @@ Addresses, MTU and link state are set over netlink with pyroute2, never by runni
 ``ip``. IPv6 addresses are added with IFA_F_NODAD: duplicate address detection on a
 point-to-point device with no link layer can only delay the address (it stays
 "tentative" for about a second, and binds to it fail meanwhile).
+
+With ``vnet_hdr`` the device is opened with IFF_VNET_HDR and offloads: every packet
+read or written carries a 10-byte ``struct virtio_net_hdr`` (TUNSETVNETHDRSZ 10, no
+``num_buffers``), and TUNSETOFFLOAD turns on TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6, so
+the kernel hands over TCP segments in bursts of up to 64 KiB (GSO) with checksums left
+to finish, and takes them back the same way (what wireguard-go and sing-tun do on
+Linux; csrc/tun.h, "Offloads", is the packet loop's side). No UDP segmentation offload
+(USO) is asked for: the loop hands datagrams over one by one.
+
+The transmit queue (packets the kernel routes into the device and the reader has not
+taken yet) is raised from the kernel's 500 to :data:`TX_QUEUE_LEN`: a burst of a few
+fast TCP senders fills 500 packets faster than one reader thread wakes up, and every
+packet dropped there is a TCP loss.
 """
 
 from __future__ import annotations
@@ -27,6 +40,13 @@ from spliceway.errors import ApiError
 
 # linux/if_tun.h
 TUNSETIFF = 0x400454CA
+TUNSETOFFLOAD = 0x400454D0
+TUNGETIFF = 0x800454D2
+TUNSETVNETHDRSZ = 0x400454D8
+TUNGETVNETHDRSZ = 0x800454D7
+TUN_F_CSUM = 0x01
+TUN_F_TSO4 = 0x02
+TUN_F_TSO6 = 0x04
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
 IFF_MULTI_QUEUE = 0x0100
@@ -37,6 +57,13 @@ IFF_TUN_EXCL = 0x8000
 CAP_NET_ADMIN = 12
 
 IFA_F_NODAD = 0x02
+
+#: ``sizeof(struct virtio_net_hdr)`` (linux/virtio_net.h), csrc/pkt.h's SW_VNET_HDR_LEN.
+VNET_HDR_LEN = 10
+#: The offloads a vnet_hdr device gets: checksum and TCP segmentation, both families.
+TUN_OFFLOADS = TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6
+#: The device's transmit queue length (the kernel's default for a TUN is 500).
+TX_QUEUE_LEN = 5000
 
 TUN_PATH = "/dev/net/tun"
 
@@ -88,14 +115,34 @@ def translate_privilege(what: str) -> Iterator[None]:
         raise
 
 
+def set_offloads(fd: int) -> None:
+    """On a TUN fd opened with IFF_VNET_HDR: a 10-byte virtio-net header (TUNSETVNETHDRSZ,
+    stated even though it is the kernel's default) and checksum plus TCP segmentation
+    offload for IPv4 and IPv6 (TUNSETOFFLOAD). Both apply to the device, every queue."""
+    fcntl.ioctl(fd, TUNSETVNETHDRSZ, struct.pack("i", VNET_HDR_LEN))
+    fcntl.ioctl(fd, TUNSETOFFLOAD, TUN_OFFLOADS)
+
+
+def tun_flags(fd: int) -> int:
+    """The IFF_* flags of the TUN ``fd`` is attached to (TUNGETIFF)."""
+    out = fcntl.ioctl(fd, TUNGETIFF, struct.pack("16sH22x", b"", 0))
+    return int(struct.unpack_from("16sH", out)[1])
+
+
+def vnet_hdr_size(fd: int) -> int:
+    """The virtio-net header size of the TUN ``fd`` is attached to (TUNGETVNETHDRSZ)."""
+    out = fcntl.ioctl(fd, TUNGETVNETHDRSZ, struct.pack("i", 0))
+    return int(struct.unpack("i", out)[0])
+
+
 def open_tun(name: str, *, queues: int = 1, vnet_hdr: bool = False) -> tuple[str, list[int]]:
     """Create (or attach to) the TUN device ``name``; return its real name and one fd a queue.
 
     ``name`` may contain ``%d`` for the kernel to number it. Each fd is non-blocking and
     close-on-exec; the flags are IFF_TUN | IFF_NO_PI (raw IP packets, no 4-byte packet
     information header), plus IFF_MULTI_QUEUE for several queues and IFF_VNET_HDR when
-    asked (a virtio-net header before each packet, for GSO). Closing every fd deletes
-    the device.
+    asked, with the offloads :func:`set_offloads` turns on (a virtio-net header before
+    each packet; GSO and checksum offload). Closing every fd deletes the device.
     """
     flags = IFF_TUN | IFF_NO_PI
     if queues > 1:
@@ -114,6 +161,8 @@ def open_tun(name: str, *, queues: int = 1, vnet_hdr: bool = False) -> tuple[str
             # The kernel wrote the chosen name back (``%d`` filled in); later queues
             # attach to that device by its real name.
             real = out[:16].split(b"\0", 1)[0].decode()
+        if vnet_hdr:
+            set_offloads(fds[0])
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -129,6 +178,7 @@ class TunDevice:
     index: int
     fds: list[int]
     mtu: int
+    vnet_hdr: bool = False
     addresses: list[ipaddress.IPv4Interface | ipaddress.IPv6Interface] = field(default_factory=list)
 
     @classmethod
@@ -140,8 +190,11 @@ class TunDevice:
         addresses: Iterable[ipaddress.IPv4Interface | ipaddress.IPv6Interface],
         queues: int = 1,
         vnet_hdr: bool = False,
+        txqueuelen: int = TX_QUEUE_LEN,
     ) -> TunDevice:
-        """Create the device, set its MTU and addresses and bring it up.
+        """Create the device, set its MTU, transmit queue length and addresses and bring
+        it up. ``vnet_hdr``: with a virtio-net header and offloads (see the module's
+        docstring); the packet loop must then be told so (``TunStack(vnet_hdr=True)``).
 
         Raises ``ApiError(insufficient_os_privilege)`` when the kernel refuses for lack
         of privilege, ``ApiError(conflict)`` when ``name`` is taken by a device that is
@@ -158,11 +211,11 @@ class TunDevice:
                         "conflict", f"device {name!r} exists and cannot be used as this TUN"
                     ) from ex
                 raise
-        dev = cls(name=real, index=0, fds=fds, mtu=mtu)
+        dev = cls(name=real, index=0, fds=fds, mtu=mtu, vnet_hdr=vnet_hdr)
         try:
             with translate_privilege("configuring the TUN device"), IPRoute() as ipr:
                 dev.index = ipr.link_lookup(ifname=real)[0]
-                ipr.link("set", index=dev.index, mtu=mtu)
+                ipr.link("set", index=dev.index, mtu=mtu, txqlen=txqueuelen)
                 for iface in addresses:
                     kwargs = {"flags": IFA_F_NODAD} if iface.version == 6 else {}
                     ipr.addr(

@@ -31,6 +31,7 @@ CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
+IFF_VNET_HDR = 0x4000
 
 _counter = itertools.count()
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -108,20 +109,29 @@ class TunNetns:
                 _setns(home.fileno())
 
     def open_tun(
-        self, dev: str, addresses: Sequence[str], routes: Sequence[str] = (), mtu: int = 1500
-    ) -> int:
+        self, dev: str, addresses: Sequence[str], routes: Sequence[str] = (), mtu: int = 1500,
+        *, vnet_hdr: bool = False, txqueuelen: int | None = None,
+    ) -> int:  # fmt: skip
         """A TUN (IFF_TUN | IFF_NO_PI) named dev in the namespace, with addresses
         (IPv6 without DAD), link up at mtu, and routes ("prefix") through it. The fd is
-        closed by :meth:`close` (the device goes with it)."""
+        closed by :meth:`close` (the device goes with it). ``vnet_hdr``: IFF_VNET_HDR and
+        the offloads spliceway.tun.device.set_offloads turns on (the product's own call)."""
+        from spliceway.tun.device import set_offloads
+
+        flags = IFF_TUN | IFF_NO_PI | (IFF_VNET_HDR if vnet_hdr else 0)
         with self.entered():
             fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
             try:
-                fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", dev.encode(), IFF_TUN | IFF_NO_PI))
+                fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", dev.encode(), flags))
+                if vnet_hdr:
+                    set_offloads(fd)
             except BaseException:
                 os.close(fd)
                 raise
         self.tun_fds.append(fd)
         self.run("ip", "link", "set", dev, "mtu", str(mtu), "up")
+        if txqueuelen is not None:
+            self.run("ip", "link", "set", dev, "txqueuelen", str(txqueuelen))
         for addr in addresses:
             extra = ["nodad"] if ":" in addr else []
             self.run("ip", "addr", "add", addr, "dev", dev, *extra)
