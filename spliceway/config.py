@@ -810,9 +810,8 @@ class NetworkSettings(_Model):
     """``runtime.network``."""
 
     mtu: Annotated[int, Strict(), Field(ge=68, le=65535)] = 1500
-    """Link MTU in bytes for the TUN device when `runtime.tun.mtu` is null; not used by this
-    build (TUN is not built).
-    """
+    """Link MTU in bytes for the TUN device when `runtime.tun.mtu` (or `tun.start`'s `mtu`)
+    is null."""
 
 
 class DnsCache(_Model):
@@ -884,7 +883,7 @@ class DnsSettings(_Model):
 
 
 class TunSettings(_Model):
-    """``runtime.tun``: a TUN inbound, set like the ``tun.start`` parameters (not built)."""
+    """``runtime.tun``: a TUN inbound, set like the ``tun.start`` parameters."""
 
     addr: Annotated[str, Strict(), AfterValidator(_check_interface_address)]
     """Address of the TUN device, an IP or IP/prefix."""
@@ -966,7 +965,9 @@ class Runtime(_Model):
     dns: DnsSettings = Field(default_factory=DnsSettings)
     """The engine's resolver."""
     tun: TunSettings | None = None
-    """TUN inbound; not built: the engine refuses to start when this is not `null`."""
+    """A TUN inbound started with the engine and managed by configuration (`tun.start` and
+    `tun.stop` then answer `conflict`); `null`: none (the commands may start one).
+    See docs/tun.md."""
 
 
 # ---------------------------------------------------------------------------
