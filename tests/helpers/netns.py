@@ -162,7 +162,22 @@ class Netns:
         return (done.stdout or done.stderr).strip()
 
     def snapshot(self) -> dict[str, str]:
-        """Rules, routes of every table, addresses and links: for before/after comparisons."""
+        """Rules, routes of every table, addresses and links: for before/after comparisons.
+
+        Taken once settled: a fresh veth's link-local IPv6 address is tentative (and its
+        routes in flux) for a moment, which is no change anyone made."""
+        last: dict[str, str] = {}
+        deadline = time.monotonic() + 10
+        while True:
+            now = self._snapshot_once()
+            if now == last and "tentative" not in now["addresses"]:
+                return now
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the namespace did not settle: {now}")
+            last = now
+            time.sleep(0.05)
+
+    def _snapshot_once(self) -> dict[str, str]:
         views = {
             "rules4": ("ip", "-4", "rule"),
             "rules6": ("ip", "-6", "rule"),

@@ -137,19 +137,7 @@ def _client(topo: Topology, host: str, port: int, size: int) -> dict[str, Any]:
 
 
 def _snapshot(topo: Topology) -> dict[str, str]:
-    """The host namespace's rules, routes, addresses and links once settled: a fresh
-    veth's link-local address is tentative (and its routes in flux) for a moment."""
-    last: dict[str, str] = {}
-
-    def settled() -> bool:
-        nonlocal last
-        now = topo.host.snapshot()
-        same = now == last and "tentative" not in now["addresses"]
-        last = now
-        return same
-
-    assert wait_until(settled, timeout=10), last
-    return last
+    return topo.host.snapshot()
 
 
 # ---------------------------------------------------------------------------
