@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from spliceway.actors import udp_flow
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, StopFlow
 from spliceway.actors.udp import SampleUdp
@@ -70,7 +71,6 @@ from spliceway import records, routing
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.dns.server import MAX_PENDING, SLOW
 from spliceway.events import now_ms
-from spliceway.runtime import FlowEntry
 from spliceway.tun.mark import apply_mark
 from spliceway.tun.stack import TunStackError, UdpRecord
 
@@ -784,41 +784,13 @@ class TunUdpActor(LoopActor):
         if proxy is not None:
             self.upstreams.release(proxy, sess, idle=idle)
         self._take_counts(sess)
-        s.state = "completed"
-        s.outcome = outcome or (records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED)
-        s.failure = failure
-        if failure is not None and outcome == records.FAILED:
-            s.close_reason = records.UPSTREAM_ERROR
-        s.ended_at_unix_ms = max(now_ms(), s.started_at_unix_ms)
-        c = self.deps.counters
-        c.completed_sessions += 1
-        c.completed_bytes_up += s.traffic.bytes_up
-        c.completed_bytes_down += s.traffic.bytes_down
-        if s.outcome == records.FAILED:
-            c.failed_sessions += 1
-        elif s.outcome == records.BLOCKED:
-            c.blocked_sessions += 1
-        self._publish(sess, "flow.completed", occurred=s.ended_at_unix_ms)
+        udp_flow.complete(self.deps, self.actor_ref, s, outcome, failure, chained=chained)
 
     def _publish_updated(self, sess: _Session) -> None:
-        s = sess.state
-        s.revision += 1
-        record = s.render()
-        self.deps.flows.put(s.flow_id, FlowEntry(self.actor_ref, record, s.inbound_tag, None))
-        self.deps.log.emit("flow.updated", records.updated_payload(s, record))
+        udp_flow.publish_updated(self.deps, self.actor_ref, sess.state)
 
     def _publish(self, sess: _Session, event_type: str, occurred: int | None = None) -> None:
-        s = sess.state
-        s.revision += 1
-        record = s.render()
-        deps = self.deps
-        if s.state == "completed":
-            deps.flows.remove(s.flow_id)
-        else:
-            deps.flows.put(s.flow_id, FlowEntry(self.actor_ref, record, s.inbound_tag, None))
-        deps.log.emit(
-            event_type, records.lifecycle_payload(s, record), occurred_at_unix_ms=occurred
-        )
+        udp_flow.publish(self.deps, self.actor_ref, sess.state, event_type, occurred)
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

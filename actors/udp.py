@@ -30,6 +30,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from spliceway.actors import udp_flow
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import CloseFlow, StopFlow
 from spliceway.actors.udp_upstream import (
@@ -42,10 +43,8 @@ from spliceway.actors.udp_upstream import (
 
 from spliceway import records, routing, udprelay
 from spliceway.dns import InvalidHostname, ResolveError
-from spliceway.events import now_ms
 from spliceway.protocols import socks5
 from spliceway.relay import RelayError
-from spliceway.runtime import FlowEntry
 from spliceway.tun.mark import apply_mark
 
 if TYPE_CHECKING:
@@ -506,50 +505,13 @@ class UdpAssociationActor(LoopActor):
                     self._take_counters(dest, counters)
         chained = dest.action == "python"
         dest.action = "closed"
-        s.state = "completed"
-        s.outcome = outcome or (records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED)
-        s.failure = failure
-        if failure is not None and outcome == records.FAILED:
-            s.close_reason = records.UPSTREAM_ERROR
-        s.ended_at_unix_ms = max(now_ms(), s.started_at_unix_ms)
-        c = self.deps.counters
-        c.completed_sessions += 1
-        c.completed_bytes_up += s.traffic.bytes_up
-        c.completed_bytes_down += s.traffic.bytes_down
-        if s.outcome == records.FAILED:
-            c.failed_sessions += 1
-        elif s.outcome == records.BLOCKED:
-            c.blocked_sessions += 1
-        self._publish(dest, "flow.completed", occurred=s.ended_at_unix_ms)
+        udp_flow.complete(self.deps, self.actor_ref, s, outcome, failure, chained=chained)
 
     def _publish_updated(self, dest: _Dest) -> None:
-        s = dest.state
-        s.revision += 1
-        record = s.render()
-        self.deps.flows.put(
-            s.flow_id, FlowEntry(self.actor_ref, record, s.inbound_tag, s.principal_key)
-        )
-        self.deps.log.emit(
-            "flow.updated", records.updated_payload(s, record), principal_key=s.principal_key
-        )
+        udp_flow.publish_updated(self.deps, self.actor_ref, dest.state)
 
     def _publish(self, dest: _Dest, event_type: str, occurred: int | None = None) -> None:
-        s = dest.state
-        s.revision += 1
-        record = s.render()
-        deps = self.deps
-        if s.state == "completed":
-            deps.flows.remove(s.flow_id)
-        else:
-            deps.flows.put(
-                s.flow_id, FlowEntry(self.actor_ref, record, s.inbound_tag, s.principal_key)
-            )
-        deps.log.emit(
-            event_type,
-            records.lifecycle_payload(s, record),
-            principal_key=s.principal_key,
-            occurred_at_unix_ms=occurred,
-        )
+        udp_flow.publish(self.deps, self.actor_ref, dest.state, event_type, occurred)
 
     # -- proxy upstreams (Python relays: actors/udp_upstream.py) -----------------------
 

@@ -176,7 +176,26 @@ async def _within(awaitable: Awaitable[_T], timeout: float | None) -> _T:
         raise dns.exception.Timeout(timeout=timeout) from None
 
 
-class _Datagram(dns.asyncbackend.DatagramSocket):
+class _Wrapped:
+    """What both kinds of socket answer the same way, from the wrapped ``sock``."""
+
+    sock: socket.socket
+
+    async def close(self) -> None:
+        self.sock.close()
+
+    async def getpeername(self) -> Any:
+        return self.sock.getpeername()
+
+    async def getsockname(self) -> Any:
+        return self.sock.getsockname()
+
+    async def getpeercert(self, timeout: float | None) -> Any:
+        # dnspython asks only of TLS sockets, which are never made here (make_socket).
+        raise NotImplementedError
+
+
+class _Datagram(_Wrapped, dns.asyncbackend.DatagramSocket):
     """A marked UDP socket on the running asyncio loop."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -195,20 +214,8 @@ class _Datagram(dns.asyncbackend.DatagramSocket):
         loop = asyncio.get_running_loop()
         return await _within(loop.sock_recvfrom(self.sock, size), timeout)
 
-    async def close(self) -> None:
-        self.sock.close()
 
-    async def getpeername(self) -> Any:
-        return self.sock.getpeername()
-
-    async def getsockname(self) -> Any:
-        return self.sock.getsockname()
-
-    async def getpeercert(self, timeout: float | None) -> Any:
-        raise NotImplementedError
-
-
-class _Stream(dns.asyncbackend.StreamSocket):
+class _Stream(_Wrapped, dns.asyncbackend.StreamSocket):
     """A marked, connected TCP socket on the running asyncio loop."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -222,18 +229,6 @@ class _Stream(dns.asyncbackend.StreamSocket):
     async def recv(self, size: int, timeout: float | None) -> bytes:
         loop = asyncio.get_running_loop()
         return await _within(loop.sock_recv(self.sock, size), timeout)
-
-    async def close(self) -> None:
-        self.sock.close()
-
-    async def getpeername(self) -> Any:
-        return self.sock.getpeername()
-
-    async def getsockname(self) -> Any:
-        return self.sock.getsockname()
-
-    async def getpeercert(self, timeout: float | None) -> Any:
-        raise NotImplementedError
 
 
 # dnspython's asyncio backend (sleep, wait_for, datagram_connection_required...), with

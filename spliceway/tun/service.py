@@ -73,8 +73,11 @@ class _Running:
     handle: TunHandle
     stack: TunStack
     actor: pykka.ActorRef[Any]
-    tag: str
     slots: tuple[int, ...]
+
+    @property
+    def tag(self) -> str:
+        return self.handle.options.tag
 
 
 class TunService:
@@ -208,7 +211,7 @@ class TunService:
         except BaseException:
             stack.stop()
             raise
-        return _Running(handle, stack, actor, opts.tag, tuple(s.index for s in specs.values()))
+        return _Running(handle, stack, actor, tuple(s.index for s in specs.values()))
 
     # -- stop --------------------------------------------------------------------------
 

@@ -136,10 +136,6 @@ def _client(topo: Topology, host: str, port: int, size: int) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
-def _snapshot(topo: Topology) -> dict[str, str]:
-    return topo.host.snapshot()
-
-
 # ---------------------------------------------------------------------------
 # TCP through the TUN
 # ---------------------------------------------------------------------------
@@ -232,7 +228,7 @@ def test_tun_start_and_stop_leave_the_namespace_as_it_was(topo: Topology, tmp_pa
     port = topo.serve("echo")
     engine = Engine(topo, tmp_path, {})
     try:
-        before = _snapshot(topo)
+        before = topo.host.snapshot()
         assert engine.query("tun_status")["running"] is False
         assert engine.command("tun.start", {**TUN, "strict_route": True}) == {"accepted": True}
         status = engine.query("tun_status")
@@ -257,21 +253,21 @@ def test_tun_start_and_stop_leave_the_namespace_as_it_was(topo: Topology, tmp_pa
         ended = engine.completed(2)[1]
         assert ended["inbound"] == {"tag": "tun-in", "protocol": "tun"}
         assert engine.query("flows")["active_flows"] == []
-        assert _snapshot(topo) == before
+        assert topo.host.snapshot() == before
         assert engine.query("tun_status") == {
             "running": False, "name": None, "addr": None, "tag": None,
         }  # fmt: skip
         assert engine.command("tun.stop", {}) == {"accepted": False}
     finally:
         engine.stop()
-    assert _snapshot(topo) == before
+    assert topo.host.snapshot() == before
 
 
 def test_a_configured_tun_refuses_the_commands_and_follows_config_apply(
     topo: Topology, tmp_path: Path
 ) -> None:
     port = topo.serve("echo")
-    before = _snapshot(topo)
+    before = topo.host.snapshot()
     engine = Engine(topo, tmp_path, {"runtime": {"tun": TUN}})
     try:
         for method, params in (("tun.start", TUN), ("tun.stop", {})):
@@ -283,7 +279,7 @@ def test_a_configured_tun_refuses_the_commands_and_follows_config_apply(
         result = engine.command("config.apply_runtime", {"config": doc})
         assert "tun" in result["changed_components"]
         assert engine.query("tun_status")["running"] is False
-        assert _snapshot(topo) == before
+        assert topo.host.snapshot() == before
         doc["runtime"] = {"tun": {**TUN, "tag": "tun-b"}}
         engine.command("config.apply_runtime", {"config": doc})
         assert engine.query("tun_status")["tag"] == "tun-b"
@@ -292,26 +288,26 @@ def test_a_configured_tun_refuses_the_commands_and_follows_config_apply(
         assert record["inbound"] == {"tag": "tun-b", "protocol": "tun"}
     finally:
         engine.stop()
-    assert _snapshot(topo) == before
+    assert topo.host.snapshot() == before
 
 
 def test_kill_9_then_a_restart_leaves_nothing_behind(topo: Topology, tmp_path: Path) -> None:
-    before = _snapshot(topo)
+    before = topo.host.snapshot()
     engine = Engine(topo, tmp_path, {"runtime": {"tun": {**TUN, "strict_route": True}}})
     engine.kill9()
     # What the dead engine added is still there (routes outlive their process) ...
-    assert _snapshot(topo)["rules4"] != before["rules4"]
+    assert topo.host.snapshot()["rules4"] != before["rules4"]
     # ... until the next engine starts, TUN or not.
     (tmp_path / "ipc.sock").unlink(missing_ok=True)
     engine = Engine(topo, tmp_path, {})
     try:
-        after = _snapshot(topo)
+        after = topo.host.snapshot()
         assert {k: after[k] for k in ("rules4", "rules6", "routes4", "routes6")} == {
             k: before[k] for k in ("rules4", "rules6", "routes4", "routes6")
         }
     finally:
         engine.stop()
-    assert _snapshot(topo) == before
+    assert topo.host.snapshot() == before
 
 
 @pytest.mark.parametrize("strict", [True, False])
