@@ -52,6 +52,7 @@ from spliceway.api.sse import (
     open_stream,
     parse_since,
 )
+from spliceway.api.ui_files import UI_PATH, UiFiles, is_ui_path
 
 from spliceway import commands, queries
 from spliceway.capabilities import API_ID, capabilities
@@ -262,6 +263,9 @@ class _Gate:
             resp.set_header("Access-Control-Max-Age", "600")
             _send(resp, envelope_ok({}))
             resp.complete = True
+            return
+        if is_ui_path(req.path):
+            # The dashboard's files hold no data; the page asks for the key itself.
             return
         principal = state.keys.authenticate(
             req.get_header("Authorization"), req.get_header("X-Service-Api-Key")
@@ -480,6 +484,9 @@ def create_app(
     app.add_route(COMMANDS_PATH, _Commands(state))
     app.add_route(f"{PREFIX}/events/stream", _EventStream(state))
     app.add_route(f"{PREFIX}/openapi.json", _OpenApi())
+    ui = UiFiles()
+    app.add_route(UI_PATH, ui)
+    app.add_route(f"{UI_PATH}/{{name}}", ui)
     app.add_error_handler(Exception, _on_exception)
     app.add_error_handler(falcon.HTTPError, _on_http_error)
     app.add_error_handler(ApiError, _on_api_error)
