@@ -2,7 +2,8 @@
 
 The actor's own thread is the sink's delivery worker, so a receiver that hangs
 blocks only its own sink. It takes committed records from the outbox (the
-intake fills it), sends each as one POST (or appends batches to the JSONL file),
+intake fills it), sends each as one POST (signed when the sink has a secret),
+appends batches to the JSONL file, or publishes pipelined batches to JetStream,
 and applies the delivery policy: a 2xx is acknowledged, a retryable failure
 waits out its backoff (a timer wakes the actor; it never sleeps in a handler
 longer than one request), a non-retryable one goes to the exhaustion policy.
@@ -16,6 +17,7 @@ counters, read without stopping delivery).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import random
 import threading
@@ -24,13 +26,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import pykka
 from spliceway.connector.diskgate import DiskGate
-from spliceway.connector.intake import Feed
+from spliceway.connector.intake import Feed, event_id_of
+from spliceway.connector.jetstream import MAX_BATCH, NatsPublisher
 from spliceway.connector.jsonl import JsonlWriter
 from spliceway.connector.outbox import Item, Outbox
 from spliceway.connector.policy import Action, DeliveryPolicy, Verdict, classify, next_step
+from spliceway.connector.signing import Signer
 from spliceway.connector.webhook import DeliveryError, WebhookClient
 
 from spliceway.events import now_ms
@@ -69,22 +72,27 @@ class _Pump:
 _PUMP = _Pump()
 
 
+Transport = WebhookClient | JsonlWriter | NatsPublisher
+
+
 class SinkActor(pykka.ThreadingActor):
-    """Delivers one sink's events (webhook POSTs or JSONL appends)."""
+    """Delivers one sink's events (webhook POSTs, JSONL appends or JetStream publishes)."""
 
     def __init__(
         self,
         tag: str,
-        transport: WebhookClient | JsonlWriter,
+        transport: Transport,
         outbox: Outbox,
         feed: Feed,
         policy: DeliveryPolicy,
         state: SinkState,
         gate: DiskGate | None,
+        signer: Signer | None = None,
     ) -> None:
         super().__init__()
         self.tag = tag
         self.transport = transport
+        self.signer = signer
         self.outbox = outbox
         self.feed = feed
         self.policy = policy
@@ -100,8 +108,12 @@ class SinkActor(pykka.ThreadingActor):
         self._timer: threading.Timer | None = None
         self._ack_due = 0.0
         self._rng = random.Random()
-        jsonl = isinstance(transport, JsonlWriter)
-        self._deliver = self._append_lines if jsonl else self._post_head
+        if isinstance(transport, JsonlWriter):
+            self._deliver = self._append_lines
+        elif isinstance(transport, NatsPublisher):
+            self._deliver = self._publish_batch
+        else:
+            self._deliver = self._post_head
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -178,8 +190,11 @@ class SinkActor(pykka.ThreadingActor):
             self._first_attempt_ms = now_ms()
         self.state.in_flight = 1
         status: int | None
+        signer = self.signer
+        # Signed at each attempt: a retry carries its own timestamp, the same webhook-id.
+        extra = signer.headers(event_id_of(item.body), item.body) if signer else b""
         try:
-            response = self.transport.post(item.body)  # type: ignore[union-attr]
+            response = self.transport.post(item.body, extra)  # type: ignore[union-attr]
             status, retry_after, error = response.status, response.retry_after, None
         except DeliveryError as ex:
             status, retry_after, error = None, None, str(ex)
@@ -194,6 +209,29 @@ class SinkActor(pykka.ThreadingActor):
             self._retry_later(step.delay_ms)
         else:
             self._give_up(item, step.action, error or f"HTTP {status}", status)
+
+    def _publish_batch(self) -> None:
+        items = list(itertools.islice(self._queue, MAX_BATCH))
+        if self._attempts == 0:
+            self._first_attempt_ms = now_ms()
+        self.state.in_flight = len(items)
+        try:
+            acked, error = self.transport.publish(  # type: ignore[union-attr]
+                [(event_id_of(item.body), item.body) for item in items]
+            )
+        finally:
+            self.state.in_flight = 0
+        if acked:
+            self._acknowledge(items[:acked])
+        if error is None:
+            return
+        # The first unacknowledged event is the head now; it meets the delivery policy.
+        self._failed(error)
+        step = next_step(self.policy, self._attempts, None, None, self._rng, time.time())
+        if step.action is Action.RETRY:
+            self._retry_later(step.delay_ms)
+        else:
+            self._give_up(self._queue[0], step.action, error, None)
 
     def _append_lines(self) -> None:
         items = list(self._queue)
@@ -271,7 +309,7 @@ class SinkActor(pykka.ThreadingActor):
                 return False
             self.state.total_dead_lettered += 1
             logger.warning(
-                "sink %s: event dead-lettered (%s): %s", self.tag, reason, _event_id(item.body)
+                "sink %s: event dead-lettered (%s): %s", self.tag, reason, event_id_of(item.body)
             )
         self._finish([item])
         return True
@@ -287,10 +325,3 @@ class SinkActor(pykka.ThreadingActor):
             self._schedule(self.policy.backoff_initial_ms / 1000)
             return
         self.state.ack_retry_pending = 0
-
-
-def _event_id(body: bytes) -> str:
-    try:
-        return str(orjson.loads(body).get("event_id"))
-    except orjson.JSONDecodeError:
-        return "?"

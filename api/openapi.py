@@ -618,7 +618,7 @@ def _sink() -> Schema:
     return obj(
         {
             "name": STR,
-            "type": {"type": "string", "enum": ["webhook", "jsonl"]},
+            "type": {"type": "string", "enum": ["webhook", "jsonl", "nats"]},
             "pending": COUNT,
             "total_delivered": COUNT,
             "total_failed": COUNT,

@@ -69,6 +69,30 @@ def with_source(data: bytes, source_id: str) -> bytes:
     return orjson.dumps({**orjson.loads(data), "source_id": source_id})
 
 
+_SCHEMA_KEY = b'{"schema_id":"'
+_EVENT_ID_KEY = b',"event_id":"'
+
+
+def event_id_of(body: bytes) -> str:
+    """The ``event_id`` of an envelope's JSON, as the outbox holds it.
+
+    The engine writes ``schema_id`` first and ``event_id`` right after it, so that
+    prefix is read without decoding the event; any other shape is decoded in full.
+    """
+    if body.startswith(_SCHEMA_KEY):
+        after_schema = body.find(b'"', len(_SCHEMA_KEY)) + 1
+        if after_schema and body.startswith(_EVENT_ID_KEY, after_schema):
+            start = after_schema + len(_EVENT_ID_KEY)
+            end = body.find(b'"', start)
+            if end > start and body.find(b"\\", start, end) < 0:
+                return body[start:end].decode("ascii", "replace")
+    try:
+        value = orjson.loads(body).get("event_id")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "?"
+    return value if isinstance(value, str) else "?"
+
+
 class Intake:
     """The thread that feeds every sink's outbox from the event log."""
 

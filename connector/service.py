@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import pykka
-from spliceway.actors.sink import SinkActor, SinkState
+from spliceway.actors.sink import SinkActor, SinkState, Transport
 from spliceway.connector.diskgate import DiskGate, Storage
 from spliceway.connector.intake import Feed, Intake
+from spliceway.connector.jetstream import NatsPublisher, parse_credentials
 from spliceway.connector.jsonl import JsonlWriter
 from spliceway.connector.outbox import MemoryOutbox, Outbox, OutboxStore
 from spliceway.connector.policy import DeliveryPolicy
+from spliceway.connector.signing import Signer, secret_key
 from spliceway.connector.webhook import WebhookClient
 
-from spliceway.config import Api, JsonlSink, Sink
+from spliceway.config import Api, JsonlSink, NatsSink, Sink, one_sink_environment_problems
 from spliceway.errors import ApiError
 from spliceway.events import EventLog
 
@@ -46,7 +49,8 @@ class SinkSlot:
     outbox: Outbox
     feed: Feed
     state: SinkState
-    transport: WebhookClient | JsonlWriter
+    transport: Transport
+    signer: Signer | None = None
     ref: pykka.ActorRef[SinkActor] | None = None
 
 
@@ -131,7 +135,7 @@ class Connector:
                 self.intake.take_in(slot.feed)
         self._drain([slot], RETIRE_GRACE_S)
         self._cursors[slot.spec.tag] = slot.feed.cursor
-        if isinstance(slot.transport, WebhookClient):
+        if not isinstance(slot.transport, JsonlWriter):
             slot.transport.abort()
         if slot.ref is not None:
             with contextlib.suppress(pykka.ActorDeadError):
@@ -149,6 +153,7 @@ class Connector:
             self.policy,
             slot.state,
             self.gate,
+            slot.signer,
         )
 
     def _open_store(self) -> None:
@@ -160,14 +165,16 @@ class Connector:
             )
 
     def _open_slot(self, i: int, spec: Sink) -> SinkSlot:
-        api = self.api
+        problems = one_sink_environment_problems(i, spec)
+        if problems:
+            raise ApiError(
+                "invalid_argument",
+                f"sink {spec.tag!r} cannot start: {problems[0].message}",
+                field_path=problems[0].field_path,
+            )
         outbox: Outbox = self.store.open_sink(spec.tag) if self.store else MemoryOutbox()
-        transport: WebhookClient | JsonlWriter
         try:
-            if isinstance(spec, JsonlSink):
-                transport = JsonlWriter(spec.path)
-            else:
-                transport = WebhookClient(spec.url, spec.headers, api.dispatcher.request_timeout_ms)
+            transport, signer = self._transport(spec)
         except (OSError, ValueError) as ex:
             outbox.close()
             raise ApiError(
@@ -175,13 +182,24 @@ class Connector:
                 f"sink {spec.tag!r} cannot start: {ex}",
                 field_path=f"api.event_sinks[{i}]",
             ) from ex
-        source_id = getattr(spec, "source_id", None)
-        feed = Feed.for_sink(spec.tag, spec.events, source_id, outbox)
+        feed = Feed.for_sink(spec.tag, spec.events, getattr(spec, "source_id", None), outbox)
         if outbox.recovery.state != "clean":
             logger.warning(
                 "sink %s: outbox recovered with damage: %s", spec.tag, outbox.recovery.to_dict()
             )
-        return SinkSlot(spec, outbox, feed, SinkState(), transport)
+        return SinkSlot(spec, outbox, feed, SinkState(), transport, signer)
+
+    def _transport(self, spec: Sink) -> tuple[Transport, Signer | None]:
+        """What delivers ``spec``'s events; ValueError/OSError when it cannot."""
+        timeout_ms = self.api.dispatcher.request_timeout_ms
+        if isinstance(spec, JsonlSink):
+            return JsonlWriter(spec.path), None
+        if isinstance(spec, NatsSink):
+            env = spec.credentials_env
+            credentials = parse_credentials(os.environ[env]) if env is not None else None
+            return NatsPublisher(spec.servers, spec.subject, timeout_ms, credentials), None
+        signer = Signer(secret_key(os.environ[spec.secret_env])) if spec.secret_env else None
+        return WebhookClient(spec.url, spec.headers, timeout_ms), signer
 
     def stop(self) -> None:
         """Take in the log's last events, let sinks deliver briefly, then stop them."""
@@ -190,7 +208,7 @@ class Connector:
             self.intake = None
         self._drain(self.slots, STOP_GRACE_S)
         for slot in self.slots:
-            if isinstance(slot.transport, WebhookClient):
+            if not isinstance(slot.transport, JsonlWriter):
                 slot.transport.abort()
         for slot in self.slots:
             if slot.ref is not None:

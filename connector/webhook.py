@@ -189,13 +189,20 @@ class WebhookClient:
         # shut down a descriptor number that close() already released for reuse.
         self._lock = threading.Lock()
 
-    def post(self, body: bytes) -> Response:
+    def post(self, body: bytes, extra_headers: bytes = b"") -> Response:
         """POST ``body`` and return the status; raises :class:`DeliveryError`.
 
-        Connect, send and the full response share one deadline of ``timeout_ms``.
+        ``extra_headers`` are this request's own header lines, each ending in CRLF (a
+        signature). Connect, send and the full response share one deadline of
+        ``timeout_ms``.
         """
         deadline = time.monotonic() + self._timeout_s
-        request = b"%b%d\r\n\r\n%b" % (self._head, len(body), body)
+        request = b"%b%bContent-Length: %d\r\n\r\n%b" % (
+            self._head,
+            extra_headers,
+            len(body),
+            body,
+        )
         try:
             if self._aborted:
                 raise DeliveryError("aborted")
@@ -366,7 +373,8 @@ def _request_head(
     parts: urllib.parse.SplitResult,
     configured: Mapping[str, str] | None,
 ) -> bytes:
-    """The constant request head, ending where the Content-Length value goes."""
+    """The constant request head: the request line and every fixed header, each ending in
+    CRLF (a request's own headers and Content-Length follow)."""
     fields: dict[str, tuple[str, str]] = {
         "content-type": ("Content-Type", "application/json"),
         "user-agent": ("User-Agent", f"spliceway/{__version__}"),
@@ -388,6 +396,6 @@ def _request_head(
     lines = [f"POST {target} HTTP/1.1", f"Host: {host}"]
     lines += [f"{name}: {value}" for name, value in fields.values()]
     try:
-        return ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
+        return ("\r\n".join(lines) + "\r\n").encode("latin-1")
     except UnicodeEncodeError:
         raise ValueError("header values must be latin-1 text") from None

@@ -236,7 +236,11 @@ def capabilities(
             {"kind": "ipc", "enabled": ipc_enabled},
             {"kind": "grpc", "enabled": grpc and grpc_enabled},
         ],
-        "sinks": [{"kind": "webhook", "enabled": True}, {"kind": "jsonl", "enabled": True}],
+        "sinks": [
+            {"kind": "webhook", "enabled": True},
+            {"kind": "jsonl", "enabled": True},
+            {"kind": "nats", "enabled": True},
+        ],
         "features": [*FEATURES, "grpc"] if grpc else list(FEATURES),
         # Deep copies: the tables share their level objects, and callers may mutate.
         "protocols": copy.deepcopy(list(PROTOCOLS)),

@@ -62,7 +62,7 @@ import ipaddress
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -82,6 +82,7 @@ from pydantic import (
     model_validator,
 )
 
+from spliceway.connector.signing import SIGNATURE_HEADERS, secret_key
 from spliceway.errors import ApiError, Detail
 from spliceway.event_catalogue import EVENT_CATALOGUE
 from spliceway.flowhook import HookSettings
@@ -113,6 +114,7 @@ __all__ = [
     "Listen",
     "LoadBalanceGroup",
     "Mode",
+    "NatsSink",
     "NetworkSettings",
     "RealAnswer",
     "RelayGroup",
@@ -133,8 +135,10 @@ __all__ = [
     "default_ipc_path",
     "environment_problems",
     "load_config_file",
+    "one_sink_environment_problems",
     "parse_config",
     "parse_dns_server",
+    "sink_environment_problems",
     "validate_document",
 ]
 
@@ -257,6 +261,32 @@ def _check_webhook_url(value: str) -> str:
         raise ValueError(f"{value!r} is not a valid URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"must be an http:// or https:// URL with a host (got {value!r})")
+    return value
+
+
+def _check_nats_url(value: str) -> str:
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"{value!r} is not a valid URL") from None
+    if parts.scheme not in ("nats", "tls") or not parts.hostname:
+        raise ValueError(f"must be a nats:// or tls:// URL with a host (got {value!r})")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry credentials: name them with credentials_env")
+    return value
+
+
+#: A publish subject: dot-separated tokens, no wildcards, no whitespace (NATS subjects).
+_NATS_SUBJECT = re.compile(r"[^.*>\s]+(?:\.[^.*>\s]+)*")
+
+
+def _check_nats_subject(value: str) -> str:
+    if not _NATS_SUBJECT.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a NATS publish subject (dot-separated tokens, no spaces, "
+            "no wildcards * or >)"
+        )
     return value
 
 
@@ -1117,6 +1147,55 @@ class WebhookSink(_Model):
     """Extra request headers, e.g. `Authorization` for the receiver to authenticate the engine;
     they override the default `Content-Type` and `User-Agent`.
     """
+    secret_env: EnvName | None = None
+    """Environment variable holding a Standard Webhooks secret (`whsec_<base64>`): every
+    delivery then carries `webhook-id` (the `event_id`), `webhook-timestamp` and
+    `webhook-signature` (`v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`), signed anew
+    at each attempt. The engine refuses to start when it is unset or not such a secret.
+    `null`: deliveries are not signed.
+    """
+
+    @model_validator(mode="after")
+    def _signature_headers_are_the_engines(self) -> WebhookSink:
+        if self.secret_env is not None and self.headers:
+            taken = sorted(n for n in self.headers if n.lower() in SIGNATURE_HEADERS)
+            if taken:
+                raise ValueError(
+                    f"headers {taken} are set by the signature (secret_env); remove them"
+                )
+        return self
+
+
+class NatsSink(_Model):
+    """Publish every selected event to NATS JetStream, one message per event."""
+
+    type: Literal["nats"]
+    """`nats`: publish each event to a JetStream stream."""
+    tag: Tag
+    """Name of this sink, unique among sinks; `GET /api/v1/sinks` and the outbox use it."""
+    servers: Annotated[
+        tuple[Annotated[str, Strict(), AfterValidator(_check_nats_url)], ...],
+        Field(min_length=1),
+    ]
+    """NATS server URLs (`nats://host:port` or `tls://host:port`), tried in turn."""
+    subject: Annotated[str, Strict(), AfterValidator(_check_nats_subject)]
+    """Subject every event is published on; a JetStream stream must capture it (the engine
+    does not create streams: until one exists, delivery fails with `last_error` saying so,
+    and the events wait in the outbox).
+    """
+    events: EventFilter = ()
+    """Event types this sink takes (`"*"` or an empty list: every type). `flow.snapshot` never
+    reaches a sink.
+    """
+    source_id: NonEmptyStr | None = None
+    """Written into the `source_id` of every envelope this sink sends, to tell engines apart;
+    `null` leaves it `null`.
+    """
+    credentials_env: EnvName | None = None
+    """Environment variable holding the credentials: `user:password`, a token (no `:`), or
+    `@/path/to/file.creds` (a JWT and NKey credentials file). The engine refuses to start
+    when it is unset. `null`: connect without credentials.
+    """
 
 
 class JsonlSink(_Model):
@@ -1134,7 +1213,7 @@ class JsonlSink(_Model):
     """
 
 
-Sink = Annotated[WebhookSink | JsonlSink, Field(discriminator="type")]
+Sink = Annotated[WebhookSink | JsonlSink | NatsSink, Field(discriminator="type")]
 
 
 class Dispatcher(_Model):
@@ -1268,7 +1347,7 @@ _UNION_TAGS: dict[tuple[str, ...], frozenset[str]] = {
     ("outbound_groups", "*"): frozenset(
         {"selector", "url_test", "fallback", "relay", "load_balance"}
     ),
-    ("api", "event_sinks", "*"): frozenset({"webhook", "jsonl"}),
+    ("api", "event_sinks", "*"): frozenset({"webhook", "jsonl", "nats"}),
     ("runtime", "dns", "answer"): frozenset({"real", "fake_ip"}),
 }
 
@@ -1714,7 +1793,39 @@ def environment_problems(config: Config, environ: Mapping[str, str] | None = Non
     on any of them (the control API's keys are read only when it is enabled).
     """
     control = config.api.control
-    return control_environment_problems(control, environ) if control.enabled else []
+    problems = control_environment_problems(control, environ) if control.enabled else []
+    return problems + sink_environment_problems(config.api.event_sinks, environ)
+
+
+def sink_environment_problems(
+    sinks: Sequence[Sink], environ: Mapping[str, str] | None = None
+) -> list[Detail]:
+    """The sinks' secret and credential variables that are unset or unusable."""
+    return [
+        p for i, sink in enumerate(sinks) for p in one_sink_environment_problems(i, sink, environ)
+    ]
+
+
+def one_sink_environment_problems(
+    index: int, sink: Sink, environ: Mapping[str, str] | None = None
+) -> list[Detail]:
+    """:func:`sink_environment_problems` of ``api.event_sinks[index]``."""
+    env = os.environ if environ is None else environ
+    problems: list[Detail] = []
+    for field in ("secret_env", "credentials_env"):
+        name = getattr(sink, field, None)
+        if name is None:
+            continue
+        where = f"api.event_sinks[{index}].{field}"
+        value = env.get(name)
+        if not value:
+            problems.append(_unset_variable(name, where))
+        elif field == "secret_env":
+            try:
+                secret_key(value)
+            except ValueError as ex:
+                problems.append(Detail(f"environment variable {name} {ex}", where))
+    return problems
 
 
 def check_environment(config: Config, environ: Mapping[str, str] | None = None) -> None:

@@ -12,7 +12,7 @@ import struct
 import subprocess
 import urllib.request
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,16 +184,27 @@ def wait_completed(engine: Any, n: int) -> dict[str, Any]:
 class EngineProcess:
     """``python -m spliceway run -c FILE`` with its control API; stderr goes to a file."""
 
-    def __init__(self, config: dict[str, Any], workdir: Path, name: str) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        workdir: Path,
+        name: str,
+        *,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """Start it; ``prefix`` runs it under another program (``faketime``), ``env``
+        adds environment variables."""
         self.config_path = workdir / f"{name}.json"
         self.config_path.write_text(json.dumps(config))
         self.log_path = workdir / f"{name}.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [*SPLICEWAY, "run", "-c", str(self.config_path)],
+                [*prefix, *SPLICEWAY, "run", "-c", str(self.config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=log,
+                env={**os.environ, **(env or {})},
             )
         self.pid = self.proc.pid
         self.base_url = ""
