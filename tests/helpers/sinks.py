@@ -26,6 +26,19 @@ from tests.helpers.program import SPLICEWAY
 #: A stats interval no test outlives: no stats.sampled events unless a test wants them.
 STATS_OFF_MS = 3_600_000
 SOURCE_ID = "node-1"
+#: The event types this build can emit (config.changed, engine.warning and ipc.* have no
+#: emitter yet).
+EMITTED = {
+    "engine.started",
+    "engine.stopped",
+    "flow.started",
+    "flow.routed",
+    "flow.updated",
+    "flow.completed",
+    "policy.selected",
+    "policy.probe.completed",
+    "stats.sampled",
+}
 #: Fast delivery policy for tests (each test overrides what it exercises).
 FAST_DISPATCHER = {
     "request_timeout_ms": 2000,

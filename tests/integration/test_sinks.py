@@ -17,6 +17,7 @@ from tests.helpers.receiver import Receiver, Reply
 from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import (
     DELIVERY_KEYS,
+    EMITTED,
     RECOVERY_KEYS,
     SOURCE_ID,
     STATUS_KEYS,
@@ -32,20 +33,6 @@ from tests.helpers.sinks import (
     webhook,
 )
 from tests.helpers.socks import socks5_connect
-
-#: The event types this build can emit (config.changed, engine.warning and ipc.* have no
-#: emitter yet).
-EMITTED = {
-    "engine.started",
-    "engine.stopped",
-    "flow.started",
-    "flow.routed",
-    "flow.updated",
-    "flow.completed",
-    "policy.selected",
-    "policy.probe.completed",
-    "stats.sampled",
-}
 
 
 def get_json(url: str) -> dict:
