@@ -910,14 +910,7 @@ class FlowActor(LoopActor):
         s.close_reason = close_reason
         s.failure = failure
         s.ended_at_unix_ms = max(ended, s.started_at_unix_ms)
-        c = self.deps.counters
-        c.completed_sessions += 1
-        c.completed_bytes_up += s.traffic.bytes_up
-        c.completed_bytes_down += s.traffic.bytes_down
-        if outcome == records.FAILED:
-            c.failed_sessions += 1
-        elif outcome == records.BLOCKED:
-            c.blocked_sessions += 1
+        self.deps.counters.count_completed(s)
         self._publish("flow.completed", records.lifecycle_payload, occurred=s.ended_at_unix_ms)
         flowlog.log_completed(s)
 

@@ -35,14 +35,7 @@ def complete(
     if failure is not None and outcome == records.FAILED:
         s.close_reason = records.UPSTREAM_ERROR
     s.ended_at_unix_ms = max(now_ms(), s.started_at_unix_ms)
-    c = deps.counters
-    c.completed_sessions += 1
-    c.completed_bytes_up += s.traffic.bytes_up
-    c.completed_bytes_down += s.traffic.bytes_down
-    if s.outcome == records.FAILED:
-        c.failed_sessions += 1
-    elif s.outcome == records.BLOCKED:
-        c.blocked_sessions += 1
+    deps.counters.count_completed(s)
     publish(deps, actor_ref, s, "flow.completed", occurred=s.ended_at_unix_ms)
 
 

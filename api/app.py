@@ -44,6 +44,7 @@ import falcon
 import orjson
 from spliceway.api.auth import KeyTable, Principal
 from spliceway.api.limits import Limits, RateLimited, Slots, TokenBucket
+from spliceway.api.metrics import MetricsResource, metrics_registry
 from spliceway.api.openapi import openapi_document
 from spliceway.api.sse import (
     KEEPALIVE_S,
@@ -143,6 +144,11 @@ class ControlState:
         self.command_bucket = TokenBucket(self.limits.commands_per_second)
         self.sse_slots = Slots(self.limits.sse_streams)
         self.frames = FrameCache(encode=self.core.log.encoded)
+
+    def open_streams(self) -> int:
+        """How many SSE streams are open now."""
+        with self.lock:
+            return len(self.streams)
 
     def close_streams(self) -> None:
         """End every open SSE stream (server shutdown)."""
@@ -484,6 +490,7 @@ def create_app(
     app.add_route(COMMANDS_PATH, _Commands(state))
     app.add_route(f"{PREFIX}/events/stream", _EventStream(state))
     app.add_route(f"{PREFIX}/openapi.json", _OpenApi())
+    app.add_route("/metrics", MetricsResource(metrics_registry(core, state.open_streams)))
     ui = UiFiles()
     app.add_route(UI_PATH, ui)
     app.add_route(f"{UI_PATH}/{{name}}", ui)

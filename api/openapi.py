@@ -1082,6 +1082,32 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
         },
         "options": _options("optionsExecuteCommand"),
     }
+    paths["/metrics"] = {
+        "get": {
+            "operationId": "getMetrics",
+            "summary": "The engine's metrics for Prometheus (raw, not enveloped).",
+            "description": (
+                "Prometheus text format 0.0.4; OpenMetrics 1.0 when `Accept` asks for "
+                "`application/openmetrics-text`. Needs the read permission. Takes no query "
+                "parameters (400). The metrics are listed in the README."
+            ),
+            "tags": ["meta"],
+            "responses": _responses(
+                {
+                    "200": {
+                        "description": "One scrape.",
+                        "headers": _header_refs("AccessControlAllowOrigin"),
+                        "content": {
+                            "text/plain": {"schema": string()},
+                            "application/openmetrics-text": {"schema": string()},
+                        },
+                    }
+                },
+                400,
+            ),
+        },
+        "options": _options("optionsGetMetrics"),
+    }
     paths[f"{PREFIX}/openapi.json"] = {
         "get": {
             "operationId": "getOpenApi",

@@ -47,7 +47,7 @@ from spliceway.process_lookup import LocalAddresses, ProcessLookup
 from spliceway.protocols import socks5
 from spliceway.reconcile import Reconciler
 from spliceway.route_publish import RoutePublisher
-from spliceway.runtime import Counters, FlowTable, RouteState
+from spliceway.runtime import Counters, FlowEntry, FlowTable, RouteState
 from spliceway.tun.routing import sweep_if_recorded
 from spliceway.tun.service import TunParts, TunService
 from spliceway.udprelay import UdpRelay
@@ -644,18 +644,9 @@ class EngineCore:
         """The stats resource (docs/http-api.md), live."""
         c = self.counters
         up, down = c.completed_bytes_up, c.completed_bytes_down
-        entries = self.flows.entries()
-        relayed = [e for e in entries if e.handle is not None and e.base is not None]
-        live = self.bridge.counters([e.handle for e in relayed if e.handle is not None])
-        for entry, counters in zip(relayed, live, strict=True):
-            if counters is not None and entry.base is not None:
-                traffic = entry.base.with_relay(counters)
-                up += traffic.bytes_up
-                down += traffic.bytes_down
-        for entry in entries:
-            if entry.handle is None:
-                up += entry.record["traffic"]["bytes_up"]
-                down += entry.record["traffic"]["bytes_down"]
+        live = self.live_traffic()
+        up += sum(flow_up for _entry, flow_up, _down in live)
+        down += sum(flow_down for _entry, _up, flow_down in live)
         return {
             "active_sessions": len(self.flows),
             "total_started": c.total_started,
@@ -666,10 +657,27 @@ class EngineCore:
             "chained_sessions": c.chained_sessions,
             "bytes_up": up,
             "bytes_down": down,
-            "udp_upstream": self._udp_upstream(),
+            "udp_upstream": self.udp_upstream_counters(),
         }
 
-    def _udp_upstream(self) -> dict[str, int]:
+    def live_traffic(self) -> list[tuple[FlowEntry, int, int]]:
+        """``(entry, bytes_up, bytes_down)`` of every active flow that has moved or may move
+        bytes, read now (relayed flows from C's counters)."""
+        entries = self.flows.entries()
+        out: list[tuple[FlowEntry, int, int]] = []
+        relayed = [e for e in entries if e.handle is not None and e.base is not None]
+        counters = self.bridge.counters([e.handle for e in relayed if e.handle is not None])
+        for entry, relay in zip(relayed, counters, strict=True):
+            if relay is not None and entry.base is not None:
+                traffic = entry.base.with_relay(relay)
+                out.append((entry, traffic.bytes_up, traffic.bytes_down))
+        for entry in entries:
+            if entry.handle is None:
+                traffic_now = entry.record["traffic"]
+                out.append((entry, traffic_now["bytes_up"], traffic_now["bytes_down"]))
+        return out
+
+    def udp_upstream_counters(self) -> dict[str, int]:
         """``stats.udp_upstream``: C's upstreams (direct) plus Python's (proxies)."""
         out = dict(self.counters.udp)
         relay = getattr(self, "udp", None)

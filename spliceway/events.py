@@ -236,6 +236,15 @@ class EventLog:
         """Sequence of the newest event (0 before the first)."""
         return self._seq
 
+    def type_counts(self) -> dict[str, int]:
+        """Events emitted since start, by type (a copy)."""
+        with self._lock:
+            return dict(self._type_counts)
+
+    def fill(self) -> int:
+        """How many events the ring holds now."""
+        return len(self._ring)
+
     def resize(self, capacity: int) -> None:
         """Keep at most ``capacity`` events from now on (a smaller ring evicts its oldest)."""
         with self._lock:

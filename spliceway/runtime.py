@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from spliceway import routing
 from spliceway.event_catalogue import UDP_COUNTERS
+from spliceway.records import BLOCKED, FAILED
 
 if TYPE_CHECKING:
     import pykka
 
-    from spliceway.records import Traffic
+    from spliceway.records import FlowState, Traffic
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +100,26 @@ class Counters:
     completed_bytes_up: int = 0
     completed_bytes_down: int = 0
     udp: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UDP_COUNTERS, 0))
+    #: Completed flows by ``(network, outcome)`` (``GET /metrics``).
+    outcomes: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: ``[bytes_up, bytes_down]`` of completed flows by outbound tag ("" for none).
+    outbound_bytes: dict[str, list[int]] = field(default_factory=dict)
+
+    def count_completed(self, s: FlowState) -> None:
+        """Count one flow that just completed (its outcome is set)."""
+        up, down = s.traffic.bytes_up, s.traffic.bytes_down
+        self.completed_sessions += 1
+        self.completed_bytes_up += up
+        self.completed_bytes_down += down
+        if s.outcome == FAILED:
+            self.failed_sessions += 1
+        elif s.outcome == BLOCKED:
+            self.blocked_sessions += 1
+        key = (s.network, s.outcome or "")
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        totals = self.outbound_bytes.get(s.outbound_tag or "")
+        if totals is None:
+            self.outbound_bytes[s.outbound_tag or ""] = [up, down]
+        else:
+            totals[0] += up
+            totals[1] += down

@@ -166,7 +166,9 @@ class Reply:
 
     @property
     def json(self) -> Any:
-        """The body parsed as JSON."""
+        """The body parsed as JSON (a text body, such as a metrics scrape, as text)."""
+        if not self.headers.get("Content-Type", JSON).startswith(JSON):
+            return self.raw.decode()
         return json.loads(self.raw)
 
 
@@ -435,7 +437,7 @@ def test_document_covers_every_route_and_command() -> None:
         "events/stream",
         "openapi.json",
     ]
-    assert set(DOC["paths"]) == {f"{V1}/{q}" for q in queries} | {f"{V1}/commands"}
+    assert set(DOC["paths"]) == {f"{V1}/{q}" for q in queries} | {f"{V1}/commands", "/metrics"}
     for q in queries:
         assert "get" in DOC["paths"][f"{V1}/{q}"]
     assert "post" in DOC["paths"][f"{V1}/commands"]
@@ -598,6 +600,9 @@ def test_queries_conform_after_real_traffic(traffic) -> None:
     api.check("GET", f"{V1}/policies/{{policy_tag}}", 404, path=f"{V1}/policies/chain")
     api.check("GET", f"{V1}/policies/{{policy_tag}}", 404, path=f"{V1}/policies/nope")
     api.check("GET", f"{V1}/openapi.json", 200)
+    api.check("GET", "/metrics", 200)
+    api.check("GET", "/metrics", 200, headers={"Accept": "application/openmetrics-text"})
+    api.check("GET", "/metrics", 400, path="/metrics?name[]=x")
     answered = {template for method, template, status in api.seen if status == 200}
     queries = {p for p, item in DOC["paths"].items() if "get" in item}
     # The stream has a test of its own.

@@ -1,0 +1,235 @@
+"""``GET /metrics`` on a real engine with real flows: every figure read back through
+``prometheus_client``'s own parsers equals what the engine's other resources say, byte
+counts exact; OpenMetrics on request; the API's authentication and permissions hold."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api.conftest import control_config
+from tests.conftest import wait_until
+from tests.helpers.receiver import Receiver
+from tests.helpers.servers import EchoServer
+from tests.helpers.socks import socks5_connect
+
+ADMIN_ENV, ADMIN = "SW_TEST_METRICS_ADMIN", "admin-key-for-metrics"
+READ_ENV, READER = "SW_TEST_METRICS_READ", "read-key-for-metrics"
+CONTROL_ENV, CONTROLLER = "SW_TEST_METRICS_CONTROL", "control-key-no-read"
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(base_url: str, *, accept: str | None = None, key: str | None = None):
+    """One scrape: ``(status, content type, body text)``."""
+    headers = {}
+    if accept is not None:
+        headers["Accept"] = accept
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", "/metrics", headers=headers)
+        answer = conn.getresponse()
+        return answer.status, answer.getheader("Content-Type"), answer.read().decode()
+    finally:
+        conn.close()
+
+
+def samples(text: str) -> Samples:
+    """Every sample of a text-format scrape, by name and sorted labels."""
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(found: Samples, name: str, **labels: str) -> float | None:
+    return found.get((name, tuple(sorted(labels.items()))))
+
+
+def echo_flow(engine: Any, port: int, size: int) -> None:
+    """One flow that sends ``size`` bytes to the echo server and reads them back."""
+    with socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", port) as s:
+        s.sendall(b"x" * size)
+        got = 0
+        while got < size:
+            chunk = s.recv(65536)
+            assert chunk
+            got += len(chunk)
+
+
+@pytest.fixture
+def metrics_engine(make_engine, origin):
+    """An engine with a selector, a url_test group probing the local origin, a webhook
+    sink and rules that send port 9 to block."""
+    with Receiver() as rx:
+        cfg = control_config()
+        cfg["outbound_groups"] = [
+            {"tag": "pick", "kind": "selector", "outbounds": ["direct", "block"]},
+            {
+                "tag": "auto",
+                "kind": "url_test",
+                "outbounds": ["direct", "block"],
+                "url": f"http://127.0.0.1:{origin[1]}/generate_204",
+            },
+        ]
+        cfg["rules"] = [{"port": 9, "outbound": "block"}]
+        cfg["route"] = {"final": "pick"}
+        cfg["api"]["event_sinks"] = [
+            {"type": "webhook", "tag": "hook", "url": rx.url, "events": ["flow.completed"]}
+        ]
+        yield make_engine(cfg), rx
+
+
+def test_scrape_matches_the_engine_exactly(metrics_engine):
+    """Completed and open flows, bytes by outbound, outcomes, groups, sinks and the event
+    ring, each equal to what the engine's own resources say."""
+    engine, rx = metrics_engine
+    base = engine.control_url
+    with EchoServer() as echo:
+        echo_flow(engine, echo.port, 1000)
+        echo_flow(engine, echo.port, 2345)
+        with pytest.raises(ConnectionError, match="socks reply 2"):
+            echo_flow(engine, 9, 10)  # blocked by the rule: refused at the handshake
+        wait_until(lambda: engine.query("stats")["completed_sessions"] == 3, 10, "3 completed")
+        held = socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", echo.port)
+        try:
+            held.sendall(b"y" * 777)
+            assert len(held.recv(777, socket.MSG_WAITALL)) == 777
+            wait_until(lambda: engine.query("stats")["bytes_up"] == 1000 + 2345 + 777, 10, "live")
+            rx.wait_for(3)
+            wait_until(
+                lambda: engine.query("sinks")["sinks"][0]["total_delivered"] == 3, 10, "acks"
+            )
+            before = engine.query("events")["events"]
+            status, content_type, text = scrape(base)
+            after = engine.query("events")["events"]
+        finally:
+            held.close()
+    assert status == 200
+    assert content_type.startswith("text/plain; version=0.0.4")
+    found = samples(text)
+    assert value(found, "spliceway_up") == 1
+    assert value(found, "spliceway_flows_started_total") == 4
+    assert (
+        value(found, "spliceway_flows_completed_total", network="tcp", outcome="direct_relayed")
+        == 2
+    )
+    assert value(found, "spliceway_flows_completed_total", network="tcp", outcome="blocked") == 1
+    assert value(found, "spliceway_flows_active", inbound="socks-in", network="tcp") == 1
+    # Completed and open flows alike, exact: C's counters for the open one.
+    assert value(found, "spliceway_flow_bytes_total", outbound="direct", direction="up") == 4122
+    assert value(found, "spliceway_flow_bytes_total", outbound="direct", direction="down") == 4122
+    assert value(found, "spliceway_relay_active_flows") == 1
+    assert value(found, "spliceway_relay_loops") >= 1
+    # Groups: the selector's choice, the url_test members' health and latency.
+    assert (
+        value(found, "spliceway_policy_selected", policy="pick", kind="selector", member="direct")
+        == 1
+    )
+    assert value(found, "spliceway_policy_member_healthy", policy="auto", member="direct") == 1
+    assert value(found, "spliceway_policy_member_healthy", policy="auto", member="block") == 0
+    latency = value(
+        found, "spliceway_policy_member_latency_seconds", policy="auto", member="direct"
+    )
+    snapshot = engine.query("policy", {"policy_tag": "auto"})
+    direct = next(m for m in snapshot["url_test_members"] if m["member_tag"] == "direct")
+    assert latency == pytest.approx(direct["latency_ms"] / 1000)
+    # The sink, as GET /api/v1/sinks has it.
+    labels = {"sink": "hook", "type": "webhook"}
+    assert value(found, "spliceway_sink_delivered_events_total", **labels) == 3
+    assert value(found, "spliceway_sink_pending_events", **labels) == 0
+    assert value(found, "spliceway_sink_failed_attempts_total", **labels) == 0
+    assert value(found, "spliceway_sink_replay_gaps_total", **labels) == 0
+    # The ring (which evicted nothing): per-type counts and fill between what
+    # GET /api/v1/events had just before and just after the scrape.
+    for event_type in {e["event_type"] for e in after}:
+        emitted = value(found, "spliceway_events_emitted_total", type=event_type) or 0
+        low = sum(e["event_type"] == event_type for e in before)
+        assert low <= emitted <= sum(e["event_type"] == event_type for e in after)
+    assert len(before) <= value(found, "spliceway_event_ring_events") <= len(after)
+    assert value(found, "spliceway_event_ring_capacity") == 8192
+
+
+def test_selection_and_sse_streams_move_the_gauges(metrics_engine):
+    """A selection changes spliceway_policy_selected; an open SSE stream counts."""
+    engine, _rx = metrics_engine
+    base = engine.control_url
+    engine.execute("policies.select", {"policy_tag": "pick", "target_tag": "block"})
+    found = samples(scrape(base)[2])
+    assert (
+        value(found, "spliceway_policy_selected", policy="pick", kind="selector", member="block")
+        == 1
+    )
+    assert (
+        value(found, "spliceway_policy_selected", policy="pick", kind="selector", member="direct")
+        is None
+    )
+    assert value(found, "spliceway_sse_streams_open") == 0
+    with urllib.request.urlopen(f"{base}/api/v1/events/stream", timeout=10) as stream:
+        assert stream.status == 200
+        wait_until(
+            lambda: value(samples(scrape(base)[2]), "spliceway_sse_streams_open") == 1,
+            10,
+            "the stream counted",
+        )
+    wait_until(
+        lambda: value(samples(scrape(base)[2]), "spliceway_sse_streams_open") == 0,
+        10,
+        "the stream gone",
+    )
+
+
+def test_openmetrics_when_asked(metrics_engine):
+    """Accept: application/openmetrics-text gets OpenMetrics, which its parser reads,
+    ending in # EOF."""
+    engine, _rx = metrics_engine
+    status, content_type, text = scrape(
+        engine.control_url, accept="application/openmetrics-text; version=1.0.0"
+    )
+    assert status == 200
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    assert text.endswith("# EOF\n")
+    names = {family.name for family in openmetrics_families(text)}
+    assert {"spliceway_flows_started", "spliceway_build", "spliceway_policy_selected"} <= names
+
+
+def test_unknown_parameters_are_refused(metrics_engine):
+    engine, _rx = metrics_engine
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{engine.control_url}/metrics?name[]=x", timeout=10)
+    assert refused.value.code == 400
+    assert b'"invalid_argument"' in refused.value.read()
+
+
+def test_the_api_keys_and_permissions_apply(make_engine, monkeypatch):
+    """With keys: no key is 401, a key without read is 403, read and admin keys scrape."""
+    monkeypatch.setenv(ADMIN_ENV, ADMIN)
+    monkeypatch.setenv(READ_ENV, READER)
+    monkeypatch.setenv(CONTROL_ENV, CONTROLLER)
+    cfg = control_config(
+        api_key_env=ADMIN_ENV,
+        keys=[
+            {"name": "dash", "key_env": READ_ENV, "permissions": ["read"]},
+            {"name": "ops", "key_env": CONTROL_ENV, "permissions": ["control"]},
+        ],
+    )
+    base = make_engine(cfg).control_url
+    status, _type, body = scrape(base)
+    assert status == 401 and '"unauthenticated"' in body
+    status, _type, body = scrape(base, key=CONTROLLER)
+    assert status == 403 and '"permission_denied"' in body
+    for key in (READER, ADMIN):
+        status, _type, body = scrape(base, key=key)
+        assert status == 200 and "spliceway_up 1.0" in body
