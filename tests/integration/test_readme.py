@@ -75,7 +75,8 @@ def test_readme_sink_fragment_fits_in_api(tmp_path) -> None:
     fragment = next(b for b in blocks("json") if b.lstrip().startswith('"event_sinks"'))
     api = json.loads("{" + fragment + "}")
     api["outbox_path"] = str(tmp_path / "outbox")
-    api["event_sinks"][1]["path"] = str(tmp_path / "events.jsonl")
+    jsonl = next(sink for sink in api["event_sinks"] if sink["type"] == "jsonl")
+    jsonl["path"] = str(tmp_path / "events.jsonl")
     parse_config({"api": {**api, "control": {"enabled": False}}})
 
 
