@@ -66,7 +66,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -253,25 +253,28 @@ def _port_to_str(value: Any) -> Any:
     return value
 
 
-def _check_webhook_url(value: str) -> str:
+def _url_with_host(value: str, schemes: tuple[str, ...]) -> SplitResult:
+    """``value`` split, when it is a URL of one of ``schemes`` with a host (and a valid
+    port, if any); ValueError saying what is wrong otherwise."""
     try:
         parts = urlsplit(value)
         _ = parts.port  # raises ValueError on a bad port
     except ValueError:
         raise ValueError(f"{value!r} is not a valid URL") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http:// or https:// URL with a host (got {value!r})")
+    if parts.scheme not in schemes or not parts.hostname:
+        kinds = " or ".join(f"{scheme}://" for scheme in schemes)
+        article = "an" if schemes[0][0] in "aehiou" else "a"
+        raise ValueError(f"must be {article} {kinds} URL with a host (got {value!r})")
+    return parts
+
+
+def _check_webhook_url(value: str) -> str:
+    _url_with_host(value, ("http", "https"))
     return value
 
 
 def _check_nats_url(value: str) -> str:
-    try:
-        parts = urlsplit(value)
-        _ = parts.port  # raises ValueError on a bad port
-    except ValueError:
-        raise ValueError(f"{value!r} is not a valid URL") from None
-    if parts.scheme not in ("nats", "tls") or not parts.hostname:
-        raise ValueError(f"must be a nats:// or tls:// URL with a host (got {value!r})")
+    parts = _url_with_host(value, ("nats", "tls"))
     if parts.username is not None or parts.password is not None:
         raise ValueError("must not carry credentials: name them with credentials_env")
     return value

@@ -91,6 +91,20 @@ RECOVERY_KEYS = {
 }
 
 
+def every_event_groups(origin: tuple[str, int]) -> list[dict[str, Any]]:
+    """A selector to select through and a url_test group probing ``origin``: with them an
+    engine emits policy.selected and policy.probe.completed."""
+    return [
+        {"tag": "pick", "kind": "selector", "outbounds": ["direct", "block"]},
+        {
+            "tag": "auto",
+            "kind": "url_test",
+            "outbounds": ["direct"],
+            "url": f"http://127.0.0.1:{origin[1]}/generate_204",
+        },
+    ]
+
+
 def webhook(tag: str, url: str, events: Iterable[str] = (), **extra: Any) -> dict[str, Any]:
     """A webhook registration with ``source_id`` node-1."""
     return {

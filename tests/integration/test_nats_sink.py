@@ -23,6 +23,7 @@ from tests.helpers.sinks import (
     EMITTED,
     SOURCE_ID,
     EngineProcess,
+    every_event_groups,
     expected_body,
     flows,
     ring_events,
@@ -77,15 +78,7 @@ def test_every_event_type_is_stored_once_with_its_id(make_engine, origin, server
         cfg = sink_config(
             [nats_sink(server)], tmp_path / "outbox", runtime={"stats_interval_ms": 100}
         )
-        cfg["outbound_groups"] = [
-            {"tag": "pick", "kind": "selector", "outbounds": ["direct", "block"]},
-            {
-                "tag": "auto",
-                "kind": "url_test",
-                "outbounds": ["direct"],
-                "url": f"http://127.0.0.1:{origin[1]}/generate_204",
-            },
-        ]
+        cfg["outbound_groups"] = every_event_groups(origin)
         engine = make_engine(cfg)
         flows(engine, origin, 2)
         engine.execute("policies.select", {"policy_tag": "pick", "target_tag": "block"})

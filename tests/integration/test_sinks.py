@@ -23,6 +23,7 @@ from tests.helpers.sinks import (
     STATUS_KEYS,
     STORAGE_KEYS,
     assert_at_least_once,
+    every_event_groups,
     expected_body,
     flows,
     jsonl,
@@ -57,15 +58,7 @@ def test_every_event_type_is_delivered_once_as_the_ring_has_it(make_engine, orig
             tmp_path / "outbox",
             runtime={"stats_interval_ms": 100},
         )
-        cfg["outbound_groups"] = [
-            {"tag": "pick", "kind": "selector", "outbounds": ["direct", "block"]},
-            {
-                "tag": "auto",
-                "kind": "url_test",
-                "outbounds": ["direct"],
-                "url": f"http://127.0.0.1:{origin[1]}/generate_204",
-            },
-        ]
+        cfg["outbound_groups"] = every_event_groups(origin)
         engine = make_engine(cfg)
         # A live subscriber with a flow.snapshot baseline: the snapshot must stay its own.
         with engine.subscribe(snapshot=True, timeout=0.1) as sub:
