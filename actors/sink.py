@@ -108,10 +108,13 @@ class SinkActor(pykka.ThreadingActor):
         self._timer: threading.Timer | None = None
         self._ack_due = 0.0
         self._rng = random.Random()
+        self._take = _TAKE
         if isinstance(transport, JsonlWriter):
             self._deliver = self._append_lines
         elif isinstance(transport, NatsPublisher):
             self._deliver = self._publish_batch
+            # One pipelined batch waits for its last PubAck: the larger, the fewer waits.
+            self._take = MAX_BATCH
         else:
             self._deliver = self._post_head
 
@@ -153,12 +156,12 @@ class SinkActor(pykka.ThreadingActor):
                 self._schedule(self._retry_at - now)
                 break
             if not self._queue:
-                self._queue.extend(self.outbox.take(_TAKE))
+                self._queue.extend(self.outbox.take(self._take))
             if not self._queue:
                 self._flush_acks()
                 self.state.idle = True
                 # The intake may have committed between the take and the flag.
-                more = self.outbox.take(_TAKE)
+                more = self.outbox.take(self._take)
                 if not more:
                     break
                 self.state.idle = False

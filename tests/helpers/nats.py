@@ -131,7 +131,9 @@ def stream_messages(url: str, name: str, **auth: str) -> list[Stored]:
         try:
             jsm = nc.jsm()
             info = await jsm.stream_info(name)
-            out = []
+            out: list[Stored] = []
+            if not info.state.messages:
+                return out  # an empty stream reports first_seq 0, which get_msg refuses
             for seq in range(info.state.first_seq, info.state.last_seq + 1):
                 msg = await jsm.get_msg(name, seq)
                 headers = msg.headers or {}

@@ -119,11 +119,14 @@ def test_server_stopped_and_restarted_mid_stream(make_engine, origin, server, tm
     server.stop()
     flows(engine, origin, 4)
     down = wait_until(
-        lambda: (s := status_of(engine.query("sinks"), "fleet"))["last_error"] and s,
+        lambda: (
+            (s := status_of(engine.query("sinks"), "fleet"))["last_error"]
+            and s["pending"] == 4
+            and s
+        ),
         10,
-        "a delivery failure while the server is down",
+        "the 4 events pending after a delivery failure while the server is down",
     )
-    assert down["pending"] == 4
     assert "connect" in down["last_error"], down["last_error"]
     server.start()
     wait_until(
