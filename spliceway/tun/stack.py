@@ -46,6 +46,16 @@ IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
 #: linux/in.h (the socket module lacks it); it also applies to IPv6 sockets.
 _IP_FREEBIND = 15
 
+#: The congestion control the listeners ask for, first available wins (accepted sockets
+#: inherit it). Their peer is the client's own socket on this machine, reached through
+#: the TUN: a hop with no loss but the device's queue and no link to probe. A pacing
+#: algorithm (BBR, where it is the system default) releases every burst from an
+#: hrtimer there (tcp_pace_kick showed in the packet loop thread's profile): measured
+#: on 2 vCPUs, download through the TUN +25 % with 1 stream and +35-45 % with 8 with
+#: cubic instead of BBR (benchmarks/bench_tun.py; docs/tun.md, "Speed"). The relay's
+#: upstream sockets (the real network) keep the system's default.
+LISTENER_CONGESTION = (b"cubic", b"reno")
+
 #: csrc/tun.h's SW_TUN_ABI_VERSION this module is written for.
 ABI_VERSION = 3
 
@@ -74,6 +84,17 @@ def _addr(version: int, raw: Any) -> IPAddress:
 
 def _packed(addr: IPAddress) -> bytes:
     return addr.packed + bytes(16 - len(addr.packed))
+
+
+def _set_congestion(sock: socket.socket) -> None:
+    """The first of :data:`LISTENER_CONGESTION` the kernel has and allows (best effort:
+    none of them leaves the system's default)."""
+    for name in LISTENER_CONGESTION:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name)
+            return
+        except OSError:
+            continue
 
 
 @dataclass(frozen=True)
@@ -207,6 +228,7 @@ class TunStack:
             sock.setsockopt(socket.SOL_IP, _IP_FREEBIND, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            _set_congestion(sock)
             sock.bind((str(ep.address), 0))
             sock.listen(self.backlog)
             sock.setblocking(False)

@@ -58,6 +58,8 @@ class Relay:
         self.stack = stack
         self.upstream = upstream
         self.flows: list[TunFlow] = []
+        #: TCP_CONGESTION of each accepted socket.
+        self.congestion: list[bytes] = []
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
         self.thread = threading.Thread(target=self._accept, daemon=True)
@@ -73,6 +75,8 @@ class Relay:
                 except BlockingIOError:
                     continue
                 conn.setblocking(True)
+                cc = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+                self.congestion.append(cc.rstrip(b"\0"))
                 flow = self.stack.lookup_peer(conn)
                 assert flow is not None
                 self.flows.append(flow)
@@ -220,6 +224,26 @@ def test_offloads_carry_gso_bursts_byte_exact(ns: TunNetns, v: int) -> None:
         assert st["gso_packets_in"] > 0 and st["gso_bytes_in"] > st["bytes_in"] // 2
         assert st["bytes_in"] / st["packets_in"] > 4 * 1500, st  # several MTUs a read
         assert st["csum_partial_in"] > 0
+    finally:
+        stack.stop()
+
+
+def test_accepted_sockets_do_not_pace(ns: TunNetns) -> None:
+    """With BBR as the namespace's default (where the kernel has it), the listeners and
+    the sockets they accept still use a congestion control that does not pace
+    (stack.LISTENER_CONGESTION): their peer is a local socket behind the TUN."""
+    from spliceway.tun.stack import LISTENER_CONGESTION
+
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        if "bbr" in f.read().split():
+            ns.sysctl("net.ipv4.tcp_congestion_control", "bbr")
+    stack = start_stack(ns, vnet_hdr=True)
+    try:
+        for lsock in stack.listeners.values():
+            cc = lsock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+            assert cc.rstrip(b"\0") in LISTENER_CONGESTION
+        relay = _echo_through(ns, stack, 4, 1 << 20)
+        assert len(relay.congestion) == 1 and relay.congestion[0] in LISTENER_CONGESTION
     finally:
         stack.stop()
 
