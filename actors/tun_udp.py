@@ -514,32 +514,9 @@ class TunUdpActor(LoopActor):
             inbound_tag=self.inbound.tag,
             principal_key=None,
         )
-        decision = deps.route_state.decide(facts)
-        chain = (
-            deps.policies.resolve(decision.target, target[0], source[0]) if decision.target else []
-        )
-        outbound = deps.outbounds.get(chain[-1]) if chain else None
-        state.mode = decision.mode
-        state.route_action = decision.action
-        state.route_target = decision.target
-        state.matched_rule = decision.matched_rule.to_dict() if decision.matched_rule else None
-        if outbound is not None:
-            state.selection_chain = chain
-            state.outbound_tag = outbound.tag
-            state.outbound_protocol = outbound.protocol
-        if decision.action == "block" or outbound is None or outbound.protocol == "block":
-            self._complete(sess, records.BLOCKED)
-        elif outbound.protocol not in ("direct", "socks5", "shadowsocks"):
-            self._complete(
-                sess,
-                records.FAILED,
-                records.Failure(
-                    "route",
-                    "udp_unsupported",
-                    f"outbound {outbound.tag!r} ({outbound.protocol}) does not relay UDP "
-                    "in this build",
-                ),
-            )
+        outbound, refusal = udp_flow.route(deps, state, facts)
+        if refusal is not None:
+            self._complete(sess, *refusal)
         else:
             task = self.dispatcher.spawn(self._open_path(sess, outbound))
             task.add_done_callback(_log_failure)

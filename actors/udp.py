@@ -326,35 +326,9 @@ class UdpAssociationActor(LoopActor):
             inbound_tag=self.inbound.tag,
             principal_key=self.principal_key,
         )
-        decision = deps.route_state.decide(facts)
-        chain = (
-            deps.policies.resolve(decision.target, target[0], self.peer[0])
-            if decision.target
-            else []
-        )
-        outbound = deps.outbounds.get(chain[-1]) if chain else None
-        state.mode = decision.mode
-        state.route_action = decision.action
-        state.route_target = decision.target
-        state.matched_rule = decision.matched_rule.to_dict() if decision.matched_rule else None
-        if outbound is not None:
-            state.selection_chain = chain
-            state.outbound_tag = outbound.tag
-            state.outbound_protocol = outbound.protocol
-        if decision.action == "block" or outbound is None or outbound.protocol == "block":
-            self._refuse(dest, records.BLOCKED)
-            return
-        if outbound.protocol not in ("direct", "socks5", "shadowsocks"):
-            self._refuse(
-                dest,
-                records.FAILED,
-                records.Failure(
-                    "route",
-                    "udp_unsupported",
-                    f"outbound {outbound.tag!r} ({outbound.protocol}) does not relay UDP "
-                    "in this build",
-                ),
-            )
+        outbound, refusal = udp_flow.route(deps, state, facts)
+        if refusal is not None:
+            self._refuse(dest, *refusal)
             return
         # C holds the destination's datagrams (bounded) until the verdict.
         self.dispatcher.spawn(self._open_path(dest, outbound))

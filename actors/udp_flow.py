@@ -2,20 +2,59 @@
 associations in ``actors/udp.py``, the TUN's sessions in ``actors/tun_udp.py``).
 
 Each actor keeps its own per-destination state; these functions are the part that is
-the same for every UDP flow: how the record ends and is counted, and how it is listed
-and announced.
+the same for every UDP flow: how it is routed, how the record ends and is counted, and
+how it is listed and announced.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from spliceway import records
+from spliceway import records, routing
 from spliceway.events import now_ms
 from spliceway.runtime import FlowEntry
 
 if TYPE_CHECKING:
     from spliceway.actors.flow import FlowDeps
+
+#: Outbound protocols that relay UDP in this build.
+UDP_PROTOCOLS = frozenset({"direct", "socks5", "shadowsocks"})
+
+#: How a flow is refused: its outcome and, for a failure, why.
+Refusal = tuple[str, records.Failure | None]
+
+
+def route(
+    deps: FlowDeps, s: records.FlowState, facts: routing.FlowFacts
+) -> tuple[Any, Refusal | None]:
+    """Decide a UDP flow's route and write it into its record: the outbound to relay
+    through, or how to refuse the flow (blocked, or failed for an outbound that does not
+    relay UDP)."""
+    decision = deps.route_state.decide(facts)
+    chain = (
+        deps.policies.resolve(decision.target, facts.host, facts.source_ip)
+        if decision.target
+        else []
+    )
+    outbound = deps.outbounds.get(chain[-1]) if chain else None
+    s.mode = decision.mode
+    s.route_action = decision.action
+    s.route_target = decision.target
+    s.matched_rule = decision.matched_rule.to_dict() if decision.matched_rule else None
+    if outbound is not None:
+        s.selection_chain = chain
+        s.outbound_tag = outbound.tag
+        s.outbound_protocol = outbound.protocol
+    if decision.action == "block" or outbound is None or outbound.protocol == "block":
+        return None, (records.BLOCKED, None)
+    if outbound.protocol not in UDP_PROTOCOLS:
+        failure = records.Failure(
+            "route",
+            "udp_unsupported",
+            f"outbound {outbound.tag!r} ({outbound.protocol}) does not relay UDP in this build",
+        )
+        return None, (records.FAILED, failure)
+    return outbound, None
 
 
 def complete(

@@ -64,7 +64,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -443,6 +445,19 @@ class Bench:
         for k, v in kw.items():
             argv += [f"--{k}", str(int(v) if float(v).is_integer() else v)]
         return argv
+
+    def close(self, base: Path, res: dict, old_term: Any) -> None:
+        """End the run: stop every process it started, restore SIGTERM's handler, keep
+        the engines' logs beside the results and record how the engines stopped."""
+        self.reap()
+        if self.server is not None:
+            self.server.stop()
+        signal.signal(signal.SIGTERM, old_term)
+        for p in self.logs:
+            if p.exists():
+                shutil.copy(p, f"{base}.{p.stem}.log")
+        res["engine_stops"] = self.stops
+        res["meta"]["launch"] = self.launch
 
     def reap(self) -> None:
         for p in list(self.loadgens):
@@ -1148,6 +1163,21 @@ def collect_notes(res: dict) -> list[str]:
 # --------------------------------------------------------------------------- main
 
 
+def publish_run(
+    res: dict,
+    base: Path,
+    t_start: float,
+    report: Callable[[dict], str],
+    notes: Callable[[dict], list[str]],
+) -> int:
+    """Stamp the run's end, add its notes, print the report and write the results."""
+    res["meta"]["loadavg_after"] = os.getloadavg()
+    res["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    res["notes"] = notes(res)
+    e2e.publish(res, report(res), base)
+    return 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="short runs (2-3 minutes)")
@@ -1266,20 +1296,8 @@ def main(argv: list[str] | None = None) -> int:
                 log("3. data-plane conn/s with and without a sink ...")
                 res["conns"] = b.conns()
         finally:
-            b.reap()
-            if b.server is not None:
-                b.server.stop()
-            signal.signal(signal.SIGTERM, old_term)
-            for p in b.logs:
-                if p.exists():
-                    shutil.copy(p, f"{base}.{p.stem}.log")
-            res["engine_stops"] = b.stops
-            res["meta"]["launch"] = b.launch
-    res["meta"]["loadavg_after"] = os.getloadavg()
-    res["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    res["notes"] = collect_notes(res)
-    e2e.publish(res, report(res), base)
-    return 0
+            b.close(base, res, old_term)
+    return publish_run(res, base, t_start, report, collect_notes)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ import http.client
 import json
 import os
 import resource
-import shutil
 import signal
 import statistics
 import subprocess
@@ -766,20 +765,8 @@ def main(argv: list[str] | None = None) -> int:
                 log("2. conn/s without and with a scrape every second ...")
                 res["conns"] = b.conns(origin)
         finally:
-            b.reap()
-            if b.server is not None:
-                b.server.stop()
-            signal.signal(signal.SIGTERM, old_term)
-            for p in b.logs:
-                if p.exists():
-                    shutil.copy(p, f"{base}.{p.stem}.log")
-            res["engine_stops"] = b.stops
-            res["meta"]["launch"] = b.launch
-    res["meta"]["loadavg_after"] = os.getloadavg()
-    res["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    res["notes"] = collect_notes(res)
-    e2e.publish(res, report(res), base)
-    return 0
+            b.close(base, res, old_term)
+    return bn.publish_run(res, base, t_start, report, collect_notes)
 
 
 if __name__ == "__main__":

@@ -507,23 +507,11 @@ def main(argv: list[str] | None = None) -> int:
             b.server = e2e.Server(tools["tinyserver"], None, 3600, a.server_threads)
             res["run"] = b.run()
         finally:
-            b.reap()
-            if b.server is not None:
-                b.server.stop()
-            signal.signal(signal.SIGTERM, old_term)
-            for p in b.logs:
-                if p.exists():
-                    shutil.copy(p, f"{base}.{p.stem}.log")
+            b.close(base, res, old_term)
             spy = Path(tmpd) / "nats-drain.pyspy.txt"
             if spy.exists():
                 shutil.copy(spy, f"{base}.pyspy.txt")
-            res["engine_stops"] = b.stops
-            res["meta"]["launch"] = b.launch
-    res["meta"]["loadavg_after"] = os.getloadavg()
-    res["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    res["notes"] = collect_notes(res)
-    e2e.publish(res, report(res), base)
-    return 0
+    return bn.publish_run(res, base, t_start, report, collect_notes)
 
 
 if __name__ == "__main__":
