@@ -347,6 +347,7 @@ class FlowActor(LoopActor):
                     self.inbound.users,
                     HANDSHAKE_TIMEOUT,
                     initial=deferred.raw if deferred is not None else b"",
+                    udp=self.inbound.udp,
                 )
             except HandshakeFailed as ex:
                 logger.debug("handshake from %s failed: %s", self.peer, ex)

@@ -65,6 +65,7 @@ from spliceway.actors.udp_upstream import (
     ProxyUpstreams,
     is_ip,
     norm,
+    upstream_key,
 )
 
 from spliceway import records, routing
@@ -162,6 +163,10 @@ class _Session:
     #: are then dropped until the stack ends the session).
     action: str = "opening"
     last_active: float = 0.0
+    #: When its flow completed (a refused session is forgotten a hold later).
+    closed_at: float = 0.0
+    #: flow.started was published (not yet while the flow hook is asked).
+    started: bool = False
     queue: deque[bytes] = field(default_factory=deque)
     queued_bytes: int = 0
     sock: socket.socket | None = None
@@ -503,24 +508,48 @@ class TunUdpActor(LoopActor):
         sess = _Session(record.session, source, key, target, state, last_active=time.monotonic())
         self.sessions[record.session] = sess
         self.counters.flows += 1
-        deps.counters.total_started += 1
-        self._publish(sess, "flow.started", occurred=record.at_unix_ms)
+        # Its datagrams queue (bounded) until the verdict.
+        hook = udp_flow.hook_for(deps, state)
+        if hook is None:
+            self._start(sess, record.at_unix_ms)
+        else:
+            task = self.dispatcher.spawn(self._ask_hook(sess, hook, record.at_unix_ms))
+            task.add_done_callback(_log_failure)
+        return sess
+
+    async def _ask_hook(self, sess: _Session, hook: Any, at_unix_ms: int) -> None:
+        allow = await udp_flow.ask_hook(hook, sess.state)
+        if sess.action != "opening" or self.actor_stopped.is_set():
+            return  # ended while the hook was asked: quietly, as it never started
+        if allow:
+            self._start(sess, at_unix_ms)
+            return
+        self._publish_started(sess, at_unix_ms)
+        self._complete(sess, records.BLOCKED, udp_flow.HOOK_DENIED)
+
+    def _publish_started(self, sess: _Session, at_unix_ms: int) -> None:
+        sess.started = True
+        self.deps.counters.total_started += 1
+        self._publish(sess, "flow.started", occurred=at_unix_ms)
+
+    def _start(self, sess: _Session, at_unix_ms: int) -> None:
+        """flow.started, the route, and the verdict's path."""
+        self._publish_started(sess, at_unix_ms)
         facts = routing.FlowFacts(
             network="udp",
-            host=target[0],
-            port=target[1],
-            source_ip=source[0],
-            source_port=source[1],
+            host=sess.target[0],
+            port=sess.target[1],
+            source_ip=sess.source[0],
+            source_port=sess.source[1],
             inbound_tag=self.inbound.tag,
-            principal_key=None,
+            principal_key=sess.state.principal_key,
         )
-        outbound, refusal = udp_flow.route(deps, state, facts)
+        outbound, refusal = udp_flow.route(self.deps, sess.state, facts)
         if refusal is not None:
             self._complete(sess, *refusal)
         else:
             task = self.dispatcher.spawn(self._open_path(sess, outbound))
             task.add_done_callback(_log_failure)
-        return sess
 
     async def _open_path(self, sess: _Session, outbound: Any) -> None:
         try:
@@ -577,12 +606,13 @@ class TunUdpActor(LoopActor):
     async def _open_proxied(self, sess: _Session, outbound: Any) -> None:
         # One upstream association per outbound and client socket: the destinations of
         # one socket are distinct, so the proxy's replies map back to one session each.
-        proxy = await self.upstreams.open(outbound, (outbound.tag, sess.source))
+        key = upstream_key(outbound, sess.target, sess.source)
+        proxy = await self.upstreams.open(outbound, key)
         if sess.action != "opening" or self.actor_stopped.is_set():
             if proxy is not None:
                 # Opened for nobody (the session ended meanwhile): close it unless a
                 # session waiting on it too takes it first.
-                self.dispatcher.loop.call_soon(self._close_unused, proxy)
+                self.dispatcher.loop.call_soon(self.upstreams.close_unused, proxy)
             return
         if proxy is None or proxy.sock is None:
             self._fail(
@@ -599,10 +629,6 @@ class TunUdpActor(LoopActor):
         s.remote_host, s.remote_port = outbound.server, outbound.port
         s.relay_chain = [outbound.tag]
         self._routed(sess, chained=True)
-
-    def _close_unused(self, proxy: ProxyUpstream) -> None:
-        if not proxy.by_source:
-            self.upstreams.close(proxy, idle=False)
 
     def _routed(self, sess: _Session, *, chained: bool) -> None:
         sess.state.state = "active"
@@ -711,14 +737,22 @@ class TunUdpActor(LoopActor):
         """Flows idle for ``idle_timeout_s`` end (and their sessions in the stack)."""
         if self.actor_stopped.is_set():
             return
-        deadline = time.monotonic() - self.idle_timeout_s
-        for sess in [s for s in self.sessions.values() if s.last_active <= deadline]:
+        now = time.monotonic()
+        deadline = now - self.idle_timeout_s
+        held = now - min(udp_flow.REFUSAL_HOLD_S, self.idle_timeout_s)
+        for sess in list(self.sessions.values()):
             if sess.action in ("direct", "python"):
-                sess.state.close_reason = records.IDLE_TIMEOUT
-                self._complete(sess, None)
-                self._close_in_stack(sess)
-            elif sess.action == "closed":
-                # A blocked or failed sender gone quiet: the stack may free it.
+                if sess.last_active <= deadline:
+                    sess.state.close_reason = records.IDLE_TIMEOUT
+                    self._complete(sess, None)
+                    self._close_in_stack(sess)
+            elif (
+                sess.action == "closed"
+                and sess.last_active != float("inf")
+                and (sess.last_active <= deadline or sess.closed_at <= held)
+            ):
+                # A refused sender gone quiet, or held long enough: the stack frees it,
+                # and its next datagram is a new flow, routed anew.
                 self._close_in_stack(sess)
         self._schedule_sweep()
 
@@ -743,6 +777,7 @@ class TunUdpActor(LoopActor):
             return
         chained = sess.action == "python"
         sess.action = "closed"
+        sess.closed_at = time.monotonic()
         self.counters.datagrams_dropped += len(sess.queue)
         sess.queue.clear()
         sess.queued_bytes = 0
@@ -761,6 +796,10 @@ class TunUdpActor(LoopActor):
         if proxy is not None:
             self.upstreams.release(proxy, sess, idle=idle)
         self._take_counts(sess)
+        if not sess.started:
+            # Ended while the flow hook was asked: no record was published.
+            s.state = "completed"
+            return
         udp_flow.complete(self.deps, self.actor_ref, s, outcome, failure, chained=chained)
 
     def _publish_updated(self, sess: _Session) -> None:

@@ -38,6 +38,7 @@ from spliceway.actors.udp_upstream import (
     ProxyUpstreams,
     is_ip,
     norm,
+    upstream_key,
     v6,
 )
 
@@ -81,6 +82,8 @@ class _Dest:
     action: str = "opening"  # "opening", "direct", "python", "closed"
     proxy: ProxyUpstream | None = None
     manual_close: bool = False
+    #: flow.started was published (not yet while the flow hook is asked).
+    started: bool = False
     # What Python relayed itself (proxy outbounds), added to C's counters.
     py_packets_up: int = 0
     py_bytes_up: int = 0
@@ -164,7 +167,9 @@ class UdpAssociationActor(LoopActor):
             self.stop_now()
             return
         self._register(self.assoc, self.actor_ref)
-        self._send_control(socks5.reply(socks5.REP_SUCCEEDED, local_ip, port))
+        # An IPv4 client of a dual-stack inbound is told an IPv4 address (ATYP 1), which
+        # the socket bound to its IPv4-mapped form receives.
+        self._send_control(socks5.reply(socks5.REP_SUCCEEDED, norm(local_ip), port))
         self.control.setblocking(False)
         self.dispatcher.loop.add_reader(self.control.fileno(), self._on_control)
 
@@ -315,30 +320,62 @@ class UdpAssociationActor(LoopActor):
         state.traffic.packets_down = 0
         dest = _Dest(new.dest, key, target, state)
         self.dests[new.dest] = dest
-        deps.counters.total_started += 1
-        self._publish(dest, "flow.started", occurred=new.at_unix_ms)
+        # C holds the destination's datagrams (bounded) until the verdict.
+        hook = udp_flow.hook_for(deps, state)
+        if hook is None:
+            self._start(dest, new.at_unix_ms)
+        else:
+            self.dispatcher.spawn(self._ask_hook(dest, hook, new.at_unix_ms))
+
+    async def _ask_hook(self, dest: _Dest, hook: Any, at_unix_ms: int) -> None:
+        allow = await udp_flow.ask_hook(hook, dest.state)
+        if dest.action != "opening" or dest.id not in self.dests:
+            return  # ended while the hook was asked: quietly, as it never started
+        if allow:
+            self._start(dest, at_unix_ms)
+            return
+        self._publish_started(dest, at_unix_ms)
+        self._refuse(dest, records.BLOCKED, udp_flow.HOOK_DENIED)
+
+    def _publish_started(self, dest: _Dest, at_unix_ms: int) -> None:
+        dest.started = True
+        self.deps.counters.total_started += 1
+        self._publish(dest, "flow.started", occurred=at_unix_ms)
+
+    def _start(self, dest: _Dest, at_unix_ms: int) -> None:
+        """flow.started, the route, and the verdict's path."""
+        self._publish_started(dest, at_unix_ms)
+        state = dest.state
         facts = routing.FlowFacts(
             network="udp",
-            host=target[0],
-            port=target[1],
+            host=dest.target[0],
+            port=dest.target[1],
             source_ip=self.peer[0],
-            source_port=new.client_port,
+            source_port=state.source_port,
             inbound_tag=self.inbound.tag,
-            principal_key=self.principal_key,
+            principal_key=state.principal_key,
         )
-        outbound, refusal = udp_flow.route(deps, state, facts)
+        outbound, refusal = udp_flow.route(self.deps, state, facts)
         if refusal is not None:
             self._refuse(dest, *refusal)
             return
-        # C holds the destination's datagrams (bounded) until the verdict.
         self.dispatcher.spawn(self._open_path(dest, outbound))
 
     def _refuse(self, dest: _Dest, outcome: str, failure: records.Failure | None = None) -> None:
-        """Drop the destination's datagrams in C and complete its flow now."""
-        if self.assoc is not None:
+        """Drop the destination's datagrams in C and complete its flow now; C forgets the
+        destination after ``udp_flow.REFUSAL_HOLD_S``, so its next datagram is a new flow."""
+        assoc = self.assoc
+        if assoc is not None:
             with contextlib.suppress(RelayError):
-                self.relay.set_drop(self.assoc, dest.id)
+                self.relay.set_drop(assoc, dest.id)
+            hold = min(udp_flow.REFUSAL_HOLD_S, self.idle_timeout_s)
+            self.dispatcher.loop.call_later(hold, self._forget, assoc, dest.id)
         self._complete(dest, outcome, failure)
+
+    def _forget(self, assoc: int, dest_id: int) -> None:
+        if self.assoc == assoc and dest_id not in self.dests:
+            with contextlib.suppress(RelayError):
+                self.relay.close_dest(assoc, dest_id)
 
     async def _open_path(self, dest: _Dest, outbound: Any) -> None:
         try:
@@ -400,10 +437,14 @@ class UdpAssociationActor(LoopActor):
         return self.direct_upstream
 
     async def _open_proxied(self, dest: _Dest, outbound: Any) -> None:
-        proxy = await self.upstreams.open(outbound)
+        proxy = await self.upstreams.open(outbound, upstream_key(outbound, dest.target))
         if dest.action != "opening" or self.assoc is None:
+            if proxy is not None:
+                # Opened for nobody (the destination ended meanwhile): close it unless a
+                # destination waiting on it too takes it first.
+                self.dispatcher.loop.call_soon(self.upstreams.close_unused, proxy)
             return
-        if proxy is None:
+        if proxy is None or proxy.sock is None:
             self._refuse(
                 dest,
                 records.FAILED,
@@ -466,13 +507,19 @@ class UdpAssociationActor(LoopActor):
         if s.state == "completed":
             return
         self.dests.pop(dest.id, None)
+        if not dest.started:
+            # Ended while the flow hook was asked: no record was published.
+            dest.action = "closed"
+            s.state = "completed"
+            return
         proxy = dest.proxy
         if proxy is not None:
             self.upstreams.release(
                 proxy, dest, idle=dest.state.close_reason == records.IDLE_TIMEOUT
             )
-        if outcome is None and self.assoc is not None and dest.action in ("direct", "python"):
-            # Ended by the association or the engine: C's last counts of it.
+        if self.assoc is not None:
+            # C's last counts of it: what it relayed, or what the client sent to a
+            # destination refused (received, never sent on).
             with contextlib.suppress(RelayError):
                 counters = self.relay.dest_counters(self.assoc, dest.id)
                 if counters is not None:

@@ -222,12 +222,16 @@ class ProxyUpstreams:
                     origin = (norm_host(host), port)
             except ProtocolError:
                 continue
-            dest = proxy.by_source.get(origin) or next(
-                # A proxy reports the address it heard from, not the name it was given.
-                (d for d in proxy.by_source.values() if d.target[1] == origin[1]),
-                None,
-            )
+            dest = proxy.by_source.get(origin)
+            if dest is None and len(proxy.by_source) == 1:
+                # A proxy reports the address it heard from, not the name it was given:
+                # a destination named by domain has an upstream of its own
+                # (upstream_key), so its replies are the only ones on it.
+                (only,) = proxy.by_source.values()
+                if not is_ip(only.target[0]):
+                    dest = only
             if dest is None:
+                self.counters.udp_unmatched_replies += 1
                 continue
             counters["packets_received"] += 1
             if self.deliver(dest, payload):
@@ -248,6 +252,12 @@ class ProxyUpstreams:
         for dest in list(proxy.by_source.values()):
             self.lost(dest, proxy)
         self.close(proxy, idle=False)
+
+    def close_unused(self, proxy: ProxyUpstream) -> None:
+        """Close ``proxy`` if no destination uses it (one opened for a destination that
+        ended while it opened)."""
+        if not proxy.by_source:
+            self.close(proxy, idle=False)
 
     def close(self, proxy: ProxyUpstream, *, idle: bool) -> None:
         """Close ``proxy`` (idempotent)."""
@@ -273,6 +283,19 @@ class ProxyUpstreams:
         """Close every upstream (the actor stops)."""
         for proxy in list(self.proxies.values()):
             self.close(proxy, idle=False)
+
+
+def upstream_key(outbound: Any, target: tuple[str, int], *scope: Hashable) -> Hashable:
+    """Which upstream association a destination shares: one per outbound (and ``scope``,
+    e.g. the TUN client's socket) for destinations named by address; one of its own for
+    a destination named by domain. The proxy resolves a domain and names its replies by
+    the address, which another destination could also be: replies are matched by their
+    source, so only an upstream no other destination uses is unambiguous."""
+    if is_ip(target[0]) and not scope:
+        return outbound.tag
+    if is_ip(target[0]):
+        return (outbound.tag, *scope)
+    return (outbound.tag, *scope, target[0].lower(), target[1])
 
 
 def is_ip(host: str) -> bool:

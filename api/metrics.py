@@ -116,6 +116,14 @@ class EngineCollector(Collector):
         yield traffic
 
     def _udp(self) -> Iterator[Metric]:
+        drops = CounterMetricFamily(
+            f"{NS}_udp_datagrams_dropped",
+            "Datagrams of SOCKS5 UDP associations dropped, by reason.",
+            labels=["reason"],
+        )
+        for reason, value in self._core.udp_datagram_drops().items():
+            drops.add_metric([reason], value)
+        yield drops
         counters = self._core.udp_upstream_counters()
         for name, value in sorted(counters.items()):
             help_text = f"UDP upstream associations: {name.replace('_', ' ')}."

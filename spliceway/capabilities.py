@@ -85,9 +85,11 @@ def _protocol(
     inbound_udp: dict[str, Any] = _NA,
     outbound_tcp: dict[str, Any] = _NA,
     outbound_udp: dict[str, Any] = _NA,
-    transports: Iterable[str] = ("tcp",),
     limitations: Iterable[dict[str, str]] = (),
 ) -> dict[str, Any]:
+    # The networks it carries in either direction: what the matrix above says.
+    udp = inbound_udp["supported"] or outbound_udp["supported"]
+    transports = ["tcp", "udp"] if udp else ["tcp"]
     return {
         "protocol": protocol,
         "feature": feature,
@@ -96,7 +98,7 @@ def _protocol(
         "compatibility_baseline": _BASELINES.get(protocol, "none"),
         "inbound": {"tcp": inbound_tcp, "udp": inbound_udp},
         "outbound": {"tcp": outbound_tcp, "udp": outbound_udp},
-        "transports": list(transports),
+        "transports": transports,
         "mux": _NA,
         "limitations": list(limitations),
     }
@@ -117,7 +119,13 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
         inbound_tcp=_YES,
         inbound_udp=_UDP_ASSOCIATE,
         outbound_tcp=_YES,
-        outbound_udp=_level(True, "supported", "a UDP ASSOCIATE with the upstream proxy"),
+        outbound_udp=_level(
+            True,
+            "supported",
+            "a UDP ASSOCIATE with the upstream proxy, relayed by Python",
+            "one upstream association per client association (a destination named by "
+            "domain has its own)",
+        ),
     ),
     _protocol(
         "http",
@@ -133,8 +141,20 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
         inbound_tcp=_YES,
         inbound_udp=_UDP_ASSOCIATE,
     ),
-    _protocol("direct", "direct", compiled=True, outbound_tcp=_YES, outbound_udp=_YES),
-    _protocol("block", "block", compiled=True, outbound_tcp=_YES, outbound_udp=_YES),
+    _protocol(
+        "direct",
+        "direct",
+        compiled=True,
+        outbound_tcp=_YES,
+        outbound_udp=_level(True, "supported", "relayed in C (recvmmsg/sendmmsg)"),
+    ),
+    _protocol(
+        "block",
+        "block",
+        compiled=True,
+        outbound_tcp=_YES,
+        outbound_udp=_level(True, "supported", "datagrams dropped, the flow blocked"),
+    ),
     _protocol(
         "shadowsocks",
         "shadowsocks",
@@ -148,7 +168,10 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
             "relayed by the C copy path (no splice: the stream is encrypted)",
         ),
         outbound_udp=_level(
-            True, "supported", "AEAD per packet (SIP004), as ss-server -u takes it"
+            True,
+            "supported",
+            "AEAD per packet (SIP004), as ss-server -u takes it",
+            "relayed by Python",
         ),
     ),
     _protocol(
@@ -162,7 +185,6 @@ PROTOCOLS: tuple[dict[str, Any], ...] = (
             "auto_route, strict_route, include_cidrs/exclude_cidrs, dns_hijack",
         ),
         inbound_udp=_level(True, "supported", "sessions relayed by Python"),
-        transports=("tcp", "udp"),
     ),
 )
 

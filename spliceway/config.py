@@ -521,8 +521,9 @@ class Inbound(_Model):
     listen: Listen
     """Where to accept connections."""
     udp: SBool = True
-    """Reserved for UDP relay (SOCKS5 UDP ASSOCIATE), which this build does not have: UDP
-    ASSOCIATE is refused whatever this says.
+    """Offer SOCKS5 UDP ASSOCIATE (RFC 1928 section 7) on a `socks5` or `mixed` inbound: each
+    destination of an association is a `udp` flow, relayed in C. `false` answers UDP ASSOCIATE
+    with reply 07 (command not supported). An `http` inbound has no UDP either way.
     """
     sniff: SBool = True
     """Peek at the client's first bytes for a TLS SNI or HTTP Host, so domain rules can match a
@@ -788,7 +789,8 @@ class Rule(_Model):
     source_port: PortList | None = None
     """Client source ports, written like `port`. A single item or a list."""
     network: Literal["tcp", "udp"] | None = None
-    """`tcp` or `udp` (every flow of this build is `tcp`)."""
+    """`tcp` or `udp`: SOCKS5 UDP associations' destinations and the TUN's UDP sessions are
+    `udp` flows."""
     inbound_tag: NameList | None = None
     """Tags of the inbounds the flow arrived on. A single string or a list."""
     principal_key: NameList | None = None
@@ -1105,8 +1107,8 @@ class FlowHook(_Model):
     `ipc_hook_unreachable` per outage.
     """
     networks: Annotated[tuple[Literal["tcp", "udp"], ...], Field(min_length=1)] = ("tcp", "udp")
-    """Which flows ask the hook, by network. This build has TCP flows only, so a hook
-    for `udp` alone is never asked.
+    """Which flows ask the hook, by network: `udp` takes in each destination of a SOCKS5
+    UDP association and each TUN UDP session (its datagrams wait, bounded, for the answer).
     """
     inbound_tags: Annotated[tuple[NonEmptyStr, ...], Field(min_length=1)] | None = None
     """Which flows ask the hook, by the inbound they came in on; `null` means every

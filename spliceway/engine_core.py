@@ -60,6 +60,20 @@ _TUN_SNIFF_TIMEOUT_MS = 300
 _STOP_GRACE_S = 10.0
 
 
+#: The reasons :meth:`EngineCore.udp_datagram_drops` counts.
+UDP_DROP_REASONS = (
+    "foreign",
+    "fragment",
+    "malformed",
+    "no_dest",
+    "pending",
+    "blocked",
+    "python",
+    "unsolicited",
+    "unmatched_reply",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class InboundSpec:
     """What a listener and its flows need to know about their inbound.
@@ -77,6 +91,8 @@ class InboundSpec:
     users: Users
     #: The configuration entry (what a reload compares).
     source: Any = None
+    #: Whether its SOCKS5 clients may open UDP associations (the inbound's ``udp``).
+    udp: bool = True
 
     @classmethod
     def of(cls, index: int, inbound: Any) -> InboundSpec:
@@ -89,6 +105,7 @@ class InboundSpec:
             sniff_timeout_ms=inbound.sniff_timeout_ms,
             users=Users(inbound.users),
             source=inbound,
+            udp=inbound.udp,
         )
 
 
@@ -434,6 +451,13 @@ class EngineCore:
         flow_id = f"{self.flow_id_prefix}{inbound.index}-d{next(self._deferred_ids)}"
         peer = (deferred.source_ip or "", deferred.source_port)
         if deferred.command == socks5.CMD_UDP_ASSOCIATE:
+            if not inbound.udp:
+                # C parsed the request and answered nothing yet: refused as Python's
+                # handshake refuses it (accept_handshake's ``udp``).
+                with contextlib.suppress(OSError):
+                    client.send(socks5.reply(socks5.REP_COMMAND_NOT_SUPPORTED))
+                client.close()
+                return
             self.start_association(
                 inbound,
                 client,
@@ -684,6 +708,22 @@ class EngineCore:
         if relay is not None:
             for name, value in relay.stats().udp_upstream().items():
                 out[name] = out.get(name, 0) + value
+        return out
+
+    def udp_datagram_drops(self) -> dict[str, int]:
+        """Datagrams of SOCKS5 UDP associations dropped, by reason: C's (``foreign``: not
+        from the client's address; ``fragment``: FRAG not 0; ``malformed``; ``no_dest``:
+        the destination table full; ``pending``: over the bound while a verdict is
+        awaited; ``blocked``: a refused destination; ``python``: Python's queue full;
+        ``unsolicited``: an upstream reply from an address nothing was sent to) and
+        Python's (``unmatched_reply``: a proxy's reply no destination sent for)."""
+        out = dict.fromkeys(UDP_DROP_REASONS, 0)
+        relay = getattr(self, "udp", None)
+        if relay is not None:
+            stats = relay.stats()
+            for reason in UDP_DROP_REASONS[:-1]:
+                out[reason] = getattr(stats, f"dropped_{reason}")
+        out["unmatched_reply"] = self.counters.udp_unmatched_replies
         return out
 
     def leaf_outbound(self, tag: str) -> Outbound:

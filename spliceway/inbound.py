@@ -148,11 +148,13 @@ async def accept(
     timeout: float,
     *,
     initial: bytes = b"",
+    udp: bool = True,
 ) -> Handshake:
     """Run the server side of ``protocol`` ("socks5", "http" or "mixed") on ``sock``.
 
     ``initial``: bytes already read from ``sock`` (by the C connection path, which wrote
-    nothing back), parsed before anything more is read.
+    nothing back), parsed before anything more is read. ``udp``: whether SOCKS5 UDP
+    ASSOCIATE is offered (the inbound's ``udp``); refused as an unsupported command if not.
     """
     reader = _Reader(loop, sock)
     reader.buf = initial
@@ -165,7 +167,7 @@ async def accept(
                 protocol = "socks5" if first.value == 5 else "http"
             try:
                 if protocol == "socks5":
-                    return await _socks5(reader, users)
+                    return await _socks5(reader, users, udp)
                 return await _http(reader, users)
             except ProtocolError as ex:
                 raise await reader.fail(ex.reply, "protocol_error", str(ex)) from ex
@@ -183,7 +185,7 @@ def _first_byte(buf: bytes) -> Any:
     return _First(buf[0]) if buf else NEED_MORE
 
 
-async def _socks5(reader: _Reader, users: Users) -> Handshake:
+async def _socks5(reader: _Reader, users: Users, udp: bool) -> Handshake:
     greeting = await reader.parse(socks5.parse_greeting)
     principal: str | None = None
     scheme: str | None = None
@@ -212,8 +214,9 @@ async def _socks5(reader: _Reader, users: Users) -> Handshake:
             )
         await reader.send(socks5.method_selection(socks5.METHOD_NO_AUTH))
     request = await reader.parse(socks5.parse_request)
-    if request.command not in (socks5.CMD_CONNECT, socks5.CMD_UDP_ASSOCIATE):
-        # BIND is not offered.
+    offered = (socks5.CMD_CONNECT, socks5.CMD_UDP_ASSOCIATE) if udp else (socks5.CMD_CONNECT,)
+    if request.command not in offered:
+        # BIND is not offered; UDP ASSOCIATE only where the inbound's `udp` is on.
         raise await reader.fail(
             socks5.reply(socks5.REP_COMMAND_NOT_SUPPORTED),
             "command_not_supported",

@@ -100,6 +100,9 @@ class Counters:
     completed_bytes_up: int = 0
     completed_bytes_down: int = 0
     udp: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UDP_COUNTERS, 0))
+    #: Proxy replies Python dropped because no destination of their upstream sent to
+    #: their source (``GET /metrics``; C counts its own datagram drops).
+    udp_unmatched_replies: int = 0
     #: Completed flows by ``(network, outcome)`` (``GET /metrics``).
     outcomes: dict[tuple[str, str], int] = field(default_factory=dict)
     #: ``[bytes_up, bytes_down]`` of completed flows by outbound tag ("" for none).

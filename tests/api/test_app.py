@@ -83,8 +83,23 @@ def test_capabilities(client: falcon.testing.TestClient) -> None:
     socks = protocols["socks5"]
     assert socks["compiled"] is True
     assert socks["inbound"]["tcp"] == {"supported": True, "level": "supported", "notes": []}
-    assert socks["inbound"]["udp"]["supported"] is True
-    assert protocols["shadowsocks"]["outbound"]["udp"]["supported"] is True
+    # The UDP matrix, exactly: where UDP is relayed, and the transports that follow.
+    udp = {
+        name: (p["inbound"]["udp"]["supported"], p["outbound"]["udp"]["supported"])
+        for name, p in protocols.items()
+    }
+    assert udp == {
+        "socks5": (True, True),
+        "http": (False, False),
+        "mixed": (True, False),
+        "direct": (False, True),
+        "block": (False, True),
+        "shadowsocks": (False, True),
+        "tun": (True, False),
+    }
+    for name, (inbound, outbound) in udp.items():
+        expected = ["tcp", "udp"] if inbound or outbound else ["tcp"]
+        assert protocols[name]["transports"] == expected, name
     assert socks["mux"]["level"] == "not_applicable"
     assert protocols["shadowsocks"]["compiled"] is True
     assert protocols["shadowsocks"]["outbound"]["tcp"]["supported"] is True

@@ -440,3 +440,29 @@ def _free(address: tuple[str, int]) -> bool:
             except OSError:
                 return False
     return True
+
+
+def test_socks5_hostname_to_a_fake_ip_name_dials_its_real_address(make_engine, zone, origin):
+    """curl --socks5-hostname gives the proxy the name itself: with fake-ip answers on,
+    the flow is routed by that domain and dials the name's real address, never a fake
+    one (the fake range is blocked by the last rule, so a fake dial would fail)."""
+    engine = make_engine(routed_config(zone))
+    dig(engine, "origin.test")  # the name has a fake address too, which must not be used
+    proxy = "{}:{}".format(*engine.listen_address("socks-in"))
+    ok = curl("--socks5-hostname", proxy, f"http://origin.test:{origin[1]}/bytes/100", *STATUS_ONLY)
+    assert ok.stdout == "200", ok.stderr
+    refused = curl("--socks5-hostname", proxy, f"http://blocked.test:{origin[1]}/", *STATUS_ONLY)
+    assert refused.returncode != 0
+    records = sorted(
+        (e["payload"]["record"] for e in completed(engine, 2)),
+        key=lambda r: r["target"]["host"],
+    )
+    blocked, relayed = records
+    assert blocked["target"]["host"] == "blocked.test"
+    assert blocked["result"]["outcome"] == "blocked"
+    assert blocked["route"]["matched_rule"]["index"] == 0
+    assert relayed["target"]["host"] == "origin.test"
+    assert relayed["target"]["resolved_ip"] == "127.0.0.1"
+    assert relayed["route"]["matched_rule"]["index"] == 1
+    assert relayed["result"]["outcome"] == "direct_relayed"
+    assert relayed["traffic"]["bytes_down"] > 100

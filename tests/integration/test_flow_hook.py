@@ -391,3 +391,44 @@ def test_config_apply_adds_replaces_and_removes_the_hook(
     wait_until(lambda: cstats(engine)["routed"] == 2, timeout=5, what="C routed it again")
     assert [r["host"] for r in proc.requests()] == ["denied.test", "slow.test", "denied.test"]
     assert hook_warnings(engine) == []
+
+
+def test_udp_flows_ask_the_hook(
+    make_engine: Callable[..., Engine], hook: Callable[..., HookProcess]
+) -> None:
+    """A SOCKS5 UDP association's destinations are udp flows the hook is asked about:
+    an allow's principal and labels reach the record, a deny blocks the destination,
+    and ``networks: ["tcp"]`` leaves UDP flows alone."""
+    from tests.helpers.udp import Association, UdpEcho
+
+    with UdpEcho() as echo, UdpEcho() as denied:
+        proc = hook(
+            {"answers": {f"127.0.0.1:{echo.port}": ALICE, f"127.0.0.1:{denied.port}": DENY}}
+        )
+        engine = make_engine(hooked(proc.path))
+        with Association(engine.listen_address("socks-in")) as assoc:
+            assoc.send("127.0.0.1", echo.port, b"allowed")
+            assert assoc.recv()[2] == b"allowed"
+            assoc.send("127.0.0.1", denied.port, b"denied")
+            wait_until(lambda: ended(engine, 1), what="the denied flow")
+        events = wait_until(lambda: ended(engine, 2), what="both udp flows")
+        by_port = {e["payload"]["record"]["target"]["port"]: e for e in events}
+        assert by_port[echo.port]["principal_key"] == "alice"
+        assert by_port[echo.port]["payload"]["auth"]["principal_key"] == "alice"
+        allowed = by_port[echo.port]["payload"]["record"]
+        refused_ = by_port[denied.port]["payload"]["record"]
+        assert allowed["network"] == "udp" and allowed["result"]["outcome"] == "direct_relayed"
+        assert allowed["labels"] == {"team": "red"}
+        assert refused_["result"]["outcome"] == "blocked"
+        assert refused_["result"]["failure"]["code"] == "hook_denied"
+        assert denied.received == 0
+        asked = [(r["port"], r["state"], r["revision"]) for r in proc.requests()]
+        assert asked == [(echo.port, "opening", 1), (denied.port, "opening", 1)]
+
+        # Only TCP asks now: a UDP flow goes straight to its route.
+        tcp_only = hooked(proc.path, networks=["tcp"])
+        engine2 = make_engine(tcp_only)
+        with Association(engine2.listen_address("socks-in")) as assoc:
+            assoc.send("127.0.0.1", denied.port, b"not asked")
+            assert assoc.recv()[2] == b"not asked"
+        assert len(proc.requests()) == 2

@@ -220,3 +220,116 @@ def test_an_open_udp_flow_is_sampled_with_live_counts(make_engine) -> None:
         (flow,) = engine.query("flows")["active_flows"]
         assert flow["traffic"]["bytes_up"] == 32
         assert engine.query("stats")["bytes_up"] >= 32
+
+
+def test_an_inbound_without_udp_refuses_udp_associate(make_engine) -> None:
+    cfg = base_config()
+    for inbound in cfg["inbounds"]:
+        inbound["udp"] = False
+    engine = make_engine(cfg)
+    for tag in ("socks-in", "mixed-in"):
+        with pytest.raises(ConnectionError, match="socks reply 7"):
+            Association(engine.listen_address(tag))
+    assert engine.query("stats")["udp_upstream"]["created_associations"] == 0
+
+
+def test_a_client_that_declares_port_zero_is_learned_from_its_first_datagram(make_engine):
+    engine = make_engine()
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in"), declare_port=False) as a:
+        a.send("127.0.0.1", echo.port, b"first")
+        assert a.recv()[2] == b"first"
+        # Learned: the same address from another port is a stranger now.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+            other.sendto(socks5.build_udp_datagram("127.0.0.1", echo.port, b"x"), a.relay)
+        a.send("127.0.0.1", echo.port, b"second")
+        assert a.recv()[2] == b"second"
+        assert echo.received == 2
+        assert engine.core.udp_datagram_drops()["foreign"] == 1
+
+
+def test_dropped_datagrams_are_counted_by_reason(make_engine) -> None:
+    engine = make_engine()
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in")) as assoc:
+        assoc.udp.sendto(socks5.build_udp_datagram("127.0.0.1", echo.port, b"f", 1), assoc.relay)
+        assoc.udp.sendto(b"\x00\x00", assoc.relay)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            stranger.sendto(socks5.build_udp_datagram("127.0.0.1", echo.port, b"x"), assoc.relay)
+        assoc.send("127.0.0.1", echo.port, b"ok")  # after the three, on one socket: in order
+        assert assoc.recv()[2] == b"ok"
+        drops = engine.core.udp_datagram_drops()
+    assert (drops["fragment"], drops["malformed"], drops["foreign"]) == (1, 1, 1)
+    assert sum(drops.values()) == 3
+
+
+def test_a_refused_destination_is_routed_again_after_the_hold(make_engine) -> None:
+    cfg = base_config(rules=[{"network": "udp", "action": "block"}])
+    cfg["runtime"]["udp_upstream_idle_timeout_seconds"] = 1  # the hold is at most this
+    engine = make_engine(cfg)
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in")) as assoc:
+        size = assoc.send("127.0.0.1", echo.port, b"blocked")
+        (blocked,) = completed(engine, 1)
+        assert blocked["result"]["outcome"] == "blocked"
+        # What the client sent is counted; nothing left the engine.
+        t = blocked["traffic"]
+        assert (t["inbound_rx_bytes"], t["packets_up"], t["bytes_up"]) == (size, 0, 0)
+        # The rule goes; the destination's datagrams are dropped until the hold ends,
+        # then the next one is a new flow, routed by the rules of that moment.
+        cfg["rules"] = []
+        engine.execute("config.apply_runtime", {"config": cfg})
+        assoc.udp.settimeout(0.1)
+
+        def echoed() -> bool:
+            assoc.send("127.0.0.1", echo.port, b"again")
+            try:
+                return assoc.recv()[2] == b"again"
+            except TimeoutError:
+                return False
+
+        wait_until(echoed, timeout=10, what="the destination routed again")
+    records = completed(engine, 2)
+    assert [r["result"]["outcome"] for r in records] == ["blocked", "direct_relayed"]
+    assert engine.core.udp_datagram_drops()["blocked"] >= 1
+
+
+def test_a_udp_flow_to_a_fake_ip_is_relayed_to_the_real_address(make_engine) -> None:
+    cfg = base_config(rules=[{"domain": ["localhost"], "network": "udp", "outbound": "direct"}])
+    cfg["runtime"]["dns"] = {"answer": {"type": "fake_ip"}}
+    engine = make_engine(cfg)
+    fake = engine.core.dns.pool.lookup("localhost")
+    with UdpEcho() as echo, Association(engine.listen_address("socks-in")) as assoc:
+        assoc.send(fake, echo.port, b"by name")
+        # The reply names the address the client sent to.
+        assert assoc.recv()[:3] == (fake, echo.port, b"by name")
+    (record,) = completed(engine, 1)
+    assert record["target"]["host"] == "localhost"
+    assert record["route"]["matched_rule"]["index"] == 0
+    assert record["result"]["outcome"] == "direct_relayed"
+    assert record["traffic"]["packets_down"] == 1
+
+
+def test_udp_upstream_failures_are_counted(make_engine) -> None:
+    from tests.helpers.upstreams import refused_port
+
+    cfg = base_config(
+        outbounds=[
+            {"tag": "direct", "protocol": "direct"},
+            {"tag": "hop", "protocol": "socks5", "server": "127.0.0.1", "port": refused_port()},
+        ],
+        rules=[{"network": "udp", "port": ["7"], "outbound": "hop"}],
+    )
+    engine = make_engine(cfg)
+    with Association(engine.listen_address("socks-in")) as assoc:
+        assoc.send("127.0.0.1", 7, b"nobody")
+        (record,) = completed(engine, 1)
+        assert record["result"]["outcome"] == "failed"
+        assert record["result"]["failure"]["code"] == "connect_failed"
+        # A broadcast address without SO_BROADCAST: the kernel refuses the send.
+        assoc.send("255.255.255.255", 9, b"nowhere")
+
+        def send_failed() -> dict[str, Any] | None:
+            udp = engine.query("stats")["udp_upstream"]
+            return udp if udp["send_failures"] >= 1 else None
+
+        udp = wait_until(send_failed, what="a counted send failure")
+    assert udp["failed_association_attempts"] == 1
+    assert udp["created_associations"] == 1  # the C upstream the broadcast went to
