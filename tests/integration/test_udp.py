@@ -146,15 +146,29 @@ def test_socks5_outbound_relays_udp_through_dante(make_engine, tmp_path) -> None
             for n in range(3):
                 assoc.send("127.0.0.1", echo.port, b"via dante %d" % n)
                 assert assoc.recv()[:3] == ("127.0.0.1", echo.port, b"via dante %d" % n)
-        (record,) = completed(engine, 1)
+            # The same server by name: dante names its replies by the address, so the
+            # name has an upstream association of its own and its replies stay its own.
+            assoc.send("localhost", echo.port, b"by name")
+            assert assoc.recv()[:3] == ("localhost", echo.port, b"by name")
+            assoc.send("127.0.0.1", echo.port, b"by address")
+            assert assoc.recv()[:3] == ("127.0.0.1", echo.port, b"by address")
+            udp = engine.query("stats")["udp_upstream"]
+            assert (udp["active_associations"], udp["created_associations"]) == (2, 2)
+            assert (udp["packets_sent"], udp["packets_received"]) == (5, 5)
+        records = {r["target"]["host"]: r for r in completed(engine, 2)}
+    udp = engine.query("stats")["udp_upstream"]
+    assert (udp["active_associations"], udp["closed_associations"]) == (0, 2)
+    assert engine.core.udp_datagram_drops()["unmatched_reply"] == 0
+    assert records["localhost"]["traffic"]["packets_down"] == 1
+    record = records["127.0.0.1"]
     assert record["result"]["outcome"] == "chained_relayed"
     assert record["path"]["outbound"]["tag"] == "hop"
     t = record["traffic"]
-    assert (t["packets_up"], t["packets_down"]) == (3, 3)
-    assert t["bytes_up"] == t["bytes_down"] == 3 * len(b"via dante 0")
+    assert (t["packets_up"], t["packets_down"]) == (4, 4)
+    assert t["bytes_up"] == t["bytes_down"] == 3 * len(b"via dante 0") + len(b"by address")
     # Each way, the hop's datagrams carry the SOCKS5 header (10 bytes for IPv4).
-    assert t["outbound_tx_bytes"] == t["bytes_up"] + 3 * 10
-    assert t["outbound_rx_bytes"] == t["bytes_down"] + 3 * 10
+    assert t["outbound_tx_bytes"] == t["bytes_up"] + 4 * 10
+    assert t["outbound_rx_bytes"] == t["bytes_down"] + 4 * 10
 
 
 @pytest.mark.parametrize("method", ["chacha20-ietf-poly1305", "aes-256-gcm"])
@@ -333,3 +347,32 @@ def test_udp_upstream_failures_are_counted(make_engine) -> None:
         udp = wait_until(send_failed, what="a counted send failure")
     assert udp["failed_association_attempts"] == 1
     assert udp["created_associations"] == 1  # the C upstream the broadcast went to
+
+
+def test_a_proxy_upstream_is_reused_then_closed_when_idle(make_engine, tmp_path) -> None:
+    from tests.helpers.upstreams import dante
+
+    with dante(tmp_path) as port, UdpEcho() as one, UdpEcho() as two:
+        cfg = base_config(
+            outbounds=[
+                {"tag": "direct", "protocol": "direct"},
+                {"tag": "hop", "protocol": "socks5", "server": "127.0.0.1", "port": port},
+            ],
+            route={"final": "hop"},
+        )
+        cfg["runtime"]["udp_upstream_idle_timeout_seconds"] = 1
+        engine = make_engine(cfg)
+        with Association(engine.listen_address("socks-in")) as assoc:
+            for echo in (one, two):
+                assoc.send("127.0.0.1", echo.port, b"x")
+                assert assoc.recv()[1] == echo.port
+            records = completed(engine, 2)  # both idle: the upstream goes with the last
+            assert {r["result"]["close_reason"] for r in records} == {"idle_timeout"}
+
+            def closed() -> dict[str, Any] | None:
+                udp = engine.query("stats")["udp_upstream"]
+                return udp if udp["closed_associations"] == 1 else None
+
+            udp = wait_until(closed, what="the idle upstream association closed")
+    assert (udp["created_associations"], udp["reused_associations"]) == (1, 1)
+    assert (udp["idle_timeouts"], udp["active_associations"]) == (1, 0)
