@@ -19,6 +19,8 @@ connection is closed: the engine never waits on a client.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import os
 import queue
@@ -55,19 +57,94 @@ MAX_CONNECTIONS = 64
 _READ = 1 << 16
 _JOIN_S = 5.0
 _SEND_S = 30
+#: The lock file beside the socket (``<path>.lock``), see :class:`PathLock`.
+LOCK_SUFFIX = ".lock"
 
 
 def _conflict(message: str) -> ApiError:
     return ApiError("conflict", message, field_path="api.ipc.path")
 
 
-def prepare_path(path: str, private_dir: bool) -> None:
-    """Make the socket's directory and remove a stale socket at ``path``.
+class PathLock:
+    """The exclusive ``flock`` an engine holds on ``<socket path>.lock`` for as long as it
+    serves the socket: two engines starting at once on one path never both probe,
+    remove and bind it. The lock file holds the holder's pid."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, socket_path: str) -> PathLock:
+        """Lock ``socket_path``; ``conflict`` naming it when another engine holds it."""
+        path = socket_path + LOCK_SUFFIX
+        # A stopping engine unlinks the file before it lets go of the lock: a lock taken
+        # on a file no longer at the path is nobody's, so open the path again.
+        for _ in range(16):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as ex:
+                raise _conflict(f"IPC lock file {path}: {ex.strerror or ex}") from ex
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as ex:
+                holder = _read_pid(fd)
+                os.close(fd)
+                if ex.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise _conflict(
+                        f"IPC socket {socket_path} is in use by another running engine "
+                        f"(pid {holder} holds {path})"
+                    ) from None
+                raise _conflict(f"IPC lock file {path}: {ex.strerror or ex}") from ex
+            try:
+                ours = _same_file(os.fstat(fd), os.stat(path, follow_symlinks=False))
+            except FileNotFoundError:
+                ours = False
+            except OSError as ex:
+                os.close(fd)
+                raise _conflict(f"IPC lock file {path}: {ex.strerror or ex}") from ex
+            if ours:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                return cls(path, fd)
+            os.close(fd)
+        raise _conflict(f"IPC lock file {path} keeps being replaced; is another engine starting?")
+
+    def release(self) -> None:
+        """Remove the lock file (still holding the lock), then let go of it."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            with contextlib.suppress(OSError):
+                if _same_file(os.fstat(fd), os.stat(self.path, follow_symlinks=False)):
+                    os.unlink(self.path)
+        finally:
+            os.close(fd)
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _read_pid(fd: int) -> str:
+    try:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    except OSError:
+        return "?"
+
+
+def prepare_path(path: str, private_dir: bool) -> PathLock:
+    """Make the socket's directory, lock the path and remove a stale socket at it.
 
     ``private_dir`` (the default path's directory, in a shared place like /tmp): it
     must be a real directory of this user with no group or other access, else
     another user could have made it to put their socket in our clients' way.
-    ``conflict`` when an engine listens at ``path``, or when the path cannot be used.
+    Returns the path's lock (see :class:`PathLock`), held until released; the caller
+    releases it once it no longer serves the socket.
+    ``conflict`` when an engine holds or listens at ``path``, or when the path cannot be
+    used.
     """
     parent = os.path.dirname(path) or "."
     try:
@@ -79,10 +156,24 @@ def prepare_path(path: str, private_dir: bool) -> None:
         not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077
     ):
         raise _conflict(f"IPC directory {parent} must be a directory of this user with mode 0700")
+    lock = PathLock.take(path)
+    try:
+        _remove_stale(path)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _remove_stale(path: str) -> None:
+    """Remove a socket nobody listens on (left by an engine that died); the path's lock is
+    held, so no other engine is between its probe and its bind."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
+    except OSError as ex:
+        raise _conflict(f"IPC path {path}: {ex.strerror or ex}") from ex
     if not stat.S_ISSOCK(st.st_mode):
         raise _conflict(f"IPC path {path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -91,14 +182,22 @@ def prepare_path(path: str, private_dir: bool) -> None:
         probe.connect(path)
     except ConnectionRefusedError:
         # Nobody listens: left behind by an engine that died.
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as ex:
+            raise _conflict(f"IPC socket {path} cannot be removed: {ex.strerror or ex}") from ex
         return
     except OSError as ex:
         raise _conflict(f"IPC socket {path} cannot be checked: {ex.strerror or ex}") from ex
     finally:
         probe.close()
     raise _conflict(f"IPC socket {path} is in use by another running engine")
+
+
+def _too_large() -> ApiError:
+    return invalid_argument(f"frame larger than {MAX_FRAME} bytes (its newline not counted)")
 
 
 def event_list(events: object) -> list[str] | None:
@@ -133,7 +232,20 @@ class IpcServer:
         self._lock = threading.Lock()
         self._conns: set[_Connection] = set()
         self._closing = False
-        prepare_path(path, private_dir)
+        #: Held while an ipc.connected/ipc.disconnected is decided and emitted; ``_quiet``
+        #: (set under it when the engine stops) ends them, so none follows engine.stopped.
+        self._emit_lock = threading.Lock()
+        self._quiet = False
+        self._lock_file = prepare_path(path, private_dir)
+        try:
+            self._sock, self._identity = self._bind(path)
+        except BaseException:
+            self._lock_file.release()
+            raise
+        self._thread = threading.Thread(target=self._accept, name="spliceway-ipc", daemon=True)
+
+    @staticmethod
+    def _bind(path: str) -> tuple[socket.socket, tuple[int, int]]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # The mode the socket file is created with (Linux takes it from the socket's
@@ -142,15 +254,13 @@ class IpcServer:
             sock.bind(path)
             os.chmod(path, 0o600)
             sock.listen(64)
+            st = os.stat(path)
         except OSError as ex:
             sock.close()
             raise _conflict(
                 f"IPC socket {path}: {os.strerror(ex.errno) if ex.errno else ex}"
             ) from ex
-        st = os.stat(path)
-        self._identity = (st.st_dev, st.st_ino)
-        self._sock = sock
-        self._thread = threading.Thread(target=self._accept, name="spliceway-ipc", daemon=True)
+        return sock, (st.st_dev, st.st_ino)
 
     def start(self) -> None:
         """Start accepting."""
@@ -162,14 +272,18 @@ class IpcServer:
             if self._closing:
                 return
             self._closing = True
+        self._silence()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-        self._thread.join(_JOIN_S)
-        with contextlib.suppress(FileNotFoundError):
+        if self._thread.ident is not None:  # started
+            self._thread.join(_JOIN_S)
+        with contextlib.suppress(OSError):
             st = os.stat(self.path)
             if (st.st_dev, st.st_ino) == self._identity:
                 os.unlink(self.path)
+        # The socket file is gone before the lock: the next engine finds no socket.
+        self._lock_file.release()
 
     def stop(self) -> None:
         """Stop accepting, close every connection and join their threads."""
@@ -183,6 +297,19 @@ class IpcServer:
             conn.cut_off_at(deadline)
         for conn in conns:
             conn.join()
+
+    def _silence(self) -> None:
+        """No ipc.connected/ipc.disconnected from now on (the engine stops, and its last
+        event is engine.stopped); returns once none is being emitted."""
+        with self._emit_lock:
+            self._quiet = True
+
+    def _emit(self, event_type: str, payload: dict[str, Any]) -> None:
+        with self._emit_lock:
+            # A stop that began elsewhere (the core's own) silences us as well.
+            if self._quiet or not self._core.running:
+                return
+            self._core.log.emit(event_type, payload)
 
     @property
     def active(self) -> int:
@@ -218,19 +345,17 @@ class IpcServer:
                     client.sendall(envelope_error(error) + b"\n")
                 client.close()
                 continue
-            self._core.log.emit("ipc.connected", {"active": active, "pipe": conn.peer})
+            self._emit("ipc.connected", {"active": active, "pipe": conn.peer})
             conn.start()
 
     def _closed(self, conn: _Connection, error: str | None) -> None:
         with self._lock:
             self._conns.discard(conn)
             active = len(self._conns)
-        if not self._core.running:
-            return  # stopping: engine.stopped stays the last event
         payload: dict[str, Any] = {"active": active, "pipe": conn.peer}
         if error is not None:
             payload["error"] = error
-        self._core.log.emit("ipc.disconnected", payload)
+        self._emit("ipc.disconnected", payload)  # never after engine.stopped
 
 
 class _Connection:
@@ -341,15 +466,18 @@ class _Connection:
                     line = bytes(buf[:nl])
                     del buf[: nl + 1]
                     start = 0
-                    if skipping:
+                    if skipping:  # the end of a frame already refused
                         skipping = False
                         continue
-                    if line.strip():
+                    if len(line) > MAX_FRAME:  # whole, but longer than a frame may be
+                        self._reply_error(_too_large())
+                    elif line.strip():
                         self._answer(line)
                 if not skipping and len(buf) > MAX_FRAME:
+                    # No newline yet and already too long: refused now, the rest skipped.
                     skipping = True
                     buf.clear()
-                    self._reply_error(invalid_argument(f"frame larger than {MAX_FRAME} bytes"))
+                    self._reply_error(_too_large())
                 elif skipping:
                     buf.clear()
         except OSError as ex:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
 import stat
+import termios
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +21,7 @@ from spliceway.api import ipc
 from spliceway import Engine
 from spliceway.errors import ApiError
 from tests.conftest import base_config, wait_until
+from tests.helpers.upstreams import refused_port
 from tests.unit.test_event_catalogue import check_event
 
 
@@ -103,6 +108,42 @@ def test_bad_frames_get_invalid_argument_and_the_connection_stays_usable(engine,
     c.close()
 
 
+def _frame_of(size: int, request_id: int) -> bytes:
+    """A health query padded with an unknown parameter to exactly ``size`` bytes."""
+    head, tail = b'{"id": %d, "health": {"pad": "' % request_id, b'"}}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes this Unix socket sent that the peer has not read yet (SIOCOUTQ)."""
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4), "little")
+
+
+@pytest.mark.parametrize(
+    ("size", "about_size"), [(ipc.MAX_FRAME, False), (ipc.MAX_FRAME + 1, True)]
+)
+def test_the_frame_limit_is_exact_whatever_the_reads(engine, sock_path, size, about_size):
+    """All but the frame's last bytes are read first, so its end and newline come in one
+    read on top of a buffer still under the limit: a frame of MAX_FRAME bytes is answered
+    (here: the unknown parameter), one byte more is refused for its size."""
+    c = Client(sock_path)
+    frame = _frame_of(size, 1)
+    c.send(frame[:-100])
+    wait_until(lambda: _unread(c.sock) == 0, what="the engine read the frame's start")
+    c.send(frame[-100:] + b'\n{"id": 2, "health": {}}\n')
+    reply = c.line()
+    assert (reply["ok"], reply["error"]["code"]) == (False, "invalid_argument")
+    if about_size:
+        assert reply["id"] is None
+        assert f"frame larger than {ipc.MAX_FRAME} bytes" in reply["error"]["message"]
+    else:
+        assert reply["id"] == 1
+        assert "unknown parameter 'pad'" in reply["error"]["message"]
+    after = c.line()  # the connection stays usable
+    assert (after["id"], after["ok"]) == (2, True)
+    c.close()
+
+
 def test_subscribe_acks_then_snapshot_then_live_events_without_history(engine, sock_path):
     engine.execute("mode.set", {"mode": "direct"})  # history a subscriber must not get
     c = Client(sock_path)
@@ -181,6 +222,7 @@ def test_stop_ends_subscriptions_with_engine_stopped_and_removes_the_socket(sock
     assert last["event_type"] == "engine.stopped"
     assert c.file.readline() == b""  # then the engine closed the connection
     assert not sock_path.exists()
+    assert os.listdir(sock_path.parent) == []  # the lock file went with it
     c.close()
 
 
@@ -188,15 +230,18 @@ def test_a_second_engine_on_a_live_socket_is_refused_and_a_stale_one_is_replaced
     with pytest.raises(ApiError) as refused:
         Engine(_config(sock_path)).start()
     assert refused.value.code == "conflict" and "in use" in refused.value.message
+    assert f"pid {os.getpid()} holds {sock_path}.lock" in refused.value.message
     first = Client(sock_path)  # the first engine still serves
     first.send(b'{"id": 1, "health": {}}\n')
     assert first.line()["ok"] is True
     first.close()
     engine.stop()
-    # A socket file nobody listens on (an engine that was killed): taken over.
+    # A socket file nobody listens on and its lock file, unlocked (an engine that was
+    # killed): taken over.
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(sock_path))
     stale.close()
+    Path(f"{sock_path}.lock").write_text("12345\n")
     second = Engine(_config(sock_path)).start()
     try:
         c = Client(sock_path)
@@ -241,4 +286,122 @@ def test_a_default_directory_another_user_could_have_made_is_refused(tmp_path):
     link.symlink_to(shared)
     with pytest.raises(ApiError):
         ipc.prepare_path(str(link / "control.sock"), private_dir=True)
-    ipc.prepare_path(str(shared / "control.sock"), private_dir=False)  # a chosen path: allowed
+    # A chosen path: allowed.
+    ipc.prepare_path(str(shared / "control.sock"), private_dir=False).release()
+
+
+def _race(core: Any, path: str) -> tuple[list[ipc.IpcServer], list[ApiError]]:
+    """Two IpcServers started at the same moment on ``path``: those made, those refused."""
+    barrier = threading.Barrier(2)
+    won: list[ipc.IpcServer] = []
+    lost: list[ApiError] = []
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            won.append(ipc.IpcServer(core, path))
+        except ApiError as ex:
+            lost.append(ex)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return won, lost
+
+
+def test_two_servers_starting_at_once_on_one_path_one_wins_the_other_conflicts(engine, sock_path):
+    """Rounds of two IpcServers racing for one path that holds a stale socket (both
+    would see it refuse, remove it and bind: without the lock, a second removal takes the
+    first one's fresh socket and both win)."""
+    path = str(sock_path.parent / "race.sock")
+    deadline = time.monotonic() + 3.0
+    rounds = 0
+    while rounds < 200 and time.monotonic() < deadline:
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(path)
+        stale.close()
+        won, lost = _race(engine.core, path)
+        try:
+            assert (len(won), len(lost)) == (1, 1), (rounds, lost)
+            assert lost[0].code == "conflict" and path in lost[0].message
+            # The winner's socket is the one at the path.
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.connect(path)
+            probe.close()
+        finally:
+            for server in won:
+                server.stop()
+        # Stopped, the winner left nothing behind (socket and lock file removed).
+        assert [n for n in os.listdir(sock_path.parent) if n.startswith("race")] == []
+        rounds += 1
+    assert rounds >= 20
+
+
+def _read_until_closed(c: Client) -> list[dict[str, Any]]:
+    lines = []
+    while raw := c.file.readline():
+        lines.append(json.loads(raw))
+    return lines
+
+
+def _leave_on_stopped(c: Client) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        while raw := c.file.readline():
+            if json.loads(raw)["event_type"] == "engine.stopped":
+                break
+    c.close()
+
+
+def _churn(path: Path, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            c = Client(path)
+        except OSError:
+            return  # the engine stopped listening
+        with contextlib.suppress(OSError):
+            c.send(b'{"id": 1, "health": {}}\n')
+            c.file.readline()
+        c.close()
+
+
+def test_no_ipc_event_follows_engine_stopped_while_clients_come_and_go(sock_path):
+    """Clients that leave the moment they see engine.stopped, and others that connect and
+    leave all along: a subscriber's last event is engine.stopped, every round. (A sink
+    that cannot deliver keeps the stop busy after engine.stopped, where a late
+    ipc.disconnected would land.)"""
+    cfg = _config(sock_path)
+    cfg["api"]["event_sinks"] = [
+        {"type": "webhook", "tag": "nowhere", "url": f"http://127.0.0.1:{refused_port()}/"}
+    ]
+    for _ in range(3):
+        eng = Engine(cfg).start()
+        watcher = Client(sock_path)
+        # engine.stopped in the filter: it comes in emit order, not as the stream's end.
+        watcher.send(
+            b'{"id": 1, "type": "subscribe", "events": '
+            b'["ipc.connected", "ipc.disconnected", "engine.stopped"]}\n'
+        )
+        assert "subscribed" in watcher.line()["result"]
+        leavers = []
+        for _ in range(6):
+            leaver = Client(sock_path)
+            leaver.send(b'{"id": 1, "type": "subscribe", "events": ["engine.stopped"]}\n')
+            assert "subscribed" in leaver.line()["result"]
+            leavers.append(leaver)
+        stop = threading.Event()
+        threads = [threading.Thread(target=_leave_on_stopped, args=(c,)) for c in leavers]
+        threads += [threading.Thread(target=_churn, args=(sock_path, stop)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            eng.stop()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+        events = [e["event_type"] for e in _read_until_closed(watcher)]
+        watcher.close()
+        assert events[-1] == "engine.stopped", events[-5:]
+        assert events.count("engine.stopped") == 1
