@@ -6,6 +6,7 @@ Each prints a readable table by default and JSON with ``--json``; a failure prin
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Left-aligned columns, two spaces apart."""
     cells = [[str(h) for h in headers], *[["-" if v is None else str(v) for v in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
@@ -37,7 +38,7 @@ def _status(client: IpcClient) -> tuple[Any, str]:
     stats = client.query("stats")
     result = {"health": health, "stats": stats}
     rows = [(k, v) for k, v in {**health, **stats}.items() if not isinstance(v, dict | list)]
-    return result, _table(("FIELD", "VALUE"), rows)
+    return result, table(("FIELD", "VALUE"), rows)
 
 
 def _flows(limit: int | None) -> Callable[[IpcClient], tuple[Any, str]]:
@@ -59,7 +60,7 @@ def _flows(limit: int | None) -> Callable[[IpcClient], tuple[Any, str]]:
                 )
             )
         headers = ("FLOW", "INBOUND", "TARGET", "OUTBOUND", "STATE", "UP", "DOWN")
-        return result, _table(headers, rows)
+        return result, table(headers, rows)
 
     return run
 
@@ -70,13 +71,13 @@ def _policies(client: IpcClient) -> tuple[Any, str]:
         (p["tag"], p["kind"], p["selected"], p.get("latency_ms"), ",".join(p["outbounds"]))
         for p in result["policies"]
     ]
-    return result, _table(("POLICY", "KIND", "SELECTED", "LATENCY_MS", "MEMBERS"), rows)
+    return result, table(("POLICY", "KIND", "SELECTED", "LATENCY_MS", "MEMBERS"), rows)
 
 
 def _command(method: str, params: dict[str, Any]) -> Callable[[IpcClient], tuple[Any, str]]:
     def run(client: IpcClient) -> tuple[Any, str]:
         result = client.command(method, params)
-        return result, _table(("FIELD", "VALUE"), sorted(result.items()))
+        return result, table(("FIELD", "VALUE"), sorted(result.items()))
 
     return run
 
@@ -87,7 +88,7 @@ def _reload(path: str) -> Callable[[IpcClient], tuple[Any, str]]:
 
         result = client.command("config.apply", {"config": read_config_document(path)})
         rows = [(k, ",".join(v) if isinstance(v, list) else v) for k, v in result.items()]
-        return result, _table(("FIELD", "VALUE"), rows)
+        return result, table(("FIELD", "VALUE"), rows)
 
     return run
 
@@ -107,6 +108,9 @@ def _once(ipc: str | None, as_json: bool, fn: Callable[[IpcClient], tuple[Any, s
             result, text = fn(client)
     except ApiError as ex:
         return _fail(ex)
+    except (KeyError, TypeError, AttributeError, ValueError) as ex:
+        # A reply of another shape than this CLI knows (another engine version).
+        return _fail(ApiError("internal", f"unexpected reply from the engine: {ex!r}"))
     print(_json(result) if as_json else text)
     return EXIT_OK
 
@@ -147,7 +151,8 @@ def cmd_reload(ipc: str | None, as_json: bool, path: str) -> int:
 
 
 def cmd_events(ipc: str | None, types: list[str] | None) -> int:
-    """``spliceway events``: one envelope per line until interrupted or the engine stops."""
+    """``spliceway events``: one envelope per line until interrupted or the engine stops
+    (``--json`` changes nothing: the lines are JSON)."""
     try:
         with IpcClient(socket_path(ipc)) as client:
             for envelope in client.subscribe(types):
@@ -157,4 +162,10 @@ def cmd_events(ipc: str | None, types: list[str] | None) -> int:
         return _fail(ex)
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:
+        # The reader went away (``spliceway events | head``): stop quietly; stdout is
+        # pointed at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     return EXIT_OK

@@ -52,32 +52,67 @@ class IpcClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _line(self) -> dict[str, Any]:
-        raw = self._reader.readline()
+    def _broken(self, what: str, ex: BaseException) -> ApiError:
+        """A transport failure as the CLI reports it: ``internal`` (interface.md 7 has no
+        code of its own for it), naming the socket and what went wrong."""
+        if isinstance(ex, TimeoutError):
+            reason = "no reply in time"
+        elif isinstance(ex, OSError):
+            reason = ex.strerror or type(ex).__name__
+        else:
+            reason = str(ex) or type(ex).__name__
+        return ApiError("internal", f"IPC connection to {self.path}: {what}: {reason}")
+
+    def _line(self) -> dict[str, Any] | None:
+        """The next frame; None at the end of the connection."""
+        try:
+            raw = self._reader.readline()
+        except OSError as ex:
+            raise self._broken("reading a reply failed", ex) from ex
+        except ValueError as ex:  # the file object was closed under us
+            raise self._broken("reading a reply failed", ex) from ex
         if not raw:
-            raise ApiError("internal", "the engine closed the IPC connection")
-        return orjson.loads(raw)
+            return None
+        if not raw.endswith(b"\n"):
+            raise self._broken("the reply was cut off", EOFError("the engine closed mid-frame"))
+        try:
+            frame = orjson.loads(raw)
+        except orjson.JSONDecodeError as ex:
+            raise self._broken("the reply is not JSON", ex) from ex
+        if not isinstance(frame, dict):
+            raise self._broken("the reply is not a JSON object", TypeError(type(frame).__name__))
+        return frame
 
     def _request(self, frame: dict[str, Any]) -> Any:
         request_id = next(self._ids)
-        self._sock.sendall(orjson.dumps({"id": request_id, **frame}) + b"\n")
+        try:
+            self._sock.sendall(orjson.dumps({"id": request_id, **frame}) + b"\n")
+        except OSError as ex:
+            raise self._broken("sending the request failed", ex) from ex
         reply = self._line()
-        if not reply.get("ok"):
-            error = reply.get("error") or {}
+        if reply is None:
+            raise ApiError("internal", "the engine closed the IPC connection")
+        if reply.get("ok") is not True:
+            error = reply.get("error")
+            if not isinstance(error, dict):
+                raise self._broken("the reply is not an envelope", ValueError(str(reply)[:200]))
             details = [
-                Detail(d.get("message", ""), d.get("field_path"))
+                Detail(str(d.get("message", "")), d.get("field_path"))
                 for d in error.get("details") or ()
                 if isinstance(d, dict)
             ]
             raise ApiError(
-                error.get("code", "internal"),
-                error.get("message", "no message"),
+                str(error.get("code", "internal")),
+                str(error.get("message", "no message")),
                 field_path=error.get("field_path"),
                 details=details or None,
                 cause=error.get("cause"),
             )
-        (result,) = reply["result"].values()
-        return result
+        result = reply.get("result")
+        if not (isinstance(result, dict) and len(result) == 1):
+            raise self._broken("the reply is not an envelope", ValueError(str(reply)[:200]))
+        (value,) = result.values()
+        return value
 
     def query(self, name: str, params: dict[str, Any] | None = None) -> Any:
         """The result of query ``name``."""
@@ -92,8 +127,5 @@ class IpcClient:
         engine ends the connection."""
         self._request({"type": "subscribe", "events": events or []})
         self._sock.settimeout(None)
-        while True:
-            raw = self._reader.readline()
-            if not raw:
-                return
-            yield orjson.loads(raw)
+        while (envelope := self._line()) is not None:
+            yield envelope

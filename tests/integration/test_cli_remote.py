@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import select
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,6 +94,28 @@ def test_policies_select_and_mode_change_the_engine(engine, sock_path):
     assert wrong.stderr.startswith("spliceway: invalid_argument: ")
 
 
+def test_json_of_policies_select_and_mode_is_the_result_over_spliceway_ipc(engine, sock_path):
+    """``--json`` prints the command's result itself; the socket comes from
+    ``$SPLICEWAY_IPC`` (no ``--ipc``)."""
+    env = {**os.environ, "SPLICEWAY_IPC": str(sock_path)}
+    selected = cli(None, "select", "proxy", "block", "--json", env=env)
+    assert selected.returncode == 0, selected.stderr
+    assert json.loads(selected.stdout) == {"policy_tag": "proxy", "selected": "block"}
+    policies = json.loads(cli(None, "policies", "--json", env=env).stdout)
+    (proxy,) = [p for p in policies["policies"] if p["tag"] == "proxy"]
+    assert (proxy["kind"], proxy["selected"], proxy["outbounds"]) == (
+        "selector",
+        "block",
+        ["direct", "block"],
+    )
+    mode = cli(None, "mode", "direct", "--json", env=env)
+    assert json.loads(mode.stdout) == {"accepted": True}
+    assert engine.query("config")["mode"]["kind"] == "direct"
+    # --ipc wins over the variable.
+    elsewhere = cli(sock_path.parent / "none.sock", "status", env=env)
+    assert elsewhere.returncode == 1 and "none.sock" in elsewhere.stderr
+
+
 def test_events_prints_one_envelope_per_line_until_the_engine_stops(sock_path):
     eng = Engine(_config(sock_path)).start()
     proc = subprocess.Popen(
@@ -152,3 +177,71 @@ def test_reload_applies_a_file_and_reports_every_problem(sock_path: Path, tmp_pa
         missing = cli(sock_path, "reload", str(tmp_path / "nope.json"))
         assert missing.returncode == 1
         assert "cannot read" in missing.stderr
+
+
+class FakeEngine:
+    """A Unix socket server that answers each IPC request line with ``reply`` (None:
+    closes the connection instead), one connection after another."""
+
+    def __init__(self, path: Path, reply: bytes | None) -> None:
+        self.reply = reply
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.makefile("rb").readline()
+                if self.reply is not None:
+                    conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.server.shutdown(socket.SHUT_RDWR)
+        self.server.close()
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize(
+    ("reply", "message", "commands"),
+    [
+        (b"<html>not json</html>\n", "the reply is not JSON", ("status", "events")),
+        (b'{"id": 1, "ok": true, "result": {"a": 1}', "the reply was cut off", ("flows",)),
+        (b'["an", "array"]\n', "the reply is not a JSON object", ("policies",)),
+        (None, "the engine closed the IPC connection", ("status", "events")),
+    ],
+)
+def test_a_broken_reply_is_an_error_line_not_a_traceback(sock_path, reply, message, commands):
+    sock_path.parent.mkdir(mode=0o700, exist_ok=True)
+    fake = FakeEngine(sock_path, reply)
+    try:
+        for command in commands:
+            done = cli(sock_path, command)
+            assert done.returncode == 1, done.stderr
+            assert done.stderr.startswith("spliceway: internal: "), done.stderr
+            assert message in done.stderr and "Traceback" not in done.stderr
+    finally:
+        fake.close()
+
+
+def test_no_reply_in_time_is_an_api_error(sock_path):
+    from spliceway.errors import ApiError
+    from spliceway.ipc_client import IpcClient
+
+    sock_path.parent.mkdir(mode=0o700, exist_ok=True)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(str(sock_path))
+    silent.listen()  # accepts (the backlog) and never answers
+    try:
+        with IpcClient(str(sock_path), timeout=0.2) as client, pytest.raises(ApiError) as failed:
+            client.query("health")
+        assert failed.value.code == "internal"
+        assert "no reply in time" in failed.value.message
+    finally:
+        silent.close()
