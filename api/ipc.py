@@ -61,6 +61,19 @@ _SEND_S = 30
 LOCK_SUFFIX = ".lock"
 
 
+def _connector_state(core: EngineCore) -> dict[str, Any]:
+    from spliceway.connector import inspect
+
+    return inspect.live_state(core)
+
+
+#: Queries only IPC answers (an extension, docs/ipc.md), for the CLI on the same host:
+#: ``connector_state`` is ``spliceway connector state`` of the engine holding the outbox.
+IPC_QUERIES: dict[str, Callable[[EngineCore], dict[str, Any]]] = {
+    "connector_state": _connector_state,
+}
+
+
 def _conflict(message: str) -> ApiError:
     return ApiError("conflict", message, field_path="api.ipc.path")
 
@@ -531,10 +544,13 @@ class _Connection:
             params = body.get("params", {})
             result = commands.execute(self._core, body.get("method"), params)
             return "command", result
-        if name not in queries.QUERIES:
+        if name not in queries.QUERIES and name not in IPC_QUERIES:
             raise invalid_argument(f"unknown request {name!r}", name)
         if not isinstance(body, dict):
             raise invalid_argument(f"{name} parameters must be an object", name)
+        if name in IPC_QUERIES:
+            queries.reject_unknown(body, (), f"query {name!r}")
+            return name, IPC_QUERIES[name](self._core)
         return name, queries.run_query(self._core, name, body)
 
     def _subscribe(self, events: object) -> dict[str, Any]:

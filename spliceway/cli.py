@@ -4,14 +4,17 @@ Subcommands in this build: ``run [-c FILE]`` (foreground engine and, when
 ``api.control`` is enabled, its HTTP control API; SIGINT/SIGTERM stop it
 cleanly with exit 0; SIGHUP re-reads FILE and applies it like ``config.apply``,
 keeping the running configuration when that fails),
-``validate FILE`` (offline, the environment variables the file names included;
-exit 0, or 1 with one line per problem), ``config-schema`` (the configuration's
-JSON Schema), ``connector state [--json] FILE`` and ``connector dead-letters
-[--json] FILE`` (read the outbox the file names while the engine is stopped;
-exit 1 with the error code when it cannot) and ``build-info``; ``status``, ``flows``,
-``policies``, ``select``, ``mode``, ``reload`` and ``events`` talk to a running engine over its IPC
-socket (``--ipc PATH``, ``$SPLICEWAY_IPC``, else the default; exit 1 with the error
-code and message when the engine refuses or is not there). Exit status 2
+``validate [--json] FILE`` (offline, the environment variables the file names
+included; exit 0, or 1 with one line per problem, or one JSON object with ``code``,
+``message`` and ``details``), ``config-schema`` (the configuration's JSON Schema),
+``connector state [--json] FILE`` (reads the outbox the file names; while an engine
+holds it, asks that engine over IPC), ``connector dead-letters [--json] FILE`` (the
+outbox read while the engine is stopped; exit 1 with the error code when it cannot)
+and ``build-info [--json]``; ``status``, ``flows``, ``policies``, ``select``, ``mode``,
+``reload`` and ``events`` talk to a running engine over its IPC socket (``--ipc PATH``,
+``$SPLICEWAY_IPC``, else the default; exit 1 with ``spliceway: <code>: <message>``
+when the engine refuses, is not there or breaks the connection). Every subcommand
+but ``events`` (JSON lines) prints a table by default and JSON with ``--json``. Exit status 2
 means the engine could not start (invalid configuration, an unset key
 variable, a port in use, the outbox locked by another engine, an unsupported
 setting); the reason is printed one problem per line, never as a traceback.
@@ -49,8 +52,10 @@ _EPILOG = """\
 exit status: 0 success; 1 validate or a connector command found problems, or a
              command to a running engine failed (its error code and message on
              stderr); 2 the engine could not start (one line per problem on stderr)
+output:      a table by default, JSON with --json (events: JSON lines)
 remote:      status, flows, policies, select, mode, reload and events talk to a running
-             engine over its IPC socket (docs/ipc.md)
+             engine over its IPC socket (docs/ipc.md); connector state too, while an
+             engine holds the outbox
 reference:   docs/running.md, docs/configuration.md and docs/ in the source
              distribution; spliceway config-schema prints the JSON Schema
 """
@@ -92,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("file")
     sub.add_parser("config-schema", help="print the configuration's JSON Schema")
-    sub.add_parser("build-info", help="print what this build contains")
+    build_info = sub.add_parser("build-info", help="print what this build contains")
     status = sub.add_parser("status", help="a running engine's health and counters")
     flows = sub.add_parser("flows", help="a running engine's active flows")
     flows.add_argument("--limit", type=int, help="at most this many (1..10000, default 100)")
@@ -107,13 +112,19 @@ def _parser() -> argparse.ArgumentParser:
         "reload", help="apply a configuration file to a running engine (config.apply)"
     )
     reload.add_argument("file", help="the whole configuration to run (JSON or YAML)")
-    for remote in (status, flows, policies, select, mode, reload):
+    for remote in (validate, build_info, status, flows, policies, select, mode, reload):
         remote.add_argument("--json", action="store_true", help="print JSON")
     events = sub.add_parser(
         "events", help="print a running engine's events, one JSON envelope per line"
     )
     events.add_argument("--types", help="comma-separated event types (default: all)")
-    connector = sub.add_parser("connector", help="inspect the event sinks' outbox offline")
+    events.add_argument(
+        "--json", action="store_true", help="print JSON (what events always prints)"
+    )
+    connector = sub.add_parser(
+        "connector",
+        help="inspect the event sinks' outbox (offline, or over IPC from the engine holding it)",
+    )
     what = connector.add_subparsers(dest="connector_command", required=True)
     for name, text in (
         ("state", "each sink's pending events, dead letters and storage state"),
@@ -131,28 +142,56 @@ def _problems(err: ApiError) -> list[str]:
     return [f"{err.field_path}: {err.message}" if err.field_path else err.message]
 
 
-def cmd_validate(path: str) -> int:
-    """``spliceway validate FILE``: the document's problems, then its environment's."""
+def _error_json(ex: ApiError) -> dict[str, Any]:
+    """An error as ``--json`` prints it: the envelope's ``error`` object, with
+    ``details`` always present (one item per problem)."""
+    doc: dict[str, Any] = {"code": ex.code, "message": ex.message}
+    if ex.field_path:
+        doc["field_path"] = ex.field_path
+    if ex.cause:
+        doc["cause"] = ex.cause
+    doc["details"] = [
+        {"field_path": d.field_path, "message": d.message}
+        if d.field_path
+        else {"message": d.message}
+        for d in ex.details or ()
+    ] or [
+        {"field_path": ex.field_path, "message": ex.message}
+        if ex.field_path
+        else {"message": ex.message}
+    ]
+    return doc
+
+
+def cmd_validate(path: str, as_json: bool = False) -> int:
+    """``spliceway validate [--json] FILE``: the document's problems, then its environment's."""
     from spliceway.config import check_environment, load_config_file
 
     try:
         check_environment(load_config_file(path))
     except ApiError as ex:
         # The code on stderr, as every failing subcommand prints it; the problems on
-        # stdout, one per line, for a reader or a script.
+        # stdout, one per line (or as one JSON object), for a reader or a script.
         print(f"spliceway: {ex.code}: {ex.message}", file=sys.stderr)
-        for line in _problems(ex):
-            print(line)
+        if as_json:
+            print(_dumps(_error_json(ex)))
+        else:
+            for line in _problems(ex):
+                print(line)
         return EXIT_INVALID
-    print(f"{path}: valid")
+    print(_dumps({"file": path, "valid": True}) if as_json else f"{path}: valid")
     return EXIT_OK
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2).decode()
 
 
 def cmd_config_schema() -> int:
     """``spliceway config-schema``: the JSON Schema of the configuration document."""
     from spliceway.config import config_schema
 
-    print(orjson.dumps(config_schema(), option=orjson.OPT_INDENT_2).decode())
+    print(_dumps(config_schema()))
     return EXIT_OK
 
 
@@ -291,7 +330,7 @@ def _reload(engine: Any, config_path: str | None, log: logging.Logger) -> None:
     )
 
 
-def cmd_connector(command: str, path: str, as_json: bool) -> int:
+def cmd_connector(command: str, path: str, as_json: bool, ipc: str | None = None) -> int:
     """``spliceway connector state|dead-letters [--json] FILE``."""
     from spliceway.config import load_config_file
     from spliceway.connector import inspect
@@ -299,17 +338,25 @@ def cmd_connector(command: str, path: str, as_json: bool) -> int:
     try:
         config = load_config_file(path)
         if command == "state":
-            state = inspect.outbox_state(config)
+            try:
+                state = inspect.outbox_state(config)
+            except ApiError as ex:
+                if ex.code != "conflict":
+                    raise
+                # An engine holds the outbox: ask it, over its IPC socket.
+                state = _state_from_engine(config, ipc, ex)
             if as_json:
-                print(orjson.dumps(state, option=orjson.OPT_INDENT_2).decode())
+                print(_dumps(state))
                 return EXIT_OK
-            print(f"outbox {state['outbox_path']}")
+            source = " (from the running engine)" if state.get("source") == "engine" else ""
+            print(f"outbox {state['outbox_path']}{source}")
             print(f"{'SINK':<20} {'TYPE':<8} {'PENDING':>9} {'DEAD':>6} {'BLOCKED':<8} RECOVERY")
             for s in state["sinks"]:
                 kind = s["type"] or "removed"  # no longer configured; its events remain
+                blocked = (s.get("outbox_storage") or {}).get("write_blocked")
                 print(
                     f"{s['name']:<20} {kind:<8} {s['pending']:>9} {s['dead_letters']:>6} "
-                    f"{str(s['outbox_storage']['write_blocked']).lower():<8} "
+                    f"{'-' if blocked is None else str(blocked).lower():<8} "
                     f"{s['outbox_recovery']['state']}"
                 )
             return EXIT_OK
@@ -330,8 +377,46 @@ def cmd_connector(command: str, path: str, as_json: bool) -> int:
     return EXIT_OK
 
 
-def cmd_build_info() -> int:
-    """``spliceway build-info``: version and what was compiled in."""
+def _state_from_engine(config: Any, ipc: str | None, held: ApiError) -> dict[str, Any]:
+    """``connector state`` from the engine that holds the outbox (``held`` said so): over
+    ``--ipc``, ``$SPLICEWAY_IPC``, else the socket the file configures. ``held`` again,
+    with the reason, when that engine cannot be asked or is another engine."""
+    import os
+
+    from spliceway.ipc_client import IPC_ENV, IpcClient
+
+    path = ipc or os.environ.get(IPC_ENV)
+    if not path:
+        if not config.api.ipc.enabled:
+            raise ApiError(
+                "conflict",
+                f"{held.message}; the file disables its IPC socket (api.ipc.enabled: false), "
+                "so that engine cannot be asked: give its socket with --ipc",
+                field_path=held.field_path,
+            )
+        path = config.api.ipc.resolved_path()
+    try:
+        with IpcClient(path) as client:
+            state = client.query("connector_state")
+    except ApiError as ex:
+        raise ApiError(
+            ex.code if ex.code != "not_found" else "conflict",
+            f"{held.message}; asking the engine on {path} failed: {ex.message}",
+            field_path=ex.field_path,
+        ) from ex
+    wanted = os.path.realpath(config.api.outbox_path)
+    if os.path.realpath(str(state.get("outbox_path"))) != wanted:
+        raise ApiError(
+            "conflict",
+            f"{held.message}; the engine on {path} uses the outbox at {state.get('outbox_path')}, "
+            f"not {config.api.outbox_path}: give the holder's socket with --ipc",
+            field_path=held.field_path,
+        )
+    return state
+
+
+def cmd_build_info(as_json: bool = False) -> int:
+    """``spliceway build-info [--json]``: version and what was compiled in."""
     from spliceway import relay
     from spliceway.capabilities import BUILD_FEATURES
 
@@ -340,7 +425,14 @@ def cmd_build_info() -> int:
         "relay_abi": relay.ABI_VERSION,
         "build_features": list(BUILD_FEATURES),
     }
-    print(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode())
+    if as_json:
+        print(_dumps(info))
+        return EXIT_OK
+    from spliceway.cli_remote import table
+
+    rows = [("version", info["version"]), ("relay_abi", info["relay_abi"])]
+    rows.append(("build_features", ",".join(info["build_features"]) or "-"))
+    print(table(("FIELD", "VALUE"), rows))
     return EXIT_OK
 
 
@@ -348,15 +440,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``spliceway`` console script."""
     args = _parser().parse_args(argv)
     if args.command == "validate":
-        return cmd_validate(args.file)
+        return cmd_validate(args.file, args.json)
     if args.command == "run":
         return cmd_run(args.config)
     if args.command == "config-schema":
         return cmd_config_schema()
     if args.command == "connector":
-        return cmd_connector(args.connector_command, args.file, args.json)
+        return cmd_connector(args.connector_command, args.file, args.json, args.ipc)
     if args.command == "build-info":
-        return cmd_build_info()
+        return cmd_build_info(args.json)
     from spliceway import cli_remote as remote
 
     if args.command == "status":

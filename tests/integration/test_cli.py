@@ -87,6 +87,44 @@ def test_validate_reports_one_line_per_problem_with_field_paths(tmp_path):
     assert result.stderr.startswith("spliceway: invalid_argument: ")
 
 
+def test_validate_json_is_one_object_for_a_script(tmp_path):
+    good = spliceway("validate", "--json", write_config(tmp_path, socks_config(1080)))
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout) == {"file": str(tmp_path / "config.json"), "valid": True}
+    doc = socks_config(70000)
+    doc["rules"] = [{"domain": ["a.test"], "outbound": "missing"}]
+    bad = spliceway("validate", "--json", write_config(tmp_path, doc))
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("spliceway: invalid_argument: configuration is invalid")
+    error = json.loads(bad.stdout)
+    assert error["code"] == "invalid_argument"
+    assert error["message"].startswith("configuration is invalid")
+    assert sorted(d["field_path"] for d in error["details"]) == [
+        "inbounds[0].listen.port",
+        "rules[0].outbound",
+    ]
+    assert all(d["message"] for d in error["details"])
+    missing = spliceway("validate", "--json", str(tmp_path / "nope.json"))
+    assert missing.returncode == 1
+    assert json.loads(missing.stdout)["details"][0]["message"]
+
+
+def test_build_info_prints_a_table_and_json():
+    from spliceway import __version__, relay
+
+    table = spliceway("build-info")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["FIELD", "VALUE"]
+    rows = dict(line.split(None, 1) for line in lines[1:])
+    assert rows["version"] == __version__ and rows["relay_abi"] == str(relay.ABI_VERSION)
+    as_json = spliceway("build-info", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    info = json.loads(as_json.stdout)
+    assert (info["version"], info["relay_abi"]) == (__version__, relay.ABI_VERSION)
+    assert (",".join(info["build_features"]) or "-") == rows["build_features"]
+
+
 def test_invalid_config_for_run_exits_2(tmp_path):
     config = write_config(tmp_path, {"inbounds": [{"tag": "x"}]})
     result = spliceway("run", "-c", config)

@@ -1,4 +1,5 @@
-"""``spliceway connector state|dead-letters``: the outbox read offline, as a user runs it."""
+"""``spliceway connector state|dead-letters``: the outbox read offline, or asked of the engine
+holding it over IPC, as a user runs it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from tests.conftest import base_config
 from tests.helpers.program import SPLICEWAY
+from tests.helpers.sinks import jsonl as jsonl_sink
 from tests.helpers.upstreams import refused_port
 
 
@@ -127,3 +129,47 @@ def test_state_reports_a_sink_a_reload_removed(tmp_path):
     table = _cli("connector", "state", path)
     assert table.returncode == 0, table.stderr
     assert any(line.split()[:2] == ["central", "removed"] for line in table.stdout.splitlines())
+
+
+def test_state_of_a_running_engine_comes_over_ipc_removed_sinks_included(tmp_path, sock_path):
+    """While an engine holds the outbox, ``connector state FILE`` asks it over the IPC
+    socket FILE configures: live counts, and a sink a reload removed with its backlog."""
+    from spliceway import Engine
+
+    cfg, path = _sink_config(tmp_path)
+    cfg["api"]["ipc"] = {"enabled": True, "path": str(sock_path)}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with Engine.from_file(path) as engine:
+        cfg["api"]["event_sinks"] = cfg["api"]["event_sinks"][1:]  # "central" removed
+        engine.execute("config.apply", {"config": cfg})
+        done = _cli("connector", "state", "--json", path)
+        assert done.returncode == 0, done.stderr
+        state = json.loads(done.stdout)
+        assert (state["source"], state["outbox_path"]) == ("engine", str(tmp_path / "outbox"))
+        sinks = {s["name"]: s for s in state["sinks"]}
+        assert list(sinks) == ["audit", "central"]
+        live = engine.query("sinks")["sinks"][0]
+        assert sinks["audit"]["configured"] is True and sinks["audit"]["type"] == "jsonl"
+        assert 1 <= sinks["audit"]["total_delivered"] <= live["total_delivered"]  # live counts
+        assert sinks["audit"]["outbox_storage"]["write_blocked"] is False
+        # Its undelivered events (engine.started at least) stay on disk and are counted.
+        assert (sinks["central"]["configured"], sinks["central"]["type"]) == (False, None)
+        assert sinks["central"]["pending"] >= 1
+        assert sinks["central"]["outbox_recovery"]["state"] == "clean"
+        table = _cli("connector", "state", path)
+        assert table.returncode == 0, table.stderr
+        lines = table.stdout.splitlines()
+        assert lines[0] == f"outbox {tmp_path / 'outbox'} (from the running engine)"
+        rows = {line.split()[0]: line.split() for line in lines[2:]}
+        assert rows["central"][1:3] == ["removed", str(sinks["central"]["pending"])]
+        assert rows["audit"][1] == "jsonl"
+        # Another engine's socket (--ipc wins over the file's): refused, not misreported.
+        other_cfg = base_config()
+        other_cfg["api"]["ipc"] = {"enabled": True, "path": str(sock_path.parent / "o.sock")}
+        other_cfg["api"]["event_sinks"] = [jsonl_sink("o", tmp_path / "o.jsonl")]
+        other_cfg["api"]["outbox_path"] = str(tmp_path / "other-outbox")
+        with Engine(other_cfg):
+            wrong = _cli("--ipc", str(sock_path.parent / "o.sock"), "connector", "state", path)
+        assert wrong.returncode == 1
+        assert wrong.stderr.startswith("spliceway: conflict: ")
+        assert f"uses the outbox at {tmp_path / 'other-outbox'}" in wrong.stderr
