@@ -319,6 +319,11 @@ def _reload(engine: Any, config_path: str | None, log: logging.Logger) -> None:
         except ApiError as ex:
             lines = _problems(ex)
             message = f"reload of {config_path} failed: {ex.code}: " + "; ".join(lines)
+        except Exception as ex:
+            # A bug, not a refusal: logged with its traceback, and the engine goes on
+            # with what it runs (the sigwait loop must not end on it).
+            log.exception("reload of %s failed unexpectedly", config_path)
+            message = f"reload of {config_path} failed: internal: {type(ex).__name__}: {ex}"
         else:
             changed = ", ".join(result["changed_components"]) or "nothing"
             log.info("reloaded %s (changed: %s)", config_path, changed)

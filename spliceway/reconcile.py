@@ -13,8 +13,8 @@ One apply is a transaction over the running engine, serialised by the core's
    ``runtime.dns``, the fake-ip pool and the DNS server's sockets
    (:mod:`spliceway.dns.service`). A port that cannot be bound fails here, before
    anything changed.
-3. **persist** (``config.apply`` with a source file): the file is replaced
-   atomically (:mod:`spliceway.atomic_file`); its old bytes are kept to restore.
+3. **stage** (``config.apply`` with a source file): the new bytes are written to a
+   temporary file beside it and fsynced; the file itself is not touched yet.
 4. **sinks**: the connector adds, restarts and removes sinks (a removed sink's
    outbox stays on disk).
 5. **commit** on the dispatcher thread, where every flow decides, so a flow sees
@@ -22,9 +22,15 @@ One apply is a transaction over the running engine, serialised by the core's
    group actors replaced, the flow hook's client replaced (the old one settles
    the asks it has), the C route table recompiled and swapped, the fake-ip pool and
    DNS server replaced.
+6. **persist**: the staged file is renamed over the source file (atomic) and the
+   directory fsynced. A crash before the rename leaves the previous file, after it
+   the new one: never a torn file, never one that was not applied. Should the
+   rename fail, the previous configuration is installed again (and the error says
+   whether that worked).
 
-A failure in steps 3 to 5 undoes what was done (sinks reconfigured back, the file
-restored) and the error says so; ``config.changed`` is emitted only on success.
+A failure in steps 3 to 5 undoes what was done (sinks reconfigured back, the staged
+file removed) and the error says so; ``config.changed`` is emitted only on success,
+still under the apply lock, so the events are in the order of the applies.
 Flows already relaying keep their path; only new flows use the new tables.
 """
 
@@ -34,13 +40,15 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import pykka
 
 from spliceway import assembly
-from spliceway.atomic_file import replace_file
+from spliceway.atomic_file import fsync_directory
 from spliceway.config import Config, check_environment, parse_config
 from spliceway.errors import ApiError
 from spliceway.events import now_ms
@@ -63,6 +71,8 @@ COMPONENTS = (
     "runtime",
     "tun",
 )
+#: How long an apply waits for the dispatcher to install the new configuration.
+INSTALL_TIMEOUT_S = 30.0
 #: C's listener slots for configured inbounds: csrc/conn.c's MAX_LISTENERS (256) but
 #: the last two, which are the TUN's (spliceway.tun.service.TUN_SLOTS).
 _SLOTS = 254
@@ -171,19 +181,13 @@ class Reconciler:
             old = core.config
             check_fixed(old, new, core.connector.store is not None)
             check_environment(new)
-            try:
-                plan = self._prepare(old, new)
-            except ApiError as ex:
-                raise ApiError(
-                    "internal",
-                    f"{ex.message}; nothing was applied: the previous configuration is running",
-                    field_path=ex.field_path and f"config.{ex.field_path}",
-                ) from ex
+            plan = self._prepare_or_refuse(old, new)
+            staged: StagedFile | None = None
             try:
                 if trigger == "sighup":  # the file itself is what is applied
-                    persistence, restore = "source_file", None
+                    persistence = "source_file"
                 else:
-                    persistence, restore = self._persist(document, persist)
+                    persistence, staged = self._stage(document, persist)
             except BaseException:
                 plan.discard()
                 raise
@@ -198,29 +202,50 @@ class Reconciler:
                 plan.discard()
                 if tun_swapped:
                     self._restore_tun(old.runtime.tun)
-                outcome = self._undo_file(restore)
+                file = ""
+                if staged is not None:
+                    staged.discard()
+                    file = f" and {staged.path} is unchanged"
+                if isinstance(ex, Unconfirmed):
+                    raise ApiError(
+                        "internal",
+                        f"{ex.message}: it may still be installed, or not (query the config "
+                        f"and the listeners to see which); the event sinks are the previous "
+                        f"ones{file}",
+                    ) from ex
                 if isinstance(ex, ApiError):
                     raise ApiError(
                         "internal",
-                        f"{ex.message}; rolled back: the previous configuration is running"
-                        f"{outcome}",
+                        f"{ex.message}; rolled back: the previous configuration is running{file}",
                         field_path=ex.field_path,
                     ) from ex
                 raise ApiError(
                     "internal",
                     f"applying the configuration failed ({ex!r}); rolled back: the previous "
-                    f"configuration is running{outcome}",
+                    f"configuration is running{file}",
                 ) from ex
-        changed_at = now_ms()
-        core.log.emit(
-            "config.changed",
-            {
-                "changed_at_unix_ms": changed_at,
-                "trigger": trigger,
-                "persistence": persistence,
-                "changed_components": plan.changed,
-            },
-        )
+            if staged is not None:
+                # Only now, with the new configuration running: a crash before this line
+                # leaves the previous file, after it the new one, never a torn one and
+                # never one that did not apply.
+                try:
+                    staged.commit()
+                except OSError as ex:
+                    outcome = self._revert(new, old)
+                    raise ApiError(
+                        "internal",
+                        f"cannot write {staged.path}: {ex.strerror or ex}; {outcome}",
+                    ) from ex
+            # Under the lock: config.changed events are in the order of the applies.
+            core.log.emit(
+                "config.changed",
+                {
+                    "changed_at_unix_ms": now_ms(),
+                    "trigger": trigger,
+                    "persistence": persistence,
+                    "changed_components": plan.changed,
+                },
+            )
         if core.on_runtime_changed is not None and "runtime" in plan.changed:
             with contextlib.suppress(Exception):
                 core.on_runtime_changed(new.runtime)
@@ -231,6 +256,53 @@ class Reconciler:
             "application_components": list(COMPONENTS),
             "changed_components": plan.changed,
         }
+
+    def _prepare_or_refuse(self, old: Config, new: Config) -> Plan:
+        """``_prepare``, any failure an ApiError saying nothing was applied."""
+        try:
+            return self._prepare(old, new)
+        except ApiError as ex:
+            raise ApiError(
+                "internal",
+                f"{ex.message}; nothing was applied: the previous configuration is running",
+                field_path=ex.field_path and f"config.{ex.field_path}",
+            ) from ex
+        except Exception as ex:
+            logger.exception("preparing a configuration failed")
+            raise ApiError(
+                "internal",
+                f"preparing the configuration failed ({type(ex).__name__}: {ex}); nothing was "
+                "applied: the previous configuration is running",
+            ) from ex
+
+    def _revert(self, running: Config, previous: Config) -> str:
+        """Put ``previous`` back after ``running`` was installed but its file could not be
+        written (a rollback); a sentence saying how that went."""
+        try:
+            plan = self._prepare(running, previous)
+        except Exception as ex:
+            logger.exception("preparing the rollback of an apply failed")
+            return (
+                f"putting the previous configuration back failed ({ex}): the new "
+                "configuration is running, and the file still holds the previous one"
+            )
+        tun_swapped = False
+        try:
+            try:
+                tun_swapped = self._swap_tun(running.runtime.tun, previous.runtime.tun)
+                self._install(plan)
+            finally:
+                plan.listeners.close_spares()
+        except BaseException as ex:
+            plan.discard()
+            if tun_swapped:
+                self._restore_tun(running.runtime.tun)
+            logger.exception("the rollback of an apply failed")
+            return (
+                f"putting the previous configuration back failed ({ex}): the new "
+                "configuration is running, and the file still holds the previous one"
+            )
+        return "rolled back: the previous configuration is running and the file is unchanged"
 
     # -- the TUN of runtime.tun ----------------------------------------------------------
 
@@ -369,43 +441,22 @@ class Reconciler:
 
     # -- persist ----------------------------------------------------------------------
 
-    def _persist(self, document: Any, persist: bool) -> tuple[str, bytes | None]:
-        """Write the source file (config.apply with one); the old bytes, to restore."""
+    def _stage(self, document: Any, persist: bool) -> tuple[str, StagedFile | None]:
+        """The source file's new bytes, written beside it and fsynced (config.apply with a
+        file), to be renamed over it once the apply has succeeded."""
         path = self._core.config_path
         if not persist or path is None:
             return "runtime_only", None
         if isinstance(document, Config):
             document = document.model_dump(mode="json")
         try:
-            with open(path, "rb") as f:
-                before = f.read()
-        except FileNotFoundError:
-            before = b""
-        except OSError as ex:
-            raise ApiError(
-                "internal", f"cannot read {path}: {ex.strerror or ex}; nothing was applied"
-            ) from ex
-        try:
-            replace_file(path, serialize(document, path))
+            return "source_file", StagedFile.write(path, serialize(document, path))
         except OSError as ex:
             raise ApiError(
                 "internal",
                 f"cannot write {path}: {ex.strerror or ex}; nothing was applied, the file is "
                 "unchanged",
             ) from ex
-        return "source_file", before
-
-    def _undo_file(self, before: bytes | None) -> str:
-        """Put the old source file back; a sentence for the error message."""
-        path = self._core.config_path
-        if before is None or path is None:
-            return ""
-        try:
-            replace_file(path, before)
-        except OSError as ex:
-            logger.error("could not restore %s after a failed apply: %s", path, ex)
-            return f", but restoring {path} failed ({ex.strerror or ex}): it holds the new one"
-        return f" and {path} is restored"
 
     # -- install ----------------------------------------------------------------------
 
@@ -415,13 +466,81 @@ class Reconciler:
         try:
             core.connector.reconfigure(plan.config.api)
             assert core.supervisor is not None
-            core.supervisor.proxy().reconfigure(plan).get(timeout=30)
+            try:
+                core.supervisor.proxy().reconfigure(plan).get(timeout=INSTALL_TIMEOUT_S)
+            except pykka.Timeout as ex:
+                raise Unconfirmed(
+                    "internal",
+                    f"the engine did not confirm installing the new configuration within "
+                    f"{INSTALL_TIMEOUT_S:g} s",
+                ) from ex
         except BaseException:
             try:
                 core.connector.reconfigure(old_api)
             except Exception:
                 logger.exception("restoring the event sinks after a failed apply failed")
             raise
+
+
+class Unconfirmed(ApiError):
+    """The dispatcher did not answer the install in time: it may yet run it."""
+
+
+class StagedFile:
+    """A file's next contents, written and fsynced beside it; :meth:`commit` renames it over
+    the file (atomic), :meth:`discard` removes it. Keeps the file's permission bits."""
+
+    def __init__(self, path: str, tmp: str) -> None:
+        self.path = path
+        self._tmp: str | None = tmp
+
+    @classmethod
+    def write(cls, path: str, data: bytes) -> StagedFile:
+        """Stage ``data`` for ``path``; OSError (nothing left behind) on failure."""
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = 0o644
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fchmod(fd, mode)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return cls(path, tmp)
+
+    def commit(self) -> None:
+        """Rename the staged file over ``path`` and make that durable (OSError when the
+        rename fails; the file is then unchanged)."""
+        tmp, self._tmp = self._tmp, None
+        assert tmp is not None
+        try:
+            os.rename(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        try:
+            fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+        except OSError as ex:  # renamed and visible; only its durability is in doubt
+            logger.warning("fsync of the directory of %s failed: %s", self.path, ex)
+
+    def discard(self) -> None:
+        """Remove the staged file (the apply did not go through)."""
+        tmp, self._tmp = self._tmp, None
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _spec(slot: int, inbound: Any) -> InboundSpec:

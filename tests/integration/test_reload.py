@@ -14,6 +14,8 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,10 @@ from spliceway.errors import ApiError
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import STATUS_ONLY, proxy_curl, socks_curl
 from tests.helpers.program import SPLICEWAY, environ_without
+from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import jsonl
+from tests.helpers.socks import recv_exact, socks5_connect
+from tests.helpers.upstreams import refused_port
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -232,6 +237,101 @@ def test_applies_under_live_traffic_fail_no_flow_and_hold_at_once(
         engine.stop()
 
 
+def test_a_relaying_flow_keeps_its_path_when_its_inbound_goes_and_its_target_is_blocked(
+    tmp_path: Path,
+) -> None:
+    """An open SOCKS5 tunnel echoing bytes, then an apply that removes the tunnel's inbound
+    and blocks its target: the tunnel goes on relaying on the path it was given, while a
+    new flow to the same target is blocked at once."""
+    doc = reload_config(tmp_path)
+    doc["inbounds"].append({"tag": "old-in", "protocol": "socks5", "listen": {"port": 0}})
+    with Engine(doc) as engine, EchoServer() as echo:
+        tunnel = socks5_connect(engine.listen_address("old-in"), "127.0.0.1", echo.port)
+        try:
+            tunnel.sendall(b"before")
+            assert recv_exact(tunnel, 6) == b"before"
+            (flow,) = engine.query("flows")["active_flows"]
+            doc["inbounds"] = [i for i in doc["inbounds"] if i["tag"] != "old-in"]
+            doc["rules"] = [
+                {"ip_cidr": ["127.0.0.1/32"], "port": [str(echo.port)], "action": "block"}
+            ]
+            result = apply(engine, doc)
+            assert result["changed_components"] == ["proxy_listeners", "routing"]
+            with pytest.raises(ConnectionError, match="socks reply"):
+                socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", echo.port)
+            for n in range(3):
+                tunnel.sendall(b"after-%d" % n)
+                assert recv_exact(tunnel, 7) == b"after-%d" % n
+            now = engine.query("flow", {"flow_id": flow["flow_id"]})
+            assert now["state"] == "active" and now["inbound"]["tag"] == "old-in"
+            assert (now["route"], now["path"]["outbound"]) == (
+                flow["route"],
+                flow["path"]["outbound"],
+            )
+        finally:
+            tunnel.close()
+
+        def completed() -> list[dict[str, Any]]:
+            events = engine.query("events", {"types": "flow.completed"})["events"]
+            return [e for e in events if e["payload"]["record"]["flow_id"] == flow["flow_id"]]
+
+        (done,) = wait_until(completed, what="the tunnel's flow.completed")
+        record = done["payload"]["record"]
+        assert record["traffic"]["bytes_up"] == record["traffic"]["bytes_down"] == 6 + 3 * 7
+        stats = engine.query("stats")
+        assert stats["blocked_sessions"] == 1 and stats["failed_sessions"] == 0
+
+
+def test_config_apply_over_http_persists_and_refuses_an_api_control_change(
+    tmp_path: Path,
+) -> None:
+    """POST /api/v1/commands config.apply: 200 with the result; an api.control change is
+    409 conflict, with nothing applied and the file untouched."""
+    doc = reload_config(tmp_path)
+    doc["api"]["control"] = {
+        "enabled": True,
+        "listen": {"address": "127.0.0.1", "port": 0},
+        "api_key_env": None,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    with Engine.from_file(path) as engine:
+        doc["inbounds"].append({"tag": "extra", "protocol": "socks5", "listen": {"port": 0}})
+        status, body = _post_command(engine, "config.apply", {"config": doc})
+        assert status == 200, body
+        assert body["ok"] is True
+        result = body["result"]
+        assert (result["applied"], result["reconciled"]) == (True, True)
+        assert result["persistence"] == "source_file"
+        assert {"proxy_listeners", "event_dispatcher"} <= set(result["application_components"])
+        assert json.loads(path.read_text()) == doc
+        assert engine.listen_address("extra")[1] > 0
+        before = path.read_bytes()
+        moved = copy.deepcopy(doc)
+        moved["api"]["control"]["listen"]["port"] = free_port()
+        moved["rules"] = [{"domain": ["x.test"], "action": "block"}]
+        status, body = _post_command(engine, "config.apply", {"config": moved})
+        assert status == 409, body
+        assert (body["ok"], body["error"]["code"]) == (False, "conflict")
+        assert body["error"]["field_path"] == "config.api.control"
+        assert path.read_bytes() == before
+        assert not engine.core.config.rules
+
+
+def _post_command(engine: Engine, method: str, params: dict[str, Any]) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        f"{engine.control_url}/api/v1/commands",
+        data=json.dumps({"method": method, "params": params}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as ex:
+        return ex.code, json.loads(ex.read())
+
+
 def test_a_taken_port_rolls_back_and_old_listeners_still_serve(
     tmp_path: Path, origin: tuple[str, int]
 ) -> None:
@@ -278,7 +378,7 @@ def test_a_sink_that_cannot_open_restores_the_file_and_the_running_sinks(
             engine.execute("config.apply", {"config": bad})
         assert info.value.code == "internal"
         assert "sink 'broken' cannot start" in info.value.message
-        assert f"rolled back: the previous configuration is running and {path} is restored" in (
+        assert f"rolled back: the previous configuration is running and {path} is unchanged" in (
             info.value.message
         )
         assert path.read_bytes() == before
@@ -389,8 +489,9 @@ def test_concurrent_applies_are_serialised(tmp_path: Path) -> None:
 
 
 def test_kill_9_during_applies_leaves_the_old_or_the_new_file(tmp_path: Path) -> None:
-    """A big document written again and again, the engine killed at varied moments: the
-    file always parses as one of the two documents."""
+    """A big document written again and again, between applies that fail, the engine
+    killed at varied moments: the file always parses as one of the two documents that
+    applied, never as the one that failed."""
     from spliceway.ipc_client import IpcClient
 
     small = reload_config(tmp_path)
@@ -399,6 +500,9 @@ def test_kill_9_during_applies_leaves_the_old_or_the_new_file(tmp_path: Path) ->
     big["rules"] = [
         {"domain_suffix": [f"host{n}.example"], "outbound": "direct"} for n in range(3000)
     ]
+    failing = copy.deepcopy(small)
+    (tmp_path / "a-file").write_text("")  # a file where the sink needs a directory
+    failing["api"]["event_sinks"] = [jsonl("broken", tmp_path / "a-file" / "x.jsonl")]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(small))
     env = environ_without("SPLICEWAY_API_KEY")
@@ -413,7 +517,7 @@ def test_kill_9_during_applies_leaves_the_old_or_the_new_file(tmp_path: Path) ->
             client = wait_until(
                 lambda: _connect(IpcClient, small["api"]["ipc"]["path"]), what="the IPC socket"
             )
-            applier = threading.Thread(target=_apply_forever, args=(client, small, big))
+            applier = threading.Thread(target=_apply_forever, args=(client, small, big, failing))
             applier.start()
             time.sleep(kill_after)  # the moment of the kill is the point of the test
             proc.send_signal(signal.SIGKILL)
@@ -426,6 +530,7 @@ def test_kill_9_during_applies_leaves_the_old_or_the_new_file(tmp_path: Path) ->
         # A temporary file a kill interrupted may be left beside it; the file is whole.
         assert json.loads(path.read_text()) in (small, big)
     os.unlink(small["api"]["ipc"]["path"])
+    os.unlink(small["api"]["ipc"]["path"] + ".lock")  # a killed engine leaves its lock file
 
 
 def _connect(client_class: Any, path: str) -> Any:
@@ -435,9 +540,89 @@ def _connect(client_class: Any, path: str) -> Any:
         return None
 
 
-def _apply_forever(client: Any, a: dict[str, Any], b: dict[str, Any]) -> None:
+def _apply_forever(client: Any, *docs: dict[str, Any]) -> None:
     for n in range(1000):
         try:
-            client.command("config.apply", {"config": (a, b)[n % 2]})
-        except (OSError, ValueError, ApiError):
-            return
+            client.command("config.apply", {"config": docs[n % len(docs)]})
+        except ApiError as ex:
+            if "cannot start" not in ex.message:  # the failing document's refusal
+                return  # the engine is gone
+
+
+def test_the_file_never_holds_a_configuration_that_did_not_apply(tmp_path: Path) -> None:
+    """The file is replaced only once the new configuration runs. Here the apply fails
+    after a sink that cannot deliver was retired (its grace keeps the apply busy for a
+    while): the file, watched all along, only ever holds the previous document."""
+    doc = reload_config(tmp_path)
+    url = f"http://127.0.0.1:{refused_port()}/"
+    doc["api"]["event_sinks"] = [{"type": "webhook", "tag": "stuck", "url": url}]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    before = path.read_bytes()
+    with Engine.from_file(path) as engine:
+        bad = copy.deepcopy(doc)
+        (tmp_path / "a-file").write_text("")
+        bad["api"]["event_sinks"] = [jsonl("broken", tmp_path / "a-file" / "x.jsonl")]
+        seen: set[bytes] = set()
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                seen.add(path.read_bytes())
+                done.wait(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(ApiError) as info:
+                engine.execute("config.apply", {"config": bad})
+            took = time.monotonic() - started
+        finally:
+            done.set()
+            watcher.join()
+        assert took > 0.3  # the window the watcher looked through
+        assert seen == {before}
+        assert "sink 'broken' cannot start" in info.value.message
+        assert f"rolled back: the previous configuration is running and {path} is unchanged" in (
+            info.value.message
+        )
+        assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []  # staged, removed
+        assert [s["name"] for s in engine.query("sinks")["sinks"]] == ["stuck"]
+        # A good apply still writes the file, once it runs.
+        doc["rules"] = [{"domain": ["x.test"], "action": "block"}]
+        assert apply(engine, doc)["persistence"] == "source_file"
+        assert json.loads(path.read_text()) == doc
+
+
+def test_an_install_not_confirmed_in_time_never_claims_a_rollback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dispatcher busy beyond the install timeout: the apply fails saying the new
+    configuration may still be installed (the dispatcher does install it once free), not
+    that it was rolled back; the file keeps the previous document."""
+    from spliceway import reconcile
+
+    monkeypatch.setattr(reconcile, "INSTALL_TIMEOUT_S", 0.3)
+    doc = reload_config(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    before = path.read_bytes()
+    with Engine.from_file(path) as engine:
+        busy = threading.Event()
+        engine.core.dispatcher.call_soon(busy.wait, 10)  # the dispatcher is stuck
+        new = copy.deepcopy(doc)
+        new["rules"] = [{"domain": ["x.test"], "action": "block"}]
+        try:
+            with pytest.raises(ApiError) as info:
+                engine.execute("config.apply", {"config": new})
+        finally:
+            busy.set()
+        message = info.value.message
+        assert info.value.code == "internal"
+        assert "did not confirm installing the new configuration within 0.3 s" in message
+        assert "it may still be installed, or not" in message
+        assert "rolled back" not in message
+        assert f"{path} is unchanged" in message
+        assert path.read_bytes() == before
+        wait_until(lambda: len(engine.core.config.rules) == 1, what="the late install")
