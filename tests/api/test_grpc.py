@@ -188,6 +188,75 @@ def test_keys_and_permissions_are_the_http_apis(engine, client):
     assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_execute_and_subscribe_without_a_key_are_unauthenticated(engine, client):
+    select = control_pb2.CommandRequest(
+        method="policies.select", params={"policy_tag": "proxy", "target_tag": "block"}
+    )
+    code, _, trailing = refusal(lambda: client.stub.Execute(select, timeout=10))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert trailing["spliceway-error-code"] == "unauthenticated"
+    assert engine.query("policy", {"policy_tag": "proxy"})["selected"] == "direct"
+    stream = client.stub.Subscribe(control_pb2.SubscribeRequest(events=[]), timeout=10)
+    code, _, trailing = refusal(lambda: next(iter(stream)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert trailing["spliceway-error-code"] == "unauthenticated"
+
+
+def test_an_engine_without_a_key_takes_calls_without_one(make_engine):
+    cfg = grpc_config()
+    cfg["api"]["control"]["api_key_env"] = None
+    del cfg["api"]["control"]["keys"]
+    engine = make_engine(cfg)
+    client = Client(engine)
+    try:
+        select = control_pb2.CommandRequest(
+            method="policies.select", params={"policy_tag": "proxy", "target_tag": "block"}
+        )
+        done = client.stub.Execute(select, timeout=10)
+        assert done.ok and struct_to_dict(done.result)["selected"] == "block"
+        stream = client.stub.Subscribe(
+            control_pb2.SubscribeRequest(events=["flow.started"]), timeout=10
+        )
+        assert next(iter(stream)).event_type == "flow.snapshot"
+        stream.cancel()
+        caps = client.stub.Query(control_pb2.QueryRequest(name="capabilities"), timeout=10)
+        assert sorted(struct_to_dict(caps.result)["permissions"]) == [
+            "admin",
+            "config",
+            "control",
+            "read",
+        ]
+    finally:
+        client.close()
+
+
+def test_config_apply_over_execute_persists_and_refuses_an_api_control_change(tmp_path):
+    doc = grpc_config()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    with Engine.from_file(path) as engine:
+        client = Client(engine)
+        try:
+            doc["inbounds"].append({"tag": "extra", "protocol": "socks5", "listen": {"port": 0}})
+            applied = client.execute("config.apply", {"config": doc})
+            assert applied.ok, applied.error
+            result = struct_to_dict(applied.result)
+            assert (result["applied"], result["reconciled"]) == (True, True)
+            assert result["persistence"] == "source_file"
+            assert "proxy_listeners" in result["application_components"]
+            assert result["changed_components"] == ["proxy_listeners"]
+            assert json.loads(path.read_text()) == doc
+            before = path.read_bytes()
+            moved = json.loads(before)
+            moved["api"]["control"]["listen"]["port"] = 1
+            refused = client.execute("config.apply", {"config": moved})
+            assert (refused.ok, refused.error.code) == (False, "conflict")
+            assert refused.error.field_path == "config.api.control"
+            assert path.read_bytes() == before
+        finally:
+            client.close()
+
+
 def test_every_error_code_has_a_grpc_status():
     assert set(grpc_service.STATUS_FOR_CODE) == set(HTTP_STATUS)
     assert set(HTTP_STATUS) >= grpc_service.REFUSALS
