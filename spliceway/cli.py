@@ -142,6 +142,10 @@ def _problems(err: ApiError) -> list[str]:
     return [f"{err.field_path}: {err.message}" if err.field_path else err.message]
 
 
+def _detail(field_path: str | None, message: str) -> dict[str, str]:
+    return {"field_path": field_path, "message": message} if field_path else {"message": message}
+
+
 def _error_json(ex: ApiError) -> dict[str, Any]:
     """An error as ``--json`` prints it: the envelope's ``error`` object, with
     ``details`` always present (one item per problem)."""
@@ -150,15 +154,8 @@ def _error_json(ex: ApiError) -> dict[str, Any]:
         doc["field_path"] = ex.field_path
     if ex.cause:
         doc["cause"] = ex.cause
-    doc["details"] = [
-        {"field_path": d.field_path, "message": d.message}
-        if d.field_path
-        else {"message": d.message}
-        for d in ex.details or ()
-    ] or [
-        {"field_path": ex.field_path, "message": ex.message}
-        if ex.field_path
-        else {"message": ex.message}
+    doc["details"] = [_detail(d.field_path, d.message) for d in ex.details or ()] or [
+        _detail(ex.field_path, ex.message)
     ]
     return doc
 

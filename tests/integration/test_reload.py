@@ -595,6 +595,33 @@ def test_the_file_never_holds_a_configuration_that_did_not_apply(tmp_path: Path)
         assert json.loads(path.read_text()) == doc
 
 
+def test_a_file_that_cannot_be_replaced_after_the_install_puts_the_previous_one_back(
+    tmp_path: Path,
+) -> None:
+    """The file is renamed over only after the install; when that rename fails (here the
+    path became a directory) the previous configuration is installed again."""
+    doc = reload_config(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    with Engine.from_file(path) as engine:
+        path.unlink()
+        path.mkdir()  # the rename of the staged file over it fails
+        new = copy.deepcopy(doc)
+        new["inbounds"].append({"tag": "extra", "protocol": "socks5", "listen": {"port": 0}})
+        new["rules"] = [{"domain": ["x.test"], "action": "block"}]
+        with pytest.raises(ApiError) as info:
+            engine.execute("config.apply", {"config": new})
+        assert info.value.code == "internal"
+        assert info.value.message.startswith(f"cannot write {path}: Is a directory; ")
+        assert info.value.message.endswith(
+            "rolled back: the previous configuration is running and the file is unchanged"
+        )
+        assert [i.tag for i in engine.core.inbounds] == ["socks-in", "http-in", "mixed-in"]
+        assert not engine.core.config.rules
+        assert engine.query("events", {"types": "config.changed"})["events"] == []
+        assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
+
+
 def test_an_install_not_confirmed_in_time_never_claims_a_rollback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
