@@ -382,7 +382,9 @@ _APPLY_ERRORS = (
     (
         "internal",
         "A listener could not bind or start, a sink could not open its outbox, or the file "
-        "could not be written: everything was rolled back, and the message says so.",
+        "could not be written: the previous configuration runs again and the source file "
+        "is unchanged (it is replaced only once the new configuration runs); the message "
+        "says so, or that an install not confirmed within 30 s may still have happened.",
     ),
 )
 
