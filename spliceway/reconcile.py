@@ -40,7 +40,6 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +47,7 @@ import orjson
 import pykka
 
 from spliceway import assembly
-from spliceway.atomic_file import fsync_directory
+from spliceway.atomic_file import StagedFile
 from spliceway.config import Config, check_environment, parse_config
 from spliceway.errors import ApiError
 from spliceway.events import now_ms
@@ -191,17 +190,9 @@ class Reconciler:
             except BaseException:
                 plan.discard()
                 raise
-            tun_swapped = False
             try:
-                try:
-                    tun_swapped = self._swap_tun(old.runtime.tun, new.runtime.tun)
-                    self._install(plan)
-                finally:
-                    plan.listeners.close_spares()
+                self._install_with_tun(plan, old.runtime.tun, new.runtime.tun)
             except BaseException as ex:
-                plan.discard()
-                if tun_swapped:
-                    self._restore_tun(old.runtime.tun)
                 file = ""
                 if staged is not None:
                     staged.discard()
@@ -286,23 +277,31 @@ class Reconciler:
                 f"putting the previous configuration back failed ({ex}): the new "
                 "configuration is running, and the file still holds the previous one"
             )
-        tun_swapped = False
         try:
-            try:
-                tun_swapped = self._swap_tun(running.runtime.tun, previous.runtime.tun)
-                self._install(plan)
-            finally:
-                plan.listeners.close_spares()
+            self._install_with_tun(plan, running.runtime.tun, previous.runtime.tun)
         except BaseException as ex:
-            plan.discard()
-            if tun_swapped:
-                self._restore_tun(running.runtime.tun)
             logger.exception("the rollback of an apply failed")
             return (
                 f"putting the previous configuration back failed ({ex}): the new "
                 "configuration is running, and the file still holds the previous one"
             )
         return "rolled back: the previous configuration is running and the file is unchanged"
+
+    def _install_with_tun(self, plan: Plan, tun_before: Any, tun_after: Any) -> None:
+        """The TUN of ``runtime.tun`` first, then ``plan``; on failure the plan is
+        discarded and the TUN put back before the exception goes on."""
+        tun_swapped = False
+        try:
+            try:
+                tun_swapped = self._swap_tun(tun_before, tun_after)
+                self._install(plan)
+            finally:
+                plan.listeners.close_spares()
+        except BaseException:
+            plan.discard()
+            if tun_swapped:
+                self._restore_tun(tun_before)
+            raise
 
     # -- the TUN of runtime.tun ----------------------------------------------------------
 
@@ -484,63 +483,6 @@ class Reconciler:
 
 class Unconfirmed(ApiError):
     """The dispatcher did not answer the install in time: it may yet run it."""
-
-
-class StagedFile:
-    """A file's next contents, written and fsynced beside it; :meth:`commit` renames it over
-    the file (atomic), :meth:`discard` removes it. Keeps the file's permission bits."""
-
-    def __init__(self, path: str, tmp: str) -> None:
-        self.path = path
-        self._tmp: str | None = tmp
-
-    @classmethod
-    def write(cls, path: str, data: bytes) -> StagedFile:
-        """Stage ``data`` for ``path``; OSError (nothing left behind) on failure."""
-        directory = os.path.dirname(os.path.abspath(path))
-        try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-        except FileNotFoundError:
-            mode = 0o644
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fchmod(fd, mode)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return cls(path, tmp)
-
-    def commit(self) -> None:
-        """Rename the staged file over ``path`` and make that durable (OSError when the
-        rename fails; the file is then unchanged)."""
-        tmp, self._tmp = self._tmp, None
-        assert tmp is not None
-        try:
-            os.rename(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        try:
-            fsync_directory(os.path.dirname(os.path.abspath(self.path)))
-        except OSError as ex:  # renamed and visible; only its durability is in doubt
-            logger.warning("fsync of the directory of %s failed: %s", self.path, ex)
-
-    def discard(self) -> None:
-        """Remove the staged file (the apply did not go through)."""
-        tmp, self._tmp = self._tmp, None
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def _spec(slot: int, inbound: Any) -> InboundSpec:
