@@ -34,6 +34,7 @@ from spliceway.actors.policy import MemberFailed
 
 from spliceway import connpath, flowlog, records, routing
 from spliceway.events import now_ms
+from spliceway.flowhook import ask_about
 from spliceway.inbound import Handshake, HandshakeFailed, refuse_quietly
 from spliceway.inbound import accept as accept_handshake
 from spliceway.outbounds import DialError
@@ -380,20 +381,13 @@ class FlowActor(LoopActor):
         # The record flow.started will carry (revision 1, state opening), before the
         # hook's own fields. The flow is not listed while it waits: a stop or a close
         # ends it quietly, as one still in its handshake.
-        record = state.render()
-        record["revision"] = 1
-        verdict = await hook.ask(record)
-        if verdict.principal_key is not None:
-            state.principal_key = verdict.principal_key
-        if verdict.labels:
-            state.labels = verdict.labels
+        allow = await ask_about(hook, state)
         self._start_record(state)
-        if verdict.allow:
+        if allow:
             return True
         if not replied:
             await self._refuse(hs, socks5.REP_NOT_ALLOWED, 403, "denied by the flow hook")
-        failure = records.Failure("hook", "hook_denied", "the flow hook denied the flow")
-        self._complete(records.BLOCKED, None, failure)
+        self._complete(records.BLOCKED, None, records.HOOK_DENIED)
         self._finish()
         return False
 

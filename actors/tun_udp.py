@@ -72,6 +72,7 @@ from spliceway import records, routing
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.dns.server import MAX_PENDING, SLOW
 from spliceway.events import now_ms
+from spliceway.flowhook import ask_about
 from spliceway.tun.mark import apply_mark
 from spliceway.tun.stack import TunStackError, UdpRecord
 
@@ -518,14 +519,14 @@ class TunUdpActor(LoopActor):
         return sess
 
     async def _ask_hook(self, sess: _Session, hook: Any, at_unix_ms: int) -> None:
-        allow = await udp_flow.ask_hook(hook, sess.state)
+        allow = await ask_about(hook, sess.state)
         if sess.action != "opening" or self.actor_stopped.is_set():
             return  # ended while the hook was asked: quietly, as it never started
         if allow:
             self._start(sess, at_unix_ms)
             return
         self._publish_started(sess, at_unix_ms)
-        self._complete(sess, records.BLOCKED, udp_flow.HOOK_DENIED)
+        self._complete(sess, records.BLOCKED, records.HOOK_DENIED)
 
     def _publish_started(self, sess: _Session, at_unix_ms: int) -> None:
         sess.started = True

@@ -44,6 +44,7 @@ from spliceway.actors.udp_upstream import (
 
 from spliceway import records, routing, udprelay
 from spliceway.dns import InvalidHostname, ResolveError
+from spliceway.flowhook import ask_about
 from spliceway.protocols import socks5
 from spliceway.relay import RelayError
 from spliceway.tun.mark import apply_mark
@@ -328,14 +329,14 @@ class UdpAssociationActor(LoopActor):
             self.dispatcher.spawn(self._ask_hook(dest, hook, new.at_unix_ms))
 
     async def _ask_hook(self, dest: _Dest, hook: Any, at_unix_ms: int) -> None:
-        allow = await udp_flow.ask_hook(hook, dest.state)
+        allow = await ask_about(hook, dest.state)
         if dest.action != "opening" or dest.id not in self.dests:
             return  # ended while the hook was asked: quietly, as it never started
         if allow:
             self._start(dest, at_unix_ms)
             return
         self._publish_started(dest, at_unix_ms)
-        self._refuse(dest, records.BLOCKED, udp_flow.HOOK_DENIED)
+        self._refuse(dest, records.BLOCKED, records.HOOK_DENIED)
 
     def _publish_started(self, dest: _Dest, at_unix_ms: int) -> None:
         dest.started = True

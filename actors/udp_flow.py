@@ -32,9 +32,6 @@ Refusal = tuple[str, records.Failure | None]
 #: and a client retrying fast makes one refused flow per hold, not one per datagram.
 REFUSAL_HOLD_S = 5.0
 
-#: A flow the flow hook denied.
-HOOK_DENIED = records.Failure("hook", "hook_denied", "the flow hook denied the flow")
-
 
 def hook_for(deps: FlowDeps, s: records.FlowState) -> FlowHookClient | None:
     """The flow hook a new UDP flow must ask before its route, if one selects it."""
@@ -42,19 +39,6 @@ def hook_for(deps: FlowDeps, s: records.FlowState) -> FlowHookClient | None:
     if hook is not None and hook.settings.selects("udp", s.inbound_tag):
         return hook
     return None
-
-
-async def ask_hook(hook: FlowHookClient, s: records.FlowState) -> bool:
-    """Ask the hook about a new flow (its record at revision 1, opening, as flow.started
-    will carry it); write an allow's principal and labels into the record. False: denied."""
-    record = s.render()
-    record["revision"] = 1
-    verdict = await hook.ask(record)
-    if verdict.principal_key is not None:
-        s.principal_key = verdict.principal_key
-    if verdict.labels:
-        s.labels = verdict.labels
-    return verdict.allow
 
 
 def route(

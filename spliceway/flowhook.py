@@ -30,9 +30,12 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
+
+if TYPE_CHECKING:
+    from spliceway.records import FlowState
 
 logger = logging.getLogger(__name__)
 
@@ -620,3 +623,17 @@ class FlowHookClient:
 
     def _unreachable_message(self) -> str:
         return f"{self._where()} is unreachable ({self._last_error})"
+
+
+async def ask_about(hook: FlowHookClient, state: FlowState) -> bool:
+    """Ask ``hook`` about a new flow (its record at revision 1, opening, as flow.started
+    will carry it) and write an allow's principal and labels into ``state``; False when
+    the hook denied it."""
+    record = state.render()
+    record["revision"] = 1
+    verdict = await hook.ask(record)
+    if verdict.principal_key is not None:
+        state.principal_key = verdict.principal_key
+    if verdict.labels:
+        state.labels = verdict.labels
+    return verdict.allow

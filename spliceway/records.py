@@ -99,6 +99,10 @@ class Failure:
         return out
 
 
+#: A flow the flow hook denied (outcome blocked).
+HOOK_DENIED = Failure("hook", "hook_denied", "the flow hook denied the flow")
+
+
 @dataclass(slots=True)
 class FlowState:
     """Everything a FlowActor knows about its flow; rendered into FlowRecords."""
