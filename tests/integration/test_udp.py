@@ -9,6 +9,7 @@ import pytest
 
 from spliceway.protocols import socks5
 from tests.conftest import base_config, wait_until
+from tests.helpers.socks import recv_exact
 from tests.helpers.udp import Association, UdpEcho
 
 
@@ -376,3 +377,50 @@ def test_a_proxy_upstream_is_reused_then_closed_when_idle(make_engine, tmp_path)
             udp = wait_until(closed, what="the idle upstream association closed")
     assert (udp["created_associations"], udp["reused_associations"]) == (1, 1)
     assert (udp["idle_timeouts"], udp["active_associations"]) == (1, 0)
+
+
+def test_an_ipv6_client_relays_to_ipv6_and_ipv4_destinations(make_engine) -> None:
+    """A client on ::1 (declared address and port as ATYP 4): told an IPv6 relay address,
+    it reaches an IPv6 and an IPv4 echo server through one association, and the
+    dual-stack inbound still tells an IPv4 client an IPv4 address (ATYP 1)."""
+    cfg = base_config()
+    cfg["inbounds"][0]["listen"] = {"address": "::", "port": 0}
+    engine = make_engine(cfg)
+    port = engine.listen_address("socks-in")[1]
+    echo6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    echo6.bind(("::1", 0))
+    with echo6, UdpEcho() as echo4:
+        udp = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        udp.bind(("::1", 0))
+        udp.settimeout(5)
+        with udp, socket.create_connection(("::1", port), timeout=5) as control:
+            control.sendall(b"\x05\x01\x00")
+            assert recv_exact(control, 2) == b"\x05\x00"
+            control.sendall(
+                b"\x05\x03\x00\x04"
+                + socket.inet_pton(socket.AF_INET6, "::1")
+                + udp.getsockname()[1].to_bytes(2, "big")
+            )
+            head = recv_exact(control, 4)
+            assert (head[1], head[3]) == (0, 4)
+            relay = (
+                socket.inet_ntop(socket.AF_INET6, recv_exact(control, 16)),
+                int.from_bytes(recv_exact(control, 2), "big"),
+            )
+            assert relay[0] == "::1"
+            udp.sendto(socks5.build_udp_datagram("::1", echo6.getsockname()[1], b"six"), relay)
+            data, peer = echo6.recvfrom(100)
+            echo6.sendto(data, peer)
+            back = socks5.parse_udp_datagram(udp.recvfrom(100)[0])
+            assert (back.host, back.port, back.payload) == ("::1", echo6.getsockname()[1], b"six")
+            udp.sendto(socks5.build_udp_datagram("127.0.0.1", echo4.port, b"four"), relay)
+            back = socks5.parse_udp_datagram(udp.recvfrom(100)[0])
+            assert (back.host, back.port, back.payload) == ("127.0.0.1", echo4.port, b"four")
+            # An IPv4 client of the same dual-stack inbound: an IPv4 relay address.
+            with Association(("127.0.0.1", port)) as assoc:
+                assert assoc.relay[0] == "127.0.0.1"
+                assoc.send("127.0.0.1", echo4.port, b"v4 client")
+                assert assoc.recv()[2] == b"v4 client"
+    records = completed(engine, 3)
+    assert sorted(r["source"]["ip"] for r in records) == ["127.0.0.1", "::1", "::1"]
+    assert sorted(r["traffic"]["bytes_up"] for r in records) == [3, 4, 9]
