@@ -513,3 +513,32 @@ def test_engine_stop_completes_open_tun_flows(make_tun) -> None:
     assert done["payload"]["record"]["result"] == {"outcome": "direct_relayed"}
     assert tun.actor is not None and tun.actor.actor_stopped.is_set()
     assert not tun.core.flow_actors
+
+
+def test_a_refused_session_is_routed_again_after_the_hold(make_tun) -> None:
+    """A blocked sender's datagrams are dropped for the hold (at most the idle timeout),
+    then its session is freed and its next datagram is a new flow, routed by the rules
+    of that moment: here the block rule is gone by then."""
+    cfg = base_config(rules=[{"ip_cidr": [f"{SERVER_IP}/32"], "network": "udp", "action": "block"}])
+    tun = make_tun(cfg)
+    port = udp_echo(tun.topo)
+    tun.start_actor(idle=0.5)
+    c = tun.client(4)
+    c.sendto(b"blocked", (SERVER_IP, port))
+    (done,) = tun.wait_events("flow.completed", 1)
+    assert done["record"]["result"]["outcome"] == "blocked"
+    cfg["rules"] = []
+    tun.engine.execute("config.apply_runtime", {"config": cfg})
+    c.settimeout(0.1)
+
+    def echoed() -> bool:
+        c.sendto(b"again", (SERVER_IP, port))
+        try:
+            return c.recvfrom(100)[0] == b"again"
+        except TimeoutError:
+            return False
+
+    wait_until(echoed, timeout=10, what="the session routed again")
+    outcomes = [e["record"]["result"]["outcome"] for e in tun.wait_events("flow.completed", 1)]
+    started = tun.events("flow.started")
+    assert outcomes[0] == "blocked" and len(started) == 2
