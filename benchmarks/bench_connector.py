@@ -1163,6 +1163,18 @@ def collect_notes(res: dict) -> list[str]:
 # --------------------------------------------------------------------------- main
 
 
+def start_run(a: argparse.Namespace, name: str) -> tuple[dict[str, Path], str, Path]:
+    """What every connector-style benchmark does first: raise the fd limit, build the
+    tools (tinyserver, loadgen, hookserver), and name the run: ``(tools, stamp, base)``
+    with ``base`` = ``<out>/<stamp>-<name>``."""
+    e2e.raise_nofile()
+    tools = dict(e2e.build_tools(a.cc))
+    tools["hookserver"] = build_hookserver(a.cc)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    a.out.mkdir(parents=True, exist_ok=True)
+    return tools, stamp, a.out / f"{stamp}-{name}"
+
+
 def publish_run(
     res: dict,
     base: Path,
@@ -1251,12 +1263,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    e2e.raise_nofile()
-    tools = dict(e2e.build_tools(a.cc))
-    tools["hookserver"] = build_hookserver(a.cc)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    a.out.mkdir(parents=True, exist_ok=True)
-    base = a.out / f"{stamp}-connector"
+    tools, stamp, base = start_run(a, "connector")
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="sw-bench-connector-") as tmpd:
         tmp = Path(tmpd)

@@ -36,7 +36,6 @@ See benchmarks/README.md ("Control-plane load").
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import shutil
 import signal
@@ -250,12 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    e2e.raise_nofile()
-    tools = dict(e2e.build_tools(a.cc))
-    tools["hookserver"] = bn.build_hookserver(a.cc)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    a.out.mkdir(parents=True, exist_ok=True)
-    base = a.out / f"{stamp}-control-load"
+    tools, stamp, base = bn.start_run(a, "control-load")
     res: dict = {
         "meta": {
             "timestamp": stamp,

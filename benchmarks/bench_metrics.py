@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime as dt
 import http.client
 import json
 import os
@@ -722,12 +721,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    e2e.raise_nofile()
-    tools = dict(e2e.build_tools(a.cc))
-    tools["hookserver"] = bn.build_hookserver(a.cc)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    a.out.mkdir(parents=True, exist_ok=True)
-    base = a.out / f"{stamp}-metrics"
+    tools, stamp, base = bn.start_run(a, "metrics")
     t_start = time.monotonic()
     res: dict = {
         "meta": {

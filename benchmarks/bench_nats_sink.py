@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import datetime as dt
 import json
 import os
 import shutil
@@ -476,12 +475,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    e2e.raise_nofile()
-    tools = dict(e2e.build_tools(a.cc))
-    tools["hookserver"] = bn.build_hookserver(a.cc)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    a.out.mkdir(parents=True, exist_ok=True)
-    base = a.out / f"{stamp}-nats-sink"
+    tools, stamp, base = bn.start_run(a, "nats-sink")
     t_start = time.monotonic()
     nats_version = subprocess.run(
         ["nats-server", "--version"], capture_output=True, text=True
