@@ -68,7 +68,7 @@ from spliceway.actors.udp_upstream import (
     upstream_key,
 )
 
-from spliceway import records, routing
+from spliceway import records
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.dns.server import MAX_PENDING, SLOW
 from spliceway.events import now_ms
@@ -166,8 +166,6 @@ class _Session:
     last_active: float = 0.0
     #: When its flow completed (a refused session is forgotten a hold later).
     closed_at: float = 0.0
-    #: flow.started was published (not yet while the flow hook is asked).
-    started: bool = False
     queue: deque[bytes] = field(default_factory=deque)
     queued_bytes: int = 0
     sock: socket.socket | None = None
@@ -520,32 +518,15 @@ class TunUdpActor(LoopActor):
 
     async def _ask_hook(self, sess: _Session, hook: Any, at_unix_ms: int) -> None:
         allow = await ask_about(hook, sess.state)
-        if sess.action != "opening" or self.actor_stopped.is_set():
-            return  # ended while the hook was asked: quietly, as it never started
-        if allow:
-            self._start(sess, at_unix_ms)
-            return
-        self._publish_started(sess, at_unix_ms)
-        self._complete(sess, records.BLOCKED, records.HOOK_DENIED)
+        if sess.action == "opening" and not self.actor_stopped.is_set():
+            self._start(sess, at_unix_ms, allowed=allow)
+        # else: ended while the hook was asked, quietly, as it never started
 
-    def _publish_started(self, sess: _Session, at_unix_ms: int) -> None:
-        sess.started = True
-        self.deps.counters.total_started += 1
-        self._publish(sess, "flow.started", occurred=at_unix_ms)
-
-    def _start(self, sess: _Session, at_unix_ms: int) -> None:
+    def _start(self, sess: _Session, at_unix_ms: int, *, allowed: bool = True) -> None:
         """flow.started, the route, and the verdict's path."""
-        self._publish_started(sess, at_unix_ms)
-        facts = routing.FlowFacts(
-            network="udp",
-            host=sess.target[0],
-            port=sess.target[1],
-            source_ip=sess.source[0],
-            source_port=sess.source[1],
-            inbound_tag=self.inbound.tag,
-            principal_key=sess.state.principal_key,
+        outbound, refusal = udp_flow.start(
+            self.deps, self.actor_ref, sess.state, at_unix_ms, allowed=allowed
         )
-        outbound, refusal = udp_flow.route(self.deps, sess.state, facts)
         if refusal is not None:
             self._complete(sess, *refusal)
         else:
@@ -599,45 +580,30 @@ class TunUdpActor(LoopActor):
         udp["created_associations"] += 1
         udp["active_associations"] += 1
         sess.action = "direct"
-        s = sess.state
-        s.resolved_ip = ip
-        s.remote_host, s.remote_port = sess.target
-        self._routed(sess, chained=False)
+        self._routed(sess, resolved_ip=ip)
 
     async def _open_proxied(self, sess: _Session, outbound: Any) -> None:
+        def wanted() -> bool:
+            return sess.action == "opening" and not self.actor_stopped.is_set()
+
         # One upstream association per outbound and client socket: the destinations of
         # one socket are distinct, so the proxy's replies map back to one session each.
         key = upstream_key(outbound, sess.target, sess.source)
-        proxy = await self.upstreams.open(outbound, key)
-        if sess.action != "opening" or self.actor_stopped.is_set():
-            if proxy is not None:
-                # Opened for nobody (the session ended meanwhile): close it unless a
-                # session waiting on it too takes it first.
-                self.dispatcher.loop.call_soon(self.upstreams.close_unused, proxy)
+        proxy = await self.upstreams.open_for(outbound, key, wanted)
+        if not wanted():
             return
-        if proxy is None or proxy.sock is None:
-            self._fail(
-                sess,
-                records.Failure(
-                    "connect", "connect_failed", f"no UDP association through {outbound.tag!r}"
-                ),
-            )
+        if proxy is None:
+            self._fail(sess, udp_flow.no_association(outbound))
             return
         sess.action = "python"
         sess.proxy = proxy
         self.upstreams.attach(proxy, sess)
-        s = sess.state
-        s.remote_host, s.remote_port = outbound.server, outbound.port
-        s.relay_chain = [outbound.tag]
-        self._routed(sess, chained=True)
+        self._routed(sess, proxy=outbound)
 
-    def _routed(self, sess: _Session, *, chained: bool) -> None:
-        sess.state.state = "active"
-        if chained:
-            self.deps.counters.chained_sessions += 1
-        else:
-            self.deps.counters.direct_sessions += 1
-        self._publish(sess, "flow.routed")
+    def _routed(self, sess: _Session, **how: Any) -> None:
+        """Routed (``udp_flow.routed``'s ``resolved_ip`` or ``proxy``); what queued while
+        the verdict was awaited goes up now."""
+        udp_flow.routed(self.deps, self.actor_ref, sess.state, **how)
         queue, sess.queue, sess.queued_bytes = sess.queue, deque(), 0
         for payload in queue:
             if sess.action not in ("direct", "python"):
@@ -797,7 +763,7 @@ class TunUdpActor(LoopActor):
         if proxy is not None:
             self.upstreams.release(proxy, sess, idle=idle)
         self._take_counts(sess)
-        if not sess.started:
+        if s.revision == 0:
             # Ended while the flow hook was asked: no record was published.
             s.state = "completed"
             return
@@ -805,9 +771,6 @@ class TunUdpActor(LoopActor):
 
     def _publish_updated(self, sess: _Session) -> None:
         udp_flow.publish_updated(self.deps, self.actor_ref, sess.state)
-
-    def _publish(self, sess: _Session, event_type: str, occurred: int | None = None) -> None:
-        udp_flow.publish(self.deps, self.actor_ref, sess.state, event_type, occurred)
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

@@ -42,7 +42,7 @@ from spliceway.actors.udp_upstream import (
     v6,
 )
 
-from spliceway import records, routing, udprelay
+from spliceway import records, udprelay
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.flowhook import ask_about
 from spliceway.protocols import socks5
@@ -83,8 +83,6 @@ class _Dest:
     action: str = "opening"  # "opening", "direct", "python", "closed"
     proxy: ProxyUpstream | None = None
     manual_close: bool = False
-    #: flow.started was published (not yet while the flow hook is asked).
-    started: bool = False
     # What Python relayed itself (proxy outbounds), added to C's counters.
     py_packets_up: int = 0
     py_bytes_up: int = 0
@@ -330,33 +328,15 @@ class UdpAssociationActor(LoopActor):
 
     async def _ask_hook(self, dest: _Dest, hook: Any, at_unix_ms: int) -> None:
         allow = await ask_about(hook, dest.state)
-        if dest.action != "opening" or dest.id not in self.dests:
-            return  # ended while the hook was asked: quietly, as it never started
-        if allow:
-            self._start(dest, at_unix_ms)
-            return
-        self._publish_started(dest, at_unix_ms)
-        self._refuse(dest, records.BLOCKED, records.HOOK_DENIED)
+        if dest.action == "opening" and dest.id in self.dests:
+            self._start(dest, at_unix_ms, allowed=allow)
+        # else: ended while the hook was asked, quietly, as it never started
 
-    def _publish_started(self, dest: _Dest, at_unix_ms: int) -> None:
-        dest.started = True
-        self.deps.counters.total_started += 1
-        self._publish(dest, "flow.started", occurred=at_unix_ms)
-
-    def _start(self, dest: _Dest, at_unix_ms: int) -> None:
+    def _start(self, dest: _Dest, at_unix_ms: int, *, allowed: bool = True) -> None:
         """flow.started, the route, and the verdict's path."""
-        self._publish_started(dest, at_unix_ms)
-        state = dest.state
-        facts = routing.FlowFacts(
-            network="udp",
-            host=dest.target[0],
-            port=dest.target[1],
-            source_ip=self.peer[0],
-            source_port=state.source_port,
-            inbound_tag=self.inbound.tag,
-            principal_key=state.principal_key,
+        outbound, refusal = udp_flow.start(
+            self.deps, self.actor_ref, dest.state, at_unix_ms, allowed=allowed
         )
-        outbound, refusal = udp_flow.route(self.deps, state, facts)
         if refusal is not None:
             self._refuse(dest, *refusal)
             return
@@ -412,10 +392,7 @@ class UdpAssociationActor(LoopActor):
         if not self.relay.set_direct(self.assoc, dest.id, upstream, v6(ip), port):
             return  # ended meanwhile: its DestEnded follows
         dest.action = "direct"
-        s = dest.state
-        s.resolved_ip = ip
-        s.remote_host, s.remote_port = dest.target
-        self._routed(dest, chained=False)
+        udp_flow.routed(self.deps, self.actor_ref, dest.state, resolved_ip=ip)
 
     def _direct_upstream(self) -> int:
         """The association's C upstream for direct destinations (a dual-stack socket, so
@@ -438,39 +415,23 @@ class UdpAssociationActor(LoopActor):
         return self.direct_upstream
 
     async def _open_proxied(self, dest: _Dest, outbound: Any) -> None:
-        proxy = await self.upstreams.open(outbound, upstream_key(outbound, dest.target))
-        if dest.action != "opening" or self.assoc is None:
-            if proxy is not None:
-                # Opened for nobody (the destination ended meanwhile): close it unless a
-                # destination waiting on it too takes it first.
-                self.dispatcher.loop.call_soon(self.upstreams.close_unused, proxy)
+        def wanted() -> bool:
+            return dest.action == "opening" and self.assoc is not None
+
+        key = upstream_key(outbound, dest.target)
+        proxy = await self.upstreams.open_for(outbound, key, wanted)
+        if not wanted():
             return
-        if proxy is None or proxy.sock is None:
-            self._refuse(
-                dest,
-                records.FAILED,
-                records.Failure(
-                    "connect", "connect_failed", f"no UDP association through {outbound.tag!r}"
-                ),
-            )
+        if proxy is None:
+            self._refuse(dest, records.FAILED, udp_flow.no_association(outbound))
             return
+        assert self.assoc is not None
         if not self.relay.set_python(self.assoc, dest.id):
             return
         dest.action = "python"
         dest.proxy = proxy
         self.upstreams.attach(proxy, dest)
-        s = dest.state
-        s.remote_host, s.remote_port = outbound.server, outbound.port
-        s.relay_chain = [outbound.tag]
-        self._routed(dest, chained=True)
-
-    def _routed(self, dest: _Dest, *, chained: bool) -> None:
-        dest.state.state = "active"
-        if chained:
-            self.deps.counters.chained_sessions += 1
-        else:
-            self.deps.counters.direct_sessions += 1
-        self._publish(dest, "flow.routed")
+        udp_flow.routed(self.deps, self.actor_ref, dest.state, proxy=outbound)
 
     def _ended(self, dest: _Dest, record: udprelay.DestEnded) -> None:
         s = dest.state
@@ -508,7 +469,7 @@ class UdpAssociationActor(LoopActor):
         if s.state == "completed":
             return
         self.dests.pop(dest.id, None)
-        if not dest.started:
+        if s.revision == 0:
             # Ended while the flow hook was asked: no record was published.
             dest.action = "closed"
             s.state = "completed"
@@ -531,9 +492,6 @@ class UdpAssociationActor(LoopActor):
 
     def _publish_updated(self, dest: _Dest) -> None:
         udp_flow.publish_updated(self.deps, self.actor_ref, dest.state)
-
-    def _publish(self, dest: _Dest, event_type: str, occurred: int | None = None) -> None:
-        udp_flow.publish(self.deps, self.actor_ref, dest.state, event_type, occurred)
 
     # -- proxy upstreams (Python relays: actors/udp_upstream.py) -----------------------
 

@@ -41,6 +41,57 @@ def hook_for(deps: FlowDeps, s: records.FlowState) -> FlowHookClient | None:
     return None
 
 
+def start(
+    deps: FlowDeps, actor_ref: Any, s: records.FlowState, at_unix_ms: int, *, allowed: bool = True
+) -> tuple[Any, Refusal | None]:
+    """Publish (and count) flow.started, then decide the route of the flow's record as
+    it stands: the outbound to relay through, or how to refuse the flow (``allowed``
+    False: the flow hook denied it)."""
+    deps.counters.total_started += 1
+    publish(deps, actor_ref, s, "flow.started", occurred=at_unix_ms)
+    if not allowed:
+        return None, (records.BLOCKED, records.HOOK_DENIED)
+    facts = routing.FlowFacts(
+        network="udp",
+        host=s.target_host,
+        port=s.target_port,
+        source_ip=s.source_ip,
+        source_port=s.source_port,
+        inbound_tag=s.inbound_tag,
+        principal_key=s.principal_key,
+    )
+    return route(deps, s, facts)
+
+
+def no_association(outbound: Any) -> records.Failure:
+    """Why a flow failed when its proxy outbound gave no upstream association."""
+    return records.Failure(
+        "connect", "connect_failed", f"no UDP association through {outbound.tag!r}"
+    )
+
+
+def routed(
+    deps: FlowDeps,
+    actor_ref: Any,
+    s: records.FlowState,
+    *,
+    resolved_ip: str | None = None,
+    proxy: Any = None,
+) -> None:
+    """The flow relays from now on: directly to its target (at ``resolved_ip``), or
+    through the ``proxy`` outbound; counted, and announced by flow.routed."""
+    s.state = "active"
+    if proxy is None:
+        s.resolved_ip = resolved_ip
+        s.remote_host, s.remote_port = s.target_host, s.target_port
+        deps.counters.direct_sessions += 1
+    else:
+        s.remote_host, s.remote_port = proxy.server, proxy.port
+        s.relay_chain = [proxy.tag]
+        deps.counters.chained_sessions += 1
+    publish(deps, actor_ref, s, "flow.routed")
+
+
 def route(
     deps: FlowDeps, s: records.FlowState, facts: routing.FlowFacts
 ) -> tuple[Any, Refusal | None]:

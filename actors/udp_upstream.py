@@ -157,6 +157,19 @@ class ProxyUpstreams:
         proxy.ready.set_result(True)
         return proxy
 
+    async def open_for(
+        self, outbound: Any, key: Hashable, wanted: Callable[[], bool]
+    ) -> ProxyUpstream | None:
+        """:meth:`open` for a destination that may end while it opens (``wanted()`` then
+        False): None when it cannot open or is no longer wanted; one opened for nobody
+        is closed, unless a destination waiting on it too takes it first."""
+        proxy = await self.open(outbound, key)
+        if not wanted():
+            if proxy is not None:
+                self.dispatcher.loop.call_soon(self.close_unused, proxy)
+            return None
+        return proxy if proxy is not None and proxy.sock is not None else None
+
     async def _server_address(self, outbound: Any) -> tuple[str, int]:
         """Where a shadowsocks server takes UDP: its address, resolved by the engine."""
         if is_ip(outbound.server):
@@ -254,8 +267,7 @@ class ProxyUpstreams:
         self.close(proxy, idle=False)
 
     def close_unused(self, proxy: ProxyUpstream) -> None:
-        """Close ``proxy`` if no destination uses it (one opened for a destination that
-        ended while it opened)."""
+        """Close ``proxy`` if no destination uses it."""
         if not proxy.by_source:
             self.close(proxy, idle=False)
 
