@@ -39,36 +39,20 @@ import dns.query
 
 from spliceway.tun.mark import marked_socket
 
-__all__ = ["BACKEND", "MarkedDo53Nameserver", "datagram_socket", "stream_socket"]
+__all__ = ["BACKEND", "MarkedDo53Nameserver", "marked_nonblocking"]
 
 _T = TypeVar("_T")
 _IN_PROGRESS = (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY)
 
 
-def _bind(sock: socket.socket, source: Any) -> None:
-    if source is not None:
-        sock.bind(source)
-
-
-def datagram_socket(af: int, source: Any = None) -> socket.socket:
-    """A non-blocking UDP socket of family ``af``, marked, bound to ``source`` if given."""
-    sock = marked_socket(af, socket.SOCK_DGRAM)
+def marked_nonblocking(af: int, socktype: int, source: Any = None) -> socket.socket:
+    """A non-blocking socket (``SOCK_DGRAM`` or ``SOCK_STREAM``, not yet connected) of
+    family ``af``, marked, bound to ``source`` if given."""
+    sock = marked_socket(af, socktype)
     try:
         sock.setblocking(False)
-        _bind(sock, source)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def stream_socket(af: int, source: Any = None) -> socket.socket:
-    """A non-blocking, not yet connected TCP socket of family ``af``, marked, bound to
-    ``source`` if given."""
-    sock = marked_socket(af, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        _bind(sock, source)
+        if source is not None:
+            sock.bind(source)
     except BaseException:
         sock.close()
         raise
@@ -115,7 +99,7 @@ class MarkedDo53Nameserver(dns.nameserver.Do53Nameserver):
         bind = _source(af, source, source_port)
         if max_size:
             started = time.monotonic()
-            with stream_socket(af, bind) as sock:
+            with marked_nonblocking(af, socket.SOCK_STREAM, bind) as sock:
                 _connect(sock, (self.address, self.port), timeout)
                 left = timeout - (time.monotonic() - started)
                 if left <= 0:
@@ -129,7 +113,7 @@ class MarkedDo53Nameserver(dns.nameserver.Do53Nameserver):
                     ignore_trailing=ignore_trailing,
                     sock=sock,
                 )
-        with datagram_socket(af, bind) as sock:
+        with marked_nonblocking(af, socket.SOCK_DGRAM, bind) as sock:
             return dns.query.udp(
                 request,
                 self.address,
@@ -251,7 +235,7 @@ class _MarkedBackend(_AsyncioBackend):  # type: ignore[misc, valid-type]
         if ssl_context is not None:
             raise NotImplementedError("only plain DNS queries leave on marked sockets")
         if socktype == socket.SOCK_DGRAM:
-            sock = datagram_socket(af, source)
+            sock = marked_nonblocking(af, socktype, source)
             try:
                 if destination is not None:
                     sock.connect(destination)  # UDP: no wait
@@ -262,7 +246,7 @@ class _MarkedBackend(_AsyncioBackend):  # type: ignore[misc, valid-type]
         if socktype == socket.SOCK_STREAM:
             if destination is None:
                 raise ValueError("destination required for stream sockets")
-            sock = stream_socket(af, source)
+            sock = marked_nonblocking(af, socktype, source)
             try:
                 loop = asyncio.get_running_loop()
                 await _within(loop.sock_connect(sock, destination), timeout)

@@ -25,14 +25,22 @@ from spliceway.dns import Resolver
 from spliceway.dns.transport import (
     BACKEND,
     MarkedDo53Nameserver,
-    datagram_socket,
-    stream_socket,
+    marked_nonblocking,
 )
 from spliceway.tun import mark
 from spliceway.tun.device import has_cap_net_admin
 from spliceway.tun.options import ENGINE_MARK
 from tests.helpers.dnsserver import DnsServer, dns_server
 from tests.helpers.upstreams import black_hole, refused_port
+
+
+def datagram_socket(af: int, source: tuple[str, int] | None = None) -> socket.socket:
+    return marked_nonblocking(af, socket.SOCK_DGRAM, source)
+
+
+def stream_socket(af: int) -> socket.socket:
+    return marked_nonblocking(af, socket.SOCK_STREAM)
+
 
 ZONE = {"both.test": ["10.1.0.1", "fd00::1"]}
 
