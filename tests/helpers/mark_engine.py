@@ -37,18 +37,9 @@ import dns.rcode
 
 from spliceway import Engine
 from spliceway.tun import mark
+from tests.helpers.socks import recv_exact
 
 PAYLOAD = b"marked or not\n"
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
-        data += chunk
-    return data
 
 
 def _socks(proxy: tuple[str, int], host: str, port: int) -> dict[str, Any]:
@@ -58,17 +49,17 @@ def _socks(proxy: tuple[str, int], host: str, port: int) -> dict[str, Any]:
         addr = b"\x03" + bytes([len(host)]) + host.encode()
     with socket.create_connection(proxy, timeout=10) as sock:
         sock.sendall(b"\x05\x01\x00")
-        _recv_exact(sock, 2)
+        recv_exact(sock, 2)
         sock.sendall(b"\x05\x01\x00" + addr + struct.pack("!H", port))
         try:
-            head = _recv_exact(sock, 10)
+            head = recv_exact(sock, 10)
         except (ConnectionError, OSError):
             return {"reply": None, "echo": False}
         if head[1] != 0:
             return {"reply": head[1], "echo": False}
         sock.sendall(PAYLOAD)
         try:
-            echoed = _recv_exact(sock, len(PAYLOAD)) == PAYLOAD
+            echoed = recv_exact(sock, len(PAYLOAD)) == PAYLOAD
         except (ConnectionError, OSError):
             echoed = False
         return {"reply": 0, "echo": echoed}
