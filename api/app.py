@@ -481,6 +481,7 @@ def create_app(
         "sinks",
         "tun_status",
         "events",
+        "logs",
     )
     for name in plain:
         app.add_route(f"{PREFIX}/{name}", _Query(state, name))

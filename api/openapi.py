@@ -29,6 +29,8 @@ from spliceway.dns.server import COUNTER_NAMES as DNS_SERVER_COUNTERS
 from spliceway.errors import HTTP_STATUS, code_for_http_status
 from spliceway.event_catalogue import UDP_COUNTERS
 from spliceway.events import SCHEMA_ID as EVENT_SCHEMA_ID
+from spliceway.logring import LEVELS as LOG_LEVELS
+from spliceway.logring import LOGS_LIMIT_MAX, MESSAGE_MAX_CHARS
 from spliceway.policy import TRIGGERS
 from spliceway.queries import EVENTS_LIMIT_MAX, FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
 
@@ -614,6 +616,37 @@ def _probe_completed() -> Schema:
     )
 
 
+def _log_ring() -> Schema:
+    record = obj(
+        {
+            "sequence": integer(1),
+            "time_unix_ms": UNIX_MS,
+            "level": enum(["debug", "info", "warn", "error"]),
+            "logger": string(description="The logger's name: `spliceway` or below it."),
+            "message": string(
+                description=f"The formatted message, with its traceback if any; at most "
+                f"{MESSAGE_MAX_CHARS} characters."
+            ),
+            "thread": STR,
+        },
+        description="One log record.",
+    )
+    return obj(
+        {
+            "records": array(record),
+            "oldest_sequence": integer(1),
+            "latest_sequence": COUNT,
+            "capacity": integer(1),
+        },
+        description=(
+            "The newest log records of the `spliceway` loggers at or above "
+            "`runtime.log_level`, as the host's logging configuration lets them through, "
+            "since the engine started. `oldest_sequence`, `latest_sequence` and `capacity` "
+            "describe the ring itself, not the filtered list."
+        ),
+    )
+
+
 def _sink() -> Schema:
     return obj(
         {
@@ -960,6 +993,21 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
             "(default: every matching event in the ring).",
         ),
     ]
+    logs_params = [
+        _query_param("since", integer(0), "Only records whose sequence is greater than this."),
+        _query_param(
+            "limit",
+            integer(1, LOGS_LIMIT_MAX),
+            "At most this many records, the oldest matching ones first "
+            "(default: every matching record in the ring).",
+        ),
+        _query_param(
+            "level",
+            enum(list(LOG_LEVELS)),
+            "Only records at or above this level (`trace` is `debug`; default: every "
+            "record the ring holds).",
+        ),
+    ]
     stream_params = [
         _query_param(
             "types",
@@ -1018,6 +1066,13 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
             ref("EventRing"),
             (),
             events_params,
+        ),
+        "logs": (
+            "getLogs",
+            "The engine's recent log records, optionally filtered.",
+            ref("LogRing"),
+            (),
+            logs_params,
         ),
     }
     paths: dict[str, Schema] = {}
@@ -1185,6 +1240,7 @@ def _components(command_components: dict[str, Schema], command_request: Schema) 
             },
             description="The event ring.",
         ),
+        "LogRing": _log_ring(),
         "CommandRequest": command_request,
         **command_components,
     }

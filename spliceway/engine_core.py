@@ -42,6 +42,7 @@ from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
 from spliceway.flowhook import WARNING_CODE, FlowHookClient
 from spliceway.inbound import Users
+from spliceway.logring import LogRing
 from spliceway.outbounds import Outbound
 from spliceway.process_lookup import LocalAddresses, ProcessLookup
 from spliceway.protocols import socks5
@@ -126,6 +127,9 @@ class EngineCore:
         self.build_id = BUILD_ID
         runtime = config.runtime
         self.log = EventLog(runtime.event_ring_capacity)
+        #: Recent ``spliceway.*`` log records (``GET /api/v1/logs``), kept while running;
+        #: the level is read per record so a reload's ``runtime.log_level`` applies at once.
+        self.logs = LogRing(lambda: self.config.runtime.log_level)
         self.connector = Connector(config.api, self.log)
         self.flow_id_prefix = f"{secrets.token_hex(4)}-"
         self.flows = FlowTable()
@@ -236,6 +240,8 @@ class EngineCore:
         except BaseException:
             self.connector.stop()
             raise
+        # From here a failed start ends in _finish, which detaches it again.
+        self.logs.attach()
         self.started_at_unix_ms = now_ms()
         self.dispatcher = Dispatcher()
         self.dispatcher.start()
@@ -327,6 +333,7 @@ class EngineCore:
         self.connector.stop()
         self.dispatcher.stop()
         self.log.close_all(ended_by=last)
+        self.logs.detach()
 
     def _abort_start(self, sockets: list[socket.socket], bridge: RelayBridge | None) -> None:
         """Undo a start that failed after binding: nothing may be left running or open."""

@@ -11,6 +11,10 @@ stream's), ``since`` (only events with a greater sequence) and ``limit`` (at mos
 this many, 1..EVENTS_LIMIT_MAX, the oldest matching ones first, so a client pages
 forward with ``since`` = the last sequence it got). ``oldest_sequence`` and
 ``latest_sequence`` always describe the ring, not the filtered list.
+
+``logs`` reads the engine's ring of recent log records (spliceway.logring) the same
+way: ``since``, ``limit`` (1..LOGS_LIMIT_MAX) and ``level``, the lowest level
+returned (``trace``, ``debug``, ``info``, ``warn``, ``error``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from spliceway.commands import PERMISSIONS
 from spliceway.errors import invalid_argument, not_found
 from spliceway.events import normalize_types, parse_types
+from spliceway.logring import LEVELS, LOGS_LIMIT_MAX
 from spliceway.policy import POLICY_KINDS
 
 if TYPE_CHECKING:
@@ -179,6 +184,15 @@ def _events(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     return core.log.snapshot(since, types, limit)
 
 
+def _logs(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
+    since = _integer(params, "since", 0, None)
+    limit = _integer(params, "limit", 1, LOGS_LIMIT_MAX)
+    level = params.get("level")
+    if level is not None and (not isinstance(level, str) or level not in LEVELS):
+        raise invalid_argument(f"level must be one of {', '.join(LEVELS)}", "level")
+    return core.logs.snapshot(since, level, limit)
+
+
 def _tun_status(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     if core.tun is None:
         return {"running": False, "name": None, "addr": None, "tag": None}
@@ -237,6 +251,7 @@ QUERIES: dict[str, QuerySpec] = {
     "sinks": QuerySpec(_sinks),
     "tun_status": QuerySpec(_tun_status),
     "events": QuerySpec(_events, ("types", "since", "limit")),
+    "logs": QuerySpec(_logs, ("since", "limit", "level")),
 }
 
 

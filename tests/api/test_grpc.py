@@ -4,6 +4,7 @@ stubs, against real engines on loopback."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import socket
 import subprocess
@@ -514,3 +515,15 @@ def test_stop_cuts_off_a_subscriber_that_neither_reads_nor_cancels(make_engine):
         assert code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
     finally:
         client.close()
+
+
+def test_logs_query_reads_the_engines_log_ring(engine, client):
+    """``logs`` is offered on gRPC as on HTTP: records, filters, a bad level refused."""
+    logging.getLogger("spliceway.test_grpc").warning("grpc logs marker")
+    reply = client.query("logs", {"level": "warn"}, key=READER)
+    assert reply.ok, reply.error
+    result = struct_to_dict(reply.result)
+    assert any(r["message"] == "grpc logs marker" for r in result["records"])
+    assert result == engine.query("logs", {"level": "warn"})
+    bad = client.query("logs", {"level": "loud"})
+    assert (bad.ok, bad.error.code, bad.error.field_path) == (False, "invalid_argument", "level")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import stat
@@ -405,3 +406,22 @@ def test_no_ipc_event_follows_engine_stopped_while_clients_come_and_go(sock_path
         watcher.close()
         assert events[-1] == "engine.stopped", events[-5:]
         assert events.count("engine.stopped") == 1
+
+
+def test_logs_query_reads_the_engines_log_ring(engine, sock_path):
+    """``logs`` is offered on IPC as on HTTP: records, filters, a bad level refused."""
+    logging.getLogger("spliceway.test_ipc").warning("ipc logs marker")
+    c = Client(sock_path)
+    c.send(
+        b'{"id": 1, "logs": {"level": "warn", "limit": 1000}}\n{"id": 2, "logs": {"level": 3}}\n'
+    )
+    good, bad = c.line(), c.line()
+    c.close()
+    assert good["ok"], good
+    records = good["result"]["logs"]["records"]
+    assert any(r["message"] == "ipc logs marker" for r in records)
+    assert (bad["ok"], bad["error"]["code"], bad["error"]["field_path"]) == (
+        False,
+        "invalid_argument",
+        "level",
+    )

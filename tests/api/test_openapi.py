@@ -435,6 +435,7 @@ def test_document_covers_every_route_and_command() -> None:
         "tun_status",
         "events",
         "events/stream",
+        "logs",
         "openapi.json",
     ]
     assert set(DOC["paths"]) == {f"{V1}/{q}" for q in queries} | {f"{V1}/commands", "/metrics"}
@@ -599,6 +600,10 @@ def test_queries_conform_after_real_traffic(traffic) -> None:
     assert groups["chain"]["effective_chains"] == [["dead-hop"]]
     api.check("GET", f"{V1}/policies/{{policy_tag}}", 404, path=f"{V1}/policies/chain")
     api.check("GET", f"{V1}/policies/{{policy_tag}}", 404, path=f"{V1}/policies/nope")
+    logs = api.get(f"{V1}/logs")
+    assert logs["capacity"] > 0
+    api.get(f"{V1}/logs", f"{V1}/logs?since=0&limit=5&level=warn")
+    api.check("GET", f"{V1}/logs", 400, path=f"{V1}/logs?level=loud")
     api.check("GET", f"{V1}/openapi.json", 200)
     api.check("GET", "/metrics", 200)
     api.check("GET", "/metrics", 200, headers={"Accept": "application/openmetrics-text"})
