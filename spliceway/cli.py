@@ -271,7 +271,9 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
     except (ImportError, AttributeError):
         pass
     try:
-        engine = Engine(config, config_path=config_path)
+        # The CLI's engine is the one the remote subcommands look for on the default
+        # socket; an embedded engine only serves IPC when its configuration asks.
+        engine = Engine(config, config_path=config_path, ipc_by_default=True)
         engine.start()
     except ApiError as ex:
         return _cannot_start(ex)
@@ -284,10 +286,11 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
         log.info("inbound %s (%s) listening on %s:%d", spec.tag, spec.protocol, address, port)
     if engine.core.dns.server is not None:
         log.info("DNS server listening on %s:%d (udp, tcp)", *engine.core.dns.server.bound)
-    if config.api.control.enabled:
+    running = engine.core.config
+    if running.api.control.enabled:
         log.info("control API listening on %s/api/v1/", engine.control_url)
-    if config.api.ipc.enabled:
-        log.info("IPC socket listening on %s", config.api.ipc.resolved_path())
+    if running.api.ipc.enabled:
+        log.info("IPC socket listening on %s", running.api.ipc.resolved_path())
     engine.core.on_runtime_changed = _setup_logging
     while (signum := signal.sigwait(_CONTROL_SIGNALS)) == signal.SIGHUP:
         _reload(engine, config_path, log)
@@ -389,7 +392,7 @@ def _state_from_engine(config: Any, ipc: str | None, held: ApiError) -> dict[str
 
     path = ipc or os.environ.get(IPC_ENV)
     if not path:
-        if not config.api.ipc.enabled:
+        if not config.api.ipc.serves(unset_default=True):
             raise ApiError(
                 "conflict",
                 f"{held.message}; the file disables its IPC socket (api.ipc.enabled: false), "

@@ -137,6 +137,7 @@ __all__ = [
     "load_config_file",
     "one_sink_environment_problems",
     "parse_config",
+    "resolve_ipc",
     "parse_dns_server",
     "sink_environment_problems",
     "validate_document",
@@ -1062,9 +1063,12 @@ class ControlApi(_Model):
 class IpcApi(_Model):
     """``api.ipc``; ``path`` null means :func:`default_ipc_path`."""
 
-    enabled: SBool = True
+    enabled: SBool | None = None
     """Serve the local control socket (docs/ipc.md): queries, commands and event
-    subscriptions as newline-delimited JSON; whoever can open it (mode 0600) is admin."""
+    subscriptions as newline-delimited JSON; whoever can open it (mode 0600) is admin.
+    `null` (unset) means: on when a `path` is given, else on for `spliceway run` and
+    off for an engine embedded in a host application (`spliceway.Engine`), so that
+    an embedded engine never claims the per-user default socket unasked."""
     path: NonEmptyStr | None = None
     """Socket path; `null` means `$XDG_RUNTIME_DIR/spliceway/control.sock`, else
     `/tmp/spliceway-<uid>/control.sock`.
@@ -1073,6 +1077,25 @@ class IpcApi(_Model):
     def resolved_path(self) -> str:
         """The socket path to use."""
         return self.path if self.path is not None else default_ipc_path()
+
+    def serves(self, unset_default: bool) -> bool:
+        """Whether the socket is served; ``unset_default`` is the entry point's choice
+        for an unset ``enabled`` with no ``path`` (``True`` for ``spliceway run``)."""
+        if self.enabled is not None:
+            return self.enabled
+        return self.path is not None or unset_default
+
+
+def resolve_ipc(config: Config, unset_default: bool) -> Config:
+    """``config`` with ``api.ipc.enabled`` decided (see :meth:`IpcApi.serves`), so the
+    running engine, its ``config`` query and a reload's comparison see a plain bool."""
+    ipc = config.api.ipc
+    if ipc.enabled is not None:
+        return config
+    decided = ipc.model_copy(update={"enabled": ipc.serves(unset_default)})
+    return config.model_copy(
+        update={"api": config.api.model_copy(update={"ipc": decided})}
+    )
 
 
 class GrpcApi(_Model):

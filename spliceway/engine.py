@@ -28,7 +28,13 @@ from spliceway.api.auth import KeyTable
 from spliceway.api.grpc_server import GrpcServer, check_grpc
 from spliceway.api.ipc import IpcServer
 from spliceway.api.server import ControlServer
-from spliceway.config import Config, default_config, load_config_file, parse_config
+from spliceway.config import (
+    Config,
+    default_config,
+    load_config_file,
+    parse_config,
+    resolve_ipc,
+)
 from spliceway.engine_core import EngineCore
 from spliceway.errors import ApiError, not_found
 from spliceway.events import Subscription
@@ -38,10 +44,20 @@ class Engine:
     """A running (or startable) spliceway engine."""
 
     def __init__(
-        self, config: dict[str, Any] | Config | None = None, *, config_path: str | None = None
+        self,
+        config: dict[str, Any] | Config | None = None,
+        *,
+        config_path: str | None = None,
+        ipc_by_default: bool = False,
     ) -> None:
-        """Validate ``config`` (a document, a parsed Config, or None for the embedded default)."""
+        """Validate ``config`` (a document, a parsed Config, or None for the embedded default).
+
+        ``ipc_by_default`` is what an unset ``api.ipc.enabled`` with no ``path`` means:
+        a host application's engine leaves the per-user default socket alone unless its
+        configuration asks (docs/ipc.md); ``spliceway run`` passes ``True``.
+        """
         parsed = default_config() if config is None else parse_config(config)
+        parsed = resolve_ipc(parsed, ipc_by_default)
         self._core = EngineCore(parsed, config_path)
         self._lock = threading.Lock()
         self._started = False

@@ -48,7 +48,7 @@ import pykka
 
 from spliceway import assembly
 from spliceway.atomic_file import StagedFile
-from spliceway.config import Config, check_environment, parse_config
+from spliceway.config import Config, check_environment, parse_config, resolve_ipc
 from spliceway.errors import ApiError
 from spliceway.events import now_ms
 
@@ -178,6 +178,8 @@ class Reconciler:
             if not core.running:
                 raise ApiError("conflict", "the engine is not running (it is stopping)")
             old = core.config
+            # An unset api.ipc.enabled means what it meant when this engine started.
+            new = resolve_ipc(new, bool(old.api.ipc.enabled))
             check_fixed(old, new, core.connector.store is not None)
             check_environment(new)
             plan = self._prepare_or_refuse(old, new)

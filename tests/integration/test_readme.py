@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 
 from spliceway import Engine
 from spliceway.config import parse_config
+from tests.helpers.program import SPLICEWAY, running, wait_for_line, write_config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 TEXT = README.read_text("utf-8")
@@ -89,3 +92,79 @@ def test_readme_embedding_example_runs() -> None:
     first, second = result.stdout.splitlines()[:2]
     assert re.fullmatch(r"\('127\.0\.0\.1', \d+\)", first)
     assert "'total_started': 0" in second
+
+
+def test_readme_embedding_example_runs_beside_a_running_engine(tmp_path) -> None:
+    """A user's ``spliceway run`` holds the per-user default IPC socket; the README's
+    embedded engine (no ``api.ipc`` in its configuration) leaves it alone, and a second
+    ``spliceway run`` still gets the clear conflict. The default directory is moved to
+    ``tmp_path`` through ``XDG_RUNTIME_DIR``, so a real engine of this user is untouched."""
+    runtime_dir = tmp_path / "xdg"
+    runtime_dir.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)}
+    socket_path = runtime_dir / "spliceway" / "control.sock"
+    doc = {
+        "inbounds": [{"tag": "in", "protocol": "socks5", "listen": {"port": 0}}],
+        "api": {"control": {"enabled": False}},
+    }
+    first = tmp_path / "first"
+    first.mkdir()
+    with running(write_config(first, doc), env=env) as proc:
+        assert wait_for_line(proc, r"IPC socket listening on (\S+)").group(1) == str(socket_path)
+        code = next(b for b in blocks("python") if "from spliceway import Engine" in b)
+        embedded = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env=env,
+        )
+        assert embedded.returncode == 0, embedded.stderr
+        assert re.fullmatch(r"\('127\.0\.0\.1', \d+\)", embedded.stdout.splitlines()[0])
+        second = subprocess.run(
+            [*SPLICEWAY, "run", "-c", write_config(tmp_path, doc)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env=env,
+        )
+        assert second.returncode == 2, second.stderr
+        assert "conflict" in second.stderr
+        assert str(socket_path) in second.stderr
+        assert f"pid {proc.pid}" in second.stderr or str(proc.pid) in second.stderr
+        # The first engine still answers on its socket.
+        status = subprocess.run(
+            [*SPLICEWAY, "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            env=env,
+        )
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["health"]["healthy"] is True
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    assert not socket_path.exists()
+
+
+def test_embedded_engine_serves_ipc_only_when_asked(tmp_path, monkeypatch) -> None:
+    runtime_dir = tmp_path / "xdg"
+    runtime_dir.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime_dir))
+    default_socket = runtime_dir / "spliceway" / "control.sock"
+    inbound = [{"tag": "in", "protocol": "socks5", "listen": {"port": 0}}]
+    with Engine({"inbounds": inbound, "api": {"control": {"enabled": False}}}) as engine:
+        assert engine.core.config.api.ipc.enabled is False
+        assert not default_socket.exists()
+    asked = {"inbounds": inbound, "api": {"control": {"enabled": False}, "ipc": {"enabled": True}}}
+    with Engine(asked) as engine:
+        assert engine.core.config.api.ipc.enabled is True
+        assert default_socket.is_socket()
+    own = tmp_path / "own.sock"
+    named = {"inbounds": inbound, "api": {"control": {"enabled": False}, "ipc": {"path": str(own)}}}
+    with Engine(named):
+        assert own.is_socket()
+        assert not default_socket.exists()

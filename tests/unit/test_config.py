@@ -19,6 +19,7 @@ from spliceway.config import (
     load_config_file,
     parse_config,
     parse_dns_server,
+    resolve_ipc,
     validate_document,
 )
 from spliceway.errors import ApiError
@@ -229,7 +230,8 @@ def test_empty_document_takes_every_default():
     assert api.control.enabled is True
     assert (api.control.listen.address, api.control.listen.port) == ("127.0.0.1", 9090)
     assert api.control.api_key_env == DEFAULT_API_KEY_ENV
-    assert (api.ipc.enabled, api.ipc.path, api.grpc.enabled) == (True, None, False)
+    # Unset: the entry point decides (spliceway run serves it, an embedded Engine not).
+    assert (api.ipc.enabled, api.ipc.path, api.grpc.enabled) == (None, None, False)
     assert api.event_sinks == ()
     assert api.dispatcher.on_exhausted == "retry_forever"
     assert api.dispatcher.request_timeout_ms == 10000
@@ -311,7 +313,7 @@ def test_embedded_default_loads():
     assert cfg.api.control.listen.port == 9090
     assert cfg.api.control.api_key_env is None
     assert cfg.api.control.read_api_key({}) is None
-    assert cfg.api.ipc.enabled is True
+    assert cfg.api.ipc.enabled is None
     assert cfg.api.ipc.path is None
     assert default_config() is cfg
 
@@ -970,6 +972,26 @@ def test_default_ipc_path():
 def test_ipc_resolved_path():
     cfg = parse_config({"api": {"ipc": {"path": "/x/y.sock"}}})
     assert cfg.api.ipc.resolved_path() == "/x/y.sock"
+
+
+@pytest.mark.parametrize(
+    ("ipc", "unset_default", "serves"),
+    [
+        ({}, False, False),
+        ({}, True, True),
+        ({"path": "/x/y.sock"}, False, True),
+        ({"enabled": False, "path": "/x/y.sock"}, True, False),
+        ({"enabled": True}, False, True),
+        ({"enabled": False}, True, False),
+    ],
+)
+def test_ipc_unset_enabled_is_the_entry_points_choice(ipc, unset_default, serves):
+    cfg = parse_config({"api": {"ipc": ipc}})
+    assert cfg.api.ipc.serves(unset_default) is serves
+    resolved = resolve_ipc(cfg, unset_default)
+    assert resolved.api.ipc.enabled is serves
+    assert resolved.api.ipc.path == cfg.api.ipc.path
+    assert resolved.api.control == cfg.api.control
 
 
 def test_read_api_key():
