@@ -21,6 +21,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
+from spliceway.actors.http_forward import HttpForwarding
 from spliceway.actors.messages import (
     CloseFlow,
     ConnEnded,
@@ -111,6 +112,12 @@ class FlowDeps:
         self.process_lookup = core.process_lookup
         self.routes = core.routes
 
+    def new_flow_id(self, index: int) -> str:
+        """A flow id for a flow Python starts on a connection that already had one (the
+        next request on a kept-alive http connection): the deferred flows' sequence."""
+        core = self._core
+        return f"{core.flow_id_prefix}{index}-d{next(core._deferred_ids)}"
+
     def lookup_wanted(self, peer_ip: str) -> bool:
         """Whether the process behind a flow from ``peer_ip`` is to be looked up now
         (``runtime.process_lookup`` and the rules of now; a client on this host)."""
@@ -163,7 +170,7 @@ class FlowDeps:
         return self._core.dns.pool
 
 
-class FlowActor(LoopActor):
+class FlowActor(HttpForwarding, LoopActor):
     """One TCP flow through the engine."""
 
     # One per connection: the engine tracks them in ``deps.flow_actors``.
@@ -365,6 +372,16 @@ class FlowActor(LoopActor):
             tun = self.inbound.protocol == "tun" and deferred is not None
             server = (deferred.host, deferred.port) if tun else client.getsockname()[:2]
             await self._look_up(state, server)
+        if hs.forward:
+            # Absolute-URI requests: a flow per request, the connection kept between them.
+            await self._serve_forward(hs, state)
+            return
+        await self._tunnel_request(hs, state, replied)
+
+    async def _tunnel_request(
+        self, hs: Handshake, state: records.FlowState, replied: bool = False
+    ) -> None:
+        """A tunnel's flow (SOCKS5, CONNECT, TUN) from its record to the hand-off."""
         hook = self.deps.flow_hook
         if hook is not None and hook.settings.selects("tcp", self.inbound.tag):
             if not await self._ask_hook(hook, state, hs, replied):

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from spliceway.protocols import NEED_MORE, ProtocolError, socks5
+from spliceway.protocols import NEED_MORE, ProtocolError, http_message, socks5
 from spliceway.protocols import http as http_proto
 
 _READ_CHUNK = 16 * 1024
@@ -49,6 +49,9 @@ class Handshake:
     early: bytes = b""
     #: True for absolute-URI forwarding: no reply on success, the origin answers.
     forward: bool = False
+    #: The absolute-URI request being forwarded (``forward``); ``early`` then holds the
+    #: bytes after its head (its body, maybe the next requests).
+    request: ForwardRequest | None = None
     #: A SOCKS5 UDP ASSOCIATE: host:port is the client's declared datagram source, and
     #: the connection becomes the association's control line.
     udp: bool = False
@@ -235,39 +238,92 @@ async def _socks5(reader: _Reader, users: Users, udp: bool) -> Handshake:
     )
 
 
+#: The answer to a request without valid credentials (the connection is closed after it).
+PROXY_AUTH_REQUIRED = http_proto.response(
+    407, headers=_BASIC_REALM, body=b"proxy authentication required\n"
+)
+
+
+def http_auth(
+    head: http_proto.RequestHead, users: Users
+) -> tuple[str | None, str | None, str | None]:
+    """(principal_key, auth scheme, refusal code) of a request on an http inbound: the
+    refusal code (``auth_required``/``auth_failed``) is None when the request may pass."""
+    if not users.required:
+        return None, None, None
+    creds = http_proto.proxy_basic_credentials(head)
+    principal = users.check(*creds) if creds is not None else None
+    if principal is None:
+        return None, None, "auth_failed" if creds is not None else "auth_required"
+    return principal, "basic", None
+
+
 async def _http(reader: _Reader, users: Users) -> Handshake:
     head = await reader.parse(http_proto.parse_request_head)
-    principal: str | None = None
-    scheme: str | None = None
-    if users.required:
-        creds = http_proto.proxy_basic_credentials(head)
-        principal = users.check(*creds) if creds is not None else None
-        if principal is None:
-            raise await reader.fail(
-                http_proto.response(
-                    407, headers=_BASIC_REALM, body=b"proxy authentication required\n"
-                ),
-                "auth_failed" if creds is not None else "auth_required",
-                "HTTP proxy credentials missing or rejected",
-            )
-        scheme = "basic"
+    principal, scheme, refused = http_auth(head, users)
+    if refused is not None:
+        raise await reader.fail(
+            PROXY_AUTH_REQUIRED, refused, "HTTP proxy credentials missing or rejected"
+        )
     if head.method.upper() == "CONNECT":
         host, port = http_proto.connect_authority(head.target)
         return Handshake(
             "http", host, port, principal, scheme, reader.rx, reader.tx, early=reader.buf
         )
-    _, host, port, path = http_proto.split_absolute_uri(head.target)
-    bracketed = f"[{host}]" if ":" in host else host
-    host_header = bracketed if port == 80 else f"{bracketed}:{port}"
-    rewritten = http_proto.origin_request(head, path, host_header)
+    request = forward_request(head)
     return Handshake(
         "http",
-        host,
-        port,
+        request.host,
+        request.port,
         principal,
         scheme,
         reader.rx,
         reader.tx,
-        early=rewritten + reader.buf,
+        early=reader.buf,
         forward=True,
+        request=request,
+    )
+
+
+@dataclass(slots=True)
+class ForwardRequest:
+    """An absolute-URI request: where it goes and how its body and connection are framed."""
+
+    head: http_proto.RequestHead
+    host: str
+    port: int
+    path: str
+    host_header: str
+    #: The body's framing (``http_message.request_framing``).
+    body_kind: int
+    body_length: int
+    #: Whether the client wants its connection kept after the response (RFC 9112 9.3).
+    keep_alive: bool
+    #: Whether the client asks to switch protocols (Upgrade, named in Connection).
+    upgrade: bool
+
+
+def forward_request(head: http_proto.RequestHead) -> ForwardRequest:
+    """Check an absolute-URI request head; ProtocolError (with its 400 reply) when it
+    cannot be forwarded: not ``http://``, a bad authority, an untrustworthy body length."""
+    _, host, port, path = http_proto.split_absolute_uri(head.target)
+    bracketed = f"[{host}]" if ":" in host else host
+    host_header = bracketed if port == 80 else f"{bracketed}:{port}"
+    try:
+        kind, length = http_message.request_framing(head)
+    except ProtocolError as ex:
+        raise ProtocolError(str(ex), http_proto.response(400, body=b"Bad Request\n")) from None
+    # Proxy-Connection is not standard, but clients still send it for their proxy hop.
+    tokens = http_message.connection_tokens(head.headers, "Connection", "Proxy-Connection")
+    if head.version == "HTTP/1.0":
+        keep_alive = "keep-alive" in tokens and "close" not in tokens
+    else:
+        keep_alive = "close" not in tokens
+    upgrade = (
+        head.version != "HTTP/1.0"
+        and "upgrade" in http_message.connection_tokens(head.headers, "Connection")
+        and head.header("Upgrade") is not None
+    )
+    return ForwardRequest(
+        head, host, port, path, host_header, kind, length, keep_alive and not upgrade, upgrade
     )

@@ -6,15 +6,16 @@ Server side (the http inbound):
 - :func:`connect_authority` / :func:`split_absolute_uri` -- where to connect;
 - :func:`proxy_basic_credentials` -- Proxy-Authorization: Basic;
 - :func:`origin_request` -- the head re-serialised for the origin server;
+- :func:`proxy_response` -- the origin's response head re-serialised for the client;
 - :func:`response` -- our own responses (errors, 407, the CONNECT 200).
 
 Client side (the http outbound, an upstream CONNECT proxy): :func:`connect_request`
 and :func:`parse_response_head`.
 
-Only heads are handled: bodies are relayed as opaque bytes by the caller, which is why
-forwarded requests carry ``Connection: close`` and why requests whose body framing is
-ambiguous (Content-Length together with Transfer-Encoding, conflicting Content-Length)
-are refused here rather than passed on.
+Only heads are handled here; where each body ends is
+:mod:`spliceway.protocols.http_message`'s. Requests whose body framing is ambiguous
+(Content-Length together with Transfer-Encoding, conflicting Content-Length) are
+refused here rather than passed on.
 
 Heads are decoded as ISO-8859-1, which maps bytes 1:1 to code points, so header values
 with obs-text survive a parse/serialise round trip unchanged.
@@ -43,6 +44,7 @@ __all__ = [
     "parse_request_head",
     "parse_response_head",
     "proxy_basic_credentials",
+    "proxy_response",
     "response",
     "split_absolute_uri",
 ]
@@ -75,8 +77,13 @@ _PORT_RE = re.compile(r"[0-9]{1,5}")
 _DIGITS_RE = re.compile(r"[0-9]+")
 _OWS = " \t"
 
-# Hop-by-hop fields that never go to the origin.
-_HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "proxy-authorization"})
+# Hop-by-hop fields that never go to the origin (RFC 9110 7.6.1; TE is one too, 10.1.4,
+# and Upgrade is only kept for a request the proxy lets switch protocols).
+_HOP_BY_HOP = frozenset(
+    {"connection", "proxy-connection", "keep-alive", "proxy-authorization", "te", "upgrade"}
+)
+# Hop-by-hop fields of a response: they describe the origin's connection, not ours.
+_RESPONSE_HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "upgrade"})
 # Fields a client cannot have dropped by naming them in Connection: removing them would
 # change the request's framing or routing on the way to the origin.
 _NOT_DROPPABLE = frozenset({"host", "content-length", "transfer-encoding"})
@@ -392,14 +399,18 @@ def _check_head_text(value: str, what: str) -> None:
         raise ValueError(f"invalid {what}: {value!r}")
 
 
-def origin_request(head: RequestHead, path: str, host_header: str) -> bytes:
+def origin_request(
+    head: RequestHead, path: str, host_header: str, *, connection: str = "close"
+) -> bytes:
     """Re-serialise a proxied request head for the origin server.
 
     The request line goes to origin form (``path``). Hop-by-hop fields are dropped --
-    Connection, Proxy-Connection, Keep-Alive, Proxy-Authorization and any named in
-    Connection (except Host, Content-Length and Transfer-Encoding, which a client must
-    not be able to strip) -- and ``Connection: close`` is added: we relay one request
-    per connection rather than multiplex several origins over one client connection.
+    Connection, Proxy-Connection, Keep-Alive, Proxy-Authorization, TE, Upgrade and any
+    named in Connection (except Host, Content-Length and Transfer-Encoding, which a
+    client must not be able to strip) -- and ``Connection: {connection}`` is added
+    (none when empty): ``close`` when the upstream connection is used for this request
+    only, ``""`` to keep it for the next (HTTP/1.1's default), ``upgrade`` to forward
+    the client's Upgrade (a protocol switch the proxy then tunnels).
 
     Host is set to ``host_header`` (the authority of the absolute URI), replacing any
     Host the client sent, in place: RFC 9112 3.2.2 says a proxy MUST ignore the
@@ -413,6 +424,8 @@ def origin_request(head: RequestHead, path: str, host_header: str) -> bytes:
         if key.lower() == "connection":
             named.update(t.strip(_OWS).lower() for t in value.split(","))
     drop = (_HOP_BY_HOP | named) - _NOT_DROPPABLE
+    if connection.lower() == "upgrade":
+        drop = drop - {"upgrade"}
     lines = [f"{head.method} {path} {head.version}"]
     host_done = False
     for key, value in head.headers:
@@ -427,7 +440,33 @@ def origin_request(head: RequestHead, path: str, host_header: str) -> bytes:
         lines.append(f"{key}: {value}")
     if not host_done:
         lines.insert(1, f"Host: {host_header}")
-    lines.append("Connection: close")
+    if connection:
+        lines.append(f"Connection: {connection}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def proxy_response(head: ResponseHead, connection: str | None) -> bytes:
+    """Re-serialise an origin's response head for the proxy's client.
+
+    The status line carries our version (RFC 9110 6.2: an intermediary sends its own).
+    The origin's hop-by-hop fields go (Connection and the fields it names, Keep-Alive,
+    Proxy-Connection, and Upgrade unless this is a 101), as does a Content-Length next
+    to a Transfer-Encoding (RFC 9112 6.3: the proxy MUST remove it). ``connection`` is
+    the value of our own Connection field for the client's connection, None for none.
+    """
+    named: set[str] = set()
+    for key, value in head.headers:
+        if key.lower() == "connection":
+            named.update(t.strip(_OWS).lower() for t in value.split(","))
+    drop = (_RESPONSE_HOP_BY_HOP | named) - {"transfer-encoding", "content-length"}
+    if head.status == 101:
+        drop = drop - {"upgrade"}
+    if any(k.lower() == "transfer-encoding" for k, _ in head.headers):
+        drop = drop | {"content-length"}
+    lines = [f"HTTP/1.1 {head.status} {head.reason}".rstrip(" ")]
+    lines.extend(f"{key}: {value}" for key, value in head.headers if key.lower() not in drop)
+    if connection:
+        lines.append(f"Connection: {connection}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 

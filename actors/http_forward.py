@@ -1,0 +1,592 @@
+"""The http inbound's absolute-URI forwarding: one client connection, many requests.
+
+A client that sends ``GET http://host/path HTTP/1.1`` to the proxy keeps its
+connection for the next request (RFC 9112 9.3). Each request is a flow of its own:
+routed by its own target, with its own flow.started / flow.routed / flow.completed
+and exact byte counts, so a kept-alive connection to two hosts is two flows to two
+routes, and a blocked second request is a blocked flow while the connection lives on.
+
+Python frames the messages (:mod:`spliceway.protocols.http_message`) and moves the
+bytes of a request and its response on the dispatcher loop; bodies are forwarded as
+received, never re-encoded. Only a protocol switch (a 101 to an Upgrade) or a CONNECT
+on the connection goes to the C relay, as the tunnel it then is.
+
+This is a mixin of :class:`~spliceway.actors.flow.FlowActor`: the actor serves one
+request's flow at a time, and between two requests it is a connection with no flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import TYPE_CHECKING, Any
+
+from spliceway import records
+from spliceway.flowhook import ask_about
+from spliceway.inbound import (
+    PROXY_AUTH_REQUIRED,
+    ForwardRequest,
+    Handshake,
+    forward_request,
+    http_auth,
+)
+from spliceway.outbounds import DialError
+from spliceway.protocols import NEED_MORE, ProtocolError, shadowsocks
+from spliceway.protocols import http as http_proto
+from spliceway.protocols import http_message as framing
+from spliceway.runtime import FlowEntry
+
+if TYPE_CHECKING:
+    from spliceway.outbounds import Dialed
+
+#: Largest read from either socket.
+_CHUNK = 64 * 1024
+
+#: What the client connection does after a request's flow.
+_KEEP, _CLOSE, _TUNNEL = range(3)
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it went away mid-response."""
+
+
+class _Upstream:
+    """An upstream connection a client connection's requests may share.
+
+    Pooled per client connection, never across clients: a later request reuses it when
+    it goes to the same outbound and target and the previous response left it usable.
+    For a shadowsocks outbound the bytes are sealed and opened here, in Python.
+    """
+
+    __slots__ = (
+        "chained",
+        "key",
+        "opener",
+        "pending",
+        "relay_chain",
+        "remote_host",
+        "remote_port",
+        "resolved_ip",
+        "sealer",
+        "sock",
+    )
+
+    def __init__(self, dialed: Dialed, key: tuple[str, str, int], chained: bool) -> None:
+        self.sock = dialed.sock
+        self.key = key
+        self.chained = chained
+        self.remote_host = dialed.remote_host
+        self.remote_port = dialed.remote_port
+        self.resolved_ip = dialed.resolved_ip
+        self.relay_chain = list(dialed.relay_chain)
+        #: Response bytes already read (an upstream proxy's leftover after its handshake).
+        self.pending = dialed.leftover
+        sealed = dialed.sealed
+        self.sealer = sealed.encryptor if sealed is not None else None
+        self.opener = (
+            shadowsocks.Decryptor(shadowsocks.CIPHERS[sealed.cipher], sealed.master_key)
+            if sealed is not None
+            else None
+        )
+
+    def usable(self) -> bool:
+        """Still open with nothing unread (a server that closed a kept connection shows
+        its EOF here, before a request is wasted on it)."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        # Bytes nobody asked for, or the end: either way not for another request.
+        return False
+
+
+class HttpForwarding:
+    """FlowActor's absolute-URI forwarding (see the module docstring)."""
+
+    # FlowActor's, used here.
+    deps: Any
+    inbound: Any
+    client: socket.socket | None
+    upstream: socket.socket | None
+    peer: tuple[Any, ...]
+    flow_id: str
+    state: records.FlowState | None
+    handle: int | None
+    dispatcher: Any
+    actor_ref: Any
+    _base: records.Traffic | None
+    _done: bool
+    _close_reason_on_cancel: str | None
+    _chained: bool
+    _close_requested: bool
+    _fwd_buf: bytes
+    _fwd_up: _Upstream | None
+    _fwd_upload_failed: bool
+
+    # -- the connection ------------------------------------------------------------
+
+    async def _serve_forward(self, hs: Handshake, state: records.FlowState) -> None:
+        """Serve requests on the client connection, one flow each, until it ends."""
+        self._fwd_buf = hs.early
+        self._fwd_up = None
+        process = (state.process_id, state.process_name, state.process_path)
+        while True:
+            after = await self._forward_flow(hs, state)
+            if after == _TUNNEL:
+                return
+            if after == _CLOSE:
+                break
+            following = await self._next_request()
+            if following is None:
+                break
+            self._next_flow()
+            hs = following
+            state = self._new_state(hs)
+            if process[0] is not None:
+                state.set_process(*process)
+            if not hs.forward:
+                # A CONNECT after forwarded requests: the connection becomes its tunnel.
+                self._drop_upstream()
+                await self._tunnel_request(hs, state)
+                return
+        self._finish()
+
+    def _next_flow(self) -> None:
+        """Forget the finished flow: the actor serves the next request's from here."""
+        self.flow_id = self.deps.new_flow_id(self.inbound.index)
+        self.state = None
+        self._done = False
+        self._base = None
+        self.handle = None
+        self._chained = False
+        self._close_reason_on_cancel = None
+        self._close_requested = False
+
+    async def _next_request(self) -> Handshake | None:
+        """The next request on the connection, None when the client is done (it closed,
+        went idle, or sent a head we answered with an error and the close)."""
+        loop = self.dispatcher.loop
+        client = self.client
+        assert client is not None
+        buf = self._fwd_buf
+        idle = self.deps.tcp_idle_timeout_ms / 1000
+        while True:
+            try:
+                head = http_proto.parse_request_head(buf)
+                if head is not NEED_MORE:
+                    break
+            except ProtocolError as ex:
+                await self._send_quietly(ex.reply)
+                return None
+            try:
+                data = await _recv(loop, client, idle)
+            except (OSError, TimeoutError):
+                return None
+            if not data:
+                return None
+            buf += data
+        self._fwd_buf = buf[head.consumed :]
+        principal, scheme, refused = http_auth(head, self.inbound.users)
+        if refused is not None:
+            # Checked on every request: credentials belong to a request, not a connection.
+            await self._send_quietly(PROXY_AUTH_REQUIRED)
+            return None
+        try:
+            if head.method.upper() == "CONNECT":
+                host, port = http_proto.connect_authority(head.target)
+                return Handshake(
+                    "http", host, port, principal, scheme, head.consumed, 0, early=self._fwd_buf
+                )
+            request = forward_request(head)
+        except ProtocolError as ex:
+            await self._send_quietly(ex.reply)
+            return None
+        return Handshake(
+            "http",
+            request.host,
+            request.port,
+            principal,
+            scheme,
+            head.consumed,
+            0,
+            forward=True,
+            request=request,
+        )
+
+    async def _send_quietly(self, data: bytes | None) -> None:
+        """Our own answer to a request that has no flow (a bad head, missing credentials)."""
+        if data and self.client is not None:
+            with contextlib.suppress(OSError):
+                await self.dispatcher.loop.sock_sendall(self.client, data)
+
+    def _drop_upstream(self) -> None:
+        up, self._fwd_up = self._fwd_up, None
+        if up is not None:
+            with contextlib.suppress(OSError):
+                up.sock.close()
+        self.upstream = None
+
+    # -- one request's flow --------------------------------------------------------
+
+    async def _forward_flow(self, hs: Handshake, state: records.FlowState) -> int:
+        """Start, route, dial and relay one request's flow; what the connection does next."""
+        request = hs.request
+        assert request is not None
+        state.traffic.inbound_rx_bytes = request.head.consumed
+        hook = self.deps.flow_hook
+        if hook is not None and hook.settings.selects("tcp", self.inbound.tag):
+            allow = await ask_about(hook, state)
+            self._start_record(state)
+            if not allow:
+                return await self._refuse_request(
+                    request, 403, "denied by the flow hook", records.BLOCKED, records.HOOK_DENIED
+                )
+        else:
+            self._start_record(state)
+        deps = self.deps
+        decision = deps.route_state.decide(self._facts(hs))
+        chain = (
+            deps.policies.resolve(decision.target, hs.host, self.peer[0]) if decision.target else []
+        )
+        outbound = deps.outbounds.get(chain[-1]) if chain else None
+        self._set_route(decision, chain, outbound)
+        if decision.action == "block" or outbound is None or outbound.protocol == "block":
+            return await self._refuse_request(request, 403, "blocked by rule", records.BLOCKED)
+        s = state
+        t = s.traffic
+        key = (outbound.tag, hs.host, hs.port)
+        up = self._fwd_up
+        if up is None or up.key != key or not up.usable():
+            self._drop_upstream()
+            try:
+                dialed = await outbound.dial(self.dispatcher.loop, hs.host, hs.port)
+            except DialError as ex:
+                if ex.member_down:
+                    self._report_member_down(chain, ex.message)
+                remote = (
+                    {"host": hs.host, "port": hs.port} if ex.remote is None else {"host": ex.remote}
+                )
+                failure = records.Failure(ex.stage, ex.code, ex.message, remote)
+                return await self._refuse_request(
+                    request,
+                    ex.http_status,
+                    ex.message,
+                    records.FAILED,
+                    failure,
+                    records.UPSTREAM_ERROR,
+                )
+            up = self._fwd_up = _Upstream(dialed, key, outbound.chained)
+            self.upstream = up.sock
+            t.outbound_tx_bytes += dialed.tx_bytes
+            t.outbound_rx_bytes += dialed.rx_bytes
+        s.resolved_ip = up.resolved_ip
+        s.remote_host = up.remote_host
+        s.remote_port = up.remote_port
+        s.relay_chain = list(up.relay_chain)
+        s.state = "active"
+        if up.chained:
+            deps.counters.chained_sessions += 1
+        else:
+            deps.counters.direct_sessions += 1
+        self._publish("flow.routed", records.lifecycle_payload)
+        return await self._exchange(request, up)
+
+    async def _refuse_request(
+        self,
+        request: ForwardRequest,
+        status: int,
+        message: str,
+        outcome: str,
+        failure: records.Failure | None = None,
+        close_reason: str | None = None,
+    ) -> int:
+        """Answer a request we do not forward with our own error, and complete its flow.
+
+        The connection stays for the next request when the client wants that and this
+        request's body is already here to be skipped; otherwise it closes after the answer.
+        """
+        keep = request.keep_alive and self._skip_body(request)
+        reply = http_proto.response(
+            status,
+            headers=(("Connection", "keep-alive"),) if keep else (),
+            body=(message + "\n").encode(),
+        )
+        await self._reply(reply, quiet=True)
+        self._complete(outcome, close_reason, failure)
+        return _KEEP if keep else _CLOSE
+
+    def _skip_body(self, request: ForwardRequest) -> bool:
+        """Consume a refused request's body if all of it has arrived; False if not."""
+        body = framing.BodyFramer(request.body_kind, request.body_length)
+        try:
+            taken = body.feed(self._fwd_buf)
+        except ProtocolError:
+            return False
+        if not body.done:
+            return False
+        self._fwd_buf = self._fwd_buf[taken:]
+        assert self.state is not None
+        self.state.traffic.inbound_rx_bytes += taken
+        return True
+
+    # -- moving the bytes ------------------------------------------------------------
+
+    async def _exchange(self, request: ForwardRequest, up: _Upstream) -> int:
+        """The request to the upstream, its response to the client; the flow completes."""
+        head = request.head
+        # Shadowsocks upstreams are opened in Python here, a state the C relay cannot take
+        # over: no protocol switch through them (the Upgrade is not forwarded).
+        upgrade = request.upgrade and up.opener is None
+        wire = http_proto.origin_request(
+            head, request.path, request.host_header, connection="upgrade" if upgrade else ""
+        )
+        body = framing.BodyFramer(request.body_kind, request.body_length)
+        buf = self._fwd_buf
+        taken = body.feed(buf)
+        self._fwd_buf = buf[taken:]
+        assert self.state is not None
+        self.state.traffic.inbound_rx_bytes += taken
+        self._fwd_upload_failed = False
+        try:
+            await self._up_send(up, wire + buf[:taken] if taken else wire)
+        except OSError as ex:
+            return await self._upstream_failed(f"upstream connection failed: {ex}", False)
+        upload = None
+        if not body.done:
+            upload = self.dispatcher.loop.create_task(self._upload(up, body))
+        try:
+            return await self._download(request, up, upload, upgrade)
+        except _ClientGone:
+            self._drop_upstream()
+            self._complete(self._relayed_outcome(), None)
+            return _CLOSE
+        finally:
+            if upload is not None and not upload.done():
+                upload.cancel()
+
+    async def _upload(self, up: _Upstream, body: framing.BodyFramer) -> None:
+        """The rest of a request body, from the client as it arrives, to the upstream.
+
+        On any failure the upstream's write side is shut: the origin sees the request
+        end early and answers or closes, which ends the flow (and the connection)."""
+        loop = self.dispatcher.loop
+        client = self.client
+        assert client is not None and self.state is not None
+        t = self.state.traffic
+        idle = self.deps.tcp_idle_timeout_ms / 1000
+        try:
+            while not body.done:
+                data = await _recv(loop, client, idle)
+                if not data:
+                    raise EOFError("client closed mid-body")
+                taken = body.feed(data)
+                t.inbound_rx_bytes += taken
+                if taken < len(data):
+                    # Pipelined: the next request's head came right after this body.
+                    self._fwd_buf = data[taken:]
+                    data = data[:taken]
+                await self._up_send(up, data)
+        except (OSError, EOFError, TimeoutError, ProtocolError):
+            self._fwd_upload_failed = True
+            with contextlib.suppress(OSError):
+                up.sock.shutdown(socket.SHUT_WR)
+
+    async def _download(
+        self,
+        request: ForwardRequest,
+        up: _Upstream,
+        upload: asyncio.Task[None] | None,
+        upgrade: bool,
+    ) -> int:
+        head = request.head
+        buf, up.pending = up.pending, b""
+        sent = False
+        while True:
+            try:
+                response = http_proto.parse_response_head(buf)
+            except ProtocolError as ex:
+                return await self._upstream_failed(f"upstream response: {ex}", sent)
+            if response is NEED_MORE:
+                try:
+                    data = await self._up_recv(up)
+                except (OSError, TimeoutError, ProtocolError) as ex:
+                    return await self._upstream_failed(
+                        f"upstream connection failed: {ex or 'timed out'}", sent
+                    )
+                if not data:
+                    return await self._upstream_failed(
+                        "upstream closed the connection before its response was complete", sent
+                    )
+                buf += data
+                continue
+            buf = buf[response.consumed :]
+            if response.status == 101 and upgrade:
+                await self._to_client(http_proto.proxy_response(response, "Upgrade"))
+                await self._switch_protocols(up, buf)
+                return _TUNNEL
+            if response.status >= 200:
+                break
+            if response.status == 101:
+                return await self._upstream_failed("upstream switched protocols unasked", sent)
+            # Interim (100 Continue, 103): passed on, except to an HTTP/1.0 client, which
+            # does not know them (RFC 9110 15.2).
+            if head.version != "HTTP/1.0":
+                await self._to_client(http_proto.proxy_response(response, None))
+                sent = True
+        try:
+            kind, length = framing.response_framing(response, head.method.upper())
+        except ProtocolError as ex:
+            return await self._upstream_failed(str(ex), sent)
+        tokens = framing.connection_tokens(response.headers, "Connection")
+        # The connection closes after a response the client can only see end by the close,
+        # when either side asked for it, or when the request body is still on its way (we
+        # could not tell where the next request starts).
+        close = (
+            not request.keep_alive
+            or "close" in tokens
+            or kind == framing.CLOSE
+            or (upload is not None and not upload.done())
+            or self._fwd_upload_failed
+        )
+        reusable = (
+            not close
+            and head.version == "HTTP/1.1"
+            and response.version == "HTTP/1.1"
+            and not (request.upgrade and not upgrade)
+        )
+        connection = "close" if close else ("keep-alive" if head.version == "HTTP/1.0" else None)
+        body = framing.BodyFramer(kind, length)
+        try:
+            taken = body.feed(buf)
+        except ProtocolError as ex:
+            return await self._upstream_failed(f"upstream response body: {ex}", sent)
+        if taken < len(buf):
+            reusable = False  # bytes after the response: the upstream is out of step
+        await self._to_client(http_proto.proxy_response(response, connection) + buf[:taken])
+        while not body.done:
+            try:
+                data = await self._up_recv(up)
+                if not data:
+                    if body.at_eof():
+                        break
+                    return await self._upstream_failed(
+                        "upstream closed the connection mid-response; the response to the "
+                        "client is cut short",
+                        True,
+                    )
+                taken = body.feed(data)
+            except (OSError, TimeoutError, ProtocolError) as ex:
+                return await self._upstream_failed(
+                    f"upstream failed mid-response ({ex or 'timed out'}); the response to "
+                    "the client is cut short",
+                    True,
+                )
+            if taken < len(data):
+                reusable = False
+            await self._to_client(data[:taken])
+        if upload is not None and not upload.done():
+            upload.cancel()
+            reusable = False
+        if self._fwd_upload_failed:
+            close = True
+        if close or not reusable:
+            self._drop_upstream()
+        self._complete(self._relayed_outcome(), None)
+        return _CLOSE if close else _KEEP
+
+    async def _upstream_failed(self, message: str, answered: bool) -> int:
+        """The upstream failed this request: a 502 if the client has no answer yet, the
+        flow completes failed, and the connection closes (a cut response cannot be
+        told from a whole one any other way)."""
+        s = self.state
+        assert s is not None
+        self._drop_upstream()
+        if not answered:
+            await self._reply(http_proto.response(502, body=(message + "\n").encode()), quiet=True)
+        failure = records.Failure(
+            "relay", "upstream_error", message, {"host": s.remote_host, "port": s.remote_port}
+        )
+        self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+        return _CLOSE
+
+    async def _switch_protocols(self, up: _Upstream, down_early: bytes) -> None:
+        """A 101: from here the connection is a tunnel the C relay runs, as a CONNECT's.
+        Bytes either side already sent past the switch go first."""
+        s = self.state
+        assert s is not None and self.client is not None
+        t = s.traffic
+        if self._fwd_buf:
+            await self._up_send(up, self._fwd_buf)
+            t.inbound_rx_bytes += len(self._fwd_buf)
+            self._fwd_buf = b""
+        if down_early:
+            await self._to_client(down_early)
+        self._fwd_up = None
+        self._base = t.copy(sealed=False)
+        client_fd = self.client.detach()
+        upstream_fd = up.sock.detach()
+        self.client = self.upstream = None
+        try:
+            self.handle = self.deps.bridge.hand_off(
+                client_fd, upstream_fd, self.deps.tcp_idle_timeout_ms, self.actor_ref, None
+            )
+        except OSError:
+            for fd in (client_fd, upstream_fd):
+                with contextlib.suppress(OSError):
+                    socket.close(fd)
+            raise
+        # Listed with its relay handle, so samples and flows.close reach the relay.
+        self.deps.flows.put(
+            self.flow_id,
+            FlowEntry(
+                self.actor_ref, s.render(), s.inbound_tag, s.principal_key, self.handle, self._base
+            ),
+        )
+
+    async def _up_send(self, up: _Upstream, data: bytes) -> None:
+        """Request bytes to the upstream (sealed for shadowsocks), counted."""
+        assert self.state is not None
+        t = self.state.traffic
+        wire = up.sealer.seal(data) if up.sealer is not None else data
+        await self.dispatcher.loop.sock_sendall(up.sock, wire)
+        t.bytes_up += len(data)
+        t.outbound_tx_bytes += len(wire)
+
+    async def _up_recv(self, up: _Upstream) -> bytes:
+        """Response bytes from the upstream (opened for shadowsocks), counted; b"" at
+        its end. A sealed read may open to nothing yet: read on until it does not."""
+        assert self.state is not None
+        t = self.state.traffic
+        idle = self.deps.tcp_idle_timeout_ms / 1000
+        while True:
+            wire = await _recv(self.dispatcher.loop, up.sock, idle)
+            t.outbound_rx_bytes += len(wire)
+            if up.opener is None or not wire:
+                return wire
+            data = up.opener.feed(wire)
+            if data:
+                return data
+
+    async def _to_client(self, data: bytes) -> None:
+        """Response bytes to the client, counted; _ClientGone when it has gone."""
+        assert self.state is not None and self.client is not None
+        try:
+            await self.dispatcher.loop.sock_sendall(self.client, data)
+        except OSError as ex:
+            raise _ClientGone(str(ex)) from ex
+        t = self.state.traffic
+        t.inbound_tx_bytes += len(data)
+        t.bytes_down += len(data)
+
+
+async def _recv(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout: float) -> bytes:
+    """One read: at once when bytes are there (no timer), else within ``timeout``."""
+    try:
+        return sock.recv(_CHUNK)
+    except (BlockingIOError, InterruptedError):
+        pass
+    async with asyncio.timeout(timeout):
+        return await loop.sock_recv(sock, _CHUNK)
