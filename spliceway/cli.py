@@ -38,6 +38,9 @@ from spliceway.errors import ApiError
 EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_START_FAILED = 2
+#: 128 + the signal's number, as a shell reports a program SIGPIPE or SIGINT ended.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 _LOG_LEVELS = {
     "trace": logging.DEBUG,
@@ -51,7 +54,9 @@ _LOG_LEVELS = {
 _EPILOG = """\
 exit status: 0 success; 1 validate or a connector command found problems, or a
              command to a running engine failed (its error code and message on
-             stderr); 2 the engine could not start (one line per problem on stderr)
+             stderr); 2 the engine could not start (one line per problem on stderr);
+             130 interrupted (SIGINT; run stops cleanly with 0 instead); 141 the
+             reader of standard output went away (| head)
 output:      a table by default, JSON with --json (events: JSON lines)
 remote:      status, flows, policies, select, mode, reload and events talk to a running
              engine over its IPC socket (docs/ipc.md); connector state too, while an
@@ -442,7 +447,42 @@ def cmd_build_info(as_json: bool = False) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``spliceway`` console script."""
+    """Entry point of the ``spliceway`` console script.
+
+    A reader that goes away (``spliceway config-schema | head -1``) ends the program
+    quietly with 141, and SIGINT outside ``run`` (which stops its engine cleanly and
+    exits 0) with 130: the statuses a shell reports for a program those signals ended,
+    never a traceback.
+    """
+    try:
+        try:
+            status = _dispatch(argv)
+        finally:
+            # Output still buffered (argparse's --help before its SystemExit too) must
+            # reach the pipe here, where a closed one is caught, not in the
+            # interpreter's final flush.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return status
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush of what is still buffered
+    does not fail on the closed pipe again (and print its own complaint)."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "validate":
         return cmd_validate(args.file, args.json)

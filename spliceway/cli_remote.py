@@ -6,7 +6,6 @@ Each prints a readable table by default and JSON with ``--json``; a failure prin
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -160,12 +159,6 @@ def cmd_events(ipc: str | None, types: list[str] | None) -> int:
                 sys.stdout.flush()
     except ApiError as ex:
         return _fail(ex)
-    except KeyboardInterrupt:
-        pass
-    except BrokenPipeError:
-        # The reader went away (``spliceway events | head``): stop quietly; stdout is
-        # pointed at /dev/null so the interpreter's final flush does not fail again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+    # SIGINT and a reader that goes away (``spliceway events | head``) end it through
+    # cli.main, quietly and with the shell's status for them.
     return EXIT_OK
