@@ -4,7 +4,8 @@ The new bytes go to a temporary file in the same directory, which is fsynced,
 renamed over the target (rename is atomic within a filesystem) and then the
 directory is fsynced, so the rename itself survives a power loss. The two halves
 can be apart (:class:`StagedFile`): ``config.apply`` writes the new file first and
-renames it only once the new configuration runs.
+renames it only once the new configuration runs, keeping what the file held before
+as ``<file>.prev``.
 """
 
 from __future__ import annotations
@@ -27,38 +28,41 @@ def replace_file(path: str, data: bytes) -> None:
     staged.commit(strict=True)
 
 
+PREVIOUS_SUFFIX = ".prev"
+
+
 class StagedFile:
     """A file's next contents, written and fsynced beside it; :meth:`commit` renames it over
-    the file (atomic), :meth:`discard` removes it. Keeps the file's permission bits."""
+    the file (atomic), :meth:`discard` removes it. Keeps the file's permission bits.
 
-    def __init__(self, path: str, tmp: str) -> None:
+    With ``keep_previous`` the file's current contents are kept as ``<path>.prev`` by the
+    commit: one generation, itself replaced by an atomic rename, so a crash leaves the
+    old ``.prev`` or the new one, whole."""
+
+    def __init__(self, path: str, tmp: str, previous_tmp: str | None = None) -> None:
         self.path = path
         self._tmp: str | None = tmp
+        self._previous_tmp = previous_tmp
+
+    @property
+    def previous_path(self) -> str:
+        """Where the commit keeps the file's contents before it (``<path>.prev``)."""
+        return self.path + PREVIOUS_SUFFIX
 
     @classmethod
-    def write(cls, path: str, data: bytes) -> StagedFile:
-        """Stage ``data`` for ``path``; OSError (nothing left behind) on failure."""
-        directory = os.path.dirname(os.path.abspath(path))
-        try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-        except FileNotFoundError:
-            mode = 0o644
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-        try:
+    def write(cls, path: str, data: bytes, *, keep_previous: bool = False) -> StagedFile:
+        """Stage ``data`` for ``path`` (and, with ``keep_previous``, its current contents for
+        ``<path>.prev``); OSError (nothing left behind) on failure."""
+        tmp = _write_beside(path, data)
+        previous_tmp = None
+        if keep_previous:
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fchmod(fd, mode)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return cls(path, tmp)
+                previous_tmp = _stage_previous(path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        return cls(path, tmp, previous_tmp)
 
     def commit(self, *, strict: bool = False) -> None:
         """Rename the staged file over ``path`` and make that durable (OSError when the
@@ -66,12 +70,20 @@ class StagedFile:
         the rename is an OSError too when ``strict``, else logged: the new file is in
         place and visible, only its durability is in doubt."""
         tmp, self._tmp = self._tmp, None
+        previous_tmp, self._previous_tmp = self._previous_tmp, None
         assert tmp is not None
         try:
+            if previous_tmp is not None:
+                # First: should the second rename fail, .prev holds what the file still
+                # holds, which loses nothing.
+                os.rename(previous_tmp, self.previous_path)
+                previous_tmp = None
             os.rename(tmp, self.path)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            for leftover in (tmp, previous_tmp):
+                if leftover is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(leftover)
             raise
         try:
             fsync_directory(os.path.dirname(os.path.abspath(self.path)))
@@ -82,10 +94,65 @@ class StagedFile:
 
     def discard(self) -> None:
         """Remove the staged file (the apply did not go through)."""
-        tmp, self._tmp = self._tmp, None
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        for leftover in (self._tmp, self._previous_tmp):
+            if leftover is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+        self._tmp = self._previous_tmp = None
+
+
+def _write_beside(path: str, data: bytes, mode_of: str | None = None) -> str:
+    """``data`` in a new fsynced temporary file beside ``path``, with the permission bits
+    of ``mode_of`` (default ``path``; 0644 for a new file); its name. Nothing is left
+    behind on failure."""
+    try:
+        mode = stat.S_IMODE(os.stat(mode_of or path).st_mode)
+    except FileNotFoundError:
+        mode = 0o644
+    tmp = _temporary_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _stage_previous(path: str) -> str | None:
+    """A second name for ``path``'s current contents beside it, to be renamed to
+    ``<path>.prev`` (None when there is no file yet). A hard link keeps the exact bytes,
+    comments and all, without copying them; where the filesystem has no links, a copy."""
+    previous = path + PREVIOUS_SUFFIX
+    tmp = _temporary_name(previous)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a process of this pid that was killed
+    try:
+        os.link(path, tmp)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            with open(path, "rb") as current:
+                data = current.read()
+        except (FileNotFoundError, IsADirectoryError):
+            # No file to keep; the commit's rename over a directory fails on its own.
+            return None
+        return _write_beside(previous, data, mode_of=path)
+    return tmp
+
+
+def _temporary_name(path: str) -> str:
+    directory = os.path.dirname(os.path.abspath(path))
+    return os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
 
 
 def fsync_directory(directory: str) -> None:

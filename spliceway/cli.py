@@ -114,7 +114,14 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("mode", choices=("rule", "direct", "global"))
     mode.add_argument("outbound", nargs="?", help="the outbound or group of mode global")
     reload = sub.add_parser(
-        "reload", help="apply a configuration file to a running engine (config.apply)"
+        "reload",
+        help="apply a configuration file to a running engine (config.apply)",
+        description="Apply FILE's document to the running engine (config.apply). FILE is "
+        "only read. The engine's own source file (its run -c FILE) is rewritten to hold "
+        "the applied document, serialised anew (JSON, or YAML for .yaml/.yml), so its "
+        "comments and formatting are not kept there; what it held before is kept as "
+        "<source file>.prev (one generation, replaced by the next apply). An engine "
+        "started without a file writes nothing. See docs/reload.md.",
     )
     reload.add_argument("file", help="the whole configuration to run (JSON or YAML)")
     for remote in (validate, build_info, status, flows, policies, select, mode, reload):

@@ -137,8 +137,8 @@ __all__ = [
     "load_config_file",
     "one_sink_environment_problems",
     "parse_config",
-    "resolve_ipc",
     "parse_dns_server",
+    "resolve_ipc",
     "sink_environment_problems",
     "validate_document",
 ]

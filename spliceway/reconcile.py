@@ -451,7 +451,8 @@ class Reconciler:
         if isinstance(document, Config):
             document = document.model_dump(mode="json")
         try:
-            return "source_file", StagedFile.write(path, serialize(document, path))
+            staged = StagedFile.write(path, serialize(document, path), keep_previous=True)
+            return "source_file", staged
         except OSError as ex:
             raise ApiError(
                 "internal",

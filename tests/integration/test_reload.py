@@ -653,3 +653,61 @@ def test_an_install_not_confirmed_in_time_never_claims_a_rollback(
         assert f"{path} is unchanged" in message
         assert path.read_bytes() == before
         wait_until(lambda: len(engine.core.config.rules) == 1, what="the late install")
+
+
+def test_config_apply_keeps_the_previous_file_as_prev(tmp_path: Path) -> None:
+    """The user's own file, comments and all, survives an apply as ``<file>.prev``, byte
+    for byte and with its mode; the next apply replaces ``.prev`` with what the first one
+    wrote (one generation); a refused apply touches neither file."""
+    doc = reload_config(tmp_path)
+    path = tmp_path / "config.json"
+    original = json.dumps(doc, indent=4).encode() + b"\n\n"  # the user's formatting
+    path.write_bytes(original)
+    path.chmod(0o640)
+    prev = tmp_path / "config.json.prev"
+    with Engine.from_file(path) as engine:
+        first = copy.deepcopy(doc)
+        first["rules"] = [{"domain": ["one.test"], "action": "block"}]
+        assert apply(engine, first)["persistence"] == "source_file"
+        assert prev.read_bytes() == original
+        assert (prev.stat().st_mode & 0o777) == 0o640
+        assert json.loads(path.read_text()) == first
+        written = path.read_bytes()
+        second = copy.deepcopy(doc)
+        second["rules"] = [{"domain": ["two.test"], "action": "block"}]
+        apply(engine, second)
+        assert prev.read_bytes() == written
+        bad = copy.deepcopy(doc)
+        bad["api"]["control"] = {"enabled": True, "listen": {"port": 0}}
+        with pytest.raises(ApiError):
+            engine.execute("config.apply", {"config": bad})
+        assert prev.read_bytes() == written
+        assert json.loads(path.read_text()) == second
+        assert sorted(n for n in os.listdir(tmp_path) if "config" in n) == [
+            "config.json",
+            "config.json.prev",
+        ]
+
+
+def test_a_yaml_file_keeps_its_comments_in_prev(tmp_path: Path) -> None:
+    import yaml  # the test extra has it: a YAML source file is part of the contract
+    doc = reload_config(tmp_path)
+    path = tmp_path / "config.yaml"
+    original = b"# my proxy, edited by hand\n" + yaml.safe_dump(doc).encode()
+    path.write_bytes(original)
+    with Engine.from_file(path) as engine:
+        doc["rules"] = [{"domain": ["one.test"], "action": "block"}]
+        apply(engine, doc)
+    assert (tmp_path / "config.yaml.prev").read_bytes() == original
+    assert b"# my proxy" not in path.read_bytes()
+    assert yaml.safe_load(path.read_bytes()) == doc
+
+
+def test_reload_help_says_what_is_written_where() -> None:
+    result = subprocess.run(
+        [*SPLICEWAY, "reload", "--help"], capture_output=True, text=True, timeout=30, check=True
+    )
+    text = " ".join(result.stdout.split())
+    assert "FILE is only read" in text
+    assert "comments and formatting are not kept" in text
+    assert "<source file>.prev" in text
