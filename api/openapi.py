@@ -352,6 +352,23 @@ def _group_fields() -> dict[str, Schema]:
         "last_checked_unix_ms": nullable(UNIX_MS),
         "effective_chains": chains,
         "url_test_members": array(member),
+        "member_health": array(
+            obj(
+                {
+                    "member_tag": STR,
+                    "healthy": nullable(BOOL),
+                    "latency_ms": nullable(LATENCY_MS),
+                    "last_checked_unix_ms": nullable(UNIX_MS),
+                    "last_error": nullable(STR),
+                    "checked_by": nullable(STR),
+                },
+                description="What the engine knows of one member now: the newest check of "
+                "it by any probing group (`checked_by`), whichever group lists it; all null "
+                "until some group has checked it.",
+            ),
+            description="Every member, in order, with its engine-wide latest health "
+            "(`url_test_members` keeps this group's own view, which its selection follows).",
+        ),
     }
 
 

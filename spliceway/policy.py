@@ -228,9 +228,43 @@ class PolicyTable:
             return self.latency_ms(view.selected)
         return view.health[view.selected].latency_ms if view.probing else None
 
+    def latest_health(self) -> dict[str, tuple[MemberHealth, str]]:
+        """Per member tag, the newest health any probing group recorded for it (a probe
+        round or a dial failure) and that group's tag; members no group has checked yet
+        are absent. A tie goes to the group listed first."""
+        latest: dict[str, tuple[MemberHealth, str]] = {}
+        for view in self._views.values():
+            if not view.probing:
+                continue
+            for member, health in view.health.items():
+                checked = health.last_checked_unix_ms
+                if checked is None:
+                    continue
+                known = latest.get(member)
+                if known is None or checked > (known[0].last_checked_unix_ms or 0):
+                    latest[member] = (health, view.tag)
+        return latest
+
     def snapshot(self, tag: str) -> dict[str, Any]:
         """The PolicySnapshot of group ``tag``: the config summary's group fields and more."""
         view = self._views[tag]
+        # Engine-wide, not this group's: a selector's members (which it never probes) and a
+        # member another group checked more recently show what is known of them now.
+        latest = self.latest_health()
+        member_health = []
+        for m in view.members:
+            known = latest.get(m)
+            h, by = known if known is not None else (None, None)
+            member_health.append(
+                {
+                    "member_tag": m,
+                    "healthy": h.healthy if h is not None else None,
+                    "latency_ms": h.latency_ms if h is not None else None,
+                    "last_checked_unix_ms": h.last_checked_unix_ms if h is not None else None,
+                    "last_error": h.last_error if h is not None else None,
+                    "checked_by": by,
+                }
+            )
         members = []
         if view.probing:
             for m in view.members:
@@ -254,6 +288,7 @@ class PolicyTable:
             "last_checked_unix_ms": view.last_checked_unix_ms,
             "effective_chains": self.effective_chains(tag),
             "url_test_members": members,
+            "member_health": member_health,
         }
         if view.probing:
             snap["url"] = view.url

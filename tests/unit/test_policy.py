@@ -350,6 +350,7 @@ BASE_KEYS = {
     "last_checked_unix_ms",
     "effective_chains",
     "url_test_members",
+    "member_health",
 }
 MEMBER_KEYS = {
     "member_tag",
@@ -370,6 +371,40 @@ def test_snapshot_of_a_selector():
     assert snap["latency_ms"] == 12.5  # the nested url_test's chosen member
     assert snap["effective_chains"] == [["proxy", "auto", "x"]]
     assert snap["url_test_members"] == []
+
+
+def test_member_health_is_the_newest_check_by_any_group():
+    """A member's health in every group's ``member_health`` is the newest of every probing
+    group's own view; a tie goes to the group listed first; unchecked is all null."""
+    table = nested_table()
+    # x: up at t=1 in auto, dead at t=1 in fb (a tie: auto is listed first).
+    proxy = {m["member_tag"]: m for m in table.snapshot("proxy")["member_health"]}
+    assert list(proxy) == ["auto", "chain", "lb", "direct"]
+    assert proxy["direct"] == {
+        "member_tag": "direct",
+        "healthy": None,
+        "latency_ms": None,
+        "last_checked_unix_ms": None,
+        "last_error": None,
+        "checked_by": None,
+    }
+    fb = {m["member_tag"]: m for m in table.snapshot("fb")["member_health"]}
+    assert (fb["x"]["healthy"], fb["x"]["checked_by"]) == (True, "auto")
+    # A later check by fb wins, in auto too (whose own view is unchanged).
+    fb_view = table.get("fb")
+    assert fb_view is not None
+    table.publish(mark_down(fb_view, "x", "refused", 5))
+    auto = table.snapshot("auto")
+    x = next(m for m in auto["member_health"] if m["member_tag"] == "x")
+    assert (x["healthy"], x["last_checked_unix_ms"], x["last_error"], x["checked_by"]) == (
+        False,
+        5,
+        "refused",
+        "fb",
+    )
+    assert auto["url_test_members"][0]["healthy"] is True
+    # Non-probing groups (a selector, a relay) record no health of their own.
+    assert set(table.latest_health()) == {"x", "y", "z"}
 
 
 def test_snapshot_of_a_selector_on_a_plain_outbound_has_no_latency():
