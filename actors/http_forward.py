@@ -340,8 +340,16 @@ class HttpForwarding:
         # Shadowsocks upstreams are opened in Python here, a state the C relay cannot take
         # over: no protocol switch through them (the Upgrade is not forwarded).
         upgrade = request.upgrade and up.opener is None
+        # HTTP/1.1 keeps the upstream connection by default; an HTTP/1.0 request is
+        # forwarded as such, and asks for keep-alive on our hop when its client did.
+        if upgrade:
+            connection = "upgrade"
+        elif head.version == "HTTP/1.0" and request.keep_alive:
+            connection = "keep-alive"
+        else:
+            connection = ""
         wire = http_proto.origin_request(
-            head, request.path, request.host_header, connection="upgrade" if upgrade else ""
+            head, request.path, request.host_header, connection=connection
         )
         body = framing.BodyFramer(request.body_kind, request.body_length)
         buf = self._fwd_buf
@@ -453,8 +461,7 @@ class HttpForwarding:
         )
         reusable = (
             not close
-            and head.version == "HTTP/1.1"
-            and response.version == "HTTP/1.1"
+            and (response.version == "HTTP/1.1" or "keep-alive" in tokens)
             and not (request.upgrade and not upgrade)
         )
         connection = "close" if close else ("keep-alive" if head.version == "HTTP/1.0" else None)

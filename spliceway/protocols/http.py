@@ -463,7 +463,8 @@ def proxy_response(head: ResponseHead, connection: str | None) -> bytes:
         drop = drop - {"upgrade"}
     if any(k.lower() == "transfer-encoding" for k, _ in head.headers):
         drop = drop | {"content-length"}
-    lines = [f"HTTP/1.1 {head.status} {head.reason}".rstrip(" ")]
+    # The space before an empty reason stays: RFC 9112 4 requires it.
+    lines = [f"HTTP/1.1 {head.status} {head.reason}"]
     lines.extend(f"{key}: {value}" for key, value in head.headers if key.lower() not in drop)
     if connection:
         lines.append(f"Connection: {connection}")
