@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from spliceway import records, routing
+from spliceway import flowlog, records, routing
 from spliceway.events import now_ms
 from spliceway.runtime import FlowEntry
 
@@ -135,7 +135,8 @@ def complete(
     chained: bool,
 ) -> None:
     """End the record (``outcome`` None: relayed, through a proxy when ``chained``),
-    count it in the engine's totals, and publish ``flow.completed``."""
+    count it in the engine's totals, publish ``flow.completed`` and write the flow's
+    ``spliceway.flow`` line (docs/running.md: one per flow, UDP as TCP)."""
     s.state = "completed"
     s.outcome = outcome or (records.CHAINED_RELAYED if chained else records.DIRECT_RELAYED)
     s.failure = failure
@@ -144,6 +145,7 @@ def complete(
     s.ended_at_unix_ms = max(now_ms(), s.started_at_unix_ms)
     deps.counters.count_completed(s)
     publish(deps, actor_ref, s, "flow.completed", occurred=s.ended_at_unix_ms)
+    flowlog.log_completed(s)
 
 
 def publish(

@@ -1,12 +1,13 @@
 """The one log line of a completed flow (docs/running.md, "Per-flow log lines").
 
-Exactly one line per flow, on logger ``spliceway.flow`` when the flow completes:
+Exactly one line per flow, TCP or UDP (a UDP flow is one destination of an
+association or a TUN session), on logger ``spliceway.flow`` when the flow completes:
 at ``info`` for flows that failed or were blocked (what an operator looks for
 when "the connection does not work"), at ``debug`` for every other flow. The
 line is logfmt, keys in a fixed order, so ``grep``, ``awk`` and log shippers
 read it without a parser of their own::
 
-    flow=3f2a9c1e-17 outcome=failed inbound=mixed-in source=127.0.0.1:53422
+    flow=3f2a9c1e-17 outcome=failed network=tcp inbound=mixed-in source=127.0.0.1:53422
     target=example.com:443 outbound=hop-a up=0 down=0 duration_ms=12
     close_reason=upstream_error stage=connect code=connection_refused error="..."
 
@@ -63,6 +64,7 @@ def line(state: FlowState) -> str:
     fields: list[tuple[str, object]] = [
         ("flow", state.flow_id),
         ("outcome", state.outcome),
+        ("network", state.network),
         ("inbound", state.inbound_tag),
         ("source", _endpoint(state.source_ip, state.source_port)),
         ("target", _endpoint(state.target_host, state.target_port)),
