@@ -377,6 +377,20 @@ def _config_summary() -> Schema:
         {
             "mode": obj({"kind": ref("ModeKind"), "outbound": nullable(STR)}),
             "rule_count": COUNT,
+            "rules": array(
+                obj(
+                    {
+                        "index": COUNT,
+                        "condition": STR,
+                        "action": enum(["route", "block"]),
+                        "outbound": nullable(STR),
+                    },
+                    description="One routing rule, in order: `index` and `condition` as a "
+                    "flow's `route.matched_rule` names it; `outbound` is null for `block`.",
+                ),
+                description="The rules in force (mode `rule` tries them in order).",
+            ),
+            "final": string(description="`route.final`: where flows no rule matches go."),
             "listeners": array(
                 obj(
                     {

@@ -155,9 +155,24 @@ def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
         for ob in core.outbounds.values()
         if ob.tag not in core.policies  # a relay group's outbound is a group
     ]
+    # From the compiled rule set a flow decides with, so the text is matched_rule's.
+    rules = []
+    for index, rule in enumerate(route.ruleset.rules):
+        decision = rule.decision
+        matched = decision.matched_rule
+        rules.append(
+            {
+                "index": index,
+                "condition": matched.condition if matched is not None else "",
+                "action": decision.action,
+                "outbound": decision.target,
+            }
+        )
     return {
         "mode": {"kind": route.mode, "outbound": route.mode_outbound},
         "rule_count": len(cfg.rules),
+        "rules": rules,
+        "final": route.final,
         "listeners": listeners,
         "outbounds": outbounds,
         "outbound_groups": [core.policies.snapshot(v.tag) for v in core.policies.views()],
