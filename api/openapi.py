@@ -791,6 +791,7 @@ def _apply_result() -> Schema:
             "persistence": enum(["source_file", "runtime_only"]),
             "reconciled": BOOL,
             "application_components": STRINGS,
+            "changed_components": STRINGS,
         }
     )
 

@@ -377,7 +377,9 @@ _APPLY_ERRORS = (
     ),
     (
         "unsupported",
-        "It asks for a part this build lacks (e.g. `runtime.tun`). Nothing changed.",
+        "This build has no `config.apply` (`capabilities` says why). Nothing changed. A part "
+        "the machine cannot provide (`runtime.tun` without `/dev/net/tun` or "
+        "`CAP_NET_ADMIN`) fails as `internal`, rolled back.",
     ),
     (
         "internal",

@@ -711,3 +711,26 @@ def test_reload_help_says_what_is_written_where() -> None:
     assert "FILE is only read" in text
     assert "comments and formatting are not kept" in text
     assert "<source file>.prev" in text
+
+
+@pytest.mark.parametrize("method", ["config.apply", "config.apply_runtime"])
+def test_apply_results_are_the_documented_shape(tmp_path: Path, method: str) -> None:
+    """The result is exactly the OpenAPI component (closed objects), which docs/commands.md
+    is generated from: a field the engine sends and the document omits fails here."""
+    import jsonschema
+
+    from spliceway.api.openapi import command_component, openapi_document
+
+    document = openapi_document()
+    schema = {
+        **document["components"]["schemas"][command_component(method, "Result")],
+        "components": document["components"],
+    }
+    doc = reload_config(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    with Engine.from_file(path) as engine:
+        doc["rules"] = [{"domain": ["x.test"], "action": "block"}]
+        result = apply(engine, doc, method)
+    assert result["changed_components"] == ["routing"]
+    jsonschema.Draft202012Validator(schema).validate(result)
