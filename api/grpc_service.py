@@ -249,7 +249,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
             principal = self._admit(context, self._state.command_bucket, read=False)
             # Unset params is a missing one: invalid_argument on "params", as over HTTP.
             params = struct_to_dict(request.params) if request.HasField("params") else None
-            return commands.execute(self._core, request.method, params, principal.permissions)
+            return commands.execute(
+                self._core, request.method, params, principal.permissions, transport="grpc"
+            )
 
         return self._answer(context, request.id, run)
 

@@ -542,7 +542,7 @@ class _Connection:
             if unknown:
                 raise invalid_argument(f"unknown field {sorted(unknown)[0]!r}", "command")
             params = body.get("params", {})
-            result = commands.execute(self._core, body.get("method"), params)
+            result = commands.execute(self._core, body.get("method"), params, transport="ipc")
             return "command", result
         if name not in queries.QUERIES and name not in IPC_QUERIES:
             raise invalid_argument(f"unknown request {name!r}", name)

@@ -10,7 +10,9 @@ naming what is missing, and capabilities list it as such.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,6 +29,13 @@ if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore
 
 PERMISSIONS = ("read", "control", "config", "admin")
+
+logger = logging.getLogger(__name__)
+
+#: The transport the running command arrived over (``http``, ``ipc``, ``grpc``,
+#: ``embedded``), set by ``execute`` for the handler's duration. Only the log line of an
+#: applied configuration reads it, so the handlers' signatures stay transport-free.
+_TRANSPORT: ContextVar[str | None] = ContextVar("spliceway_command_transport", default=None)
 
 
 def grants(permissions: Iterable[str], needed: str) -> bool:
@@ -235,11 +244,27 @@ def _config_validate(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
 
 
 def _config_apply(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
-    return core.reconciler.apply(p.config, persist=True, trigger="config.apply")
+    return _logged(core.reconciler.apply(p.config, persist=True, trigger="config.apply"))
 
 
 def _config_apply_runtime(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
-    return core.reconciler.apply(p.config, persist=False, trigger="config.apply_runtime")
+    result = core.reconciler.apply(p.config, persist=False, trigger="config.apply_runtime")
+    return _logged(result, "config.apply_runtime")
+
+
+def _logged(result: dict[str, Any], method: str = "config.apply") -> dict[str, Any]:
+    """One INFO line per configuration a command applied (a refused one raised before
+    this): an operator reading the log sees when, how and what changed without the event
+    stream. SIGHUP reloads are logged by ``spliceway run`` itself (spliceway/cli.py)."""
+    changed = ",".join(result["changed_components"]) or "-"
+    logger.info(
+        "configuration applied: method=%s transport=%s persistence=%s changed=%s",
+        method,
+        _TRANSPORT.get() or "-",
+        result["persistence"],
+        changed,
+    )
+    return result
 
 
 def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
@@ -620,8 +645,11 @@ def execute(
     method: object,
     params: object,
     permissions: Iterable[str] = PERMISSIONS,
+    *,
+    transport: str | None = None,
 ) -> dict[str, Any]:
-    """Validate and run one command; raises ApiError on every failure."""
+    """Validate and run one command; raises ApiError on every failure. ``transport``
+    (``http``, ``ipc``, ``grpc``, ``embedded``) names where it came from in the log."""
     if not isinstance(method, str) or method not in COMMANDS:
         raise invalid_argument(f"unknown command method {method!r}", "method")
     command = COMMANDS[method]
@@ -638,4 +666,8 @@ def execute(
     if not core.running:
         # A control connection opened before the stop may still send commands.
         raise ApiError("conflict", "the engine is not running (it is stopping)")
-    return command.handler(core, parsed)
+    token = _TRANSPORT.set(transport)
+    try:
+        return command.handler(core, parsed)
+    finally:
+        _TRANSPORT.reset(token)

@@ -190,7 +190,9 @@ class Engine:
     def execute(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run a command (docs/commands.md) through the engine's one command table."""
         self._require_running()
-        return commands.execute(self._core, method, {} if params is None else params)
+        return commands.execute(
+            self._core, method, {} if params is None else params, transport="embedded"
+        )
 
     def subscribe(
         self,
