@@ -8,6 +8,10 @@ and ``policy.probe.completed`` (each finished round of a probing group).
 
 Rounds start at startup, every ``interval_seconds``, on ``policies.probe`` and
 when a flow reports that a member failed to dial; at most one runs at a time.
+
+A url_test or fallback group left with no healthy member warns once (a WARNING log
+line and ``engine.warning`` ``policy_no_healthy_member``) when it gets there, and logs
+at INFO when a member is healthy again; the rounds in between say nothing more.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
+
+#: The ``engine.warning`` code of a url_test or fallback group with no healthy member.
+NO_HEALTHY_MEMBER = "policy_no_healthy_member"
+#: Kinds that fall back to an unhealthy member when none is healthy: the warning's kinds
+#: (a load_balance group spreads over all members then, a selector is never probed).
+_HEALTH_WARNED_KINDS = frozenset({"url_test", "fallback"})
 
 
 class SelectMember(NamedTuple):
@@ -58,6 +68,8 @@ class PolicyGroupActor(LoopActor):
         self.tag = view.tag
         self._round: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        #: True from the warning about no healthy member until one is healthy again.
+        self._none_healthy = False
 
     @property
     def view(self) -> policy.GroupView:
@@ -124,8 +136,38 @@ class PolicyGroupActor(LoopActor):
         view = self.view
         if not view.probing or member not in view.members:
             return
-        self.core.policies.publish(policy.mark_down(view, member, error, now_ms()))
+        updated = policy.mark_down(view, member, error, now_ms())
+        self.core.policies.publish(updated)
+        self._watch_health(updated)
         self._start_round("dial_failure")
+
+    def _watch_health(self, view: policy.GroupView) -> None:
+        """Warn when the group has just lost its last healthy member, note when it has one
+        again: once per transition, so a dead upstream does not repeat itself every round."""
+        if view.kind not in _HEALTH_WARNED_KINDS:
+            return
+        healthy = [m for m in view.members if view.health[m].healthy]
+        none_healthy = not healthy
+        if none_healthy == self._none_healthy:
+            return  # no transition
+        self._none_healthy = none_healthy
+        if healthy:
+            logger.info(
+                "policy group %r (%s) has a healthy member again: %s",
+                self.tag,
+                view.kind,
+                ", ".join(healthy),
+            )
+            return
+        reasons = "; ".join(
+            f"{m}: {view.health[m].last_error or 'unhealthy'}" for m in view.members
+        )
+        message = (
+            f"policy group {self.tag!r} ({view.kind}) has no healthy member ({reasons}); "
+            f"its flows go to {view.selected!r} until a member is healthy again"
+        )
+        logger.warning("%s", message)
+        self.core.log.emit("engine.warning", {"code": NO_HEALTHY_MEMBER, "message": message})
 
     def _arm_timer(self) -> None:
         interval = self.view.interval_seconds
@@ -193,3 +235,5 @@ class PolicyGroupActor(LoopActor):
                 ],
             },
         )
+        # After the round's own event: the warning is what the round found.
+        self._watch_health(updated)

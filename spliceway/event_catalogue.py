@@ -179,6 +179,10 @@ ENGINE_WARNING_CODES: dict[str, str] = {
     "read back whole at start or reload: unreadable or damaged (it is moved aside to "
     "`<path>.damaged` and the table starts empty), or some mappings lay outside the "
     "configured range (they are dropped).",
+    "policy_no_healthy_member": "A `url_test` or `fallback` group has no healthy member left "
+    "(every member's last probe or dial failed); the message names the group, each member's "
+    "last error and the member its flows still use. Once per outage of the group: the next "
+    "comes only after a member was healthy again (logged at info).",
 }
 
 _COUNT = "integer"
