@@ -7,8 +7,12 @@
  * - active flows: the stream's flow.snapshot is the baseline, then every flow event's
  *   record is merged keeping the highest revision per flow_id; a completed record
  *   removes the flow (docs/events.md, interface 4.3);
- * - throughput from stats.sampled; policies, sinks, config and capabilities from
- *   queries; actions through POST /api/v1/commands.
+ * - only flow.* events carry flow records: nothing else (ipc.*, engine.*) ever makes a row;
+ * - throughput from stats.sampled; a flow's speed from its record's throughput (fed by
+ *   flow.updated), dropped to zero once no sample has come for it;
+ * - policies (each member's health engine-wide: member_health), sinks, config (mode,
+ *   rules) and capabilities from queries; the engine's log from GET /api/v1/logs, polled;
+ *   actions through POST /api/v1/commands.
  * The API key, when the engine needs one, is asked for on a 401 and kept only in
  * sessionStorage (this tab). All text reaches the DOM through textContent.
  */
@@ -29,9 +33,18 @@
   const SINKS_EVERY_MS = 3000;
   const CONFIG_EVERY_MS = 10000;
   const POLICIES_EVERY_MS = 15000;
+  const LOGS_EVERY_MS = 2000;
+  const LOG_BUFFER = 500;
+  const LOGS_SHOWN = 200;
+  /** Flows whose rule this page has counted (bounded: the oldest are forgotten). */
+  const RULE_MEMORY = 4096;
   /** A stream silent this long (keep-alives come every 10 s) is considered dead. */
   const STREAM_SILENCE_MS = 35000;
   const FREQUENT = new Set(["stats.sampled", "flow.updated"]);
+  const IPC_EVENTS = new Set(["ipc.connected", "ipc.disconnected"]);
+  /** The only events whose payload.record is a flow record (docs/events.md). */
+  const FLOW_EVENTS = new Set(["flow.started", "flow.routed", "flow.updated", "flow.completed"]);
+  const LEVEL_RANK = { debug: 0, info: 1, warn: 2, error: 3 };
 
   const $ = (id) => document.getElementById(id);
 
@@ -355,8 +368,12 @@
 
   // ---------------------------------------------------------------- engine and stats
 
+  /** When the engine this page follows started (from health or engine.started). */
+  let engineStartedAt = null;
+
   async function loadHealth() {
     const health = await api("/health");
+    engineStartedAt = Math.max(engineStartedAt || 0, health.started_at_unix_ms || 0);
     setText(
       $("engine-info"),
       `${health.engine_build_id} · started ${fmtDateTime(health.started_at_unix_ms)}`,
@@ -386,7 +403,8 @@
   let clockOffset = null;
 
   function mergeRecord(record) {
-    if (!record || !record.flow_id) return;
+    if (!record || typeof record.flow_id !== "string" || !record.revision) return;
+    countRule(record);
     const id = record.flow_id;
     const endedAt = ended.get(id);
     if (endedAt !== undefined && endedAt >= record.revision) return;
@@ -406,6 +424,8 @@
   function replaceFlows(records) {
     flows.clear();
     for (const record of records || []) {
+      if (!record || typeof record.flow_id !== "string") continue;
+      countRule(record);
       if (record.state !== "completed") flows.set(record.flow_id, record);
     }
     scheduleFlows();
@@ -423,12 +443,14 @@
       "destination",
       "inbound",
       "outbound",
+      "rule",
       "up",
       "down",
+      "speed",
       "age",
       "state",
     ]) {
-      const numeric = name === "up" || name === "down" || name === "age";
+      const numeric = ["up", "down", "speed", "age"].includes(name);
       cells[name] = el("td", { class: `col-${name}${numeric ? " num" : ""}`, data: { col: name } });
       tr.append(cells[name]);
     }
@@ -484,10 +506,13 @@
     if (route.action === "block") outbound = "blocked";
     const via = chain.length > 1 ? chain.join(" › ") : (path.relay_chain || []).join(" › ");
     twoLines(row.cells.outbound, outbound, via);
+    const [rule, ruleSub] = ruleOf(r);
+    twoLines(row.cells.rule, rule, ruleSub);
     const traffic = r.traffic || {};
     setText(row.cells.up, fmtBytes(traffic.bytes_up || 0));
     setText(row.cells.down, fmtBytes(traffic.bytes_down || 0));
     updateAge(row, r);
+    updateSpeed(row, r);
     setText(row.cells.state, r.state || "–");
     row.cells.state.dataset.state = r.state || "";
     row.button.setAttribute(
@@ -499,6 +524,71 @@
     row.button.title = allowed ? "Close this flow (flows.close)" : needs("flows.close");
   }
 
+  /** What decided a flow's route: the matched rule, the final route or the mode. */
+  function ruleOf(r) {
+    const route = r.route || {};
+    const target = route.target ? `→ ${route.target}` : "";
+    if (!route.mode || route.action === "pending") return ["–", ""];
+    const block = route.action === "block" ? "→ block" : target;
+    if (route.matched_rule)
+      return [route.matched_rule.condition || "(any)", `rule #${route.matched_rule.index} ${block}`];
+    if (route.mode === "rule") return ["final", block];
+    return [`${route.mode} mode`, block];
+  }
+
+  /** The stats interval, from the last two stats.sampled (the engine's default until then). */
+  let statsIntervalMs = 1000;
+
+  /** A flow's rates in bytes per second: its record's last sample, or zero once that
+   * sample is older than two intervals (flow.updated comes only while bytes move). */
+  function speedOf(r) {
+    const t = r.throughput || {};
+    const at = t.sampled_at_unix_ms;
+    if (!at || engineNow() - at > 2 * statsIntervalMs + 1000) return { up: 0, down: 0 };
+    return { up: (t.upload_bps || 0) / 8, down: (t.download_bps || 0) / 8 };
+  }
+
+  function updateSpeed(row, r) {
+    const { up, down } = speedOf(r);
+    setText(row.cells.speed, `↑ ${fmtRate(up)} ↓ ${fmtRate(down)}`);
+    row.cells.speed.dataset.moving = up > 0 || down > 0 ? "true" : "false";
+  }
+
+  /** Every text of a flow the filter box looks in, lower case. */
+  function searchText(r) {
+    const source = r.source || {};
+    const target = r.target || {};
+    const inbound = r.inbound || {};
+    const route = r.route || {};
+    const path = r.path || {};
+    return [
+      r.flow_id,
+      r.network,
+      r.state,
+      r.principal_key,
+      hostPort(source.ip, source.port),
+      source.process_name,
+      hostPort(target.host, target.port),
+      target.sniffed_host,
+      target.resolved_ip,
+      inbound.tag,
+      inbound.protocol,
+      path.outbound && path.outbound.tag,
+      route.target,
+      route.action === "block" ? "blocked" : "",
+      ...(route.selection_chain || []),
+      ...(path.relay_chain || []),
+      ...ruleOf(r),
+    ]
+      .filter((v) => v !== null && v !== undefined && v !== "")
+      .join(" ")
+      .toLowerCase();
+  }
+
+  function filterWords() {
+    return $("flow-filter").value.toLowerCase().split(/\s+/).filter(Boolean);
+  }
+
   function updateAge(row, r) {
     const started = r.timing && r.timing.started_at_unix_ms;
     setText(row.cells.age, started ? fmtAge(engineNow() - started) : "–");
@@ -506,7 +596,14 @@
 
   function renderFlows() {
     const body = $("flow-rows");
-    const sorted = [...flows.values()].sort(
+    const words = filterWords();
+    const matching = words.length
+      ? [...flows.values()].filter((r) => {
+          const text = searchText(r);
+          return words.every((w) => text.includes(w));
+        })
+      : [...flows.values()];
+    const sorted = matching.sort(
       (a, b) =>
         (b.timing?.started_at_unix_ms || 0) - (a.timing?.started_at_unix_ms || 0) ||
         (a.flow_id < b.flow_id ? 1 : -1),
@@ -530,8 +627,13 @@
       const at = body.children[i];
       if (at !== row.tr) body.insertBefore(row.tr, at || null);
     });
-    setText($("flow-count"), flows.size);
-    $("flows-empty").hidden = flows.size > 0;
+    setText($("flow-count"), words.length ? `${sorted.length} of ${flows.size}` : flows.size);
+    const empty = $("flows-empty");
+    empty.hidden = sorted.length > 0;
+    setText(
+      empty,
+      flows.size === 0 ? "No active flows." : `No active flow matches “${words.join(" ")}”.`,
+    );
     const more = $("flows-more");
     more.hidden = sorted.length <= FLOW_ROWS_MAX;
     if (!more.hidden)
@@ -544,7 +646,10 @@
   function tickAges() {
     for (const [id, row] of rows) {
       const record = flows.get(id);
-      if (record) updateAge(row, record);
+      if (record) {
+        updateAge(row, record);
+        updateSpeed(row, record);
+      }
     }
   }
 
@@ -583,21 +688,41 @@
     150,
   );
 
-  function healthCell(member, probed, byTag) {
-    const nested = byTag.get(member);
-    if (probed) {
-      if (probed.healthy) return el("span", { class: "badge ok", text: "healthy" });
-      if (!probed.last_checked_unix_ms)
-        return el("span", { class: "badge unknown", text: "not probed yet" });
-      return el("span", { class: "badge bad", text: "down", title: probed.last_error || "" });
-    }
+  /** A member's latest known health: the engine-wide newest check of it by any probing
+   * group (member_health), else this group's own view once it has checked; null when no
+   * group has checked it yet. */
+  function latestHealth(group, member) {
+    const known = (group.member_health || []).find((m) => m.member_tag === member);
+    if (known && known.healthy !== null && known.healthy !== undefined) return known;
+    const own = (group.url_test_members || []).find((m) => m.member_tag === member);
+    if (own && own.last_checked_unix_ms) return { ...own, checked_by: group.tag };
+    return null;
+  }
+
+  /** The member's state word: healthy, down, group (a nested group) or unknown. */
+  function healthState(health, nested) {
+    if (health) return health.healthy ? "healthy" : "down";
+    return nested ? "group" : "unknown";
+  }
+
+  function healthCell(group, health, nested) {
+    const by =
+      health && health.checked_by && health.checked_by !== group.tag
+        ? el("span", { class: "sub", text: `checked by ${health.checked_by}` })
+        : null;
+    if (health && health.healthy)
+      return [el("span", { class: "badge ok", text: "healthy" }), by];
+    if (health)
+      return [el("span", { class: "badge bad", text: "down", title: health.last_error || "" }), by];
     if (nested)
-      return el("span", { class: "badge unknown", text: `group → ${nested.selected || "–"}` });
-    return el("span", {
-      class: "muted",
-      text: "not probed",
-      title: "Only url_test, fallback and load_balance groups probe their members.",
-    });
+      return [el("span", { class: "badge unknown", text: `group → ${nested.selected || "–"}` })];
+    return [
+      el("span", {
+        class: "badge unknown",
+        text: "not probed yet",
+        title: "No url_test, fallback or load_balance group has checked it yet.",
+      }),
+    ];
   }
 
   function renderPolicies() {
@@ -609,7 +734,6 @@
       return;
     }
     const articles = policies.map((group) => {
-      const probedBy = new Map((group.url_test_members || []).map((m) => [m.member_tag, m]));
       const headingId = `policy-${group.tag}`;
       const header = el(
         "div",
@@ -661,23 +785,26 @@
           : null,
       );
       const memberRows = (group.outbounds || []).map((member) => {
-        const probed = probedBy.get(member);
         const nested = byTag.get(member);
-        const latency = probed ? probed.latency_ms : nested ? nested.latency_ms : null;
-        const checked = probed ? probed.last_checked_unix_ms : null;
+        const health = latestHealth(group, member);
+        const latency = health ? health.latency_ms : nested ? nested.latency_ms : null;
+        const checked = health ? health.last_checked_unix_ms : null;
         const isSelected = group.selected === member;
         const tr = el(
           "tr",
-          { class: isSelected ? "selected" : "", data: { member } },
+          {
+            class: isSelected ? "selected" : "",
+            data: { member, health: healthState(health, nested), testid: "member-row" },
+          },
           el(
             "td",
             {},
             el("span", { text: member }),
             isSelected ? el("span", { class: "sub", text: "in use" }) : null,
           ),
-          el("td", {}, healthCell(member, probed, byTag)),
+          el("td", { data: { col: "health" } }, ...healthCell(group, health, nested)),
           el("td", { class: "num", text: fmtLatency(latency) }),
-          el("td", { text: fmtTime(checked), title: probed?.last_error || "" }),
+          el("td", { text: fmtTime(checked), title: health?.last_error || "" }),
         );
         if (isSelector) {
           const allowed = can("policies.select");
@@ -772,8 +899,120 @@
   async function loadConfig() {
     config = await api("/config");
     renderMode();
+    renderRules();
     clearStatus("config-load");
   }
+
+  // ---------------------------------------------------------------- rules
+
+  const ruleHits = new Map(); // rule index, or "final" -> flows seen routed by it
+  const ruleCounted = new Map(); // flow_id -> true, for the flows already counted (bounded)
+  let rulesKey = null; // the rules the counts are of: a reload that changes them resets them
+
+  /** Count a flow once for the rule (or final route) that decided it. */
+  function countRule(record) {
+    const route = record.route || {};
+    if (!route.mode || route.action === "pending" || ruleCounted.has(record.flow_id)) return;
+    let key = null;
+    if (route.matched_rule) key = route.matched_rule.index;
+    else if (route.mode === "rule") key = "final";
+    ruleCounted.set(record.flow_id, true);
+    if (ruleCounted.size > RULE_MEMORY) ruleCounted.delete(ruleCounted.keys().next().value);
+    if (key === null) return; // global or direct mode: no rule decided
+    ruleHits.set(key, (ruleHits.get(key) || 0) + 1);
+    scheduleRules();
+  }
+
+  function renderRules() {
+    const body = $("rule-rows");
+    if (!config || !Array.isArray(config.rules)) {
+      body.replaceChildren();
+      $("rules-empty").hidden = false;
+      return;
+    }
+    const key = JSON.stringify(config.rules);
+    if (rulesKey !== null && rulesKey !== key) ruleHits.clear();
+    rulesKey = key;
+    const row = (id, index, condition, target, hits) =>
+      el(
+        "tr",
+        { data: { rule: id, testid: "rule-row" } },
+        el("td", { class: "num", text: index }),
+        el("td", { data: { col: "condition" } }, el("code", { text: condition })),
+        el("td", { data: { col: "target" }, text: target }),
+        el("td", { class: "num", data: { col: "hits" }, text: fmtCount(hits || 0) }),
+      );
+    const rows = config.rules.map((r) =>
+      row(
+        String(r.index),
+        r.index,
+        r.condition,
+        r.action === "block" ? "block" : r.outbound || "–",
+        ruleHits.get(r.index),
+      ),
+    );
+    rows.push(row("final", "–", "final (no rule matched)", config.final || "–", ruleHits.get("final")));
+    body.replaceChildren(...rows);
+    setText($("rule-count"), config.rules.length);
+    $("rules-empty").hidden = true;
+  }
+
+  const scheduleRules = throttled(renderRules);
+
+  // ---------------------------------------------------------------- the engine's log
+
+  const logState = { since: null, buffer: [] };
+
+  /** Fetch the log lines after the last one seen (the whole ring the first time). */
+  async function loadLogs() {
+    const query = logState.since === null ? "" : `?since=${logState.since}`;
+    const result = await api(`/logs${query}`);
+    if (logState.since !== null && result.latest_sequence < logState.since) {
+      // A restarted engine numbers its lines from 1 again: start over.
+      resetLogs();
+      return;
+    }
+    const records = result.records || [];
+    logState.buffer.push(...records);
+    if (logState.buffer.length > LOG_BUFFER)
+      logState.buffer.splice(0, logState.buffer.length - LOG_BUFFER);
+    if (records.length) logState.since = records[records.length - 1].sequence;
+    else if (logState.since === null) logState.since = result.latest_sequence;
+    if (records.length) scheduleLogs();
+    clearStatus("logs-load");
+  }
+
+  function resetLogs() {
+    logState.since = null;
+    logState.buffer.length = 0;
+    scheduleLogs();
+  }
+
+  function renderLogs() {
+    const floor = LEVEL_RANK[$("logs-level").value] || 0;
+    const items = [];
+    for (let i = logState.buffer.length - 1; i >= 0 && items.length < LOGS_SHOWN; i -= 1) {
+      const r = logState.buffer[i];
+      if ((LEVEL_RANK[r.level] ?? 0) < floor) continue;
+      items.push(
+        el(
+          "li",
+          { data: { level: r.level, sequence: r.sequence, testid: "log-line" } },
+          el("time", {
+            datetime: new Date(r.time_unix_ms).toISOString(),
+            text: fmtTime(r.time_unix_ms),
+          }),
+          el("span", { class: `level level-${r.level}`, text: r.level }),
+          el("code", { class: "logger", text: r.logger }),
+          el("span", { class: "message", text: r.message }),
+        ),
+      );
+    }
+    $("logs").replaceChildren(...items);
+    $("logs-empty").hidden = items.length > 0;
+  }
+
+  const scheduleLogs = throttled(renderLogs);
 
   function chosenMode() {
     const checked = document.querySelector('#mode-form input[name="mode"]:checked');
@@ -958,6 +1197,7 @@
     if (lastTotals && t <= lastTotals.t) return; // already seen
     if (lastTotals && p.bytes_up >= lastTotals.up && p.bytes_down >= lastTotals.down) {
       const seconds = (t - lastTotals.t) / 1000;
+      statsIntervalMs = t - lastTotals.t;
       samples.push({
         t,
         up: (p.bytes_up - lastTotals.up) / seconds,
@@ -1065,7 +1305,7 @@
       $("rates"),
       last
         ? `Now: ↑ ${fmtRate(last.up)} · ↓ ${fmtRate(last.down)} · peak ${fmtRate(peak)}`
-        : "Waiting for samples…",
+        : "No samples yet.",
     );
   }
 
@@ -1078,7 +1318,23 @@
   function pushEvent(envelope) {
     eventBuffer.push(envelope);
     if (eventBuffer.length > EVENT_BUFFER) eventBuffer.splice(0, eventBuffer.length - EVENT_BUFFER);
-    if (!FREQUENT.has(envelope.event_type) || $("events-frequent").checked) scheduleEvents();
+    if (eventFilter()(envelope.event_type)) scheduleEvents();
+  }
+
+  /** Whether an event type is listed now: the two checkboxes, then the types box, whose
+   * words match the start of a type and, starting with "-", hide the types they match. */
+  function eventFilter() {
+    const showFrequent = $("events-frequent").checked;
+    const showIpc = $("events-ipc").checked;
+    const words = $("events-filter").value.toLowerCase().split(/[\s,]+/).filter(Boolean);
+    const hide = words.filter((w) => w.startsWith("-") && w.length > 1).map((w) => w.slice(1));
+    const show = words.filter((w) => !w.startsWith("-"));
+    return (type) => {
+      if (!showFrequent && FREQUENT.has(type)) return false;
+      if (!showIpc && IPC_EVENTS.has(type)) return false;
+      if (hide.some((w) => type.startsWith(w))) return false;
+      return show.length === 0 || show.some((w) => type.startsWith(w));
+    };
   }
 
   function flowSummary(p) {
@@ -1135,11 +1391,11 @@
   }
 
   function renderEvents() {
-    const showFrequent = $("events-frequent").checked;
+    const visible = eventFilter();
     const items = [];
     for (let i = eventBuffer.length - 1; i >= 0 && items.length < EVENTS_SHOWN; i -= 1) {
       const envelope = eventBuffer[i];
-      if (!showFrequent && FREQUENT.has(envelope.event_type)) continue;
+      if (!visible(envelope.event_type)) continue;
       items.push(
         el(
           "li",
@@ -1177,13 +1433,17 @@
       return;
     }
     const payload = envelope.payload || {};
-    if (type.startsWith("flow.") && payload.record) mergeRecord(payload.record);
+    if (FLOW_EVENTS.has(type)) mergeRecord(payload.record);
     else if (type === "stats.sampled") addSample(envelope);
     else if (type === "policy.selected" || type === "policy.probe.completed") schedulePolicies();
     else if (type === "config.changed") refreshAfterConfig();
     else if (type === "engine.started") {
       // A restarted engine: its keys, configuration and groups may all have changed.
       loadHealth().catch(() => {});
+      // Its log ring starts over too (a replayed engine.started of this engine does not).
+      const startedAt = payload.started_at_unix_ms || 0;
+      if (engineStartedAt !== null && startedAt > engineStartedAt) resetLogs();
+      engineStartedAt = Math.max(engineStartedAt || 0, startedAt);
       loadCapabilities()
         .then(scheduleFlows)
         .catch(() => {});
@@ -1264,7 +1524,10 @@
         let url = `${API}/events/stream`;
         if (stream.lastId !== null) headers["Last-Event-ID"] = stream.lastId;
         else if (since !== null) url += `?since=${since}`;
-        setStreamState("connecting", stream.lastId === null ? "Connecting…" : "Reconnecting…");
+        setStreamState(
+          "connecting",
+          stream.lastId === null ? "Opening the event stream" : "Reconnecting…",
+        );
         const resp = await request(url, { headers, signal: controller.signal });
         if (!resp.ok) {
           retryAfter = Number(resp.headers.get("Retry-After")) || null;
@@ -1336,14 +1599,26 @@
     wireModeForm();
     updateKeyButtons();
     $("events-frequent").addEventListener("change", renderEvents);
+    $("events-ipc").addEventListener("change", renderEvents);
+    $("events-filter").addEventListener("input", scheduleEvents);
+    $("flow-filter").addEventListener("input", scheduleFlows);
+    $("logs-level").addEventListener("change", renderLogs);
+    $("logs-clear").addEventListener("click", () => {
+      logState.buffer.length = 0;
+      renderLogs();
+    });
     $("events-clear").addEventListener("click", () => {
       eventBuffer.length = 0;
       renderEvents();
     });
     $("flows-title").setAttribute("tabindex", "-1");
     new ResizeObserver(scheduleChart).observe($("chart"));
+    // The first paint is the empty state of every panel, not placeholders: nothing is
+    // awaited before these.
     renderFlows();
     renderEvents();
+    renderRules();
+    renderLogs();
     drawChart();
     setInterval(tickAges, 1000);
 
@@ -1358,6 +1633,7 @@
       [loadConfig, "Configuration", "config-load"],
       [loadPolicies, "Policy groups", "policies-load"],
       [loadSinks, "Sinks", "sinks-load"],
+      [loadLogs, "Engine log", "logs-load"],
     ];
     streamLoop();
     await Promise.all(
@@ -1366,6 +1642,7 @@
     every(SINKS_EVERY_MS, loadSinks, "Sinks", "sinks-load");
     every(CONFIG_EVERY_MS, loadConfig, "Configuration", "config-load");
     every(POLICIES_EVERY_MS, loadPolicies, "Policy groups", "policies-load");
+    every(LOGS_EVERY_MS, loadLogs, "Engine log", "logs-load");
     document.body.dataset.ready = "true";
   }
 

@@ -8,6 +8,7 @@ probing a loopback HTTP origin, a jsonl sink. The page is checked against the en
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -518,4 +519,305 @@ def test_dashboard_asks_for_the_key_and_keeps_it_in_session_storage(
         assert browser.execute_script(f"return sessionStorage.getItem('{KEY_STORAGE}')") is None
         assert browser.execute_script("return window.localStorage.length") == 0
         shots(browser, "key-forgotten")
+        assert_clean_console(browser)
+
+
+# -- issue 25.6: first paint, member health, rules, filter, speed, log, IPC events ------
+
+
+def test_first_paint_shows_empty_states_not_placeholders(make_engine, browser, shots) -> None:
+    """With every API call held back (blocked in the browser), what the page paints by
+    itself is each panel's empty state: no "connecting…" or "Loading…" placeholders."""
+    engine = make_engine(control_config())
+    browser.execute_cdp_cmd("Network.enable", {})
+    browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/api/v1/*"]})
+    open_page(browser, engine)
+    # The page has run its start (the blocked calls fail and report): nothing will come.
+    wait_for(
+        browser,
+        "the blocked API reported",
+        lambda d: "cannot reach the engine" in d.find_element(By.ID, "status").text,
+    )
+    shots(browser, "first-paint")
+    for element_id, text in (
+        ("flows-empty", "No active flows."),
+        ("events-empty", "No events yet."),
+        ("rules-empty", "No rules yet."),
+        ("logs-empty", "No log lines yet."),
+    ):
+        element = browser.find_element(By.ID, element_id)
+        assert element.is_displayed() and element.text == text, element_id
+    assert page_text(browser, '[data-testid="policies"]') == "No policy groups yet."
+    assert page_text(browser, '[data-testid="sinks"]') == "No event sinks yet."
+    assert browser.find_element(By.ID, "rates").text == "No samples yet."
+    shown = str(browser.execute_script("return document.body.innerText")).lower()
+    for placeholder in ("connecting…", "loading…", "waiting for"):
+        assert placeholder not in shown, placeholder
+    browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+
+
+def health_dashboard_config(
+    origin_port: int, dead_port: int, echo_port: int, sock_path: Path
+) -> dict[str, Any]:
+    """A selector ``pick`` over ``live`` and ``dead`` (a socks5 hop to a refusing port),
+    which only the url_test group ``auto`` probes; a rule sending the echo port to
+    ``direct-b``, one blocking ``ads``, the final route ``pick``; IPC on a tmp path."""
+    cfg = control_config()
+    cfg["outbounds"] = [
+        {"tag": "live", "protocol": "direct"},
+        {"tag": "direct-b", "protocol": "direct"},
+        {"tag": "dead", "protocol": "socks5", "server": "127.0.0.1", "port": dead_port},
+    ]
+    cfg["outbound_groups"] = [
+        {"tag": "pick", "kind": "selector", "outbounds": ["live", "dead"]},
+        {
+            "tag": "auto",
+            "kind": "url_test",
+            "outbounds": ["live", "dead"],
+            "url": f"http://127.0.0.1:{origin_port}/generate_204",
+        },
+    ]
+    cfg["rules"] = [
+        {"port": [str(echo_port)], "outbound": "direct-b"},
+        {"domain_keyword": ["ads"], "action": "block"},
+    ]
+    cfg["route"] = {"final": "pick"}
+    cfg["runtime"]["log_level"] = "info"
+    cfg["api"]["ipc"] = {"enabled": True, "path": str(sock_path)}
+    return cfg
+
+
+@pytest.fixture
+def spliceway_info_logs() -> Iterator[None]:
+    """Let the engine's info lines through, as ``spliceway run`` does at ``info``."""
+    import logging
+
+    logger = logging.getLogger("spliceway")
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def rows_shown(driver: WebDriver) -> list[str]:
+    """The flow ids of the flow rows the table shows."""
+    ids = driver.execute_script(
+        "return [...document.querySelectorAll('tr[data-testid=\"flow-row\"]')]"
+        ".map(tr => tr.dataset.flowId)"
+    )
+    return [str(i) for i in ids]
+
+
+def listed_types(driver: WebDriver) -> set[str]:
+    types = driver.execute_script(
+        "return [...document.querySelectorAll('#events li')].map(li => li.dataset.type)"
+    )
+    return {str(t) for t in types}
+
+
+def type_into(driver: WebDriver, element_id: str, text: str) -> None:
+    box = driver.find_element(By.ID, element_id)
+    box.clear()
+    if text:
+        box.send_keys(text)
+    else:  # clear() fires no input event: the page listens to input
+        driver.execute_script(
+            "arguments[0].dispatchEvent(new Event('input', {bubbles: true}))", box
+        )
+
+
+def test_dashboard_health_rules_filter_speed_log_and_ipc_events(
+    sock_path, make_engine, browser, shots, spliceway_info_logs
+) -> None:
+    # sock_path first: its directory is removed after the engine (make_engine) stops.
+    import logging
+    import threading
+
+    from tests.helpers.upstreams import refused_port
+
+    dead_port = refused_port()
+    with http_origin() as origin, EchoServer() as echo, EchoServer() as other:
+        engine = make_engine(health_dashboard_config(origin[1], dead_port, echo.port, sock_path))
+        open_page(browser, engine)
+        wait_live(browser)
+
+        # Member health wherever the member appears: auto probed dead down, and the
+        # selector pick, which probes nothing, shows it too.
+        def member(group: str, name: str) -> WebElement | None:
+            return find(browser, f'[data-policy-tag="{group}"] tr[data-member="{name}"]')
+
+        wait_for(
+            browser,
+            "pick's dead member down (auto's probe)",
+            lambda d: (
+                (m := member("pick", "dead")) is not None
+                and m.get_attribute("data-health") == "down"
+            ),
+        )
+        assert "checked by auto" in (member("pick", "dead") or browser).text
+        assert (member("pick", "live") or browser).get_attribute("data-health") == "healthy"
+        assert (member("auto", "dead") or browser).get_attribute("data-health") == "down"
+        shots(browser, "member-health")
+
+        # The rules view: both rules with their targets, and the final route.
+        def rule_cells(rule: str) -> dict[str, str]:
+            cells = browser.execute_script(
+                'const tr = document.querySelector(`tr[data-rule="${arguments[0]}"]`);'
+                "return tr ? Object.fromEntries([...tr.querySelectorAll('td[data-col]')]"
+                ".map(td => [td.dataset.col, td.innerText])) : null",
+                rule,
+            )
+            return dict(cells or {})
+
+        wait_for(browser, "the rules listed", lambda d: rule_cells("1"))
+        assert rule_cells("0") == {
+            "condition": f"port={echo.port}",
+            "target": "direct-b",
+            "hits": "0",
+        }
+        assert rule_cells("1")["condition"] == "domain_keyword=ads"
+        assert rule_cells("1")["target"] == "block"
+        assert rule_cells("final")["target"] == "pick"
+
+        # A flow the first rule routes: its row names the rule, and the rule counts it.
+        sock, record = open_flow(engine, echo)
+        flow_id = record["flow_id"]
+        assert record["route"]["matched_rule"]["index"] == 0
+        row = wait_for(browser, "the flow's row", lambda d: flow_row(d, flow_id))
+        wait_for(
+            browser,
+            "the row's rule",
+            lambda d: cell(row, "rule").splitlines() == [f"port={echo.port}", "rule #0 → direct-b"],
+        )
+        wait_for(browser, "rule 0 counted", lambda d: rule_cells("0").get("hits") == "1")
+
+        # Its current speed: non-zero while bytes move, back to zero once they stop.
+        stop = threading.Event()
+
+        def pump() -> None:
+            chunk = os.urandom(128 * 1024)
+            for _ in range(2000):  # bounded; stopped long before
+                if stop.is_set():
+                    return
+                sock.sendall(chunk)
+                recv_exact(sock, len(chunk))
+
+        pumping = threading.Thread(target=pump, daemon=True)
+        pumping.start()
+        try:
+            speed = wait_for(
+                browser,
+                "a moving speed",
+                lambda d: (
+                    row.find_element(By.CSS_SELECTOR, 'td[data-col="speed"]').get_attribute(
+                        "data-moving"
+                    )
+                    == "true"
+                    and ("KiB/s" in cell(row, "speed") or "MiB/s" in cell(row, "speed"))
+                    and cell(row, "speed")
+                ),
+            )
+            assert speed.startswith("↑ ") and " ↓ " in speed, speed
+            shots(browser, "flow-speed")
+        finally:
+            stop.set()
+            pumping.join(TIMEOUT)
+        assert not pumping.is_alive()
+        wait_for(
+            browser,
+            "the speed back to zero",
+            lambda d: cell(row, "speed") == "↑ 0 B/s ↓ 0 B/s",
+        )
+
+        # The filter box: a second flow (final route through pick); words narrow the rows.
+        sock2, record2 = open_flow(engine, other)
+        wait_for(browser, "both rows", lambda d: len(rows_shown(d)) == 2)
+        type_into(browser, "flow-filter", "direct-b")
+        wait_for(browser, "only the direct-b flow", lambda d: rows_shown(d) == [flow_id])
+        assert browser.find_element(By.ID, "flow-count").text == "1 of 2"
+        type_into(browser, "flow-filter", "final pick")
+        wait_for(
+            browser, "only the final-route flow", lambda d: rows_shown(d) == [record2["flow_id"]]
+        )
+        type_into(browser, "flow-filter", "mixed-in nothing-like-this")
+        wait_for(browser, "no row", lambda d: rows_shown(d) == [])
+        assert "No active flow matches" in browser.find_element(By.ID, "flows-empty").text
+        shots(browser, "flow-filter")
+        type_into(browser, "flow-filter", "")
+        wait_for(browser, "both rows again", lambda d: len(rows_shown(d)) == 2)
+
+        # IPC clients come and go: listed as events, never as flows, and filterable.
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.settimeout(TIMEOUT)
+        client.connect(str(sock_path))
+        client.sendall(b'{"id": 1, "health": {}}\n')
+        assert json.loads(client.makefile("rb").readline())["ok"]
+        client.close()
+        wait_for(
+            browser,
+            "ipc events listed",
+            lambda d: {"ipc.connected", "ipc.disconnected"} <= listed_types(d),
+        )
+        assert len(rows_shown(browser)) == 2
+        assert browser.find_element(By.ID, "flow-count").text == "2"
+        browser.find_element(By.ID, "events-ipc").click()
+        wait_for(
+            browser,
+            "ipc events hidden by the checkbox",
+            lambda d: not listed_types(d) & {"ipc.connected", "ipc.disconnected"},
+        )
+        assert "policy.probe.completed" in listed_types(browser)
+        browser.find_element(By.ID, "events-ipc").click()
+        type_into(browser, "events-filter", "-ipc")
+        wait_for(
+            browser,
+            "ipc events hidden by -ipc",
+            lambda d: listed_types(d) and not any(t.startswith("ipc.") for t in listed_types(d)),
+        )
+        type_into(browser, "events-filter", "ipc")
+        wait_for(
+            browser,
+            "only ipc events",
+            lambda d: listed_types(d) == {"ipc.connected", "ipc.disconnected"},
+        )
+        shots(browser, "events-filtered")
+        type_into(browser, "events-filter", "")
+
+        # The engine's log: a failed flow's info line, a warning; the level choice.
+        # (Whether the client sees the refusal as a SOCKS reply or a close is not the point.)
+        with contextlib.suppress(OSError):
+            socks5_connect(engine.listen_address("mixed-in"), "127.0.0.1", dead_port).close()
+        logging.getLogger("spliceway.dashboard_test").warning("a warning for the dashboard")
+
+        def log_lines() -> list[dict[str, str]]:
+            lines = browser.execute_script(
+                "return [...document.querySelectorAll('#logs li')]"
+                ".map(li => ({level: li.dataset.level, text: li.innerText}))"
+            )
+            return [dict(line) for line in lines]
+
+        target = f"target=127.0.0.1:{dead_port}"
+        wait_for(
+            browser,
+            "the failed flow's log line",
+            lambda d: any(target in x["text"] and x["level"] == "info" for x in log_lines()),
+        )
+        wait_for(
+            browser,
+            "the warning's log line",
+            lambda d: any("a warning for the dashboard" in x["text"] for x in log_lines()),
+        )
+        failed = next(x for x in log_lines() if target in x["text"])
+        assert "spliceway.flow" in failed["text"] and "outcome=failed" in failed["text"]
+        shots(browser, "engine-log")
+        Select(browser.find_element(By.ID, "logs-level")).select_by_value("warn")
+        wait_for(
+            browser,
+            "info lines hidden at warn",
+            lambda d: all(x["level"] in ("warn", "error") for x in log_lines()) and log_lines(),
+        )
+        sock.close()
+        sock2.close()
         assert_clean_console(browser)
