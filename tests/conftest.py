@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +36,25 @@ def base_config(**overrides: Any) -> dict[str, Any]:
     }
     cfg.update(copy.deepcopy(overrides))
     return cfg
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_runtime_dir() -> Iterator[Path]:
+    """``XDG_RUNTIME_DIR`` pointed at a directory of this run for every test and every
+    ``spliceway`` they start, so an engine left on the default IPC path (one that no
+    test configures on purpose) is this run's, never the user's own ``spliceway run``'s,
+    and the suite passes beside it. Short: AF_UNIX paths end at 108 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="sw-xdg-"))
+    previous = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(directory)
+    try:
+        yield directory
+    finally:
+        if previous is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = previous
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
