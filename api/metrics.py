@@ -15,18 +15,21 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import falcon
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from spliceway import __version__, queries
 from spliceway.capabilities import API_ID
+from spliceway.histograms import Histogram
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore
@@ -101,7 +104,12 @@ class EngineCollector(Collector):
         totals = {tag: list(pair) for tag, pair in dict(c.outbound_bytes).items()}
         for entry, up, down in live:
             outbound = (entry.record.get("path") or {}).get("outbound") or {}
-            pair = totals.setdefault(outbound.get("tag") or "", [0, 0])
+            tag = outbound.get("tag")
+            if not tag:
+                # Not routed yet (or never will be): no outbound to count it under, as
+                # Counters.count_completed leaves such flows out once they complete.
+                continue
+            pair = totals.setdefault(tag, [0, 0])
             pair[0] += up
             pair[1] += down
         traffic = CounterMetricFamily(
@@ -114,6 +122,16 @@ class EngineCollector(Collector):
             traffic.add_metric([tag, "up"], up)
             traffic.add_metric([tag, "down"], down)
         yield traffic
+        yield _histogram(
+            f"{NS}_flow_duration_seconds",
+            "Durations of completed flows that had an outbound, by outbound.",
+            c.durations,
+        )
+        yield _histogram(
+            f"{NS}_flow_size_bytes",
+            "Payload bytes (up plus down) of completed flows that had an outbound, by outbound.",
+            c.sizes,
+        )
 
     def _udp(self) -> Iterator[Metric]:
         drops = CounterMetricFamily(
@@ -249,11 +267,23 @@ class EngineCollector(Collector):
         yield active
 
 
+def _histogram(name: str, documentation: str, histogram: Histogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=["outbound"])
+    for tag, series in sorted(histogram.snapshot().items()):
+        buckets = [(floatToGoString(bound), n) for bound, n in series.buckets]
+        family.add_metric([tag], buckets, series.total)
+    return family
+
+
 def metrics_registry(core: EngineCore, sse_streams: Callable[[], int]) -> CollectorRegistry:
     """A registry of its own per app (never the process-wide default one): an embedding
-    host may run several engines, or its own metrics."""
+    host may run several engines, or its own metrics. It also holds the process
+    collector (``process_resident_memory_bytes``, ``process_open_fds``,
+    ``process_cpu_seconds_total``...), read from ``/proc`` at each scrape; an engine
+    shares its process with its host, so those are the host's figures too."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(core, sse_streams))
+    ProcessCollector(registry=registry)
     return registry
 
 

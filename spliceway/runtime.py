@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from spliceway import routing
 from spliceway.event_catalogue import UDP_COUNTERS
+from spliceway.histograms import DURATION_BUCKETS_S, SIZE_BUCKETS_BYTES, Histogram
 from spliceway.records import BLOCKED, FAILED
 
 if TYPE_CHECKING:
@@ -105,8 +106,14 @@ class Counters:
     udp_unmatched_replies: int = 0
     #: Completed flows by ``(network, outcome)`` (``GET /metrics``).
     outcomes: dict[tuple[str, str], int] = field(default_factory=dict)
-    #: ``[bytes_up, bytes_down]`` of completed flows by outbound tag ("" for none).
+    #: ``[bytes_up, bytes_down]`` of completed flows by outbound tag; a flow that never
+    #: had an outbound (blocked by a rule's action, denied by the hook, failed or
+    #: cancelled before its route) is in the totals above only.
     outbound_bytes: dict[str, list[int]] = field(default_factory=dict)
+    #: Completed flows' durations (seconds) and sizes (payload bytes up plus down), by
+    #: outbound tag, for the same flows as ``outbound_bytes`` (``GET /metrics``).
+    durations: Histogram = field(default_factory=lambda: Histogram(DURATION_BUCKETS_S))
+    sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS_BYTES))
 
     def count_completed(self, s: FlowState) -> None:
         """Count one flow that just completed (its outcome is set)."""
@@ -120,9 +127,16 @@ class Counters:
             self.blocked_sessions += 1
         key = (s.network, s.outcome or "")
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
-        totals = self.outbound_bytes.get(s.outbound_tag or "")
+        tag = s.outbound_tag
+        if not tag:
+            # Not "" as a label: a series no outbound stands for (issue 25).
+            return
+        totals = self.outbound_bytes.get(tag)
         if totals is None:
-            self.outbound_bytes[s.outbound_tag or ""] = [up, down]
+            self.outbound_bytes[tag] = [up, down]
         else:
             totals[0] += up
             totals[1] += down
+        if s.ended_at_unix_ms is not None:
+            self.durations.observe(tag, (s.ended_at_unix_ms - s.started_at_unix_ms) / 1000)
+        self.sizes.observe(tag, up + down)

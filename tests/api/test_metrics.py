@@ -5,6 +5,7 @@ counts exact; OpenMetrics on request; the API's authentication and permissions h
 from __future__ import annotations
 
 import http.client
+import os
 import socket
 import urllib.request
 from typing import Any
@@ -233,3 +234,94 @@ def test_the_api_keys_and_permissions_apply(make_engine, monkeypatch):
     for key in (READER, ADMIN):
         status, _type, body = scrape(base, key=key)
         assert status == 200 and "spliceway_up 1.0" in body
+
+
+def test_process_collector_and_flow_histograms_by_outbound(make_engine):
+    """The process collector's figures are this process's; every completed flow with an
+    outbound is in the duration and size histograms of its outbound, exactly once; a flow
+    without one (blocked by a rule's action) makes no series with an empty outbound."""
+    cfg = control_config()
+    cfg["rules"] = [
+        {"port": 9, "action": "block"},
+        {"port": 10, "outbound": "block"},
+        # Ranked before route.final: a flow to any other port waits for its first bytes
+        # (the sniff) before its route is decided.
+        {"domain_suffix": ["never.test"], "action": "block"},
+    ]
+    for inbound in cfg["inbounds"]:
+        inbound["sniff_timeout_ms"] = 10000
+    engine = make_engine(cfg)
+    with EchoServer() as echo:
+        echo_flow(engine, echo.port, 100)
+        echo_flow(engine, echo.port, 3000)
+        for port in (9, 10):
+            with pytest.raises(ConnectionError, match="socks reply 2"):
+                echo_flow(engine, port, 10)
+        wait_until(lambda: engine.query("stats")["completed_sessions"] == 4, 10, "4 completed")
+        # One more, open while scraped and not routed yet (silent, so sniffing): no
+        # series for it either.
+        pending = socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", echo.port)
+        try:
+            (opening,) = wait_until(
+                lambda: engine.query("flows")["active_flows"], 10, "the sniffing flow"
+            )
+            assert opening["route"]["action"] == "pending"
+            status, _, text = scrape(engine.control_url)
+        finally:
+            pending.close()
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for family in families.values():
+        for s in family.samples:
+            assert s.labels.get("outbound") != "", (family.name, s)
+    found = samples(text)
+    # The process collector: this very process (the engine runs in it).
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss = value(found, "process_resident_memory_bytes")
+    assert rss is not None and 0.5 * resident < rss < 2 * resident
+    open_fds = value(found, "process_open_fds")
+    assert open_fds is not None and open_fds >= 3
+    assert value(found, "process_cpu_seconds_total") > 0
+    assert value(found, "process_max_fds") > 0
+    # The histograms: two direct flows of 200 and 6000 bytes, one to the block outbound.
+    assert families["spliceway_flow_size_bytes"].type == "histogram"
+    assert families["spliceway_flow_duration_seconds"].type == "histogram"
+    size = {
+        s.labels["le"]: s.value
+        for s in families["spliceway_flow_size_bytes"].samples
+        if s.name.endswith("_bucket") and s.labels["outbound"] == "direct"
+    }
+    assert (size["0.0"], size["1024.0"], size["4096.0"], size["16384.0"], size["+Inf"]) == (
+        0,
+        1,
+        1,
+        2,
+        2,
+    )
+    assert value(found, "spliceway_flow_size_bytes_sum", outbound="direct") == 6200
+    assert value(found, "spliceway_flow_size_bytes_count", outbound="direct") == 2
+    assert value(found, "spliceway_flow_size_bytes_count", outbound="block") == 1
+    assert value(found, "spliceway_flow_size_bytes_bucket", outbound="block", le="0.0") == 1
+    assert value(found, "spliceway_flow_duration_seconds_count", outbound="direct") == 2
+    assert value(found, "spliceway_flow_duration_seconds_count", outbound="block") == 1
+    assert value(found, "spliceway_flow_duration_seconds_bucket", outbound="direct", le="+Inf") == 2
+    # The sniffing flow completed after the scrape, when the test closed it.
+    events = engine.query("events", {"types": "flow.completed"})["events"]
+    completed = [e["payload"]["record"] for e in events]
+    durations = [
+        r["timing"]["duration_ms"]
+        for r in completed
+        if r["state"] == "completed"
+        and r["flow_id"] != opening["flow_id"]
+        and (r["path"]["outbound"] or {}).get("tag") == "direct"
+    ]
+    assert len(durations) == 2
+    assert value(found, "spliceway_flow_duration_seconds_sum", outbound="direct") == (
+        pytest.approx(sum(durations) / 1000)
+    )
+    # Labelled by outbound only: the blocked-by-action flow is in no outbound's figures.
+    assert {s.labels["outbound"] for s in families["spliceway_flow_bytes"].samples} == {
+        "direct",
+        "block",
+    }
