@@ -7,6 +7,7 @@ Each prints a readable table by default and JSON with ``--json``; a failure prin
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,11 +33,30 @@ def _json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_INDENT_2).decode()
 
 
+def duration_text(seconds: int) -> str:
+    """``seconds`` as ``2d 3h 4m 5s``, leading zero units left out (``0s`` for none)."""
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size or parts:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    parts.append(f"{seconds}s")
+    return " ".join(parts)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
 def _status(client: IpcClient) -> tuple[Any, str]:
     health = client.query("health")
     stats = client.query("stats")
-    result = {"health": health, "stats": stats}
-    rows = [(k, v) for k, v in {**health, **stats}.items() if not isinstance(v, dict | list)]
+    # The socket is local, so the engine's clock is this one: uptime is computed here
+    # from the engine's start time rather than asked for.
+    uptime = max(0, (_now_ms() - health["started_at_unix_ms"]) // 1000)
+    result = {"health": health, "stats": stats, "uptime_seconds": uptime}
+    rows = [("uptime", duration_text(uptime))]
+    rows += [(k, v) for k, v in {**health, **stats}.items() if not isinstance(v, dict | list)]
     return result, table(("FIELD", "VALUE"), rows)
 
 
@@ -64,13 +84,50 @@ def _flows(limit: int | None) -> Callable[[IpcClient], tuple[Any, str]]:
     return run
 
 
+def _member_state(member: dict[str, Any]) -> str:
+    # Until its first probe a member counts as healthy (spliceway/policy.py), which
+    # nothing has checked yet: say so rather than "up".
+    if member["last_checked_unix_ms"] is None:
+        return "unchecked"
+    return "up" if member["healthy"] else "down"
+
+
 def _policies(client: IpcClient) -> tuple[Any, str]:
     result = client.query("policies")
-    rows = [
-        (p["tag"], p["kind"], p["selected"], p.get("latency_ms"), ",".join(p["outbounds"]))
-        for p in result["policies"]
-    ]
-    return result, table(("POLICY", "KIND", "SELECTED", "LATENCY_MS", "MEMBERS"), rows)
+    rows = []
+    members = []
+    now = _now_ms()
+    for p in result["policies"]:
+        probed = p["url_test_members"]
+        healthy = f"{sum(m['healthy'] for m in probed)}/{len(probed)}" if probed else None
+        rows.append(
+            (
+                p["tag"],
+                p["kind"],
+                p["selected"],
+                p.get("latency_ms"),
+                ",".join(p["outbounds"]),
+                healthy,
+            )
+        )
+        for m in probed:
+            checked = m["last_checked_unix_ms"]
+            members.append(
+                (
+                    p["tag"],
+                    m["member_tag"],
+                    _member_state(m),
+                    m["latency_ms"],
+                    None if checked is None else f"{max(0, now - checked) // 1000}s ago",
+                    m["last_error"],
+                )
+            )
+    text = table(("POLICY", "KIND", "SELECTED", "LATENCY_MS", "MEMBERS", "HEALTHY"), rows)
+    if members:
+        # The probing groups' members, one per line: a dead upstream and why.
+        headers = ("POLICY", "MEMBER", "HEALTH", "LATENCY_MS", "CHECKED", "ERROR")
+        text += "\n\n" + table(headers, members)
+    return result, text
 
 
 def _command(method: str, params: dict[str, Any]) -> Callable[[IpcClient], tuple[Any, str]]:
