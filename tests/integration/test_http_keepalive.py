@@ -56,7 +56,7 @@ class H11Origin(LoopbackServer):
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"c" * 40)
                     return
                 try:
-                    self._respond(conn, h, target, headers, body)
+                    self._respond(conn, h, target, headers, body, request.method == b"HEAD")
                 except OSError:
                     return
                 if h.our_state is h11.MUST_CLOSE or h.their_state is h11.MUST_CLOSE:
@@ -88,7 +88,7 @@ class H11Origin(LoopbackServer):
                 return None, b""
 
     @staticmethod
-    def _respond(conn, h, target, headers, body) -> None:
+    def _respond(conn, h, target, headers, body, head_only: bool = False) -> None:
         parts = target.strip("/").split("/")
         extra = []
         if parts[0] == "len":
@@ -111,7 +111,10 @@ class H11Origin(LoopbackServer):
             payload = dict(headers).get("host", "").encode()
         head = [("Content-Length", str(len(payload))), *extra]
         out = h.send(h11.Response(status_code=200, headers=head))
-        out += h.send(h11.Data(data=payload)) + h.send(h11.EndOfMessage())
+        # A response to HEAD has its head only (h11 refuses a body there).
+        if not head_only:
+            out += h.send(h11.Data(data=payload))
+        out += h.send(h11.EndOfMessage())
         conn.sendall(out)
 
 
@@ -455,3 +458,73 @@ def test_bodies_match_tinyproxy(make_engine, h11_origin, tmp_path):
                 theirs.append(body(read_response(sock, bytearray())))
     assert ours == theirs
     assert ours[0] == b"a" * 300 and ours[1] == b"b" * 500
+
+
+def test_repeated_identical_heads_are_each_their_own_exact_flow(
+    make_engine, h11_origin, monkeypatch
+):
+    """A client sending the same head bytes again (the proxy reuses its parse of them):
+    still a flow each with exact bytes, and the same response head to a HEAD request
+    is framed as HEAD's (no body), not as the GET's that came before it."""
+    from spliceway.protocols import NEED_MORE
+    from spliceway.protocols import http as http_proto
+
+    parsed: list[str] = []
+    reference = http_proto.parse_request_head
+
+    def counting(buf, *args):
+        head = reference(buf, *args)
+        if head is not NEED_MORE:
+            parsed.append(head.method)
+        return head
+
+    monkeypatch.setattr(http_proto, "parse_request_head", counting)
+    engine = make_engine()
+    same = get(h11_origin, "/len/5")
+    head_req = get(h11_origin, "/len/5", method="HEAD")
+    posted = get(h11_origin, "/echo", "Content-Length: 3", method="POST")
+    sequence = [same, same, head_req, same, posted + b"abc", posted + b"xyz", same]
+    buf = bytearray()
+    answers = []
+    with connect(engine) as sock:
+        for request in sequence:
+            sock.sendall(request)
+            if request is head_req:
+                # No body follows a response to HEAD: the head alone.
+                while b"\r\n\r\n" not in buf:
+                    data = sock.recv(65536)
+                    assert data
+                    buf += data
+                end = buf.index(b"\r\n\r\n") + 4
+                answers.append(bytes(buf[:end]))
+                del buf[:end]
+            else:
+                answers.append(read_response(sock, buf))
+        # Pipelined: the same head twice in one write.
+        sock.sendall(same + same)
+        answers += [read_response(sock, buf), read_response(sock, buf)]
+        sequence += [same, same]
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)  # nothing more: every answer was exactly one response
+    assert answers[0] == answers[1] == answers[3] == answers[-1]
+    assert answers[0].endswith(b"\r\n\r\naaaaa")
+    assert answers[2].startswith(b"HTTP/1.1 200 ") and answers[2].endswith(b"\r\n\r\n")
+    assert answers[4].endswith(f"3 {hashlib.sha256(b'abc').hexdigest()}".encode())
+    assert answers[5].endswith(f"3 {hashlib.sha256(b'xyz').hexdigest()}".encode())
+    records = records_by_start(engine, len(sequence))
+    assert len({r["flow_id"] for r in records}) == len(sequence)
+    for record, request, answer in zip(records, sequence, answers, strict=True):
+        t = record["traffic"]
+        assert record["result"]["outcome"] == "direct_relayed"
+        assert t["inbound_rx_bytes"] == len(request)
+        assert t["bytes_down"] == t["inbound_tx_bytes"] == len(answer)
+    assert len(h11_origin.conns) == 1
+    assert h11_origin.conns[0]["rx"] == sum(r["traffic"]["bytes_up"] for r in records)
+    methods = [m for m, _, _ in h11_origin.conns[0]["requests"]]
+    assert methods == ["GET", "GET", "HEAD", "GET", "POST", "POST", "GET", "GET", "GET"]
+    # Parsed: the first (the handshake) and each head that differs from the one before
+    # it (2nd, HEAD, 4th, 1st POST, 7th); the 3rd, the 2nd POST and the pipelined two
+    # were their predecessor's bytes again.
+    assert parsed == ["GET", "GET", "HEAD", "GET", "POST", "GET"]
+    one_completed_each(engine)
