@@ -25,6 +25,7 @@ import abc
 import asyncio
 import errno
 import os
+import select
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -146,6 +147,33 @@ async def open_tcp(
         raise DialError("connect_timeout", f"connect to {host}:{port} timed out") from ex
 
 
+def _connected_at_once(sock: socket.socket, address: tuple[str, int]) -> bool:
+    """Start a non-blocking connect; True when it has finished already.
+
+    A local peer's handshake (loopback, this host) completes inside connect() even when
+    it answers EINPROGRESS, as csrc/conn.c's start_connect relies on too: a zero-timeout
+    poll sees it, and the dial goes on without a round of the loop (a writer
+    registered, an epoll wait, the writer removed). A failure raises the OSError the
+    loop's sock_connect would (its errno; ETIMEDOUT is a TimeoutError either way).
+    False: still in progress, for ``loop.sock_connect`` to wait on (connect() again
+    then says EALREADY, which it waits on as on EINPROGRESS).
+    """
+    try:
+        sock.connect(address)
+        return True
+    except (BlockingIOError, InterruptedError):
+        pass
+    # poll, not select: a busy engine's descriptors pass FD_SETSIZE.
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    if not poller.poll(0):
+        return False
+    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, f"Connect call failed {address}")
+    return True
+
+
 async def _open_tcp(
     loop: asyncio.AbstractEventLoop, host: str, port: int, deadline: float, resolver: Resolver
 ) -> tuple[socket.socket, str]:
@@ -167,7 +195,8 @@ async def _open_tcp(
             # While a TUN routes this host, the engine's own connections must leave by
             # the physical egress, not loop back into it (spliceway.tun.mark).
             apply_mark(sock)
-            await loop.sock_connect(sock, (ip, port))
+            if not _connected_at_once(sock, (ip, port)):
+                await loop.sock_connect(sock, (ip, port))
         except BaseException as ex:
             sock.close()
             if not isinstance(ex, OSError) or isinstance(ex, TimeoutError):
