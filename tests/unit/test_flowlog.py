@@ -34,7 +34,7 @@ def test_relayed_flow_line_has_every_key_in_order() -> None:
     state = completed()
     state.traffic.bytes_up, state.traffic.bytes_down = 100, 2048
     assert flowlog.line(state) == (
-        "flow=ab12-7 outcome=direct_relayed inbound=mixed-in source=127.0.0.1:50000 "
+        "flow=ab12-7 outcome=direct_relayed network=tcp inbound=mixed-in source=127.0.0.1:50000 "
         "target=example.com:443 outbound=direct up=100 down=2048 duration_ms=12"
     )
     assert flowlog.level_for(state) == logging.DEBUG
@@ -61,6 +61,11 @@ def test_blocked_flow_line_names_the_rule(rule, shown) -> None:
     state = completed(outcome=records.BLOCKED, outbound_tag=None, matched_rule=rule)
     assert flowlog.line(state).endswith(f"outbound=- up=0 down=0 duration_ms=12 rule={shown}")
     assert flowlog.level_for(state) == logging.INFO
+
+
+def test_a_udp_flow_says_so() -> None:
+    state = completed(network="udp", flow_id="ab12-u3")
+    assert flowlog.line(state).startswith("flow=ab12-u3 outcome=direct_relayed network=udp ")
 
 
 def test_ipv6_endpoints_are_bracketed_and_spaces_quoted() -> None:
