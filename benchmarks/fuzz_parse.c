@@ -108,10 +108,22 @@ enum {
     PREFIX_SWEEP_MAX = 4096, /* longer inputs get sampled prefix lengths */
 };
 
-enum { P_GREETING, P_USERPASS, P_REQUEST, P_HTTP, P_SNIFF, P_RESPONSE, P_S5_UDP, P_COUNT };
+enum {
+    P_GREETING,
+    P_USERPASS,
+    P_REQUEST,
+    P_HTTP,
+    P_SNIFF,
+    P_RESPONSE,
+    P_S5_UDP,
+    P_FORWARD,
+    P_COUNT
+};
 static const char *const parser_name[P_COUNT] = {"s5_greeting", "s5_userpass", "s5_request",
                                                  "http_connect", "sniff", "http_response",
-                                                 "s5_udp"};
+                                                 "s5_udp", "http_forward"};
+/* sw_parse_http_forward's wire buffer: small, so its overflow (a deferral) is met too. */
+enum { FWD_WIRE_CAP = 2048 };
 /* The libFuzzer entry point reports nothing itself. */
 #define MAYBE_UNUSED __attribute__((unused))
 static MAYBE_UNUSED const char *const status_name[4] = {"ok", "need_more", "error", "defer"};
@@ -378,6 +390,62 @@ static void gen_http_connect(struct buf *b)
         gen_utf8_text(&c, 40);
         put_str(b, chance(4) ? "Proxy-Authorization: basic " : "Proxy-Authorization: Basic ");
         b64_encode(b, creds, c.len);
+        put_str(b, eol());
+    }
+    put_str(b, eol());
+}
+
+/* An absolute-URI request: mostly what sw_parse_http_forward forwards itself,
+ * sometimes with what it leaves to Python (a body, an Upgrade, IPv6, userinfo). */
+static void gen_http_forward(struct buf *b)
+{
+    static const char *const methods[] = {"GET", "HEAD", "POST", "DELETE", "get", "CONNECT"};
+    static const char *const names[] = {"Host",       "User-Agent",     "Connection",
+                                        "Keep-Alive", "Proxy-Connection", "TE",
+                                        "X-A",        "Accept",         "Proxy-Authorization",
+                                        "Upgrade",    "Content-Length", "Transfer-Encoding"};
+    static const char *const tokens[] = {"close", "keep-alive", "X-A", "te", "Host", "", "Accept"};
+    if (chance(10))
+        put_str(b, chance(2) ? "\r\n" : "\n");
+    put_str(b, methods[chance(4) ? below(sizeof methods / sizeof methods[0]) : 0]);
+    put_str(b, chance(8) ? " HTTP://" : " http://");
+    if (chance(8)) {
+        put_u8(b, '[');
+        gen_ipv6_text(b);
+        put_u8(b, ']');
+    } else {
+        gen_name(b, false);
+    }
+    if (chance(3))
+        put_fmt(b, ":%u", chance(8) ? (unsigned)below(70000) : 1 + (unsigned)below(0xFFFF));
+    size_t path = below(4);
+    for (size_t k = 0; k < path; k++) {
+        put_u8(b, "/?#/"[below(4)]);
+        size_t n = below(12);
+        for (size_t j = 0; j < n; j++)
+            put_u8(b, chance(30) ? 0x80 + (unsigned)below(128) : 0x21 + (unsigned)below(94));
+    }
+    put_str(b, chance(6) ? " HTTP/1.0" : " HTTP/1.1");
+    put_str(b, eol());
+    size_t fields = below(7);
+    for (size_t i = 0; i < fields; i++) {
+        size_t which = below(sizeof names / sizeof names[0] - (chance(6) ? 0 : 3));
+        put_str(b, names[which]);
+        put_str(b, chance(4) ? ":" : ": ");
+        if (which == 2 || which == 4) {
+            size_t n = 1 + below(3);
+            for (size_t k = 0; k < n; k++) {
+                if (k)
+                    put_str(b, chance(2) ? ", " : ",");
+                put_str(b, tokens[below(sizeof tokens / sizeof tokens[0])]);
+            }
+        } else {
+            size_t n = below(30);
+            for (size_t k = 0; k < n; k++)
+                put_u8(b, chance(30) ? 0x80 + (unsigned)below(128) : 0x20 + (unsigned)below(95));
+        }
+        if (chance(4))
+            put_str(b, " \t");
         put_str(b, eol());
     }
     put_str(b, eol());
@@ -770,7 +838,10 @@ static void gen_vnet_frame(struct buf *b)
 
 static void gen_valid(struct buf *b)
 {
-    switch (below(11)) {
+    switch (below(12)) {
+    case 10:
+        gen_http_forward(b);
+        break;
     case 8:
         gen_ip_packet(b);
         break;
@@ -1004,7 +1075,9 @@ struct verdict {
         sw_sniffed s;
         sw_http_response resp;
         sw_s5_udp d;
+        sw_http_forward f;
     } out;
+    uint8_t wire[FWD_WIRE_CAP];
 };
 
 /* The response parser's max_size for the current input (every prefix of it
@@ -1032,6 +1105,12 @@ static bool same_fields(int parser, const struct verdict *a, const struct verdic
                a->out.h.has_creds == b->out.h.has_creds &&
                a->out.h.user_len == b->out.h.user_len && !strcmp(a->out.h.user, b->out.h.user) &&
                a->out.h.pass_len == b->out.h.pass_len && !strcmp(a->out.h.pass, b->out.h.pass);
+    case P_FORWARD:
+        return a->out.f.consumed == b->out.f.consumed && a->out.f.port == b->out.f.port &&
+               a->out.f.host_len == b->out.f.host_len && !strcmp(a->out.f.host, b->out.f.host) &&
+               a->out.f.keep_alive == b->out.f.keep_alive && a->out.f.head == b->out.f.head &&
+               a->out.f.wire_len == b->out.f.wire_len &&
+               !memcmp(a->wire, b->wire, a->out.f.wire_len);
     case P_RESPONSE:
         return a->out.resp.consumed == b->out.resp.consumed &&
                a->out.resp.status == b->out.resp.status;
@@ -1280,6 +1359,10 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
         v->status = sw_parse_http_connect(buf, len, &v->out.h);
         v->reply_len = 0;
         break;
+    case P_FORWARD:
+        v->status = sw_parse_http_forward(buf, len, &v->out.f, v->wire, sizeof v->wire);
+        v->reply_len = 0;
+        break;
     case P_RESPONSE:
         v->status = sw_parse_http_response(buf, len, cur_max_size, &v->out.resp);
         v->reply_len = 0;
@@ -1311,7 +1394,7 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
     outcomes[kind][parser][v->status]++;
     CHECK(v->reply_len <= SW_PARSE_REPLY_MAX, name, len, "reply_len > SW_PARSE_REPLY_MAX");
     CHECK(v->status == SW_PARSE_ERROR || v->reply_len == 0, name, len, "reply without an error");
-    if (parser == P_HTTP)
+    if (parser == P_HTTP || parser == P_FORWARD)
         CHECK(v->status != SW_PARSE_ERROR, name, len, "HTTP answered ERROR (C never does)");
     else
         CHECK(v->status != SW_PARSE_DEFER, name, len,
@@ -1365,6 +1448,21 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
         CHECK(nul_terminated(h->user, sizeof h->user, h->user_len), name, len, "user string");
         CHECK(nul_terminated(h->pass, sizeof h->pass, h->pass_len), name, len, "pass string");
         CHECK(h->has_creds || (h->user_len == 0 && h->pass_len == 0), name, len, "stray creds");
+        break;
+    }
+    case P_FORWARD: {
+        const sw_http_forward *f = &v->out.f;
+        CHECK(f->consumed > 0 && f->consumed <= len && f->consumed <= HTTP_MAX_HEAD, name, len,
+              "consumed");
+        CHECK(buf[f->consumed - 1] == '\n', name, len, "head does not end in LF");
+        CHECK(nul_terminated(f->host, sizeof f->host, f->host_len), name, len, "host string");
+        CHECK(f->host_len > 0 && host_chars(f->host, ".-_"), name, len, "host text");
+        CHECK(f->port > 0 && f->keep_alive <= 1 && f->head <= 1, name, len, "fields");
+        CHECK(f->wire_len >= 18 && f->wire_len <= FWD_WIRE_CAP, name, len, "wire_len");
+        CHECK(!memcmp(v->wire + f->wire_len - 4, "\r\n\r\n", 4), name, len,
+              "wire does not end in an empty line");
+        CHECK(memmem(v->wire, f->wire_len, " HTTP/1.1\r\n", 11) != NULL, name, len,
+              "wire has no request line");
         break;
     }
     case P_RESPONSE: {

@@ -809,6 +809,279 @@ int sw_parse_http_connect(const uint8_t *buf, size_t len, sw_http_connect *out)
 }
 
 /* ---------------------------------------------------------------------------
+ * HTTP absolute-URI forwarding (http.parse_request_head + inbound.forward_request
+ * + http.origin_request(connection=""))
+ */
+
+enum {
+    /* "http://", a host (< SW_HOST_MAX), ":65535", and a path: what C forwards. */
+    FWD_TARGET_MAX = 8192,
+    FWD_METHOD_MAX = 16,
+};
+
+/* inbound.py's hop-by-hop drop set, http._HOP_BY_HOP. */
+static bool fwd_hop_by_hop(const uint8_t *s, size_t n)
+{
+    return eq_lower(s, n, "connection") || eq_lower(s, n, "proxy-connection") ||
+           eq_lower(s, n, "keep-alive") || eq_lower(s, n, "proxy-authorization") ||
+           eq_lower(s, n, "te") || eq_lower(s, n, "upgrade");
+}
+
+/* Case-insensitive equality of two byte strings. */
+static bool eq_nocase(const uint8_t *a, size_t an, const uint8_t *b, size_t bn)
+{
+    if (an != bn)
+        return false;
+    for (size_t i = 0; i < an; i++)
+        if (ascii_lower(a[i]) != ascii_lower(b[i]))
+            return false;
+    return true;
+}
+
+struct fwd_span {
+    uint32_t off, len;
+};
+
+struct fwd_writer {
+    uint8_t *out;
+    size_t cap, len;
+    bool overflow;
+};
+
+static void fwd_put(struct fwd_writer *w, const void *data, size_t n)
+{
+    if (w->overflow || n > w->cap - w->len) {
+        w->overflow = true;
+        return;
+    }
+    memcpy(w->out + w->len, data, n);
+    w->len += n;
+}
+
+/* The members of a comma-separated value, each .strip(_OWS), into tokens[]
+ * (connection_tokens' and origin_request's split).  false when more than
+ * SW_HTTP_FWD_TOKENS members in all: the caller defers. */
+static bool fwd_tokens(const uint8_t *v, size_t n, uint32_t base, struct fwd_span *tokens,
+                       size_t *ntokens)
+{
+    size_t start = 0;
+    for (size_t k = 0; k <= n; k++) {
+        if (k < n && v[k] != ',')
+            continue;
+        size_t a = start, b = k;
+        while (a < b && (v[a] == ' ' || v[a] == '\t'))
+            a++;
+        while (b > a && (v[b - 1] == ' ' || v[b - 1] == '\t'))
+            b--;
+        if (*ntokens >= SW_HTTP_FWD_TOKENS)
+            return false;
+        tokens[*ntokens].off = base + (uint32_t)a;
+        tokens[*ntokens].len = (uint32_t)(b - a);
+        (*ntokens)++;
+        start = k + 1;
+    }
+    return true;
+}
+
+int sw_parse_http_forward(const uint8_t *buf, size_t len, sw_http_forward *out, uint8_t *wire,
+                          size_t wire_cap)
+{
+    /* As sw_parse_http_connect: Python looks for the head's end in the first
+     * MAX_HEAD_SIZE bytes only. */
+    const size_t n = len < HTTP_MAX_HEAD ? len : HTTP_MAX_HEAD;
+    const int incomplete = len >= HTTP_MAX_HEAD ? SW_PARSE_DEFER : SW_PARSE_NEED_MORE;
+    size_t i = 0;
+    int m;
+
+    for (;;) {
+        if (i < n && buf[i] == '\n')
+            i++;
+        else if (i + 1 < n && buf[i] == '\r' && buf[i + 1] == '\n')
+            i += 2;
+        else
+            break;
+    }
+    if (i == n || (i + 1 == n && buf[i] == '\r'))
+        return incomplete;
+
+    /* "<METHOD> <target> HTTP/1.1": every prefix C waits on passes Python's
+     * partial checks (a token prefix, no NUL, no CR before the line's end). */
+    const size_t method = i;
+    while (i < n && buf[i] >= 'A' && buf[i] <= 'Z') {
+        if (i - method >= FWD_METHOD_MAX)
+            return SW_PARSE_DEFER;
+        i++;
+    }
+    if (i == n)
+        return incomplete;
+    const size_t method_len = i - method;
+    if (method_len == 0 || buf[i] != ' ')
+        return SW_PARSE_DEFER;
+    if (method_len == 7 && memcmp(buf + method, "CONNECT", 7) == 0)
+        return SW_PARSE_DEFER; /* a tunnel: sw_parse_http_connect's */
+    i++;
+    const size_t target = i;
+    /* _BAD_TARGET_CHAR_RE: no controls, no space, no DEL (obs-text passes). */
+    while (i < n && buf[i] > 0x20 && buf[i] != 0x7F) {
+        if (i - target >= FWD_TARGET_MAX)
+            return SW_PARSE_DEFER;
+        i++;
+    }
+    const size_t target_len = i - target;
+    if (i == n)
+        return incomplete;
+    if (target_len == 0)
+        return SW_PARSE_DEFER;
+    if ((m = match_lit(buf, n, &i, " HTTP/1.1")) <= 0)
+        return m == 0 ? incomplete : SW_PARSE_DEFER;
+    if ((m = match_eol(buf, n, &i)) <= 0)
+        return m == 0 ? incomplete : SW_PARSE_DEFER;
+
+    /* http.split_absolute_uri: scheme "http" (any case), then the authority up
+     * to the first of "/?#", the path up to "#" and "/"-prefixed. */
+    const uint8_t *t = buf + target;
+    if (target_len < 7 || !eq_lower(t, 4, "http") || memcmp(t + 4, "://", 3) != 0)
+        return SW_PARSE_DEFER;
+    const uint8_t *rest = t + 7;
+    const size_t rest_len = target_len - 7;
+    size_t cut = rest_len;
+    for (size_t k = 0; k < rest_len; k++)
+        if (rest[k] == '/' || rest[k] == '?' || rest[k] == '#') {
+            cut = k;
+            break;
+        }
+    const uint8_t *colon = memchr(rest, ':', cut);
+    const size_t host_len = colon ? (size_t)(colon - rest) : cut;
+    if (host_len == 0 || host_len >= SW_HOST_MAX)
+        return SW_PARSE_DEFER; /* an empty host is a 400; "[" (IPv6) and "@" fail below */
+    for (size_t k = 0; k < host_len; k++) {
+        if (!is_reg_name_char(rest[k]))
+            return SW_PARSE_DEFER;
+        out->host[k] = (char)ascii_lower(rest[k]);
+    }
+    out->host[host_len] = '\0';
+    out->host_len = (uint16_t)host_len;
+    long port = 80; /* no port, or an empty one: the scheme's */
+    if (colon && cut - host_len > 1) {
+        port = parse_port(colon + 1, cut - host_len - 1);
+        if (port < 0)
+            return SW_PARSE_DEFER;
+    }
+    out->port = (uint16_t)port;
+    const uint8_t *path = rest + cut;
+    const uint8_t *hash = memchr(path, '#', rest_len - cut);
+    const size_t path_len = hash ? (size_t)(hash - path) : rest_len - cut;
+    const bool slash = path_len == 0 || path[0] != '/';
+
+    /* Field lines, as sw_parse_http_connect reads them, kept for the rewrite. */
+    struct fwd_span names[SW_HTTP_FWD_FIELDS], values[SW_HTTP_FWD_FIELDS];
+    struct fwd_span named[SW_HTTP_FWD_TOKENS], hop[SW_HTTP_FWD_TOKENS];
+    size_t nfields = 0, nnamed = 0, nhop = 0;
+    int hosts = 0;
+    for (;;) {
+        if ((m = match_eol(buf, n, &i)) == 1)
+            break;
+        if (m == 0)
+            return incomplete;
+        if (buf[i] == ' ' || buf[i] == '\t' || buf[i] == '\r')
+            return SW_PARSE_DEFER; /* obs-fold (a 400), or a bare CR */
+        const size_t name = i;
+        while (i < n && is_tchar(buf[i]))
+            i++;
+        if (i == n)
+            return incomplete;
+        if (buf[i] != ':' || i == name)
+            return SW_PARSE_DEFER;
+        const size_t name_len = i - name;
+        i++;
+        size_t value = i;
+        while (i < n && is_value_char(buf[i]))
+            i++;
+        size_t value_end = i;
+        if ((m = match_eol(buf, n, &i)) <= 0)
+            return m == 0 ? incomplete : SW_PARSE_DEFER;
+        const uint8_t *nm = buf + name;
+        /* A body, a protocol switch or a second Host (a 400) are Python's. */
+        if (eq_lower(nm, name_len, "content-length") ||
+            eq_lower(nm, name_len, "transfer-encoding") || eq_lower(nm, name_len, "upgrade"))
+            return SW_PARSE_DEFER;
+        if (eq_lower(nm, name_len, "host") && ++hosts > 1)
+            return SW_PARSE_DEFER;
+        if (nfields >= SW_HTTP_FWD_FIELDS)
+            return SW_PARSE_DEFER;
+        while (value < value_end && (buf[value] == ' ' || buf[value] == '\t'))
+            value++;
+        while (value_end > value && (buf[value_end - 1] == ' ' || buf[value_end - 1] == '\t'))
+            value_end--;
+        names[nfields] = (struct fwd_span){(uint32_t)name, (uint32_t)name_len};
+        values[nfields] = (struct fwd_span){(uint32_t)value, (uint32_t)(value_end - value)};
+        nfields++;
+        /* Connection names fields to drop (origin_request); Connection and
+         * Proxy-Connection together say whether the client keeps its
+         * connection (forward_request's connection_tokens). */
+        bool is_conn = eq_lower(nm, name_len, "connection");
+        if (is_conn && !fwd_tokens(buf + value, value_end - value, (uint32_t)value, named, &nnamed))
+            return SW_PARSE_DEFER;
+        if ((is_conn || eq_lower(nm, name_len, "proxy-connection")) &&
+            !fwd_tokens(buf + value, value_end - value, (uint32_t)value, hop, &nhop))
+            return SW_PARSE_DEFER;
+    }
+    out->consumed = (uint32_t)i;
+    out->keep_alive = 1;
+    for (size_t k = 0; k < nhop; k++)
+        if (eq_lower(buf + hop[k].off, hop[k].len, "close"))
+            out->keep_alive = 0;
+    out->head = method_len == 4 && memcmp(buf + method, "HEAD", 4) == 0;
+
+    /* origin_request: the request line in origin form, the Host from the
+     * target (in place of the first, or first of all), no hop-by-hop field. */
+    char host_header[SW_HOST_MAX + 8];
+    size_t hh = host_len;
+    memcpy(host_header, out->host, host_len);
+    if (port != 80) {
+        host_header[hh++] = ':';
+        hh += put_dec(host_header + hh, (unsigned)port);
+    }
+    struct fwd_writer w = {wire, wire_cap, 0, false};
+    fwd_put(&w, buf + method, method_len);
+    fwd_put(&w, " ", 1);
+    if (slash)
+        fwd_put(&w, "/", 1);
+    fwd_put(&w, path, path_len);
+    fwd_put(&w, " HTTP/1.1\r\n", 11);
+    if (!hosts) {
+        fwd_put(&w, "Host: ", 6);
+        fwd_put(&w, host_header, hh);
+        fwd_put(&w, "\r\n", 2);
+    }
+    for (size_t f = 0; f < nfields; f++) {
+        const uint8_t *nm = buf + names[f].off;
+        const size_t nl = names[f].len;
+        if (eq_lower(nm, nl, "host")) {
+            fwd_put(&w, nm, nl);
+            fwd_put(&w, ": ", 2);
+            fwd_put(&w, host_header, hh);
+            fwd_put(&w, "\r\n", 2);
+            continue;
+        }
+        bool drop = fwd_hop_by_hop(nm, nl);
+        for (size_t k = 0; k < nnamed && !drop; k++)
+            drop = eq_nocase(nm, nl, buf + named[k].off, named[k].len);
+        if (drop)
+            continue;
+        fwd_put(&w, nm, nl);
+        fwd_put(&w, ": ", 2);
+        fwd_put(&w, buf + values[f].off, values[f].len);
+        fwd_put(&w, "\r\n", 2);
+    }
+    fwd_put(&w, "\r\n", 2);
+    if (w.overflow)
+        return SW_PARSE_DEFER;
+    out->wire_len = (uint32_t)w.len;
+    return SW_PARSE_OK;
+}
+
+/* ---------------------------------------------------------------------------
  * HTTP upstream proxy, client side (http.connect_request and
  * http.parse_response_head)
  */

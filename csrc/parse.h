@@ -176,6 +176,34 @@ int sw_http_response_error(const uint8_t *buf, size_t len, size_t max_size, char
 int sw_http_connect_request(const char *host, uint16_t port, const char *user,
                             const char *pass, uint8_t *out, size_t cap);
 
+/* An absolute-URI request the proxy forwards (GET http://host/path HTTP/1.1), as the
+ * origin is to get it: the first step of forwarding in C (docs/http-forward.md). */
+typedef struct sw_http_forward {
+    uint32_t consumed;   /* the whole head, leading empty lines and blank line included */
+    uint32_t wire_len;   /* bytes written to `wire` */
+    uint16_t port;
+    uint16_t host_len;
+    char host[256];      /* exactly ForwardRequest.host */
+    uint8_t keep_alive;  /* ForwardRequest.keep_alive */
+    uint8_t head;        /* the method is HEAD: its response has no body */
+} sw_http_forward;
+
+/* A request head that Python's parse_request_head + http_auth (no users) +
+ * forward_request accept with no body (no Content-Length, no Transfer-Encoding)
+ * and no Upgrade, as HTTP/1.1 with an upper-case method other than CONNECT, an
+ * http:// target whose host is a name or IPv4 text (no IPv6 literal, no
+ * userinfo), at most SW_HTTP_FWD_FIELDS fields and SW_HTTP_FWD_TOKENS
+ * Connection tokens: SW_PARSE_OK, `out` filled and wire[0..wire_len) exactly
+ * http.origin_request(head, request.path, request.host_header, connection="")
+ * (what actors/http_forward.py sends for it).  SW_PARSE_NEED_MORE only where
+ * Python wants more too; everything else -- any error, anything outside that
+ * subset, a head that does not fit `wire_cap` -- SW_PARSE_DEFER: Python's path
+ * answers it (its 400s included).  Never SW_PARSE_ERROR. */
+#define SW_HTTP_FWD_FIELDS 64
+#define SW_HTTP_FWD_TOKENS 16
+int sw_parse_http_forward(const uint8_t *buf, size_t len, sw_http_forward *out, uint8_t *wire,
+                          size_t wire_cap);
+
 /* SW_CDEF_END */
 
 /* sw_parse_s5_udp without the host text (host_len 0, host ""): the same
