@@ -392,6 +392,7 @@ class _Commands:
             body.get("method"),
             body.get("params"),
             _principal(req).permissions,
+            transport="http",
         )
         _send(resp, envelope_ok(result, rid))
 

@@ -103,10 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("file")
     sub.add_parser("config-schema", help="print the configuration's JSON Schema")
     build_info = sub.add_parser("build-info", help="print what this build contains")
-    status = sub.add_parser("status", help="a running engine's health and counters")
+    status = sub.add_parser("status", help="a running engine's uptime, health and counters")
     flows = sub.add_parser("flows", help="a running engine's active flows")
     flows.add_argument("--limit", type=int, help="at most this many (1..10000, default 100)")
-    policies = sub.add_parser("policies", help="a running engine's policy groups")
+    policies = sub.add_parser(
+        "policies", help="a running engine's policy groups and their members' health"
+    )
     select = sub.add_parser("select", help="select a selector group's member (policies.select)")
     select.add_argument("policy_tag")
     select.add_argument("target_tag")

@@ -109,3 +109,33 @@ def test_an_apply_over_grpc_names_grpc(
             "persistence=runtime_only changed=routing",
         )
     ]
+
+
+def test_an_apply_over_http_names_http(
+    make_engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import urllib.request
+
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    doc = base_config()
+    doc["api"]["control"] = {"listen": {"port": 0}, "api_key_env": None}
+    engine = make_engine(doc)
+    new = {**doc, "mode": {"kind": "direct"}}
+    body = json.dumps({"method": "config.apply_runtime", "params": {"config": new}}).encode()
+    request = urllib.request.Request(
+        f"{engine.control_url}/api/v1/commands",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=30) as reply:
+        assert reply.status == 200
+        assert json.loads(reply.read())["ok"] is True
+    assert applied_lines(caplog) == [
+        (
+            logging.INFO,
+            "configuration applied: method=config.apply_runtime transport=http "
+            "persistence=runtime_only changed=routing",
+        )
+    ]

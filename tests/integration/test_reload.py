@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+from spliceway.api.openapi import command_component, openapi_document
 
 from spliceway import Engine
 from spliceway.errors import ApiError
@@ -717,10 +719,6 @@ def test_reload_help_says_what_is_written_where() -> None:
 def test_apply_results_are_the_documented_shape(tmp_path: Path, method: str) -> None:
     """The result is exactly the OpenAPI component (closed objects), which docs/commands.md
     is generated from: a field the engine sends and the document omits fails here."""
-    import jsonschema
-
-    from spliceway.api.openapi import command_component, openapi_document
-
     document = openapi_document()
     schema = {
         **document["components"]["schemas"][command_component(method, "Result")],
