@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import socket
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -325,3 +327,35 @@ def test_process_collector_and_flow_histograms_by_outbound(make_engine):
         "direct",
         "block",
     }
+
+
+
+def test_every_metric_family_is_in_the_readme(metrics_engine):
+    """A family the engine exports that the README does not name fails here, and so
+    does a row of the README's metrics table naming a family the engine no longer has."""
+    engine, _ = metrics_engine
+    with EchoServer() as echo:
+        echo_flow(engine, echo.port, 100)
+    wait_until(
+        lambda: "spliceway_flow_duration_seconds_count" in scrape(engine.control_url)[2],
+        what="a completed flow in the histograms",
+    )
+    _, _, text = scrape(engine.control_url)
+    exported = set()
+    for family in text_string_to_metric_families(text):
+        # The parser names a counter family without its samples' _total.
+        name = family.name + ("_total" if family.type == "counter" else "")
+        exported.add(name.removeprefix("spliceway_"))
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text("utf-8")
+    named = set(re.findall(r"`([a-z_]+)`", readme))
+    undocumented = {
+        n
+        for n in exported
+        if n not in named
+        and not (n.startswith("udp_upstream_") and "`udp_upstream_<counter>_total`" in readme)
+    }
+    assert undocumented == set()
+    table = readme[readme.index("| `start_time_seconds`") :].split("\n\n", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    in_table = {n for row in rows for n in re.findall(r"`([a-z_]+)`", row)}
+    assert in_table - exported == set()
