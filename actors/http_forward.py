@@ -244,13 +244,15 @@ class HttpForwarding:
                     forward=True,
                     request=request,
                 )
-            try:
-                head = http_proto.parse_request_head(buf)
-                if head is not NEED_MORE:
-                    break
-            except ProtocolError as ex:
-                await self._send_quietly(ex.reply)
-                return None
+            # Nothing buffered (a client waiting for each answer): nothing to parse yet.
+            if buf:
+                try:
+                    head = http_proto.parse_request_head(buf)
+                    if head is not NEED_MORE:
+                        break
+                except ProtocolError as ex:
+                    await self._send_quietly(ex.reply)
+                    return None
             try:
                 data = await _recv(loop, client, idle)
             except (OSError, TimeoutError):
@@ -501,6 +503,8 @@ class HttpForwarding:
                 # The previous response's head bytes again (an origin's heads differ
                 # mostly by Date, once a second): its parse, framing and tokens.
                 response = rmemo.response
+            elif not buf:
+                response = NEED_MORE  # nothing read yet: nothing to parse
             else:
                 rmemo = None
                 try:

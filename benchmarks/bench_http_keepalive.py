@@ -1,6 +1,7 @@
 """HTTP forward-proxy requests/s: one kept-alive client connection, and a new one per request.
 
     python benchmarks/bench_http_keepalive.py [--seconds 2] [--count 20000] [--resp 1024]
+                                              [--runs 1]
 
 In one run, on 127.0.0.1: an HTTP/1.1 keep-alive origin (a selectors loop in a process
 of its own, answering every request with ``--resp`` body bytes and Content-Length), and
@@ -17,6 +18,12 @@ direct) -- the proxies started by ``peers.py``'s specs. Each case runs at most
 ``--seconds`` and ``--count`` requests, after a short warm-up. Prints one JSON document:
 requests/s and the proxy's CPU seconds per 1,000 requests, per proxy and mode.
 
+``--runs N`` repeats the whole set N times in one invocation (every proxy once per
+run, in the same order, each started afresh), so every run compares all of them on the
+same machine state; the document then has every run's figures and a ``summary`` with
+each figure's median and range over the runs. A case whose requests fail (a proxy's
+502, a reset) is recorded with its error instead of ending the whole run.
+
 tinyproxy 1.11 closes the client connection after each response (it does not keep
 client connections), so its keepalive figure is a connection per request too: it is
 reported, marked ``keeps_connection: false``.
@@ -29,6 +36,7 @@ import contextlib
 import json
 import selectors
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -198,6 +206,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=2.0, help="per case, at most")
     ap.add_argument("--count", type=int, default=20000, help="requests per case, at most")
     ap.add_argument("--resp", type=int, default=1024, help="response body bytes")
+    ap.add_argument("--runs", type=int, default=1, help="repeat every case this many times")
     ap.add_argument("--serve-origin", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--max-seconds", type=float, default=600, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -212,7 +221,7 @@ def main() -> None:
     results: dict = {
         "command": " ".join(["python", "benchmarks/bench_http_keepalive.py", *sys.argv[1:]]),
         "resp_bytes": a.resp,
-        "cases": [],
+        "runs": [],
     }
     try:
         assert origin.stdout is not None
@@ -226,9 +235,12 @@ def main() -> None:
                 continue
             wanted.append((name, mihomo_http_spec(spec) if name == "mihomo" else spec))
         with tempfile.TemporaryDirectory(prefix="bench-http-ka-") as tmp:
-            for name, spec in wanted:
-                results["cases"].append(
-                    run_case(name, spec, Path(tmp), origin_port, a.count, a.seconds)
+            for _ in range(max(a.runs, 1)):
+                results["runs"].append(
+                    [
+                        run_case(name, spec, Path(tmp), origin_port, a.count, a.seconds)
+                        for name, spec in wanted
+                    ]
                 )
     finally:
         origin.terminate()
@@ -237,7 +249,34 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             origin.kill()
             origin.wait(5)
+    if len(results["runs"]) == 1:
+        results["cases"] = results.pop("runs")[0]
+    else:
+        results["summary"] = summarize(results["runs"])
     print(json.dumps(results, indent=2))
+
+
+def summarize(runs: list[list[dict]]) -> dict:
+    """Per proxy and mode: requests/s and CPU per 1,000 requests, median and range."""
+    out: dict = {}
+    for case in runs[0]:
+        name = case["name"]
+        for mode in ("keepalive", "newconn"):
+            for key in ("requests_per_s", "proxy_cpu_ms_per_1000"):
+                values = sorted(
+                    c[mode][key]
+                    for run in runs
+                    for c in run
+                    if c["name"] == name and key in c.get(mode, {})
+                )
+                if values:
+                    out.setdefault(name, {}).setdefault(mode, {})[key] = {
+                        "median": statistics.median(values),
+                        "min": values[0],
+                        "max": values[-1],
+                        "n": len(values),
+                    }
+    return out
 
 
 def run_case(
@@ -257,10 +296,16 @@ def run_case(
             ("keepalive", keepalive, keep_req),
             ("newconn", newconn, close_req),
         ):
-            fn(address, request, WARMUP, seconds)
-            cpu0 = running.cpu() if running else 0.0
-            out = fn(address, request, count, seconds)
-            cpu = (running.cpu() - cpu0) if running else 0.0
+            try:
+                fn(address, request, WARMUP, seconds)
+                cpu0 = running.cpu() if running else 0.0
+                out = fn(address, request, count, seconds)
+                cpu = (running.cpu() - cpu0) if running else 0.0
+            except (ConnectionError, OSError) as ex:
+                # One proxy's failure (mihomo answers an occasional 502 here) must not
+                # void the other proxies' figures of the same run: recorded, not raised.
+                case[mode] = {"error": str(ex)[:300]}
+                continue
             out["requests_per_s"] = round(out["requests"] / out["seconds"]) if out["seconds"] else 0
             if running:
                 out["proxy_cpu_ms_per_1000"] = round(cpu * 1e6 / max(out["requests"], 1), 1)
