@@ -19,10 +19,11 @@ direct) -- the proxies started by ``peers.py``'s specs. Each case runs at most
 requests/s and the proxy's CPU seconds per 1,000 requests, per proxy and mode.
 
 ``--runs N`` repeats the whole set N times in one invocation (every proxy once per
-run, in the same order, each started afresh), so every run compares all of them on the
-same machine state; the document then has every run's figures and a ``summary`` with
-each figure's median and range over the runs. A case whose requests fail (a proxy's
-502, a reset) is recorded with its error instead of ending the whole run.
+run, each started afresh, the order rotated by one case per run), so every run
+compares all of them on the same machine state; the document then has every run's
+figures and a ``summary`` with each figure's median and range over the runs. A case
+whose requests fail (a proxy's 502, a reset) is recorded with its error instead of
+ending the whole run.
 
 tinyproxy 1.11 closes the client connection after each response (it does not keep
 client connections), so its keepalive figure is a connection per request too: it is
@@ -234,14 +235,19 @@ def main() -> None:
                 results.setdefault("missing", []).append(name)
                 continue
             wanted.append((name, mihomo_http_spec(spec) if name == "mihomo" else spec))
+        names = [name for name, _ in wanted]
         with tempfile.TemporaryDirectory(prefix="bench-http-ka-") as tmp:
-            for _ in range(max(a.runs, 1)):
-                results["runs"].append(
-                    [
-                        run_case(name, spec, Path(tmp), origin_port, a.count, a.seconds)
-                        for name, spec in wanted
-                    ]
-                )
+            for r in range(max(a.runs, 1)):
+                # Each run starts one case later: every new-connection case leaves
+                # thousands of TIME_WAIT sockets towards the origin's port, and the cases
+                # run last in a set meet the most of them (a proxy then sees its dials
+                # fail, as mihomo's 502s showed); rotating spreads that over all.
+                order = wanted[r % len(wanted) :] + wanted[: r % len(wanted)]
+                run = [
+                    run_case(name, spec, Path(tmp), origin_port, a.count, a.seconds)
+                    for name, spec in order
+                ]
+                results["runs"].append(sorted(run, key=lambda c: names.index(c["name"])))
     finally:
         origin.terminate()
         try:

@@ -117,11 +117,12 @@ enum {
     P_RESPONSE,
     P_S5_UDP,
     P_FORWARD,
+    P_FWD_RESPONSE,
     P_COUNT
 };
 static const char *const parser_name[P_COUNT] = {"s5_greeting", "s5_userpass", "s5_request",
                                                  "http_connect", "sniff", "http_response",
-                                                 "s5_udp", "http_forward"};
+                                                 "s5_udp", "http_forward", "http_fwd_response"};
 /* sw_parse_http_forward's wire buffer: small, so its overflow (a deferral) is met too. */
 enum { FWD_WIRE_CAP = 2048 };
 /* The libFuzzer entry point reports nothing itself. */
@@ -1076,6 +1077,7 @@ struct verdict {
         sw_http_response resp;
         sw_s5_udp d;
         sw_http_forward f;
+        sw_http_fwd_response fr;
     } out;
     uint8_t wire[FWD_WIRE_CAP];
 };
@@ -1083,6 +1085,9 @@ struct verdict {
 /* The response parser's max_size for the current input (every prefix of it
  * gets the same, so its verdicts must be monotonic as the others' are). */
 static size_t cur_max_size = HTTP_MAX_HEAD;
+/* sw_parse_http_fwd_response's request flags for the current input (bit 0 HEAD,
+ * bit 1 close): one pair per input, so its prefixes are judged alike. */
+static int cur_fwd_flags;
 
 /* The fields of an OK verdict, byte-comparable (structs have padding). */
 static bool same_fields(int parser, const struct verdict *a, const struct verdict *b)
@@ -1105,6 +1110,10 @@ static bool same_fields(int parser, const struct verdict *a, const struct verdic
                a->out.h.has_creds == b->out.h.has_creds &&
                a->out.h.user_len == b->out.h.user_len && !strcmp(a->out.h.user, b->out.h.user) &&
                a->out.h.pass_len == b->out.h.pass_len && !strcmp(a->out.h.pass, b->out.h.pass);
+    case P_FWD_RESPONSE:
+        return a->out.fr.consumed == b->out.fr.consumed && a->out.fr.status == b->out.fr.status &&
+               a->out.fr.length == b->out.fr.length && a->out.fr.wire_len == b->out.fr.wire_len &&
+               !memcmp(a->wire, b->wire, a->out.fr.wire_len);
     case P_FORWARD:
         return a->out.f.consumed == b->out.f.consumed && a->out.f.port == b->out.f.port &&
                a->out.f.host_len == b->out.f.host_len && !strcmp(a->out.f.host, b->out.f.host) &&
@@ -1363,6 +1372,21 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
         v->status = sw_parse_http_forward(buf, len, &v->out.f, v->wire, sizeof v->wire);
         v->reply_len = 0;
         break;
+    case P_FWD_RESPONSE: {
+        int flags = cur_fwd_flags;
+        v->status = sw_parse_http_fwd_response(buf, len, flags & 1, (flags >> 1) & 1, &v->out.fr,
+                                               v->wire, sizeof v->wire);
+        v->reply_len = 0;
+        sw_http_response plain;
+        int ps = sw_parse_http_response(buf, len, HTTP_MAX_HEAD, &plain);
+        CHECK(v->status != SW_PARSE_NEED_MORE || ps == SW_PARSE_NEED_MORE, name, len,
+              "NEED_MORE where the response parser has a verdict");
+        CHECK(v->status != SW_PARSE_OK ||
+                  (ps == SW_PARSE_OK && plain.consumed == v->out.fr.consumed &&
+                   plain.status == v->out.fr.status),
+              name, len, "OK with another head than the response parser's");
+        break;
+    }
     case P_RESPONSE:
         v->status = sw_parse_http_response(buf, len, cur_max_size, &v->out.resp);
         v->reply_len = 0;
@@ -1394,7 +1418,7 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
     outcomes[kind][parser][v->status]++;
     CHECK(v->reply_len <= SW_PARSE_REPLY_MAX, name, len, "reply_len > SW_PARSE_REPLY_MAX");
     CHECK(v->status == SW_PARSE_ERROR || v->reply_len == 0, name, len, "reply without an error");
-    if (parser == P_HTTP || parser == P_FORWARD)
+    if (parser == P_HTTP || parser == P_FORWARD || parser == P_FWD_RESPONSE)
         CHECK(v->status != SW_PARSE_ERROR, name, len, "HTTP answered ERROR (C never does)");
     else
         CHECK(v->status != SW_PARSE_DEFER, name, len,
@@ -1448,6 +1472,17 @@ static void run_one(int parser, const uint8_t *buf, size_t len, struct verdict *
         CHECK(nul_terminated(h->user, sizeof h->user, h->user_len), name, len, "user string");
         CHECK(nul_terminated(h->pass, sizeof h->pass, h->pass_len), name, len, "pass string");
         CHECK(h->has_creds || (h->user_len == 0 && h->pass_len == 0), name, len, "stray creds");
+        break;
+    }
+    case P_FWD_RESPONSE: {
+        const sw_http_fwd_response *r = &v->out.fr;
+        CHECK(r->consumed >= 14 && r->consumed <= len, name, len, "consumed");
+        CHECK(r->status >= 200 && r->status <= 999, name, len, "status");
+        CHECK(r->wire_len >= 17 && !memcmp(v->wire, "HTTP/1.1 ", 9) &&
+                  !memcmp(v->wire + r->wire_len - 4, "\r\n\r\n", 4),
+              name, len, "wire shape");
+        CHECK(r->length == 0 || ((cur_fwd_flags & 1) == 0 && r->status != 204 && r->status != 304),
+              name, len, "a body after HEAD, 204 or 304");
         break;
     }
     case P_FORWARD: {
@@ -2015,6 +2050,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     cur_len = size;
     /* one input in four also meets a max_size inside it */
     cur_max_size = size && data[size - 1] % 4 == 0 ? size / 2 + 1 : HTTP_MAX_HEAD;
+    cur_fwd_flags = size ? data[size - 1] >> 6 : 0;
     run_all(data, size);
     if (size <= 512)
         sweep_prefixes(data, size);
@@ -2030,6 +2066,7 @@ static void one_input(const uint8_t *input, size_t len, unsigned prefix_every)
         cur_max_size = chance(2) ? below(len + 16) : (len > 8 ? len - 8 + below(16) : below(16));
     else
         cur_max_size = HTTP_MAX_HEAD;
+    cur_fwd_flags = (int)below(4);
     inputs++;
     input_bytes += len;
     run_all(input, len);

@@ -1501,6 +1501,122 @@ int sw_parse_http_response(const uint8_t *buf, size_t len, size_t max_size, sw_h
     return parse_response(buf, len, max_size, out, NULL);
 }
 
+/* ---------------------------------------------------------------------------
+ * A forwarded request's response head (http.parse_response_head +
+ * http_message.response_framing + http.proxy_response), in C's subset
+ */
+
+int sw_parse_http_fwd_response(const uint8_t *buf, size_t len, int head_request, int close,
+                               sw_http_fwd_response *out, uint8_t *wire, size_t wire_cap)
+{
+    sw_http_response r;
+    int rc = parse_response(buf, len, HTTP_MAX_HEAD, &r, NULL);
+    if (rc == SW_PARSE_NEED_MORE)
+        return SW_PARSE_NEED_MORE; /* exactly where Python wants more */
+    if (rc != SW_PARSE_OK)
+        return SW_PARSE_DEFER; /* Python's error, with its message */
+    /* Interim answers and protocol switches are Python's; and only an
+     * HTTP/1.1 answer keeps the upstream connection by itself. */
+    if (r.status < 200 || r.status > 999 || memcmp(buf, "HTTP/1.1 ", 9) != 0)
+        return SW_PARSE_DEFER;
+    const size_t end = r.consumed;
+    /* The status line (valid: parse_response said so): "HTTP/1.1 ddd[ reason]". */
+    const uint8_t *lf = memchr(buf, '\n', end);
+    size_t line = (size_t)(lf - buf);
+    if (line && buf[line - 1] == '\r')
+        line--;
+    const uint8_t *reason = buf + 12;
+    const size_t reason_len = line > 12 ? line - 13 : 0;
+    if (line > 12)
+        reason = buf + 13; /* past the space after the status */
+
+    /* Fields: none C would have to drop or to read the framing from
+     * (Connection and what it names, Keep-Alive, Proxy-Connection, Upgrade,
+     * Transfer-Encoding), no obs-fold (unfolded by Python); Content-Length's
+     * members collected as _content_length compares them, as strings. */
+    struct fwd_writer w = {wire, wire_cap, 0, false};
+    char status_text[4];
+    put_dec(status_text, (unsigned)r.status);
+    fwd_put(&w, "HTTP/1.1 ", 9);
+    fwd_put(&w, status_text, 3);
+    fwd_put(&w, " ", 1);
+    fwd_put(&w, reason, reason_len);
+    fwd_put(&w, "\r\n", 2);
+    const uint8_t *cl = NULL;
+    size_t cl_len = 0;
+    bool cl_bad = false;
+    size_t start = (size_t)(lf - buf) + 1;
+    for (;;) {
+        const uint8_t *nl = memchr(buf + start, '\n', end - start);
+        size_t stop = (size_t)(nl - buf);
+        const size_t next = stop + 1;
+        if (stop > start && buf[stop - 1] == '\r')
+            stop--;
+        if (stop == start)
+            break; /* the empty line */
+        if (buf[start] == ' ' || buf[start] == '\t')
+            return SW_PARSE_DEFER;
+        const uint8_t *colon = memchr(buf + start, ':', stop - start);
+        const uint8_t *nm = buf + start;
+        const size_t nl_len = (size_t)(colon - nm);
+        if (eq_lower(nm, nl_len, "connection") || eq_lower(nm, nl_len, "keep-alive") ||
+            eq_lower(nm, nl_len, "proxy-connection") || eq_lower(nm, nl_len, "upgrade") ||
+            eq_lower(nm, nl_len, "transfer-encoding"))
+            return SW_PARSE_DEFER;
+        size_t v = (size_t)(colon - buf) + 1, ve = stop;
+        while (v < ve && (buf[v] == ' ' || buf[v] == '\t'))
+            v++;
+        while (ve > v && (buf[ve - 1] == ' ' || buf[ve - 1] == '\t'))
+            ve--;
+        if (eq_lower(nm, nl_len, "content-length")) {
+            /* Each comma-separated member, stripped: all the same digits. */
+            size_t ms = v;
+            for (size_t k = v; k <= ve; k++) {
+                if (k < ve && buf[k] != ',')
+                    continue;
+                size_t a = ms, b = k;
+                while (a < b && (buf[a] == ' ' || buf[a] == '\t'))
+                    a++;
+                while (b > a && (buf[b - 1] == ' ' || buf[b - 1] == '\t'))
+                    b--;
+                if (!cl) {
+                    cl = buf + a;
+                    cl_len = b - a;
+                } else if (b - a != cl_len || memcmp(buf + a, cl, cl_len) != 0) {
+                    cl_bad = true;
+                }
+                ms = k + 1;
+            }
+        }
+        fwd_put(&w, nm, nl_len);
+        fwd_put(&w, ": ", 2);
+        fwd_put(&w, buf + v, ve - v);
+        fwd_put(&w, "\r\n", 2);
+        start = next;
+    }
+    /* response_framing: no body after HEAD, 204, 304 whatever the fields say. */
+    uint64_t length = 0;
+    if (!head_request && r.status != 204 && r.status != 304) {
+        if (!cl || cl_bad || cl_len == 0 || cl_len > 18)
+            return SW_PARSE_DEFER; /* read to the close, or Python's 502 */
+        for (size_t k = 0; k < cl_len; k++) {
+            if (cl[k] < '0' || cl[k] > '9')
+                return SW_PARSE_DEFER;
+            length = length * 10 + (uint64_t)(cl[k] - '0');
+        }
+    }
+    if (close)
+        fwd_put(&w, "Connection: close\r\n", 19);
+    fwd_put(&w, "\r\n", 2);
+    if (w.overflow)
+        return SW_PARSE_DEFER;
+    out->consumed = (uint32_t)end;
+    out->wire_len = (uint32_t)w.len;
+    out->length = length;
+    out->status = (uint16_t)r.status;
+    return SW_PARSE_OK;
+}
+
 /* A bounded UTF-8 writer: copies what fits and counts everything, but
  * never splits a character (a `whole` piece: one UTF-8 sequence) and
  * writes nothing after the first piece that did not fit whole.  So msg

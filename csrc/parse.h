@@ -204,6 +204,28 @@ typedef struct sw_http_forward {
 int sw_parse_http_forward(const uint8_t *buf, size_t len, sw_http_forward *out, uint8_t *wire,
                           size_t wire_cap);
 
+/* The response to such a request, as the client is to get it. */
+typedef struct sw_http_fwd_response {
+    uint32_t consumed;   /* the head, blank line included */
+    uint32_t wire_len;   /* bytes written to `wire` */
+    uint64_t length;     /* body bytes that follow (Content-Length; 0: none) */
+    uint16_t status;     /* 200..999 */
+} sw_http_fwd_response;
+
+/* For a response head to a sw_parse_http_forward request (`head_request`:
+ * its method was HEAD; `close`: the client does not keep its connection):
+ * SW_PARSE_OK when Python's parse_response_head gives an HTTP/1.1 final
+ * response (status >= 200) with none of Connection, Keep-Alive,
+ * Proxy-Connection, Upgrade, Transfer-Encoding and no obs-fold, whose body
+ * response_framing frames as none or by Content-Length (at most 18 digits):
+ * `out` filled and wire[0..wire_len) exactly http.proxy_response(response,
+ * "close" if close else None) (what actors/http_forward.py sends the client).
+ * SW_PARSE_NEED_MORE exactly where Python wants more; anything else
+ * SW_PARSE_DEFER (an interim or 101 answer, a close-delimited body, any
+ * error: Python's path takes the exchange over).  Never SW_PARSE_ERROR. */
+int sw_parse_http_fwd_response(const uint8_t *buf, size_t len, int head_request, int close,
+                               sw_http_fwd_response *out, uint8_t *wire, size_t wire_cap);
+
 /* SW_CDEF_END */
 
 /* sw_parse_s5_udp without the host text (host_len 0, host ""): the same

@@ -314,3 +314,185 @@ def test_head_size_bound():
     for cut in (http.MAX_HEAD_SIZE - 1, http.MAX_HEAD_SIZE, http.MAX_HEAD_SIZE + 1):
         verdict = check_forward(long_head[:cut])
         assert verdict == (NEED if cut < http.MAX_HEAD_SIZE else DEFER)
+
+
+# -- the response to a forwarded request ---------------------------------------------------
+
+
+def c_response(buf: bytes, head_request: bool, close: bool, cap: int = _WIRE_CAP):
+    out = ffi.new("sw_http_fwd_response *")
+    wire = ffi.new("uint8_t[]", max(cap, 1))
+    with exact(buf) as p:
+        status = _STATUS[
+            lib.sw_parse_http_fwd_response(p, len(buf), head_request, close, out, wire, cap)
+        ]
+    assert status != "error", "C never answers an HTTP error itself"
+    if status != "ok":
+        return (status,)
+    assert 0 < out.consumed <= len(buf) and out.wire_len <= cap
+    return ("ok", out.consumed, out.status, out.length, bytes(ffi.buffer(wire, out.wire_len)))
+
+
+def py_response(buf: bytes, head_request: bool, close: bool):
+    """What actors/http_forward.py's _download makes of ``buf`` for a bodiless HTTP/1.1
+    request whose client keeps its connection unless ``close``."""
+    try:
+        response = http.parse_response_head(buf)
+        if response is NEED_MORE:
+            return NEED
+        if response.status < 200:
+            return ("interim",)
+        kind, length = http_message.response_framing(response, "HEAD" if head_request else "GET")
+    except ProtocolError as exc:
+        return ("error", str(exc))
+    tokens = http_message.connection_tokens(response.headers, "Connection")
+    closes = close or "close" in tokens or kind == http_message.CLOSE
+    wire = http.proxy_response(response, "close" if closes else None)
+    if kind == http_message.CHUNKED or kind == http_message.CLOSE:
+        return ("other framing", kind)
+    return ("ok", response.consumed, response.status, length, wire)
+
+
+def check_response(buf: bytes, head_request: bool, close: bool):
+    c = c_response(buf, head_request, close)
+    py = py_response(buf, head_request, close)
+    if c != DEFER:
+        assert c == py, (buf, head_request, close)
+    note(f"response: C {c[0]}, Python {py[0]}")
+    return c
+
+
+_RESPONSE_NAMES = ["Content-Length", "content-length", "Date", "Server", "X-A", "ETag",
+                   "Connection", "Keep-Alive", "Proxy-Connection", "Upgrade",
+                   "Transfer-Encoding", "Content-Type"]  # fmt: skip
+length_values = st.one_of(
+    st.integers(0, 10**6).map(str),
+    st.sampled_from(["5, 5", "5,5", "5, 6", "05", "", "-1", "1e3", " 7 ", "99999999999999999999"]),
+)
+
+
+@st.composite
+def response_heads(draw) -> bytes:
+    """Plausible response heads: valid, or with a few pieces slightly off."""
+    noisy = draw(st.booleans())
+    version = draw(
+        _pick(noisy, st.just("HTTP/1.1"), st.sampled_from(["HTTP/1.0", "HTTP/2.0", "HTTP/1.x"]))
+    )
+    status = draw(
+        _pick(
+            noisy,
+            st.sampled_from(["200", "204", "304", "404", "500", "299", "999"]),
+            st.sampled_from(["100", "101", "103", "20", "2000", "abc", "099"]),
+        )
+    )
+    reason = draw(st.sampled_from(["", " OK", " Not Found", " ", "  two  spaces", " r\xe9"]))
+    eol = draw(_pick(noisy, st.sampled_from(["\r\n", "\n"]), st.sampled_from(["\r", "\n\r"])))
+    fields = []
+    for _ in range(draw(st.integers(0, 6))):
+        name = draw(
+            _pick(noisy, st.sampled_from(_RESPONSE_NAMES), st.one_of(tokens, st.just("B N")))
+        )
+        if name.lower() == "content-length":
+            value = draw(length_values)
+        elif name.lower() == "connection":
+            value = draw(token_lists)
+        else:
+            value = draw(_pick(noisy, plain_values, latin1_values))
+        ows = draw(st.sampled_from(["", " ", "\t"]))
+        fold = draw(_pick(noisy, st.just(""), st.just(f"{eol} folded")))
+        fields.append(f"{name}:{ows}{value}{ows}{fold}")
+    text = f"{version} {status}{reason}{eol}" + "".join(f + eol for f in fields) + eol
+    return text.encode("latin-1")
+
+
+@st.composite
+def good_response_heads(draw) -> tuple[bytes, bool]:
+    """Heads within C's subset, and whether the request was HEAD."""
+    status = draw(st.sampled_from([200, 201, 204, 206, 304, 404, 503, 999]))
+    head_request = draw(st.booleans())
+    reason = draw(st.sampled_from(["", " OK", " Whatever it is"]))
+    eol = draw(st.sampled_from(["\r\n", "\n"]))
+    fields = [
+        f"{n}: {draw(plain_values)}"
+        for n in draw(st.lists(st.sampled_from(["Date", "Server", "X-A", "ETag"]), max_size=4))
+    ]
+    if not head_request and status not in (204, 304):
+        length = draw(st.integers(0, 10**9))
+        fields.insert(draw(st.integers(0, len(fields))), f"Content-Length: {length}")
+    head = f"HTTP/1.1 {status}{reason}{eol}" + "".join(f + eol for f in fields) + eol
+    return head.encode("latin-1"), head_request
+
+
+@_settings(300)
+@given(good=good_response_heads(), close=st.booleans(), body=st.binary(max_size=16))
+def test_good_responses_are_taken_exactly_and_never_deferred(good, close, body):
+    head, head_request = good
+    py = py_response(head, head_request, close)
+    assert py[0] == "ok", py
+    assert c_response(head, head_request, close) == py
+    assert c_response(head + body, head_request, close) == py
+    for cut in range(len(head)):
+        assert c_response(head[:cut], head_request, close) == NEED, head[:cut]
+
+
+@_settings(400)
+@given(
+    head=response_heads(),
+    head_request=st.booleans(),
+    close=st.booleans(),
+    trailer=st.binary(max_size=8),
+)
+def test_plausible_responses(head, head_request, close, trailer):
+    check_response(head, head_request, close)
+    check_response(head + trailer, head_request, close)
+
+
+@_settings(60)
+@given(head=response_heads(), head_request=st.booleans(), close=st.booleans())
+def test_every_response_prefix(head, head_request, close):
+    for cut in range(len(head) + 1):
+        check_response(head[:cut], head_request, close)
+
+
+@_settings(300)
+@given(
+    buf=st.one_of(
+        mutated(response_heads()),
+        mutated(good_response_heads().map(lambda g: g[0])),
+        st.binary(max_size=120),
+    ),
+    head_request=st.booleans(),
+    close=st.booleans(),
+)
+def test_mutated_and_random_responses(buf, head_request, close):
+    check_response(buf, head_request, close)
+
+
+def test_known_responses():
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\nDate:  x \r\n\r\nhello"
+    assert check_response(ok, False, False) == (
+        "ok",
+        len(ok) - 5,
+        200,
+        5,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\nDate: x\r\n\r\n",
+    )
+    assert check_response(ok, False, True)[4].endswith(b"Connection: close\r\n\r\n")
+    # No reason keeps its space; HEAD and 304 have no body whatever Content-Length says.
+    assert check_response(b"HTTP/1.1 204\n\n", False, False)[4] == b"HTTP/1.1 204 \r\n\r\n"
+    assert check_response(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", True, False)[3] == 0
+    deferred = [
+        b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n\r\n",  # read to the close
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nKeep-Alive: timeout=5\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\n",  # Python's 502
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nX: a\r\n folded\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1234567890123456789\r\n\r\n",
+        b"HTTX/1.1 200 OK\r\n\r\n",
+    ]
+    for head in deferred:
+        assert check_response(head, False, False) == DEFER, head
