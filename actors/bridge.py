@@ -163,7 +163,12 @@ class RelayBridge:
             logger.warning("C record for unknown flow %d", record.flow)
             return
         try:
-            if record.kind == connpath.ROUTED:
+            if record.kind == connpath.ROUTED and record.relay_handle == 0:
+                # A request C forwards itself: no relay, C still holds it; its ENDED
+                # record (or a hand-over) follows, to the same actor.
+                self._flows[record.flow] = actor
+                actor.tell(ConnRouted(record))
+            elif record.kind == connpath.ROUTED:
                 self._actors[record.relay_handle] = actor
                 actor.tell(ConnRouted(record))
                 orphan = self._orphans.pop(record.relay_handle, None)

@@ -56,6 +56,8 @@ HANDSHAKE_TIMEOUT = 10.0
 PROCESS_LOOKUP_TIMEOUT = 1.0
 #: What a flow C started keeps for later while its record waits for the process lookup.
 _HELD = (ConnRouted, ConnEnded, ConnTakeOver, RelayFinished)
+#: How a request C forwarded itself ends (actors/http_forward.py records it).
+_FORWARD_ENDS = (connpath.END_FORWARDED, connpath.END_FWD_CLIENT, connpath.END_FWD_TIMEOUT)
 #: sw_conn_auth -> FlowRecord auth_scheme.
 AUTH_SCHEMES = {1: "userpass", 2: "basic"}
 _SNIFF_PEEK = 16 * 1024 + 5
@@ -723,6 +725,9 @@ class FlowActor(HttpForwarding, LoopActor):
         if s is None or self._done:
             return
         outbound = self._c_route(rec)
+        if rec.relay_handle == 0:
+            self._on_c_forwarding(rec, outbound)
+            return
         self._c_flow = None
         # Only a flow C dialled has outbound counts: the Python path, too, counts a
         # proxy's handshake once the dial succeeded (its Dialed carries them).
@@ -752,6 +757,8 @@ class FlowActor(HttpForwarding, LoopActor):
         """A connection handed over after the actor stopped is closed, not leaked."""
         if isinstance(message, ConnTakeOver):
             os.close(message.deferred.fd)
+            if message.deferred.ufd >= 0:
+                os.close(message.deferred.ufd)
 
     def _take_over(self, d: connpath.Deferred) -> None:
         """C answered and sniffed this flow, then found a route only Python can take (an
@@ -759,6 +766,9 @@ class FlowActor(HttpForwarding, LoopActor):
         self._c_flow = None
         s = self.state
         client = socket.socket(fileno=d.fd)
+        if d.stage == connpath.FORWARD:
+            self._take_over_forward(d, client)
+            return
         if s is None or self._done:
             client.close()
             return
@@ -786,6 +796,10 @@ class FlowActor(HttpForwarding, LoopActor):
             outbound = None
             self._c_seen(rec.client_rx, rec.client_tx, rec.name)
         self._c_flow = None
+        if rec.end in _FORWARD_ENDS:
+            self._on_c_forwarded(rec)
+            self._finish()
+            return
         if rec.end == connpath.END_BLOCKED:
             self._complete(records.BLOCKED, None)
         elif rec.end == connpath.END_CLOSED:

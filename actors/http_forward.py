@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from typing import TYPE_CHECKING, Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
 
-from spliceway import records
+from spliceway import connpath, records
 from spliceway.flowhook import ask_about
 from spliceway.inbound import (
     PROXY_AUTH_REQUIRED,
@@ -38,6 +39,8 @@ from spliceway.protocols import http_message as framing
 from spliceway.runtime import FlowEntry
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
     from spliceway.outbounds import Dialed
 
 #: Largest read from either socket.
@@ -177,15 +180,27 @@ class HttpForwarding:
 
     # -- the connection ------------------------------------------------------------
 
-    async def _serve_forward(self, hs: Handshake, state: records.FlowState) -> None:
-        """Serve requests on the client connection, one flow each, until it ends."""
-        self._fwd_buf = hs.early
-        self._fwd_up = None
-        self._fwd_memo = None
-        self._fwd_rmemo = None
+    async def _serve_forward(
+        self,
+        hs: Handshake,
+        state: records.FlowState,
+        first: Coroutine[Any, Any, int] | None = None,
+    ) -> None:
+        """Serve requests on the client connection, one flow each, until it ends.
+
+        ``first``: the first request's exchange already under way (a request C forwarded
+        and handed over, see _take_over_forward) instead of starting it here."""
+        if first is None:
+            self._fwd_buf = hs.early
+            self._fwd_up = None
+            self._fwd_memo = None
+            self._fwd_rmemo = None
         process = (state.process_id, state.process_name, state.process_path)
         while True:
-            after = await self._forward_flow(hs, state)
+            if first is not None:
+                after, first = await first, None
+            else:
+                after = await self._forward_flow(hs, state)
             if after == _TUNNEL:
                 return
             if after == _CLOSE:
@@ -304,6 +319,115 @@ class HttpForwarding:
             with contextlib.suppress(OSError):
                 up.sock.close()
         self.upstream = None
+
+    # -- requests the C connection loop forwards ------------------------------------
+
+    def _on_c_forwarding(self, rec: connpath.ConnRecord, outbound: Any) -> None:
+        """ROUTED of a request C forwards itself (dialled, its head sent): flow.routed,
+        as _forward_flow publishes it once dialled (before any of the request's bytes
+        are counted). C still holds the flow: a close goes to C (``_c_flow``)."""
+        s = self.state
+        assert s is not None
+        s.resolved_ip = rec.resolved_ip
+        s.remote_host, s.remote_port = s.target_host, s.target_port
+        s.state = "active"
+        if outbound is not None and outbound.chained:
+            self.deps.counters.chained_sessions += 1
+        else:
+            self.deps.counters.direct_sessions += 1
+        self._publish("flow.routed", records.lifecycle_payload, occurred=rec.at_unix_ms)
+
+    def _on_c_forwarded(self, rec: connpath.ConnRecord) -> None:
+        """The ENDED record of a request C forwarded: its exact counts, and the outcome
+        the Python path gives (relayed; a quiet upstream failed as _upstream_failed)."""
+        s = self.state
+        assert s is not None
+        t = s.traffic
+        t.inbound_rx_bytes = rec.client_rx
+        t.inbound_tx_bytes = rec.client_tx
+        t.outbound_rx_bytes = rec.upstream_rx
+        t.outbound_tx_bytes = t.bytes_up = rec.upstream_tx
+        if rec.end != connpath.END_FWD_TIMEOUT:
+            t.bytes_down = rec.client_tx
+            self._complete(self._relayed_outcome(), None)
+            return
+        if rec.detail == 0:
+            message = "upstream connection failed: timed out"  # our 502, not the origin's
+        else:
+            t.bytes_down = rec.client_tx
+            message = (
+                "upstream failed mid-response (timed out); the response to the client is cut short"
+            )
+        failure = records.Failure(
+            "relay", "upstream_error", message, {"host": s.remote_host, "port": s.remote_port}
+        )
+        self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+
+    def _take_over_forward(self, d: connpath.Deferred, client: socket.socket) -> None:
+        """C sent a request up and leaves its answer to Python (chunked, interim, long,
+        an error...): carry on with the exchange, then the connection, in Python."""
+        upstream = socket.socket(fileno=d.ufd)
+        s = self.state
+        if s is None or self._done or self._close_requested:
+            client.close()
+            upstream.close()
+            if s is not None and not self._done:
+                self._complete_closed()
+            self._finish()
+            return
+        self.client = client
+        self._task = self.dispatcher.spawn(self._establish(self._resume_forward(d, upstream)))
+
+    async def _resume_forward(self, d: connpath.Deferred, upstream: socket.socket) -> None:
+        s = self.state
+        assert s is not None
+        # The head C forwarded: Python accepts the same bytes (tests/csrc hold C to it).
+        head = http_proto.parse_request_head(d.raw[: d.split])
+        assert head is not NEED_MORE
+        request = forward_request(head)
+        t = s.traffic
+        t.inbound_rx_bytes = d.client_rx
+        t.inbound_tx_bytes = d.client_tx
+        t.outbound_rx_bytes = d.upstream_rx
+        t.outbound_tx_bytes = t.bytes_up = d.upstream_tx
+        upstream.setblocking(False)
+        dialed = SimpleNamespace(
+            sock=upstream,
+            remote_host=s.remote_host,
+            remote_port=s.remote_port,
+            resolved_ip=s.resolved_ip,
+            relay_chain=[],
+            leftover=d.raw[d.split :],
+            sealed=None,
+        )
+        self._fwd_buf = b""
+        self._fwd_memo = None
+        self._fwd_rmemo = None
+        self._fwd_upload_failed = False
+        up = self._fwd_up = _Upstream(
+            cast("Dialed", dialed), (s.outbound_tag or "", request.host, request.port), False
+        )
+        self.upstream = upstream
+        hs = Handshake(
+            "http",
+            request.host,
+            request.port,
+            s.principal_key,
+            s.auth_scheme,
+            d.client_rx,
+            0,
+            forward=True,
+            request=request,
+        )
+        await self._serve_forward(hs, s, self._resumed_download(request, up))
+
+    async def _resumed_download(self, request: ForwardRequest, up: _Upstream) -> int:
+        try:
+            return await self._download(request, up, None, False)
+        except _ClientGone:
+            self._drop_upstream()
+            self._complete(self._relayed_outcome(), None)
+            return _CLOSE
 
     # -- one request's flow --------------------------------------------------------
 

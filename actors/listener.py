@@ -41,6 +41,9 @@ class ListenerActor(LoopActor):
                 sniff_timeout_ms=self.inbound.sniff_timeout_ms,
                 handshake_timeout_ms=int(HANDSHAKE_TIMEOUT * 1000),
                 idle_timeout_ms=self.core.tcp_idle_timeout_ms,
+                # C forwards what it can of an http inbound's absolute-URI requests
+                # (docs/http-forward.md); anything else still comes to Python.
+                forward=self.inbound.protocol in ("http", "mixed"),
             ),
             self.core.listener_users(self.inbound),
         )

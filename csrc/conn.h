@@ -62,7 +62,15 @@ enum sw_end {
     SW_END_CLOSED = 7,         /* sw_conn_request_close() or shutdown; detail 1 when
                                   still sniffing before routing (no route applies) */
     SW_END_CLIENT = 8,         /* the client went away before the hand-off */
-    SW_END_INTERNAL = 9        /* a local resource failed (err is the errno) */
+    SW_END_INTERNAL = 9,       /* a local resource failed (err is the errno) */
+    /* A request C forwarded itself (an http inbound's absolute-URI request in C's
+     * subset, docs/http-forward.md): its ROUTED record has relay_handle 0, and its
+     * ENDED record one of these, with the request's own byte counts. */
+    SW_END_FORWARDED = 10,     /* answered whole: the response went to the client */
+    SW_END_FWD_CLIENT = 11,    /* the client went away while its answer was sent */
+    SW_END_FWD_TIMEOUT = 12    /* the upstream went quiet: detail 0 before its response
+                                  head (the client got a 502), 1 mid-body (the client got
+                                  what had come, then the close) */
 };
 
 /* Upstream-auth details (SW_END_UPSTREAM_AUTH). */
@@ -131,8 +139,13 @@ typedef struct sw_conn_record {
 enum sw_defer_stage {
     SW_DEFER_HANDSHAKE = 1, /* C did not finish the handshake: raw holds what it read,
                                nothing was written to the client */
-    SW_DEFER_ROUTE = 2      /* handshake done: host/port/principal set, raw holds the
+    SW_DEFER_ROUTE = 2,     /* handshake done: host/port/principal set, raw holds the
                                client bytes read past the request (early data) */
+    SW_DEFER_FORWARD = 3    /* a forwarded request's response C does not take (chunked,
+                               interim, too long, an error...): `flow` started and routed,
+                               its request sent on `ufd`; raw holds the request head
+                               (raw[0..split)) and what the upstream answered so far;
+                               nothing was written to the client for it */
 };
 
 /* Largest client prefix C buffers; a longer HTTP head is deferred. */
@@ -166,6 +179,10 @@ typedef struct sw_deferred {
     uint16_t sniffed_len;
     char host[256];
     char sniffed[256];
+    int32_t ufd;              /* SW_DEFER_FORWARD: the upstream socket, now Python's; else -1 */
+    uint32_t split;           /* SW_DEFER_FORWARD: the request head's length in raw */
+    uint32_t upstream_rx;     /* SW_DEFER_FORWARD: bytes read from / written to ufd */
+    uint32_t upstream_tx;
     uint32_t raw_len;
     uint8_t raw[16384];
 } sw_deferred;
@@ -177,6 +194,8 @@ typedef struct sw_listener_opts {
     uint32_t handshake_timeout_ms;
     uint32_t idle_timeout_ms;      /* handed to the relay */
     uint32_t users_required;       /* 1: users added with sw_conn_listener_user */
+    uint32_t forward;              /* 1: forward absolute-URI requests in C's subset
+                                      (http / mixed, no users): sw_parse_http_forward */
 } sw_listener_opts;
 
 /* nloops 0 = one.  relay: where established flows go (not owned). */

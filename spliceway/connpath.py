@@ -37,6 +37,11 @@ END_UPSTREAM_REPLY = int(lib.SW_END_UPSTREAM_REPLY)
 END_CLOSED = int(lib.SW_END_CLOSED)
 END_CLIENT = int(lib.SW_END_CLIENT)
 END_INTERNAL = int(lib.SW_END_INTERNAL)
+#: A request C forwarded itself (an http inbound's absolute-URI request): answered
+#: whole; the client gone mid-answer; the upstream quiet (detail 0: before its head).
+END_FORWARDED = int(lib.SW_END_FORWARDED)
+END_FWD_CLIENT = int(lib.SW_END_FWD_CLIENT)
+END_FWD_TIMEOUT = int(lib.SW_END_FWD_TIMEOUT)
 _AUTH_DETAILS = {
     int(lib.SW_AUTH_REFUSED_USERPASS): "refused user/password auth",
     int(lib.SW_AUTH_REJECTED): "rejected the credentials",
@@ -148,10 +153,17 @@ class Deferred:
     #: The SOCKS5 command (1 CONNECT; 3 UDP ASSOCIATE, whose host:port is the client's
     #: declared datagram source); 1 for HTTP.
     command: int = 1
+    #: FORWARD: the upstream socket (now Python's), the request head's length in raw
+    #: (the rest is what the upstream answered so far) and the upstream's byte counts.
+    ufd: int = -1
+    split: int = 0
+    upstream_rx: int = 0
+    upstream_tx: int = 0
 
 
 HANDSHAKE = int(lib.SW_DEFER_HANDSHAKE)
 ROUTE = int(lib.SW_DEFER_ROUTE)
+FORWARD = int(lib.SW_DEFER_FORWARD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +175,9 @@ class ListenerOptions:
     sniff_timeout_ms: int
     handshake_timeout_ms: int
     idle_timeout_ms: int
+    #: Forward absolute-URI requests in C's subset itself (http and mixed inbounds
+    #: without users; see docs/http-forward.md).
+    forward: bool = False
 
 
 def dial_error(
@@ -264,6 +279,7 @@ class ConnPath:
                 "handshake_timeout_ms": options.handshake_timeout_ms,
                 "idle_timeout_ms": options.idle_timeout_ms,
                 "users_required": int(bool(users)),
+                "forward": int(options.forward),
             },
         )
         check(lib.sw_conn_listen(self._ptr, inbound, fd, opts), "sw_conn_listen")
@@ -385,6 +401,10 @@ class ConnPath:
                         else None
                     ),
                     raw=bytes(ffi.buffer(d.raw, d.raw_len)),
+                    ufd=int(d.ufd),
+                    split=int(d.split),
+                    upstream_rx=int(d.upstream_rx),
+                    upstream_tx=int(d.upstream_tx),
                 )
             )
         return out

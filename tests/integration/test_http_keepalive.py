@@ -463,9 +463,10 @@ def test_bodies_match_tinyproxy(make_engine, h11_origin, tmp_path):
 def test_repeated_identical_heads_are_each_their_own_exact_flow(
     make_engine, h11_origin, monkeypatch
 ):
-    """A client sending the same head bytes again (the proxy reuses its parse of them):
-    still a flow each with exact bytes, and the same response head to a HEAD request
-    is framed as HEAD's (no body), not as the GET's that came before it."""
+    """A client sending the same head bytes again (the Python path reuses its parse of
+    them): still a flow each with exact bytes, and the same response head to a HEAD
+    request is framed as HEAD's (no body), not as the GET's that came before it. Every
+    request carries a Content-Length, which C leaves to Python."""
     from spliceway.protocols import NEED_MORE
     from spliceway.protocols import http as http_proto
 
@@ -480,8 +481,8 @@ def test_repeated_identical_heads_are_each_their_own_exact_flow(
 
     monkeypatch.setattr(http_proto, "parse_request_head", counting)
     engine = make_engine()
-    same = get(h11_origin, "/len/5")
-    head_req = get(h11_origin, "/len/5", method="HEAD")
+    same = get(h11_origin, "/len/5", "Content-Length: 0")
+    head_req = get(h11_origin, "/len/5", "Content-Length: 0", method="HEAD")
     posted = get(h11_origin, "/echo", "Content-Length: 3", method="POST")
     sequence = [same, same, head_req, same, posted + b"abc", posted + b"xyz", same]
     buf = bytearray()
@@ -528,3 +529,94 @@ def test_repeated_identical_heads_are_each_their_own_exact_flow(
     # were their predecessor's bytes again.
     assert parsed == ["GET", "GET", "HEAD", "GET", "POST", "GET"]
     one_completed_each(engine)
+
+
+def conn_stats(engine) -> dict[str, int]:
+    return engine._core.bridge.conn.stats()
+
+
+def test_c_forwards_plain_requests_and_python_takes_over_the_rest(make_engine, h11_origin):
+    """GETs in C's subset are forwarded by the C connection loop itself (a STARTED /
+    ROUTED / ENDED triple each, no hand-over); a chunked answer goes to Python mid-way
+    (SW_DEFER_FORWARD) and a request with a body at its head; every request is still
+    one flow with exact bytes, and the origin got exactly what the flows say."""
+    engine = make_engine()
+    before = conn_stats(engine)
+    buf = bytearray()
+    plain = get(h11_origin, "/len/700")
+    exchanges = []
+    with connect(engine) as sock:
+        for request in (plain, plain, get(h11_origin, "/len/3", method="HEAD"), plain):
+            sock.sendall(request)
+            if b"HEAD " in request:
+                while b"\r\n\r\n" not in buf:
+                    buf += sock.recv(65536)
+                end = buf.index(b"\r\n\r\n") + 4
+                answer = bytes(buf[:end])
+                del buf[:end]
+            else:
+                answer = read_response(sock, buf)
+            exchanges.append((request, answer))
+        after_plain = conn_stats(engine)
+        chunked = get(h11_origin, "/chunked/3000")  # C sends it up; Python takes the answer
+        sock.sendall(chunked)
+        exchanges.append((chunked, read_response(sock, buf)))
+        posted = get(h11_origin, "/echo", "Content-Length: 2", method="POST") + b"hi"
+        sock.sendall(posted)
+        exchanges.append((posted, read_response(sock, buf)))
+        last = get(h11_origin, "/len/1", "Connection: close")
+        sock.sendall(last)
+        exchanges.append((last, read_response(sock, buf)))
+        assert_closed(sock)
+    for _, answer in exchanges:
+        assert answer.startswith(b"HTTP/1.1 200 ")
+    assert exchanges[0][1].endswith(b"a" * 700) and b"connection" not in exchanges[0][1].lower()
+    assert exchanges[4][1].count(b"b") >= 3000
+    assert exchanges[5][1].endswith(f"2 {hashlib.sha256(b'hi').hexdigest()}".encode())
+    # The first four were C's: started and ended there, nothing deferred.
+    assert after_plain["started"] - before["started"] == 4
+    assert after_plain["ended"] - before["ended"] == 4
+    assert after_plain["deferred"] == before["deferred"]
+    records = records_by_start(engine, len(exchanges))
+    assert len({r["flow_id"] for r in records}) == len(exchanges)
+    for record, (request, answer) in zip(records, exchanges, strict=True):
+        t = record["traffic"]
+        assert record["result"]["outcome"] == "direct_relayed", record
+        assert t["inbound_rx_bytes"] == len(request)
+        assert t["bytes_down"] == t["inbound_tx_bytes"] == len(answer)
+        assert t["outbound_tx_bytes"] == t["bytes_up"]
+        assert record["target"]["host"] == "127.0.0.1"
+        assert record["path"]["remote"] == {"host": "127.0.0.1", "port": h11_origin.port}
+    # C's upstream connection served its requests and the chunked one; Python, taking
+    # the connection over, kept that one for the POST and the last GET.
+    assert sum(c["rx"] for c in h11_origin.conns) == sum(r["traffic"]["bytes_up"] for r in records)
+    assert len(h11_origin.conns) == 1
+    one_completed_each(engine)
+
+
+def test_c_forwarded_request_whose_dial_fails_keeps_the_connection(make_engine, h11_origin):
+    """A refused dial of a request C forwards: Python's answer (502, keep-alive for a
+    client that keeps its connection), a failed flow, and the next request served."""
+    engine = make_engine()
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()  # nothing listens there now
+    buf = bytearray()
+    with connect(engine) as sock:
+        refused = f"GET http://127.0.0.1:{port}/ HTTP/1.1\r\n\r\n".encode()
+        sock.sendall(refused)
+        answer = read_response(sock, buf)
+        sock.sendall(get(h11_origin, "/len/2"))
+        assert read_response(sock, buf).endswith(b"aa")
+    message = f"connect to 127.0.0.1:{port} failed: Connection refused\n".encode()
+    assert answer == (
+        b"HTTP/1.1 502 Bad Gateway\r\nConnection: keep-alive\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(message), message)
+    )
+    r1, r2 = records_by_start(engine, 2)
+    assert r1["result"]["outcome"] == "failed"
+    assert r1["result"]["failure"]["code"] == "connection_refused"
+    assert r1["traffic"]["inbound_rx_bytes"] == len(refused)
+    assert r1["traffic"]["inbound_tx_bytes"] == len(answer)
+    assert r2["result"]["outcome"] == "direct_relayed"
