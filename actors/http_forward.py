@@ -640,7 +640,7 @@ class HttpForwarding:
                     data = await self._up_recv(up)
                 except (OSError, TimeoutError, ProtocolError) as ex:
                     return await self._upstream_failed(
-                        f"upstream connection failed: {ex or 'timed out'}", sent
+                        f"upstream connection failed: {str(ex) or 'timed out'}", sent
                     )
                 if not data:
                     return await self._upstream_failed(
@@ -714,7 +714,7 @@ class HttpForwarding:
                 taken = body.feed(data)
             except (OSError, TimeoutError, ProtocolError) as ex:
                 return await self._upstream_failed(
-                    f"upstream failed mid-response ({ex or 'timed out'}); the response to "
+                    f"upstream failed mid-response ({str(ex) or 'timed out'}); the response to "
                     "the client is cut short",
                     True,
                 )

@@ -620,3 +620,48 @@ def test_c_forwarded_request_whose_dial_fails_keeps_the_connection(make_engine, 
     assert r1["traffic"]["inbound_rx_bytes"] == len(refused)
     assert r1["traffic"]["inbound_tx_bytes"] == len(answer)
     assert r2["result"]["outcome"] == "direct_relayed"
+
+
+def test_c_forwarded_request_to_a_quiet_or_long_answer(make_engine, h11_origin):
+    """The upstream goes quiet (runtime.tcp_idle_timeout_seconds): the client gets
+    Python's 502 and the close, the flow fails as _upstream_failed fails it; a long
+    answer (past what C buffers) goes to Python with what C read, byte for byte."""
+    engine = make_engine(base_config(runtime={"tcp_idle_timeout_seconds": 1}))
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    waiter = threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True)
+    waiter.start()
+    buf = bytearray()
+    try:
+        with connect(engine) as sock:
+            long = get(h11_origin, "/len/40000")
+            sock.sendall(long)
+            long_answer = read_response(sock, buf)
+        # A connection of its own: the first one is Python's since its long answer.
+        with connect(engine) as sock:
+            quiet = f"GET http://127.0.0.1:{silent.getsockname()[1]}/ HTTP/1.1\r\n\r\n".encode()
+            sock.sendall(quiet)
+            sock.settimeout(8)
+            answer = read_response(sock, buf)
+            assert_closed(sock)
+    finally:
+        silent.close()
+        waiter.join(5)
+        for conn in accepted:
+            conn.close()
+    assert long_answer.endswith(b"a" * 40000)
+    body = b"upstream connection failed: timed out\n"
+    assert answer == (
+        b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+        % (len(body), body)
+    )
+    r1, r2 = records_by_start(engine, 2)
+    assert r1["result"]["outcome"] == "direct_relayed"
+    assert r1["traffic"]["bytes_down"] == len(long_answer)
+    assert r1["traffic"]["inbound_rx_bytes"] == len(long)
+    assert r2["result"]["outcome"] == "failed"
+    assert r2["result"]["close_reason"] == "upstream_error"
+    assert r2["result"]["failure"]["message"] == body.decode().strip()
+    assert r2["traffic"]["inbound_tx_bytes"] == len(answer)
+    assert r2["traffic"]["bytes_down"] == 0
+    assert r2["traffic"]["bytes_up"] == r2["traffic"]["outbound_tx_bytes"] > 0
