@@ -23,7 +23,8 @@ run, each started afresh, the order rotated by one case per run), so every run
 compares all of them on the same machine state; the document then has every run's
 figures and a ``summary`` with each figure's median and range over the runs. A case
 whose requests fail (a proxy's 502, a reset) is recorded with its error instead of
-ending the whole run.
+ending the whole run. Each proxy is measured once it forwards a first request
+(``ready_s``, at most 10 s): mihomo answers 502 for a moment after it starts listening.
 
 tinyproxy 1.11 closes the client connection after each response (it does not keep
 client connections), so its keepalive figure is a connection per request too: it is
@@ -238,10 +239,9 @@ def main() -> None:
         names = [name for name, _ in wanted]
         with tempfile.TemporaryDirectory(prefix="bench-http-ka-") as tmp:
             for r in range(max(a.runs, 1)):
-                # Each run starts one case later: every new-connection case leaves
-                # thousands of TIME_WAIT sockets towards the origin's port, and the cases
-                # run last in a set meet the most of them (a proxy then sees its dials
-                # fail, as mihomo's 502s showed); rotating spreads that over all.
+                # Each run starts one case later, so no proxy always runs right after
+                # the same neighbour (or always last, with the most TIME_WAIT sockets
+                # towards the origin's port left by the new-connection cases before it).
                 order = wanted[r % len(wanted) :] + wanted[: r % len(wanted)]
                 run = [
                     run_case(name, spec, Path(tmp), origin_port, a.count, a.seconds)
@@ -285,6 +285,26 @@ def summarize(runs: list[list[dict]]) -> dict:
     return out
 
 
+READY_SECONDS = 10.0
+
+
+def wait_ready(address: tuple[str, int], request: bytes) -> float:
+    """Seconds until the proxy forwards a request (a new connection per try, bounded).
+
+    mihomo listens before its configuration is applied: its first requests get 502 Bad
+    Gateway for a moment after the start (seen on a fresh start, with no other load), so
+    a case would otherwise measure its start-up rather than its forwarding."""
+    t0 = time.perf_counter()
+    while True:
+        try:
+            newconn(address, request, 1, READY_SECONDS)
+            return time.perf_counter() - t0
+        except (ConnectionError, OSError):
+            if time.perf_counter() - t0 > READY_SECONDS:
+                raise
+            time.sleep(0.05)
+
+
 def run_case(
     name: str,
     spec: peers.Spec | None,
@@ -298,6 +318,10 @@ def run_case(
     keep_req, close_req = requests_for(origin_port, running is not None)
     case: dict = {"name": name}
     try:
+        try:
+            case["ready_s"] = round(wait_ready(address, close_req), 3)
+        except (ConnectionError, OSError) as ex:
+            case["ready_error"] = str(ex)[:300]
         for mode, fn, request in (
             ("keepalive", keepalive, keep_req),
             ("newconn", newconn, close_req),

@@ -2260,8 +2260,10 @@ static void client_event(struct cconn *c, uint32_t events)
         return;
     default:
         /* Dialling: client bytes wait in the socket for the relay.  A hang-up
-         * is seen by the relay too; only an error ends the flow here. */
-        if (events & EPOLLERR)
+         * is seen by the relay too; only an error ends the flow here -- except
+         * a forwarded request's, which, as on the Python path, finds out when
+         * its answer is written (SW_END_FWD_CLIENT). */
+        if ((events & EPOLLERR) && !c->fwd)
             conn_end(c, SW_END_CLIENT, ECONNRESET, 0);
         return;
     }
