@@ -645,20 +645,27 @@ def test_dashboard_health_rules_filter_speed_log_and_ipc_events(
 
         # Member health wherever the member appears: auto probed dead down, and the
         # selector pick, which probes nothing, shows it too.
-        def member(group: str, name: str) -> WebElement | None:
-            return find(browser, f'[data-policy-tag="{group}"] tr[data-member="{name}"]')
+        # Read in one script: the page re-renders the groups on every event, so an element
+        # found by one call may be gone (stale) by the next.
+        def member_state(group: str, name: str) -> tuple[str, str] | None:
+            found = browser.execute_script(
+                "const tr = document.querySelector("
+                '`[data-policy-tag="${arguments[0]}"] tr[data-member="${arguments[1]}"]`);'
+                "return tr ? [tr.getAttribute('data-health'), tr.innerText] : null",
+                group,
+                name,
+            )
+            return None if found is None else (found[0], found[1])
 
         wait_for(
             browser,
             "pick's dead member down (auto's probe)",
-            lambda d: (
-                (m := member("pick", "dead")) is not None
-                and m.get_attribute("data-health") == "down"
-            ),
+            lambda d: (member_state("pick", "dead") or ("", ""))[0] == "down",
         )
-        assert "checked by auto" in (member("pick", "dead") or browser).text
-        assert (member("pick", "live") or browser).get_attribute("data-health") == "healthy"
-        assert (member("auto", "dead") or browser).get_attribute("data-health") == "down"
+        dead_in_pick = member_state("pick", "dead")
+        assert dead_in_pick is not None and "checked by auto" in dead_in_pick[1]
+        assert (member_state("pick", "live") or ("", ""))[0] == "healthy"
+        assert (member_state("auto", "dead") or ("", ""))[0] == "down"
         shots(browser, "member-health")
 
         # The rules view: both rules with their targets, and the final route.
