@@ -665,3 +665,42 @@ def test_c_forwarded_request_to_a_quiet_or_long_answer(make_engine, h11_origin):
     assert r2["traffic"]["inbound_tx_bytes"] == len(answer)
     assert r2["traffic"]["bytes_down"] == 0
     assert r2["traffic"]["bytes_up"] == r2["traffic"]["outbound_tx_bytes"] > 0
+
+
+def test_flows_close_on_a_request_c_forwards(make_engine):
+    """flows.close while C waits for a forwarded request's answer: the flow ends cancelled
+    (manual), once, and the client connection closes; no second close finds it."""
+    engine = make_engine()
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    waiter = threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True)
+    waiter.start()
+    try:
+        with connect(engine) as sock:
+            port = silent.getsockname()[1]
+            request = f"GET http://127.0.0.1:{port}/ HTTP/1.1\r\n\r\n".encode()
+            sock.sendall(request)
+            flows = wait_until(
+                lambda: [
+                    f for f in engine.query("flows")["active_flows"] if f["state"] == "active"
+                ],
+                timeout=5,
+                what="the forwarded request's flow, routed",
+            )
+            (flow,) = flows
+            assert engine.execute("flows.close", {"flow_id": flow["flow_id"]}) == {
+                "flow_id": flow["flow_id"],
+                "closed": True,
+            }
+            assert_closed(sock)
+    finally:
+        silent.close()
+        waiter.join(5)
+        for conn in accepted:
+            conn.close()
+    (record,) = records_by_start(engine, 1)
+    assert record["flow_id"] == flow["flow_id"]
+    assert record["result"]["outcome"] == "cancelled"
+    assert record["result"]["close_reason"] == "manual"
+    assert record["traffic"]["inbound_rx_bytes"] == len(request)
+    one_completed_each(engine)
