@@ -349,11 +349,17 @@ class FlowActor(HttpForwarding, LoopActor):
             if replied:
                 state.sniffed_host = deferred.sniffed
         else:
+            protocol = self.inbound.protocol
+            if deferred is not None and protocol == "mixed" and deferred.protocol == "http":
+                # C read the first byte already (as _first_byte does: not 5, so HTTP), and
+                # on a connection whose earlier requests C forwarded, more HTTP is all the
+                # Python path would read there too (a SOCKS5 greeting then is a bad head).
+                protocol = "http"
             try:
                 hs = await accept_handshake(
                     loop,
                     client,
-                    self.inbound.protocol,
+                    protocol,
                     self.inbound.users,
                     HANDSHAKE_TIMEOUT,
                     initial=deferred.raw if deferred is not None else b"",

@@ -704,3 +704,22 @@ def test_flows_close_on_a_request_c_forwards(make_engine):
     assert record["result"]["close_reason"] == "manual"
     assert record["traffic"]["inbound_rx_bytes"] == len(request)
     one_completed_each(engine)
+
+
+def test_a_socks5_greeting_after_forwarded_requests_on_a_mixed_port_is_a_bad_head(
+    make_engine, h11_origin
+):
+    """On a mixed inbound, a connection that carried HTTP requests (C forwarded them)
+    stays HTTP: SOCKS5 bytes next are a malformed head (400 and the close), as on the
+    Python path, not a new SOCKS5 handshake."""
+    engine = make_engine()
+    buf = bytearray()
+    with connect(engine, "mixed-in") as sock:
+        sock.sendall(get(h11_origin, "/len/3"))
+        assert read_response(sock, buf).endswith(b"aaa")
+        sock.sendall(b"\x05\x01\x00")
+        answer = read_response(sock, buf)
+        assert_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    (record,) = records_by_start(engine, 1)
+    assert record["result"]["outcome"] == "direct_relayed"
