@@ -117,8 +117,7 @@ class FlowDeps:
     def new_flow_id(self, index: int) -> str:
         """A flow id for a flow Python starts on a connection that already had one (the
         next request on a kept-alive http connection): the deferred flows' sequence."""
-        core = self._core
-        return f"{core.flow_id_prefix}{index}-d{next(core._deferred_ids)}"
+        return self._core.deferred_flow_id(index)
 
     def lookup_wanted(self, peer_ip: str) -> bool:
         """Whether the process behind a flow from ``peer_ip`` is to be looked up now

@@ -455,7 +455,7 @@ class EngineCore:
             os.close(deferred.fd)
             return
         client = socket.socket(fileno=deferred.fd)
-        flow_id = f"{self.flow_id_prefix}{inbound.index}-d{next(self._deferred_ids)}"
+        flow_id = self.deferred_flow_id(inbound.index)
         peer = (deferred.source_ip or "", deferred.source_port)
         if deferred.command == socks5.CMD_UDP_ASSOCIATE:
             if not inbound.udp:
@@ -732,6 +732,11 @@ class EngineCore:
                 out[reason] = getattr(stats, f"dropped_{reason}")
         out["unmatched_reply"] = self.counters.udp_unmatched_replies
         return out
+
+    def deferred_flow_id(self, inbound_index: int) -> str:
+        """The id of a flow Python starts (``<prefix><inbound>-d<n>``): a connection C
+        handed over, or a later request on a kept-alive http connection."""
+        return f"{self.flow_id_prefix}{inbound_index}-d{next(self._deferred_ids)}"
 
     def leaf_outbound(self, tag: str) -> Outbound:
         """The outbound ``tag`` (an outbound or a group) uses now."""
