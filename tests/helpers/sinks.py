@@ -232,6 +232,9 @@ class EngineProcess:
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 env={**os.environ, **(env or {})},
+                # A group of its own: a prefix such as faketime forks the engine and does
+                # not pass signals on, so signals go to the group, never to one pid.
+                start_new_session=True,
             )
         self.pid = self.proc.pid
         self.base_url = ""
@@ -270,22 +273,24 @@ class EngineProcess:
         return status_of(self.get("sinks"), name)
 
     def kill(self) -> None:
-        """SIGKILL and reap."""
+        """SIGKILL (the engine and any prefix) and reap."""
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+            os.killpg(self.pid, signal.SIGKILL)
         self.proc.wait(10)
 
     def stop(self) -> int:
-        """SIGTERM; the exit status."""
-        self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM to the engine (and any prefix); the exit status."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGTERM)
         return self.proc.wait(20)
 
     def close(self) -> None:
-        """Make sure the process is gone (a stopped one is continued so it can die)."""
+        """Make sure every process of it is gone (stopped ones are continued so they can
+        die), the engine under a prefix included."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+            os.killpg(self.pid, signal.SIGCONT)
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-                os.kill(self.pid, signal.SIGCONT)
             self.proc.wait(10)
 
 

@@ -20,6 +20,7 @@ from spliceway.connector.signing import Signer, secret_key
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from spliceway import ApiError, Engine
+from tests.conftest import wait_until
 from tests.helpers.receiver import Received, Receiver, Reply
 from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import EngineProcess, sink_config, status_of, webhook
@@ -143,8 +144,14 @@ def test_delivered_hours_later_it_verifies_and_the_old_attempt_does_not(tmp_path
             late = delivered_again()[0]
             assert status_of(later.get("sinks"), "signed")["pending"] == 0
         finally:
-            later.stop()
-            later.close()
+            try:
+                later.stop()
+            finally:
+                later.close()
+        # faketime forks the engine: the engine itself must not outlive the test.
+        wait_until(
+            lambda: not _running_with(str(later.config_path)), 10, "the engine under faketime gone"
+        )
     assert late.body == early.body
     assert (
         int(late.headers["webhook-timestamp"]) - int(early.headers["webhook-timestamp"]) >= 3 * 3600
@@ -153,6 +160,24 @@ def test_delivered_hours_later_it_verifies_and_the_old_attempt_does_not(tmp_path
         "+3h", [(late.body, headers_of(late)), (early.body, headers_of(early))]
     )
     assert verdicts == ["ok", "Message timestamp too old"]
+
+
+def _running_with(argument: str) -> list[int]:
+    """The pids of live processes with ``argument`` on their command line."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except OSError:
+            continue
+        if argument.encode() in args and not zombie:
+            found.append(int(entry))
+    return found
 
 
 def verify_under_faketime(offset: str, deliveries: list[tuple[bytes, dict[str, str]]]) -> list[str]:
