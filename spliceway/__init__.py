@@ -18,18 +18,28 @@ Map of the package:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-from spliceway.errors import ApiError
+if TYPE_CHECKING:
+    from spliceway.engine import Engine
+    from spliceway.errors import ApiError
 
 __all__ = ["ApiError", "Engine", "__version__"]
 
 
 def __getattr__(name: str) -> object:
     # Engine pulls in the actors and the compiled relay; import it only when asked,
-    # so `spliceway validate` and the pure modules work without them.
+    # so `spliceway validate` and the pure modules work without them. ApiError too:
+    # the `spliceway` command's first module (_console) must come before any import
+    # that takes time, so a Ctrl-C then ends it quietly.
     if name == "Engine":
         from spliceway.engine import Engine
 
         return Engine
+    if name == "ApiError":
+        from spliceway.errors import ApiError
+
+        return ApiError
     raise AttributeError(name)

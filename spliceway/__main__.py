@@ -2,6 +2,6 @@
 
 import sys
 
-from spliceway.cli import main
+from spliceway._console import main
 
 sys.exit(main())

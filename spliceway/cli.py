@@ -23,8 +23,11 @@ setting); the reason is printed one problem per line, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
+import io
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -400,7 +403,6 @@ def _state_from_engine(config: Any, ipc: str | None, held: ApiError) -> dict[str
     """``connector state`` from the engine that holds the outbox (``held`` said so): over
     ``--ipc``, ``$SPLICEWAY_IPC``, else the socket the file configures. ``held`` again,
     with the reason, when that engine cannot be asked or is another engine."""
-    import os
 
     from spliceway.ipc_client import IPC_ENV, IpcClient
 
@@ -455,15 +457,23 @@ def cmd_build_info(as_json: bool = False) -> int:
     return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, take_sigint: bool = False) -> int:
     """Entry point of the ``spliceway`` console script.
 
     A reader that goes away (``spliceway config-schema | head -1``) ends the program
     quietly with 141, and SIGINT outside ``run`` (which stops its engine cleanly and
     exits 0) with 130: the statuses a shell reports for a program those signals ended,
-    never a traceback.
+    never a traceback. Standard output that cannot be written (closed with ``>&-``,
+    ``/dev/full``) is one ``spliceway: ...`` line and 1. ``take_sigint``: SIGINT was left
+    to end the process while it imported this module (:mod:`spliceway._console`); from
+    here on it is a KeyboardInterrupt, ended as above.
     """
     try:
+        if take_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if sys.stdout is None:
+            # Started with stdout closed: only a subcommand that prints fails, when it does.
+            sys.stdout = _ClosedOutput()
         try:
             status = _dispatch(argv)
         finally:
@@ -476,17 +486,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except OSError as ex:
+        _discard_stdout()
+        print(f"spliceway: cannot write standard output: {ex.strerror or ex}", file=sys.stderr)
+        return EXIT_INVALID
     return status
+
+
+class _ClosedOutput(io.TextIOBase):
+    """What ``sys.stdout`` is when the process started without one: writing is EBADF,
+    as it would be on the closed descriptor."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
 
 
 def _discard_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's last flush of what is still buffered
     does not fail on the closed pipe again (and print its own complaint)."""
-    import os
-
+    try:
+        fileno = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's stdout to its end)
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, fileno)
     finally:
         os.close(devnull)
 

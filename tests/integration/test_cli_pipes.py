@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,3 +123,64 @@ def test_sigint_during_events_ends_quietly_with_130(engine, sock_path):
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_sigint_while_the_cli_is_imported_ends_it_quietly_by_the_signal():
+    """A Ctrl-C during the command's imports: SIGINT is sent from inside the import of
+    spliceway.cli (the bulk of the start-up); the process ends by the signal, silently."""
+    script = (
+        "import builtins, os, signal, sys\n"
+        "real = builtins.__import__\n"
+        "def hooked(name, *args, **kwargs):\n"
+        "    if name == 'spliceway.cli':\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(name, *args, **kwargs)\n"
+        "builtins.__import__ = hooked\n"
+        "sys.argv = ['spliceway', 'build-info']\n"
+        "from spliceway._console import main\n"
+        "sys.exit(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=30, check=False
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (-signal.SIGINT, b"", b"")
+
+
+def test_sigint_after_the_imports_is_130_and_silent():
+    script = (
+        "import os, signal, sys\n"
+        "sys.argv = ['spliceway', 'build-info']\n"
+        "from spliceway import _console, cli\n"
+        "real = cli._dispatch\n"
+        "def interrupted(argv):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(argv)\n"
+        "cli._dispatch = interrupted\n"
+        "sys.exit(_console.main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=30, check=False
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (130, b"", b"")
+
+
+def _closed_stdout() -> None:
+    os.close(1)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [("closed", "Bad file descriptor"), ("full", "No space left on device")],
+)
+def test_stdout_that_cannot_be_written_is_one_line_and_1(how, message):
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [*SPLICEWAY, "config-schema"],
+            stdout=full if how == "full" else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_closed_stdout if how == "closed" else None,
+            timeout=30,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert done.stderr.decode() == f"spliceway: cannot write standard output: {message}\n"
