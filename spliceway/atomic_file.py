@@ -65,8 +65,10 @@ class StagedFile:
         return cls(path, tmp, previous_tmp)
 
     def commit(self, *, strict: bool = False) -> None:
-        """Rename the staged file over ``path`` and make that durable (OSError when the
-        rename fails; the file is then unchanged). A failed fsync of the directory after
+        """Rename the staged file over ``path`` and make that durable (OSError naming the
+        file it could not replace when a rename fails; the file is then unchanged: the
+        ``.prev`` is renamed first, and may then hold the file's current contents already,
+        which loses nothing). A failed fsync of the directory after
         the rename is an OSError too when ``strict``, else logged: the new file is in
         place and visible, only its durability is in doubt."""
         tmp, self._tmp = self._tmp, None
@@ -74,11 +76,9 @@ class StagedFile:
         assert tmp is not None
         try:
             if previous_tmp is not None:
-                # First: should the second rename fail, .prev holds what the file still
-                # holds, which loses nothing.
-                os.rename(previous_tmp, self.previous_path)
+                _rename(previous_tmp, self.previous_path)
                 previous_tmp = None
-            os.rename(tmp, self.path)
+            _rename(tmp, self.path)
         except BaseException:
             for leftover in (tmp, previous_tmp):
                 if leftover is not None:
@@ -153,6 +153,15 @@ def _stage_previous(path: str) -> str | None:
 def _temporary_name(path: str) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     return os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+
+
+def _rename(source: str, target: str) -> None:
+    """``os.rename``, its OSError naming ``target`` (the file a caller reports), not the
+    temporary ``source``."""
+    try:
+        os.rename(source, target)
+    except OSError as ex:
+        raise OSError(ex.errno, ex.strerror, target) from ex
 
 
 def fsync_directory(directory: str) -> None:

@@ -227,7 +227,8 @@ class Reconciler:
                     outcome = self._revert(new, old)
                     raise ApiError(
                         "internal",
-                        f"cannot write {staged.path}: {ex.strerror or ex}; {outcome}",
+                        f"cannot write {ex.filename or staged.path}: {ex.strerror or ex}; "
+                        f"{outcome}",
                     ) from ex
             # Under the lock: config.changed events are in the order of the applies.
             core.log.emit(
@@ -448,6 +449,10 @@ class Reconciler:
         path = self._core.config_path
         if not persist or path is None:
             return "runtime_only", None
+        # A symlinked source file: the file it points to is replaced (and its .prev kept
+        # beside it); the link stays a link, so the file the user edits and the one the
+        # engine runs remain the same file.
+        path = os.path.realpath(path)
         if isinstance(document, Config):
             document = document.model_dump(mode="json")
         try:

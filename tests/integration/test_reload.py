@@ -732,3 +732,41 @@ def test_apply_results_are_the_documented_shape(tmp_path: Path, method: str) -> 
         result = apply(engine, doc, method)
     assert result["changed_components"] == ["routing"]
     jsonschema.Draft202012Validator(schema).validate(result)
+
+
+def test_a_symlinked_source_file_stays_a_link_to_the_applied_file(tmp_path: Path) -> None:
+    doc = reload_config(tmp_path)
+    real = tmp_path / "real"
+    real.mkdir()
+    target = real / "config.json"
+    original = json.dumps(doc, indent=2).encode()
+    target.write_bytes(original)
+    link = tmp_path / "config.json"
+    link.symlink_to(target)
+    with Engine.from_file(link) as engine:
+        doc["rules"] = [{"domain": ["x.test"], "action": "block"}]
+        apply(engine, doc)
+    assert link.is_symlink() and link.resolve() == target
+    assert json.loads(target.read_text()) == doc
+    assert (real / "config.json.prev").read_bytes() == original
+    assert not (tmp_path / "config.json.prev").exists()
+
+
+def test_a_prev_that_cannot_be_replaced_is_named_and_rolled_back(tmp_path: Path) -> None:
+    doc = reload_config(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    before = path.read_bytes()
+    prev = tmp_path / "config.json.prev"
+    prev.mkdir()
+    (prev / "keep").write_text("")  # a directory rename cannot replace
+    with Engine.from_file(path) as engine:
+        new = copy.deepcopy(doc)
+        new["rules"] = [{"domain": ["x.test"], "action": "block"}]
+        with pytest.raises(ApiError) as info:
+            engine.execute("config.apply", {"config": new})
+        assert info.value.message.startswith(f"cannot write {prev}: ")
+        assert "rolled back: the previous configuration is running" in info.value.message
+        assert not engine.core.config.rules
+    assert path.read_bytes() == before
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
