@@ -87,7 +87,7 @@ def _flows(limit: int | None) -> Callable[[IpcClient], tuple[Any, str]]:
 def _member_state(member: dict[str, Any]) -> str:
     # Until its first probe a member counts as healthy (spliceway/policy.py), which
     # nothing has checked yet: say so rather than "up".
-    if member["last_checked_unix_ms"] is None:
+    if member["last_checked_unix_ms"] is None or member["healthy"] is None:
         return "unchecked"
     return "up" if member["healthy"] else "down"
 
@@ -110,7 +110,12 @@ def _policies(client: IpcClient) -> tuple[Any, str]:
                 healthy,
             )
         )
-        for m in probed:
+        # Every group's members with the newest check of each by any probing group
+        # (member_health), so a selector's members show what a url_test found; a
+        # probing group's own members as it sees them (its selection follows that).
+        own = {m["member_tag"]: m for m in probed}
+        for m in p.get("member_health", probed):
+            m = own.get(m["member_tag"], m)
             checked = m["last_checked_unix_ms"]
             members.append(
                 (
@@ -119,13 +124,16 @@ def _policies(client: IpcClient) -> tuple[Any, str]:
                     _member_state(m),
                     m["latency_ms"],
                     None if checked is None else f"{max(0, now - checked) // 1000}s ago",
+                    (p["tag"] if m["member_tag"] in own else m.get("checked_by"))
+                    if checked is not None
+                    else None,
                     m["last_error"],
                 )
             )
     text = table(("POLICY", "KIND", "SELECTED", "LATENCY_MS", "MEMBERS", "HEALTHY"), rows)
     if members:
-        # The probing groups' members, one per line: a dead upstream and why.
-        headers = ("POLICY", "MEMBER", "HEALTH", "LATENCY_MS", "CHECKED", "ERROR")
+        # One line per member: a dead upstream, who found it so, and why.
+        headers = ("POLICY", "MEMBER", "HEALTH", "LATENCY_MS", "CHECKED", "BY", "ERROR")
         text += "\n\n" + table(headers, members)
     return result, text
 

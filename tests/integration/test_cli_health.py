@@ -99,14 +99,27 @@ def test_policies_shows_member_health(sock_path: Path) -> None:
         ["auto", "url_test", "direct", str(latency), "dead,direct", "1/2"],
     ]
     member_rows = [re.split(r"\s{2,}", line) for line in members.splitlines()]
-    assert member_rows[0] == ["POLICY", "MEMBER", "HEALTH", "LATENCY_MS", "CHECKED", "ERROR"]
+    assert member_rows[0] == [
+        "POLICY",
+        "MEMBER",
+        "HEALTH",
+        "LATENCY_MS",
+        "CHECKED",
+        "BY",
+        "ERROR",
+    ]
     by_member = {m["member_tag"]: m for m in snap["url_test_members"]}
-    dead, direct = member_rows[1:]
+    pick_auto, pick_direct, dead, direct = member_rows[1:]
+    # The selector's members: auto (a group) unchecked, direct as auto found it.
+    assert pick_auto == ["pick", "auto", "unchecked", "-", "-", "-", "-"]
+    latency = str(by_member["direct"]["latency_ms"])
+    assert pick_direct[:4] == ["pick", "direct", "up", latency]
+    assert re.fullmatch(r"\d+s ago", pick_direct[4]) and pick_direct[5:] == ["auto", "-"]
     assert dead[:4] == ["auto", "dead", "down", "-"]
     assert re.fullmatch(r"\d+s ago", dead[4])
-    assert dead[5] == by_member["dead"]["last_error"]
-    assert direct[:4] == ["auto", "direct", "up", str(by_member["direct"]["latency_ms"])]
-    assert re.fullmatch(r"\d+s ago", direct[4]) and direct[5:] == ["-"]
+    assert dead[5:] == ["auto", by_member["dead"]["last_error"]]
+    assert direct[:4] == ["auto", "direct", "up", latency]
+    assert re.fullmatch(r"\d+s ago", direct[4]) and direct[5:] == ["auto", "-"]
     # --json is the query's result, member health included.
     doc = json.loads(as_json.stdout)
     (auto,) = [p for p in doc["policies"] if p["tag"] == "auto"]
