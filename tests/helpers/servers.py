@@ -59,7 +59,11 @@ _S = TypeVar("_S", bound=socketserver.BaseServer)
 @contextmanager
 def serving(server: _S) -> Iterator[_S]:
     """``server`` answering on a thread of its own; shut down, closed and joined on exit."""
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # shutdown() waits for serve_forever's next poll: at the default 0.5 s that was half
+    # a second of every test with an origin.
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+    )
     thread.start()
     try:
         yield server
