@@ -98,6 +98,11 @@ def test_readme_embedding_example_runs() -> None:
     assert "'total_started': 0" in second
 
 
+def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``argv`` to completion (60 s at most) in ``env``, its output captured as text."""
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, env=env)
+
+
 def test_readme_embedding_example_runs_beside_a_running_engine(tmp_path) -> None:
     """A user's ``spliceway run`` holds the per-user default IPC socket; the README's
     embedded engine (no ``api.ipc`` in its configuration) leaves it alone, and a second
@@ -116,37 +121,16 @@ def test_readme_embedding_example_runs_beside_a_running_engine(tmp_path) -> None
     with running(write_config(first, doc), env=env) as proc:
         assert wait_for_line(proc, r"IPC socket listening on (\S+)").group(1) == str(socket_path)
         code = next(b for b in blocks("python") if "from spliceway import Engine" in b)
-        embedded = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            env=env,
-        )
+        embedded = _run([sys.executable, "-c", code], env)
         assert embedded.returncode == 0, embedded.stderr
         assert re.fullmatch(r"\('127\.0\.0\.1', \d+\)", embedded.stdout.splitlines()[0])
-        second = subprocess.run(
-            [*SPLICEWAY, "run", "-c", write_config(tmp_path, doc)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            env=env,
-        )
+        second = _run([*SPLICEWAY, "run", "-c", write_config(tmp_path, doc)], env)
         assert second.returncode == 2, second.stderr
         assert "conflict" in second.stderr
         assert str(socket_path) in second.stderr
         assert f"pid {proc.pid}" in second.stderr or str(proc.pid) in second.stderr
         # The first engine still answers on its socket.
-        status = subprocess.run(
-            [*SPLICEWAY, "status", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-            env=env,
-        )
+        status = _run([*SPLICEWAY, "status", "--json"], env)
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["health"]["healthy"] is True
         proc.send_signal(signal.SIGTERM)
