@@ -1665,6 +1665,23 @@ static void proceed_after_reply(struct cconn *c)
     hand_off(c);
 }
 
+
+/* The address a ROUTED record says the upstream was dialled at. */
+static void record_resolved(sw_conn_record *r, const struct sockaddr_storage *addr)
+{
+    if (addr->ss_family == AF_INET) {
+        const struct sockaddr_in *sin = (const struct sockaddr_in *)addr;
+        r->resolved_family = 4;
+        memcpy(r->resolved_ip, &sin->sin_addr, 4);
+        r->resolved_port = ntohs(sin->sin_port);
+    } else {
+        const struct sockaddr_in6 *sin6 = (const struct sockaddr_in6 *)addr;
+        r->resolved_family = 6;
+        memcpy(r->resolved_ip, &sin6->sin6_addr, 16);
+        r->resolved_port = ntohs(sin6->sin6_port);
+    }
+}
+
 static void hand_off(struct cconn *c)
 {
     sw_conn *conn = c->loop->conn;
@@ -1693,17 +1710,7 @@ static void hand_off(struct cconn *c)
         epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->ufd, NULL);
     sw_conn_record *r = record_begin(c, SW_REC_ROUTED);
     record_name(r, c->sniffed, c->sniffed_len);
-    if (c->up_addr.ss_family == AF_INET) {
-        struct sockaddr_in *sin = (struct sockaddr_in *)&c->up_addr;
-        r->resolved_family = 4;
-        memcpy(r->resolved_ip, &sin->sin_addr, 4);
-        r->resolved_port = ntohs(sin->sin_port);
-    } else {
-        struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)&c->up_addr;
-        r->resolved_family = 6;
-        memcpy(r->resolved_ip, &sin6->sin6_addr, 16);
-        r->resolved_port = ntohs(sin6->sin6_port);
-    }
+    record_resolved(r, &c->up_addr);
     uint64_t handle = 0;
     int rc = sw_relay_add_own(conn->relay, c->cfd, c->ufd, c->listener->opts.idle_timeout_ms,
                               &handle);
@@ -1859,17 +1866,7 @@ static void fwd_send(struct cconn *c)
         c->utx += c->flen;
     sw_conn_record *r = record_begin(c, SW_REC_ROUTED);
     record_name(r, c->sniffed, c->sniffed_len);
-    if (c->up_addr.ss_family == AF_INET) {
-        struct sockaddr_in *sin = (struct sockaddr_in *)&c->up_addr;
-        r->resolved_family = 4;
-        memcpy(r->resolved_ip, &sin->sin_addr, 4);
-        r->resolved_port = ntohs(sin->sin_port);
-    } else {
-        struct sockaddr_in6 *sin6 = (struct sockaddr_in6 *)&c->up_addr;
-        r->resolved_family = 6;
-        memcpy(r->resolved_ip, &sin6->sin6_addr, 16);
-        r->resolved_port = ntohs(sin6->sin6_port);
-    }
+    record_resolved(r, &c->up_addr);
     r->relay_handle = 0; /* forwarded by C: no relay */
     record_commit(c);
     atomic_fetch_add_explicit(&c->loop->conn->stats.routed, 1, memory_order_relaxed);
