@@ -128,6 +128,10 @@ OUTCOMES: dict[str, str] = {
     "failed": "The upstream could not be reached, or failed while relaying (see `result.failure`).",
     "cancelled": "Closed by the `flows.close` command (close reason `manual`), or ended by "
     "an engine stop before its upstream connection was made (while it was routed or dialled).",
+    "engine_crashed": "The engine stopped without completing the flow (killed, or crashed): "
+    "at its next start the engine completes every flow its outbox shows started and not "
+    "completed, with this outcome and the bytes last reported for it, so every flow has one "
+    "final record even across a crash.",
 }
 
 #: ``result.close_reason`` values.
@@ -183,6 +187,12 @@ ENGINE_WARNING_CODES: dict[str, str] = {
     "(every member's last probe or dial failed); the message names the group, each member's "
     "last error and the member its flows still use. Once per outage of the group: the next "
     "comes only after a member was healthy again (logged at info).",
+    "fd_exhausted": "A listener (an inbound, the DNS server, the control API, IPC or gRPC) "
+    "could not accept a connection because the process or the system is out of file "
+    "descriptors (`EMFILE`/`ENFILE`): it pauses accepting and retries with a growing delay, "
+    "while every connection already open is served. The message names the listener and the "
+    "limits (`runtime` reports the soft and hard `RLIMIT_NOFILE`). Once per outage of each "
+    "listener: the next comes only after it has accepted again.",
 }
 
 _COUNT = "integer"
