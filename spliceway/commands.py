@@ -157,6 +157,23 @@ class FakeIpParams(_Params):
     """A fake address: look up its domain (or clear its mapping)."""
 
 
+#: The document's statement of the handler's rule that a lookup names exactly one of
+#: ``domain`` and ``ip`` (a null counts as absent): without it ``{}`` was valid by the
+#: OpenAPI document and answered 400.
+_EXACTLY_ONE_OF_DOMAIN_IP: dict[str, Any] = {
+    "oneOf": [
+        {"required": ["domain"], "properties": {"domain": {"type": "string", "minLength": 1}}},
+        {"required": ["ip"], "properties": {"ip": {"type": "string"}}},
+    ]
+}
+
+
+class FakeIpLookupParams(FakeIpParams):
+    """``diagnostics.fakeip_lookup``: exactly one of ``domain`` and ``ip``."""
+
+    model_config = ConfigDict(json_schema_extra=_EXACTLY_ONE_OF_DOMAIN_IP)
+
+
 class TunStartParams(_Params):
     """``tun.start``: the settings of ``runtime.tun``."""
 
@@ -341,7 +358,7 @@ def _dns_cache(core: EngineCore, p: DnsCacheParams) -> dict[str, Any]:
     return dns.dns_cache_result(core.resolver, p.domain, p.limit)
 
 
-def _fakeip_lookup(core: EngineCore, p: FakeIpParams) -> dict[str, Any]:
+def _fakeip_lookup(core: EngineCore, p: FakeIpLookupParams) -> dict[str, Any]:
     return dns.fakeip_lookup_result(core.dns.pool, p.domain, p.ip)
 
 
@@ -596,7 +613,7 @@ COMMANDS: dict[str, Command] = {
         Command(
             "diagnostics.fakeip_lookup",
             "read",
-            FakeIpParams,
+            FakeIpLookupParams,
             _fakeip_lookup,
             summary="Find the fake address of a name, or the name of a fake address "
             "(`runtime.dns.answer.type: fake_ip`); never allocates one. `enabled: false` "

@@ -845,3 +845,34 @@ def test_app_serves_the_same_document_without_a_listener(app_for) -> None:
     result = client.simulate_get(f"{V1}/openapi.json")
     assert result.status_code == 200
     assert result.json == json.loads(json.dumps(DOC))
+
+
+@pytest.mark.parametrize(
+    ("params", "valid"),
+    [
+        ({"domain": "a.example"}, True),
+        ({"ip": "198.18.0.1"}, True),
+        ({"domain": None, "ip": "198.18.0.1"}, True),
+        ({}, False),
+        ({"domain": None, "ip": None}, False),
+        ({"domain": "a.example", "ip": "198.18.0.1"}, False),
+        ({"domain": ""}, False),
+    ],
+)
+def test_fakeip_lookup_params_document_the_handlers_rule(engine, params, valid) -> None:
+    """The document and the handler agree on ``diagnostics.fakeip_lookup``'s params: what
+    the schema accepts is answered, what it rejects is ``invalid_argument`` (schemathesis
+    found ``{}`` valid by the document and answered 400)."""
+    from spliceway import commands
+    from spliceway.errors import ApiError
+
+    if valid:
+        validate_component("FakeIpLookupParams", params)
+        result = commands.execute(engine.core, "diagnostics.fakeip_lookup", params, {"admin"})
+        assert result["enabled"] is False
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            validate_component("FakeIpLookupParams", params)
+        with pytest.raises(ApiError) as info:
+            commands.execute(engine.core, "diagnostics.fakeip_lookup", params, {"admin"})
+        assert info.value.code == "invalid_argument"
