@@ -279,6 +279,61 @@ def test_pipelined_requests_are_answered_in_order(make_engine, h11_origin):
     ]
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "in-turn"])
+def test_a_request_for_another_host_never_reaches_the_first_origin(
+    make_engine, h11_origin, pipelined
+):
+    """Issue 26 point 6: a second absolute-URI request for a different host on the same
+    client connection is routed on its own and reaches its own origin, whether it arrives
+    pipelined behind the first (one write) or after the first answer."""
+    engine = make_engine(base_config(rules=[{"domain": ["blocked.test"], "action": "block"}]))
+    blocked = b"GET http://blocked.test/x HTTP/1.1\r\nHost: blocked.test\r\n\r\n"
+    with H11Origin() as other:
+        requests = [
+            get(h11_origin, "/len/3"),
+            get(other, "/host"),
+            blocked,
+            get(h11_origin, "/host", "Connection: close"),
+        ]
+        buf = bytearray()
+        with connect(engine) as sock:
+            if pipelined:
+                sock.sendall(b"".join(requests))
+                answers = [read_response(sock, buf) for _ in requests]
+            else:
+                answers = []
+                for request in requests:
+                    sock.sendall(request)
+                    answers.append(read_response(sock, buf))
+            assert_closed(sock)
+        records = records_by_start(engine, 4)
+        other_requests = [target for c in other.conns for _, target, _ in c["requests"]]
+    assert answers[0].endswith(b"aaa")
+    assert answers[1].endswith(f"127.0.0.1:{other.port}".encode())
+    assert answers[2].startswith(b"HTTP/1.1 403 ")
+    assert answers[3].endswith(f"127.0.0.1:{h11_origin.port}".encode())
+    # Each origin saw exactly its own requests; nothing of the other host's reached it.
+    first_requests = [target for c in h11_origin.conns for _, target, _ in c["requests"]]
+    assert first_requests == ["/len/3", "/host"]
+    assert other_requests == ["/host"]
+    assert [(r["target"]["host"], r["target"]["port"]) for r in records] == [
+        ("127.0.0.1", h11_origin.port),
+        ("127.0.0.1", other.port),
+        ("blocked.test", 80),
+        ("127.0.0.1", h11_origin.port),
+    ]
+    assert [r["result"]["outcome"] for r in records] == [
+        "direct_relayed",
+        "direct_relayed",
+        "blocked",
+        "direct_relayed",
+    ]
+    for record, request, answer in zip(records, requests, answers, strict=True):
+        assert record["traffic"]["inbound_rx_bytes"] == len(request)
+        assert record["traffic"]["inbound_tx_bytes"] == len(answer)
+    one_completed_each(engine)
+
+
 def test_chunked_request_body_and_content_length_both_ways(make_engine, h11_origin):
     engine = make_engine()
     body = b"z" * 70000
