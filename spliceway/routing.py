@@ -18,9 +18,17 @@ Semantics:
   removed. ``domain``: equality. ``domain_suffix`` ``s``: the host equals ``s`` or ends
   with ``"." + s`` (so never ``bad`` + ``s``). ``domain_keyword``: substring.
   ``domain_regex``: ``re.search``, case-insensitive.
-- ``ip_cidr`` looks at the target when it is an IP literal, else at ``resolved_ip`` when
-  given; ``source_ip_cidr`` at ``source_ip``. IPv4-mapped IPv6 addresses
-  (``::ffff:a.b.c.d``) count as IPv4. An unparsable address never matches.
+- ``ip_cidr`` looks at the target when it reads as an IP address, in any spelling
+  :func:`spliceway.hostnorm.target_address` knows (``2130706433``, ``127.1``,
+  ``0x7f.0.0.1``, ``127.0.0.1.``, ``0``...), else at ``resolved_ip`` when given;
+  ``source_ip_cidr`` at ``source_ip``. IPv4-mapped IPv6 addresses (``::ffff:a.b.c.d``)
+  count as IPv4; the unspecified target addresses 0.0.0.0 and ``::`` are the loopback
+  ones (Linux connects there). An unparsable address never matches. A target that reads
+  as an address is never a domain name (domain conditions do not see it); nor is such a
+  sniffed host.
+- A domain target has no address until someone resolves it: :func:`needs_address` says
+  when deciding reaches an ``ip_cidr`` rule first, so the caller resolves the name and
+  decides again with ``resolved_ip`` (mihomo's rule matching without ``no-resolve``).
 - ``port``/``source_port``: inclusive ranges. ``network``, ``inbound_tag``,
   ``principal_key``, ``process_name``: exact, case-sensitive equality.
   A condition on a fact that is ``None`` does not match.
@@ -40,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from spliceway import hostnorm
 from spliceway.config import Rule, parse_port_spec
 
 __all__ = [
@@ -49,6 +58,7 @@ __all__ = [
     "RuleSet",
     "compile_rules",
     "decide",
+    "needs_address",
 ]
 
 
@@ -125,6 +135,14 @@ def _parse_ip(text: str | None) -> _Ip | None:
         if mapped is not None:
             return 4, int(mapped)
     return ip.version, int(ip)
+
+
+def _parse_target(text: str | None) -> _Ip | None:
+    """A target (or resolved, or sniffed) host as the address it reads as, else None."""
+    if not text:
+        return None
+    address = hostnorm.target_address(text)
+    return None if address is None else _parse_ip(address)
 
 
 def _norm_host(host: str) -> str:
@@ -328,6 +346,9 @@ class RuleSet:
     first_domain_rule: int
     has_suffix_conditions: bool
     has_ip_conditions: bool
+    #: Index of the first rule with an ip_cidr condition (``len(rules)`` when none): a
+    #: domain target's address can change a decision only if this is below the match.
+    first_ip_rule: int
     has_source_ip_conditions: bool
     #: Any rule names a ``process_name`` (``runtime.process_lookup: auto`` looks up then).
     has_process_conditions: bool
@@ -349,10 +370,12 @@ def compile_rules(rules: Sequence[Rule]) -> RuleSet:
     """Precompile validated configuration rules (``Config.rules``) for :func:`decide`."""
     compiled: list[_CompiledRule] = []
     keys_used: set[str] = set()
-    first_domain_rule = len(rules)
+    first_domain_rule = first_ip_rule = len(rules)
     for index, rule in enumerate(rules):
         conditions = rule.conditions()
         keys_used.update(conditions)
+        if first_ip_rule == len(rules) and "ip_cidr" in conditions:
+            first_ip_rule = index
         if first_domain_rule == len(rules) and not _DOMAIN_KEYS.isdisjoint(conditions):
             first_domain_rule = index
         checks = tuple(build(conditions[key]) for key, build in _BUILDERS if key in conditions)
@@ -371,6 +394,7 @@ def compile_rules(rules: Sequence[Rule]) -> RuleSet:
         first_domain_rule=first_domain_rule,
         has_suffix_conditions="domain_suffix" in keys_used,
         has_ip_conditions=has_ip,
+        first_ip_rule=first_ip_rule,
         has_source_ip_conditions=has_source_ip,
         has_process_conditions="process_name" in keys_used,
         needs_host_ip=has_domain or has_ip,
@@ -406,6 +430,24 @@ def decide(
     raise ValueError(f"unknown mode {mode_kind!r}")
 
 
+def needs_address(
+    ruleset: RuleSet, mode_kind: str, facts: FlowFacts, decision: RouteDecision
+) -> bool:
+    """Whether ``decision`` (what :func:`decide` gave for ``facts``) may change once the
+    target's address is known: mode ``rule``, a domain target without ``resolved_ip``,
+    and an ``ip_cidr`` rule ranked before the match (or any, when none matched).
+
+    The caller then resolves the target (its first address, as it would dial it) and
+    decides again with ``resolved_ip``; a name that does not resolve keeps ``decision``.
+    """
+    if mode_kind != "rule" or facts.resolved_ip is not None or not facts.host:
+        return False
+    if _parse_target(facts.host) is not None:
+        return False
+    bound = decision.matched_rule.index if decision.matched_rule else len(ruleset.rules)
+    return ruleset.first_ip_rule < bound
+
+
 def _dot_suffixes(hosts: tuple[str, ...]) -> frozenset[str]:
     out: set[str] = set()
     for host in hosts:
@@ -418,14 +460,14 @@ def _dot_suffixes(hosts: tuple[str, ...]) -> frozenset[str]:
 
 
 def _view(ruleset: RuleSet, facts: FlowFacts) -> _View:
-    host_ip = _parse_ip(facts.host) if ruleset.needs_host_ip else None
+    host_ip = _parse_target(facts.host) if ruleset.needs_host_ip else None
     hosts: tuple[str, ...] = ()
     suffixes: frozenset[str] = frozenset()
     if ruleset.has_domain_conditions:
         if host_ip is None and facts.host:
             hosts = (_norm_host(facts.host),)
         sniffed = facts.sniffed_host
-        if sniffed and _parse_ip(sniffed) is None:
+        if sniffed and _parse_target(sniffed) is None:
             name = _norm_host(sniffed)
             if name not in hosts:
                 hosts = (*hosts, name)
@@ -433,7 +475,7 @@ def _view(ruleset: RuleSet, facts: FlowFacts) -> _View:
             suffixes = _dot_suffixes(hosts)
     ip: _Ip | None = None
     if ruleset.has_ip_conditions:
-        ip = host_ip if host_ip is not None else _parse_ip(facts.resolved_ip)
+        ip = host_ip if host_ip is not None else _parse_target(facts.resolved_ip)
     src = _parse_ip(facts.source_ip) if ruleset.has_source_ip_conditions else None
     return _View(hosts, suffixes, ip, src)
 
