@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 import falcon
 import orjson
 from spliceway.api.auth import KeyTable, Principal
-from spliceway.api.limits import Limits, RateLimited, Slots, TokenBucket
+from spliceway.api.http_guard import UNSENT_BYTES_KEY, source_key
+from spliceway.api.limits import FailureLimiter, Limits, RateLimited, Slots, TokenBucket
 from spliceway.api.metrics import MetricsResource, metrics_registry
 from spliceway.api.openapi import openapi_document
 from spliceway.api.sse import (
@@ -95,6 +96,11 @@ def body_request_id(body: dict[str, Any]) -> Any:
     return value
 
 
+def body_too_large(limit: int = MAX_BODY_BYTES) -> ApiError:
+    """The error for a request body over ``limit`` bytes: 413 ``invalid_argument``."""
+    return ApiError("invalid_argument", f"body larger than {limit} bytes", http_status=413)
+
+
 def envelope_error(error: ApiError, request_id: Any = None) -> bytes:
     """An error envelope."""
     return orjson.dumps({"api_id": API_ID, "id": request_id, "ok": False, "error": error.to_dict()})
@@ -135,6 +141,7 @@ class ControlState:
     query_bucket: TokenBucket = field(init=False)
     command_bucket: TokenBucket = field(init=False)
     sse_slots: Slots = field(init=False)
+    auth_failures: FailureLimiter = field(init=False)
     frames: FrameCache = field(init=False)
     streams: set[EventStream] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -143,7 +150,32 @@ class ControlState:
         self.query_bucket = TokenBucket(self.limits.queries_per_second)
         self.command_bucket = TokenBucket(self.limits.commands_per_second)
         self.sse_slots = Slots(self.limits.sse_streams)
+        limits = self.limits
+        self.auth_failures = FailureLimiter(
+            limits.failed_auth_per_source_per_second,
+            limits.failed_auth_per_source_burst,
+            limits.failed_auth_per_second,
+            limits.failed_auth_burst,
+        )
         self.frames = FrameCache(encode=self.core.log.encoded)
+
+    def authenticate(
+        self, authorization: str | None, api_key: str | None, source: str
+    ) -> Principal:
+        """The caller the key headers name; a missing or wrong key is ``unauthenticated``,
+        or ``rate_limited`` once ``source`` (see ``http_guard.source_key``) or the engine
+        is over the failed-authentication limits. A valid key is never limited here."""
+        try:
+            return self.keys.authenticate(authorization, api_key)
+        except ApiError:
+            wait = self.auth_failures.failed(source)
+            if wait:
+                raise RateLimited(
+                    "too many requests with a missing or wrong API key from this address "
+                    "or in all; retry later",
+                    wait,
+                ) from None
+            raise
 
     def open_streams(self) -> int:
         """How many SSE streams are open now."""
@@ -273,8 +305,12 @@ class _Gate:
         if is_ui_path(req.path):
             # The dashboard's files hold no data; the page asks for the key itself.
             return
-        principal = state.keys.authenticate(
-            req.get_header("Authorization"), req.get_header("X-Service-Api-Key")
+        # Behind api.server's Waitress a missing or wrong key was refused on the head
+        # already, before the body was read; this serves any other WSGI server.
+        principal = state.authenticate(
+            req.get_header("Authorization"),
+            req.get_header("X-Service-Api-Key"),
+            source_key(req.remote_addr or ""),
         )
         req.context.principal = principal
         is_command = req.path == COMMANDS_PATH and req.method == "POST"
@@ -376,7 +412,7 @@ class _Commands:
         declared_too_large = (req.content_length or 0) > MAX_BODY_BYTES
         raw = b"" if declared_too_large else req.bounded_stream.read(MAX_BODY_BYTES + 1)
         if declared_too_large or len(raw) > MAX_BODY_BYTES:
-            raise invalid_argument(f"body larger than {MAX_BODY_BYTES} bytes")
+            raise body_too_large()
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as ex:
@@ -423,7 +459,15 @@ class _EventStream:
             state.sse_slots.release()
 
         disconnected = req.env.get("waitress.client_disconnected") or (lambda: False)
-        stream = EventStream(sub, state.frames, release, disconnected, state.keepalive_s, preface)
+        stream = EventStream(
+            sub,
+            state.frames,
+            release,
+            disconnected,
+            state.keepalive_s,
+            preface,
+            unsent=req.env.get(UNSENT_BYTES_KEY),
+        )
         with state.lock:
             state.streams.add(stream)
         resp.content_type = "text/event-stream"

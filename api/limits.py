@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,12 @@ class Limits:
     queries_per_second: float = 100.0
     commands_per_second: float = 10.0
     sse_streams: int = 5
+    #: Failed authentications (a missing or wrong key) per source address and per
+    #: engine; past them the answer is 429 instead of 401 (docs/security.md).
+    failed_auth_per_source_per_second: float = 5.0
+    failed_auth_per_source_burst: float = 20.0
+    failed_auth_per_second: float = 50.0
+    failed_auth_burst: float = 100.0
 
 
 class RateLimited(ApiError):
@@ -86,3 +93,47 @@ class Slots:
         """Give a slot back."""
         with self._lock:
             self._used = max(0, self._used - 1)
+
+
+class FailureLimiter:
+    """Failed authentications: a token bucket per source and one for everyone.
+
+    ``failed(source)`` is called for each request whose key is missing or wrong and
+    returns 0.0 (answer it as usual: 401) or the seconds until that source may fail
+    again (answer 429). A request with a valid key never reaches it, so an attacker
+    being limited cannot lock out a caller holding a key, even from the same
+    address. At most ``max_sources`` per-source buckets are kept; the least recently
+    used goes first (the global bucket still bounds a caller rotating sources).
+    """
+
+    def __init__(
+        self,
+        per_source_rate: float,
+        per_source_burst: float,
+        global_rate: float,
+        global_burst: float,
+        max_sources: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._rate = per_source_rate
+        self._burst = per_source_burst
+        self._global = TokenBucket(global_rate, global_burst, clock)
+        self._max_sources = max_sources
+        self._clock = clock
+        self._sources: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def failed(self, source: str) -> float:
+        """Count one failure from ``source``: 0.0, or the wait before it may fail again."""
+        with self._lock:
+            bucket = self._sources.get(source)
+            if bucket is None:
+                bucket = self._sources[source] = TokenBucket(self._rate, self._burst, self._clock)
+                while len(self._sources) > self._max_sources:
+                    self._sources.popitem(last=False)
+            else:
+                self._sources.move_to_end(source)
+        wait = bucket.take()
+        if wait:
+            return wait
+        return self._global.take()

@@ -1,5 +1,11 @@
 """Serving the control app on Waitress, on a thread of its own.
 
+The server is ``api.http_guard``'s hardened Waitress (deadlines, pending-connection
+caps, the accept backoff, refusals that close); :class:`ControlHeadPolicy` is the
+control API's part of it: a request's key is checked, and failed authentication
+rate-limited, on its head, before any of its body is read, with the same answers
+as the app's gate (docs/security.md).
+
 Waitress gets more worker threads than the SSE cap, so five open streams never
 starve queries and commands; ``channel_request_lookahead`` lets it read ahead on
 a connection and so notice a client that went away while its stream was idle.
@@ -17,10 +23,19 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from spliceway.api.app import MAX_BODY_BYTES, ControlState, body_too_large, envelope_error
+from spliceway.api.http_guard import (
+    GuardLimits,
+    Refusal,
+    RequestHead,
+    create_guarded_server,
+)
+from spliceway.api.limits import RateLimited
+from spliceway.api.ui_files import is_ui_path
 from waitress import wasyncore
-from waitress.server import create_server
 
 from spliceway.errors import ApiError
+from spliceway.fdlimit import AcceptBackoff, warning_emitter
 
 if TYPE_CHECKING:
     from spliceway.api.app import ControlApp
@@ -31,12 +46,65 @@ _SPARE_THREADS = 8
 _JOIN_S = 10.0
 _DRAIN_S = 2.0
 _OUTBUF_HIGH_WATERMARK = 1 << 20
+#: What every response carries (the app's gate sets the same on its own answers).
+_CORS = (
+    ("Access-Control-Allow-Origin", "*"),
+    ("Access-Control-Expose-Headers", "Retry-After, WWW-Authenticate"),
+)
+
+
+class ControlHeadPolicy:
+    """The control API's decisions on a request head (``http_guard.HeadPolicy``).
+
+    The same rules as the app's gate: preflights (``OPTIONS``) and the dashboard's
+    files need no key, nor does anything when no key is configured (the gate's
+    browser protection then applies, in the app). Any other request with a missing
+    or wrong key is answered 401 ``unauthenticated``, or 429 ``rate_limited`` once
+    its source or the engine is over the failed-authentication limits, and a
+    declared body over 16 MiB is 413, all before the body is read.
+    """
+
+    def __init__(self, state: ControlState) -> None:
+        self._state = state
+
+    def check_head(self, head: RequestHead) -> Refusal | None:
+        """A refusal for this head, or None to let the app run."""
+        state = self._state
+        if state.keys.required and head.method != "OPTIONS" and not is_ui_path(head.path):
+            try:
+                state.authenticate(
+                    head.headers.get("AUTHORIZATION"),
+                    head.headers.get("X_SERVICE_API_KEY"),
+                    head.source,
+                )
+            except ApiError as ex:
+                return _refusal(ex)
+        if head.content_length is not None and head.content_length > MAX_BODY_BYTES:
+            return self.too_large(MAX_BODY_BYTES)
+        return None
+
+    def too_large(self, limit: int) -> Refusal:
+        """413 for a body over ``limit`` bytes."""
+        return _refusal(body_too_large(limit))
+
+
+def _refusal(error: ApiError) -> Refusal:
+    headers = list(_CORS)
+    if isinstance(error, RateLimited):
+        headers.append(("Retry-After", str(error.retry_after)))
+    if error.code == "unauthenticated":
+        headers.append(("WWW-Authenticate", 'Bearer realm="spliceway"'))
+    return Refusal(error.http_status, envelope_error(error), headers)
 
 
 class ControlServer:
     """The control app listening on one address."""
 
-    def __init__(self, app: ControlApp, address: str, port: int) -> None:
+    def __init__(
+        self, app: ControlApp, address: str, port: int, limits: GuardLimits | None = None
+    ) -> None:
+        """Bind ``address:port`` (port 0: any free port); ``limits`` default to the
+        documented ones."""
         self._state = app.state
         threads = self._state.limits.sse_streams + _SPARE_THREADS
         # Bound here, before Waitress builds anything: if the port is taken, no worker
@@ -52,7 +120,7 @@ class ControlServer:
                 field_path="api.control.listen",
             ) from ex
         try:
-            self._server = self._create(app, sock, threads)
+            self._server = self._create(app, sock, threads, limits or GuardLimits())
         except BaseException:
             sock.close()
             raise
@@ -69,10 +137,20 @@ class ControlServer:
         )
 
     @staticmethod
-    def _create(app: ControlApp, sock: socket.socket, threads: int) -> Any:
-        return create_server(
+    def _create(
+        app: ControlApp, sock: socket.socket, threads: int, limits: GuardLimits
+    ) -> Any:
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        backoff = AcceptBackoff(
+            f"control API ({shown}:{port})", warning_emitter(app.state.core.log)
+        )
+        return create_guarded_server(
             app,
-            sockets=[sock],
+            sock,
+            ControlHeadPolicy(app.state),
+            limits=limits,
+            backoff=backoff,
             threads=threads,
             channel_request_lookahead=1,
             # A slow SSE reader blocks its own worker after 1 MiB instead of
@@ -85,7 +163,6 @@ class ControlServer:
             ident="spliceway",
             expose_tracebacks=False,
             clear_untrusted_proxy_headers=True,
-            asyncore_use_poll=True,
         )
 
     @property

@@ -13,7 +13,13 @@ A stream is a WSGI iterable the server drains on one of its worker threads:
 - a slot of the concurrency limit is held from acceptance until the server
   calls ``close()``, which it does for every response, however it ended; the
   stream also notices a vanished client between frames (Waitress's
-  ``client_disconnected`` hook) so the slot comes back promptly.
+  ``client_disconnected`` hook) so the slot comes back promptly;
+- a slow reader's backlog is bounded in bytes, whatever the ring's size: while
+  the server holds more than ``SEND_AHEAD_BYTES`` unsent for the stream, its
+  frames wait in the stream; past ``MAX_BACKLOG_BYTES`` waiting the stream
+  drops them, stops its subscription and ends with an ``overflow`` comment after
+  the last whole frame it sent, so the client reconnects with ``Last-Event-ID``
+  and resumes from the ring (what an ``EventSource`` does by itself).
 """
 
 from __future__ import annotations
@@ -37,6 +43,21 @@ KEEPALIVE_S = 10.0
 LINGER_S = 0.005
 _POLL_S = 0.25
 _BATCH = 1024
+#: Frames a stream keeps for a client that reads slower than events come, at most.
+MAX_BACKLOG_BYTES = 4 * 1024 * 1024
+#: Unsent output the server may hold for a stream before its frames wait in the
+#: stream instead (below Waitress's high watermark, so a write never blocks on it).
+SEND_AHEAD_BYTES = 512 * 1024
+#: How often a stream whose client is behind checks whether it caught up.
+_BEHIND_POLL_S = 0.05
+
+
+def overflow_comment(backlog: int) -> bytes:
+    """The comment that ends a stream whose client fell too far behind."""
+    return (
+        b": overflow: this client fell more than %d bytes behind; the stream ends here, "
+        b"reconnect with Last-Event-ID to resume from the event ring\n\n" % backlog
+    )
 
 
 def parse_since(query: str | None, header: str | None) -> int | None:
@@ -108,8 +129,17 @@ class EventStream:
         disconnected: Callable[[], bool],
         keepalive_s: float = KEEPALIVE_S,
         preface: bytes = b"",
+        unsent: Callable[[], int] | None = None,
+        max_backlog: int = MAX_BACKLOG_BYTES,
     ) -> None:
+        """``unsent()`` is the output the server holds unsent for this response (None:
+        unknown, every frame is handed over at once and a slow reader blocks the
+        stream's thread); past ``max_backlog`` bytes waiting, the stream ends."""
         self._sub = subscription
+        self._unsent = unsent
+        self._max_backlog = max_backlog
+        #: Whether the stream ended because its client fell too far behind.
+        self.overflowed = False
         self._frames = frames
         self._release: Callable[[], None] | None = release
         self._disconnected = disconnected
@@ -122,14 +152,39 @@ class EventStream:
         yield b": connected\nretry: 1000\n\n" + self._preface
         last_write = time.monotonic()
         poll = min(_POLL_S, self._keepalive_s)
+        #: Frames the client is not ready for yet (the server holds enough unsent).
+        waiting: list[bytes] = []
+        waiting_bytes = 0
         while True:
-            batch = self._sub.get_many(timeout=poll, limit=_BATCH)
+            batch = self._sub.get_many(
+                timeout=min(poll, _BEHIND_POLL_S) if waiting else poll, limit=_BATCH
+            )
             if batch:
                 if len(batch) < _BATCH:
                     time.sleep(LINGER_S)
                     batch.extend(self._sub.get_many(timeout=0, limit=_BATCH - len(batch)))
-                yield self._frames.frames(batch)
-                last_write = time.monotonic()
+                data = self._frames.frames(batch)
+                waiting.append(data)
+                waiting_bytes += len(data)
+                if waiting_bytes > self._max_backlog:
+                    # Dropped, not buffered: the ring has them for a resume.
+                    self.overflowed = True
+                    waiting.clear()
+                    # The slot comes back now: a stalled client may take long to read
+                    # the end (the server closes it after its send deadline).
+                    self.close()
+                    yield overflow_comment(self._max_backlog)
+                    return
+            if waiting:
+                # Once the subscription has ended nothing more comes: the rest goes out
+                # even to a slow client (the write then waits for it, as at shutdown).
+                if not self._behind() or self._sub.ended:
+                    yield b"".join(waiting)
+                    waiting.clear()
+                    waiting_bytes = 0
+                    last_write = time.monotonic()
+                elif self._disconnected():
+                    return
                 continue
             if self._sub.closed:
                 if not self._sub.ended:
@@ -145,6 +200,10 @@ class EventStream:
             if time.monotonic() - last_write >= self._keepalive_s:
                 yield b": keep-alive\n\n"
                 last_write = time.monotonic()
+
+    def _behind(self) -> bool:
+        """Whether the server already holds enough unsent output for this client."""
+        return self._unsent is not None and self._unsent() > SEND_AHEAD_BYTES
 
     def close(self) -> None:
         """End the stream and give its slot back (called by the server, exactly once or more)."""
