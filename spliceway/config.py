@@ -916,6 +916,12 @@ class DnsSettings(_Model):
     """Address (UDP and TCP, one port) of a DNS server for clients, answering through this
     resolver and cache, or with fake-ip addresses; `null`: no server. See docs/dns.md.
     """
+    client_rate_limit: PosInt | None = 1000
+    """Queries a second the DNS server (`listen`) answers from one client address, with a
+    burst of twice as many; more are dropped and counted (`rate_limited`), as unbound's
+    `ip-ratelimit`. Raise it for a forwarder that sends every client's queries from one
+    address; `null`: no limit. See docs/dns.md.
+    """
 
 
 class TunSettings(_Model):

@@ -56,6 +56,7 @@ import logging
 import socket
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -78,6 +79,7 @@ from spliceway.actors.dispatcher import Dispatcher
 from spliceway.dns.resolver import Answer, InvalidHostname, ResolveError, normalize_hostname
 from spliceway.dns.transport import BACKEND
 from spliceway.errors import ApiError
+from spliceway.fdlimit import AcceptBackoff
 
 if TYPE_CHECKING:
     from spliceway.dns.fakeip import FakeIpPool
@@ -109,12 +111,27 @@ QUERY_TIMEOUT_SECONDS: Final = 4.0
 MAX_PENDING: Final = 1024
 #: Open TCP connections; more are closed at once.
 MAX_TCP_CLIENTS: Final = 256
+#: Longest query read, over UDP or TCP. A query is one question (a name of at most 255
+#: bytes) and at most an EDNS OPT (a cookie, padding to a 128-byte block): some 500 bytes
+#: at most. A longer message is answered FORMERR from its header without being parsed.
+MAX_QUERY_BYTES: Final = 1232
+#: Source addresses whose rate is followed; the least recently seen is forgotten first.
+MAX_RATE_SOURCES: Final = 8192
+#: A client's burst: this many seconds of its rate.
+RATE_BURST_SECONDS: Final = 2
+#: The UDP socket's receive buffer: a burst of large datagrams (three 64 KiB ones fill
+#: the kernel's default 208 KiB) must not push good queries out while the thread waits.
+UDP_RCVBUF: Final = 1 << 20
+#: At most one log line about refused queries, and one traceback, per this many seconds.
+LOG_INTERVAL_SECONDS: Final = 60.0
 #: A TCP connection with no complete query for this long is closed.
 TCP_IDLE_SECONDS: Final = 10.0
 
 _WIRE_CACHE_MAX = 8192
 _UDP_BATCH = 64
-_UDP_RECV = 4096
+_ACCEPT_BATCH = 16
+# One byte more than a query may have: a longer datagram reads as too long.
+_UDP_RECV = MAX_QUERY_BYTES + 1
 _HEADER = struct.Struct(">HHHHHH")
 _ID_FLAGS = struct.Struct(">HH")
 _QR = 0x8000
@@ -152,6 +169,7 @@ COUNTER_NAMES: Final = (
     "notimp",
     "other_rcode",
     "dropped",
+    "rate_limited",
     "send_failed",
     "truncated",
     "forwarded",
@@ -172,6 +190,7 @@ class DnsCounters:
         "nxdomain",
         "other_rcode",
         "queries",
+        "rate_limited",
         "send_failed",
         "servfail",
         "slow_noerror",
@@ -204,6 +223,7 @@ class DnsCounters:
             "notimp": self.notimp,
             "other_rcode": self.other_rcode,
             "dropped": self.dropped,
+            "rate_limited": self.rate_limited,
             "send_failed": self.send_failed,
             "truncated": self.truncated,
             "forwarded": self.forwarded,
@@ -221,6 +241,117 @@ def _header_reply(data: bytes, rcode: int) -> bytes | None:
         return None
     out = _QR | (flags & _OPCODE) | (flags & 0x0100) | _RA | rcode
     return _HEADER.pack(qid, out, 0, 0, 0, 0)
+
+
+class _Accepted:
+    """:func:`screen`'s "parse it" answer."""
+
+
+#: Returned by :func:`screen` for a message whose header reads as a query to answer.
+ACCEPTED: Final = _Accepted()
+
+
+def screen(data: bytes) -> tuple[bytes | None, int] | _Accepted:
+    """Judge a message by its 12-byte header and its length alone, before any parse.
+
+    :data:`ACCEPTED` when it is a standard query with one question, no answer or
+    authority records, at most one additional record (an EDNS OPT) and at most
+    :data:`MAX_QUERY_BYTES` long. Otherwise ``(reply, rcode)``: a header-only answer
+    (ID, opcode and RD copied, no question echoed, so it is never longer than the query
+    nor than 512 bytes) with NOTIMP for another opcode and FORMERR for anything else;
+    ``reply`` is None (drop) for a message shorter than a header or with QR set (a
+    response: answering it could loop). These are unbound's checks
+    (``worker_check_request``), plus the length."""
+    if len(data) < 12:
+        return None, 0
+    _, flags, qd, an, ns, ar = _HEADER.unpack_from(data)
+    if flags & _QR:
+        return None, 0
+    if flags & _OPCODE:
+        return _header_reply(data, dns.rcode.NOTIMP), dns.rcode.NOTIMP
+    if len(data) > MAX_QUERY_BYTES or qd != 1 or an or ns or ar > 1:
+        return _header_reply(data, dns.rcode.FORMERR), dns.rcode.FORMERR
+    return ACCEPTED
+
+
+class _Throttle:
+    """True at most once per ``interval`` seconds: for log lines a client can cause."""
+
+    __slots__ = ("_interval", "_next", "skipped")
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._next = 0.0
+        #: Calls answered False since the last True.
+        self.skipped = 0
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            self.skipped += 1
+            return False
+        self._next = now + self._interval
+        return True
+
+
+class ClientRateLimit:
+    """A token bucket per source address, as unbound's ``ip-ratelimit``: ``rate`` queries
+    a second from one address, with a burst of :data:`RATE_BURST_SECONDS` of them; None
+    lets every query through. At most ``max_sources`` addresses are followed, the least
+    recently seen forgotten first (a forgotten one starts again with a full bucket).
+
+    Used from the server's loop only; :meth:`configure` may be called from any thread
+    (a reload): the new rate applies from the next query."""
+
+    def __init__(
+        self,
+        rate: int | None,
+        *,
+        max_sources: int = MAX_RATE_SOURCES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._max_sources = max_sources
+        #: source -> [tokens, when they were counted]; least recently seen first.
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()
+        self._limits: tuple[float, float] | None = None
+        self.configure(rate)
+
+    @property
+    def rate(self) -> int | None:
+        """Queries a second from one source, or None (no limit)."""
+        limits = self._limits
+        return None if limits is None else int(limits[0])
+
+    def configure(self, rate: int | None) -> None:
+        """Set the rate (None: no limit)."""
+        self._limits = None if rate is None else (float(rate), float(rate * RATE_BURST_SECONDS))
+
+    def allow(self, source: str) -> bool:
+        """Take one query of ``source``'s; False when its bucket is empty (drop it)."""
+        limits = self._limits
+        if limits is None:
+            return True
+        rate, burst = limits
+        now = self._clock()
+        buckets = self._buckets
+        bucket = buckets.get(source)
+        if bucket is None:
+            if len(buckets) >= self._max_sources:
+                buckets.popitem(last=False)
+            buckets[source] = [burst - 1.0, now]
+            return True
+        buckets.move_to_end(source)
+        tokens = min(burst, bucket[0] + (now - bucket[1]) * rate)
+        bucket[1] = now
+        if tokens < 1.0:
+            bucket[0] = tokens
+            return False
+        bucket[0] = tokens - 1.0
+        return True
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
 
 def _fast_key(data: bytes, tcp: bool) -> tuple[bytes, int, int] | None:
@@ -300,6 +431,8 @@ class DnsResponder:
         #: Resolutions in flight by name: concurrent queries for one name share one.
         self._inflight: dict[str, asyncio.Task[Answer]] = {}
         self.pending = 0
+        self._refusals = _Throttle(LOG_INTERVAL_SECONDS)
+        self._failures = _Throttle(LOG_INTERVAL_SECONDS)
 
     # -- the fast path ------------------------------------------------------------------
 
@@ -312,8 +445,24 @@ class DnsResponder:
             self._wire_source = source
         return pool is not None or resolver.cache is not None
 
-    def quick(self, data: bytes, tcp: bool) -> bytes | _Slow:
-        """The answer to ``data`` from the wire cache, or :data:`SLOW`."""
+    def quick(self, data: bytes, tcp: bool) -> bytes | _Slow | None:
+        """The answer to ``data`` that needs no parse, or :data:`SLOW` (ask
+        :meth:`respond`): a header-only refusal (:func:`screen`; None: drop it, counted)
+        or the wire cache's answer."""
+        judged = screen(data)
+        if not isinstance(judged, _Accepted):
+            reply, rcode = judged
+            self._count(reply, rcode)
+            if self._refusals.ready():
+                logger.debug(
+                    "the DNS server refused a malformed query (%s; %d more refused in the "
+                    "previous %.0f s)",
+                    "dropped" if reply is None else dns.rcode.to_text(rcode),
+                    self._refusals.skipped,
+                    LOG_INTERVAL_SECONDS,
+                )
+                self._refusals.skipped = 0
+            return reply
         found = _fast_key(data, tcp)
         if found is None or not self._wire_valid():
             return SLOW
@@ -352,14 +501,23 @@ class DnsResponder:
     async def respond(self, data: bytes, tcp: bool) -> bytes | None:
         """The answer to ``data`` (``tcp``: it came over TCP), or None to drop it.
 
-        Never raises: an unexpected error is logged and answered SERVFAIL."""
+        Never raises: an unexpected error is answered SERVFAIL and logged, with its
+        traceback at most once per :data:`LOG_INTERVAL_SECONDS` (a client could repeat
+        the query that causes it)."""
         fast = self.quick(data, tcp)
         if not isinstance(fast, _Slow):
             return fast
         try:
             return await self._respond(data, tcp)
         except Exception:
-            logger.exception("the DNS server failed to answer a query")
+            if self._failures.ready():
+                logger.exception(
+                    "the DNS server failed to answer a query (%d more failures in the "
+                    "previous %.0f s)",
+                    self._failures.skipped,
+                    LOG_INTERVAL_SECONDS,
+                )
+                self._failures.skipped = 0
             reply = _header_reply(data, dns.rcode.SERVFAIL)
             self._count(reply, dns.rcode.SERVFAIL)
             return reply
@@ -556,6 +714,8 @@ def bind_dns(address: str, port: int) -> tuple[socket.socket, socket.socket]:
         udp = socket.socket(family, socket.SOCK_DGRAM)
         tcp = socket.socket(family, socket.SOCK_STREAM)
         try:
+            with contextlib.suppress(OSError):  # a smaller buffer still works
+                udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RCVBUF)
             udp.bind((address, port))
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             tcp.bind((address, udp.getsockname()[1]))
@@ -578,10 +738,16 @@ def bind_dns(address: str, port: int) -> tuple[socket.socket, socket.socket]:
 
 class DnsServer:
     """Serves a :class:`DnsResponder` on a bound UDP and TCP socket pair (``bind_dns``),
-    on its own thread's asyncio loop, or on ``dispatcher``'s loop when one is given
-    (it is then the caller's to start and stop; benchmarks/bench_dns.py --flows
-    compares the two). The sockets are the server's from the constructor on, closed
-    by :meth:`stop` (or by :meth:`start` when it fails)."""
+    on its own thread's asyncio loop (what the engine does), or on ``dispatcher``'s
+    loop when one is given (it is then the caller's to start and stop;
+    benchmarks/bench_dns.py --flows compares the two). The sockets are the server's
+    from the constructor on, closed by :meth:`stop` (or by :meth:`start` when it fails).
+
+    ``rate_limit``: queries a second answered from one source address
+    (:class:`ClientRateLimit`; None: no limit). ``warn(message)`` is called when the
+    TCP listener runs out of file descriptors (once per outage: ``engine.warning``
+    ``fd_exhausted``); it then pauses accepting (:class:`~spliceway.fdlimit.AcceptBackoff`)
+    and keeps serving what it has."""
 
     def __init__(
         self,
@@ -589,16 +755,25 @@ class DnsServer:
         tcp: socket.socket,
         responder: DnsResponder,
         dispatcher: Dispatcher | None = None,
+        *,
+        rate_limit: int | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         self._udp = udp
         self._tcp = tcp
         self.responder = responder
         self.counters = responder.counters
+        #: Per-source token buckets, over UDP and TCP alike.
+        self.rate_limit = ClientRateLimit(rate_limit)
         #: The (address, port) bound: the same port for UDP and TCP.
         self.bound: tuple[str, int] = udp.getsockname()[:2]
         self._own_loop = dispatcher is None
         self._dispatcher = dispatcher if dispatcher is not None else Dispatcher("spliceway-dns")
-        self._tcp_server: asyncio.Server | None = None
+        self._backoff = AcceptBackoff(
+            f"the DNS server (TCP, {self.bound[0]}:{self.bound[1]})",
+            warn if warn is not None else lambda message: None,
+        )
+        self._accept_paused: asyncio.TimerHandle | None = None
         self._tcp_clients: set[asyncio.Task[Any]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
@@ -636,28 +811,26 @@ class DnsServer:
     def _attach(self) -> None:
         loop = self._dispatcher.loop
         loop.add_reader(self._udp.fileno(), self._udp_readable)
-        server = loop.create_task(
-            asyncio.start_server(self._tcp_client, sock=self._tcp, limit=65536 + 2)
-        )
-        server.add_done_callback(self._tcp_started)
-
-    def _tcp_started(self, task: asyncio.Task[asyncio.Server]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            self._tcp_server = task.result()
-        elif not task.cancelled():
-            logger.error("the DNS server cannot serve TCP: %s", task.exception())
+        try:
+            loop.add_reader(self._tcp.fileno(), self._tcp_acceptable)
+        except BaseException:
+            loop.remove_reader(self._udp.fileno())
+            raise
 
     def _detach(self) -> None:
-        with contextlib.suppress(Exception):
-            self._dispatcher.loop.remove_reader(self._udp.fileno())
-        if self._tcp_server is not None:
-            self._tcp_server.close()
+        loop = self._dispatcher.loop
+        if self._accept_paused is not None:
+            self._accept_paused.cancel()
+            self._accept_paused = None
+        for sock in (self._udp, self._tcp):
+            with contextlib.suppress(Exception):
+                loop.remove_reader(sock.fileno())
         for task in [*self._tasks, *self._tcp_clients]:
             task.cancel()
 
     def _udp_readable(self) -> None:
         sock, responder, counters = self._udp, self.responder, self.counters
-        quick = responder.quick
+        quick, allow = responder.quick, self.rate_limit.allow
         # Several datagrams per wakeup: a loop round per datagram would cost more than
         # answering it from the wire cache.
         for _ in range(_UDP_BATCH):
@@ -669,14 +842,19 @@ class DnsServer:
                 # An ICMP error queued on the socket (a client gone): nothing to read.
                 continue
             counters.queries += 1
+            if not allow(addr[0]):
+                # Dropped, not REFUSED, as unbound's ip-ratelimit: a UDP source may be
+                # forged, and any answer would go to the address it names.
+                counters.rate_limited += 1
+                continue
             out = quick(data, False)
             if isinstance(out, _Slow):
                 if responder.pending >= MAX_PENDING:
                     counters.dropped += 1
                     continue
                 self._spawn(self._udp_slow(data, addr))
-                continue
-            self._send(out, addr)
+            elif out is not None:
+                self._send(out, addr)
 
     def _send(self, data: bytes, addr: Any) -> None:
         try:
@@ -699,8 +877,52 @@ class DnsServer:
         if out is not None:
             self._send(out, addr)
 
-    async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await serve_tcp_client(reader, writer, self.responder, self._tcp_clients)
+    def _tcp_acceptable(self) -> None:
+        # Accepted here rather than by asyncio's server: out of descriptors, its accept
+        # loop logs an error and retries every second for as long as that lasts.
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, addr = self._tcp.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as ex:
+                pause = self._backoff.failed(ex.errno)
+                if pause:
+                    self._pause_accepting(pause)
+                # else ECONNABORTED and the like: the next connection may do.
+                return
+            self._backoff.accepted()
+            self._spawn_tcp(conn, addr[0])
+
+    def _pause_accepting(self, seconds: float) -> None:
+        # The failed connection stays queued, so the socket stays readable: without its
+        # reader for the pause, the loop would spin on it.
+        loop = self._dispatcher.loop
+        with contextlib.suppress(Exception):
+            loop.remove_reader(self._tcp.fileno())
+        self._accept_paused = loop.call_later(seconds, self._resume_accepting)
+
+    def _resume_accepting(self) -> None:
+        self._accept_paused = None
+        if self._running:
+            self._dispatcher.loop.add_reader(self._tcp.fileno(), self._tcp_acceptable)
+
+    def _spawn_tcp(self, conn: socket.socket, source: str) -> None:
+        conn.setblocking(False)
+        task = self._dispatcher.loop.create_task(self._tcp_client(conn, source))
+        self._tasks.add(task)
+        # Closed here too: a task cancelled before it ran never closes its socket.
+        task.add_done_callback(lambda t: (self._tasks.discard(t), conn.close()))
+
+    async def _tcp_client(self, conn: socket.socket, source: str) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn, limit=65536 + 2)
+        except OSError:
+            return  # gone already
+        allow = self.rate_limit.allow
+        await serve_tcp_client(
+            reader, writer, self.responder, self._tcp_clients, allow=lambda: allow(source)
+        )
 
 
 async def serve_tcp_client(
@@ -708,9 +930,14 @@ async def serve_tcp_client(
     writer: asyncio.StreamWriter,
     responder: DnsResponder,
     clients: set[asyncio.Task[Any]],
+    *,
+    allow: Callable[[], bool] | None = None,
 ) -> None:
     """Serve one TCP client's queries (two-byte length prefix, RFC 1035 4.2.2) until it
-    closes, sends a query the responder drops, or is idle :data:`TCP_IDLE_SECONDS`.
+    closes, sends a query the responder drops, a message longer than
+    :data:`MAX_QUERY_BYTES` (answered FORMERR from its header, unparsed) or one
+    ``allow()`` refuses (its rate limit: dropped, counted), or is idle
+    :data:`TCP_IDLE_SECONDS`.
 
     ``clients`` holds the serving tasks of one server (at most :data:`MAX_TCP_CLIENTS`;
     a client past that is closed at once), so its owner can cancel them when it stops.
@@ -727,14 +954,21 @@ async def serve_tcp_client(
         while True:
             async with asyncio.timeout(TCP_IDLE_SECONDS):
                 size = int.from_bytes(await reader.readexactly(2), "big")
+                # Read whole even when too long (at most 64 KiB, copied, never parsed):
+                # closing on unread bytes would reset the connection under the answer.
                 data = await reader.readexactly(size)
             counters.queries += 1
             counters.tcp_queries += 1
+            if allow is not None and not allow():
+                counters.rate_limited += 1
+                return
             out = await responder.respond(data, True)
             if out is None:
                 return  # dropped: nothing sensible follows on this stream
             writer.write(len(out).to_bytes(2, "big") + out)
             await writer.drain()
+            if size > MAX_QUERY_BYTES:
+                return  # a client that sends such messages is not worth keeping
     except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError):
         pass
     finally:

@@ -11,7 +11,8 @@ installed (:meth:`DnsService.install`, which cannot fail half-way) or discarded
   pool has written first, so a reload keeps the mappings that fit the new range).
 - The server is kept while ``listen`` stays the same: it reads the resolver and the
   pool at every query, so a new ``servers``, ``cache`` or ``answer`` takes effect at
-  once. A new ``listen`` starts a server on the new address and stops the old one.
+  once, and is given the new ``client_rate_limit``. A new ``listen`` starts a server
+  on the new address and stops the old one.
   (Moving to another address with the same port fails the apply while the old server
   holds the port: change the port, or go through ``listen: null``.)
 """
@@ -74,17 +75,23 @@ class DnsPlan:
 class DnsService:
     """The running pool and server; ``resolver`` gives the engine's resolver now, ``warn``
     reports a damaged pool file (the engine emits ``engine.warning``), ``loop`` gives the
-    dispatcher the server runs on (None: a thread of its own)."""
+    dispatcher the server runs on (None, the engine's choice: a thread of its own, so no
+    DNS load delays the flows on the dispatcher's loop), ``warn_fd_exhausted`` reports
+    the server's TCP listener out of file descriptors (``engine.warning``
+    ``fd_exhausted``)."""
 
     def __init__(
         self,
         resolver: Callable[[], Resolver],
         warn: Callable[[str], None],
         loop: Callable[[], Dispatcher | None] = lambda: None,
+        *,
+        warn_fd_exhausted: Callable[[str], None] | None = None,
     ) -> None:
         self._resolver = resolver
         self._warn = warn
         self._loop = loop
+        self._warn_fd_exhausted = warn_fd_exhausted
         self.settings: DnsSettings | None = None
         #: The fake-ip pool (``answer.type: fake_ip``), else None.
         self.pool: FakeIpPool | None = None
@@ -131,6 +138,8 @@ class DnsService:
         for message in plan.warnings:
             self._warn(message)
         if not plan.listen_changed:
+            if self.server is not None:
+                self.server.rate_limit.configure(plan.settings.client_rate_limit)
             return
         old_server, self.server = self.server, None
         if old_server is not None:
@@ -139,7 +148,14 @@ class DnsService:
             udp, tcp = plan.sockets
             plan.sockets = None
             responder = DnsResponder(self._resolver, lambda: self.pool)
-            server = DnsServer(udp, tcp, responder, self._loop())
+            server = DnsServer(
+                udp,
+                tcp,
+                responder,
+                self._loop(),
+                rate_limit=plan.settings.client_rate_limit,
+                warn=self._warn_fd_exhausted,
+            )
             try:
                 server.start()
             except Exception:

@@ -1,0 +1,334 @@
+"""The engine's DNS server under malformed and abusive queries (issue 26 point 3), against
+the engine as its own process (``spliceway run``: the flood and the measuring clients
+here do not share its interpreter), on loopback.
+
+- A UDP query with 100 questions and a 64 KiB TCP message with 10,831 compressed
+  questions are answered FORMERR with the header alone (ID, opcode and RD copied, no
+  question echoed), before anything is parsed, and nothing is logged for them.
+- While one client floods 250 such datagrams a second, flows on the Python path (a SOCKS5
+  flow to a fake-ip address: C hands those to Python before routing) keep their setup
+  latency and a second client's queries are all answered.
+- One source over ``runtime.dns.client_rate_limit`` is dropped (counted); another source
+  is answered meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import statistics
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dns.message
+import dns.rcode
+import pytest
+
+from tests.conftest import base_config, wait_until
+from tests.helpers.dnsserver import DnsServer, dns_server
+from tests.helpers.servers import EchoServer
+from tests.helpers.sinks import EngineProcess
+from tests.helpers.socks import recv_exact
+
+ZONE = {"origin.test": ["127.0.0.1"]}
+#: The well-behaved client's address: another source than the flood's 127.0.0.1.
+OTHER_SOURCE = "127.0.0.2"
+_HEADER = struct.Struct(">HHHHHH")
+_DNS_LINE = re.compile(r"DNS server listening on 127\.0\.0\.1:(\d+)")
+
+
+def many_questions(count: int, qid: int = 0x1234, flags: int = 0x0100) -> bytes:
+    """A query with ``count`` questions: ``x.test A IN`` in full, then the same name as a
+    two-byte compression pointer to it (6 bytes a question)."""
+    first = b"\x01x\x04test\x00" + struct.pack(">HH", 1, 1)
+    again = struct.pack(">HHH", 0xC00C, 1, 1)
+    return _HEADER.pack(qid, flags, count, 0, 0, 0) + first + again * (count - 1)
+
+
+#: The issue's TCP message: 10,831 questions in 65,004 bytes (it fits a datagram too).
+BIG = many_questions(10_831, qid=0xBEEF)
+#: The issue's UDP message: 100 questions.
+HUNDRED = many_questions(100, qid=0x0A0A)
+
+
+@pytest.fixture
+def zone() -> Iterator[DnsServer]:
+    with dns_server(ZONE) as srv:
+        yield srv
+
+
+@pytest.fixture
+def echo() -> Iterator[EchoServer]:
+    with EchoServer() as srv:
+        yield srv
+
+
+class DnsEngine:
+    """``spliceway run`` with the control API, a socks5 inbound and a fake-ip DNS server
+    on free loopback ports."""
+
+    def __init__(self, tmp_path: Path, zone: DnsServer, **dns_extra: Any) -> None:
+        cfg = base_config(
+            inbounds=[{"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}}],
+            runtime={
+                "stats_interval_ms": 3_600_000,
+                "dns": {
+                    "servers": [zone.udp_url],
+                    "answer": {"type": "fake_ip"},
+                    "listen": {"address": "127.0.0.1", "port": 0},
+                    **dns_extra,
+                },
+            },
+        )
+        cfg["api"]["control"] = {
+            "enabled": True,
+            "listen": {"address": "127.0.0.1", "port": 0},
+            "api_key_env": None,
+        }
+        self.proc = EngineProcess(cfg, tmp_path, "engine")
+        try:
+            self.proc.wait_started()
+            found = wait_until(lambda: _DNS_LINE.search(self.proc.log()), 10, "the DNS line")
+        except BaseException:
+            self.proc.close()
+            raise
+        self.dns = ("127.0.0.1", int(found.group(1)))
+
+    def counters(self) -> dict[str, int]:
+        return self.proc.get("runtime")["dns_server"]["counters"]
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+@pytest.fixture
+def engine(tmp_path: Path, zone: DnsServer) -> Iterator[DnsEngine]:
+    e = DnsEngine(tmp_path, zone)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def udp_client(source: str = "127.0.0.1") -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((source, 0))
+    return s
+
+
+def ask_udp(address: tuple[str, int], wire: bytes, timeout: float = 3.0) -> bytes | None:
+    """One datagram to the server; its answer, or None when none comes in ``timeout``."""
+    with udp_client() as s:
+        s.settimeout(timeout)
+        s.sendto(wire, address)
+        try:
+            return s.recv(65535)
+        except TimeoutError:
+            return None
+
+
+def ask_tcp(
+    address: tuple[str, int], wire: bytes, *, until_eof: bool = True
+) -> tuple[bytes, bytes]:
+    """One length-prefixed message over TCP: (its answer, what follows until EOF, or
+    nothing with ``until_eof`` false)."""
+    with socket.create_connection(address, timeout=5) as s:
+        s.sendall(struct.pack(">H", len(wire)) + wire)
+        size = struct.unpack(">H", recv_exact(s, 2))[0]
+        answer = recv_exact(s, size)
+        rest = b""
+        with contextlib.suppress(ConnectionResetError):
+            while until_eof and (chunk := s.recv(4096)):
+                rest += chunk
+        return answer, rest
+
+
+def fake_ip(address: tuple[str, int], name: str = "origin.test") -> str:
+    reply = ask_udp(address, dns.message.make_query(name, "A").to_wire())
+    assert reply is not None
+    return dns.message.from_wire(reply).answer[0][0].address
+
+
+def python_flow_ms(socks_port: int, target: str, port: int) -> float:
+    """Milliseconds from connect to the first echoed byte of a SOCKS5 flow to ``target``."""
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", socks_port), timeout=10) as s:
+        s.sendall(b"\x05\x01\x00")
+        assert recv_exact(s, 2) == b"\x05\x00"
+        s.sendall(b"\x05\x01\x00\x01" + socket.inet_aton(target) + struct.pack(">H", port))
+        assert recv_exact(s, 10)[:2] == b"\x05\x00"
+        s.sendall(b"ping")
+        assert recv_exact(s, 4) == b"ping"
+    return (time.perf_counter() - started) * 1000
+
+
+# -- malformed messages ----------------------------------------------------------------------
+
+
+def test_a_hundred_questions_over_udp_get_a_header_only_formerr(engine):
+    reply = ask_udp(engine.dns, HUNDRED)
+    # ID and RD copied, QR RA set, FORMERR; no question echoed: 12 bytes, within 512.
+    assert reply == _HEADER.pack(0x0A0A, 0x8181, 0, 0, 0, 0)
+    notify = _HEADER.pack(7, 0x2100, 1, 0, 0, 0) + b"\x01x\x00\x00\x06\x00\x01"
+    assert ask_udp(engine.dns, notify) == _HEADER.pack(7, 0xA184, 0, 0, 0, 0)  # NOTIMP
+    # A response (QR set) and a short header are dropped.
+    assert ask_udp(engine.dns, _HEADER.pack(9, 0x8180, 1, 0, 0, 0), timeout=0.3) is None
+    assert ask_udp(engine.dns, b"\x00\x01\x01", timeout=0.3) is None
+    # Answers and authority records in a query, as unbound: FORMERR before parsing.
+    extra = dns.message.make_query("origin.test", "A").to_wire()
+    extra = extra[:6] + b"\x00\x01" + extra[8:]
+    assert ask_udp(engine.dns, extra)[:4] == extra[:2] + b"\x81\x81"
+    c = engine.counters()
+    assert (c["formerr"], c["notimp"], c["dropped"]) == (2, 1, 2)
+    assert "Traceback" not in engine.proc.log()
+    assert "failed to answer" not in engine.proc.log()
+
+
+def test_a_64_kib_tcp_message_is_refused_before_it_is_parsed(engine):
+    assert len(BIG) == 65_004
+    started = time.perf_counter()
+    answer, rest = ask_tcp(engine.dns, BIG)
+    elapsed = time.perf_counter() - started
+    assert answer == _HEADER.pack(0xBEEF, 0x8181, 0, 0, 0, 0)
+    assert rest == b""  # then closed
+    # The same message as one datagram: FORMERR too.
+    assert ask_udp(engine.dns, BIG) == _HEADER.pack(0xBEEF, 0x8181, 0, 0, 0, 0)
+    # Nothing parsed: far below the 0.4 s the parse took.
+    assert elapsed < 0.2, elapsed
+    assert engine.counters()["formerr"] == 2
+    # The TCP listener still serves a proper query.
+    good = dns.message.make_query("origin.test", "A")
+    answer, _ = ask_tcp(engine.dns, good.to_wire(), until_eof=False)
+    assert dns.message.from_wire(answer).rcode() == dns.rcode.NOERROR
+    assert "Traceback" not in engine.proc.log()
+
+
+# -- a flood ----------------------------------------------------------------------------
+
+
+class Flood(threading.Thread):
+    """``count`` copies of ``wire`` from 127.0.0.1, ``rate`` a second."""
+
+    def __init__(self, address: tuple[str, int], wire: bytes, rate: int, count: int) -> None:
+        super().__init__(daemon=True)
+        self.address, self.wire, self.rate, self.count = address, wire, rate, count
+        self.sent = 0
+
+    def run(self) -> None:
+        with udp_client() as s:
+            start = time.monotonic()
+            for i in range(self.count):
+                # Paced by the clock: a late send is not made up with a burst.
+                delay = start + i / self.rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                with contextlib.suppress(OSError):
+                    s.sendto(self.wire, self.address)
+                    self.sent += 1
+
+
+class GoodClient(threading.Thread):
+    """A stub on 127.0.0.2 asking an A query every 20 ms until ``stop``; each waits up to
+    1 s for its answer and is asked once more before it counts as unanswered."""
+
+    def __init__(self, address: tuple[str, int], stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.address, self.stop = address, stop
+        self.asked = self.answered = 0
+
+    def run(self) -> None:
+        with udp_client(OTHER_SOURCE) as s:
+            s.settimeout(1.0)
+            while not self.stop.is_set() and self.asked < 500:
+                query = dns.message.make_query("origin.test", "A")
+                self.asked += 1
+                for _ in range(2):
+                    s.sendto(query.to_wire(), self.address)
+                    if self._answer(s, query.id):
+                        self.answered += 1
+                        break
+                self.stop.wait(0.02)
+
+    @staticmethod
+    def _answer(s: socket.socket, qid: int) -> bool:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                reply = dns.message.from_wire(s.recv(65535))
+            except TimeoutError:
+                return False
+            if reply.id == qid:
+                return reply.rcode() == dns.rcode.NOERROR and bool(reply.answer)
+        return False
+
+
+def test_a_flood_of_big_datagrams_delays_no_flow_and_no_other_client(engine, echo):
+    target = fake_ip(engine.dns)
+    socks = engine.proc.socks_port
+    baseline = [python_flow_ms(socks, target, echo.port) for _ in range(15)]
+    flood = Flood(engine.dns, BIG, rate=250, count=625)  # 2.5 s
+    stop = threading.Event()
+    good = GoodClient(engine.dns, stop)
+    flood.start()
+    good.start()
+    during: list[float] = []
+    try:
+        while flood.is_alive() and len(during) < 400:
+            during.append(python_flow_ms(socks, target, echo.port))
+    finally:
+        flood.join(10)
+        stop.set()
+        good.join(10)
+    median, base = statistics.median(during), statistics.median(baseline)
+    assert len(during) >= 10
+    assert median < 100 and median < base + 50, (base, median, max(during))
+    assert good.asked >= 20 and good.answered == good.asked, (good.asked, good.answered)
+    c = wait_until(
+        lambda: (c := engine.counters())["formerr"] >= flood.sent * 0.9 and c,
+        10,
+        "the flood counted",
+    )
+    assert c["servfail"] == 0
+    log = engine.proc.log()
+    assert "Traceback" not in log and len(log) < 20_000, len(log)
+
+
+# -- the rate limit ---------------------------------------------------------------------
+
+
+def test_one_source_over_the_rate_limit_is_dropped_and_another_is_answered(tmp_path, zone):
+    e = DnsEngine(tmp_path, zone, client_rate_limit=50)  # burst 100
+    try:
+        wire = dns.message.make_query("origin.test", "A").to_wire()
+        assert ask_udp(e.dns, wire) is not None
+        sent = 400
+        answered = 0
+        with udp_client() as s:
+            s.setblocking(False)
+            started = time.monotonic()
+            for i in range(sent):
+                s.sendto(wire[:0] + struct.pack(">H", i) + wire[2:], e.dns)
+            elapsed = time.monotonic() - started
+            s.settimeout(0.5)
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    s.recv(65535)
+                    answered += 1
+        # The burst left after the first query, and 50/s for the time the sending took.
+        assert 99 <= answered <= 99 + 50 * elapsed + 2, (answered, elapsed)
+        # Another source has its own bucket.
+        with udp_client(OTHER_SOURCE) as other:
+            other.settimeout(2)
+            for _ in range(20):
+                other.sendto(wire, e.dns)
+                assert dns.message.from_wire(other.recv(65535)).rcode() == dns.rcode.NOERROR
+        c = e.counters()
+        assert c["rate_limited"] == sent - answered
+        assert c["queries"] == 1 + sent + 20
+    finally:
+        e.close()
