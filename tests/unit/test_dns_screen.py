@@ -1,0 +1,126 @@
+"""The DNS server's checks before any parse (spliceway.dns.server.screen), the responder's
+header-only refusals, and the per-source rate limit (ClientRateLimit), without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import dns.message
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spliceway.dns.server import (
+    ACCEPTED,
+    MAX_QUERY_BYTES,
+    RATE_BURST_SECONDS,
+    ClientRateLimit,
+    DnsResponder,
+    screen,
+)
+
+_HEADER = struct.Struct(">HHHHHH")
+QUESTION = b"\x01a\x04test\x00\x00\x01\x00\x01"
+
+
+def header(flags: int = 0x0100, qd: int = 1, an: int = 0, ns: int = 0, ar: int = 0) -> bytes:
+    return _HEADER.pack(0x4242, flags, qd, an, ns, ar)
+
+
+def formerr(flags: int = 0x0100) -> bytes:
+    return _HEADER.pack(0x4242, 0x8080 | (flags & 0x7900) | 1, 0, 0, 0, 0)
+
+
+def test_a_plain_query_is_accepted():
+    assert screen(dns.message.make_query("a.test", "A").to_wire()) is ACCEPTED
+    assert screen(dns.message.make_query("a.test", "A", use_edns=0).to_wire()) is ACCEPTED
+
+
+def test_refusals_are_the_header_alone():
+    # Question counts other than one, records that have no place in a query, too long.
+    for data in (
+        header(qd=0),
+        header(qd=2) + QUESTION * 2,
+        header(qd=10_831) + QUESTION,
+        header(an=1) + QUESTION,
+        header(ns=1) + QUESTION,
+        header(ar=2) + QUESTION,
+        header() + QUESTION + b"\0" * (MAX_QUERY_BYTES - 12 - len(QUESTION) + 1),
+    ):
+        assert screen(data) == (formerr(), 1), data[:12]
+    # RD clear is copied as clear; the ID always.
+    assert screen(header(flags=0, qd=3)) == (formerr(0), 1)
+    # Another opcode (NOTIFY, UPDATE): NOTIMP, the opcode copied.
+    assert screen(header(flags=0x2100)) == (_HEADER.pack(0x4242, 0xA184, 0, 0, 0, 0), 4)
+    assert screen(header(flags=0x2800, qd=1, ns=3)) == (_HEADER.pack(0x4242, 0xA884, 0, 0, 0, 0), 4)
+    # A response, a short message: dropped.
+    assert screen(header(flags=0x8180)) == (None, 0)
+    assert screen(b"\x42\x42\x01\x00") == (None, 0)
+    # Exactly the largest length is still parsed.
+    longest = header(ar=1) + QUESTION + b"\0\0\x29\x04\xd0\0\0\0\0"
+    longest += struct.pack(">H", MAX_QUERY_BYTES - len(longest) - 2)
+    longest += b"\0" * (MAX_QUERY_BYTES - len(longest))
+    assert len(longest) == MAX_QUERY_BYTES and screen(longest) is ACCEPTED
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.binary(min_size=12, max_size=80))
+def test_any_refusal_is_twelve_bytes_and_names_the_query(data):
+    judged = screen(data)
+    if judged is ACCEPTED:
+        return
+    reply, _ = judged
+    if reply is None:
+        assert data[2] & 0x80
+        return
+    assert len(reply) == 12 and reply[:2] == data[:2] and reply[2] & 0x80
+    assert reply[4:] == b"\0" * 8
+
+
+def test_the_responder_answers_refusals_without_parsing_and_counts_them():
+    responder = DnsResponder(lambda: None, lambda: None)  # type: ignore[arg-type,return-value]
+    loop = asyncio.new_event_loop()
+    try:
+        big = header(qd=100) + QUESTION + struct.pack(">HHH", 0xC00C, 1, 1) * 99
+        assert loop.run_until_complete(responder.respond(big, False)) == formerr()
+        assert responder.quick(header(flags=0x8100), True) is None
+        assert responder.quick(header(flags=0x2100), True) == screen(header(flags=0x2100))[0]
+    finally:
+        loop.close()
+    c = responder.counters.snapshot()
+    assert (c["formerr"], c["dropped"], c["notimp"], c["servfail"]) == (1, 1, 1, 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_rate_limit_is_a_bucket_per_source():
+    clock = Clock()
+    limit = ClientRateLimit(10, clock=clock)
+    burst = 10 * RATE_BURST_SECONDS
+    assert [limit.allow("a") for _ in range(burst + 5)].count(True) == burst
+    assert limit.allow("b")  # its own bucket
+    clock.now += 0.5  # five more tokens
+    assert [limit.allow("a") for _ in range(10)].count(True) == 5
+    clock.now += 60  # full again, never above the burst
+    assert [limit.allow("a") for _ in range(burst * 2)].count(True) == burst
+
+
+def test_the_rate_limit_forgets_the_least_recently_seen_source_and_can_be_changed():
+    clock = Clock()
+    limit = ClientRateLimit(1, max_sources=3, clock=clock)
+    for source in ("a", "b", "c"):
+        assert limit.allow(source) and limit.allow(source)
+        assert not limit.allow(source)
+    assert limit.allow("d") and len(limit) == 3  # "a" forgotten
+    assert limit.allow("a")  # a full bucket again
+    assert not limit.allow("c")  # still followed
+    limit.configure(None)
+    assert limit.rate is None and all(limit.allow("c") for _ in range(100))
+    limit.configure(1000)
+    assert limit.rate == 1000
