@@ -54,6 +54,9 @@ class Feed:
     write_blocked: bool = False
     last_write_error: str | None = None
     retry_at: float = 0.0
+    #: Sequences of events this sink must not take although its filter selects them: the
+    #: crash completions of flows its outbox did not show open (Connector.complete_orphans).
+    skip: set[int] = field(default_factory=set)
     _error_delay: float = field(default=_ERROR_BACKOFF_S[0])
 
     @classmethod
@@ -160,11 +163,16 @@ class Intake:
             feed.cursor = oldest - 1
         if not events:
             return
+        skip = feed.skip
+        if skip:
+            skip.difference_update([s for s in skip if s <= feed.cursor])
         # The ring's own JSON of each event, unless this sink stamps its source_id.
         batch = [
             (seq, data if feed.source_id is None else with_source(data, feed.source_id))
             for seq, kind, data in events
-            if kind != SNAPSHOT and (feed.types is None or kind in feed.types)
+            if kind != SNAPSHOT
+            and (feed.types is None or kind in feed.types)
+            and (not skip or seq not in skip)
         ]
         last = events[-1][0]
         if not batch:

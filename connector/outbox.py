@@ -43,20 +43,24 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import struct
 import threading
 import urllib.parse
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import orjson
-from spliceway.connector import segments
+from spliceway.connector import openflows, segments
 from spliceway.connector.ledger import Ledger, read_ledger
+from spliceway.connector.openflows import OpenFlows
 
 from spliceway.errors import ApiError
+
+logger = logging.getLogger(__name__)
 
 FORMAT = b"spliceway-outbox 1\n"
 #: Segments are the unit of reclaiming space.
@@ -171,10 +175,20 @@ class SegmentLog:
 
     # -- recovery -------------------------------------------------------------------
 
-    def recover(self, acked_id: int, recovery: Recovery) -> tuple[int, tuple[int, int]]:
+    def recover(
+        self,
+        acked_id: int,
+        recovery: Recovery,
+        visit: Callable[[segments.Record], None] | None = None,
+        *,
+        delete_acked: bool = True,
+    ) -> tuple[int, tuple[int, int]]:
         """Scan every segment; return ``(records pending above acked_id, read position)``.
 
         The read position is ``(segment first id, offset)`` of the first pending record.
+        ``visit`` sees every intact record, acknowledged or not, in id order. Segments a
+        crash left behind fully acknowledged are deleted unless ``delete_acked`` is
+        false (the caller deletes them once its own state no longer needs them).
         """
         scans: list[_Scan] = []
         found = segments.list_segments(self.directory)
@@ -202,6 +216,8 @@ class SegmentLog:
                     continue
                 seg.last_id = max(seg.last_id, item.record_id)
                 self.next_id = max(self.next_id, item.record_id + 1)
+                if visit is not None:
+                    visit(item)
                 if item.record_id <= acked_id:
                     continue
                 if item.record_id > expect:
@@ -231,10 +247,11 @@ class SegmentLog:
             if not self.readonly:
                 self._open_active(scans[-1].seg, scans[-1].size)
                 # A crash between the ledger write and the unlinks left these behind.
-                try:
-                    self.delete_through(acked_id)
-                except OSError as ex:
-                    recovery.errors.append(f"cannot delete acknowledged segments: {ex}")
+                if delete_acked:
+                    try:
+                        self.delete_through(acked_id)
+                    except OSError as ex:
+                        recovery.errors.append(f"cannot delete acknowledged segments: {ex}")
         return pending, position
 
     # -- writing (intake thread) ----------------------------------------------------
@@ -345,6 +362,15 @@ class SegmentLog:
             out.extend(records)
         return out, (first_id, offset)
 
+    def deletable(self, acked_id: int) -> list[str]:
+        """The segments ``delete_through(acked_id)`` would unlink."""
+        out = []
+        for seg, after in zip(self.segments, self.segments[1:], strict=False):
+            if after.first_id - 1 > acked_id:
+                break
+            out.append(seg.path)
+        return out
+
     def delete_through(self, acked_id: int) -> int:
         """Unlink every segment, but the active one, whose records are all at or below
         ``acked_id``; returns how many."""
@@ -396,13 +422,38 @@ class DiskOutbox:
     durable = True
 
     def __init__(
-        self, directory: str, *, readonly: bool = False, segment_bytes: int = SEGMENT_BYTES
+        self,
+        directory: str,
+        *,
+        readonly: bool = False,
+        segment_bytes: int = SEGMENT_BYTES,
+        track_flows: bool = False,
     ) -> None:
+        """Open (and recover) the outbox in ``directory``. With ``track_flows`` (its sink
+        selects ``flow.completed``) it keeps the open flows of its records (openflows.py);
+        ``orphans`` are those a previous run left open."""
         self.directory = directory
         self.readonly = readonly
         if not readonly:
             os.makedirs(os.path.join(directory, "dead"), exist_ok=True)
         self.recovery = Recovery()
+        #: The open flows of the committed records (None when not tracked).
+        self.flows: OpenFlows | None = None
+        #: Flow id -> its kept bodies, oldest first: the flows a previous run of the
+        #: engine left started and not completed in this outbox, as it was opened.
+        self.orphans: dict[str, list[bytes]] = {}
+        checkpoint_damaged = False
+        if track_flows and not readonly:
+            try:
+                self.flows = openflows.read_checkpoint(directory)
+            except (OSError, ValueError) as ex:
+                # Its flows can no longer be completed; the records on disk still count.
+                self.recovery.errors.append(f"open-flows checkpoint ignored: {ex}")
+                checkpoint_damaged = True
+                self.flows = OpenFlows()
+        elif not readonly:
+            with contextlib.suppress(OSError):
+                openflows.remove_checkpoint(directory)
         self._lock = threading.Lock()
         ledger_path = os.path.join(directory, "ledger")
         if readonly:
@@ -418,8 +469,23 @@ class DiskOutbox:
         self._acked = acked
         self._acked_since_flush = 0
         self._log = SegmentLog(directory, readonly=readonly, segment_bytes=segment_bytes)
-        held, self._read_pos = self._log.recover(acked, self.recovery)
+        visit = None
+        flows = self.flows
+        if flows is not None:
+            through = flows.through_id
+
+            def visit(record: segments.Record) -> None:
+                if record.record_id > through:
+                    flows.note(record.record_id, record.payload)
+
+        held, self._read_pos = self._log.recover(
+            acked, self.recovery, visit, delete_acked=flows is None
+        )
+        if flows is not None:
+            self.orphans = {flow_id: flows.bodies(flow_id) for flow_id in flows.flows}
         self._held = held
+        #: Appended and not yet committed: (first record id, bodies) per append.
+        self._unnoted: list[tuple[int, Sequence[bytes]]] = []
         self._committed = self._log.end()
         self._uncommitted = 0
         self._uncommitted_start = self._committed
@@ -430,8 +496,12 @@ class DiskOutbox:
         self._dead_count, _ = self._dead.recover(0, dead_recovery)
         self.recovery.damaged_regions += dead_recovery.damaged_regions
         r = self.recovery
+        if flows is not None:
+            # Acknowledged segments a crash left behind, once the checkpoint covers them.
+            self._reclaim(acked)
         if (
-            r.lost_records
+            checkpoint_damaged
+            or r.lost_records
             or r.damaged_regions
             or r.truncated_bytes
             or r.unreadable_segments
@@ -459,6 +529,7 @@ class DiskOutbox:
             self._uncommitted_start = self._log.end()
             self._uncommitted_first = self._log.next_id
         reclaimable = self._durable_acked >= self._log.next_id - 1
+        first = self._log.next_id
         try:
             with self._lock:
                 self._log.append(bodies, reclaimable)
@@ -466,6 +537,8 @@ class DiskOutbox:
             self._rollback()
             raise
         self._uncommitted += len(bodies)
+        if self.flows is not None:
+            self._unnoted.append((first, bodies))
 
     def commit(self) -> int:
         """Make appended records durable and visible to ``take``; returns how many.
@@ -483,6 +556,11 @@ class DiskOutbox:
             self._committed = self._log.end()
             self._held += n
             self._uncommitted = 0
+            if self.flows is not None:
+                for first, bodies in self._unnoted:
+                    for i, body in enumerate(bodies):
+                        self.flows.note(first + i, body)
+                self._unnoted = []
         return n
 
     def _rollback(self) -> None:
@@ -490,6 +568,7 @@ class DiskOutbox:
             self._log.truncate_to(self._uncommitted_start)
         self._log.next_id = self._uncommitted_first
         self._uncommitted = 0
+        self._unnoted = []
 
     # -- sink side ------------------------------------------------------------------
 
@@ -518,8 +597,33 @@ class DiskOutbox:
             self._durable_acked = self._acked
             self._held -= n
             self._acked_since_flush = 0
-            self._log.delete_through(self._durable_acked)
+            if self.flows is None:
+                self._log.delete_through(self._durable_acked)
+        if self.flows is not None:
+            self._reclaim(self._durable_acked)
         return n
+
+    def _reclaim(self, acked_id: int) -> None:
+        """Delete the segments acknowledged through ``acked_id``, after a checkpoint of
+        the open flows covers them, when they free at least what it writes
+        (openflows.py); a checkpoint that cannot be written keeps them."""
+        assert self.flows is not None
+        with self._lock:
+            doomed = self._log.deletable(acked_id)
+            if not doomed:
+                return
+            snapshot = self.flows.copy()
+        if openflows.sizes(doomed) < snapshot.bytes:
+            return
+        try:
+            openflows.write_checkpoint(self.directory, snapshot)
+        except OSError as ex:
+            logger.warning(
+                "outbox %s: cannot write the open-flows checkpoint: %s", self.directory, ex
+            )
+            return
+        with self._lock:
+            self._log.delete_through(acked_id)
 
     @property
     def unflushed_acks(self) -> int:
@@ -723,10 +827,13 @@ class OutboxStore:
         """Where sink ``tag`` keeps its files."""
         return os.path.join(self.path, "sinks", sink_dir_name(tag))
 
-    def open_sink(self, tag: str) -> DiskOutbox:
-        """The outbox of sink ``tag`` (recovered)."""
+    def open_sink(self, tag: str, *, track_flows: bool = False) -> DiskOutbox:
+        """The outbox of sink ``tag`` (recovered); ``track_flows`` as for DiskOutbox."""
         return DiskOutbox(
-            self.sink_directory(tag), readonly=self.readonly, segment_bytes=self.segment_bytes
+            self.sink_directory(tag),
+            readonly=self.readonly,
+            segment_bytes=self.segment_bytes,
+            track_flows=track_flows,
         )
 
     def close(self) -> None:

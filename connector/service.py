@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import pykka
 from spliceway.actors.sink import SinkActor, SinkState, Transport
 from spliceway.connector.diskgate import DiskGate, Storage
@@ -30,10 +31,16 @@ from spliceway.connector.webhook import WebhookClient
 
 from spliceway.config import Api, JsonlSink, NatsSink, Sink, one_sink_environment_problems
 from spliceway.errors import ApiError
-from spliceway.events import EventLog
+from spliceway.events import EventLog, normalize_types
+from spliceway.records import Completion, crashed_completion
+
+#: The event a sink must select to be owed crash completions.
+COMPLETED = "flow.completed"
 
 logger = logging.getLogger(__name__)
 
+#: How long start waits, in all, for the sinks to take the crash completions.
+ORPHAN_WAIT_S = 5.0
 #: How long stop waits for sinks that are still making progress.
 STOP_GRACE_S = 3.0
 #: How long a sink a reload removes may go on delivering what it had taken in.
@@ -156,6 +163,67 @@ class Connector:
             slot.signer,
         )
 
+    def orphan_flow_ids(self) -> set[str]:
+        """Every flow some sink's outbox showed started and not completed at start."""
+        return {flow_id for slot in self.slots for flow_id in _orphans(slot)}
+
+    def complete_orphans(self) -> int:
+        """Complete the flows a previous run left open (after engine.started, before any
+        flow starts); returns how many flows were completed.
+
+        One ``flow.completed`` with outcome ``engine_crashed`` per flow (records.py
+        ``crashed_completion``, from the newest record any sink kept), emitted into the
+        ring like any event, so streams see it and each sink's intake writes it to its
+        outbox, the normal durable path. A sink takes only the completions of flows its
+        own outbox showed open: one that had already taken a flow's flow.completed before
+        the crash (the intake feeds sinks one after the other) gets no second one. A
+        crash before a sink committed its completion leaves that flow open in its outbox,
+        and the next start completes it again; once committed it is closed for good.
+
+        The ring must not evict a completion before every intake took it: they go out in
+        chunks of a quarter of the ring, each waited for (bounded); past the wait, a
+        sink that could not take them (a full disk) gets them at a later start.
+        """
+        owed = {slot.spec.tag: _orphans(slot) for slot in self.slots}
+        kept: dict[str, list[bytes]] = {}
+        for orphans in owed.values():
+            for flow_id, bodies in orphans.items():
+                kept.setdefault(flow_id, []).extend(bodies)
+        if not kept or self.intake is None:
+            return 0
+        completions: list[tuple[str, Completion]] = []
+        for flow_id, bodies in kept.items():
+            try:
+                completions.append((flow_id, crashed_completion([orjson.loads(b) for b in bodies])))
+            except (ValueError, KeyError, TypeError, AttributeError) as ex:
+                # Stays open in its outbox: logged again at every start, never raised.
+                logger.warning("cannot complete flow %s left open by a crash: %r", flow_id, ex)
+        completions.sort(key=lambda c: (c[1].occurred_at_unix_ms, c[0]))
+        chunk = max(1, self.log.capacity // 4)
+        deadline = time.monotonic() + ORPHAN_WAIT_S
+        for start in range(0, len(completions), chunk):
+            intake = self.intake
+            with intake.lock:  # the intake reads none before its sinks' skips are set
+                for flow_id, done in completions[start : start + chunk]:
+                    envelope = self.log.emit(
+                        "flow.completed",
+                        done.payload,
+                        principal_key=done.principal_key,
+                        labels=done.labels,
+                        occurred_at_unix_ms=done.occurred_at_unix_ms,
+                    )
+                    for slot in self.slots:
+                        if flow_id not in owed[slot.spec.tag]:
+                            slot.feed.skip.add(envelope["sequence"])
+            last = self.log.latest_sequence
+            while time.monotonic() < deadline and any(s.feed.cursor < last for s in self.slots):
+                time.sleep(0.005)
+        logger.info(
+            "completed %d flows the previous run left open (outcome engine_crashed)",
+            len(completions),
+        )
+        return len(completions)
+
     def _open_store(self) -> None:
         api = self.api
         if api.outbox_path is not None and self.store is None:
@@ -172,7 +240,11 @@ class Connector:
                 f"sink {spec.tag!r} cannot start: {problems[0].message}",
                 field_path=problems[0].field_path,
             )
-        outbox: Outbox = self.store.open_sink(spec.tag) if self.store else MemoryOutbox()
+        # Only a sink that delivers flow.completed is owed crash completions.
+        track = normalize_types(spec.events) is None or COMPLETED in spec.events
+        outbox: Outbox = (
+            self.store.open_sink(spec.tag, track_flows=track) if self.store else MemoryOutbox()
+        )
         try:
             transport, signer = self._transport(spec)
         except (OSError, ValueError) as ex:
@@ -248,6 +320,11 @@ class Connector:
             with contextlib.suppress(OSError):
                 storage = self.gate.read()
         return [sink_status(slot, storage) for slot in self.slots]
+
+
+def _orphans(slot: SinkSlot) -> dict[str, list[bytes]]:
+    """The flows ``slot``'s outbox showed started and not completed when it opened."""
+    return getattr(slot.outbox, "orphans", {})
 
 
 def _backlog(slots: list[SinkSlot]) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import stat
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,52 @@ def _stage_previous(path: str) -> str | None:
             return None
         return _write_beside(previous, data, mode_of=path)
     return tmp
+
+
+def remove_stale_staged(path: str) -> list[str]:
+    """Remove the temporary files a killed process left beside ``path``: every
+    ``.<name>.<pid>.tmp`` and ``.<name>.prev.<pid>.tmp`` whose pid is no live process,
+    or is this process (call it only while this process stages nothing for ``path``:
+    at start, or with the apply lock held). A file of a live process is kept: another
+    engine may be applying to the same file. Returns the names removed; never raises
+    (a file that cannot be removed is logged and stays)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    pattern = re.compile(rf"\.{re.escape(os.path.basename(path))}(?:\.prev)?\.(\d+)\.tmp")
+    try:
+        names = os.listdir(directory)
+    except OSError as ex:
+        logger.warning("cannot list %s for leftover temporary files: %s", directory, ex)
+        return []
+    removed = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            continue
+        except OSError as ex:
+            logger.warning("cannot remove leftover %s: %s", os.path.join(directory, name), ex)
+            continue
+        removed.append(name)
+        logger.info("removed %s, left by an interrupted write", os.path.join(directory, name))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is another live process (one of another user's counts as live)."""
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    return True
 
 
 def _temporary_name(path: str) -> str:

@@ -663,6 +663,31 @@ removed only after it was acknowledged, so after a crash or a restart unacknowle
 events are sent again with the same `event_id` and the same bytes. Receivers
 de-duplicate by `event_id`. `GET /api/v1/sinks` and `spliceway connector state FILE`
 show each sink's backlog.
+
+**A crash completes every started flow.** A flow open when the engine is killed (or
+crashes) never gets its `flow.completed` from that run. At the next start, right after
+`engine.started` and before any new flow, the engine emits one `flow.completed` with
+outcome `engine_crashed` for each flow that some sink's outbox shows started and not
+completed: a well-formed completed record built from the newest record that sink was
+given (`flow.started`, `flow.routed` or `flow.updated`: route, path and the bytes last
+reported), one revision later, ending at the last moment the flow was seen, with
+`result.failure` `internal`/`engine_crashed`. Each sink receives it only for the flows
+*its* outbox shows open, so a sink that had already taken the real `flow.completed`
+before the crash gets no second one; a crash during this recovery leaves the flows not
+yet written to a sink's outbox open there, and the start after completes those. It goes
+through the ring like any event (streams see it) and each sink's outbox, so it is
+delivered as durably as the rest. What this needs and leaves out:
+
+- `api.outbox_path`: without an outbox nothing of a run survives it, and there is
+  nothing to complete (an SSE client sees the stream end without `engine.stopped`).
+- A sink is owed completions only if its `events` select `flow.completed` and some
+  event of the flow (`flow.started`, `flow.routed` or `flow.updated`): a sink of
+  `flow.completed` alone was never told the flow existed and gets none. Such a sink
+  keeps a small checkpoint of its open flows (`flows` in its outbox directory), written
+  before acknowledged segments are deleted.
+- A sink a reload removed is completed at the first start that configures it again.
+- Flow ids are unique across starts (a random prefix per start, redrawn if it matches
+  a flow being completed), so a completed flow's id is never reused.
 """
 
 

@@ -129,9 +129,11 @@ OUTCOMES: dict[str, str] = {
     "cancelled": "Closed by the `flows.close` command (close reason `manual`), or ended by "
     "an engine stop before its upstream connection was made (while it was routed or dialled).",
     "engine_crashed": "The engine stopped without completing the flow (killed, or crashed): "
-    "at its next start the engine completes every flow its outbox shows started and not "
-    "completed, with this outcome and the bytes last reported for it, so every flow has one "
-    "final record even across a crash.",
+    "at its next start, before any new flow, the engine completes every flow a sink's "
+    "outbox shows started and not completed, with this outcome, `result.failure` "
+    "`internal`/`engine_crashed`, the newest record that sink was given (the bytes last "
+    "reported) and the last moment the flow was seen as its end, so every flow has one "
+    "final record even across a crash (see Sinks below; needs `api.outbox_path`).",
 }
 
 #: ``result.close_reason`` values.
@@ -167,6 +169,8 @@ FAILURE_CODES: dict[str, str] = {
     "upstream_reset": "The upstream connection was reset while relaying.",
     "upstream_error": "The upstream connection failed while relaying.",
     "internal_error": "An unexpected error inside the engine.",
+    "engine_crashed": "The engine was killed or crashed while the flow was open; it was "
+    "completed at the next start (outcome `engine_crashed`).",
     "hook_denied": "The flow hook denied the flow (outcome `blocked`; its route stays `pending`).",
 }
 

@@ -47,7 +47,7 @@ import orjson
 import pykka
 
 from spliceway import assembly
-from spliceway.atomic_file import StagedFile
+from spliceway.atomic_file import StagedFile, remove_stale_staged
 from spliceway.config import Config, check_environment, parse_config, resolve_ipc
 from spliceway.errors import ApiError
 from spliceway.events import now_ms
@@ -455,6 +455,7 @@ class Reconciler:
         path = os.path.realpath(path)
         if isinstance(document, Config):
             document = document.model_dump(mode="json")
+        remove_stale_staged(path)  # what a killed apply left (the apply lock is held)
         try:
             staged = StagedFile.write(path, serialize(document, path), keep_previous=True)
             return "source_file", staged

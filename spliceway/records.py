@@ -16,6 +16,8 @@ CHAINED_RELAYED = "chained_relayed"
 BLOCKED = "blocked"
 FAILED = "failed"
 CANCELLED = "cancelled"
+#: Completed at the next start: the engine was killed or crashed while the flow was open.
+ENGINE_CRASHED = "engine_crashed"
 
 #: Standard close reasons.
 MANUAL = "manual"
@@ -101,6 +103,13 @@ class Failure:
 
 #: A flow the flow hook denied (outcome blocked).
 HOOK_DENIED = Failure("hook", "hook_denied", "the flow hook denied the flow")
+#: A flow the engine completed at its next start (outcome engine_crashed).
+ENGINE_CRASHED_FAILURE = Failure(
+    "internal",
+    "engine_crashed",
+    "the engine stopped (killed or crashed) before the flow completed; it was completed "
+    "at the engine's next start with the bytes last reported for it",
+)
 
 
 @dataclass(slots=True)
@@ -299,3 +308,112 @@ def updated_payload(state: FlowState, record: dict[str, Any]) -> dict[str, Any]:
         "snapshot_at_unix_ms": state.sampled_at_unix_ms,
         "record": record,
     }
+
+
+def state_from_record(record: dict[str, Any], auth_scheme: str | None = None) -> FlowState:
+    """The FlowState a FlowRecord (``render``'s output, as events carry it) was rendered
+    from, as far as the record tells (``auth_scheme`` and ``principal_key`` are not in it)."""
+    inbound, source, target = record["inbound"], record["source"], record["target"]
+    route, path, timing = record["route"], record["path"], record["timing"]
+    t, throughput = record["traffic"], record["throughput"]
+    outbound, remote = path.get("outbound"), path.get("remote")
+    return FlowState(
+        flow_id=record["flow_id"],
+        inbound_tag=inbound["tag"],
+        inbound_protocol=inbound["protocol"],
+        source_ip=source["ip"],
+        source_port=source["port"],
+        started_at_unix_ms=timing["started_at_unix_ms"],
+        mode=route["mode"],
+        network=record["network"],
+        revision=record["revision"],
+        state=record["state"],
+        target_host=target["host"],
+        target_port=target["port"],
+        resolved_ip=target.get("resolved_ip"),
+        sniffed_host=target.get("sniffed_host"),
+        auth_scheme=auth_scheme,
+        process_id=source.get("process_id"),
+        process_name=source.get("process_name"),
+        process_path=source.get("process_path"),
+        labels=record.get("labels"),
+        route_action=route["action"],
+        route_target=route["target"],
+        matched_rule=route["matched_rule"],
+        selection_chain=list(route["selection_chain"]),
+        outbound_tag=outbound["tag"] if outbound else None,
+        outbound_protocol=outbound["protocol"] if outbound else None,
+        remote_host=remote["host"] if remote else None,
+        remote_port=remote["port"] if remote else None,
+        relay_chain=list(path["relay_chain"]),
+        traffic=Traffic(
+            bytes_up=t["bytes_up"],
+            bytes_down=t["bytes_down"],
+            inbound_rx_bytes=t["inbound_rx_bytes"],
+            inbound_tx_bytes=t["inbound_tx_bytes"],
+            outbound_rx_bytes=t["outbound_rx_bytes"],
+            outbound_tx_bytes=t["outbound_tx_bytes"],
+            packets_up=t.get("packets_up"),
+            packets_down=t.get("packets_down"),
+        ),
+        upload_bps=throughput["upload_bps"],
+        download_bps=throughput["download_bps"],
+        sampled_at_unix_ms=throughput["sampled_at_unix_ms"],
+        last_activity_at_unix_ms=timing["last_activity_at_unix_ms"],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A flow.completed event to emit: its payload and envelope fields."""
+
+    payload: dict[str, Any]
+    principal_key: str | None
+    labels: dict[str, str] | None
+    occurred_at_unix_ms: int
+
+
+def crashed_completion(envelopes: list[dict[str, Any]]) -> Completion:
+    """The flow.completed (outcome ``engine_crashed``) of a flow a killed engine left open,
+    from the flow events a sink kept of it (``flow.started``/``flow.routed``/``flow.updated``
+    envelopes, any order; ValueError/KeyError/TypeError when none is one).
+
+    The record is the newest one known (highest revision), completed one revision later:
+    its bytes are the last reported, and it ends at the last moment the engine is known
+    to have seen the flow (its last activity, last sample, or last event).
+    """
+    newest: dict[str, Any] | None = None
+    auth: dict[str, Any] | None = None
+    principal_key: str | None = None
+    labels: dict[str, str] | None = None
+    last_seen = 0
+    for env in envelopes:
+        # The flow's principal and labels, from whichever event carried them.
+        principal_key = env.get("principal_key") or principal_key
+        labels = env.get("labels") or labels
+        payload = env["payload"]
+        record = payload["record"]
+        if newest is None or record["revision"] >= newest["payload"]["record"]["revision"]:
+            newest = env
+        if "auth" in payload:  # flow.started/flow.routed (flow.updated has none)
+            auth = payload["auth"]
+        last_seen = max(last_seen, int(env["occurred_at_unix_ms"]))
+    if newest is None:
+        raise ValueError("no flow event")
+    record = newest["payload"]["record"]
+    state = state_from_record(record, auth["scheme"] if auth else None)
+    if auth is not None and auth.get("principal_key"):
+        principal_key = auth["principal_key"]
+    state.principal_key = principal_key
+    state.revision += 1
+    state.state = "completed"
+    ended = max(
+        last_seen,
+        state.started_at_unix_ms,
+        state.last_activity_at_unix_ms,
+        state.sampled_at_unix_ms or 0,
+    )
+    state.ended_at_unix_ms = ended
+    state.outcome = ENGINE_CRASHED
+    state.failure = ENGINE_CRASHED_FAILURE
+    return Completion(lifecycle_payload(state, state.render()), principal_key, labels, ended)

@@ -136,6 +136,7 @@ def test_outcomes_and_close_reasons_are_the_records():
         records.BLOCKED,
         records.FAILED,
         records.CANCELLED,
+        records.ENGINE_CRASHED,
     }
     assert set(CLOSE_REASONS) == {records.MANUAL, records.IDLE_TIMEOUT, records.UPSTREAM_ERROR}
 
