@@ -1038,7 +1038,20 @@ static int dir_pump(struct loop *L, struct flow *f, int d, size_t *budget, int *
             return 0;
 
         ssize_t n;
-        if (D->copy) {
+        bool copy = D->copy;
+        if (!copy && D->pipe_r < 0) {
+            int e = pipe_get(L, D);
+            if (e == EMFILE || e == ENFILE) {
+                /* Out of descriptors: this pass copies through the loop's
+                 * buffer rather than fail a flow that is already open; the
+                 * next pass asks for a pipe again. */
+                copy = true;
+            } else if (e) {
+                *side = -1;
+                return e;
+            }
+        }
+        if (copy) {
             /* Without a pipe to absorb it, reading while the destination is
              * full would only move the backlog into a heap stash. */
             if (!f->wr[t])
@@ -1059,13 +1072,6 @@ static int dir_pump(struct loop *L, struct flow *f, int d, size_t *budget, int *
                 continue;
             }
         } else {
-            if (D->pipe_r < 0) {
-                int e = pipe_get(L, D);
-                if (e) {
-                    *side = -1;
-                    return e;
-                }
-            }
             /* Only an empty pipe is filled, so EAGAIN here always means "the
              * socket is dry", never "the pipe is full". */
             n = splice(f->fd[s], NULL, D->pipe_w, NULL, D->pipe_cap, SPLICE_FLAGS);
@@ -1089,7 +1095,7 @@ static int dir_pump(struct loop *L, struct flow *f, int d, size_t *budget, int *
         }
         if (errno == EINTR)
             continue;
-        if (errno == EINVAL && !D->copy) {
+        if (errno == EINVAL && !copy) {
             pipe_put(L, D);
             D->copy = true;
             continue;
