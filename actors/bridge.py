@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pykka
@@ -21,6 +21,7 @@ from spliceway.actors.messages import ConnEnded, ConnRouted, ConnTakeOver, Relay
 
 from spliceway import connpath
 from spliceway.connpath import ConnPath, ConnRecord, Deferred
+from spliceway.fdlimit import AcceptBackoff
 from spliceway.relay import Completion, Counters, Relay
 from spliceway.tun import mark
 
@@ -74,6 +75,10 @@ class RelayBridge:
         self._start_flow: FlowStarter | None = None
         self._take_deferred: DeferredTaker | None = None
         self._attached = False
+        #: Listener slot -> the backoff that reports its accept outages (watch_accepts).
+        self._backoffs: dict[int, AcceptBackoff] = {}
+        self._slot_specs: Mapping[int, Any] = {}
+        self._accept_warn: Callable[[str], None] = lambda message: None
 
     def attach(
         self, start_flow: FlowStarter | None = None, take_deferred: DeferredTaker | None = None
@@ -153,7 +158,30 @@ class RelayBridge:
         logger.warning("C handed over flow %d, whose actor is gone", deferred.flow)
         os.close(deferred.fd)
 
+    def watch_accepts(self, tags: Mapping[int, Any], warn: Callable[[str], None]) -> None:
+        """Report the C listeners' accept outages (ACCEPT_FAILED/RESUMED records) through
+        an :class:`AcceptBackoff` per slot: ``tags`` names the inbound in each slot (an
+        object with ``tag``, as ``EngineCore.inbound_slots``), ``warn`` emits the
+        ``engine.warning``. Call before any listener starts."""
+        self._slot_specs = tags
+        self._accept_warn = warn
+
+    def _on_listener_record(self, record: ConnRecord) -> None:
+        # C paused accepting itself; the backoff only reports (once per outage) and counts.
+        backoff = self._backoffs.get(record.inbound)
+        if backoff is None:
+            spec = self._slot_specs.get(record.inbound)
+            name = f"inbound {spec.tag!r}" if spec is not None else f"listener {record.inbound}"
+            backoff = self._backoffs[record.inbound] = AcceptBackoff(name, self._accept_warn)
+        if record.kind == connpath.ACCEPT_FAILED:
+            backoff.failed(record.err)
+        else:
+            backoff.accepted(record.detail)
+
     def _on_record(self, record: ConnRecord) -> None:
+        if record.kind >= connpath.ACCEPT_FAILED:
+            self._on_listener_record(record)
+            return
         if record.kind == connpath.STARTED:
             assert self._start_flow is not None
             self._flows[record.flow] = self._start_flow(record)

@@ -39,6 +39,8 @@ from spliceway import commands, queries
 from spliceway.errors import ApiError, invalid_argument
 from spliceway.event_catalogue import EVENT_CATALOGUE
 from spliceway.events import Envelope, Subscription, normalize_types, parse_types
+from spliceway.fdlimit import WARNING_CODE as FD_WARNING
+from spliceway.fdlimit import AcceptBackoff
 
 if TYPE_CHECKING:
     from spliceway.engine_core import EngineCore
@@ -331,15 +333,28 @@ class IpcServer:
             return len(self._conns)
 
     def _accept(self) -> None:
+        # Out of descriptors, the pending connection stays queued and accept fails at
+        # once again: pause with a growing delay and say so once (docs/running.md).
+        backoff = AcceptBackoff(
+            f"IPC socket {self.path}",
+            lambda message: self._emit("engine.warning", {"code": FD_WARNING, "message": message}),
+        )
         while True:
             try:
                 client, _ = self._sock.accept()
             except OSError as ex:
                 if self._closing:
                     return  # the listening socket was closed
-                logger.warning("IPC accept failed: %s", ex)
-                time.sleep(0.1)  # EMFILE and the like: keep serving once it clears
+                delay = backoff.failed(ex.errno)
+                if not delay:
+                    logger.warning("IPC accept failed: %s", ex)
+                    delay = 0.1
+                # In slices, so a stop is not kept waiting for a whole pause.
+                deadline = time.monotonic() + delay
+                while not self._closing and (left := deadline - time.monotonic()) > 0:
+                    time.sleep(min(left, 0.05))
                 continue
+            backoff.accepted()
             with self._lock:
                 if self._closing or len(self._conns) >= MAX_CONNECTIONS:
                     refused = True

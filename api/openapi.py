@@ -443,6 +443,21 @@ def _runtime() -> Schema:
             "started_at_unix_ms": UNIX_MS,
             "active_sessions": array(ref("FlowRecord")),
             "recent_completed_sessions": array(ref("FlowRecord")),
+            "file_descriptors": obj(
+                {
+                    "soft_limit": integer(-1),
+                    "hard_limit": integer(-1),
+                    "accept_failures": COUNT,
+                    "accept_outages": COUNT,
+                    "listeners_out_of_descriptors": STRINGS,
+                },
+                {"open": COUNT},
+                description="The process's `RLIMIT_NOFILE` (-1: unlimited; the engine "
+                "raises the soft limit to the hard one at start), the descriptors open now "
+                "(absent when they cannot be counted), and accepts that failed for want of "
+                "descriptors since start: how many, in how many outages, and the listeners "
+                "in one now (docs/running.md).",
+            ),
         },
         {
             "config_path": string(description="Present when the engine was started from a file."),

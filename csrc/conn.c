@@ -71,6 +71,10 @@ enum {
     MESSAGES_MAX = 1024,
     /* Records promised per held connection: STARTED + ROUTED or ENDED. */
     RECORDS_PER_FLOW = 2,
+    /* Out of descriptors, a loop stops accepting for this long, doubled after
+     * each further failure up to the cap (spliceway/fdlimit.py does the same). */
+    ACCEPT_BACKOFF_MIN_MS = 50,
+    ACCEPT_BACKOFF_MAX_MS = 1000,
     DNS_BUCKETS = 1024,
     DNS_MAX_ENTRIES = 8192,
 };
@@ -121,6 +125,12 @@ struct listener {
     size_t nusers;
     sw_tun *tun;              /* SW_IN_TUN: the stack whose NAT names the flows */
     struct listener *next_retired; /* in conn->retired_listeners once unlistened */
+    /* Out of descriptors: the number of the outage under way (0: none), the
+     * last one's number, and the accepts failed in the one under way.  Any
+     * loop may start or end an outage: the exchange decides which reports it. */
+    _Atomic uint32_t outage;
+    _Atomic uint32_t outages;
+    _Atomic uint64_t outage_failures;
 };
 
 struct cconn {
@@ -231,6 +241,10 @@ struct cloop {
     struct cconn *dead;
     bool published;           /* a record went into the ring this iteration */
     bool accept_more;         /* a listener's batch ended before EAGAIN */
+    /* Out of descriptors: no accept before accept_retry_at (monotonic ms, 0:
+     * accepting); accept_delay_ms is the pause the last failure chose. */
+    uint64_t accept_retry_at;
+    uint32_t accept_delay_ms;
     uint8_t peek[SW_CONN_RAW_MAX + 8];
 };
 
@@ -450,6 +464,28 @@ static sw_conn_record *record_begin(struct cconn *c, uint32_t kind)
     r->dialled = c->dialled;
     memcpy(r->source_ip, c->src_ip, 16);
     return r;
+}
+
+/* A listener's record (SW_REC_ACCEPT_*): no connection promised it, so the
+ * caller checks the ring has room for one more. */
+static void record_listener(struct cloop *L, struct listener *l, uint32_t kind, uint32_t outage,
+                            int err, int32_t detail)
+{
+    struct ring *R = &L->ring;
+    uint32_t head = atomic_load_explicit(&R->head, memory_order_relaxed);
+    sw_conn_record *r = &R->slots[head & R->mask];
+    memset(r, 0, sizeof *r);
+    r->flow = outage;
+    r->at_unix_ms = real_ms();
+    r->kind = kind;
+    r->inbound = l->index;
+    r->principal = SW_NO_PRINCIPAL;
+    r->rule = -1;
+    r->target = -1;
+    r->err = err;
+    r->detail = detail;
+    atomic_store_explicit(&R->head, head + 1, memory_order_release);
+    L->published = true;
 }
 
 static void record_name(sw_conn_record *r, const char *s, uint16_t len)
@@ -2371,12 +2407,57 @@ static bool tun_handshake(struct cconn *c)
     return true;
 }
 
+static bool fd_exhausted(int err)
+{
+    return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
+}
+
+/* accept4 failed for want of descriptors.  The connection stays in the backlog,
+ * so retrying at once (or on the next edge) would only fail again, and a
+ * level-triggered loop would spin: this loop stops accepting on every listener
+ * (the limit is the process's) until accept_retry_at, serving what it holds,
+ * and the first failure of the listener's outage is reported to Python. */
+static void accept_exhausted(struct cloop *L, struct listener *l, int err)
+{
+    uint32_t delay = L->accept_delay_ms ? L->accept_delay_ms * 2 : ACCEPT_BACKOFF_MIN_MS;
+    L->accept_delay_ms = delay > ACCEPT_BACKOFF_MAX_MS ? ACCEPT_BACKOFF_MAX_MS : delay;
+    L->accept_retry_at = mono_ms() + L->accept_delay_ms;
+    atomic_fetch_add_explicit(&l->outage_failures, 1, memory_order_relaxed);
+    uint32_t none = 0;
+    uint32_t number = atomic_load(&l->outages) + 1;
+    /* ring_has_room held before this accept: one record fits. */
+    if (atomic_compare_exchange_strong(&l->outage, &none, number)) {
+        atomic_store(&l->outages, number);
+        record_listener(L, l, SW_REC_ACCEPT_FAILED, number, err, 0);
+    }
+}
+
+/* An accept succeeded: this loop accepts freely again, and the listener's
+ * outage, if one is under way, ends (reported when the ring has room for the
+ * record; else a later accept ends it). */
+static void accept_recovered(struct cloop *L, struct listener *l)
+{
+    L->accept_delay_ms = 0;
+    if (!atomic_load_explicit(&l->outage, memory_order_relaxed) ||
+        ring_used(&L->ring) + L->promised + 1 > L->ring.mask + 1)
+        return;
+    uint32_t number = atomic_exchange(&l->outage, 0);
+    if (!number)
+        return;
+    uint64_t failed = atomic_exchange(&l->outage_failures, 0);
+    record_listener(L, l, SW_REC_ACCEPT_RESUMED, number, 0,
+                    failed > INT32_MAX ? INT32_MAX : (int32_t)failed);
+}
+
 static void accept_on(struct cloop *L, struct listener *l)
 {
     sw_conn *conn = L->conn;
     /* Listeners are edge-triggered: a batch that ends before EAGAIN must be
      * resumed by the loop itself (accept_more), and a paused loop resumes
-     * every listener when Python makes room. */
+     * every listener when Python makes room.  Out of descriptors, the loop's
+     * retry timer resumes them (loop_main). */
+    if (L->accept_retry_at)
+        return;
     for (int i = 0;; i++) {
         if (i == ACCEPT_BATCH) {
             L->accept_more = true;
@@ -2397,6 +2478,8 @@ static void accept_on(struct cloop *L, struct listener *l)
                 continue;
             if (errno != EAGAIN)
                 atomic_fetch_add_explicit(&conn->stats.accept_errors, 1, memory_order_relaxed);
+            if (fd_exhausted(errno))
+                accept_exhausted(L, l, errno);
             return;
         }
         atomic_fetch_add_explicit(&conn->stats.accepted, 1, memory_order_relaxed);
@@ -2417,6 +2500,7 @@ static void accept_on(struct cloop *L, struct listener *l)
         c->rr.target = -1;
         c->promise = RECORDS_PER_FLOW;
         L->promised += RECORDS_PER_FLOW;
+        accept_recovered(L, l);
         if (peer.ss_family == AF_INET) {
             struct sockaddr_in *sin = (struct sockaddr_in *)&peer;
             c->src_family = 4;
@@ -2524,9 +2608,11 @@ static void *loop_main(void *arg)
         int timeout = -1;
         if (L->accept_more) {
             timeout = 0;
-        } else if (L->heap_len) {
+        } else if (L->heap_len || L->accept_retry_at) {
             uint64_t now = mono_ms();
-            uint64_t first = L->heap[0]->deadline;
+            uint64_t first = L->heap_len ? L->heap[0]->deadline : UINT64_MAX;
+            if (L->accept_retry_at && L->accept_retry_at < first)
+                first = L->accept_retry_at;
             timeout = first <= now ? 0 : (int)(first - now > 60000 ? 60000 : first - now);
         }
         atomic_store(&L->seen, 0); /* asleep: holds no table */
@@ -2567,6 +2653,14 @@ static void *loop_main(void *arg)
             struct cconn *c = L->heap[0];
             timer_clear(c);
             timer_fired(c);
+        }
+        if (L->accept_retry_at && L->accept_retry_at <= now) {
+            /* The backoff is over: try every listener (edges that came meanwhile
+             * were ignored); a failure starts the next, longer pause. */
+            L->accept_retry_at = 0;
+            L->accept_more = false;
+            if (!atomic_load(&L->paused))
+                resume_accepting(L);
         }
         if (L->accept_more) {
             L->accept_more = false;

@@ -48,7 +48,17 @@ enum sw_inbound_protocol {
 enum sw_rec_kind {
     SW_REC_STARTED = 1, /* handshake done, C owns the flow; name = target host */
     SW_REC_ROUTED = 2,  /* dialled, replied, handed to the relay; name = sniffed host */
-    SW_REC_ENDED = 3    /* ended before the relay (blocked, failed, closed); name = sniffed host */
+    SW_REC_ENDED = 3,   /* ended before the relay (blocked, failed, closed); name = sniffed host */
+    /* Not a flow's: listener `inbound` could not accept for want of descriptors
+     * (err: EMFILE, ENFILE, ENOBUFS or ENOMEM), the first failure of an outage;
+     * flow = the outage's number (per listener, from 1).  The loop that failed
+     * stops accepting (every listener) for a delay growing from 50 ms to 1 s
+     * instead of retrying at once, and serves its open connections meanwhile. */
+    SW_REC_ACCEPT_FAILED = 4,
+    /* Listener `inbound` accepted again: outage `flow` is over; detail = the
+     * accepts that failed in it (saturating).  At most one per FAILED record
+     * (none when the listener is unlistened first). */
+    SW_REC_ACCEPT_RESUMED = 5
 };
 
 /* Why a flow ended before the relay (SW_REC_ENDED). */

@@ -27,6 +27,11 @@ __all__ = ["ConnPath", "ConnRecord", "Deferred", "ListenerOptions"]
 STARTED = int(lib.SW_REC_STARTED)
 ROUTED = int(lib.SW_REC_ROUTED)
 ENDED = int(lib.SW_REC_ENDED)
+#: Not a flow's: a listener out of descriptors (the first failed accept of an outage,
+#: ``err`` its errno, ``flow`` the outage's number), and accepting again (``detail``:
+#: the accepts that failed). C pauses that loop's accepting itself (``csrc/conn.h``).
+ACCEPT_FAILED = int(lib.SW_REC_ACCEPT_FAILED)
+ACCEPT_RESUMED = int(lib.SW_REC_ACCEPT_RESUMED)
 NO_PRINCIPAL = (1 << 32) - 1
 END_BLOCKED = int(lib.SW_END_BLOCKED)
 END_CONNECT_FAILED = int(lib.SW_END_CONNECT_FAILED)

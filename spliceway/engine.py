@@ -38,6 +38,7 @@ from spliceway.config import (
 from spliceway.engine_core import EngineCore
 from spliceway.errors import ApiError, not_found
 from spliceway.events import Subscription
+from spliceway.fdlimit import raise_nofile_limit
 
 
 class Engine:
@@ -95,6 +96,9 @@ class Engine:
             keys = KeyTable.from_config(control) if control.enabled else None
             # Before anything starts: gRPC without its extra or without the control API.
             check_grpc(self._core.config.api)
+            # Every flow holds two descriptors: a shell's soft limit of 1,024 would run
+            # out near 500 (docs/running.md). The engine never select()s.
+            raise_nofile_limit()
             self._core.start()
             try:
                 if ipc.enabled:

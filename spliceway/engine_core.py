@@ -40,6 +40,7 @@ from spliceway.dns.server import DnsResponder
 from spliceway.dns.service import FAKEIP_WARNING, DnsService
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, now_ms
+from spliceway.fdlimit import warning_emitter
 from spliceway.flowhook import WARNING_CODE, FlowHookClient
 from spliceway.inbound import Users
 from spliceway.logring import LogRing
@@ -250,6 +251,7 @@ class EngineCore:
             bridge = RelayBridge(self.dispatcher)
             self.dispatcher.run_sync(lambda: bridge.attach(self._start_c_flow, self._take_deferred))
             self.bridge = bridge
+            bridge.watch_accepts(self.inbound_slots, warning_emitter(self.log))
             self.udp = UdpRelay(loops=1, busy_poll_us=self.config.runtime.udp_busy_poll_us)
             self.dispatcher.run_sync(
                 lambda: self.dispatcher.loop.add_reader(self.udp.fileno(), self._on_udp_ready)
@@ -612,6 +614,7 @@ class EngineCore:
             udp_idle_timeout_s=lambda: self.config.runtime.udp_upstream_idle_timeout_seconds,
             dns_responder=self._dns_responder,
             start_udp=self._start_tun_udp,
+            warn_fd_exhausted=warning_emitter(self.log),
         )
 
     def _dns_responder(self) -> DnsResponder:

@@ -82,6 +82,8 @@ def raise_nofile_limit() -> tuple[int, int]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (OSError, ValueError) as exc:
         logger.debug("cannot raise RLIMIT_NOFILE from %s to %s: %s", soft, target, exc)
+    else:
+        logger.debug("raised the RLIMIT_NOFILE soft limit from %s to %s", soft, target)
     return nofile_limits()
 
 
@@ -183,17 +185,25 @@ class AcceptBackoff:
             logger.debug("%s: still out of descriptors (%d failed accepts)", self.listener, count)
         return delay
 
-    def accepted(self) -> None:
-        """A successful accept: ends an outage (one info line) and resets the delay."""
+    def accepted(self, failed: int | None = None) -> None:
+        """A successful accept: ends an outage (one info line) and resets the delay.
+
+        ``failed``: the accepts that failed in the outage, when someone else counted
+        them (the C loops report only an outage's first failure and its end)."""
         if not self._in_outage:  # the common case, without the lock
             return
         with self._lock:
             if not self._in_outage:
                 return
             self._in_outage = False
-            count = self._outage_failures
+            extra = max(0, failed - self._outage_failures) if failed is not None else 0
+            self.failures += extra
+            count = self._outage_failures + extra
             self._outage_failures = 0
             self._delay = 0.0
+        if extra:
+            with _registry_lock:
+                _totals["failures"] += extra
         logger.info("%s accepts connections again (%d accepts failed)", self.listener, count)
 
     def _message(self, err: int | None) -> str:
@@ -204,10 +214,13 @@ class AcceptBackoff:
             if err in (errno.ENOBUFS, errno.ENOMEM)
             else "out of file descriptors"
         )
+        # Counting needs a descriptor of its own: out of them, the count is left out.
+        count = _open_fds()
+        opened = f", {count} open" if count != "?" else ""
         return (
             f"{self.listener} cannot accept connections: {what} ({name}; RLIMIT_NOFILE "
-            f"soft {_limit_text(soft)}, hard {_limit_text(hard)}, {_open_fds()} open); it "
-            f"pauses accepting (up to {BACKOFF_MAX_S:g} s between attempts) and serves the "
+            f"soft {_limit_text(soft)}, hard {_limit_text(hard)}{opened}); it pauses "
+            f"accepting (up to {BACKOFF_MAX_S:g} s between attempts) and serves the "
             "connections already open"
         )
 
@@ -234,3 +247,21 @@ def backoff_stats() -> dict[str, Any]:
         "outages": outages,
         "listeners_in_outage": sorted(b.listener for b in live if b.in_outage),
     }
+
+
+def snapshot() -> dict[str, Any]:
+    """The ``file_descriptors`` of the ``runtime`` query: the limits, the descriptors
+    open now (absent when they cannot be counted) and :func:`backoff_stats`."""
+    soft, hard = nofile_limits()
+    stats = backoff_stats()
+    out: dict[str, Any] = {
+        "soft_limit": soft,
+        "hard_limit": hard,
+        "accept_failures": stats["accept_failures"],
+        "accept_outages": stats["outages"],
+        "listeners_out_of_descriptors": stats["listeners_in_outage"],
+    }
+    count = _open_fds()
+    if count != "?":
+        out["open"] = int(count)
+    return out

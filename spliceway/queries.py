@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from spliceway import fdlimit
 from spliceway.commands import PERMISSIONS
 from spliceway.errors import invalid_argument, not_found
 from spliceway.events import normalize_types, parse_types
@@ -95,6 +96,7 @@ def _runtime(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
         "started_at_unix_ms": core.started_at_unix_ms,
         "active_sessions": core.flows.records(),
         "recent_completed_sessions": _recent_completed(core),
+        "file_descriptors": fdlimit.snapshot(),
     }
     if core.config_path is not None:
         out["config_path"] = core.config_path

@@ -546,7 +546,10 @@ class UdpRelay:
         """Block until records are pending (or ``timeout`` seconds pass), then drain."""
         if timeout is not None and (math.isnan(timeout) or timeout < 0):
             raise ValueError("timeout must be >= 0")
-        select.select([self.fileno()], [], [], timeout)
+        # poll, not select: the descriptor may be above select()'s 1,023.
+        poller = select.poll()
+        poller.register(self.fileno(), select.POLLIN)
+        poller.poll(None if timeout is None else timeout * 1000)
         return self.drain()
 
     def stats(self) -> UdpStats:

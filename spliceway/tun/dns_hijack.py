@@ -23,10 +23,11 @@ import contextlib
 import functools
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from spliceway.dns.server import serve_tcp_client
+from spliceway.fdlimit import AcceptBackoff
 
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher
@@ -52,8 +53,14 @@ class TunDnsTcp:
     """
 
     def __init__(
-        self, responder: DnsResponder, sockets: Sequence[socket.socket], dispatcher: Dispatcher
+        self,
+        responder: DnsResponder,
+        sockets: Sequence[socket.socket],
+        dispatcher: Dispatcher,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
+        """``warn(message)``: emits ``engine.warning`` ``fd_exhausted`` when a listener
+        runs out of descriptors (once per outage; the line is logged either way)."""
         self.responder = responder
         self._dispatcher = dispatcher
         self._sockets = [sock.dup() for sock in sockets]
@@ -66,6 +73,16 @@ class TunDnsTcp:
         self._stopped = False
         #: Connections accepted (those past the client bound included).
         self.connections = 0
+        # Out of descriptors, accept fails while the connection stays queued, so the
+        # socket stays readable: its reader is removed for the backoff's pause.
+        self._backoffs = [
+            AcceptBackoff(
+                f"TUN DNS hijack (TCP, {sock.family.name})",
+                warn if warn is not None else lambda message: None,
+            )
+            for sock in self._sockets
+        ]
+        self._paused: dict[int, asyncio.TimerHandle] = {}
 
     @property
     def running(self) -> bool:
@@ -102,8 +119,8 @@ class TunDnsTcp:
     def _attach(self) -> None:
         loop = self._dispatcher.loop
         try:
-            for sock in self._sockets:
-                loop.add_reader(sock.fileno(), self._accept, sock)
+            for i, sock in enumerate(self._sockets):
+                loop.add_reader(sock.fileno(), self._accept, i)
         except BaseException:
             self._detach()
             raise
@@ -111,6 +128,9 @@ class TunDnsTcp:
 
     def _detach(self) -> None:
         loop = self._dispatcher.loop
+        for timer in self._paused.values():
+            timer.cancel()
+        self._paused.clear()
         for sock in self._sockets:
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(sock.fileno())
@@ -123,19 +143,39 @@ class TunDnsTcp:
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def _accept(self, listener: socket.socket) -> None:
+    def _accept(self, index: int) -> None:
+        listener = self._sockets[index]
+        backoff = self._backoffs[index]
         for _ in range(_ACCEPT_BATCH):
             try:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as ex:  # ECONNABORTED, EMFILE...: the next one may do
-                logger.debug("TUN DNS TCP: accept failed: %s", ex)
+            except OSError as ex:
+                delay = backoff.failed(ex.errno)
+                if delay:
+                    self._pause(index, delay)
+                else:  # ECONNABORTED and the like: the next one may do
+                    logger.debug("TUN DNS TCP: accept failed: %s", ex)
                 return
+            backoff.accepted()
             self.connections += 1
             task = self._dispatcher.loop.create_task(self._serve(conn))
             self._tasks.add(task)
             task.add_done_callback(functools.partial(self._served, conn))
+
+    def _pause(self, index: int, delay: float) -> None:
+        loop = self._dispatcher.loop
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_reader(self._sockets[index].fileno())
+        self._paused[index] = loop.call_later(delay, self._resume, index)
+
+    def _resume(self, index: int) -> None:
+        self._paused.pop(index, None)
+        if self._stopped:
+            return
+        # Readable at once if connections are still queued: _accept tries again.
+        self._dispatcher.loop.add_reader(self._sockets[index].fileno(), self._accept, index)
 
     def _served(self, conn: socket.socket, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

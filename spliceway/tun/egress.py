@@ -235,8 +235,13 @@ class EgressMonitor:
 
     def _run(self) -> None:
         assert self._sock is not None
+        # poll, not select: the engine raises RLIMIT_NOFILE, and select() cannot take a
+        # descriptor above 1,023 (a TUN started after many flows gets one).
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         while True:
-            ready, _, _ = select.select([self._sock, self._wake_r], [], [])
+            ready = {fd for fd, _ in poller.poll()}
             if self._wake_r in ready:
                 return
             if not self._drain():
@@ -244,7 +249,7 @@ class EgressMonitor:
             # Let the burst finish, so one change is one re-read.
             deadline = time.monotonic() + DEBOUNCE_SECONDS
             while (left := deadline - time.monotonic()) > 0:
-                ready, _, _ = select.select([self._sock, self._wake_r], [], [], left)
+                ready = {fd for fd, _ in poller.poll(left * 1000)}
                 if self._wake_r in ready:
                     return
                 if ready and self._drain():

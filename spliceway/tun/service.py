@@ -66,6 +66,9 @@ class TunParts:
     """Starts the actor of the stack's UDP sessions (given the TUN's spec, the stack and
     the DNS responder or None), on the dispatcher; None: none (datagrams are dropped,
     counted)."""
+    warn_fd_exhausted: Callable[[str], None] | None = None
+    """Emits ``engine.warning`` ``fd_exhausted`` (the DNS hijack's listeners out of
+    descriptors)."""
 
 
 @dataclass(slots=True)
@@ -179,7 +182,12 @@ class TunService:
             specs = {v: parts.register(TUN_SLOTS[v], opts.tag) for v in stack.listeners}
             dns = parts.dns_responder() if opts.dns_hijack else None
             dns_tcp = (
-                TunDnsTcp(dns, list(stack.dns_listeners.values()), parts.dispatcher)
+                TunDnsTcp(
+                    dns,
+                    list(stack.dns_listeners.values()),
+                    parts.dispatcher,
+                    parts.warn_fd_exhausted,
+                )
                 if dns is not None
                 else None
             )
