@@ -550,7 +550,8 @@ def _flow_record() -> Schema:
             "result": obj(
                 {
                     "outcome": enum(
-                        ["direct_relayed", "chained_relayed", "blocked", "failed", "cancelled"]
+                        ["direct_relayed", "chained_relayed", "blocked", "failed", "cancelled",
+                         "engine_crashed"]
                     )
                 },
                 {"close_reason": STR, "failure": failure},

@@ -33,6 +33,7 @@ from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
 from spliceway.actors.tun_udp import TunUdpActor
 from spliceway.actors.udp import UdpAssociationActor, UdpRecords
+from spliceway.atomic_file import remove_stale_staged
 from spliceway.config import Config
 from spliceway.connector.service import Connector
 from spliceway.connpath import ConnRecord, Deferred
@@ -228,8 +229,16 @@ class EngineCore:
         # A crashed engine's TUN routes and rules (strict_route's kill switch among them)
         # go first, whether or not this one runs a TUN: one failed open when none.
         self._sweep_tun_leftovers()
+        if self.config_path is not None:
+            # What an apply killed mid-way left beside the file (docs/reload.md).
+            remove_stale_staged(os.path.realpath(self.config_path))
         # The outbox first: a second engine on the same outbox must fail before binding.
         self.connector.start()
+        # No flow of this run may take the id of one a killed run left open (completed
+        # below): ids are this prefix, random per start, and one more is drawn on a match.
+        recovered = self.connector.orphan_flow_ids()
+        while any(flow_id.startswith(self.flow_id_prefix) for flow_id in recovered):
+            self.flow_id_prefix = f"{secrets.token_hex(4)}-"
         try:
             sockets = self._bind_all()
             try:
@@ -272,6 +281,8 @@ class EngineCore:
                 "engine.started",
                 {"build_id": self.build_id, "started_at_unix_ms": self.started_at_unix_ms},
             )
+            # After engine.started, before any flow: the flows a killed run left open.
+            self.connector.complete_orphans()
             # After engine.started: a damaged fake-ip file's warning follows it.
             self.dns.install(dns_plan)
             self.supervisor = EngineSupervisor.start(self, sockets)
