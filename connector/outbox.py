@@ -610,11 +610,12 @@ class DiskOutbox:
         assert self.flows is not None
         with self._lock:
             doomed = self._log.deletable(acked_id)
-            if not doomed:
-                return
-            snapshot = self.flows.copy()
-        if openflows.sizes(doomed) < snapshot.bytes:
+            open_bytes = self.flows.bytes
+        if not doomed or openflows.sizes(doomed) < open_bytes:
             return
+        with self._lock:
+            # The commits since only add records above the snapshot's id: never deleted here.
+            snapshot = self.flows.copy()
         try:
             openflows.write_checkpoint(self.directory, snapshot)
         except OSError as ex:
