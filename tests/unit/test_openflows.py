@@ -10,10 +10,13 @@ import orjson
 from spliceway.connector import openflows
 from spliceway.connector.intake import with_source
 from spliceway.connector.openflows import OpenFlows, flow_event_of
-from spliceway.connector.outbox import DiskOutbox
+from spliceway.connector.outbox import DiskOutbox, OutboxStore
+from spliceway.connector.service import Connector
 
 from spliceway import records
+from spliceway.config import parse_config
 from spliceway.events import EventLog
+from tests.helpers.sinks import jsonl, sink_config
 from tests.unit.test_event_catalogue import check_event
 
 LOG = EventLog(1000)
@@ -234,3 +237,57 @@ def test_crash_completion_is_a_catalogue_conforming_completed_event():
     assert payload["auth"]["scheme"] == "username"
     assert payload["auth"]["principal_key"] == "alice"
     assert payload["traffic"]["bytes_down"] == 20
+
+
+def test_each_sink_gets_the_crash_completions_of_the_flows_its_own_outbox_shows_open(tmp_path):
+    """Sink a had taken flow x's real flow.completed before the kill, sink b had not (the
+    intake feeds sinks one after the other): at the next start only b gets x's crash
+    completion; both get y's; the ring carries one per flow; a second start adds none."""
+    outbox = tmp_path / "outbox"
+    files = {tag: tmp_path / f"{tag}.jsonl" for tag in ("a", "b")}
+    cfg = sink_config(
+        [jsonl(tag, path, ["flow.started", "flow.completed"]) for tag, path in files.items()],
+        outbox,
+    )
+    store = OutboxStore(str(outbox))
+    x, y = _state("dead-0-1"), _state("dead-0-2")
+    started = [_lifecycle("flow.started", x, 1_000), _lifecycle("flow.started", y, 1_000)]
+    for tag, bodies in (("a", [*started, _completed("dead-0-1")]), ("b", started)):
+        box = store.open_sink(tag, track_flows=True)
+        box.append(bodies)
+        box.commit()
+        box.close()
+    store.close()
+
+    def run() -> list[dict[str, object]]:
+        log = EventLog(16)
+        connector = Connector(parse_config(cfg).api, log)
+        connector.start()
+        try:
+            assert connector.orphan_flow_ids() <= {"dead-0-1", "dead-0-2"}
+            log.emit("engine.started", {"build_id": "t", "started_at_unix_ms": 1})
+            connector.complete_orphans()
+            return [orjson.loads(e) for _, _, e in log.read_after_encoded(0, 100)[0]]
+        finally:
+            connector.stop()
+
+    ring = run()
+    assert [(e["event_type"], e["payload"].get("flow_id")) for e in ring] == [
+        ("engine.started", None),
+        ("flow.completed", "dead-0-1"),
+        ("flow.completed", "dead-0-2"),
+    ]
+
+    def crashed(tag: str) -> list[str]:
+        lines = [orjson.loads(line) for line in files[tag].read_text().splitlines()]
+        return [
+            e["payload"]["flow_id"] for e in lines if e["payload"]["outcome"] == "engine_crashed"
+        ]
+
+    assert crashed("a") == ["dead-0-2"]
+    assert crashed("b") == ["dead-0-1", "dead-0-2"]
+    # Committed to each sink's outbox: closed there for good.
+    again = run()
+    assert [e["event_type"] for e in again] == ["engine.started"]
+    assert crashed("a") == ["dead-0-2"]
+    assert crashed("b") == ["dead-0-1", "dead-0-2"]
