@@ -10,7 +10,8 @@ Three servers run side by side on 127.0.0.1, measured in the same run, interleav
   no resolv.conf), forwarding to the zone server below.
 - **spliceway**: the engine as its own process (``spliceway run``, one socks5 inbound,
   control API and IPC off) with ``runtime.dns.listen``, ``answer.type: real``, the
-  resolver asking the zone server, ``cache.max_entries`` 10000.
+  resolver asking the zone server, ``cache.max_entries`` 10000, and no
+  ``client_rate_limit`` (the load comes from one address).
 - **spliceway-fakeip**: the same with ``answer.type: fake_ip`` (no upstream at all).
 
 The zone: ``n0.bench.test`` .. ``n99.bench.test`` (A, TTL 3600), served by a small
@@ -112,6 +113,8 @@ class Server:
                 "cache": {"max_entries": 10000},
                 "answer": answer,
                 "listen": {"address": "127.0.0.1", "port": 0},
+                # One client asks everything: the server is measured, not its limit.
+                "client_rate_limit": None,
             },
         }
         self.m, self.launch = e2e.start_spliceway(

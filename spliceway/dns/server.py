@@ -22,10 +22,15 @@ What it answers (where the spec leaves room, these are the choices):
   ``system`` there is nothing to forward to: NOTIMP. ANY, AXFR, IXFR: NOTIMP. The
   forwarded queries' sockets carry the TUN's mark while one runs, as the resolver's.
 - **Not a standard query** (another opcode or class): NOTIMP; EDNS version above 0:
-  BADVERS; a question count other than 1: FORMERR.
-- **Malformed:** a message whose 12-byte header reads as a query (QR clear) but whose
-  rest does not parse gets FORMERR; anything shorter, or with QR set (a response:
-  answering it could loop), is dropped. Both are counted; nothing raises.
+  BADVERS.
+- **Refused by its header, before any parse** (:func:`screen`, unbound's checks): a
+  question count other than 1, answer or authority records, more than one additional
+  record, or more than :data:`MAX_QUERY_BYTES`: FORMERR; another opcode: NOTIMP. The
+  answer is the header alone (ID, opcode and RD copied), never longer than the query.
+  Shorter than a header, or QR set (a response: answering it could loop): dropped.
+- **Malformed:** a message that passes but whose rest does not parse gets the same
+  header-only FORMERR. All of these are counted; nothing raises, nothing is logged
+  but a debug line a minute.
 
 Answers go out with RA set and RD/CD copied. Over UDP an answer is limited to 512
 bytes, or the client's EDNS payload size, and is truncated (TC, no records) past it;
@@ -40,12 +45,17 @@ read up to 1 s high. The wire cache is dropped when the resolver is replaced (a
 reload) or a fake-ip mapping goes away (clear, reuse), and is off in real mode when
 ``runtime.dns.cache`` is ``null``. Everything else goes through dnspython.
 
-The engine runs the server on its dispatcher's asyncio loop, beside the flows' actors
-(:class:`DnsServer` can also run it on a thread of its own): measured under a query
-flood and a flow load at once, flows then keep 85-95 % of their rate instead of
-68-96 %, and DNS answers take their turn (docs/dns.md). Resolving never blocks the
-loop; UDP datagrams are read up to 64 per readiness event, so a flood cannot hold
-the loop for longer than that between two turns of the flows.
+**Bounds** (docs/dns.md, "Limits"): each source address gets
+``runtime.dns.client_rate_limit`` queries a second (:class:`ClientRateLimit`; over it:
+dropped, as unbound's ``ip-ratelimit``), at most :data:`MAX_PENDING` queries wait on
+the slow path, :data:`MAX_TCP_CLIENTS` TCP connections are served, and the TCP
+listener backs off when out of file descriptors (:class:`~spliceway.fdlimit.AcceptBackoff`).
+
+The engine runs the server on a thread of its own (its own asyncio loop): on the
+dispatcher's loop one costly message delayed every Python-path flow (a 64 KiB message
+of 10,831 questions took dnspython 0.4 s). The resolver, its cache and the fake-ip
+pool it shares with flow routing are thread-safe; everything else here is touched by
+the server's thread alone. UDP datagrams are read up to 64 per readiness event.
 """
 
 from __future__ import annotations
@@ -86,14 +96,20 @@ if TYPE_CHECKING:
     from spliceway.dns.resolver import Resolver
 
 __all__ = [
+    "ACCEPTED",
     "COUNTER_NAMES",
     "FAKE_TTL_SECONDS",
+    "MAX_QUERY_BYTES",
+    "SLOW",
     "WIRE_CACHE_SECONDS",
+    "ClientRateLimit",
     "DnsCounters",
     "DnsResponder",
     "DnsServer",
     "bind_dns",
+    "screen",
     "serve_tcp_client",
+    "unanswerable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -251,6 +267,12 @@ class _Accepted:
 ACCEPTED: Final = _Accepted()
 
 
+def unanswerable(data: bytes) -> bool:
+    """Whether ``data`` is to be dropped unanswered: shorter than a header, or with QR
+    set (a response: answering it could loop)."""
+    return len(data) < 12 or bool(data[2] & 0x80)
+
+
 def screen(data: bytes) -> tuple[bytes | None, int] | _Accepted:
     """Judge a message by its 12-byte header and its length alone, before any parse.
 
@@ -262,11 +284,9 @@ def screen(data: bytes) -> tuple[bytes | None, int] | _Accepted:
     ``reply`` is None (drop) for a message shorter than a header or with QR set (a
     response: answering it could loop). These are unbound's checks
     (``worker_check_request``), plus the length."""
-    if len(data) < 12:
+    if unanswerable(data):
         return None, 0
     _, flags, qd, an, ns, ar = _HEADER.unpack_from(data)
-    if flags & _QR:
-        return None, 0
     if flags & _OPCODE:
         return _header_reply(data, dns.rcode.NOTIMP), dns.rcode.NOTIMP
     if len(data) > MAX_QUERY_BYTES or qd != 1 or an or ns or ar > 1:
@@ -409,8 +429,12 @@ class DnsResponder:
     """Turns one query message into its answer; no sockets (see the module docstring).
 
     ``resolver`` and ``pool`` are read at every query, so a reload's replacements
-    answer at once; ``pool`` returns None in real mode. Everything runs on one asyncio
-    loop (the server's); :meth:`quick` is plain code and :meth:`respond` a coroutine.
+    answer at once; ``pool`` returns None in real mode. :meth:`quick` is plain code and
+    :meth:`respond` a coroutine. Two loops may use one responder at once (the DNS
+    server's thread and the dispatcher's, for a TUN's ``dns_hijack``, so both count in
+    one set of counters): resolutions in flight are shared per loop only, and the wire
+    cache and counters are touched with single dict and attribute operations, which
+    the interpreter lock keeps whole.
     """
 
     def __init__(
@@ -429,7 +453,7 @@ class DnsResponder:
         #: What the wire cache was built from; a change empties it.
         self._wire_source: tuple[Any, Any, int] = (None, None, -1)
         #: Resolutions in flight by name: concurrent queries for one name share one.
-        self._inflight: dict[str, asyncio.Task[Answer]] = {}
+        self._inflight: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Task[Answer]] = {}
         self.pending = 0
         self._refusals = _Throttle(LOG_INTERVAL_SECONDS)
         self._failures = _Throttle(LOG_INTERVAL_SECONDS)
@@ -445,23 +469,17 @@ class DnsResponder:
             self._wire_source = source
         return pool is not None or resolver.cache is not None
 
-    def quick(self, data: bytes, tcp: bool) -> bytes | _Slow | None:
+    def quick(self, data: bytes, tcp: bool) -> bytes | _Slow:
         """The answer to ``data`` that needs no parse, or :data:`SLOW` (ask
-        :meth:`respond`): a header-only refusal (:func:`screen`; None: drop it, counted)
-        or the wire cache's answer."""
+        :meth:`respond`): a header-only refusal (:func:`screen`, counted) or the wire
+        cache's answer. A message to drop gets SLOW too, uncounted: :meth:`respond`
+        drops and counts it (see :func:`unanswerable` to skip that)."""
         judged = screen(data)
         if not isinstance(judged, _Accepted):
             reply, rcode = judged
-            self._count(reply, rcode)
-            if self._refusals.ready():
-                logger.debug(
-                    "the DNS server refused a malformed query (%s; %d more refused in the "
-                    "previous %.0f s)",
-                    "dropped" if reply is None else dns.rcode.to_text(rcode),
-                    self._refusals.skipped,
-                    LOG_INTERVAL_SECONDS,
-                )
-                self._refusals.skipped = 0
+            if reply is None:
+                return SLOW
+            self._refused(reply, rcode)
             return reply
         found = _fast_key(data, tcp)
         if found is None or not self._wire_valid():
@@ -472,7 +490,7 @@ class DnsResponder:
             return SLOW
         flags, counts, tail, expires = entry
         if expires <= self._clock():
-            del self._wire[key]
+            self._wire.pop(key, None)  # the other loop (see the class) may have
             return SLOW
         if qend + len(tail) > limit:
             return SLOW
@@ -507,6 +525,9 @@ class DnsResponder:
         fast = self.quick(data, tcp)
         if not isinstance(fast, _Slow):
             return fast
+        if unanswerable(data):
+            self._refused(None, 0)
+            return None
         try:
             return await self._respond(data, tcp)
         except Exception:
@@ -521,6 +542,19 @@ class DnsResponder:
             reply = _header_reply(data, dns.rcode.SERVFAIL)
             self._count(reply, dns.rcode.SERVFAIL)
             return reply
+
+    def _refused(self, reply: bytes | None, rcode: int) -> None:
+        """Count a message :func:`screen` refused; a debug line a minute at most."""
+        self._count(reply, rcode)
+        if self._refusals.ready():
+            logger.debug(
+                "the DNS server refused a malformed query (%s; %d more refused in the "
+                "previous %.0f s)",
+                "dropped" if reply is None else dns.rcode.to_text(rcode),
+                self._refusals.skipped,
+                LOG_INTERVAL_SECONDS,
+            )
+            self._refusals.skipped = 0
 
     def _count(self, reply: bytes | None, rcode: int) -> None:
         c = self.counters
@@ -638,13 +672,14 @@ class DnsResponder:
 
     async def _resolve(self, name: str) -> Answer:
         """The resolver's answer for ``name``; concurrent callers share one resolution."""
-        task = self._inflight.get(name)
+        loop = asyncio.get_running_loop()
+        # By loop and name: a task of the other loop (see the class) cannot be awaited.
+        key = (loop, name)
+        task = self._inflight.get(key)
         if task is None:
-            task = asyncio.get_running_loop().create_task(
-                self._resolver().resolve_answer(name, QUERY_TIMEOUT_SECONDS)
-            )
-            self._inflight[name] = task
-            task.add_done_callback(lambda _: self._inflight.pop(name, None))
+            task = loop.create_task(self._resolver().resolve_answer(name, QUERY_TIMEOUT_SECONDS))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _: self._inflight.pop(key, None))
         # shield: one caller's cancellation (server stop) must not fail the others.
         return await asyncio.shield(task)
 
@@ -848,13 +883,14 @@ class DnsServer:
                 counters.rate_limited += 1
                 continue
             out = quick(data, False)
-            if isinstance(out, _Slow):
-                if responder.pending >= MAX_PENDING:
-                    counters.dropped += 1
-                    continue
-                self._spawn(self._udp_slow(data, addr))
-            elif out is not None:
+            if not isinstance(out, _Slow):
                 self._send(out, addr)
+            elif unanswerable(data):
+                counters.dropped += 1  # no task for it: nothing to answer
+            elif responder.pending >= MAX_PENDING:
+                counters.dropped += 1
+            else:
+                self._spawn(self._udp_slow(data, addr))
 
     def _send(self, data: bytes, addr: Any) -> None:
         try:

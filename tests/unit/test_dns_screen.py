@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 
 import dns.message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spliceway.dns.resolver import Answer
 from spliceway.dns.server import (
     ACCEPTED,
     MAX_QUERY_BYTES,
     RATE_BURST_SECONDS,
+    SLOW,
     ClientRateLimit,
     DnsResponder,
     screen,
@@ -83,7 +86,9 @@ def test_the_responder_answers_refusals_without_parsing_and_counts_them():
     try:
         big = header(qd=100) + QUESTION + struct.pack(">HHH", 0xC00C, 1, 1) * 99
         assert loop.run_until_complete(responder.respond(big, False)) == formerr()
-        assert responder.quick(header(flags=0x8100), True) is None
+        # A response: the fast path leaves it to respond(), which drops it.
+        assert responder.quick(header(flags=0x8100), True) is SLOW
+        assert loop.run_until_complete(responder.respond(header(flags=0x8100), True)) is None
         assert responder.quick(header(flags=0x2100), True) == screen(header(flags=0x2100))[0]
     finally:
         loop.close()
@@ -124,3 +129,49 @@ def test_the_rate_limit_forgets_the_least_recently_seen_source_and_can_be_change
     assert limit.rate is None and all(limit.allow("c") for _ in range(100))
     limit.configure(1000)
     assert limit.rate == 1000
+
+
+class SlowResolver:
+    """Answers every name after 50 ms (so two loops' queries overlap); no network."""
+
+    cache = None
+
+    def __init__(self) -> None:
+        self.upstreams: list[tuple[str, str, int]] = []
+        self.asked = 0
+
+    async def resolve_answer(self, host: str, timeout: float = 5.0) -> Answer:
+        self.asked += 1
+        await asyncio.sleep(0.05)
+        return Answer(("10.0.0.7",), 60)
+
+
+def test_one_responder_answers_from_two_loops_at_once():
+    """The DNS server's thread and the dispatcher's (a TUN's dns_hijack) share one
+    responder: a name being resolved on one loop is resolved again on the other, never
+    awaited across loops."""
+    resolver = SlowResolver()
+    responder = DnsResponder(lambda: resolver, lambda: None)  # type: ignore[arg-type,return-value]
+    wire = dns.message.make_query("same.test", "A").to_wire()
+    answers: list[bytes | None] = []
+    start = threading.Barrier(2)
+
+    def run() -> None:
+        async def ask() -> list[bytes | None]:
+            return list(await asyncio.gather(*(responder.respond(wire, False) for _ in range(5))))
+
+        start.wait(5)
+        answers.extend(asyncio.run(ask()))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(answers) == 10
+    for reply in answers:
+        assert reply is not None
+        msg = dns.message.from_wire(reply)
+        assert msg.rcode() == 0 and msg.answer[0][0].address == "10.0.0.7"
+    assert resolver.asked == 2  # one resolution per loop, shared by its five queries
+    assert responder.counters.snapshot()["servfail"] == 0
