@@ -166,10 +166,12 @@ class EngineCore:
         self.reconciler = Reconciler(self)
         self.routes = RoutePublisher(self)
         #: The fake-ip pool and the DNS server (``runtime.dns``); they read the resolver
-        #: through the core, so a reload's new one answers at once. The server runs on the
-        #: dispatcher's loop: a flood of queries then takes its turn with the flows instead
-        #: of taking the interpreter from them (docs/dns.md has the measurement).
-        self.dns = DnsService(lambda: self.resolver, self._dns_warning, lambda: self.dispatcher)
+        #: through the core, so a reload's new one answers at once. The server runs on a
+        #: thread of its own: no query, however costly, delays the dispatcher's flows
+        #: (docs/dns.md).
+        self.dns = DnsService(
+            lambda: self.resolver, self._dns_warning, warn_fd_exhausted=warning_emitter(self.log)
+        )
         self.started_at_unix_ms = 0
         #: UDP associations by the C relay's id (their actors take its records).
         #: The TUN's UDP actor is among them, under ``("tun", tag)``.
