@@ -768,6 +768,7 @@ def render_error_codes() -> str:
     rows = [[f"`{code}`", str(status)] for code, status in HTTP_STATUS.items()]
     rows += [
         ["`unsupported`", "405 (the path does not answer this method; see `Allow`)"],
+        ["`invalid_argument`", "413 (a request body over 16 MiB, refused before it is read)"],
         ["`invalid_argument`", "415 (`POST /api/v1/commands` without a JSON content type)"],
     ]
     return _table(("Code", "HTTP status"), rows)
