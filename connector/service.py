@@ -29,6 +29,7 @@ from spliceway.connector.policy import DeliveryPolicy
 from spliceway.connector.signing import Signer, secret_key
 from spliceway.connector.webhook import WebhookClient
 
+from spliceway import flowlog
 from spliceway.config import Api, JsonlSink, NatsSink, Sink, one_sink_environment_problems
 from spliceway.errors import ApiError
 from spliceway.events import EventLog, normalize_types
@@ -215,6 +216,7 @@ class Connector:
                     for slot in self.slots:
                         if flow_id not in owed[slot.spec.tag]:
                             slot.feed.skip.add(envelope["sequence"])
+                    flowlog.log_completed(done.state)  # its one line, as every flow has
             last = self.log.latest_sequence
             while time.monotonic() < deadline and any(s.feed.cursor < last for s in self.slots):
                 time.sleep(0.005)

@@ -371,6 +371,8 @@ class Completion:
     principal_key: str | None
     labels: dict[str, str] | None
     occurred_at_unix_ms: int
+    #: The completed state (for the flow's log line).
+    state: FlowState
 
 
 def crashed_completion(envelopes: list[dict[str, Any]]) -> Completion:
@@ -416,4 +418,6 @@ def crashed_completion(envelopes: list[dict[str, Any]]) -> Completion:
     state.ended_at_unix_ms = ended
     state.outcome = ENGINE_CRASHED
     state.failure = ENGINE_CRASHED_FAILURE
-    return Completion(lifecycle_payload(state, state.render()), principal_key, labels, ended)
+    return Completion(
+        lifecycle_payload(state, state.render()), principal_key, labels, ended, state
+    )
