@@ -47,6 +47,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -72,6 +73,8 @@ _READ_CHUNK = 1024 * 1024
 #: Without an outbox, sinks hold at most this many events in memory; past it the
 #: intake stops taking events for that sink, as it does when the disk is full.
 MEMORY_CAPACITY = 100_000
+#: At most one warning this often per outbox while its checkpoint cannot be written.
+_CHECKPOINT_WARN_S = 60.0
 #: Longest percent-encoded tag used as is (file names are at most 255 bytes).
 _MAX_QUOTED = 200
 
@@ -486,6 +489,7 @@ class DiskOutbox:
         self._held = held
         #: Appended and not yet committed: (first record id, bodies) per append.
         self._unnoted: list[tuple[int, Sequence[bytes]]] = []
+        self._checkpoint_warn_at = 0.0
         self._committed = self._log.end()
         self._uncommitted = 0
         self._uncommitted_start = self._committed
@@ -619,10 +623,29 @@ class DiskOutbox:
         try:
             openflows.write_checkpoint(self.directory, snapshot)
         except OSError as ex:
-            logger.warning(
-                "outbox %s: cannot write the open-flows checkpoint: %s", self.directory, ex
-            )
-            return
+            full = ex.errno in (errno.ENOSPC, errno.EDQUOT)
+            now = time.monotonic()
+            if now >= self._checkpoint_warn_at:
+                self._checkpoint_warn_at = now + _CHECKPOINT_WARN_S
+                logger.warning(
+                    "outbox %s: cannot write the open-flows checkpoint: %s%s",
+                    self.directory,
+                    ex,
+                    "; deleting acknowledged segments without it (flows they started will "
+                    "not be completed after a crash)"
+                    if full
+                    else "",
+                )
+            if not full:
+                return  # the segments stay until a checkpoint can be written
+            # Space comes first on a full disk. The old checkpoint goes before the segments
+            # do: with neither, recovery sees only the records left, which may miss a
+            # flow's start but never shows a completed flow open.
+            try:
+                openflows.remove_checkpoint(self.directory)
+                _fsync_dir(self.directory)
+            except OSError:
+                return
         with self._lock:
             self._log.delete_through(acked_id)
 

@@ -18,6 +18,7 @@ from spliceway.config import parse_config
 from spliceway.events import EventLog
 from tests.helpers.sinks import jsonl, sink_config
 from tests.unit.test_event_catalogue import check_event
+from tests.unit.test_outbox import fill_disk
 
 LOG = EventLog(1000)
 
@@ -291,3 +292,35 @@ def test_each_sink_gets_the_crash_completions_of_the_flows_its_own_outbox_shows_
     assert [e["event_type"] for e in again] == ["engine.started"]
     assert crashed("a") == ["dead-0-2"]
     assert crashed("b") == ["dead-0-1", "dead-0-2"]
+
+
+def test_on_a_full_disk_acknowledged_segments_go_without_a_checkpoint(tmpfs):
+    """Space comes first: when the checkpoint cannot be written for want of space, the old
+    one is removed and the segments are deleted anyway. Recovery then sees only the records
+    left: a flow started in a deleted segment is missed, a completed one never shows open."""
+    mnt = tmpfs("64k")
+    d = mnt / "sink"
+    box = _outbox(d)
+    box.append([_lifecycle("flow.started", _state("gone"), 1_000)])
+    box.commit()
+    for _ in range(3):
+        box.append([_other()] * 10)
+        box.commit()
+    _deliver_all(box)  # the first checkpoint fits
+    assert (d / openflows.FILE_NAME).exists()
+    box.append([_lifecycle("flow.started", _state("x"), 1_000), _completed("x")])
+    box.commit()
+    for _ in range(3):
+        box.append([_other()] * 10)
+        box.commit()
+    filler = fill_disk(str(mnt))
+    try:
+        before = sorted(n for n in os.listdir(d) if n.startswith("seg-"))
+        _deliver_all(box)
+        after = sorted(n for n in os.listdir(d) if n.startswith("seg-"))
+        assert len(after) < len(before)
+        assert not (d / openflows.FILE_NAME).exists()
+        assert not (d / (openflows.FILE_NAME + ".tmp")).exists()
+        assert sorted(_outbox(d).orphans) == []
+    finally:
+        os.unlink(filler)
