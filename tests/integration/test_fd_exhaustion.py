@@ -7,7 +7,8 @@ SOCKS client and one IPC client wait in their listeners' backlogs. The engine mu
 spin (its CPU time over 2 s stays low), must log a bounded handful of lines, emit one
 ``engine.warning`` ``fd_exhausted`` per listener, keep answering on a control API
 connection it already has, keep relaying on the open tunnels, and once tunnels close,
-accept the waiting clients and new ones.
+accept the waiting clients and new ones. A gRPC client waits too: grpc core retries
+its accept once a second by itself, logging a line each time (no event).
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -112,6 +116,7 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
         "api_key_env": None,
     }
     cfg["api"]["ipc"] = {"enabled": True, "path": str(sock_path)}
+    cfg["api"]["grpc"] = {"enabled": True}
     engine = EngineProcess(
         cfg, tmp_path, "engine", prefix=["prlimit", f"--nofile={SOFT}:{HARD}", "--"]
     )
@@ -155,6 +160,11 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
         # An IPC client: the accept thread's reserved descriptor takes it, and the
         # thread's next accept fails.
         ipc = IpcClient(str(sock_path), timeout=5)
+        # And a gRPC client: grpc core retries its accept once a second (1 line each).
+        found = re.search(r"gRPC control API listening on \S+:(\d+)", engine.log())
+        assert found is not None, engine.log()
+        grpc_waiting = socket.create_connection(("127.0.0.1", int(found.group(1))), timeout=5)
+        held.append(grpc_waiting)
         warnings = wait_until(
             lambda: (w := api.fd_warnings()) and len(w) >= 2 and w, 5, "two fd_exhausted"
         )
@@ -179,6 +189,7 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
             assert f"soft {HARD}, hard {HARD}" in message and "EMFILE" in message, message
         text = engine.log()
         assert text.count("cannot accept connections") == 2, text[-3000:]
+        assert text.count("File descriptor limit reached. Retrying.") <= 6, text[-3000:]
 
         fds = api.get("runtime")["file_descriptors"]
         # (A descriptor the relay gives back, an idle pipe, can end an outage early.)
@@ -206,6 +217,9 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
         # IPC's outage ends at its next accept: a new client.
         with IpcClient(str(sock_path), timeout=5) as again:
             assert again.query("health")["healthy"] is True
+        # gRPC accepted its client: an HTTP/2 server opens with a SETTINGS frame.
+        grpc_waiting.settimeout(5)
+        assert recv_exact(grpc_waiting, 9)[3] == 0x4
         fresh = socks5_connect(proxy, "127.0.0.1", echo.port, timeout=5)
         fresh.sendall(b"again")
         assert recv_exact(fresh, 5) == b"again"
@@ -228,3 +242,70 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
             with contextlib.suppress(OSError):
                 sock.close()
         engine.close()
+
+
+#: A child process (its descriptor limit is lowered, never the test runner's): the TUN's
+#: DNS hijack listener (TunDnsTcp) on a loopback socket, a client queued while the
+#: process is out of descriptors, the CPU it spends then, and whether the client is
+#: accepted once descriptors are back.
+_HIJACK_PROBE = """
+import json, os, resource, socket, time
+from spliceway.actors.dispatcher import Dispatcher
+from spliceway.dns.server import DnsResponder
+from spliceway.tun.dns_hijack import TunDnsTcp
+
+def cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+dispatcher = Dispatcher()
+dispatcher.start()
+listener = socket.create_server(("127.0.0.1", 0))
+warned: list[str] = []
+responder = DnsResponder(lambda: None, lambda: None)  # no query is sent
+server = TunDnsTcp(responder, [listener], dispatcher, warned.append)
+server.start()
+client = socket.socket()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (fds[-1] + 2, hard))
+fillers = []
+while True:
+    try:
+        fillers.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+client.connect(listener.getsockname())
+deadline = time.monotonic() + 5
+while not warned and time.monotonic() < deadline:  # the first failed accept
+    time.sleep(0.01)
+before = cpu()
+time.sleep(1.5)  # the window measured
+spent = cpu() - before
+accepted_out = server.connections
+for fd in fillers:
+    os.close(fd)
+deadline = time.monotonic() + 3
+while server.connections == 0 and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(json.dumps({"cpu": spent, "warned": warned, "during": accepted_out,
+                  "after": server.connections}))
+server.stop()
+"""
+
+
+def test_tun_dns_hijack_pauses_accepting_out_of_descriptors() -> None:
+    """Before the fix its reader stayed registered on a listener that stays readable
+    (the connection is queued): the dispatcher loop spun (0.5 s of CPU in 1.5 s on a
+    loaded 2-core host) and nothing was reported."""
+    out = subprocess.run(
+        [sys.executable, "-c", _HIJACK_PROBE], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["cpu"] < 0.15, result
+    (message,) = result["warned"]
+    assert message.startswith("TUN DNS hijack (TCP, AF_INET) cannot accept connections: out of")
+    assert "(EMFILE; RLIMIT_NOFILE soft " in message
+    assert (result["during"], result["after"]) == (0, 1), result
+    assert out.stderr.count("cannot accept connections") == 1, out.stderr
