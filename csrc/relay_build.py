@@ -1,7 +1,7 @@
 """cffi build script for ``spliceway._relay`` (named by setup.py's ``cffi_modules``).
 
-The cdef is the marked section of each module's header (``relay.h``, ``parse.h``,
-``route.h``, ``pkt.h``, ``tun.h``, ``conn.h``, ``udp.h``) itself, so the declarations
+The cdef is the marked section of each module's header (``relay.h``, ``iplit.h``,
+``parse.h``, ``route.h``, ``pkt.h``, ``tun.h``, ``conn.h``, ``udp.h``) itself, so the declarations
 Python sees can never drift from the ones the C code is compiled against.
 
 ``SPLICEWAY_RELAY_SANITIZE=address`` (or ``thread``, ``undefined``, comma
@@ -33,9 +33,9 @@ def _rel(path: pathlib.Path) -> str:
 
 #: The C modules linked into the extension, each a ``.c`` with its ``.h``, in cdef
 #: order (conn.h's declarations use tun.h's sw_tun).
-MODULES = ("relay", "parse", "route", "pkt", "tun", "conn", "udp")
+MODULES = ("relay", "iplit", "parse", "route", "pkt", "tun", "conn", "udp")
 #: Helpers those modules share, compiled in but not part of the cdef.
-INTERNAL = ("iplit",)
+INTERNAL: tuple[str, ...] = ()
 
 
 def _cdef_text() -> str:

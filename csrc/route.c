@@ -55,9 +55,9 @@
  *     process: false; and false everywhere with SW_PROCESS_OFF);
  *   - a host (target or sniffed) with a byte >= 0x80: Python lowercases with
  *     str.lower, which is Unicode-aware (the Kelvin sign becomes 'k'), so its
- *     domain conditions are unknown unless another, ASCII, host matches.  It
- *     is never an IP literal: ipaddress takes ASCII digits only (outside a
- *     scope id, which needs a '%');
+ *     domain conditions are unknown unless another, ASCII, host matches.  As
+ *     a target its ip_cidr conditions are unknown too: its IDNA form may be
+ *     an address (fullwidth digits are; hostnorm.target_address);
  *   - a host with a '%': ipaddress accepts IPv6 scope ids ("fe80::1%eth0"),
  *     so whether it is an address (ip_cidr) or a name (domain conditions) is
  *     left to Python.
@@ -70,16 +70,24 @@
  *   on them are false (an item with that value never matches).  source_family
  *   0 means the source is unknown: source_ip_cidr and source_port are false.
  *   An IPv4-mapped IPv6 source is unmapped here too, as routing._parse_ip
- *   does.  The query has no resolved address: ip_cidr looks at the target
- *   host only (routing.FlowFacts.resolved_ip None, as the flow actors pass).
+ *   does.
+ *
+ * Domain targets and ip_cidr (routing.needs_address)
+ *   ip_cidr looks at the target's address; a domain target has one only when
+ *   the query carries resolved_family/resolved_ip (routing.FlowFacts.
+ *   resolved_ip: conn.c passes what its DNS cache holds for the name).
+ *   Without it, a decision with an ip_cidr rule ranked before the match (or
+ *   any, for the final) defers, `rule` naming that first ip_cidr rule: the
+ *   address could change it, and Python resolves the name first.
  *
  * IP literals
- *   parse_ip() follows routing._parse_ip and Python 3.11's ipaddress step by
- *   step (brackets, the cheap non-address rejection, strict dotted quads
- *   without leading zeros, the '::' and embedded IPv4 rules of IPv6), rather
- *   than inet_pton, whose corner cases differ.  Configured ::ffff:a.b.c.d/n
- *   networks (n >= 96) also cover a.b.c.d/(n-96) as IPv4, as routing._IpSet
- *   does; an IPv4-mapped target is looked up as IPv4.
+ *   A target or sniffed host is an address when sw_host_addr (iplit.c, the
+ *   twin of spliceway/hostnorm.py, which routing._parse_target uses) says so:
+ *   every spelling a browser, inet_aton/getaddrinfo or IDNA reads as one
+ *   ("2130706433", "127.1", "0x7f.0.0.1", "127.0.0.1."), IPv4-mapped IPv6 as
+ *   IPv4, 0.0.0.0 and :: as the loopback addresses Linux connects them to.
+ *   Configured ::ffff:a.b.c.d/n networks (n >= 96) also cover
+ *   a.b.c.d/(n-96) as IPv4, as routing._IpSet does.
  */
 #define _GNU_SOURCE
 #include "route.h"
@@ -237,6 +245,7 @@ struct sw_table {
     int mode;
     int32_t mode_target, final_target;
     int32_t first_domain;
+    uint32_t first_net_dst; /* the first rule with an ip_cidr condition (nrules: none) */
     uint32_t kinds; /* union of the rules' kinds */
     struct rule *rules;
     sw_target_info *targets;
@@ -371,9 +380,7 @@ static u128 host_mask(int family, unsigned plen)
     return (family == 4 ? (u128)0xffffffffu : ~(u128)0) & ~net_mask(family, plen);
 }
 
-/* ---- IP literals, as routing._parse_ip ---------------------------------- */
-
-static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+/* ---- addresses, as routing._parse_target --------------------------------- */
 
 struct ipaddr {
     int family; /* 4 or 6; IPv4-mapped IPv6 is 4 */
@@ -391,34 +398,17 @@ static void unmap(struct ipaddr *ip)
 /* What a host text is to routing._view (classify()). */
 enum { H_NONE, H_NAME, H_IP, H_NONASCII, H_PERCENT };
 
-/* routing._parse_ip for ASCII text without '%' (see the top). */
-static bool parse_ip(const char *s, size_t n, struct ipaddr *out)
+/* An address as routing._parse_target reads it: IPv4-mapped as IPv4, the
+ * unspecified addresses as loopback (hostnorm). */
+static void ip_from_bytes(int family, const uint8_t *a, struct ipaddr *out)
 {
-    if (n == 0)
-        return false;
-    if (s[0] == '[' && s[n - 1] == ']') {
-        s++;
-        n -= 2;
-    } else if (!memchr(s, ':', n) && !is_digit(s[n - 1])) {
-        return false;
-    }
-    if (memchr(s, '/', n))
-        return false;
-    const uint8_t *text = (const uint8_t *)s;
-    uint8_t a[16];
-    if (sw_ip4_parse(text, n, a)) {
-        out->family = 4;
-        out->v = (u128)a[0] << 24 | (u128)a[1] << 16 | (u128)a[2] << 8 | a[3];
-        return true;
-    }
-    if (!sw_ip6_parse(text, n, a))
-        return false;
-    out->family = 6;
+    out->family = family;
     out->v = 0;
-    for (int i = 0; i < 16; i++)
+    for (int i = 0; i < (family == 4 ? 4 : 16); i++)
         out->v = out->v << 8 | a[i];
     unmap(out);
-    return true;
+    if (out->v == 0)
+        out->v = out->family == 4 ? 0x7f000001u : 1;
 }
 
 /* ---- life --------------------------------------------------------------- */
@@ -564,17 +554,26 @@ int sw_table_defer_cidr(sw_table *t, int family, const uint8_t *addr, int prefix
     return 0;
 }
 
-static int classify(const char *s, uint32_t n, struct ipaddr *ip);
-
 int sw_table_host_deferred(const sw_table *t, const char *host, uint32_t host_len)
 {
     if (!t || !t->ndefer_nets || !host)
         return 0;
     struct ipaddr ip;
-    switch (classify(host, host_len, &ip)) {
-    case H_PERCENT:
+    if (host_len && memchr(host, '%', host_len))
         return 1; /* a scoped IPv6 literal: only Python reads it */
-    case H_IP:
+    /* The address as given: an unspecified one is not the loopback one here
+     * (the pool maps neither; conn.c canonicalizes hosts before anyway). */
+    uint8_t a[16];
+    switch (sw_host_addr_as_given((const uint8_t *)host, host_len, a)) {
+    case SW_HOST_IP4:
+        ip.family = 4;
+        ip.v = (u128)a[0] << 24 | (u128)a[1] << 16 | (u128)a[2] << 8 | a[3];
+        break;
+    case SW_HOST_IP6:
+        ip.family = 6;
+        ip.v = 0;
+        for (int i = 0; i < 16; i++)
+            ip.v = ip.v << 8 | a[i];
         break;
     default:
         return 0;
@@ -1349,6 +1348,7 @@ int sw_table_seal(sw_table *t)
     if (!t || t->sealed || !t->mode)
         return -EINVAL;
     t->first_domain = (int32_t)t->nrules;
+    t->first_net_dst = t->nrules;
     t->kinds = 0;
     for (uint32_t r = 0; r < t->nrules; r++) {
         struct rule *ru = &t->rules[r];
@@ -1359,6 +1359,8 @@ int sw_table_seal(sw_table *t)
         /* Opaque may be a domain_regex (see sw_table_first_domain_rule). */
         if ((ru->kinds & (K_DOMAIN | K_OPAQUE)) && t->first_domain == (int32_t)t->nrules)
             t->first_domain = (int32_t)r;
+        if ((ru->kinds & K_NET_DST) && t->first_net_dst == t->nrules)
+            t->first_net_dst = r;
     }
     /* Bisected by source_local: sorted, duplicates dropped. */
     for (int f = 0; f < 2; f++) {
@@ -1398,22 +1400,27 @@ int sw_table_seal(sw_table *t)
 
 /* ---- decide ------------------------------------------------------------- */
 
-/* What a host text is to routing._view (see the top for the unsure ones). */
+/* What a host text is to routing._view (see the top for the unsure ones):
+ * an address in any spelling hostnorm.target_address knows is H_IP. */
 static int classify(const char *s, uint32_t n, struct ipaddr *ip)
 {
-    bool high = false, pct = false;
     if (n == 0)
         return H_NONE;
-    for (uint32_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        high |= c >= 0x80;
-        pct |= c == '%';
-    }
-    if (pct)
+    if (memchr(s, '%', n))
         return H_PERCENT;
-    if (high)
+    uint8_t a[16];
+    switch (sw_host_addr((const uint8_t *)s, n, a)) {
+    case SW_HOST_IP4:
+        ip_from_bytes(4, a, ip);
+        return H_IP;
+    case SW_HOST_IP6:
+        ip_from_bytes(6, a, ip);
+        return H_IP;
+    case SW_HOST_UNSURE:
         return H_NONASCII;
-    return parse_ip(s, n, ip) ? H_IP : H_NAME;
+    default:
+        return H_NAME;
+    }
 }
 
 struct view {
@@ -1422,6 +1429,7 @@ struct view {
     const struct dentry *whole[2]; /* the entry equal to the host, if any */
     int nhosts;
     bool dom_unknown;    /* a host whose domain conditions only Python knows */
+    bool name_target;    /* the target is a domain name without a resolved address */
     bool src_local;      /* a process condition is unknown (else false) */
     int dst;             /* 0 none, 4, 6, -1 unknown */
     u128 dst_ip;
@@ -1739,19 +1747,29 @@ static void make_view(const sw_table *t, const sw_route_query *q, struct view *v
     switch (classify(q->host, q->host_len, &ip)) {
     case H_NAME:
         add_host(t, v, q->host, q->host_len);
+        /* resolved_ip is what the name resolved to, as for no host. */
+        v->name_target = !q->resolved_family;
+        /* fall through */
+    case H_NONE:
+        if (q->resolved_family) {
+            ip_from_bytes(q->resolved_family, q->resolved_ip, &ip);
+            v->dst = ip.family;
+            v->dst_ip = ip.v;
+        }
         break;
     case H_IP:
         v->dst = ip.family;
         v->dst_ip = ip.v;
         break;
     case H_NONASCII:
+        /* Its IDNA form may be an address (hostnorm), else it is a name
+         * whose address may matter: either way only Python knows. */
         v->dom_unknown = true;
+        v->dst = -1;
         break;
     case H_PERCENT:
         v->dom_unknown = true;
         v->dst = -1;
-        break;
-    default:
         break;
     }
     if (q->sniffed) {
@@ -1817,7 +1835,8 @@ static void decide_indexed(const sw_table *t, const struct view *v, struct best 
 int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result *out)
 {
     if (!t || !q || !out || !t->sealed || (q->host_len && !q->host) ||
-        (q->source_family != 0 && q->source_family != 4 && q->source_family != 6))
+        (q->source_family != 0 && q->source_family != 4 && q->source_family != 6) ||
+        (q->resolved_family != 0 && q->resolved_family != 4 && q->resolved_family != 6))
         return -EINVAL;
     *out = (sw_route_result){.action = SW_ROUTE_ROUTE, .rule = -1, .target = -1, .reserved = 0};
     if (t->mode != SW_MODE_RULE) {
@@ -1839,7 +1858,13 @@ int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result 
     } else {
         decide_indexed(t, &v, &b);
     }
-    if (b.rule == t->nrules) {
+    if (v.name_target && t->first_net_dst < b.rule) {
+        /* An ip_cidr rule ranks before the match: the name's address may
+         * change the route (routing.needs_address).  Python resolves it, or
+         * conn.c passes the address its cache has in resolved_ip. */
+        out->action = SW_ROUTE_DEFER;
+        out->rule = (int32_t)t->first_net_dst;
+    } else if (b.rule == t->nrules) {
         out->target = t->final_target;
     } else if (b.tv == TV_UNKNOWN) {
         out->action = SW_ROUTE_DEFER;
@@ -1859,6 +1884,11 @@ int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result 
 uint32_t sw_table_rule_count(const sw_table *t)
 {
     return t ? t->nrules : 0;
+}
+
+uint32_t sw_table_first_ip_rule(const sw_table *t)
+{
+    return t && t->sealed ? t->first_net_dst : 0;
 }
 
 int32_t sw_table_first_domain_rule(const sw_table *t)

@@ -12,8 +12,10 @@
  * The reference is spliceway/routing.py (decide()).  sw_table_decide either
  * gives the same rule index / target as routing.decide, or SW_ROUTE_DEFER
  * when the first rule that could match needs a condition C does not check
- * (domain_regex; process_name for a client on this host): tests/csrc/
- * test_route_diff.py holds it to that on random configs x targets.
+ * (domain_regex; process_name for a client on this host) or a domain
+ * target's address it was not given (an ip_cidr rule ranked before the
+ * match: routing.needs_address): tests/csrc/test_route_diff.py holds it to
+ * that on random configs x targets.
  */
 #ifndef SW_ROUTE_H
 #define SW_ROUTE_H
@@ -77,6 +79,12 @@ typedef struct sw_route_query {
     uint8_t source_ip[16]; /* 4 bytes for IPv4 (IPv4-mapped already unmapped) */
     uint32_t inbound;      /* inbound index (config order) */
     uint32_t principal;    /* principal id, SW_NO_PRINCIPAL when none */
+    /* The address a domain target resolved to (routing.FlowFacts.resolved_ip):
+     * family 4 or 6 (0: none), 4 or 16 bytes.  Without it, a name whose route
+     * an ip_cidr rule could change defers (see sw_table_first_ip_rule). */
+    uint8_t resolved_family;
+    uint8_t reserved2[3];
+    uint8_t resolved_ip[16];
 } sw_route_query;
 
 typedef struct sw_route_result {
@@ -173,6 +181,10 @@ int sw_table_decide(const sw_table *table, const sw_route_query *query, sw_route
 /* Index of the first rule with a domain condition (nrules when none): a
  * sniffed host can change a decision only if this is below the matched rule. */
 int32_t sw_table_first_domain_rule(const sw_table *table);
+/* Index of the first rule with an ip_cidr condition (nrules when none, 0 for
+ * an unsealed table): a domain target's address can change a decision only
+ * if this is below the matched rule (routing.RuleSet.first_ip_rule). */
+uint32_t sw_table_first_ip_rule(const sw_table *table);
 
 /* SW_CDEF_END */
 

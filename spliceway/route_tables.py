@@ -30,7 +30,7 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from spliceway import routing
+from spliceway import hostnorm, routing
 from spliceway._relay import ffi, lib
 from spliceway.config import BUILTIN_DIRECT, Rule, parse_port_spec
 from spliceway.relay import check
@@ -220,20 +220,21 @@ class CompiledRoutes:
         """``sw_table_decide`` on ``facts``: ``(action, rule, target)``, or None for facts C
         cannot express.
 
-        Those are: a ``resolved_ip`` (mode ``rule`` with ip_cidr rules), a
-        ``process_name`` (C never knows one), an inbound tag or principal key missing from
-        the mappings, a port outside 0..65535, and a source address and port of which only
-        one is known or the address does not parse.
+        Those are: a ``resolved_ip`` that is not an address (C's query carries one only
+        as bytes), a ``process_name`` (C never knows one), an inbound tag or principal key
+        missing from the mappings, a port outside 0..65535, and a source address and port
+        of which only one is known or the address does not parse.
         """
-        if (
-            facts.resolved_ip is not None
-            and self.ruleset.has_ip_conditions
-            and self.mode_kind == "rule"
-        ):
-            return None
         if facts.process_name is not None:
             return None
         query = ffi.new("sw_route_query *")
+        if facts.resolved_ip is not None:
+            resolved = hostnorm.target_address(facts.resolved_ip)
+            if resolved is None:
+                return None
+            ip = ipaddress.ip_address(resolved.partition("%")[0])
+            query.resolved_family = ip.version
+            ffi.memmove(query.resolved_ip, ip.packed, len(ip.packed))
         keep: list[Any] = []
         if not 0 <= facts.port <= 0xFFFF:
             return None

@@ -5,7 +5,9 @@ On random configs x random flows, C must give exactly routing.decide's RouteDeci
 exactly when the first rule whose checkable conditions all hold has an opaque one
 (domain_regex; process_name for a source on this host, which fails for any other source
 and under process_lookup off), unless a host is one C leaves to Python (non-ASCII, or a
-'%' that may be an IPv6 scope id), where it may defer at or before Python's rule.
+'%' that may be an IPv6 scope id), where it may defer at or before Python's rule; and it
+defers at the first ip_cidr rule when the target is a domain name without a resolved
+address and that rule ranks before the match (routing.needs_address).
 Plus the table's lifecycle and argument checks, and a C harness for the parts
 outside the cdef (target info, mode, concurrent decides).
 """
@@ -269,11 +271,16 @@ def flows(draw: st.DrawFn, rules: list[Rule]) -> routing.FlowFacts:
     if nets:
         source |= st.builds(_inside, st.sampled_from(nets), st.integers(0, 2**128))
     src_ip = draw(st.none() | source)
+    dst_nets = sorted({v for r in rules for v in (r.ip_cidr or ())})
+    resolved = st.ip_addresses().map(str)
+    if dst_nets:
+        resolved |= st.builds(_inside, st.sampled_from(dst_nets), st.integers(0, 2**128))
     return routing.FlowFacts(
         network=draw(st.sampled_from(["tcp", "tcp", "udp", "quic"])),
         host=draw(hosts),
         port=draw(_port_num),
         sniffed_host=draw(st.none() | hosts),
+        resolved_ip=draw(st.none() | resolved),
         source_ip=src_ip,
         source_port=None if src_ip is None else draw(_port_num),
         inbound_tag=draw(st.sampled_from([None, "in0", "in1", "in2"])),
@@ -378,16 +385,32 @@ def check_flow(oracle: Oracle, routes: CompiledRoutes, facts: routing.FlowFacts)
     unsure = _unsure(facts.host) or _unsure(facts.sniffed_host)
     first = oracle.first_checkable(facts)
     opaque_first = first is not None and oracle.defers_at(first, facts)
+    # A domain target without an address, an ip_cidr rule before C's answer: C defers.
+    bound = len(oracle.rules) if expected.matched_rule is None else expected.matched_rule.index
+    if opaque_first:
+        bound = min(bound, first)
+    first_ip = oracle.ruleset.first_ip_rule
+    needs_address = (
+        facts.resolved_ip is None
+        and bool(facts.host)
+        and routing._parse_target(facts.host) is None
+        and first_ip < bound
+    )
     if action == lib.SW_ROUTE_DEFER:
         if unsure:
             matched = expected.matched_rule
             limit = len(oracle.rules) if matched is None else matched.index
             assert 0 <= rule <= limit, (facts, rule, expected)
             return "defer-unsure"
+        if needs_address:
+            assert rule == first_ip, (facts, rule, first_ip, expected)
+            assert routing.needs_address(oracle.ruleset, "rule", facts, expected)
+            return "defer-address"
         assert opaque_first and rule == first, (facts, rule, first, expected)
         return "defer-opaque" if oracle.opaque[first] else "defer-process"
     assert got == expected, (facts, raw, got, expected)
     assert unsure or not opaque_first, (facts, first)
+    assert unsure or not needs_address, (facts, first_ip)
     return "match" if expected.matched_rule else "final"
 
 
@@ -402,6 +425,8 @@ def _quick_flows(rnd: random.Random, rules: list[Rule], n: int) -> list[routing.
     nets = sorted({v for r in rules for v in (*(r.ip_cidr or ()), *(r.source_ip_cidr or ()))})
     odd = ["", ".", "a..", "1.2.3.4.", "[1.2.3.4]", "::ffff:10.1.2.3", "[::1]", "01.2.3.4"]
     odd += ["ex\u212a.com", "fe80::1%eth0", "1::2::3", "::1.2.3.4", "10.0.0.1"]
+    # Other spellings of addresses (spliceway.hostnorm), the fullwidth one left to Python.
+    odd += ["167772161", "0xa.1", "012.0.0.1", "10.1 x", "0", "::", "\uff11\uff10.0.0.1"]
 
     def case(s: str) -> str:
         return "".join(c.upper() if rnd.random() < 0.3 else c for c in s)
@@ -436,10 +461,15 @@ def _quick_flows(rnd: random.Random, rules: list[Rule], n: int) -> list[routing.
                 src = rnd.choice(
                     ["10.0.0.7", "127.0.0.1", "::1", "::ffff:127.0.0.1", "2001:db8::9", "fe80::1"]
                 )
+        dst_nets = [n for r in rules for n in (r.ip_cidr or ())]
+        resolved = None
+        if dst_nets and rnd.random() < 0.3:
+            resolved = _inside(rnd.choice(dst_nets), rnd.getrandbits(128))
         out.append(
             routing.FlowFacts(
                 network=rnd.choice(["tcp", "tcp", "udp"]),
                 host=host(),
+                resolved_ip=resolved,
                 port=rnd.choice(
                     [0, 22, 80, 443, 8080, 65535, rnd.randint(78, 84), rnd.randrange(65536)]
                 ),
@@ -502,10 +532,19 @@ def test_c_decide_matches_routing_or_defers():
         for host in ("a.ex", "b.ex", "zz.org", "\u00e9.ex", "a%41.org"):
             seen[check_flow(oracle, routes, _facts(host, source))] += 1
     routes.close()
+    # A domain target meets an ip_cidr rule: C defers unless it is given the address.
+    rule = {"ip_cidr": "10.0.0.0/8", "port": "1", "action": "block"}
+    fixed_ip = {**fixed, "rules": [Rule.model_validate(rule)]}
+    oracle, routes = Oracle(fixed_ip), compile_cfg(fixed_ip)
+    for host in ("zz.org", "10.1.2.3", "0xa.1", "zz.org."):
+        for resolved in (None, "10.9.9.9", "::ffff:10.0.0.1", "192.0.2.1"):
+            for port in (1, 2):
+                facts = routing.FlowFacts("tcp", host, port, resolved_ip=resolved)
+                seen[check_flow(oracle, routes, facts)] += 1
+    routes.close()
     # Together they produce matches, finals and both kinds of deferral.
-    assert {"match", "final", "defer-opaque", "defer-process", "defer-unsure", "mode"} <= set(
-        seen
-    ), seen
+    kinds = {"match", "final", "defer-opaque", "defer-process", "defer-unsure", "mode"}
+    assert kinds | {"defer-address"} <= set(seen), seen
 
 
 _ab = st.text(alphabet="ab.", min_size=1, max_size=5)
@@ -616,11 +655,17 @@ _PROBE_ORACLE = Oracle(_PROBE)
 @settings(max_examples=800, deadline=None)
 @given(host=st.one_of(_ip_texts, _fuzz_text, st.text(max_size=8)))
 def test_ip_literals_parse_like_python(host):
-    """IPv4 vs IPv6 vs name (vs nothing), as routing._parse_ip tells them apart."""
+    """IPv4 vs IPv6 vs name (vs nothing), as routing._parse_target tells them apart (an
+    address in any spelling spliceway.hostnorm knows)."""
     facts = routing.FlowFacts(network="tcp", host=host, port=1)
     check_flow(_PROBE_ORACLE, _PROBE_ROUTES, facts)
-    if not _unsure(host):
-        assert _PROBE_ROUTES.decide(facts) == _PROBE_ORACLE.decide(facts)
+    if _unsure(host):
+        return
+    got = _PROBE_ROUTES.decide(facts)
+    if host and routing._parse_target(host) is None:
+        assert got is None  # a name meets the ip_cidr rules first: its address decides
+    else:
+        assert got == _PROBE_ORACLE.decide(facts)
 
 
 def test_examples():
@@ -665,7 +710,7 @@ def test_examples():
     # Unexpressible facts.
     assert routes.query(routing.FlowFacts("tcp", "a", 1, inbound_tag="inX")) is None
     assert routes.query(routing.FlowFacts("tcp", "a", 1, principal_key="zed")) is None
-    assert routes.query(routing.FlowFacts("tcp", "a", 1, resolved_ip="10.0.0.1")) is None
+    assert routes.query(routing.FlowFacts("tcp", "a", 1, resolved_ip="a.b")) is None
     assert routes.query(routing.FlowFacts("tcp", "a", 70000)) is None
     assert routes.query(routing.FlowFacts("tcp", "a", 1, source_ip="1.1.1.1")) is None
 
