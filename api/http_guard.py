@@ -406,7 +406,7 @@ class GuardedServer(TcpWSGIServer):
         """Evict a pending connection if ``new`` puts its source or the server over a cap."""
         pending = [
             ch
-            for ch in self.active_channels.values()
+            for ch in list(self.active_channels.values())
             if isinstance(ch, GuardedChannel) and ch is not new and ch.phase() in ("idle", "head")
         ]
         limits = self.limits

@@ -62,6 +62,10 @@ def _health_within(address: tuple[str, int], limit_s: float) -> float:
     return took
 
 
+def _auth_line() -> bytes:
+    return f"Authorization: Bearer {KEY}\r\n".encode()
+
+
 def _closed_by_peer(sock: socket.socket) -> bool:
     """Whether the server has closed ``sock`` (EOF or reset); never blocks."""
     sock.setblocking(False)
@@ -140,6 +144,11 @@ def test_trickling_connections_cannot_lock_out_a_keyed_client(
         sockets.append(sock)
     started = time.monotonic()
     _health_within(address, 1.0)
+    # A kept-alive connection that goes quiet is pending too, and closed when idle.
+    kept = socket.create_connection(address, timeout=5)
+    sockets.append(kept)
+    kept.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + _auth_line() + b"\r\n")
+    assert _read_response(kept, 1.0)[0] == 200
     # The cap counts the health check's connection too while it was pending.
     wait_until(
         lambda: sum(not _closed_by_peer(s) for s in sockets) <= LIMITS.max_pending_per_source,
@@ -148,7 +157,7 @@ def test_trickling_connections_cannot_lock_out_a_keyed_client(
     )
     sent = 1
     while time.monotonic() - started < LIMITS.head_s + 3:
-        open_now = [s for s in sockets if not _closed_by_peer(s)]
+        open_now = [s for s in sockets if s is not kept and not _closed_by_peer(s)]
         if not open_now:
             break
         # One more byte each, as a trickling client does: it must not buy more time.
@@ -157,8 +166,9 @@ def test_trickling_connections_cannot_lock_out_a_keyed_client(
                 sock.send(head[sent % len(head) : sent % len(head) + 1])
         sent += 1
         time.sleep(0.5)
-    still_open = sum(not _closed_by_peer(s) for s in sockets)
+    still_open = sum(not _closed_by_peer(s) for s in sockets if s is not kept)
     assert still_open == 0, f"{still_open} trickling connections outlived the head deadline"
+    assert _eof_within(kept, LIMITS.idle_s + 2 - (time.monotonic() - started))
     _health_within(address, 1.0)
 
 
