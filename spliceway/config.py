@@ -918,9 +918,10 @@ class DnsSettings(_Model):
     """
     client_rate_limit: PosInt | None = 1000
     """Queries a second the DNS server (`listen`) answers from one client address, with a
-    burst of twice as many; more are dropped and counted (`rate_limited`), as unbound's
-    `ip-ratelimit`. Raise it for a forwarder that sends every client's queries from one
-    address; `null`: no limit. See docs/dns.md.
+    burst of twice as many; a query it must parse (not a cached answer) counts 10. More
+    are dropped and counted (`rate_limited`), as unbound's `ip-ratelimit`. Raise it for a
+    forwarder that sends every client's queries from one address; `null`: no limit. See
+    docs/dns.md.
     """
 
 

@@ -131,6 +131,13 @@ MAX_TCP_CLIENTS: Final = 256
 #: bytes) and at most an EDNS OPT (a cookie, padding to a 128-byte block): some 500 bytes
 #: at most. A longer message is answered FORMERR from its header without being parsed.
 MAX_QUERY_BYTES: Final = 1232
+#: EDNS options in a query: the ones a client sends (cookie, padding, client subnet,
+#: keepalive, NSID) are five at most. More is FORMERR, unparsed.
+MAX_EDNS_OPTIONS: Final = 8
+#: What a query that is parsed (resolved, forwarded: some hundreds of microseconds)
+#: takes of its client's rate, where one answered from the wire cache or refused by its
+#: header (a few microseconds) takes 1.
+PARSED_QUERY_COST: Final = 10
 #: Source addresses whose rate is followed; the least recently seen is forgotten first.
 MAX_RATE_SOURCES: Final = 8192
 #: A client's burst: this many seconds of its rate.
@@ -291,7 +298,43 @@ def screen(data: bytes) -> tuple[bytes | None, int] | _Accepted:
         return _header_reply(data, dns.rcode.NOTIMP), dns.rcode.NOTIMP
     if len(data) > MAX_QUERY_BYTES or qd != 1 or an or ns or ar > 1:
         return _header_reply(data, dns.rcode.FORMERR), dns.rcode.FORMERR
+    if ar and not _plain_opt(data):
+        return _header_reply(data, dns.rcode.FORMERR), dns.rcode.FORMERR
     return ACCEPTED
+
+
+def _plain_opt(data: bytes) -> bool:
+    """Whether the one additional record of the query ``data`` is an EDNS OPT (root
+    owner, type 41) of at most :data:`MAX_EDNS_OPTIONS` well-framed options that ends
+    the message. Anything else would be parsed by dnspython at a cost the length does
+    not bound: a 1 KiB TXT record of empty strings took it 20 ms, 300 empty options 8."""
+    n, i = len(data), 12
+    while True:  # the question's name
+        if i >= n:
+            return False
+        length = data[i]
+        if length == 0:
+            i += 1
+            break
+        if length >= 0xC0:  # a compression pointer ends it
+            i += 2
+            break
+        if length > 63:
+            return False
+        i += length + 1
+    i += 4  # type, class
+    if i + 11 > n or data[i] != 0 or data[i + 1] != 0 or data[i + 2] != _OPT:
+        return False
+    j = i + 11
+    if j + ((data[i + 9] << 8) | data[i + 10]) != n:
+        return False
+    count = 0
+    while j < n:
+        count += 1
+        if count > MAX_EDNS_OPTIONS or j + 4 > n:
+            return False
+        j += 4 + ((data[j + 2] << 8) | data[j + 3])
+    return j == n
 
 
 class _Throttle:
@@ -347,8 +390,9 @@ class ClientRateLimit:
         """Set the rate (None: no limit)."""
         self._limits = None if rate is None else (float(rate), float(rate * RATE_BURST_SECONDS))
 
-    def allow(self, source: str) -> bool:
-        """Take one query of ``source``'s; False when its bucket is empty (drop it)."""
+    def allow(self, source: str, cost: float = 1.0) -> bool:
+        """Take ``cost`` queries of ``source``'s rate; False when its bucket holds less
+        (drop the query; nothing is taken)."""
         limits = self._limits
         if limits is None:
             return True
@@ -359,15 +403,15 @@ class ClientRateLimit:
         if bucket is None:
             if len(buckets) >= self._max_sources:
                 buckets.popitem(last=False)
-            buckets[source] = [burst - 1.0, now]
-            return True
-        buckets.move_to_end(source)
+            bucket = buckets[source] = [burst, now]
+        else:
+            buckets.move_to_end(source)
         tokens = min(burst, bucket[0] + (now - bucket[1]) * rate)
         bucket[1] = now
-        if tokens < 1.0:
+        if tokens < cost:
             bucket[0] = tokens
             return False
-        bucket[0] = tokens - 1.0
+        bucket[0] = tokens - cost
         return True
 
     def __len__(self) -> int:
@@ -887,6 +931,8 @@ class DnsServer:
                 self._send(out, addr)
             elif unanswerable(data):
                 counters.dropped += 1  # no task for it: nothing to answer
+            elif not allow(addr[0], PARSED_QUERY_COST - 1):
+                counters.rate_limited += 1
             elif responder.pending >= MAX_PENDING:
                 counters.dropped += 1
             else:
@@ -957,7 +1003,11 @@ class DnsServer:
             return  # gone already
         allow = self.rate_limit.allow
         await serve_tcp_client(
-            reader, writer, self.responder, self._tcp_clients, allow=lambda: allow(source)
+            reader,
+            writer,
+            self.responder,
+            self._tcp_clients,
+            allow=lambda cost: allow(source, cost),
         )
 
 
@@ -967,13 +1017,13 @@ async def serve_tcp_client(
     responder: DnsResponder,
     clients: set[asyncio.Task[Any]],
     *,
-    allow: Callable[[], bool] | None = None,
+    allow: Callable[[float], bool] | None = None,
 ) -> None:
     """Serve one TCP client's queries (two-byte length prefix, RFC 1035 4.2.2) until it
     closes, sends a query the responder drops, a message longer than
     :data:`MAX_QUERY_BYTES` (answered FORMERR from its header, unparsed) or one
-    ``allow()`` refuses (its rate limit: dropped, counted), or is idle
-    :data:`TCP_IDLE_SECONDS`.
+    ``allow(cost)`` refuses (its rate limit, as :class:`DnsServer` charges it over UDP:
+    dropped, counted), or is idle :data:`TCP_IDLE_SECONDS`.
 
     ``clients`` holds the serving tasks of one server (at most :data:`MAX_TCP_CLIENTS`;
     a client past that is closed at once), so its owner can cancel them when it stops.
@@ -995,10 +1045,16 @@ async def serve_tcp_client(
                 data = await reader.readexactly(size)
             counters.queries += 1
             counters.tcp_queries += 1
-            if allow is not None and not allow():
+            if allow is not None and not allow(1):
                 counters.rate_limited += 1
                 return
-            out = await responder.respond(data, True)
+            out: bytes | _Slow | None = responder.quick(data, True)
+            if isinstance(out, _Slow):
+                costly = allow is not None and not unanswerable(data)
+                if costly and allow is not None and not allow(PARSED_QUERY_COST - 1):
+                    counters.rate_limited += 1
+                    return
+                out = await responder.respond(data, True)
             if out is None:
                 return  # dropped: nothing sensible follows on this stream
             writer.write(len(out).to_bytes(2, "big") + out)

@@ -59,11 +59,37 @@ def test_refusals_are_the_header_alone():
     # A response, a short message: dropped.
     assert screen(header(flags=0x8180)) == (None, 0)
     assert screen(b"\x42\x42\x01\x00") == (None, 0)
-    # Exactly the largest length is still parsed.
-    longest = header(ar=1) + QUESTION + b"\0\0\x29\x04\xd0\0\0\0\0"
-    longest += struct.pack(">H", MAX_QUERY_BYTES - len(longest) - 2)
-    longest += b"\0" * (MAX_QUERY_BYTES - len(longest))
+    # Exactly the largest length is still parsed (one padding option fills it).
+    room = MAX_QUERY_BYTES - 12 - len(QUESTION) - 11 - 4
+    longest = header(ar=1) + QUESTION + opt(struct.pack(">HH", 12, room) + b"\0" * room)
     assert len(longest) == MAX_QUERY_BYTES and screen(longest) is ACCEPTED
+
+
+def opt(options: bytes) -> bytes:
+    """An EDNS(0) OPT record (root owner, 1232-byte payload) holding ``options``."""
+    return b"\0" + struct.pack(">HHIH", 41, 1232, 0, len(options)) + options
+
+
+def test_the_one_additional_record_must_be_a_plain_opt():
+    cookie = struct.pack(">HH", 10, 8) + b"c" * 8
+    assert screen(header(ar=1) + QUESTION + opt(b"")) is ACCEPTED
+    assert screen(header(ar=1) + QUESTION + opt(cookie * 8)) is ACCEPTED
+    # What dnspython would take milliseconds to parse, in a few hundred bytes.
+    txt = b"\0" + struct.pack(">HHIH", 16, 1, 0, 900) + b"\0" * 900
+    for data in (
+        header(ar=1) + QUESTION + opt(cookie * 9),  # more than MAX_EDNS_OPTIONS
+        header(ar=1) + QUESTION + opt(struct.pack(">HH", 65001, 0) * 290),
+        header(ar=1) + QUESTION + txt,  # not an OPT
+        header(ar=1) + QUESTION + b"\x01x" + opt(b"")[1:],  # an owner name
+        header(ar=1) + QUESTION + opt(cookie)[:-1],  # cut short
+        header(ar=1) + QUESTION + opt(cookie) + b"\0",  # trailing bytes
+        header(ar=1) + QUESTION + opt(struct.pack(">HH", 10, 9) + b"c" * 8),  # overrun
+        header(ar=1) + b"\x05ab",  # the question runs out
+    ):
+        assert screen(data) == (formerr(), 1), data
+    # Wrapped in a name that is a compression pointer, still walked.
+    pointed = header(ar=1) + b"\xc0\x0c\x00\x01\x00\x01" + opt(cookie)
+    assert screen(pointed) is ACCEPTED
 
 
 @settings(max_examples=500, deadline=None)
@@ -114,6 +140,10 @@ def test_the_rate_limit_is_a_bucket_per_source():
     assert [limit.allow("a") for _ in range(10)].count(True) == 5
     clock.now += 60  # full again, never above the burst
     assert [limit.allow("a") for _ in range(burst * 2)].count(True) == burst
+    # A costly query takes more; one the bucket cannot pay takes nothing.
+    clock.now += 60
+    assert [limit.allow("c", 9) for _ in range(3)] == [True, True, False]
+    assert limit.allow("c", 2) and not limit.allow("c")
 
 
 def test_the_rate_limit_forgets_the_least_recently_seen_source_and_can_be_changed():
