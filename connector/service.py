@@ -182,8 +182,9 @@ class Connector:
         and the next start completes it again; once committed it is closed for good.
 
         The ring must not evict a completion before every intake took it: they go out in
-        chunks of a quarter of the ring, each waited for (bounded); past the wait, a
-        sink that could not take them (a full disk) gets them at a later start.
+        chunks of a quarter of the ring, each taken by every sink before the next goes
+        (a bounded wait: past it, a sink that could not take them, its disk full, gets
+        them at a later start). One chunk, the usual case, does not wait at all.
         """
         owed = {slot.spec.tag: _orphans(slot) for slot in self.slots}
         kept: dict[str, list[bytes]] = {}
@@ -203,6 +204,13 @@ class Connector:
         chunk = max(1, self.log.capacity // 4)
         deadline = time.monotonic() + ORPHAN_WAIT_S
         for start in range(0, len(completions), chunk):
+            if start:
+                # The previous chunk taken by every sink before the ring moves on.
+                last = self.log.latest_sequence
+                while time.monotonic() < deadline and any(
+                    s.feed.cursor < last for s in self.slots
+                ):
+                    time.sleep(0.005)
             intake = self.intake
             with intake.lock:  # the intake reads none before its sinks' skips are set
                 for flow_id, done in completions[start : start + chunk]:
@@ -217,9 +225,6 @@ class Connector:
                         if flow_id not in owed[slot.spec.tag]:
                             slot.feed.skip.add(envelope["sequence"])
                     flowlog.log_completed(done.state)  # its one line, as every flow has
-            last = self.log.latest_sequence
-            while time.monotonic() < deadline and any(s.feed.cursor < last for s in self.slots):
-                time.sleep(0.005)
         logger.info(
             "completed %d flows the previous run left open (outcome engine_crashed)",
             len(completions),

@@ -294,6 +294,33 @@ def test_each_sink_gets_the_crash_completions_of_the_flows_its_own_outbox_shows_
     assert crashed("b") == ["dead-0-1", "dead-0-2"]
 
 
+def test_more_crash_completions_than_the_ring_holds_reach_every_sink(tmp_path):
+    """30 orphans, a ring of 8: they go out two at a time, each pair taken by every sink
+    before the next, so the ring evicts none before its sinks took it."""
+    outbox = tmp_path / "outbox"
+    files = {tag: tmp_path / f"{tag}.jsonl" for tag in ("a", "b")}
+    cfg = sink_config([jsonl(tag, path) for tag, path in files.items()], outbox)
+    store = OutboxStore(str(outbox))
+    for tag in files:
+        box = store.open_sink(tag, track_flows=True)
+        box.append([_lifecycle("flow.started", _state(f"dead-0-{i}"), 1_000) for i in range(30)])
+        box.commit()
+        box.close()
+    store.close()
+    log = EventLog(8)
+    connector = Connector(parse_config(cfg).api, log)
+    connector.start()
+    try:
+        log.emit("engine.started", {"build_id": "t", "started_at_unix_ms": 1})
+        assert connector.complete_orphans() == 30
+    finally:
+        connector.stop()
+    for tag, path in files.items():
+        lines = [orjson.loads(line) for line in path.read_text().splitlines()]
+        done = [e["payload"]["flow_id"] for e in lines if e["event_type"] == "flow.completed"]
+        assert sorted(done) == sorted(f"dead-0-{i}" for i in range(30)), tag
+
+
 def test_on_a_full_disk_acknowledged_segments_go_without_a_checkpoint(tmpfs):
     """Space comes first: when the checkpoint cannot be written for want of space, the old
     one is removed and the segments are deleted anyway. Recovery then sees only the records
