@@ -31,9 +31,9 @@ ratio to dnsmasq.
 ``--flows`` measures instead where the server's loop should run: an engine in this
 process (one socks5 inbound, the C connection path) serves TCP flows
 (``loadgen rate``, 16 in flight, to tinyserver) while its DNS server answers cached
-queries (dnsload, 16 in flight), with the server on the dispatcher's loop (where the
-flows' actors run: what the engine does) and on a thread of its own; each alone, then
-both at once, for both placements.
+queries (dnsload, 16 in flight, no rate limit), with the server on the dispatcher's
+loop (where the flows' actors run) and on a thread of its own (what the engine does);
+each alone, then both at once, for both placements.
 
 Bounded: every run stops at its duration and is killed after 60 s; the default takes
 about 2 minutes (``--quick``: about 25 s; ``--flows``: about 40 s). Output: the table
