@@ -24,8 +24,9 @@ What it answers (where the spec leaves room, these are the choices):
 - **Not a standard query** (another opcode or class): NOTIMP; EDNS version above 0:
   BADVERS.
 - **Refused by its header, before any parse** (:func:`screen`, unbound's checks): a
-  question count other than 1, answer or authority records, more than one additional
-  record, or more than :data:`MAX_QUERY_BYTES`: FORMERR; another opcode: NOTIMP. The
+  question count other than 1, answer or authority records, an additional record
+  other than one EDNS OPT of at most :data:`MAX_EDNS_OPTIONS` options, or more than
+  :data:`MAX_QUERY_BYTES`: FORMERR; another opcode: NOTIMP. The
   answer is the header alone (ID, opcode and RD copied), never longer than the query.
   Shorter than a header, or QR set (a response: answering it could loop): dropped.
 - **Malformed:** a message that passes but whose rest does not parse gets the same
@@ -284,13 +285,14 @@ def screen(data: bytes) -> tuple[bytes | None, int] | _Accepted:
     """Judge a message by its 12-byte header and its length alone, before any parse.
 
     :data:`ACCEPTED` when it is a standard query with one question, no answer or
-    authority records, at most one additional record (an EDNS OPT) and at most
+    authority records, no additional record but an EDNS OPT of at most
+    :data:`MAX_EDNS_OPTIONS` options (its framing walked, not parsed) and at most
     :data:`MAX_QUERY_BYTES` long. Otherwise ``(reply, rcode)``: a header-only answer
     (ID, opcode and RD copied, no question echoed, so it is never longer than the query
     nor than 512 bytes) with NOTIMP for another opcode and FORMERR for anything else;
     ``reply`` is None (drop) for a message shorter than a header or with QR set (a
     response: answering it could loop). These are unbound's checks
-    (``worker_check_request``), plus the length."""
+    (``worker_check_request``), plus the length and the OPT."""
     if unanswerable(data):
         return None, 0
     _, flags, qd, an, ns, ar = _HEADER.unpack_from(data)
@@ -534,7 +536,8 @@ class DnsResponder:
             return SLOW
         flags, counts, tail, expires = entry
         if expires <= self._clock():
-            self._wire.pop(key, None)  # the other loop (see the class) may have
+            # pop: the other loop (see the class) may have removed it meanwhile.
+            self._wire.pop(key, None)
             return SLOW
         if qend + len(tail) > limit:
             return SLOW
