@@ -272,6 +272,10 @@ static int v6_result(const uint8_t *s, size_t n, uint8_t out[16], bool loop)
 
 static int host_addr(const uint8_t *s, size_t n, uint8_t out[16], bool loop)
 {
+    /* A C string ends at a NUL: all getaddrinfo or inet_aton would read. */
+    const uint8_t *nul = n ? memchr(s, 0, n) : NULL;
+    if (nul)
+        n = (size_t)(nul - s);
     if (n == 0)
         return SW_HOST_NAME;
     if (memchr(s, '%', n))

@@ -20,7 +20,8 @@ What reads as an IPv4 address (:func:`target_address`):
   which is 0); every part but the last at most 255, the last filling the remaining bytes
   (``127.1`` is 127.0.0.1, ``2130706433`` is one 32-bit number); one trailing dot allowed;
 - glibc's ``inet_aton`` also ignores anything after an ASCII whitespace character that
-  follows an address (``"127.1 x"``): such a host reads as that address too. Nothing else
+  follows an address (``"127.1 x"``): such a host reads as that address too, and so does
+  one whose text before a NUL is an address (all a C function reads of it). Nothing else
   trailing is ignored: ``4chan.org`` is a name (``getaddrinfo`` and browsers agree);
 - an IPv4-mapped IPv6 address (``::ffff:a.b.c.d`` in any IPv6 spelling), which a socket
   reaches as the IPv4 address;
@@ -30,11 +31,11 @@ What reads as an IPv4 address (:func:`target_address`):
 The unspecified addresses are where Linux connects to: a connection to 0.0.0.0 reaches
 127.0.0.1 and one to ``::`` reaches ``::1``, so ``0`` (which is 0.0.0.0) is 127.0.0.1.
 
-IPv6 text (brackets allowed, no scope id) is written as :mod:`ipaddress` writes it
-(RFC 5952). A host with a ``%`` (an IPv6 scope id, or a percent-escape no resolver
-decodes) is left as given. Any other host is a domain name, given back as it came except
-for one trailing dot, which is dropped (``example.com.`` is ``example.com``; ``a..`` stays,
-so the function is idempotent).
+IPv6 text (brackets allowed) is written as :mod:`ipaddress` writes it (RFC 5952), a
+scope id (``fe80::1%eth0``) kept. Any other host is a domain name, given back as it came
+except for one trailing dot, which is dropped (``example.com.`` is ``example.com``; ``a..``
+stays, so the function is idempotent), unless it has a ``%`` (a percent-escape no
+resolver decodes): that is left as given.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _v4_text(value: int) -> str:
 
 
 def _v6_text(text: str) -> str | None:
-    """An IPv6 literal (no scope id) canonically: mapped ones as IPv4; else None."""
+    """An IPv6 literal canonically: mapped ones as IPv4, a scope id kept; else None."""
     try:
         ip = ipaddress.IPv6Address(text)
     except ValueError:
@@ -129,9 +130,9 @@ def _v6_text(text: str) -> str | None:
     mapped = ip.ipv4_mapped
     if mapped is not None:
         return _v4_text(int(mapped))
-    if int(ip) == 0:
-        return "::1"
-    return str(ip)
+    value = int(ip)
+    base = "::1" if value == 0 else str(ipaddress.IPv6Address(value))
+    return base if ip.scope_id is None else f"{base}%{ip.scope_id}"
 
 
 def _ascii_address(host: str) -> str | None:
@@ -156,15 +157,25 @@ def _ascii_address(host: str) -> str | None:
 
 def target_address(host: str) -> str | None:
     """The canonical text of the IP address ``host`` reads as (see the module), else None."""
-    if not host or "%" in host:
+    # A C string ends at a NUL: that is all getaddrinfo or inet_aton would read.
+    host = host.partition("\x00")[0]
+    if not host:
         return None
+    if "%" in host:
+        # Only a scoped IPv6 address has one (percent-escapes are names no one decodes).
+        inner = host[1:-1] if host[0] == "[" and host[-1] == "]" else host
+        return _v6_text(inner) if ":" in inner else None
     if not host.isascii():
         try:
-            host = host.encode("idna").decode("ascii")
+            name = host.encode("idna").decode("ascii")
         except UnicodeError:
-            return None
-        if not host or "%" in host:
-            return None
+            name = ""
+        address = _ascii_address(name) if name and "%" not in name else None
+        if address is None:
+            # inet_aton reads an address before whitespace whatever follows it.
+            value = _aton_prefix(host)
+            address = None if value is None else _v4_text(value)
+        return address
     return _ascii_address(host)
 
 
