@@ -1,6 +1,7 @@
 /*
  * fuzz_parse: a standalone fuzz driver for the C handshake and sniff parsers
- * (csrc/parse.c) and the TUN packet parser and rewriter (csrc/pkt.c),
+ * (csrc/parse.c), the target host normalizer (csrc/iplit.c) and the TUN
+ * packet parser and rewriter (csrc/pkt.c),
  * meant to be built with -fsanitize=address,undefined (see
  * benchmarks/fuzz_parse.py, which builds and runs it).
  *
@@ -13,7 +14,9 @@
  * records; upstream proxy response heads with obs-fold, sometimes with odd
  * bytes in the version or a field name; IPv4/IPv6 packets with TCP, UDP,
  * ICMP or other payloads, options and extension headers; "host\0user\0pass"
- * arguments for the CONNECT request builder) and any SEEDFILEs (raw
+ * arguments for the CONNECT request builder; IPv4 addresses in inet_aton and
+ * WHATWG spellings, 1..4 parts of decimal, octal and hex, with trailing dots,
+ * whitespace and junk) and any SEEDFILEs (raw
  * messages, e.g. genuine ClientHellos), then
  * mutated: bit flips, interesting bytes, inserted/deleted/duplicated runs,
  * truncation, splices of two seeds, and 8/16-bit length-field edits.  Some
@@ -76,6 +79,13 @@
  *     a field that held the old addresses' pseudo-header sum to exactly the
  *     new ones' (which then finishes into a checksum that verifies), and
  *     reversed restores every byte but a field of 0 (back as 0xffff);
+ *   - the host normalizer (sw_host_canon, sw_host_addr) answers one kind of
+ *     enum sw_host_kind, the same from both, with a NUL-terminated text of
+ *     at most max(len, SW_HOST_ADDR_MAX - 1) bytes; a name is the input or
+ *     the input less one trailing dot; an address is a dotted quad or IPv6
+ *     text that sw_ip4_parse / sw_ip6_parse read back as sw_host_addr's
+ *     bytes, and canonicalizes to itself; -ENOSPC at cap == length, the same
+ *     answer at cap == length + 1;
  *   - the builder answers -EINVAL, -ENOSPC or a length <= cap; the same
  *     length again with cap == length (same bytes), -ENOSPC below it, and
  *     -EINVAL whatever the cap; a request is ASCII, "CONNECT <a> HTTP/1.1",
@@ -88,6 +98,7 @@
  * LLVMFuzzerTestOneInput for clang -fsanitize=fuzzer.
  */
 #define _GNU_SOURCE
+#include "iplit.h"
 #include "parse.h"
 #include "pkt.h"
 
@@ -135,6 +146,7 @@ static MAYBE_UNUSED uint64_t inputs, input_bytes;
 static uint64_t prefix_sweeps;
 /* sw_http_connect_request outcomes: built, -EINVAL. */
 static MAYBE_UNUSED uint64_t builder_built, builder_einval;
+static MAYBE_UNUSED uint64_t host_kinds[7];
 
 /* ---------------------------------------------------------------------------
  * PRNG (splitmix64: tiny, seedable, good enough to drive mutations)
@@ -837,9 +849,57 @@ static void gen_vnet_frame(struct buf *b)
     put(b, tmp, pb.len);
 }
 
+/* An IPv4 address as inet_aton or a browser would read it: 1..4 parts in
+ * decimal, octal or hex (leading zeros, an empty "0x"), now and then a part
+ * out of range, a trailing dot, whitespace and junk after it. */
+static void gen_ipv4_spelling(struct buf *b)
+{
+    uint32_t a = (uint32_t)rnd();
+    int parts = 1 + (int)below(4);
+    for (int i = 0; i < parts; i++) {
+        uint64_t v = i < parts - 1 ? (a >> (8 * (3 - i))) & 255
+                                   : a & (uint32_t)((1ull << (8 * (5 - parts))) - 1);
+        if (chance(12))
+            v += chance(2) ? 256 : (uint64_t)1 << 32;
+        if (i)
+            put_u8(b, '.');
+        switch (below(4)) {
+        case 0:
+            put_fmt(b, "0%o", (unsigned)v);
+            break;
+        case 1:
+            put_str(b, chance(2) ? "0x" : "0X");
+            for (size_t z = below(3); z; z--)
+                put_u8(b, '0');
+            if (v || chance(2))
+                put_fmt(b, "%x", (unsigned)v);
+            break;
+        default:
+            if (v >> 32)
+                put_str(b, "4294967296");
+            else
+                put_fmt(b, "%u", (unsigned)v);
+        }
+    }
+    if (chance(4))
+        put_u8(b, '.');
+    if (chance(5)) {
+        put_u8(b, " \t\n\v\f\r"[below(6)]);
+        put_str(b, chance(2) ? "junk" : ".1");
+    }
+    if (chance(8)) {
+        put_str(b, chance(2) ? "[" : "::ffff:");
+        gen_ipv6_text(b);
+    }
+}
+
 static void gen_valid(struct buf *b)
 {
-    switch (below(12)) {
+    switch (below(13)) {
+    case 11:
+    case 12:
+        gen_ipv4_spelling(b);
+        break;
     case 10:
         gen_http_forward(b);
         break;
@@ -1961,6 +2021,56 @@ static void run_vnet(const uint8_t *input, size_t len)
     free(p);
 }
 
+/* The target host normalizer on the input as a host (see the header). */
+static void run_host(const uint8_t *input, size_t len)
+{
+    uint8_t *p = exact_copy(input, len);
+    size_t cap = (len > SW_HOST_ADDR_MAX - 1 ? len : SW_HOST_ADDR_MAX - 1) + 1;
+    char *out = malloc(cap);
+    uint8_t a[16], back[16];
+    size_t n = 0;
+    if (!out) {
+        perror("malloc");
+        exit(2);
+    }
+    int kind = sw_host_canon(p, len, out, cap, &n);
+    CHECK(kind == SW_HOST_NAME || kind == SW_HOST_UNSURE || kind == SW_HOST_IP4 ||
+              kind == SW_HOST_IP6,
+          "host_canon", len, "kind");
+    host_kinds[kind]++;
+    CHECK(sw_host_addr(p, len, a) == kind, "host_addr", len, "kind differs from sw_host_canon");
+    CHECK(n < cap && out[n] == 0, "host_canon", len, "text not NUL-terminated in cap");
+    if (kind == SW_HOST_NAME || kind == SW_HOST_UNSURE) {
+        CHECK((n == len || (n + 1 == len && input[len - 1] == '.')) && !memcmp(out, input, n),
+              "host_canon", len, "a name is the input less at most one trailing dot");
+    } else {
+        CHECK(n < SW_HOST_ADDR_MAX && strlen(out) == n, "host_canon", len, "address text");
+        bool v4 = kind == SW_HOST_IP4;
+        CHECK(v4 ? sw_ip4_parse((const uint8_t *)out, n, back)
+                 : sw_ip6_parse((const uint8_t *)out, n, back),
+              "host_canon", len, "address text does not parse back");
+        CHECK(!memcmp(a, back, v4 ? 4 : 16), "host_canon", len, "text is not sw_host_addr's");
+        char again[SW_HOST_ADDR_MAX];
+        size_t m = 0;
+        CHECK(sw_host_canon((const uint8_t *)out, n, again, sizeof again, &m) == kind &&
+                  m == n && !memcmp(again, out, n),
+              "host_canon", len, "not idempotent");
+    }
+    free(out);
+    /* Exact capacities: one short is refused, exactly enough is the same. */
+    char *tight = malloc(n + 1);
+    size_t m = 0;
+    if (!tight) {
+        perror("malloc");
+        exit(2);
+    }
+    CHECK(sw_host_canon(p, len, tight, n, &m) == -ENOSPC, "host_canon", len, "cap == length");
+    CHECK(sw_host_canon(p, len, tight, n + 1, &m) == kind && m == n, "host_canon", len,
+          "cap == length + 1");
+    free(tight);
+    free(p);
+}
+
 /* Every parser once on the whole input, in a block of exactly its length,
  * then the builder on it. */
 static void run_all(const uint8_t *input, size_t len)
@@ -1971,6 +2081,7 @@ static void run_all(const uint8_t *input, size_t len)
         run_one(parser, p, len, &v, 0);
     free(p);
     run_builder(input, len);
+    run_host(input, len);
     run_pkt(input, len);
     run_vnet(input, len);
 }
@@ -2110,6 +2221,10 @@ static void report(double seconds)
            " accepted with NEEDS_CSUM (%" PRIu64 " GSO), %" PRIu64 " partial rewrites (%" PRIu64
            " of an exact partial sum)\n",
            vnet_parsed, vnet_accepted, vnet_gso, vnet_partial, vnet_exact);
+    printf("host_canon: %" PRIu64 " names, %" PRIu64 " unsure, %" PRIu64 " IPv4, %" PRIu64
+           " IPv6\n",
+           host_kinds[SW_HOST_NAME], host_kinds[SW_HOST_UNSURE], host_kinds[SW_HOST_IP4],
+           host_kinds[SW_HOST_IP6]);
     printf("connect_request: %" PRIu64 " built, %" PRIu64 " -EINVAL (each built one also at "
            "cap == length and length - 1)\n",
            builder_built, builder_einval);
