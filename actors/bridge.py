@@ -166,6 +166,10 @@ class RelayBridge:
         self._slot_specs = tags
         self._accept_warn = warn
 
+    def forget_listener(self, slot: int) -> None:
+        """Listener ``slot`` stopped: an outage it was in ends with it (no RESUMED comes)."""
+        self._backoffs.pop(slot, None)
+
     def _on_listener_record(self, record: ConnRecord) -> None:
         # C paused accepting itself; the backoff only reports (once per outage) and counts.
         backoff = self._backoffs.get(record.inbound)

@@ -62,6 +62,8 @@ class ListenerActor(LoopActor):
         # Returns once no C loop can touch the fd again: only then may it close.
         with contextlib.suppress(Exception):
             self.core.bridge.conn.unlisten(self.inbound.index)
+        # Stopped in an outage, it is no longer a listener out of descriptors.
+        self.core.bridge.forget_listener(self.inbound.index)
         with contextlib.suppress(OSError):
             self.sock.close()
         self.sock = None

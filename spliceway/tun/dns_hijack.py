@@ -131,6 +131,7 @@ class TunDnsTcp:
         for timer in self._paused.values():
             timer.cancel()
         self._paused.clear()
+        self._backoffs.clear()  # stopped, no listener of it is out of descriptors
         for sock in self._sockets:
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(sock.fileno())
