@@ -172,6 +172,11 @@ _ERROR_RESPONSES: dict[int, tuple[str, str]] = {
         "Conflict",
         "conflict: the state does not allow it now (for commands: the engine is stopping).",
     ),
+    413: (
+        "ContentTooLarge",
+        "invalid_argument: the body is (or is declared) larger than 16 MiB; refused before "
+        "it is read, and the connection is closed.",
+    ),
     415: (
         "UnsupportedMediaType",
         "invalid_argument (field_path Content-Type): the command body was not sent as "
@@ -1170,7 +1175,8 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
             "description": (
                 "The body must be sent with `Content-Type: application/json` (parameters "
                 "such as `charset` allowed); any other type, or none, is answered 415 "
-                "before the body is read. Commands whose subsystem is not built answer "
+                "before the body is read; a body over 16 MiB (declared or chunked) is answered "
+                "413 and the connection closed. Commands whose subsystem is not built answer "
                 "501 unsupported; params are validated (400) before that. The endpoint "
                 "takes no query parameters (400)."
             ),
@@ -1180,7 +1186,13 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
                 "content": {_JSON: {"schema": ref("CommandRequest")}},
             },
             "responses": _responses(
-                {"200": _ok(command_result, "The command's result.")}, 400, 404, 409, 415, 501
+                {"200": _ok(command_result, "The command's result.")},
+                400,
+                404,
+                409,
+                413,
+                415,
+                501,
             ),
         },
         "options": _options("optionsExecuteCommand"),

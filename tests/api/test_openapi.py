@@ -876,3 +876,23 @@ def test_fakeip_lookup_params_document_the_handlers_rule(engine, params, valid) 
         with pytest.raises(ApiError) as info:
             commands.execute(engine.core, "diagnostics.fakeip_lookup", params, {"admin"})
         assert info.value.code == "invalid_argument"
+
+
+def test_an_oversized_command_body_is_a_documented_413(base_url) -> None:
+    """A declared body over 16 MiB is refused before it is read, as the document says."""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(
+            f"POST {V1}/commands HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {16 * 1024 * 1024 + 1}\r\n\r\n"
+            .encode()
+        )
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0].startswith("HTTP/1.1 413 ")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    assert headers["Connection"].lower() == "close"
+    validate_response("POST", f"{V1}/commands", 413, json.loads(body), headers=headers)
