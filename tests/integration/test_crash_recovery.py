@@ -5,9 +5,9 @@ one outbox: flows are held open through the SOCKS5 inbound, the engine is killed
 SIGKILL, and the next start must emit exactly one ``flow.completed`` with outcome
 ``engine_crashed`` per flow each sink was told had started, with the newest record that
 sink had (bytes, route), and nothing for a flow whose real completion it had already
-taken. A third start after a second kill adds nothing. The leftover temporary files of
-an apply killed mid-way go at the next start (and before the next apply) unless their
-process is alive.
+taken (tests/unit/test_openflows.py shows a second start adds none). The leftover
+temporary files of an apply killed mid-way go at the next start (and before the next
+apply) unless their process is alive.
 """
 
 from __future__ import annotations
@@ -214,20 +214,9 @@ def test_kill9_then_restart_completes_every_orphaned_flow_once(tmp_path):
             with _open_flow(engine, echo) as fresh:
                 fresh.sendall(b"z")
                 recv_exact(fresh, 1)
-                new_ids = {f["flow_id"] for f in engine.get("flows")["active_flows"]}
-            assert not new_ids & {busy_id, idle_id, done_id}
-
-            # Killed again after the completions were delivered: nothing more to complete.
-            wait_until(lambda: _idle(engine), 10, "every sink idle before the second kill")
-            count = len(rx.requests)
-            engine.kill()
-            engine = EngineProcess(cfg, tmp_path, "engine").wait_started()
-            engines.append(engine)
-            wait_until(lambda: _idle(engine), 10, "every sink idle after the second restart")
-            later = _events(rx)[count:]
-            assert [e["event_type"] for e in later] == [], later
-            assert _crashed(_events(rx)).keys() == {busy_id, idle_id}
-            assert all(len(v) == 1 for v in _crashed(_events(rx)).values())
+                (fresh_id,) = {f["flow_id"] for f in engine.get("flows")["active_flows"]}
+            assert fresh_id not in {busy_id, idle_id, done_id}
+            assert fresh_id.split("-")[0] != busy_id.split("-")[0]
         finally:
             for tunnel in tunnels:
                 with contextlib.suppress(OSError):
