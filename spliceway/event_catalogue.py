@@ -580,8 +580,11 @@ _EVENTS: tuple[EventType, ...] = (
     EventType(
         "flow.completed",
         "The flow ended, whatever ended it: relayed to the end, blocked, failed, closed by "
-        "`flows.close`, idle timeout, engine stop.",
-        "Exactly once per flow that emitted `flow.started`.",
+        "`flows.close`, idle timeout, engine stop; or the engine was killed while the flow "
+        "was open, and its next start completes it (outcome `engine_crashed`, needs "
+        "`api.outbox_path`; see Sinks).",
+        "Exactly once per flow that emitted `flow.started` (across a crash, once per sink "
+        "that was given the flow's start).",
         True,
         _COMPLETED,
     ),
