@@ -3,12 +3,13 @@
 ``spliceway run`` under ``prlimit --nofile=64:256``: the engine raises its soft limit to
 the hard one at start and reports both in ``runtime``. Tunnels through socks-in and
 connections that have not said anything yet fill every descriptor; then one more
-SOCKS client and one IPC client wait in their listeners' backlogs. The engine must not
-spin (its CPU time over 2 s stays low), must log a bounded handful of lines, emit one
-``engine.warning`` ``fd_exhausted`` per listener, keep answering on a control API
-connection it already has, keep relaying on the open tunnels, and once tunnels close,
-accept the waiting clients and new ones. A gRPC client waits too: grpc core retries
-its accept once a second by itself, logging a line each time (no event).
+SOCKS client, an IPC client and a new control API connection wait in their listeners'
+backlogs. The engine must not spin (its CPU time over 2 s stays low), must log a
+bounded handful of lines, emit one ``engine.warning`` ``fd_exhausted`` per listener,
+keep answering on a control API connection it already has, keep relaying on the open
+tunnels, and once tunnels close, accept the waiting clients and new ones. A gRPC client
+waits too: grpc core retries its accept once a second by itself, logging a line each
+time (no event).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Api:
     def __init__(self, base_url: str) -> None:
         url = urlsplit(base_url)
         assert url.hostname is not None and url.port is not None
+        self.address = (url.hostname, url.port)
         self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
 
     def get(self, path: str) -> dict[str, Any]:
@@ -139,6 +141,8 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
         while HARD - open_fds(pid) > 6:
             assert len(tunnels) < MAX_TUNNELS, f"{open_fds(pid)} descriptors open"
             tunnels.append(socks5_connect(proxy, "127.0.0.1", echo.port, timeout=5))
+            if len(tunnels) % 25 == 0:
+                api.get("health")  # the API closes a connection idle for 10 s
         filled_at = time.monotonic()
         waiting: socket.socket | None = None
         for _ in range(10):
@@ -165,8 +169,13 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
         assert found is not None, engine.log()
         grpc_waiting = socket.create_connection(("127.0.0.1", int(found.group(1))), timeout=5)
         held.append(grpc_waiting)
+        # And a new control API connection (Waitress spun at a full core on it before).
+        api_waiting = socket.create_connection(api.address, timeout=5)
+        held.append(api_waiting)
+        host = f"{api.address[0]}:{api.address[1]}".encode()
+        api_waiting.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
         warnings = wait_until(
-            lambda: (w := api.fd_warnings()) and len(w) >= 2 and w, 5, "two fd_exhausted"
+            lambda: (w := api.fd_warnings()) and len(w) >= 3 and w, 5, "three fd_exhausted"
         )
 
         # Out of descriptors for a while: no spinning, a bounded log.
@@ -181,22 +190,24 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
 
         # Exactly one warning per listener, naming it and the limits.
         warnings = api.fd_warnings()
-        assert len(warnings) == 2, warnings
+        assert len(warnings) == 3, warnings
         messages = sorted(w["message"] for w in warnings)
         assert messages[0].startswith(f"IPC socket {sock_path} cannot accept"), messages
-        assert messages[1].startswith("inbound 'socks-in' cannot accept"), messages
+        assert messages[1].startswith("control API (127.0.0.1:"), messages
+        assert messages[2].startswith("inbound 'socks-in' cannot accept"), messages
         for message in messages:
             assert f"soft {HARD}, hard {HARD}" in message and "EMFILE" in message, message
         text = engine.log()
-        assert text.count("cannot accept connections") == 2, text[-3000:]
+        assert text.count("cannot accept connections") == 3, text[-3000:]
         assert text.count("File descriptor limit reached. Retrying.") <= 6, text[-3000:]
 
         fds = api.get("runtime")["file_descriptors"]
         # (A descriptor the relay gives back, an idle pipe, can end an outage early.)
         out = set(fds["listeners_out_of_descriptors"])
-        assert out <= {f"IPC socket {sock_path}", "inbound 'socks-in'"}, fds
+        names = ("IPC socket", "inbound 'socks-in'", "control API")
+        assert all(name.startswith(names) for name in out), fds
         # Counting them takes one more: out of them, the count is left out.
-        assert fds["accept_outages"] == 2 and fds.get("open", HARD) >= HARD - 1
+        assert fds["accept_outages"] == 3 and fds.get("open", HARD) >= HARD - 1
 
         # What is open is still served: every tunnel relays, byte for byte.
         for i, tunnel in enumerate(tunnels):
@@ -217,6 +228,8 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
         # IPC's outage ends at its next accept: a new client.
         with IpcClient(str(sock_path), timeout=5) as again:
             assert again.query("health")["healthy"] is True
+        api_waiting.settimeout(5)
+        assert recv_exact(api_waiting, 12) == b"HTTP/1.1 200"
         # gRPC accepted its client: an HTTP/2 server opens with a SETTINGS frame.
         grpc_waiting.settimeout(5)
         assert recv_exact(grpc_waiting, 9)[3] == 0x4
@@ -230,10 +243,10 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
             return fds if fds["listeners_out_of_descriptors"] == [] else None
 
         fds = wait_until(recovered, 5, "both listeners to accept again")
-        assert fds["accept_outages"] == 2 and fds["accept_failures"] >= 2
-        assert len(api.fd_warnings()) == 2
+        assert fds["accept_outages"] == 3 and fds["accept_failures"] >= 3
+        assert len(api.fd_warnings()) == 3
         wait_until(
-            lambda: engine.log().count("accepts connections again") == 2, 5, "the info lines"
+            lambda: engine.log().count("accepts connections again") == 3, 5, "the info lines"
         )
     finally:
         if api is not None:
