@@ -424,7 +424,8 @@ def _fast_key(data: bytes, tcp: bool) -> tuple[bytes, int, int] | None:
     """``(key, end of question, size limit)`` for a plain query the wire cache can
     answer: QR clear, opcode QUERY, one question with an uncompressed name, no answer
     or authority records, and at most one additional record which is an EDNS(0) OPT
-    without padding. None otherwise (the full path decides)."""
+    without padding, of at most :data:`MAX_EDNS_OPTIONS` options (so :func:`screen`
+    accepts what this takes). None otherwise (the full path decides)."""
     n = len(data)
     if n < 17:
         return None
@@ -456,9 +457,10 @@ def _fast_key(data: bytes, tcp: bool) -> tuple[bytes, int, int] | None:
     rdlen = (data[qend + 9] << 8) | data[qend + 10]
     if data[qend + 6] != 0 or qend + 11 + rdlen != n:
         return None
-    j, end = qend + 11, n
+    j, end, options = qend + 11, n, 0
     while j < end:
-        if j + 4 > end:
+        options += 1
+        if j + 4 > end or options > MAX_EDNS_OPTIONS:
             return None
         code = (data[j] << 8) | data[j + 1]
         olen = (data[j + 2] << 8) | data[j + 3]
@@ -520,15 +522,18 @@ class DnsResponder:
         :meth:`respond`): a header-only refusal (:func:`screen`, counted) or the wire
         cache's answer. A message to drop gets SLOW too, uncounted: :meth:`respond`
         drops and counts it (see :func:`unanswerable` to skip that)."""
-        judged = screen(data)
-        if not isinstance(judged, _Accepted):
+        # What _fast_key takes, screen() accepts: the common case is judged once.
+        found = _fast_key(data, tcp) if len(data) <= MAX_QUERY_BYTES else None
+        if found is None:
+            judged = screen(data)
+            if isinstance(judged, _Accepted):
+                return SLOW
             reply, rcode = judged
             if reply is None:
                 return SLOW
             self._refused(reply, rcode)
             return reply
-        found = _fast_key(data, tcp)
-        if found is None or not self._wire_valid():
+        if not self._wire_valid():
             return SLOW
         key, qend, limit = found
         entry = self._wire.get(key)
