@@ -10,6 +10,13 @@ here do not share its interpreter), on loopback.
   latency and a second client's queries are all answered.
 - One source over ``runtime.dns.client_rate_limit`` is dropped (counted); another source
   is answered meanwhile; a query that must be parsed takes ten times a cached one.
+- Out of file descriptors (``prlimit`` on the running engine), the TCP listener warns
+  once (``engine.warning`` ``fd_exhausted``), does not spin, serves UDP and the
+  connections it has, and accepts again once descriptors are free.
+
+Every one of these failed against the code before issue 26 (the 100 questions were
+SERVFAIL with a traceback; the 64 KiB message was parsed and every question echoed; the
+flood took flow setup from 1.7 ms to a median of 628 ms).
 """
 
 from __future__ import annotations
