@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -33,7 +34,8 @@ from spliceway.actors.messages import (
 )
 from spliceway.actors.policy import MemberFailed
 
-from spliceway import connpath, flowlog, records, routing
+from spliceway import connpath, flowlog, hostnorm, records, routing
+from spliceway.dns.resolver import ResolveError
 from spliceway.events import now_ms
 from spliceway.flowhook import ask_about
 from spliceway.inbound import Handshake, HandshakeFailed, refuse_quietly
@@ -45,6 +47,7 @@ from spliceway.runtime import FlowEntry, RouteState
 
 if TYPE_CHECKING:
     from spliceway.dns.fakeip import FakeIpPool
+    from spliceway.dns.resolver import Resolver
     from spliceway.engine_core import EngineCore, InboundSpec
     from spliceway.flowhook import FlowHookClient
 
@@ -54,6 +57,9 @@ HANDSHAKE_TIMEOUT = 10.0
 #: Longest a flow waits for its process lookup (``runtime.process_lookup``); one takes
 #: well under a millisecond, unless hundreds queue behind each other.
 PROCESS_LOOKUP_TIMEOUT = 1.0
+#: Longest a flow waits for its target's address when an ip_cidr rule needs it
+#: (routing.needs_address); a name that does not resolve in time meets the rules without.
+RULE_RESOLVE_TIMEOUT = 5.0
 #: What a flow C started keeps for later while its record waits for the process lookup.
 _HELD = (ConnRouted, ConnEnded, ConnTakeOver, RelayFinished)
 #: How a request C forwarded itself ends (actors/http_forward.py records it).
@@ -164,6 +170,11 @@ class FlowDeps:
     def flow_hook(self) -> FlowHookClient | None:
         """The flow hook's client now (a reload replaces it), None without a hook."""
         return self._core.flow_hook
+
+    @property
+    def resolver(self) -> Resolver:
+        """The engine resolver now (``runtime.dns``; a reload replaces it)."""
+        return self._core.resolver
 
     @property
     def fakeip(self) -> FakeIpPool | None:
@@ -419,14 +430,12 @@ class FlowActor(HttpForwarding, LoopActor):
         """From the started flow's route to the hand-off (``replied``: the client was told
         the tunnel is open, and sniffing is done)."""
         deps = self.deps
-        loop = self.dispatcher.loop
-        route_state = deps.route_state
-        decision = route_state.decide(self._facts(hs))
+        decision, address = await self._decide(hs)
         if (
             not replied
             and self.inbound.sniff
             and not hs.forward
-            and _sniff_may_reroute(route_state, decision)
+            and _sniff_may_reroute(deps.route_state, decision)
         ):
             # A domain rule ranked before the match could claim this flow by its first
             # bytes, which the client only sends once told the tunnel is open: answer
@@ -435,7 +444,7 @@ class FlowActor(HttpForwarding, LoopActor):
             replied = True
             await self._sniff(hs)
             # Again with the tables of now: a reload may have replaced them meanwhile.
-            decision = deps.route_state.decide(self._facts(hs))
+            decision, address = await self._decide(hs, address)
         chain = (
             deps.policies.resolve(decision.target, hs.host, self.peer[0]) if decision.target else []
         )
@@ -449,7 +458,7 @@ class FlowActor(HttpForwarding, LoopActor):
             return
         self._set_route(decision, chain, outbound)
         try:
-            dialed = await outbound.dial(loop, hs.host, hs.port)
+            dialed = await self._dial(outbound, hs, address)
         except DialError as ex:
             if ex.member_down:
                 self._report_member_down(chain, ex.message)
@@ -472,6 +481,46 @@ class FlowActor(HttpForwarding, LoopActor):
                 await self._sniff(hs)
         await self._start_relay(hs, dialed, outbound.chained)
 
+    async def _decide(
+        self, hs: Handshake, address: str | None = None
+    ) -> tuple[routing.RouteDecision, str | None]:
+        """The route for ``hs`` with the tables of now, and the address it was decided on
+        when an ip_cidr rule needed the target's (``routing.needs_address``: mihomo's
+        rule matching without ``no-resolve``). ``address``: one resolved before.
+
+        The name is resolved with the engine resolver (its first address, what a dial
+        tries first); a name that does not resolve meets the rules without an address.
+        """
+        route_state = self.deps.route_state
+        facts = self._facts(hs)
+        decision = route_state.decide(facts)
+        if not routing.needs_address(route_state.ruleset, route_state.mode, facts, decision):
+            return decision, None
+        if address is None:
+            try:
+                found = await self.deps.resolver.resolve(hs.host, RULE_RESOLVE_TIMEOUT)
+            except ResolveError as ex:
+                logger.debug("flow %s: %s, rules go on without its address", self.flow_id, ex)
+                found = []
+            if not found:
+                return decision, None
+            address = found[0]
+        # With the tables of now again: a reload may have replaced them while resolving.
+        route_state = self.deps.route_state
+        facts = dataclasses.replace(self._facts(hs), resolved_ip=address)
+        return route_state.decide(facts), address
+
+    async def _dial(self, outbound: Any, hs: Handshake, address: str | None) -> Any:
+        """Dial ``hs``'s target through ``outbound``; a direct one connects to ``address``
+        alone when the route was decided on it (no other address of the name is tried:
+        it might be in a network an ip_cidr rule blocks)."""
+        loop = self.dispatcher.loop
+        if address is None or outbound.protocol != "direct":
+            return await outbound.dial(loop, hs.host, hs.port)
+        dialed = await outbound.dial(loop, hostnorm.canonical_host(address), hs.port)
+        dialed.remote_host = hs.host
+        return dialed
+
     def _c_handshake(
         self, c: connpath.Deferred | connpath.ConnRecord, host: str, early: bytes = b""
     ) -> Handshake:
@@ -491,6 +540,9 @@ class FlowActor(HttpForwarding, LoopActor):
         """The record of a flow whose handshake completed (at ``started_at``, else now),
         not yet the actor's: :meth:`_start_record` makes it so and announces it. A target
         that is a mapped fake-ip address becomes its domain (``hs.host`` too)."""
+        # Every spelling of an address is that address, from here on: routed, dialled and
+        # recorded so (spliceway.hostnorm; C's handshakes did the same already).
+        hs.host = hostnorm.canonical_host(hs.host)
         pool = self.deps.fakeip
         if pool is not None:
             # A fake-ip address stands for the domain the client resolved: the flow is

@@ -23,7 +23,7 @@ import socket
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
-from spliceway import connpath, records
+from spliceway import connpath, hostnorm, records
 from spliceway.flowhook import ask_about
 from spliceway.inbound import (
     PROXY_AUTH_REQUIRED,
@@ -75,7 +75,9 @@ class _Upstream:
         "sock",
     )
 
-    def __init__(self, dialed: Dialed, key: tuple[str, str, int], chained: bool) -> None:
+    def __init__(
+        self, dialed: Dialed, key: tuple[str, str, int, str | None], chained: bool
+    ) -> None:
         self.sock = dialed.sock
         self.key = key
         self.chained = chained
@@ -404,9 +406,9 @@ class HttpForwarding:
         self._fwd_memo = None
         self._fwd_rmemo = None
         self._fwd_upload_failed = False
-        up = self._fwd_up = _Upstream(
-            cast("Dialed", dialed), (s.outbound_tag or "", request.host, request.port), False
-        )
+        # Keyed as _forward_flow keys it: the host canonical, no address pinned.
+        key = (s.outbound_tag or "", hostnorm.canonical_host(request.host), request.port, None)
+        up = self._fwd_up = _Upstream(cast("Dialed", dialed), key, False)
         self.upstream = upstream
         hs = Handshake(
             "http",
@@ -447,7 +449,7 @@ class HttpForwarding:
         else:
             self._start_record(state)
         deps = self.deps
-        decision = deps.route_state.decide(self._facts(hs))
+        decision, address = await self._decide(hs)
         chain = (
             deps.policies.resolve(decision.target, hs.host, self.peer[0]) if decision.target else []
         )
@@ -457,12 +459,12 @@ class HttpForwarding:
             return await self._refuse_request(request, 403, "blocked by rule", records.BLOCKED)
         s = state
         t = s.traffic
-        key = (outbound.tag, hs.host, hs.port)
+        key = (outbound.tag, hs.host, hs.port, address)
         up = self._fwd_up
         if up is None or up.key != key or not up.usable():
             self._drop_upstream()
             try:
-                dialed = await outbound.dial(self.dispatcher.loop, hs.host, hs.port)
+                dialed = await self._dial(outbound, hs, address)
             except DialError as ex:
                 if ex.member_down:
                     self._report_member_down(chain, ex.message)

@@ -1023,6 +1023,23 @@ static bool parse_ip_literal(const char *host, struct sockaddr_storage *ss, sock
     return false;
 }
 
+/* The target host as the engine routes, dials and records it: canonical
+ * (sw_host_canon, hostnorm.canonical_host), so every spelling of an address
+ * ("2130706433", "127.1", "0x7f.0.0.1", "127.0.0.1.", "::ffff:127.0.0.1",
+ * "0") is that address, and a name has no trailing dot.  A host C cannot be
+ * sure of (non-ASCII, a '%') keeps its bytes for Python to read. */
+static void set_host(struct cconn *c, const char *s, size_t n)
+{
+    size_t m = 0;
+    if (n >= sizeof c->host ||
+        sw_host_canon((const uint8_t *)s, n, c->host, sizeof c->host, &m) < 0) {
+        m = n < sizeof c->host ? n : sizeof c->host - 1;
+        memmove(c->host, s, m);
+        c->host[m] = 0;
+    }
+    c->host_len = (uint16_t)m;
+}
+
 /* Decide the route from the table installed now; returns false when the flow
  * must be deferred.  Everything later steps need from that table is copied
  * into the connection: the table may be swapped and freed before they run. */
@@ -1065,6 +1082,19 @@ static bool decide(struct cconn *c)
     memcpy(q.source_ip, c->src_ip, 16);
     q.inbound = c->listener->index;
     q.principal = c->principal;
+    /* A name whose address an ip_cidr rule may look at (routing.needs_address):
+     * the first address the DNS cache has for it decides, and is then the only
+     * one a direct dial tries (the Python path pins it too).  Without one the
+     * table defers, and Python resolves the name. */
+    bool pinned = false;
+    uint8_t a[16];
+    if (sw_table_mode(t) == SW_MODE_RULE && sw_table_first_ip_rule(t) < sw_table_rule_count(t) &&
+        sw_host_addr((const uint8_t *)c->host, c->host_len, a) == SW_HOST_NAME &&
+        dns_get(c->loop->conn, c->host, c, c->port)) {
+        q.resolved_family = c->addr_family[0];
+        memcpy(q.resolved_ip, c->addr_raw[0], 16);
+        pinned = true;
+    }
     if (sw_table_decide(t, &q, &c->rr) != 0 || c->rr.action == SW_ROUTE_DEFER)
         return false;
     c->epoch = sw_table_epoch(t);
@@ -1089,8 +1119,10 @@ static bool decide(struct cconn *c)
         return false;
     c->naddrs = 1;
     c->addr_idx = 0;
-    if (!parse_ip_literal(host, &c->up_addr, &c->up_addr_len, port) &&
-        !dns_get(c->loop->conn, host, c, port))
+    if (pinned && ti->kind == SW_OUT_DIRECT)
+        addr_select(c, 0); /* the address the route was decided on, alone */
+    else if (!parse_ip_literal(host, &c->up_addr, &c->up_addr_len, port) &&
+             !dns_get(c->loop->conn, host, c, port))
         return false; /* a DNS miss: Python resolves (and fills the cache) */
     if (ti->kind == SW_OUT_SOCKS5 || ti->kind == SW_OUT_HTTP) {
         free(c->up_tag);
@@ -1827,8 +1859,7 @@ static int fwd_try(struct cconn *c, const uint8_t *p, size_t n)
     uint32_t more = c->fwd_served ? RECORDS_PER_FLOW + 1 : 1;
     if (!fwd_room(c->loop, more))
         return -1;
-    memcpy(c->host, f.host, (size_t)f.host_len + 1);
-    c->host_len = f.host_len;
+    set_host(c, f.host, f.host_len);
     c->port = f.port;
     c->started_ms = real_ms();
     c->hs_tx = 0;
@@ -2180,9 +2211,14 @@ static void handshake_step(struct cconn *c)
                 s5_fail(c, unsupported, sizeof unsupported);
                 return;
             }
-            memcpy(c->host, rq.host, rq.host_len);
-            c->host[rq.host_len] = 0;
-            c->host_len = rq.host_len;
+            if (rq.command == 1) {
+                set_host(c, rq.host, rq.host_len);
+            } else {
+                /* An association's declared source (0.0.0.0 is "any"): as given. */
+                memcpy(c->host, rq.host, rq.host_len);
+                c->host[rq.host_len] = 0;
+                c->host_len = rq.host_len;
+            }
             c->port = rq.port;
             c->command = rq.command;
             timer_clear(c);
@@ -2228,9 +2264,7 @@ static void handshake_step(struct cconn *c)
                 c->auth = SW_CAUTH_BASIC;
             }
             c->consumed += h.consumed;
-            memcpy(c->host, h.host, h.host_len);
-            c->host[h.host_len] = 0;
-            c->host_len = h.host_len;
+            set_host(c, h.host, h.host_len);
             c->port = h.port;
             timer_clear(c);
             after_handshake(c);
