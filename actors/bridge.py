@@ -78,6 +78,8 @@ class RelayBridge:
         #: Listener slot -> the backoff that reports its accept outages (watch_accepts).
         self._backoffs: dict[int, AcceptBackoff] = {}
         self._slot_specs: Mapping[int, Any] = {}
+        #: Listener slot -> the number of its last outage that ended (RESUMED).
+        self._resumed: dict[int, int] = {}
         self._accept_warn: Callable[[str], None] = lambda message: None
 
     def attach(
@@ -169,6 +171,7 @@ class RelayBridge:
     def forget_listener(self, slot: int) -> None:
         """Listener ``slot`` stopped: an outage it was in ends with it (no RESUMED comes)."""
         self._backoffs.pop(slot, None)
+        self._resumed.pop(slot, None)
 
     def _on_listener_record(self, record: ConnRecord) -> None:
         # C paused accepting itself; the backoff only reports (once per outage) and counts.
@@ -179,7 +182,11 @@ class RelayBridge:
             backoff = self._backoffs[record.inbound] = AcceptBackoff(name, self._accept_warn)
         if record.kind == connpath.ACCEPT_FAILED:
             backoff.failed(record.err)
+            # Another loop's ring may hold the outage's end, drained first: it is over.
+            if self._resumed.get(record.inbound, 0) >= record.flow:
+                backoff.accepted()
         else:
+            self._resumed[record.inbound] = record.flow
             backoff.accepted(record.detail)
 
     def _on_record(self, record: ConnRecord) -> None:
