@@ -668,7 +668,7 @@ show each sink's backlog.
 crashes) never gets its `flow.completed` from that run. At the next start, right after
 `engine.started` and before any new flow, the engine emits one `flow.completed` with
 outcome `engine_crashed` for each flow that some sink's outbox shows started and not
-completed: a well-formed completed record built from the newest record that sink was
+completed: a well-formed completed record built from the newest record any sink was
 given (`flow.started`, `flow.routed` or `flow.updated`: route, path and the bytes last
 reported), one revision later, ending at the last moment the flow was seen, with
 `result.failure` `internal`/`engine_crashed`. Each sink receives it only for the flows
@@ -682,9 +682,12 @@ delivered as durably as the rest. What this needs and leaves out:
   nothing to complete (an SSE client sees the stream end without `engine.stopped`).
 - A sink is owed completions only if its `events` select `flow.completed` and some
   event of the flow (`flow.started`, `flow.routed` or `flow.updated`): a sink of
-  `flow.completed` alone was never told the flow existed and gets none. Such a sink
-  keeps a small checkpoint of its open flows (`flows` in its outbox directory), written
-  before acknowledged segments are deleted.
+  `flow.completed` alone was never told the flow existed and gets none.
+- Each sink that selects `flow.completed` keeps the newest event of each open flow in
+  memory and, before it deletes acknowledged segments of its outbox, writes them to a
+  checkpoint (`flows` in its outbox directory): only when the segments free at least
+  as many bytes as it writes, so segments may stay a little longer. On a full disk the
+  segments go without it, and a flow started in them is not completed after a crash.
 - A sink a reload removed is completed at the first start that configures it again.
 - Flow ids are unique across starts (a random prefix per start, redrawn if it matches
   a flow being completed), so a completed flow's id is never reused.
