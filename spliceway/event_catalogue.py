@@ -131,7 +131,7 @@ OUTCOMES: dict[str, str] = {
     "engine_crashed": "The engine stopped without completing the flow (killed, or crashed): "
     "at its next start, before any new flow, the engine completes every flow a sink's "
     "outbox shows started and not completed, with this outcome, `result.failure` "
-    "`internal`/`engine_crashed`, the newest record that sink was given (the bytes last "
+    "`internal`/`engine_crashed`, the newest record a sink was given (the bytes last "
     "reported) and the last moment the flow was seen as its end, so every flow has one "
     "final record even across a crash (see Sinks below; needs `api.outbox_path`).",
 }
