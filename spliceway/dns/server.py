@@ -49,7 +49,8 @@ reload) or a fake-ip mapping goes away (clear, reuse), and is off in real mode w
 **Bounds** (docs/dns.md, "Limits"): each source address gets
 ``runtime.dns.client_rate_limit`` queries a second (:class:`ClientRateLimit`; over it:
 dropped, as unbound's ``ip-ratelimit``), at most :data:`MAX_PENDING` queries wait on
-the slow path, :data:`MAX_TCP_CLIENTS` TCP connections are served, and the TCP
+the slow path, :data:`MAX_TCP_CLIENTS` TCP connections are served
+(:data:`MAX_TCP_PER_SOURCE` from one address), and the TCP
 listener backs off when out of file descriptors (:class:`~spliceway.fdlimit.AcceptBackoff`).
 
 The engine runs the server on a thread of its own (its own asyncio loop): on the
@@ -128,6 +129,10 @@ QUERY_TIMEOUT_SECONDS: Final = 4.0
 MAX_PENDING: Final = 1024
 #: Open TCP connections; more are closed at once.
 MAX_TCP_CLIENTS: Final = 256
+#: Open TCP connections from one source address; more are closed at once, so one client
+#: cannot hold every one of the :data:`MAX_TCP_CLIENTS` (each for up to
+#: :data:`TCP_IDLE_SECONDS`).
+MAX_TCP_PER_SOURCE: Final = 32
 #: Longest query read, over UDP or TCP. A query is one question (a name of at most 255
 #: bytes) and at most an EDNS OPT (a cookie, padding to a 128-byte block): some 500 bytes
 #: at most. A longer message is answered FORMERR from its header without being parsed.
@@ -184,6 +189,7 @@ COUNTER_NAMES: Final = (
     "udp_queries",
     "tcp_queries",
     "tcp_connections",
+    "tcp_refused",
     "answered",
     "cache_hits",
     "noerror",
@@ -220,6 +226,7 @@ class DnsCounters:
         "slow_noerror",
         "tcp_connections",
         "tcp_queries",
+        "tcp_refused",
         "truncated",
     )
 
@@ -238,6 +245,7 @@ class DnsCounters:
             "udp_queries": self.queries - self.tcp_queries,
             "tcp_queries": self.tcp_queries,
             "tcp_connections": self.tcp_connections,
+            "tcp_refused": self.tcp_refused,
             "answered": answered,
             "cache_hits": self.cache_hits,
             "noerror": noerror,
@@ -861,6 +869,8 @@ class DnsServer:
             warn if warn is not None else lambda message: None,
         )
         self._accept_paused: asyncio.TimerHandle | None = None
+        #: Open TCP connections by source address.
+        self._tcp_sources: dict[str, int] = {}
         self._tcp_clients: set[asyncio.Task[Any]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
@@ -998,11 +1008,25 @@ class DnsServer:
             self._dispatcher.loop.add_reader(self._tcp.fileno(), self._tcp_acceptable)
 
     def _spawn_tcp(self, conn: socket.socket, source: str) -> None:
+        open_now = self._tcp_sources.get(source, 0)
+        if open_now >= MAX_TCP_PER_SOURCE:
+            self.counters.tcp_connections += 1
+            self.counters.tcp_refused += 1
+            conn.close()
+            return
+        self._tcp_sources[source] = open_now + 1
         conn.setblocking(False)
         task = self._dispatcher.loop.create_task(self._tcp_client(conn, source))
         self._tasks.add(task)
+        task.add_done_callback(lambda t: self._tcp_done(t, conn, source))
+
+    def _tcp_done(self, task: asyncio.Task[Any], conn: socket.socket, source: str) -> None:
+        self._tasks.discard(task)
         # Closed here too: a task cancelled before it ran never closes its socket.
-        task.add_done_callback(lambda t: (self._tasks.discard(t), conn.close()))
+        conn.close()
+        left = self._tcp_sources.pop(source, 1) - 1
+        if left > 0:
+            self._tcp_sources[source] = left
 
     async def _tcp_client(self, conn: socket.socket, source: str) -> None:
         try:
@@ -1041,6 +1065,7 @@ async def serve_tcp_client(
     counters.tcp_connections += 1
     task = asyncio.current_task()
     if task is None or len(clients) >= MAX_TCP_CLIENTS:
+        counters.tcp_refused += 1
         writer.close()
         return
     clients.add(task)

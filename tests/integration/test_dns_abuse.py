@@ -10,6 +10,7 @@ here do not share its interpreter), on loopback.
   latency and a second client's queries are all answered.
 - One source over ``runtime.dns.client_rate_limit`` is dropped (counted); another source
   is answered meanwhile; a query that must be parsed takes ten times a cached one.
+- One source holds at most 32 TCP connections.
 - Out of file descriptors (``prlimit`` on the running engine), the TCP listener warns
   once (``engine.warning`` ``fd_exhausted``), does not spin, serves UDP and the
   connections it has, and accepts again once descriptors are free.
@@ -382,6 +383,41 @@ def test_one_source_over_the_rate_limit_is_dropped_and_another_is_answered(tmp_p
         assert 90 <= tcp_answers <= 100 + 50 * elapsed + 1, (tcp_answers, elapsed)
     finally:
         e.close()
+
+
+def test_one_source_holds_at_most_32_tcp_connections(engine):
+    query = dns.message.make_query("origin.test", "A").to_wire()
+    framed = struct.pack(">H", len(query)) + query
+    held: list[socket.socket] = []
+
+    def connect(source: str) -> socket.socket:
+        s = socket.socket()
+        held.append(s)
+        s.bind((source, 0))
+        s.settimeout(5)
+        s.connect(engine.dns)
+        return s
+
+    try:
+        for _ in range(32):
+            connect("127.0.0.5")
+        wait_until(lambda: engine.counters()["tcp_connections"] == 32, 5, "32 accepted")
+        over = connect("127.0.0.5")
+        with contextlib.suppress(ConnectionResetError):
+            assert over.recv(2) == b""  # closed at once
+        other = connect("127.0.0.6")
+        other.sendall(framed)
+        size = struct.unpack(">H", recv_exact(other, 2))[0]
+        assert dns.message.from_wire(recv_exact(other, size)).rcode() == dns.rcode.NOERROR
+        # Every one of the 32 is still served.
+        for s in held[:32]:
+            s.sendall(framed)
+            assert len(recv_exact(s, struct.unpack(">H", recv_exact(s, 2))[0])) == size
+        c = engine.counters()
+        assert (c["tcp_connections"], c["tcp_refused"]) == (34, 1)
+    finally:
+        for s in held:
+            s.close()
 
 
 # -- out of file descriptors ------------------------------------------------------------
