@@ -778,8 +778,10 @@ class Rule(_Model):
     (Python `re` syntax). A single string or a list.
     """
     ip_cidr: CidrList | None = None
-    """Networks (`10.0.0.0/8`, `2001:db8::/32`) containing the target, when the client asked
-    for an IP address (names are not resolved for this). A single string or a list.
+    """Networks (`10.0.0.0/8`, `2001:db8::/32`) containing the target's address: the address
+    the client asked for, in any spelling (`2130706433` and `127.1` are 127.0.0.1), else,
+    for a TCP flow to a domain, the first address the engine resolver gives for it once
+    matching reaches this rule (docs/routing.md). A single string or a list.
     """
     source_ip_cidr: CidrList | None = None
     """Networks containing the client's address. A single string or a list."""
