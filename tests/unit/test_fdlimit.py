@@ -38,8 +38,8 @@ def test_raise_nofile_limit_lifts_soft_to_hard() -> None:
 def test_is_fd_exhaustion() -> None:
     for err in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
         assert fdlimit.is_fd_exhaustion(err)
-    for err in (None, 0, errno.EAGAIN, errno.ECONNABORTED, errno.EINTR, errno.EPERM):
-        assert not fdlimit.is_fd_exhaustion(err)
+    for other in (None, 0, errno.EAGAIN, errno.ECONNABORTED, errno.EINTR, errno.EPERM):
+        assert not fdlimit.is_fd_exhaustion(other)
 
 
 def test_backoff_grows_warns_once_per_outage(caplog: pytest.LogCaptureFixture) -> None:
