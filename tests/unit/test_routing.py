@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spliceway import hostnorm
+from spliceway import hostnorm, routing
 from spliceway.config import Rule, parse_config
 from spliceway.routing import FlowFacts, MatchedRule, RouteDecision, compile_rules, decide
 
@@ -339,3 +339,74 @@ def test_domain_suffix_matches_exactly_equal_or_dot_suffix(suffix, host):
     if hostnorm.target_address(host) is not None:
         return  # an address, in any spelling, is not a domain name
     assert matched == (host == suffix or host.endswith("." + suffix))
+
+
+# -- every spelling of an address; a domain's address for ip_cidr (docs/routing.md) -------
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        "2130706433",
+        "0x7f.0.0.1",
+        "0x7f000001",
+        "127.1",
+        "0177.0.0.1",
+        "127.0.0.1.",
+        "0",
+        "::ffff:127.0.0.1",
+        "[::ffff:7f00:1]",
+        "127.0.0.1 x",
+        "\uff11\uff12\uff17.\uff10.\uff10.\uff11",
+    ],
+)
+def test_ip_cidr_sees_every_spelling_of_an_address(host):
+    rs = compile_rules([_rule(ip_cidr=["127.0.0.0/8"]), _rule(domain_keyword=["1"])])
+    decision = decide(rs, "rule", None, "final", _facts(host=host))
+    assert decision.matched_rule == MatchedRule(0, "ip_cidr=127.0.0.0/8")
+    # An address is not a name: no domain condition sees it (the keyword "1" would).
+    rs = compile_rules([_rule(domain_keyword=["1", "x", "7"])])
+    assert decide(rs, "rule", None, "final", _facts(host=host)).matched_rule is None
+
+
+def test_names_that_only_look_like_addresses_stay_names():
+    rs = compile_rules([_rule(ip_cidr=["0.0.0.0/0", "::/0"])])
+    for host in ("4chan.org", "1.2.3.4.5", "256.1.1.1", "09", "1password.com", "a..", "."):
+        assert decide(rs, "rule", None, "final", _facts(host=host)).matched_rule is None, host
+
+
+def test_needs_address_when_an_ip_rule_ranks_before_the_match():
+    rules = [
+        _rule(domain_suffix=["early.test"]),
+        _rule(ip_cidr=["10.0.0.0/8"], port=["1"]),
+        _rule(domain_suffix=["late.test"]),
+    ]
+    rs = compile_rules(rules)
+    assert rs.first_ip_rule == 1
+
+    def needs(mode: str = "rule", **kw) -> bool:
+        facts = _facts(**kw)
+        return routing.needs_address(rs, mode, facts, decide(rs, mode, "hit", "final", facts))
+
+    assert not needs(host="a.early.test")  # decided before any ip_cidr rule
+    assert needs(host="a.late.test")  # the ip_cidr rule ranks before the match
+    assert needs(host="other.test")  # and before the final
+    assert needs(host="other.test.")
+    assert not needs(host="other.test", resolved_ip="10.1.1.1")  # resolved already
+    assert not needs(host="0xa.1")  # an address
+    assert not needs(host="")
+    assert not needs("global", host="other.test")
+    assert not needs("direct", host="other.test")
+    no_ip = compile_rules([_rule(domain=["x"])])
+    plain = decide(no_ip, "rule", None, "f", _facts())
+    assert not routing.needs_address(no_ip, "rule", _facts(), plain)
+    # With the address, the ip_cidr rule decides (its port too), then the later rules.
+    resolved = _facts(host="a.late.test", port=1, resolved_ip="10.9.9.9")
+    assert decide(rs, "rule", None, "final", resolved).matched_rule.index == 1
+    resolved = _facts(host="a.late.test", port=2, resolved_ip="10.9.9.9")
+    assert decide(rs, "rule", None, "final", resolved).matched_rule.index == 2
+    # An unspecified resolved address is where Linux connects: loopback.
+    loop = compile_rules([_rule(ip_cidr=["127.0.0.0/8"])])
+    facts = _facts(host="ads.test", resolved_ip="0.0.0.0")
+    assert decide(loop, "rule", None, "final", facts).matched_rule is not None
