@@ -106,7 +106,7 @@ def with_options(draw: st.DrawFn) -> bytes:
     return q.to_wire()
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(data=st.one_of(queries(), mutated(), with_options()), tcp=st.booleans())
 def test_what_the_wire_cache_may_answer_passes_the_screen(data, tcp):
     # quick() skips screen() for what _fast_key takes: it must be a subset.
