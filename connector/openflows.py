@@ -128,6 +128,12 @@ class OpenFlows:
         slots[index] = (record_id, body)
         self.bytes += len(body)
 
+    def forget(self, flow_id: str) -> None:
+        """Stop tracking ``flow_id`` (it can never be completed)."""
+        for slot in self.flows.pop(flow_id, ()):
+            if slot is not None:
+                self.bytes -= len(slot[1])
+
     def bodies(self, flow_id: str) -> list[bytes]:
         """The kept bodies of ``flow_id``, oldest first."""
         return [s[1] for s in sorted(s for s in self.flows.get(flow_id, ()) if s is not None)]

@@ -607,6 +607,14 @@ class DiskOutbox:
             self._reclaim(self._durable_acked)
         return n
 
+    def forget_flow(self, flow_id: str) -> None:
+        """Stop tracking an open flow that cannot be completed (its kept events are not
+        readable as flow events): the next checkpoint leaves it out."""
+        self.orphans.pop(flow_id, None)
+        if self.flows is not None:
+            with self._lock:
+                self.flows.forget(flow_id)
+
     def _reclaim(self, acked_id: int) -> None:
         """Delete the segments acknowledged through ``acked_id``, after a checkpoint of
         the open flows covers them, when they free at least what it writes

@@ -24,7 +24,7 @@ from spliceway.connector.diskgate import DiskGate, Storage
 from spliceway.connector.intake import Feed, Intake
 from spliceway.connector.jetstream import NatsPublisher, parse_credentials
 from spliceway.connector.jsonl import JsonlWriter
-from spliceway.connector.outbox import MemoryOutbox, Outbox, OutboxStore
+from spliceway.connector.outbox import DiskOutbox, MemoryOutbox, Outbox, OutboxStore
 from spliceway.connector.policy import DeliveryPolicy
 from spliceway.connector.signing import Signer, secret_key
 from spliceway.connector.webhook import WebhookClient
@@ -198,8 +198,11 @@ class Connector:
             try:
                 completions.append((flow_id, crashed_completion([orjson.loads(b) for b in bodies])))
             except (ValueError, KeyError, TypeError, AttributeError) as ex:
-                # Stays open in its outbox: logged again at every start, never raised.
+                # Never raised; forgotten, so the next checkpoint leaves it out.
                 logger.warning("cannot complete flow %s left open by a crash: %r", flow_id, ex)
+                for slot in self.slots:
+                    if isinstance(slot.outbox, DiskOutbox):
+                        slot.outbox.forget_flow(flow_id)
         completions.sort(key=lambda c: (c[1].occurred_at_unix_ms, c[0]))
         chunk = max(1, self.log.capacity // 4)
         deadline = time.monotonic() + ORPHAN_WAIT_S

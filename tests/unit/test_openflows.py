@@ -351,3 +351,32 @@ def test_on_a_full_disk_acknowledged_segments_go_without_a_checkpoint(tmpfs):
         assert sorted(_outbox(d).orphans) == []
     finally:
         os.unlink(filler)
+
+
+def test_a_flow_whose_kept_events_are_unreadable_is_logged_and_forgotten(tmp_path, caplog):
+    outbox = tmp_path / "outbox"
+    cfg = sink_config([jsonl("a", tmp_path / "a.jsonl")], outbox)
+    store = OutboxStore(str(outbox))
+    box = store.open_sink("a", track_flows=True)
+    good = _lifecycle("flow.started", _state("dead-0-1"), 1_000)
+    # A flow event without its record (not what this engine writes): it cannot be completed.
+    bad = orjson.loads(_lifecycle("flow.started", _state("dead-0-2"), 1_000))
+    del bad["payload"]["record"]
+    box.append([good, orjson.dumps(bad)])
+    box.commit()
+    box.close()
+    store.close()
+    for expected in (1, 0):
+        connector = Connector(parse_config(cfg).api, EventLog(16))
+        connector.start()
+        try:
+            orphans = {"dead-0-1", "dead-0-2"} if expected else set()
+            assert connector.orphan_flow_ids() == orphans
+            assert connector.complete_orphans() == expected
+            box = connector.slots[0].outbox
+            assert isinstance(box, DiskOutbox) and box.flows is not None
+        finally:
+            connector.stop()
+        # The next checkpoint (as before deleting segments) leaves the unreadable one out.
+        openflows.write_checkpoint(box.directory, box.flows)
+    assert "cannot complete flow dead-0-2" in caplog.text
