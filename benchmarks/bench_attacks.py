@@ -1,6 +1,7 @@
 """The attacks of issue 26, against spliceway and, where they apply, mihomo and sing-box.
 
     python benchmarks/bench_attacks.py [--only NAME ...] [--json OUT] [--targets T ...]
+                                       [--engine-root TREE ...]
 
 Every attack starts each target fresh (its own temporary directory, its own ports on
 127.0.0.1, chosen by the OS or by ``run_e2e.free_port``), runs bounded in count and
@@ -23,6 +24,11 @@ Targets (``peers.discover`` finds the peers' binaries):
 
 Every target logs at its default level (info); its stdout and stderr go to one file,
 whose growth is the "log bytes" of a row.
+
+``--engine-root TREE`` adds a column for the spliceway of another source tree (one
+exported with ``git archive REV | tar -x -C TREE`` and its C module built there with
+``python setup.py build_ext --inplace``), started through ``run_e2e``'s in-tree shim in
+that directory: the same attacks on the code before a fix, in the same run.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -250,9 +256,14 @@ def _env(tmp: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 class Spliceway(Target):
     name = "spliceway"
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path | None = None) -> None:
         self.binary = sys.executable
-        self.version = "this tree (the git revision above)"
+        self.root = root
+        if root is None:
+            self.version = "this tree (the git revision above)"
+        else:
+            self.name = f"spliceway ({root.name})"
+            self.version = f"the tree at {root} (--engine-root)"
 
     def config(self, profile: str, tmp: Path, **kw) -> dict:
         any_port = {"address": HOST, "port": 0}
@@ -292,11 +303,19 @@ class Spliceway(Target):
     def start(self, profile: str, tmp: Path, nofile: int | None, **kw) -> Inst:
         cfg_path = tmp / "spliceway.json"
         cfg_path.write_text(json.dumps(self.config(profile, tmp, **kw), indent=1))
-        cmd, _launch = e2e.spliceway_launch_cmd(cfg_path)
+        if self.root is None:
+            cmd, _launch = e2e.spliceway_launch_cmd(cfg_path)
+        else:
+            # Another tree (e.g. one exported with git archive, its C module built in
+            # place): run_e2e's shim, started in that tree, so its spliceway package is
+            # the one imported (not the installed one).
+            code = e2e.ENGINE_SHIM.format(root=str(self.root), cfg=str(cfg_path))
+            cmd = [sys.executable, "-c", code]
+        cwd = self.root or ROOT
         env = _env(tmp, {KEY_ENV: KEY})
 
         def launch() -> Inst:
-            proc = Proc(self.name, cmd, env, tmp / "spliceway.log", nofile, cwd=ROOT)
+            proc = Proc(self.name, cmd, env, tmp / "spliceway.log", nofile, cwd=cwd)
             pats = {
                 "socks": r"inbound socks-in \(socks5\) listening on [0-9.]+:(\d+)",
                 "http": r"inbound http-in \(http\) listening on [0-9.]+:(\d+)",
@@ -724,7 +743,6 @@ def flow_latency(inst: Inst, host: str, port: int, timeout: float = 5.0) -> floa
 class Ctx:
     tmp: Path
     echo: EchoServer
-    results: dict = field(default_factory=dict)
 
 
 def _slow_head(inst: Inst) -> bytes:
@@ -1407,6 +1425,20 @@ def attack_fd(inst: Inst, echo: EchoServer, nofile: int, window_s: float = 5.0) 
         if consecutive >= 5:
             break
     held = len(tunnels)
+    # A tunnel that fails to dial is refused and closed, giving its descriptor back:
+    # connections that say nothing take what is left (the target accepts them and waits
+    # for a greeting), and the rest wait in the listener's backlog.
+    silent: list[socket.socket] = []
+    while len(silent) < nofile and time.monotonic() - t0 < 45:
+        s = socket.socket()
+        s.settimeout(1.0)
+        try:
+            s.connect((HOST, inst.socks))
+        except OSError:
+            s.close()
+            break
+        silent.append(s)
+    time.sleep(0.5)
     fill_s = time.monotonic() - t0
     api_results: list[tuple[float, int | str]] = []
     kept_results: list[int | str] = []
@@ -1428,7 +1460,7 @@ def attack_fd(inst: Inst, echo: EchoServer, nofile: int, window_s: float = 5.0) 
     log1, cpu1, w1 = inst.proc.log_bytes(), inst.proc.cpu_s(), time.monotonic()
     th.join(30)
     still = sum(1 for s in tunnels[:20] if echo_roundtrip(s, b"y", 1.5))
-    for s in tunnels + pending + stalled:
+    for s in tunnels + pending + stalled + silent:
         s.close()
     kept.conn.close()
     # Recovery: a new API connection within 5 s of the tunnels closing.
@@ -1446,7 +1478,8 @@ def attack_fd(inst: Inst, echo: EchoServer, nofile: int, window_s: float = 5.0) 
     kept_ok = sum(1 for st in kept_results if st == 200)
     socks_ok = sum(1 for w in socks_results if w == "ok")
     cell = (
-        f"held {held}; API new {api_ok}/{len(api_results)}, kept {kept_ok}/{len(kept_results)}; "
+        f"held {held} + {len(silent)} silent; "
+        f"API new {api_ok}/{len(api_results)}, kept {kept_ok}/{len(kept_results)}; "
         f"SOCKS {socks_ok}/{len(socks_results)}; CPU {cpu_pct:.0f} %, log {size(log_rate)}/s; "
         f"tunnels relay {still}/{min(20, held)}; "
         + (f"API back {recover_s:.1f} s after close" if recovered[1] == 200 else "API not back")
@@ -1461,6 +1494,7 @@ def attack_fd(inst: Inst, echo: EchoServer, nofile: int, window_s: float = 5.0) 
             "fill_seconds": round(fill_s, 2),
             "fill_failures": dict(fails),
             "stalled_kept_open": len(stalled),
+            "silent_connections": len(silent),
             "kept_api_before": kept_before,
             "api_new": [(round(t, 3), st) for t, st in api_results],
             "api_kept": kept_results,
@@ -1742,7 +1776,8 @@ FD_LIMIT = 256
 
 def run_group(group: str, target: Target, ctx: Ctx) -> dict:
     """{row key: {"cell", "raw"}} for one attack group on one target (started fresh)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{group}-{target.name}-", dir=ctx.tmp))
+    slug = re.sub(r"\W+", "_", target.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{group}-{slug}-", dir=ctx.tmp))
     if group == "slowloris":
         out = {}
         for n in (100, 300):
@@ -1796,16 +1831,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", choices=GROUPS, help="only these attacks")
     ap.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     ap.add_argument("--json", type=Path, help="write every raw measurement here")
+    ap.add_argument(
+        "--engine-root",
+        type=Path,
+        action="append",
+        default=[],
+        help="also run the spliceway of this source tree (C module built in place), as a column",
+    )
     args = ap.parse_args(argv)
 
     e2e.raise_nofile()
     specs = {s.name: s for s in peers_mod.discover()}
     all_targets: list[Target] = [
         Spliceway(),
+        *(Spliceway(r.resolve()) for r in args.engine_root),
         Mihomo(specs.get("mihomo")),
         SingBox(specs.get("sing-box")),
     ]
-    targets = [t for t in all_targets if t.name in args.targets]
+    targets = [t for t in all_targets if t.name.split(" ")[0] in args.targets]
     groups = args.only or list(GROUPS)
     rows = [r for r in ROWS if r[2] in groups]
     cells: dict[tuple[str, str], str] = {}
@@ -1818,7 +1861,7 @@ def main(argv: list[str] | None = None) -> int:
             for group in groups:
                 for target in targets:
                     keys = [k for k, _l, g in ROWS if g == group]
-                    if group in ONLY_SPLICEWAY and target.name != "spliceway":
+                    if group in ONLY_SPLICEWAY and not isinstance(target, Spliceway):
                         for k in keys:
                             cells[(k, target.name)] = "n/a"
                         continue
