@@ -50,6 +50,9 @@ _OCT = frozenset("01234567")
 _DEC = frozenset("0123456789")
 # str.isspace's ASCII members are exactly C's isspace() in the "C" locale.
 _SPACE = " \t\n\v\f\r"
+_SPACE_SET = frozenset(_SPACE)
+# What an IPv4 number can end with ("0x" alone is one: 0).
+_NUMBER_END = _HEX | {"x", "X"}
 _LOOPBACK4 = "127.0.0.1"
 # A host that may read as IPv4: its last label (one trailing dot aside) is a number
 # (decimal, or "0x"/"0X" and hex digits), or it has ASCII whitespace (inet_aton).
@@ -147,8 +150,11 @@ def _ascii_address(host: str) -> str | None:
             return None
     if ":" in host:
         return _v6_text(host)
+    last = host[-2] if host[-1] == "." and len(host) > 1 else host[-1]
+    if last not in _NUMBER_END and _SPACE_SET.isdisjoint(host):
+        return None  # the common case, a domain name, at a glance
     if _MAYBE_V4.search(host) is None:
-        return None  # the common case, a domain name: no parsing
+        return None  # a domain name still: no parsing
     value = _whatwg_ipv4(host)
     if value is None:
         value = _aton_prefix(host)
