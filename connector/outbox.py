@@ -607,6 +607,26 @@ class DiskOutbox:
             self._reclaim(self._durable_acked)
         return n
 
+    def find_completions(self, flow_ids: set[str]) -> dict[str, bytes]:
+        """The ``flow.completed`` bodies of ``flow_ids`` this outbox still holds on disk
+        (a read-only scan of every segment; one deleted meanwhile is skipped)."""
+        found: dict[str, bytes] = {}
+        if not flow_ids:
+            return found
+        for _, path in segments.list_segments(self.directory):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            for item in segments.scan(data):
+                if isinstance(item, segments.Damage):
+                    continue
+                event = openflows.flow_event_of(item.payload)
+                if event is not None and event[0] == "flow.completed" and event[1] in flow_ids:
+                    found[event[1]] = item.payload
+        return found
+
     def forget_flow(self, flow_id: str) -> None:
         """Stop tracking an open flow that cannot be completed (its kept events are not
         readable as flow events): the next checkpoint leaves it out."""

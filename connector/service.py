@@ -21,7 +21,7 @@ import orjson
 import pykka
 from spliceway.actors.sink import SinkActor, SinkState, Transport
 from spliceway.connector.diskgate import DiskGate, Storage
-from spliceway.connector.intake import Feed, Intake
+from spliceway.connector.intake import Feed, Intake, with_source
 from spliceway.connector.jetstream import NatsPublisher, parse_credentials
 from spliceway.connector.jsonl import JsonlWriter
 from spliceway.connector.outbox import DiskOutbox, MemoryOutbox, Outbox, OutboxStore
@@ -180,6 +180,9 @@ class Connector:
         the crash (the intake feeds sinks one after the other) gets no second one. A
         crash before a sink committed its completion leaves that flow open in its outbox,
         and the next start completes it again; once committed it is closed for good.
+        A sink that owes a flow whose real flow.completed another sink's outbox still
+        holds gets that event instead (``_resend_completions``), so every sink ends the
+        flow with the same event.
 
         The ring must not evict a completion before every intake took it: they go out in
         chunks of a quarter of the ring, each taken by every sink before the next goes
@@ -187,12 +190,13 @@ class Connector:
         them at a later start). One chunk, the usual case, does not wait at all.
         """
         owed = {slot.spec.tag: _orphans(slot) for slot in self.slots}
+        if self.intake is None or not any(owed.values()):
+            return 0
+        resent = self._resend_completions(owed)
         kept: dict[str, list[bytes]] = {}
         for orphans in owed.values():
             for flow_id, bodies in orphans.items():
                 kept.setdefault(flow_id, []).extend(bodies)
-        if not kept or self.intake is None:
-            return 0
         completions: list[tuple[str, Completion]] = []
         for flow_id, bodies in kept.items():
             try:
@@ -229,10 +233,47 @@ class Connector:
                             slot.feed.skip.add(envelope["sequence"])
                     flowlog.log_completed(done.state)  # its one line, as every flow has
         logger.info(
-            "completed %d flows the previous run left open (outcome engine_crashed)",
+            "completed %d flows the previous run left open (outcome engine_crashed; %d more "
+            "got the flow.completed another sink had taken)",
             len(completions),
+            resent,
         )
-        return len(completions)
+        return len(completions) + resent
+
+    def _resend_completions(self, owed: dict[str, dict[str, list[bytes]]]) -> int:
+        """Give a sink the real flow.completed of a flow it owes when another sink's outbox
+        still holds it (the intake feeds sinks one after the other, so a kill can land
+        after one took a completion and before the next did): the same event, same
+        ``event_id``, stamped with this sink's ``source_id``, written to its outbox as a
+        redelivery (not into the ring: it is an event of the previous run). The flows so
+        settled leave ``owed``; returns how many flows were settled for every sink."""
+        wanted = {flow_id for orphans in owed.values() for flow_id in orphans}
+        real: dict[str, bytes] = {}
+        for slot in self.slots:
+            if isinstance(slot.outbox, DiskOutbox):
+                look = wanted - owed[slot.spec.tag].keys() - real.keys()
+                real.update(slot.outbox.find_completions(look))
+        if not real:
+            return 0
+        assert self.intake is not None
+        with self.intake.lock:  # the intake's own writes wait: one writer per outbox
+            for slot in self.slots:
+                orphans = owed[slot.spec.tag]
+                mine = [flow_id for flow_id in orphans if flow_id in real]
+                if not mine:
+                    continue
+                source = slot.feed.source_id
+                try:
+                    slot.outbox.append([with_source(real[flow_id], source) for flow_id in mine])
+                    slot.outbox.commit()
+                except OSError as ex:
+                    # Still open in this sink's outbox: completed below, or at a later start.
+                    logger.warning("sink %s: cannot write completions: %s", slot.spec.tag, ex)
+                    continue
+                slot.feed.notify()
+                owed[slot.spec.tag] = {k: v for k, v in orphans.items() if k not in real}
+        still = {flow_id for orphans in owed.values() for flow_id in orphans}
+        return len(real.keys() - still)
 
     def _open_store(self) -> None:
         api = self.api

@@ -676,7 +676,11 @@ reported), one revision later, ending at the last moment the flow was seen, with
 before the crash gets no second one; a crash during this recovery leaves the flows not
 yet written to a sink's outbox open there, and the start after completes those. It goes
 through the ring like any event (streams see it) and each sink's outbox, so it is
-delivered as durably as the rest. What this needs and leaves out:
+delivered as durably as the rest. Sinks take events one after the other, so a kill can
+land after one sink took a flow's real `flow.completed` and before another did: the
+other then gets that same event (same `event_id`, its own `source_id`) from the first
+one's outbox, as a redelivery, not a crash completion, while the outbox still holds
+it. What this needs and leaves out:
 
 - `api.outbox_path`: without an outbox nothing of a run survives it, and there is
   nothing to complete (an SSE client sees the stream end without `engine.stopped`).

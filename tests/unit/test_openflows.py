@@ -242,8 +242,10 @@ def test_crash_completion_is_a_catalogue_conforming_completed_event():
 
 def test_each_sink_gets_the_crash_completions_of_the_flows_its_own_outbox_shows_open(tmp_path):
     """Sink a had taken flow x's real flow.completed before the kill, sink b had not (the
-    intake feeds sinks one after the other): at the next start only b gets x's crash
-    completion; both get y's; the ring carries one per flow; a second start adds none."""
+    intake feeds sinks one after the other): at the next start a gets nothing for x and b
+    gets a's real completion, the same event (same event_id, its own source_id), not a
+    crash completion; both get y's crash completion, the one event of the ring; a second
+    start adds none."""
     outbox = tmp_path / "outbox"
     files = {tag: tmp_path / f"{tag}.jsonl" for tag in ("a", "b")}
     cfg = sink_config(
@@ -253,7 +255,8 @@ def test_each_sink_gets_the_crash_completions_of_the_flows_its_own_outbox_shows_
     store = OutboxStore(str(outbox))
     x, y = _state("dead-0-1"), _state("dead-0-2")
     started = [_lifecycle("flow.started", x, 1_000), _lifecycle("flow.started", y, 1_000)]
-    for tag, bodies in (("a", [*started, _completed("dead-0-1")]), ("b", started)):
+    real = with_source(_completed("dead-0-1"), "node-a")
+    for tag, bodies in (("a", [*started, real]), ("b", started)):
         box = store.open_sink(tag, track_flows=True)
         box.append(bodies)
         box.commit()
@@ -275,23 +278,30 @@ def test_each_sink_gets_the_crash_completions_of_the_flows_its_own_outbox_shows_
     ring = run()
     assert [(e["event_type"], e["payload"].get("flow_id")) for e in ring] == [
         ("engine.started", None),
-        ("flow.completed", "dead-0-1"),
         ("flow.completed", "dead-0-2"),
     ]
 
-    def crashed(tag: str) -> list[str]:
+    def completions(tag: str) -> list[tuple[str, str, object]]:
         lines = [orjson.loads(line) for line in files[tag].read_text().splitlines()]
         return [
-            e["payload"]["flow_id"] for e in lines if e["payload"]["outcome"] == "engine_crashed"
+            (e["payload"]["flow_id"], e["payload"]["outcome"], e["event_id"])
+            for e in lines
+            if e["event_type"] == "flow.completed"
         ]
 
-    assert crashed("a") == ["dead-0-2"]
-    assert crashed("b") == ["dead-0-1", "dead-0-2"]
+    crash_id = ring[1]["event_id"]
+    real_id = orjson.loads(real)["event_id"]
+    expected = {
+        "a": [("dead-0-1", "cancelled", real_id), ("dead-0-2", "engine_crashed", crash_id)],
+        "b": [("dead-0-1", "cancelled", real_id), ("dead-0-2", "engine_crashed", crash_id)],
+    }
+    assert {tag: sorted(completions(tag)) for tag in files} == expected
+    resent = [orjson.loads(line) for line in files["b"].read_text().splitlines()]
+    assert [e["source_id"] for e in resent if e["event_id"] == real_id] == [None]
     # Committed to each sink's outbox: closed there for good.
     again = run()
     assert [e["event_type"] for e in again] == ["engine.started"]
-    assert crashed("a") == ["dead-0-2"]
-    assert crashed("b") == ["dead-0-1", "dead-0-2"]
+    assert {tag: sorted(completions(tag)) for tag in files} == expected
 
 
 def test_more_crash_completions_than_the_ring_holds_reach_every_sink(tmp_path):
