@@ -364,8 +364,13 @@ int sw_host_canon(const uint8_t *s, size_t n, char *out, size_t cap, size_t *out
         /* A name: one trailing dot dropped (not the only byte, nor one of
          * two), unless it has a '%', which Python leaves as given. */
         m = n;
-        if (n > 1 && s[n - 1] == '.' && s[n - 2] != '.' && !memchr(s, '%', n))
-            m = n - 1;
+        if (n > 1 && s[n - 1] == '.' && s[n - 2] != '.' && !memchr(s, '%', n)) {
+            /* "::1." is no address, but "::1" would be: such a name keeps its
+             * dot (idempotence).  UNSURE stays so: Python decides either way. */
+            int k = sw_host_addr(s, n - 1, a);
+            if (k != SW_HOST_IP4 && k != SW_HOST_IP6)
+                m = n - 1;
+        }
         if (m + 1 > cap)
             return -ENOSPC;
         if (m)

@@ -49,11 +49,13 @@ int sw_host_addr(const uint8_t *s, size_t n, uint8_t out[16]);
 
 /* hostnorm.canonical_host: the address text (dotted quad, RFC 5952 IPv6 as
  * ipaddress writes it) for SW_HOST_IP4/6; for a name, s without one trailing
- * dot (kept when it is the only byte or follows another dot); for
- * SW_HOST_UNSURE the same as for a name, except that a host with a '%' is
- * given unchanged (Python may still find an address).  Writes a NUL after *out_len bytes; -ENOSPC when cap is below
- * max(n, SW_HOST_ADDR_MAX - 1) + 1 and the text does not fit, -EINVAL for
- * NULL pointers.  Returns enum sw_host_kind. */
+ * dot (kept when it is the only byte, follows another dot, or s without it
+ * would be an address); for SW_HOST_UNSURE the same as for a name, except
+ * that a host with a '%' is given unchanged (Python may still find an
+ * address, and for a non-ASCII name may keep a dot C drops).  Writes a NUL
+ * after *out_len bytes; -ENOSPC when cap is too small for the text and its
+ * NUL (never with cap > max(n, SW_HOST_ADDR_MAX - 1)), -EINVAL for NULL
+ * pointers.  Returns enum sw_host_kind. */
 int sw_host_canon(const uint8_t *s, size_t n, char *out, size_t cap, size_t *out_len);
 
 /* SW_CDEF_END */

@@ -34,8 +34,8 @@ The unspecified addresses are where Linux connects to: a connection to 0.0.0.0 r
 IPv6 text (brackets allowed) is written as :mod:`ipaddress` writes it (RFC 5952), a
 scope id (``fe80::1%eth0``) kept. Any other host is a domain name, given back as it came
 except for one trailing dot, which is dropped (``example.com.`` is ``example.com``; ``a..``
-stays, so the function is idempotent), unless it has a ``%`` (a percent-escape no
-resolver decodes): that is left as given.
+and ``::1.`` stay, so the function is idempotent), unless it has a ``%`` (a
+percent-escape no resolver decodes): that is left as given.
 """
 
 from __future__ import annotations
@@ -168,9 +168,13 @@ def target_address(host: str) -> str | None:
     if not host:
         return None
     if "%" in host:
-        # Only a scoped IPv6 address has one (percent-escapes are names no one decodes).
+        # Only a scoped IPv6 address has one (percent-escapes are names no one decodes),
+        # unless it comes after what inet_aton reads.
         inner = host[1:-1] if host[0] == "[" and host[-1] == "]" else host
-        return _v6_text(inner) if ":" in inner else None
+        if ":" in inner:
+            return _v6_text(inner)
+        value = _aton_prefix(host)
+        return None if value is None else _v4_text(value)
     if not host.isascii():
         try:
             name = host.encode("idna").decode("ascii")
@@ -192,5 +196,7 @@ def canonical_host(host: str) -> str:
     if address is not None:
         return address
     if len(host) > 1 and host[-1] == "." and host[-2] != "." and "%" not in host:
-        return host[:-1]
+        name = host[:-1]
+        # "::1." is no address, but "::1" would be: such a name keeps its dot.
+        return name if target_address(name) is None else host
     return host
