@@ -27,8 +27,11 @@ the intake commits a prefix of each engine's event sequence to each sink, every 
 an engine at or below the highest sequence the webhook sink is known to have held must be
 delivered too. (The JSONL file alone is not enough: in one intake round the JSONL feed reads
 the event log after the webhook's feed did, so it can hold a few events the webhook sink never
-took before the kill; those are counted as "ahead", not as lost.) Duplicates are counted
-(expected after kills) and must be byte-identical; losses must be 0.
+took before the kill; those are counted as "ahead", not as lost, and so is a crash completion
+the webhook did not owe because it had taken that flow's real flow.completed.) Duplicates are
+counted (expected after kills) and must be byte-identical; losses must be 0. Every flow whose
+flow.started the webhook delivered must have exactly one flow.completed event delivered (a flow
+a kill left open is completed at the next start, outcome engine_crashed).
 
 Prints a summary and writes ``benchmarks/results/<timestamp>-fault-kill9.json`` (plus the
 engine's stderr of every round as ``.engine.log``). Exit status 1 when an event was lost, a body
@@ -556,6 +559,22 @@ def _epoch_seq(event_id: str) -> tuple[str, int] | None:
     return (epoch, int(seq)) if seq.isdigit() else None
 
 
+def _completed_flow(body: bytes, *, crashed: bool = False) -> str | None:
+    """The flow id of a flow.completed body (with ``crashed``: only an engine_crashed one)."""
+    if b'"flow.completed"' not in body:
+        return None
+    try:
+        event = json.loads(body)
+        payload = event["payload"]
+        if event["event_type"] != "flow.completed":
+            return None
+        if crashed and payload.get("outcome") != "engine_crashed":
+            return None
+        return str(payload["flow_id"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class Oracle:
     """What the webhook sink must deliver, from two independent sources.
 
@@ -615,19 +634,36 @@ class Oracle:
         self.snapshots.append(info)
         return info
 
-    def must_deliver(self, jsonl: dict[str, bytes], seen: set[str]) -> tuple[dict[str, bytes], int]:
+    def must_deliver(
+        self,
+        jsonl: dict[str, bytes],
+        seen: set[str],
+        delivered: dict[str, list[bytes]] | None = None,
+    ) -> tuple[dict[str, bytes], int]:
         """Every event the webhook must deliver (id -> body) and how many JSONL events were
-        ahead of it (never the webhook's)."""
+        ahead of it (never the webhook's).
+
+        A crash completion (flow.completed, outcome engine_crashed, emitted at a start for
+        the flows a sink's outbox shows open) goes only to the sinks that owe it: one the
+        webhook never got is not owed when the webhook held or delivered another
+        flow.completed of that flow (it took the real one before the kill the JSONL sink
+        did not reach); counted as "ahead" too."""
         held = dict(self.held_max)
         for event_id in seen:
             es = _epoch_seq(event_id)
             if es is not None:
                 held[es[0]] = max(held.get(es[0], 0), es[1])
+        ended: set[str] = set()
+        for body in [*self.expected.values(), *(bs[0] for bs in (delivered or {}).values())]:
+            flow = _completed_flow(body)
+            if flow is not None:
+                ended.add(flow)
         out = dict(self.expected)
         ahead = 0
         for event_id, body in jsonl.items():
             es = _epoch_seq(event_id)
-            if es is not None and es[1] <= held.get(es[0], 0):
+            crash = event_id not in out and _completed_flow(body, crashed=True) in ended
+            if es is not None and es[1] <= held.get(es[0], 0) and not crash:
                 out.setdefault(event_id, body)
             else:
                 ahead += 1
@@ -635,7 +671,7 @@ class Oracle:
 
     def verdict(self, jsonl: dict[str, bytes], receiver: Receiver) -> dict[str, Any]:
         delivered = receiver.snapshot()
-        must, ahead = self.must_deliver(jsonl, receiver.seen_ids())
+        must, ahead = self.must_deliver(jsonl, receiver.seen_ids(), delivered)
         lost = sorted(e for e in must if e not in delivered)
         differs = sorted(
             e
@@ -675,7 +711,37 @@ class Oracle:
             "snapshot_mismatches": len(self.snapshot_mismatch),
             "snapshot_mismatch_examples": self.snapshot_mismatch[:10],
             "engine_epochs_in_jsonl": len({e.split("-", 1)[0] for e in jsonl}),
+            **_completions(delivered),
         }
+
+
+def _completions(delivered: dict[str, list[bytes]]) -> dict[str, Any]:
+    """Every flow the webhook was told started has exactly one completion event (across
+    kills: the next start completes a flow a kill left open, outcome engine_crashed)."""
+    started: set[str] = set()
+    ends: dict[str, set[str]] = {}
+    crashed = 0
+    for event_id, bodies in delivered.items():
+        body = bodies[0]
+        if b'"flow.started"' in body:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                event = json.loads(body)
+                if event["event_type"] == "flow.started":
+                    started.add(str(event["payload"]["flow_id"]))
+        flow = _completed_flow(body)
+        if flow is not None:
+            ends.setdefault(flow, set()).add(event_id)
+            crashed += _completed_flow(body, crashed=True) is not None
+    never = sorted(started - ends.keys())
+    twice = sorted(f for f, ids in ends.items() if len(ids) > 1)
+    return {
+        "flows_started": len(started),
+        "flows_never_completed": len(never),
+        "flows_never_completed_examples": never[:10],
+        "flows_completed_twice": len(twice),
+        "flows_completed_twice_examples": twice[:10],
+        "crash_completions": crashed,
+    }
 
 
 # --------------------------------------------------------------------------- run
@@ -836,10 +902,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 deadline = time.monotonic() + args.drain_timeout
                 drained = False
                 while time.monotonic() < deadline and eng.proc.poll() is None:
-                    expected, _ = oracle.must_deliver(
-                        read_jsonl(jsonl_path)["bodies"], receiver.seen_ids()
-                    )
                     got = receiver.snapshot()
+                    expected, _ = oracle.must_deliver(
+                        read_jsonl(jsonl_path)["bodies"], receiver.seen_ids(), got
+                    )
                     sinks = eng.sinks() or []
                     pending = sum(int(s.get("pending") or 0) for s in sinks)
                     if sinks and not pending and all(e in got for e in expected):
@@ -929,6 +995,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         or verdict["duplicates_not_identical"]
         or verdict["acked_before_2xx"]
         or verdict["snapshot_mismatches"]
+        or verdict["flows_never_completed"]
+        or verdict["flows_completed_twice"]
         or jsonl["mismatched_duplicates"]
         or final.get("outbox_snapshot", {}).get("pending_records", 1)
         or start_failures
@@ -972,6 +1040,11 @@ def report(res: dict[str, Any]) -> str:
             f"{v['events_delivered_more_than_once']} events, max {v['max_copies']} copies",
         ),
         ("duplicates not byte-identical", v["duplicates_not_identical"]),
+        (
+            "flows started / never completed / completed twice",
+            f"{v['flows_started']} / {v['flows_never_completed']} / "
+            f"{v['flows_completed_twice']} ({v['crash_completions']} crash completions)",
+        ),
         ("body differs (snapshot/JSONL/receiver)", v["body_differs"]),
         (
             "ACK durable before its 2xx",
