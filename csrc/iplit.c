@@ -292,8 +292,11 @@ static int host_addr(const uint8_t *s, size_t n, uint8_t out[16], bool loop)
         return v4_result((uint32_t)a[0] << 24 | (uint32_t)a[1] << 16 | (uint32_t)a[2] << 8 | a[3],
                          out, loop);
     }
-    if (memchr(s, ':', n))
-        return v6_result(s, n, out, loop);
+    if (memchr(s, ':', n)) {
+        int k = v6_result(s, n, out, loop);
+        if (k != SW_HOST_NAME)
+            return k; /* else maybe inet_aton's, before whitespace ("0 :") */
+    }
     uint32_t v;
     if (whatwg_ipv4(s, n, &v) || aton_prefix(s, n, &v))
         return v4_result(v, out, loop);

@@ -149,7 +149,9 @@ def _ascii_address(host: str) -> str | None:
         except ValueError:
             return None
     if ":" in host:
-        return _v6_text(host)
+        address = _v6_text(host)
+        if address is not None:
+            return address  # else maybe inet_aton's, before whitespace ("0 :")
     last = host[-2] if host[-1] == "." and len(host) > 1 else host[-1]
     if last not in _NUMBER_END and _SPACE_SET.isdisjoint(host):
         return None  # the common case, a domain name, at a glance
@@ -171,8 +173,9 @@ def target_address(host: str) -> str | None:
         # Only a scoped IPv6 address has one (percent-escapes are names no one decodes),
         # unless it comes after what inet_aton reads.
         inner = host[1:-1] if host[0] == "[" and host[-1] == "]" else host
-        if ":" in inner:
-            return _v6_text(inner)
+        address = _v6_text(inner) if ":" in inner else None
+        if address is not None:
+            return address
         value = _aton_prefix(host)
         return None if value is None else _v4_text(value)
     if not host.isascii():

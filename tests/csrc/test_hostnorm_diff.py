@@ -241,5 +241,7 @@ def test_c_matches_python(host):
 @_settings(400)
 @given(host=st.one_of(ipv4_spellings(), _fuzz_text, _huge))
 @example(host="0 %")
+@example(host="0 :")
+@example(host="0 :%")
 def test_every_address_glibc_reads_is_that_address(host):
     check_glibc(host)
