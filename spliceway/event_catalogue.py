@@ -264,7 +264,13 @@ FLOW_RECORD_FIELDS: tuple[PayloadField, ...] = (
         required=False,
     ),
     _f("target", "object", "What the client asked for."),
-    _f("target.host", "string", "Host name or IP address the client asked for."),
+    _f(
+        "target.host",
+        "string",
+        "Host name or IP address the client asked for, canonically: any spelling of an "
+        "address as that address (`2130706433` as `127.0.0.1`), a name without a trailing "
+        "dot (see docs/routing.md).",
+    ),
     _f("target.port", "integer", "Port the client asked for."),
     _f(
         "target.resolved_ip",
