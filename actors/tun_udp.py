@@ -163,6 +163,8 @@ class _Session:
     #: "opening", "direct", "python"; "closed" once its flow completed (its datagrams
     #: are then dropped until the stack ends the session).
     action: str = "opening"
+    #: The address its route was decided on (an ip_cidr rule needed it): dialled alone.
+    address: str | None = None
     last_active: float = 0.0
     #: When its flow completed (a refused session is forgotten a hold later).
     closed_at: float = 0.0
@@ -523,9 +525,29 @@ class TunUdpActor(LoopActor):
         # else: ended while the hook was asked, quietly, as it never started
 
     def _start(self, sess: _Session, at_unix_ms: int, *, allowed: bool = True) -> None:
-        """flow.started, the route, and the verdict's path."""
+        """flow.started, the route, and the verdict's path (after resolving a domain
+        target, a fake-ip one's, whose address an ip_cidr rule needs)."""
+        if allowed and udp_flow.needs_address(self.deps, sess.state):
+            task = self.dispatcher.spawn(self._start_resolved(sess, at_unix_ms))
+            task.add_done_callback(_log_failure)
+            return
+        self._begin(sess, at_unix_ms, allowed=allowed)
+
+    async def _start_resolved(self, sess: _Session, at_unix_ms: int) -> None:
+        address = await udp_flow.rule_address(self._resolver(), sess.target[0])
+        if sess.action == "opening" and not self.actor_stopped.is_set():
+            sess.address = address
+            self._begin(sess, at_unix_ms)
+        # else: ended while it was resolved, quietly, as it never started
+
+    def _begin(self, sess: _Session, at_unix_ms: int, *, allowed: bool = True) -> None:
         outbound, refusal = udp_flow.start(
-            self.deps, self.actor_ref, sess.state, at_unix_ms, allowed=allowed
+            self.deps,
+            self.actor_ref,
+            sess.state,
+            at_unix_ms,
+            allowed=allowed,
+            resolved_ip=sess.address,
         )
         if refusal is not None:
             self._complete(sess, *refusal)
@@ -548,7 +570,9 @@ class TunUdpActor(LoopActor):
 
     async def _open_direct(self, sess: _Session) -> None:
         host, port = sess.target
-        if is_ip(host):
+        if sess.address is not None:
+            ip = norm(sess.address)  # what the route was decided on, alone
+        elif is_ip(host):
             ip = norm(host)
         else:
             try:

@@ -42,7 +42,7 @@ from spliceway.actors.udp_upstream import (
     v6,
 )
 
-from spliceway import records, udprelay
+from spliceway import hostnorm, records, udprelay
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.flowhook import ask_about
 from spliceway.protocols import socks5
@@ -81,6 +81,8 @@ class _Dest:
     target: tuple[str, int]
     state: records.FlowState
     action: str = "opening"  # "opening", "direct", "python", "closed"
+    #: The address its route was decided on (an ip_cidr rule needed it): dialled alone.
+    address: str | None = None
     proxy: ProxyUpstream | None = None
     manual_close: bool = False
     # What Python relayed itself (proxy outbounds), added to C's counters.
@@ -293,11 +295,12 @@ class UdpAssociationActor(LoopActor):
         deps = self.deps
         self._n += 1
         key = (new.host, new.port)
-        target = key
+        # Every spelling of an address is that address (as for TCP; replies keep the key).
+        target = (hostnorm.canonical_host(new.host), new.port)
         pool = deps.fakeip
         if pool is not None:
             # A fake-ip address stands for the domain the client resolved (as for TCP).
-            domain = pool.domain_of(new.host)
+            domain = pool.domain_of(target[0])
             if domain is not None:
                 target = (domain, new.port)
         state = records.FlowState(
@@ -333,9 +336,28 @@ class UdpAssociationActor(LoopActor):
         # else: ended while the hook was asked, quietly, as it never started
 
     def _start(self, dest: _Dest, at_unix_ms: int, *, allowed: bool = True) -> None:
-        """flow.started, the route, and the verdict's path."""
+        """flow.started, the route, and the verdict's path (after resolving a domain
+        target whose address an ip_cidr rule needs)."""
+        if allowed and udp_flow.needs_address(self.deps, dest.state):
+            self.dispatcher.spawn(self._start_resolved(dest, at_unix_ms))
+            return
+        self._begin(dest, at_unix_ms, allowed=allowed)
+
+    async def _start_resolved(self, dest: _Dest, at_unix_ms: int) -> None:
+        address = await udp_flow.rule_address(self.resolver, dest.target[0])
+        if dest.action == "opening" and dest.id in self.dests:
+            dest.address = address
+            self._begin(dest, at_unix_ms)
+        # else: ended while it was resolved, quietly, as it never started
+
+    def _begin(self, dest: _Dest, at_unix_ms: int, *, allowed: bool = True) -> None:
         outbound, refusal = udp_flow.start(
-            self.deps, self.actor_ref, dest.state, at_unix_ms, allowed=allowed
+            self.deps,
+            self.actor_ref,
+            dest.state,
+            at_unix_ms,
+            allowed=allowed,
+            resolved_ip=dest.address,
         )
         if refusal is not None:
             self._refuse(dest, *refusal)
@@ -372,7 +394,9 @@ class UdpAssociationActor(LoopActor):
 
     async def _open_direct(self, dest: _Dest) -> None:
         host, port = dest.target
-        if is_ip(host):
+        if dest.address is not None:
+            ip = norm(dest.address)  # what the route was decided on, alone
+        elif is_ip(host):
             ip = norm(host)
         else:
             try:

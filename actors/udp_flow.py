@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from spliceway import flowlog, records, routing
+from spliceway.dns.resolver import ResolveError
 from spliceway.events import now_ms
 from spliceway.runtime import FlowEntry
 
 if TYPE_CHECKING:
     from spliceway.actors.flow import FlowDeps
 
+    from spliceway.dns.resolver import Resolver
     from spliceway.flowhook import FlowHookClient
 
 #: Outbound protocols that relay UDP in this build.
@@ -31,6 +33,9 @@ Refusal = tuple[str, records.Failure | None]
 #: retried, a client sending on never turns one refusal into an endless silent drop,
 #: and a client retrying fast makes one refused flow per hold, not one per datagram.
 REFUSAL_HOLD_S = 5.0
+#: Longest a flow waits for its target's address when an ip_cidr rule needs it, as a TCP
+#: flow does (actors/flow.py RULE_RESOLVE_TIMEOUT).
+RULE_RESOLVE_TIMEOUT = 5.0
 
 
 def hook_for(deps: FlowDeps, s: records.FlowState) -> FlowHookClient | None:
@@ -41,26 +46,55 @@ def hook_for(deps: FlowDeps, s: records.FlowState) -> FlowHookClient | None:
     return None
 
 
-def start(
-    deps: FlowDeps, actor_ref: Any, s: records.FlowState, at_unix_ms: int, *, allowed: bool = True
-) -> tuple[Any, Refusal | None]:
-    """Publish (and count) flow.started, then decide the route of the flow's record as
-    it stands: the outbound to relay through, or how to refuse the flow (``allowed``
-    False: the flow hook denied it)."""
-    deps.counters.total_started += 1
-    publish(deps, actor_ref, s, "flow.started", occurred=at_unix_ms)
-    if not allowed:
-        return None, (records.BLOCKED, records.HOOK_DENIED)
-    facts = routing.FlowFacts(
+def _facts(s: records.FlowState, resolved_ip: str | None = None) -> routing.FlowFacts:
+    return routing.FlowFacts(
         network="udp",
         host=s.target_host,
         port=s.target_port,
+        resolved_ip=resolved_ip,
         source_ip=s.source_ip,
         source_port=s.source_port,
         inbound_tag=s.inbound_tag,
         principal_key=s.principal_key,
     )
-    return route(deps, s, facts)
+
+
+def needs_address(deps: FlowDeps, s: records.FlowState) -> bool:
+    """Whether the flow's route may depend on its domain target's address (an ip_cidr
+    rule ranks before the match: ``routing.needs_address``), to resolve before
+    :func:`start`."""
+    state = deps.route_state
+    facts = _facts(s)
+    return routing.needs_address(state.ruleset, state.mode, facts, state.decide(facts))
+
+
+async def rule_address(resolver: Resolver, host: str) -> str | None:
+    """The address ``host``'s ip_cidr rules meet (its first), None when it has none."""
+    try:
+        found = await resolver.resolve(host, RULE_RESOLVE_TIMEOUT)
+    except ResolveError:
+        return None
+    return found[0] if found else None
+
+
+def start(
+    deps: FlowDeps,
+    actor_ref: Any,
+    s: records.FlowState,
+    at_unix_ms: int,
+    *,
+    allowed: bool = True,
+    resolved_ip: str | None = None,
+) -> tuple[Any, Refusal | None]:
+    """Publish (and count) flow.started, then decide the route of the flow's record as
+    it stands: the outbound to relay through, or how to refuse the flow (``allowed``
+    False: the flow hook denied it). ``resolved_ip``: the domain target's address, when
+    :func:`needs_address` asked for it (a direct flow then goes to it alone)."""
+    deps.counters.total_started += 1
+    publish(deps, actor_ref, s, "flow.started", occurred=at_unix_ms)
+    if not allowed:
+        return None, (records.BLOCKED, records.HOOK_DENIED)
+    return route(deps, s, _facts(s, resolved_ip))
 
 
 def no_association(outbound: Any) -> records.Failure:

@@ -268,3 +268,44 @@ def test_domains_resolving_into_the_network_are_blocked_and_others_relay(engines
         # relayed both ::1 spellings itself; a name it had no address for it deferred.
         c = cstats(pair["c"])
         assert (c["ended"], c["routed"], c["deferred"]) == (2, 2, 3), c
+
+
+def test_udp_destinations_meet_ip_rules_by_any_spelling_and_by_resolved_address(make_engine):
+    """SOCKS5 UDP: a destination spelling 127.0.0.1 otherwise, or a domain resolving into
+    127.0.0.0/8, is blocked by the ip_cidr rule; a domain resolving to ::1 relays."""
+    from tests.helpers.udp import Association
+
+    zone = {"inside.test": ["127.0.0.1"], "outside.test": ["::1"]}
+    with dns_server(zone) as dns, contextlib.ExitStack() as stack:
+        echo = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        stack.callback(echo.close)
+        echo.bind(("::1", 0))
+        echo.settimeout(5)
+        engine = make_engine(config(runtime={"dns": {"servers": [dns.udp_url]}}))
+        assoc = stack.enter_context(Association(engine.listen_address("socks-in")))
+        # Each its own destination, so each its own flow (the port 9 is never reached).
+        blocked = ["2130706433", "0x7f.1", "127.0.0.1.", "0", "inside.test"]
+        for n, host in enumerate(blocked, 1):
+            assoc.send(host, 9, b"never")
+            record = _completed_after(engine, n)
+            assert record["result"] == {"outcome": "blocked"}, host
+            assert record["route"]["matched_rule"] == MATCHED, host
+            expected = "inside.test" if host == "inside.test" else "127.0.0.1"
+            assert record["target"]["host"] == expected, host
+        port = echo.getsockname()[1]
+        assoc.send("outside.test", port, b"ping")
+        data, peer = echo.recvfrom(100)
+        assert data == b"ping"
+        echo.sendto(b"pong", peer)
+        host, rport, payload, _ = assoc.recv()
+        assert (host, rport, payload) == ("outside.test", port, b"pong")
+
+        def routed() -> dict[str, Any] | None:
+            for f in engine.query("flows")["active_flows"]:
+                if f["target"]["host"] == "outside.test" and f["state"] == "active":
+                    return f
+            return None
+
+        flow = wait_until(routed, 5, "the outside.test flow routed")
+        assert flow["route"]["matched_rule"] is None
+        assert flow["target"]["resolved_ip"] == "::1", flow
