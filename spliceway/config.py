@@ -780,7 +780,7 @@ class Rule(_Model):
     ip_cidr: CidrList | None = None
     """Networks (`10.0.0.0/8`, `2001:db8::/32`) containing the target's address: the address
     the client asked for, in any spelling (`2130706433` and `127.1` are 127.0.0.1), else,
-    for a TCP flow to a domain, the first address the engine resolver gives for it once
+    for a flow to a domain, the first address the engine resolver gives for it once
     matching reaches this rule (docs/routing.md). A single string or a list.
     """
     source_ip_cidr: CidrList | None = None
