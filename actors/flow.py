@@ -57,9 +57,6 @@ HANDSHAKE_TIMEOUT = 10.0
 #: Longest a flow waits for its process lookup (``runtime.process_lookup``); one takes
 #: well under a millisecond, unless hundreds queue behind each other.
 PROCESS_LOOKUP_TIMEOUT = 1.0
-#: Longest a flow waits for its target's address when an ip_cidr rule needs it
-#: (routing.needs_address); a name that does not resolve in time meets the rules without.
-RULE_RESOLVE_TIMEOUT = 5.0
 #: What a flow C started keeps for later while its record waits for the process lookup.
 _HELD = (ConnRouted, ConnEnded, ConnTakeOver, RelayFinished)
 #: How a request C forwarded itself ends (actors/http_forward.py records it).
@@ -498,7 +495,7 @@ class FlowActor(HttpForwarding, LoopActor):
             return decision, None
         if address is None:
             try:
-                found = await self.deps.resolver.resolve(hs.host, RULE_RESOLVE_TIMEOUT)
+                found = await self.deps.resolver.resolve(hs.host, routing.RULE_RESOLVE_TIMEOUT)
             except ResolveError as ex:
                 logger.debug("flow %s: %s, rules go on without its address", self.flow_id, ex)
                 found = []

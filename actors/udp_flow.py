@@ -33,9 +33,6 @@ Refusal = tuple[str, records.Failure | None]
 #: retried, a client sending on never turns one refusal into an endless silent drop,
 #: and a client retrying fast makes one refused flow per hold, not one per datagram.
 REFUSAL_HOLD_S = 5.0
-#: Longest a flow waits for its target's address when an ip_cidr rule needs it, as a TCP
-#: flow does (actors/flow.py RULE_RESOLVE_TIMEOUT).
-RULE_RESOLVE_TIMEOUT = 5.0
 
 
 def hook_for(deps: FlowDeps, s: records.FlowState) -> FlowHookClient | None:
@@ -71,7 +68,7 @@ def needs_address(deps: FlowDeps, s: records.FlowState) -> bool:
 async def rule_address(resolver: Resolver, host: str) -> str | None:
     """The address ``host``'s ip_cidr rules meet (its first), None when it has none."""
     try:
-        found = await resolver.resolve(host, RULE_RESOLVE_TIMEOUT)
+        found = await resolver.resolve(host, routing.RULE_RESOLVE_TIMEOUT)
     except ResolveError:
         return None
     return found[0] if found else None

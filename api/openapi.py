@@ -826,6 +826,7 @@ def _command_results() -> dict[str, Schema]:
         "diagnostics.trace_route": obj(
             {
                 "target": STR,
+                "resolved_ip": nullable(STR),
                 "port": PORT,
                 "protocol": enum(["tcp", "udp"]),
                 "inbound_tag": nullable(STR),

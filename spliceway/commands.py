@@ -10,6 +10,7 @@ naming what is missing, and capabilities list it as such.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
@@ -20,7 +21,7 @@ import pykka
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spliceway import config as config_module
-from spliceway import diagnostics, dns, policy, routing
+from spliceway import diagnostics, dns, hostnorm, policy, routing
 from spliceway.actors.messages import CloseFlow
 from spliceway.actors.policy import ProbeNow, SelectMember
 from spliceway.errors import ApiError, invalid_argument, not_found
@@ -286,9 +287,11 @@ def _logged(result: dict[str, Any], method: str = "config.apply") -> dict[str, A
 
 def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
     state = core.route_state
+    # As a flow's target is: every spelling of an address is that address.
+    host = hostnorm.canonical_host(p.target)
     # A fake-ip address is routed by its domain, as a flow to it would be.
     pool = core.dns.pool
-    host = (pool.peek_domain(p.target) if pool is not None else None) or p.target
+    host = (pool.peek_domain(host) if pool is not None else None) or host
     facts = routing.FlowFacts(
         network=p.protocol,
         host=host,
@@ -302,8 +305,20 @@ def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
         process_name=None,
     )
     decision = state.decide(facts)
+    resolved_ip = None
+    if routing.needs_address(state.ruleset, state.mode, facts, decision):
+        # What a flow does (actors/flow.py): an ip_cidr rule ranked before the match meets
+        # the name's first address; a name that does not resolve meets the rules without.
+        try:
+            found = core.resolver.lookup(host, routing.RULE_RESOLVE_TIMEOUT)
+        except dns.ResolveError:  # InvalidHostname included
+            found = []
+        if found:
+            resolved_ip = found[0]
+            decision = state.decide(dataclasses.replace(facts, resolved_ip=resolved_ip))
     return {
         "target": p.target,
+        "resolved_ip": resolved_ip,
         "port": p.port,
         "protocol": p.protocol,
         "inbound_tag": p.inbound_tag,
@@ -490,7 +505,9 @@ COMMANDS: dict[str, Command] = {
             _trace_route,
             summary="Show how a flow to `target:port` would be routed now, without opening "
             "one (rules on the source, principal, process or sniffed host do not match; a "
-            "mapped fake-ip address is routed by its domain).",
+            "mapped fake-ip address is routed by its domain; any spelling of an address is "
+            "that address; a name an `ip_cidr` rule ranked before the match needs is resolved "
+            "as a flow's would be, and `resolved_ip` is the address the rules met, else null).",
             example={"target": "example.com", "port": 443},
         ),
         Command(

@@ -430,6 +430,12 @@ def decide(
     raise ValueError(f"unknown mode {mode_kind!r}")
 
 
+#: Longest a flow (or ``diagnostics.trace_route``) waits for its target's address when an
+#: ip_cidr rule needs it (:func:`needs_address`); a name that does not resolve in time
+#: meets the rules without one.
+RULE_RESOLVE_TIMEOUT = 5.0
+
+
 def needs_address(
     ruleset: RuleSet, mode_kind: str, facts: FlowFacts, decision: RouteDecision
 ) -> bool:

@@ -283,6 +283,7 @@ def test_command_echoes_id(client: falcon.testing.TestClient) -> None:
         assert result.json["id"] == request_id
         assert ok(result) == {
             "target": "example.com",
+            "resolved_ip": None,
             "port": 443,
             "protocol": "tcp",
             "inbound_tag": None,

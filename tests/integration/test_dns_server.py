@@ -344,6 +344,36 @@ def test_trace_route_maps_a_fake_ip_to_its_domain(make_engine, zone):
     assert other["matched_rule"]["index"] == 2  # unmapped: by address
 
 
+def test_trace_route_reads_addresses_and_resolves_names_as_a_flow_does(make_engine, zone):
+    """Every spelling of an address is that address, and a name meets an ip_cidr rule
+    ranked before any match by its resolved address (routing.needs_address), as a flow's
+    target does; the answer says which address the rules met."""
+    rules = [
+        {"domain": ["origin.test"], "outbound": "direct"},
+        {"ip_cidr": ["127.0.0.0/8"], "action": "block"},
+        {"ip_cidr": ["10.0.0.0/8"], "outbound": "direct"},
+    ]
+    engine = make_engine(dns_config(zone, rules=rules))
+
+    def trace(target: str) -> dict:
+        return engine.execute("diagnostics.trace_route", {"target": target, "port": 80})
+
+    for spelling in ("0x7f.1", "2130706433", "127.0.0.1.", "0"):
+        traced = trace(spelling)
+        assert (traced["route_action"], traced["matched_rule"]["index"]) == ({"block": True}, 1)
+        assert traced["resolved_ip"] is None and traced["target"] == spelling
+    blocked = trace("blocked.test")  # resolves to 127.0.0.1
+    assert (blocked["route_action"], blocked["resolved_ip"]) == ({"block": True}, "127.0.0.1")
+    both = trace("both.test.")
+    assert (both["route_action"], both["resolved_ip"]) == ({"route": "direct"}, "10.1.0.1")
+    # Matched by name before any ip_cidr rule: not resolved.
+    first = trace("origin.test")
+    assert (first["matched_rule"]["index"], first["resolved_ip"]) == (0, None)
+    # No address: the rules go on without one.
+    nodata = trace("nodata.test")
+    assert (nodata["matched_rule"], nodata["resolved_ip"]) == (None, None)
+
+
 def test_http_proxy_flow_to_a_fake_ip_is_routed_by_its_domain(make_engine, zone, origin):
     engine = make_engine(routed_config(zone))
     ip = dig(engine, "origin.test")[1][0][4]
