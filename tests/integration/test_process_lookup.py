@@ -190,7 +190,16 @@ def test_flow_c_routes_by_an_earlier_rule_carries_its_process(make_engine, held_
         [*argv, f"http://127.0.0.1:{held_origin.port}/"], stdout=subprocess.PIPE, text=True
     )
     try:
-        flows = wait_until(lambda: engine.query("flows")["active_flows"], what="the flow is listed")
+        # Listed once its record has both the process (Python's lookup) and the route (C's
+        # ROUTED record): under load the lookup can land first.
+        flows = wait_until(
+            lambda: [
+                f
+                for f in engine.query("flows")["active_flows"]
+                if f["route"]["matched_rule"] is not None
+            ],
+            what="the flow is listed, routed",
+        )
         (record,) = flows
         assert record["source"]["process_id"] == curl.pid
         assert record["source"]["process_name"] == "curl"
