@@ -43,14 +43,14 @@ from hypothesis import strategies as st
 
 from spliceway import _relay
 from spliceway.protocols import NEED_MORE, ProtocolError, http, sniff, socks5
+from tests.helpers.examples import examples as budget
 
 ffi, lib = _relay.ffi, _relay.lib
-_DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
 
 
 def _settings(examples: int) -> settings:
     return settings(
-        max_examples=examples * 20 if _DEEP else examples,
+        max_examples=budget(examples),
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )

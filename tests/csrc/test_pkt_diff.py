@@ -23,7 +23,6 @@ verifies, and the reverse rewrite gives back every byte.
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import replace
 
@@ -34,14 +33,14 @@ from hypothesis import strategies as st
 from spliceway import _relay
 from spliceway.tun import packet as P
 from tests.csrc.test_parse_diff import exact, note
+from tests.helpers.examples import examples as budget
 
 ffi, lib = _relay.ffi, _relay.lib
-_DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
 
 
 def _settings(examples: int) -> settings:
     return settings(
-        max_examples=examples * 20 if _DEEP else examples,
+        max_examples=budget(examples),
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )

@@ -41,6 +41,7 @@ from spliceway.route_tables import (
     TargetSpec,
     compile_route_table,
 )
+from tests.helpers.examples import examples
 
 EINVAL = 22
 ENOSPC = 28
@@ -492,7 +493,7 @@ def test_c_decide_matches_routing_or_defers():
     seen: Counter[str] = Counter()
 
     @settings(
-        max_examples=130,
+        max_examples=examples(130),
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
@@ -559,7 +560,7 @@ _ab_rule = st.fixed_dictionaries(
 ).filter(bool)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(docs=st.lists(_ab_rule, min_size=1, max_size=8), seed=st.integers(0, 2**32))
 def test_domain_matching_on_a_small_alphabet(docs, seed):
     """Names, suffixes and keywords that overlap every way (keywords inside keywords,
@@ -621,7 +622,7 @@ _net_rule = _items(_small_net).map(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(docs=st.lists(_port_rule | _net_rule, min_size=1, max_size=4))
 def test_ranges_and_networks_in_a_small_universe(docs):
     """Every port 0..16 and every address of 10.0.0.0/27 (also IPv4-mapped) against
@@ -652,7 +653,7 @@ _PROBE_ROUTES = compile_cfg(_PROBE)
 _PROBE_ORACLE = Oracle(_PROBE)
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=examples(800), deadline=None)
 @given(host=st.one_of(_ip_texts, _fuzz_text, st.text(max_size=8)))
 def test_ip_literals_parse_like_python(host):
     """IPv4 vs IPv6 vs name (vs nothing), as routing._parse_target tells them apart (an
@@ -1094,7 +1095,7 @@ def _defer_reference(nets: list[str], host: str) -> bool:
     return False
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(
     nets=st.lists(st.sampled_from(_DEFER_NETS[:4]), min_size=1, max_size=3, unique=True),
     host=st.one_of(

@@ -18,7 +18,6 @@ malloc() block of its exact length (see test_parse_diff.exact).
 from __future__ import annotations
 
 import ipaddress
-import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,14 +25,14 @@ from hypothesis import strategies as st
 from spliceway import _relay
 from spliceway.protocols import ProtocolError, socks5
 from tests.csrc.test_parse_diff import exact, note
+from tests.helpers.examples import examples as budget
 
 ffi, lib = _relay.ffi, _relay.lib
-_DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
 
 
 def _settings(examples: int) -> settings:
     return settings(
-        max_examples=examples * 20 if _DEEP else examples,
+        max_examples=budget(examples),
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )

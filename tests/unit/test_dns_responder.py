@@ -20,6 +20,7 @@ from spliceway.dns.cache import AnswerCache
 from spliceway.dns.fakeip import FakeIpPool
 from spliceway.dns.resolver import Answer, ResolveError
 from spliceway.dns.server import SLOW, DnsResponder, _fast_key
+from tests.helpers.examples import examples
 
 
 class StubResolver:
@@ -103,7 +104,7 @@ def mutated(draw: Any) -> bytes:
     return bytes(data)
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.one_of(st.binary(max_size=80), queries(), mutated()),
     tcp=st.booleans(),
@@ -115,7 +116,7 @@ def test_any_input_is_answered_or_dropped_never_raises(data, tcp, fake):
     check_reply(data, reply, tcp)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=queries(), tcp=st.booleans(), fake=st.booleans())
 def test_the_fast_path_answers_what_the_full_path_does(data, tcp, fake):
     responder = R.fake if fake else R.real

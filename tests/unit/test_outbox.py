@@ -28,6 +28,7 @@ from spliceway.connector.outbox import (
 )
 
 from spliceway.errors import ApiError
+from tests.helpers.examples import examples
 
 SIZE = 30  # payload bytes of the helper bodies
 FRAMED = SIZE + segments.HEADER_SIZE
@@ -915,5 +916,7 @@ class OutboxModel(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-OutboxModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+OutboxModel.TestCase.settings = settings(
+    max_examples=examples(150), stateful_step_count=40, deadline=None
+)
 test_outbox_model = OutboxModel.TestCase

@@ -32,6 +32,7 @@ from spliceway.process_lookup import (
     parse_addr_reply,
     parse_diag_reply,
 )
+from tests.helpers.examples import examples
 
 # Captured from this kernel (6.18): replies to exact lookups of a client socket
 # 127.0.0.1:58290 -> 127.0.0.1:57657 and [::1]:34742 -> [::1]:58499, seq 1.
@@ -163,13 +164,13 @@ def _parses_or_refuses(data: bytes) -> None:
             parse(data)
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=examples(3000), deadline=None)
 @given(st.binary(max_size=400))
 def test_fuzz_random_bytes(data: bytes) -> None:
     _parses_or_refuses(data)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(2000), deadline=None)
 @given(
     st.sampled_from([TCP4_REPLY, TCP6_REPLY, ENOENT_REPLY, DUMP_PART + DUMP_DONE, ADDR_REPLY]),
     st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=8),
@@ -183,7 +184,7 @@ def test_fuzz_mutated_captures(base: bytes, flips: list[tuple[int, int]], cut: i
     _parses_or_refuses(bytes(data[: len(data) - cut % (len(data) + 1)]))
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(2000), deadline=None)
 @given(
     st.integers(0, 0xFFFF),
     st.integers(0, 0xFFFF),

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from spliceway import hostnorm, routing
 from spliceway.config import Rule, parse_config
 from spliceway.routing import FlowFacts, MatchedRule, RouteDecision, compile_rules, decide
+from tests.helpers.examples import examples
 
 
 def _rule(**conditions) -> Rule:
@@ -318,7 +319,7 @@ facts_strategy = st.builds(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(facts=facts_strategy, mode=st.sampled_from(["rule", "global", "direct"]))
 def test_decide_never_raises(facts, mode):
     decision = decide(EVERY_CONDITION, mode, "hop", "final", facts)
@@ -330,7 +331,7 @@ _label = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,6}[a-z0-9])?", fullmatch=True)
 _domain = st.lists(_label, min_size=1, max_size=4).map(".".join)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(suffix=_domain, host=_domain | st.tuples(_domain, _domain).map(".".join))
 def test_domain_suffix_matches_exactly_equal_or_dot_suffix(suffix, host):
     rs = compile_rules([_rule(domain_suffix=[suffix])])
