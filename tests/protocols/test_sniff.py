@@ -62,16 +62,19 @@ REAL_TLS12 = real_client_hello("Sub.Example.ORG", tls12_only=True)
 # -- TLS ---------------------------------------------------------------------------------
 
 
+# ids: the hellos' random bytes differ in every process, and pytest-xdist's workers
+# must collect the same names.
 @pytest.mark.parametrize(
     ("hello", "host"),
     [(REAL_TLS13, "example.com"), (REAL_TLS12, "sub.example.org")],
+    ids=["tls13", "tls12"],
 )
 def test_real_client_hello(hello, host):
     assert sniff(hello) == Sniffed("tls", host)
     assert sniff(bytearray(hello) + b"\x17\x03\x03") == Sniffed("tls", host)
 
 
-@pytest.mark.parametrize("hello", [REAL_TLS13, REAL_TLS12])
+@pytest.mark.parametrize("hello", [REAL_TLS13, REAL_TLS12], ids=["tls13", "tls12"])
 def test_every_prefix_of_a_client_hello_needs_more(hello):
     for cut in range(len(hello)):
         assert sniff(hello[:cut]) is NEED_MORE, cut
