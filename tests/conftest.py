@@ -18,6 +18,41 @@ import pytest
 
 from tests.helpers.servers import http_origin
 
+#: Worker processes the suite runs in unless ``-n`` says otherwise (``-n 0``: none).
+WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Run the suite in :data:`WORKERS` pytest-xdist processes by default.
+
+    Most of the suite waits on real sockets, engines and subprocesses, so two workers
+    take about half the wall time even on two cores. The tests share nothing a second
+    worker could disturb: ports are ephemeral, paths come from ``tmp_path`` or carry
+    the pid, each worker has its own ``XDG_RUNTIME_DIR`` (:func:`private_runtime_dir`)
+    and the network namespaces are named by pid (tests/helpers/netns*.py).
+
+    Set here rather than in pyproject's ``addopts`` because this file is loaded only
+    for runs of ``tests/``: ``python -m pytest benchmarks/test_micro.py
+    --benchmark-only`` stays in one process, where pytest-benchmark measures (it
+    disables itself under xdist). ``-n N`` on the command line wins; without the
+    plugin (``-p no:xdist``) or with ``--pdb`` the run stays in this process.
+    """
+    if hasattr(config, "workerinput"):
+        # A worker: it runs tests itself (never spawns workers); no benchmark in tests/.
+        if hasattr(config.option, "benchmark_disable"):
+            config.option.benchmark_disable = True
+        return
+    if not config.pluginmanager.hasplugin("xdist") or config.getoption("usepdb", False):
+        return
+    if config.option.numprocesses is None:
+        config.option.numprocesses = WORKERS
+        if config.option.dist == "no":
+            # Each test to whichever worker is idle: evens out the long ones.
+            config.option.dist = "worksteal"
+    if config.option.numprocesses and hasattr(config.option, "benchmark_disable"):
+        config.option.benchmark_disable = True
+
 
 def base_config(**overrides: Any) -> dict[str, Any]:
     """A test configuration: socks5, http and mixed inbounds on free ports, no control API."""
