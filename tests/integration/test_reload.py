@@ -252,7 +252,17 @@ def test_a_relaying_flow_keeps_its_path_when_its_inbound_goes_and_its_target_is_
         try:
             tunnel.sendall(b"before")
             assert recv_exact(tunnel, 6) == b"before"
-            (flow,) = engine.query("flows")["active_flows"]
+            # The C path's ROUTED record reaches Python after the bytes can already flow:
+            # compare against the routed record, not a snapshot still "pending".
+            (flow,) = wait_until(
+                lambda: [
+                    f
+                    for f in engine.query("flows")["active_flows"]
+                    if f["route"]["action"] != "pending"
+                ],
+                10,
+                "the tunnel's flow routed",
+            )
             doc["inbounds"] = [i for i in doc["inbounds"] if i["tag"] != "old-in"]
             doc["rules"] = [
                 {"ip_cidr": ["127.0.0.1/32"], "port": [str(echo.port)], "action": "block"}
