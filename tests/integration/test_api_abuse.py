@@ -26,6 +26,7 @@ from spliceway.api.sse import SEND_AHEAD_BYTES
 
 from tests.api.conftest import control_config
 from tests.conftest import base_config, wait_until
+from tests.helpers.proc import cpu_seconds
 from tests.helpers.sinks import EngineProcess
 
 KEY = "abuse-test-admin-key"
@@ -422,12 +423,6 @@ def test_stalled_event_stream_backlog_is_bounded_and_resumable(
     assert seen.isdisjoint(resumed) and seen | resumed == set(range(count))
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_api_out_of_descriptors_backs_off_and_serves_open_connections(
     tmp_path: Path, sockets: list[socket.socket]
 ) -> None:
@@ -469,9 +464,9 @@ def test_api_out_of_descriptors_backs_off_and_serves_open_connections(
             "a failed accept",
         )
         log_before = len(engine.log())
-        cpu_before = _cpu_seconds(engine.pid)
+        cpu_before = cpu_seconds(engine.pid)
         time.sleep(2.0)  # measuring a rate over a fixed window, not synchronising
-        cpu = _cpu_seconds(engine.pid) - cpu_before
+        cpu = cpu_seconds(engine.pid) - cpu_before
         grown = len(engine.log()) - log_before
         assert cpu < 0.5, f"the engine used {cpu:.2f} s of CPU in 2 s out of descriptors"
         assert grown < 2048, engine.log()[log_before:]

@@ -23,9 +23,6 @@ flood took flow setup from 1.7 ms to a median of 628 ms).
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
-import os
 import re
 import shutil
 import socket
@@ -37,7 +34,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import dns.message
 import dns.rcode
@@ -45,6 +41,7 @@ import pytest
 
 from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import DnsServer, dns_server
+from tests.helpers.proc import KeptApi, cpu_seconds, open_fds
 from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import EngineProcess
 from tests.helpers.socks import recv_exact
@@ -423,40 +420,6 @@ def test_one_source_holds_at_most_32_tcp_connections(engine):
 # -- out of file descriptors ------------------------------------------------------------
 
 
-class KeptApi:
-    """One kept-alive control API connection: answers through it need no new descriptor
-    in the engine."""
-
-    def __init__(self, base_url: str) -> None:
-        url = urlsplit(base_url)
-        assert url.hostname is not None and url.port is not None
-        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
-
-    def get(self, path: str) -> dict[str, Any]:
-        self.conn.request("GET", f"/api/v1/{path}")
-        answer = self.conn.getresponse()
-        doc = json.loads(answer.read())
-        assert answer.status == 200 and doc["ok"] is True, doc
-        return doc["result"]
-
-    def fd_warnings(self) -> list[str]:
-        return [
-            e["payload"]["message"]
-            for e in self.get("events")["events"]
-            if e["event_type"] == "engine.warning" and e["payload"]["code"] == "fd_exhausted"
-        ]
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_the_tcp_listener_backs_off_when_out_of_descriptors(engine):
     pid = engine.proc.pid
@@ -483,8 +446,9 @@ def test_the_tcp_listener_backs_off_when_out_of_descriptors(engine):
         fillers.append(waiting)
         waiting.sendall(framed)
         warnings = wait_until(api.fd_warnings, 5, "engine.warning fd_exhausted")
-        assert len(warnings) == 1 and warnings[0].startswith("the DNS server (TCP, 127.0.0.1:")
-        assert "EMFILE" in warnings[0]
+        assert len(warnings) == 1
+        assert warnings[0]["message"].startswith("the DNS server (TCP, 127.0.0.1:")
+        assert "EMFILE" in warnings[0]["message"]
 
         log_before = engine.proc.log_path.stat().st_size
         cpu_before = cpu_seconds(pid)

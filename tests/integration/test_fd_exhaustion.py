@@ -15,7 +15,6 @@ time (no event).
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import re
@@ -28,12 +27,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 
 from spliceway.ipc_client import IpcClient
 from tests.conftest import base_config, wait_until
+from tests.helpers.proc import KeptApi, cpu_seconds, open_fds
 from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import EngineProcess
 from tests.helpers.socks import recv_exact, socks5_connect
@@ -42,50 +41,8 @@ SOFT = 64
 HARD = 256
 #: At most this many tunnels (each costs the engine 2 descriptors or more).
 MAX_TUNNELS = 150
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/usr/bin/prlimit"), reason="needs prlimit")
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of every thread of ``pid`` so far."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        # The command name may hold spaces: fields count from after its ')'.
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-class Api:
-    """One kept-alive control API connection: answers through it need no new descriptor."""
-
-    def __init__(self, base_url: str) -> None:
-        url = urlsplit(base_url)
-        assert url.hostname is not None and url.port is not None
-        self.address = (url.hostname, url.port)
-        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
-
-    def get(self, path: str) -> dict[str, Any]:
-        self.conn.request("GET", f"/api/v1/{path}")
-        answer = self.conn.getresponse()
-        doc = json.loads(answer.read())
-        assert answer.status == 200 and doc["ok"] is True, doc
-        assert answer.getheader("Connection", "").lower() != "close"
-        return doc["result"]
-
-    def fd_warnings(self) -> list[dict[str, Any]]:
-        events = self.get("events")["events"]
-        return [
-            e["payload"]
-            for e in events
-            if e["event_type"] == "engine.warning" and e["payload"]["code"] == "fd_exhausted"
-        ]
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 @pytest.fixture
@@ -124,12 +81,12 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(
     )
     held: list[socket.socket] = []
     tunnels: list[socket.socket] = []
-    api: Api | None = None
+    api: KeptApi | None = None
     try:
         engine.wait_started()
         pid = engine.pid
         proxy = ("127.0.0.1", engine.socks_port)
-        api = Api(engine.base_url)
+        api = KeptApi(engine.base_url)
 
         fds = api.get("runtime")["file_descriptors"]
         assert (fds["soft_limit"], fds["hard_limit"]) == (HARD, HARD)
