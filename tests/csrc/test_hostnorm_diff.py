@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from spliceway import _relay, hostnorm
+from tests.helpers.spellings import LOOPBACK_SPELLINGS
 
 ffi, lib = _relay.ffi, _relay.lib
 _DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
@@ -180,17 +181,6 @@ _huge = st.builds(
 )
 _hosts = st.one_of(ipv4_spellings(), _ipv6_texts, _fuzz_text, _huge, st.text(max_size=12))
 
-_ISSUE = [
-    "127.0.0.1",
-    "2130706433",
-    "0x7f.0.0.1",
-    "0x7f000001",
-    "127.1",
-    "0177.0.0.1",
-    "127.0.0.1.",
-    "0",
-    "::ffff:127.0.0.1",
-]
 
 
 # ---------------------------------------------------------------------------
@@ -199,7 +189,7 @@ _ISSUE = [
 
 
 def test_the_issue_spellings_are_loopback_in_c_and_python():
-    for host in _ISSUE:
+    for host in LOOPBACK_SPELLINGS:
         assert check(host) == "ip4", host
         assert _c_canon(host.encode()) == (lib.SW_HOST_IP4, b"127.0.0.1"), host
         assert hostnorm.canonical_host(host) == "127.0.0.1", host

@@ -29,20 +29,11 @@ from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.flows import completed
 from tests.helpers.socks import recv_exact
+from tests.helpers.spellings import LOOPBACK_SPELLINGS
 
 RULE = {"ip_cidr": ["127.0.0.0/8"], "action": "block"}
 MATCHED = {"index": 0, "condition": "ip_cidr=127.0.0.0/8"}
-SPELLINGS = [
-    "127.0.0.1",
-    "2130706433",
-    "0x7f.0.0.1",
-    "0x7f000001",
-    "127.1",
-    "0177.0.0.1",
-    "127.0.0.1.",
-    "0",
-    "::ffff:127.0.0.1",
-]
+SPELLINGS = LOOPBACK_SPELLINGS
 PAYLOAD = bytes(range(256)) * 8  # 2048 bytes, neither TLS nor HTTP
 #: How many of SPELLINGS the C path blocks itself, per client kind.
 C_BLOCKS = {"socks5": len(SPELLINGS), "connect": len(SPELLINGS) - 1, "forward": 0}

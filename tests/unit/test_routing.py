@@ -10,6 +10,7 @@ from spliceway import hostnorm, routing
 from spliceway.config import Rule, parse_config
 from spliceway.routing import FlowFacts, MatchedRule, RouteDecision, compile_rules, decide
 from tests.helpers.examples import examples
+from tests.helpers.spellings import LOOPBACK_SPELLINGS
 
 
 def _rule(**conditions) -> Rule:
@@ -348,15 +349,7 @@ def test_domain_suffix_matches_exactly_equal_or_dot_suffix(suffix, host):
 @pytest.mark.parametrize(
     "host",
     [
-        "127.0.0.1",
-        "2130706433",
-        "0x7f.0.0.1",
-        "0x7f000001",
-        "127.1",
-        "0177.0.0.1",
-        "127.0.0.1.",
-        "0",
-        "::ffff:127.0.0.1",
+        *LOOPBACK_SPELLINGS,
         "[::ffff:7f00:1]",
         "127.0.0.1 x",
         "\uff11\uff12\uff17.\uff10.\uff10.\uff11",
