@@ -31,7 +31,11 @@ server, channel and parser layers:
   is sent with ``Connection: close``, so refused clients cannot sit on
   connections.
 - **Out of descriptors, accepting pauses** (:class:`spliceway.fdlimit.AcceptBackoff`)
-  instead of spinning, and open connections are still served.
+  instead of spinning, and open connections are still served. One descriptor (of
+  ``/dev/null``) is held in reserve: when accepting fails for want of descriptors, it
+  is given up to take one waiting connection, so an operator can still reach the API
+  on a new connection while the rest of the engine is out of them; it is taken back as
+  soon as that connection closes (or, failing that, a descriptor frees up).
 
 :func:`create_guarded_server` builds the server for any WSGI app; the control
 API (``api.server``) passes its keys and error envelope as a :class:`HeadPolicy`.
@@ -43,6 +47,7 @@ import functools
 import http
 import ipaddress
 import logging
+import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -57,7 +62,7 @@ from waitress.server import TcpWSGIServer
 from waitress.task import ThreadedTaskDispatcher, WSGITask
 from waitress.utilities import Error, RequestEntityTooLarge
 
-from spliceway.fdlimit import AcceptBackoff
+from spliceway.fdlimit import AcceptBackoff, is_fd_exhaustion
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +254,18 @@ class GuardedChannel(HTTPChannel):
         self.sends = 0
         self.stall_mark: tuple[float, int] | None = None
         self.parser_class = functools.partial(GuardedParser, channel=self)  # type: ignore[assignment]
+        #: Accepted on the server's reserve descriptor: closing it gives the reserve back.
+        self.on_reserve = False
+        self._guard = server
         super().__init__(server, sock, addr, adj, map=map)
+
+    def handle_close(self) -> None:
+        """Close; a connection on the reserve descriptor hands it back at once, before
+        another thread can take the number it frees."""
+        super().handle_close()
+        if self.on_reserve:
+            self.on_reserve = False
+            self._guard.restore_reserve()
 
     def readable(self) -> bool:
         """Waitress's rule; nothing more is read behind a refusal."""
@@ -336,6 +352,10 @@ class GuardedServer(TcpWSGIServer):
         self._next_tick = 0.0
         self.evicted = 0
         self.expired = 0
+        #: Connections accepted on the reserve descriptor.
+        self.reserve_uses = 0
+        self._reserve: int | None = None
+        self.restore_reserve()
         sockinfo = (sock.family, sock.type, sock.proto, sock.getsockname())
         super().__init__(
             application,
@@ -360,6 +380,10 @@ class GuardedServer(TcpWSGIServer):
         if now >= self._next_tick:
             self._next_tick = now + self.limits.tick_s
             self._enforce_deadlines(now)
+            if self._reserve is None:
+                self.restore_reserve()
+            elif self.reserve_uses and now >= self._paused_until:
+                self._end_served_outage()
         # Waitress's own maintenance (channel_timeout) is replaced by the deadlines:
         # keep it from running by keeping its schedule in the future.
         self.next_channel_cleanup = float("inf")
@@ -380,6 +404,7 @@ class GuardedServer(TcpWSGIServer):
 
     def handle_accept(self) -> None:
         """Accept one connection; back off on descriptor exhaustion; admit it."""
+        on_reserve = False
         try:
             accepted = self.accept()
         except OSError as ex:
@@ -388,19 +413,74 @@ class GuardedServer(TcpWSGIServer):
                 self._paused_until = time.monotonic() + pause
             elif self.adj.log_socket_errors:
                 logger.warning("control API accept() failed: %s", ex)
-            return
+            # The outage stays an outage (warned once, paused): the reserve serves one
+            # waiting client through it.
+            accepted = self._accept_on_reserve() if is_fd_exhaustion(ex.errno) else None
+            if accepted is None:
+                return
+            on_reserve = True
         if accepted is None:
             return
         conn, addr = accepted
-        if self._backoff is not None:
+        if self._backoff is not None and not on_reserve:
             self._backoff.accepted()
         try:
             self.set_socket_options(conn)
         except OSError:
             conn.close()  # the client went away already
+            if on_reserve:
+                self.restore_reserve()
             return
         channel = self.channel_class(self, conn, self.fix_addr(addr), self.adj, map=self._map)
+        channel.on_reserve = on_reserve
         self._admit(channel)
+
+    def restore_reserve(self) -> None:
+        """Hold the reserve descriptor again, if it is not held and one is free."""
+        if self._reserve is not None:
+            return
+        try:
+            self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._reserve = None  # still out of descriptors: the next tick tries again
+
+    def _end_served_outage(self) -> None:
+        """End an outage the reserve served the waiting clients of.
+
+        The outage ends at the next accept, but when the reserve took every client that
+        waited there is none: so a descriptor to spare (one more besides the reserve)
+        ends it too, as descriptors are back.
+        """
+        backoff = self._backoff
+        if backoff is None or not backoff.in_outage:
+            return
+        try:
+            probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        os.close(probe)
+        backoff.accepted()
+
+    def release_reserve(self) -> None:
+        """Give the reserve descriptor up for good (the server is stopping)."""
+        if self._reserve is not None:
+            os.close(self._reserve)
+            self._reserve = None
+
+    def _accept_on_reserve(self) -> tuple[socket.socket, Any] | None:
+        """Give the reserve up and accept one connection on the descriptor it frees."""
+        if self._reserve is None:
+            return None
+        self.release_reserve()
+        try:
+            accepted: tuple[socket.socket, Any] | None = self.accept()
+        except OSError:
+            accepted = None  # another thread took the descriptor first
+        if accepted is None:
+            self.restore_reserve()
+            return None
+        self.reserve_uses += 1
+        return accepted
 
     def _admit(self, new: GuardedChannel) -> None:
         """Evict a pending connection if ``new`` puts its source or the server over a cap."""

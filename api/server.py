@@ -205,6 +205,7 @@ class ControlServer:
         if self._thread.is_alive():
             logger.warning("control API loop did not stop within %.0f s", _JOIN_S)
         server.task_dispatcher.shutdown(timeout=_JOIN_S)
+        server.release_reserve()
 
 
 def _unflushed(server: object) -> bool:

@@ -490,3 +490,39 @@ def test_api_out_of_descriptors_backs_off_and_serves_open_connections(
         wait_until(lambda: "accepts connections again" in engine.log(), 5, "the outage's end")
     finally:
         engine.close()
+
+
+def test_a_new_api_connection_is_served_on_the_reserve_descriptor(tmp_path: Path) -> None:
+    """Out of descriptors, the API still answers a new connection: it gives up the one
+    descriptor it holds in reserve to accept it, and takes it back when that connection
+    closes, so the next new connection is answered too. The outage is still one warning."""
+    cfg = base_config(
+        inbounds=[{"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}}],
+        runtime={"stats_interval_ms": 3_600_000},
+    )
+    cfg["api"]["control"] = {
+        "enabled": True,
+        "listen": {"address": "127.0.0.1", "port": 0},
+        "api_key_env": None,
+    }
+    engine = EngineProcess(cfg, tmp_path, "engine")
+    try:
+        engine.wait_started()
+        url = urllib.parse.urlsplit(engine.base_url)
+        assert url.hostname is not None and url.port is not None
+        address = (url.hostname, url.port)
+        head = f"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1:{url.port}\r\n"
+        hard = resource.prlimit(engine.pid, resource.RLIMIT_NOFILE)[1]
+        # No descriptor left: the lowest free number is the limit.
+        in_use = len(os.listdir(f"/proc/{engine.pid}/fd"))
+        resource.prlimit(engine.pid, resource.RLIMIT_NOFILE, (in_use, hard))
+        for _ in range(3):
+            with socket.create_connection(address, timeout=5) as sock:
+                sock.sendall(f"{head}Connection: close\r\n\r\n".encode())
+                status, _, _ = _read_response(sock, 5)
+                assert status == 200
+                assert _eof_within(sock, 5)
+        assert engine.log().count("cannot accept connections") == 1
+        resource.prlimit(engine.pid, resource.RLIMIT_NOFILE, (hard, hard))
+    finally:
+        engine.close()
