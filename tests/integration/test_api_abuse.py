@@ -423,13 +423,9 @@ def test_stalled_event_stream_backlog_is_bounded_and_resumable(
     assert seen.isdisjoint(resumed) and seen | resumed == set(range(count))
 
 
-def test_api_out_of_descriptors_backs_off_and_serves_open_connections(
-    tmp_path: Path, sockets: list[socket.socket]
-) -> None:
-    """With the engine out of file descriptors, connections to the control API wait in
-    the backlog: accepting pauses (Waitress's loop spun at a full core logging every
-    failed accept, 5.5 MB/s), one warning line and one ``engine.warning``
-    ``fd_exhausted`` are written, and a connection already open is still served."""
+def _keyless_engine_process(tmp_path: Path) -> EngineProcess:
+    """``spliceway run`` with a socks inbound and a keyless control API on free ports
+    (a process of its own, so its descriptor limit can be lowered)."""
     cfg = base_config(
         inbounds=[{"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}}],
         runtime={"stats_interval_ms": 3_600_000},
@@ -439,7 +435,17 @@ def test_api_out_of_descriptors_backs_off_and_serves_open_connections(
         "listen": {"address": "127.0.0.1", "port": 0},
         "api_key_env": None,
     }
-    engine = EngineProcess(cfg, tmp_path, "engine")
+    return EngineProcess(cfg, tmp_path, "engine")
+
+
+def test_api_out_of_descriptors_backs_off_and_serves_open_connections(
+    tmp_path: Path, sockets: list[socket.socket]
+) -> None:
+    """With the engine out of file descriptors, connections to the control API wait in
+    the backlog: accepting pauses (Waitress's loop spun at a full core logging every
+    failed accept, 5.5 MB/s), one warning line and one ``engine.warning``
+    ``fd_exhausted`` are written, and a connection already open is still served."""
+    engine = _keyless_engine_process(tmp_path)
     try:
         engine.wait_started()
         url = urllib.parse.urlsplit(engine.base_url)
@@ -496,16 +502,7 @@ def test_a_new_api_connection_is_served_on_the_reserve_descriptor(tmp_path: Path
     """Out of descriptors, the API still answers a new connection: it gives up the one
     descriptor it holds in reserve to accept it, and takes it back when that connection
     closes, so the next new connection is answered too. The outage is still one warning."""
-    cfg = base_config(
-        inbounds=[{"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}}],
-        runtime={"stats_interval_ms": 3_600_000},
-    )
-    cfg["api"]["control"] = {
-        "enabled": True,
-        "listen": {"address": "127.0.0.1", "port": 0},
-        "api_key_env": None,
-    }
-    engine = EngineProcess(cfg, tmp_path, "engine")
+    engine = _keyless_engine_process(tmp_path)
     try:
         engine.wait_started()
         url = urllib.parse.urlsplit(engine.base_url)
