@@ -33,6 +33,7 @@ that directory: the same attacks on the code before a fix, in the same run.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import ctypes
@@ -65,6 +66,8 @@ sys.path.insert(0, str(ROOT))
 
 import peers as peers_mod  # noqa: E402  (where the peers' binaries are, their versions)
 import run_e2e as e2e  # noqa: E402  (the engine's launch command, /proc readers, free ports)
+
+from tests.helpers.spellings import LOOPBACK_SPELLINGS  # noqa: E402  (the suite's list)
 
 KEY_ENV = "BENCH_ATTACKS_KEY"
 KEY = "bench-attacks-" + secrets.token_hex(12)
@@ -217,7 +220,7 @@ class StartFailed(RuntimeError):
 # --------------------------------------------------------------------------- targets
 
 
-class Target:
+class Target(abc.ABC):
     name = ""
     version = ""
     binary: str | None = None
@@ -238,8 +241,9 @@ class Target:
             if not alive:
                 log(f"  {self.name} had exited by itself (status {info['exit']})")
 
+    @abc.abstractmethod
     def start(self, profile: str, tmp: Path, nofile: int | None, **kw) -> Inst:
-        raise NotImplementedError
+        """Start this target fresh in ``tmp`` for ``profile`` (fd limit ``nofile``)."""
 
 
 def _env(tmp: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -1509,16 +1513,9 @@ def attack_fd(inst: Inst, echo: EchoServer, nofile: int, window_s: float = 5.0) 
     }
 
 
-SPELLINGS = (
-    "127.0.0.1",
-    "2130706433",
-    "0x7f.0.0.1",
-    "0x7f000001",
-    "127.1",
-    "0177.0.0.1",
-    "127.0.0.1.",
-    "0",
-)
+#: The issue's spellings of 127.0.0.1 that a SOCKS5 DOMAIN address can carry (the
+#: suite's list, less the IPv6 one).
+SPELLINGS = tuple(sp for sp in LOOPBACK_SPELLINGS if ":" not in sp)
 
 
 def attack_ip_spellings(inst: Inst, echo: EchoServer, control: dict | None = None) -> dict:
