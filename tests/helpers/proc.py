@@ -10,7 +10,24 @@ import os
 from typing import Any
 from urllib.parse import urlsplit
 
+from tests.conftest import base_config
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def socks_and_keyless_api_config() -> dict[str, Any]:
+    """A socks inbound and a keyless control API on free loopback ports, no periodic
+    stats: the engine the out-of-descriptor tests exhaust."""
+    cfg = base_config(
+        inbounds=[{"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}}],
+        runtime={"stats_interval_ms": 3_600_000},
+    )
+    cfg["api"]["control"] = {
+        "enabled": True,
+        "listen": {"address": "127.0.0.1", "port": 0},
+        "api_key_env": None,
+    }
+    return cfg
 
 
 def open_fds(pid: int) -> int:

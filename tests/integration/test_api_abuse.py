@@ -25,8 +25,8 @@ from spliceway.api.http_guard import GuardLimits
 from spliceway.api.sse import SEND_AHEAD_BYTES
 
 from tests.api.conftest import control_config
-from tests.conftest import base_config, wait_until
-from tests.helpers.proc import cpu_seconds
+from tests.conftest import wait_until
+from tests.helpers.proc import cpu_seconds, socks_and_keyless_api_config
 from tests.helpers.sinks import EngineProcess
 
 KEY = "abuse-test-admin-key"
@@ -426,15 +426,7 @@ def test_stalled_event_stream_backlog_is_bounded_and_resumable(
 def _keyless_engine_process(tmp_path: Path) -> EngineProcess:
     """``spliceway run`` with a socks inbound and a keyless control API on free ports
     (a process of its own, so its descriptor limit can be lowered)."""
-    cfg = base_config(
-        inbounds=[{"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}}],
-        runtime={"stats_interval_ms": 3_600_000},
-    )
-    cfg["api"]["control"] = {
-        "enabled": True,
-        "listen": {"address": "127.0.0.1", "port": 0},
-        "api_key_env": None,
-    }
+    cfg = socks_and_keyless_api_config()
     return EngineProcess(cfg, tmp_path, "engine")
 
 

@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 
 from spliceway.ipc_client import IpcClient
-from tests.conftest import base_config, wait_until
-from tests.helpers.proc import KeptApi, cpu_seconds, open_fds
+from tests.conftest import wait_until
+from tests.helpers.proc import KeptApi, cpu_seconds, open_fds, socks_and_keyless_api_config
 from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import EngineProcess
 from tests.helpers.socks import recv_exact, socks5_connect
@@ -65,15 +65,7 @@ def sock_path() -> Iterator[Path]:
 def test_fd_exhaustion_backs_off_and_keeps_serving(
     tmp_path: Path, sock_path: Path, echo: EchoServer
 ) -> None:
-    cfg = base_config(
-        inbounds=[{"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}}],
-        runtime={"stats_interval_ms": 3_600_000},
-    )
-    cfg["api"]["control"] = {
-        "enabled": True,
-        "listen": {"address": "127.0.0.1", "port": 0},
-        "api_key_env": None,
-    }
+    cfg = socks_and_keyless_api_config()
     cfg["api"]["ipc"] = {"enabled": True, "path": str(sock_path)}
     cfg["api"]["grpc"] = {"enabled": True}
     engine = EngineProcess(
