@@ -17,18 +17,17 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pykka
-from spliceway.actors.messages import ConnEnded, ConnRouted, ConnTakeOver, RelayFinished
 
-from spliceway import connpath
-from spliceway.connpath import ConnPath, ConnRecord, Deferred
-from spliceway.fdlimit import AcceptBackoff
-from spliceway.relay import Completion, Counters, Relay
+from spliceway.actors.messages import ConnEnded, ConnRouted, ConnTakeOver, RelayFinished
+from spliceway.native import conn as connpath
+from spliceway.native.conn import ConnPath, ConnRecord, Deferred
+from spliceway.native.relay import Completion, Counters, Relay
+from spliceway.support.fdlimit import AcceptBackoff
 from spliceway.tun import mark
 
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher
-
-    from spliceway.outbounds import SealedSession
+    from spliceway.flows.outbounds import SealedSession
 
 logger = logging.getLogger(__name__)
 

@@ -33,23 +33,26 @@ from spliceway.actors.messages import (
     TrafficSample,
 )
 from spliceway.actors.policy import MemberFailed
-
-from spliceway import connpath, flowlog, hostnorm, records, routing
 from spliceway.dns.resolver import ResolveError
-from spliceway.events import now_ms
-from spliceway.flowhook import ask_about
-from spliceway.inbound import Handshake, HandshakeFailed, refuse_quietly
-from spliceway.inbound import accept as accept_handshake
-from spliceway.outbounds import DialError
+from spliceway.engine.runtime import FlowEntry, RouteState
+from spliceway.events.log import now_ms
+from spliceway.flows import log as flowlog
+from spliceway.flows import records
+from spliceway.flows.hook import ask_about
+from spliceway.flows.inbound import Handshake, HandshakeFailed, refuse_quietly
+from spliceway.flows.inbound import accept as accept_handshake
+from spliceway.flows.outbounds import DialError
+from spliceway.native import conn as connpath
+from spliceway.native.relay import Cause
 from spliceway.protocols import NEED_MORE, sniff, socks5
-from spliceway.relay import Cause
-from spliceway.runtime import FlowEntry, RouteState
+from spliceway.routing import hostnorm
+from spliceway.routing import rules as routing
 
 if TYPE_CHECKING:
     from spliceway.dns.fakeip import FakeIpPool
     from spliceway.dns.resolver import Resolver
-    from spliceway.engine_core import EngineCore, InboundSpec
-    from spliceway.flowhook import FlowHookClient
+    from spliceway.engine.core import EngineCore, InboundSpec
+    from spliceway.flows.hook import FlowHookClient
 
 logger = logging.getLogger(__name__)
 
@@ -538,7 +541,7 @@ class FlowActor(HttpForwarding, LoopActor):
         not yet the actor's: :meth:`_start_record` makes it so and announces it. A target
         that is a mapped fake-ip address becomes its domain (``hs.host`` too)."""
         # Every spelling of an address is that address, from here on: routed, dialled and
-        # recorded so (spliceway.hostnorm; C's handshakes did the same already).
+        # recorded so (spliceway.routing.hostnorm; C's handshakes did the same already).
         hs.host = hostnorm.canonical_host(hs.host)
         pool = self.deps.fakeip
         if pool is not None:

@@ -23,25 +23,27 @@ import socket
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
-from spliceway import connpath, hostnorm, records
-from spliceway.flowhook import ask_about
-from spliceway.inbound import (
+from spliceway.engine.runtime import FlowEntry
+from spliceway.flows import records
+from spliceway.flows.hook import ask_about
+from spliceway.flows.inbound import (
     PROXY_AUTH_REQUIRED,
     ForwardRequest,
     Handshake,
     forward_request,
     http_auth,
 )
-from spliceway.outbounds import DialError
+from spliceway.flows.outbounds import DialError
+from spliceway.native import conn as connpath
 from spliceway.protocols import NEED_MORE, ProtocolError, shadowsocks
 from spliceway.protocols import http as http_proto
 from spliceway.protocols import http_message as framing
-from spliceway.runtime import FlowEntry
+from spliceway.routing import hostnorm
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
 
-    from spliceway.outbounds import Dialed
+    from spliceway.flows.outbounds import Dialed
 
 #: Largest read from either socket.
 _CHUNK = 64 * 1024

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.flow import HANDSHAKE_TIMEOUT
-
-from spliceway.connpath import ListenerOptions
+from spliceway.native.conn import ListenerOptions
 
 if TYPE_CHECKING:
-    from spliceway.engine_core import EngineCore, InboundSpec
+    from spliceway.engine.core import EngineCore, InboundSpec
 
 
 class ListenerActor(LoopActor):

@@ -8,13 +8,13 @@ from typing import Any, NamedTuple
 class RelayFinished(NamedTuple):
     """The C relay completed a flow (delivered by the relay bridge on the dispatcher loop)."""
 
-    completion: Any  # spliceway.relay.Completion
+    completion: Any  # spliceway.native.relay.Completion
 
 
 class TrafficSample(NamedTuple):
     """The stats sampler read new relay counters for a flow."""
 
-    counters: Any  # spliceway.relay.Counters
+    counters: Any  # spliceway.native.relay.Counters
     sampled_at_unix_ms: int
 
 
@@ -32,17 +32,17 @@ class StopFlow(NamedTuple):
 class ConnRouted(NamedTuple):
     """The C connection path dialled and handed the flow to the relay."""
 
-    record: Any  # spliceway.connpath.ConnRecord (kind ROUTED)
+    record: Any  # spliceway.native.conn.ConnRecord (kind ROUTED)
 
 
 class ConnEnded(NamedTuple):
     """The C connection path ended the flow before the relay (blocked, failed, closed)."""
 
-    record: Any  # spliceway.connpath.ConnRecord (kind ENDED)
+    record: Any  # spliceway.native.conn.ConnRecord (kind ENDED)
 
 
 class ConnTakeOver(NamedTuple):
     """The C connection path started this flow, then found only Python can route it:
     the connection is the flow actor's now, to carry on from the route."""
 
-    deferred: Any  # spliceway.connpath.Deferred (stage ROUTE, flow set)
+    deferred: Any  # spliceway.native.conn.Deferred (stage ROUTE, flow set)

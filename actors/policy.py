@@ -2,7 +2,7 @@
 
 It runs on the dispatcher loop like the flows, so probe rounds are tasks that
 dial through the same outbounds the flows use. It is the only writer of its
-group's :class:`~spliceway.policy.GroupView`, published to the engine's
+group's :class:`~spliceway.routing.policy.GroupView`, published to the engine's
 ``PolicyTable`` after every change, and it emits ``policy.selected`` (selector)
 and ``policy.probe.completed`` (each finished round of a probing group).
 
@@ -22,14 +22,13 @@ import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from spliceway.actors.dispatcher import LoopActor
-
-from spliceway import policy
 from spliceway.errors import invalid_argument
-from spliceway.events import now_ms
-from spliceway.probe import ProbeResult, probe
+from spliceway.events.log import now_ms
+from spliceway.flows.probe import ProbeResult, probe
+from spliceway.routing import policy
 
 if TYPE_CHECKING:
-    from spliceway.engine_core import EngineCore
+    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

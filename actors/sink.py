@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pykka
+
 from spliceway.connector.diskgate import DiskGate
 from spliceway.connector.intake import Feed, event_id_of
 from spliceway.connector.jetstream import MAX_BATCH, NatsPublisher
@@ -35,8 +36,7 @@ from spliceway.connector.outbox import Item, Outbox
 from spliceway.connector.policy import Action, DeliveryPolicy, Verdict, classify, next_step
 from spliceway.connector.signing import Signer
 from spliceway.connector.webhook import DeliveryError, WebhookClient
-
-from spliceway.events import now_ms
+from spliceway.events.log import now_ms
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ import logging
 from typing import TYPE_CHECKING
 
 import pykka
+
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.messages import TrafficSample
 from spliceway.actors.udp import SampleUdp
-
-from spliceway.events import now_ms
+from spliceway.events.log import now_ms
 
 if TYPE_CHECKING:
-    from spliceway.engine_core import EngineCore
+    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

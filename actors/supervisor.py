@@ -9,17 +9,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pykka
+
 from spliceway.actors.dispatcher import LoopActor
 from spliceway.actors.listener import ListenerActor
 from spliceway.actors.policy import PolicyGroupActor
 from spliceway.actors.stats import StatsSamplerActor
-
-from spliceway import policy
 from spliceway.errors import ApiError
+from spliceway.routing import policy
 
 if TYPE_CHECKING:
-    from spliceway.engine_core import EngineCore, InboundSpec
-    from spliceway.reconcile import Plan
+    from spliceway.engine.core import EngineCore, InboundSpec
+    from spliceway.engine.reconcile import Plan
 
 
 class EngineSupervisor(LoopActor):
@@ -81,7 +81,7 @@ class EngineSupervisor(LoopActor):
         return True
 
     def reconfigure(self, plan: Plan) -> None:
-        """Install a prepared reload (see spliceway.reconcile); ApiError with nothing
+        """Install a prepared reload (see spliceway.engine.reconcile); ApiError with nothing
         changed when a new listener cannot start."""
         core = self.core
         change = plan.listeners
@@ -117,7 +117,7 @@ class EngineSupervisor(LoopActor):
     def _swap_tables(self, plan: Plan) -> None:
         """Install what flows read (undone by ``_Tables.restore``): config, outbounds,
         groups' views, routing state, listeners, the flow hook, the C route table."""
-        from spliceway.engine_core import ActiveInbound
+        from spliceway.engine.core import ActiveInbound
 
         core = self.core
         new, parts = plan.config, plan.parts

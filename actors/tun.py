@@ -1,6 +1,6 @@
 """TunActor: owns one running TUN's kernel listeners in the C connection path.
 
-The TUN's packet loop (:class:`~spliceway.tun.stack.TunStack`) NATs every captured
+The TUN's packet loop (:class:`~spliceway.native.tun.TunStack`) NATs every captured
 TCP connection onto a kernel listener per family; this actor gives those listeners
 to the C connection path as ``SW_IN_TUN`` listeners, so each accepted connection is
 looked up in the stack's NAT table (its "handshake"), then routed, dialled and
@@ -23,15 +23,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pykka
+
 from spliceway.actors.dispatcher import Dispatcher, LoopActor
 from spliceway.actors.flow import HANDSHAKE_TIMEOUT
-
-from spliceway.connpath import ConnPath, ListenerOptions
+from spliceway.native.conn import ConnPath, ListenerOptions
 
 if TYPE_CHECKING:
-    from spliceway.engine_core import InboundSpec
+    from spliceway.engine.core import InboundSpec
+    from spliceway.native.tun import TunStack
     from spliceway.tun.dns_hijack import TunDnsTcp
-    from spliceway.tun.stack import TunStack
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """TunUdpActor: the UDP sessions of the TUN's packet loop, as UDP flows.
 
-The packet loop (:class:`~spliceway.tun.stack.TunStack`, csrc/tun.c) hands every UDP
+The packet loop (:class:`~spliceway.native.tun.TunStack`, csrc/tun.c) hands every UDP
 datagram the TUN captures to Python as a record naming its *session*: one (source,
 destination) pair, ended by the loop when idle, when closed, or at shutdown. This
 actor watches the stack's eventfd on the dispatcher loop, drains the records, and
@@ -67,22 +67,20 @@ from spliceway.actors.udp_upstream import (
     norm,
     upstream_key,
 )
-
-from spliceway import records
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.dns.server import MAX_PENDING, SLOW
-from spliceway.events import now_ms
-from spliceway.flowhook import ask_about
+from spliceway.events.log import now_ms
+from spliceway.flows import records
+from spliceway.flows.hook import ask_about
+from spliceway.native.tun import TunStackError, UdpRecord
 from spliceway.tun.mark import apply_mark
-from spliceway.tun.stack import TunStackError, UdpRecord
 
 if TYPE_CHECKING:
     from spliceway.actors.flow import FlowDeps
-
     from spliceway.dns import Resolver
     from spliceway.dns.server import DnsResponder
-    from spliceway.engine_core import InboundSpec
-    from spliceway.tun.stack import TunStack
+    from spliceway.engine.core import InboundSpec
+    from spliceway.native.tun import TunStack
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 C moves the datagrams, Python decides. The association's client socket (bound to
 the address the client reached the inbound on, told to it as BND.ADDR/BND.PORT)
-belongs to the C datagram relay (:mod:`spliceway.udprelay`): it accepts datagrams
+belongs to the C datagram relay (:mod:`spliceway.native.udp`): it accepts datagrams
 only from the client's IP and port (the declared one, or the first datagram's when
 the client declared 0), drops fragments and malformed headers, and reports each new
 destination. This actor answers each with a verdict, once the rules (``network:
@@ -41,19 +41,19 @@ from spliceway.actors.udp_upstream import (
     upstream_key,
     v6,
 )
-
-from spliceway import hostnorm, records, udprelay
 from spliceway.dns import InvalidHostname, ResolveError
-from spliceway.flowhook import ask_about
+from spliceway.flows import records
+from spliceway.flows.hook import ask_about
+from spliceway.native import udp as udprelay
+from spliceway.native.relay import RelayError
 from spliceway.protocols import socks5
-from spliceway.relay import RelayError
+from spliceway.routing import hostnorm
 from spliceway.tun.mark import apply_mark
 
 if TYPE_CHECKING:
     from spliceway.actors.flow import FlowDeps
-
     from spliceway.dns import Resolver
-    from spliceway.engine_core import InboundSpec
+    from spliceway.engine.core import InboundSpec
 
 logger = logging.getLogger(__name__)
 

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from spliceway import flowlog, records, routing
 from spliceway.dns.resolver import ResolveError
-from spliceway.events import now_ms
-from spliceway.runtime import FlowEntry
+from spliceway.engine.runtime import FlowEntry
+from spliceway.events.log import now_ms
+from spliceway.flows import log as flowlog
+from spliceway.flows import records
+from spliceway.routing import rules as routing
 
 if TYPE_CHECKING:
     from spliceway.actors.flow import FlowDeps
-
     from spliceway.dns.resolver import Resolver
-    from spliceway.flowhook import FlowHookClient
+    from spliceway.flows.hook import FlowHookClient
 
 #: Outbound protocols that relay UDP in this build.
 UDP_PROTOCOLS = frozenset({"direct", "socks5", "shadowsocks"})

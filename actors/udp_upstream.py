@@ -27,15 +27,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from spliceway.dns import InvalidHostname, ResolveError
-from spliceway.outbounds import DialError
+from spliceway.flows.outbounds import DialError
 from spliceway.protocols import ProtocolError, shadowsocks, socks5
 from spliceway.tun.mark import apply_mark
 
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher
-
     from spliceway.dns import Resolver
-    from spliceway.runtime import Counters
+    from spliceway.engine.runtime import Counters
 
 logger = logging.getLogger(__name__)
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import falcon
 import orjson
+
 from spliceway.api.auth import KeyTable, Principal
 from spliceway.api.http_guard import UNSENT_BYTES_KEY, source_key
 from spliceway.api.limits import FailureLimiter, Limits, RateLimited, Slots, TokenBucket
@@ -55,15 +56,14 @@ from spliceway.api.sse import (
     parse_since,
 )
 from spliceway.api.ui_files import UI_PATH, UiFiles, is_ui_path
-
-from spliceway import commands, queries
-from spliceway.capabilities import API_ID, capabilities
+from spliceway.control import commands, queries
+from spliceway.control.capabilities import API_ID, capabilities
 from spliceway.errors import ApiError, code_for_http_status, invalid_argument
-from spliceway.events import parse_types
+from spliceway.events.log import parse_types
 
 if TYPE_CHECKING:
-    from spliceway.engine import Engine
-    from spliceway.engine_core import EngineCore
+    from spliceway.app.engine import Engine
+    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

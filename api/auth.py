@@ -18,8 +18,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from spliceway.commands import PERMISSIONS, grants
 from spliceway.config import ControlApi, check_environment_details, control_environment_problems
+from spliceway.control.commands import PERMISSIONS, grants
 from spliceway.errors import ApiError
 
 ALL_PERMISSIONS = frozenset(PERMISSIONS)

@@ -31,11 +31,11 @@ if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
+
     from spliceway.api.app import ControlState
     from spliceway.api.grpc_service import ControlService
-
     from spliceway.config import Api
-    from spliceway.engine_core import EngineCore
+    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

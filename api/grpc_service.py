@@ -33,22 +33,21 @@ import grpc
 import orjson
 from google.protobuf import struct_pb2
 from grpc_reflection.v1alpha import reflection
+
 from spliceway.api.app import MAX_BODY_BYTES, caller_capabilities, require_read
 from spliceway.api.auth import Principal
 from spliceway.api.grpc_gen import control_pb2, control_pb2_grpc
 from spliceway.api.ipc import event_list
 from spliceway.api.limits import RateLimited, TokenBucket
 from spliceway.api.sse import open_stream
-
-from spliceway import commands, queries
-from spliceway.capabilities import API_ID
+from spliceway.control import commands, queries
+from spliceway.control.capabilities import API_ID
 from spliceway.errors import ApiError, invalid_argument
-from spliceway.events import Subscription
+from spliceway.events.log import Subscription
 
 if TYPE_CHECKING:
     from spliceway.api.app import ControlState
-
-    from spliceway.engine_core import EngineCore
+    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ server, channel and parser layers:
 - **Refusals close.** Every 401, 403, 413 and 429, the application's included,
   is sent with ``Connection: close``, so refused clients cannot sit on
   connections.
-- **Out of descriptors, accepting pauses** (:class:`spliceway.fdlimit.AcceptBackoff`)
+- **Out of descriptors, accepting pauses** (:class:`spliceway.support.fdlimit.AcceptBackoff`)
   instead of spinning, and open connections are still served. One descriptor (of
   ``/dev/null``) is held in reserve: when accepting fails for want of descriptors, it
   is given up to take one waiting connection, so an operator can still reach the API
@@ -62,7 +62,7 @@ from waitress.server import TcpWSGIServer
 from waitress.task import ThreadedTaskDispatcher, WSGITask
 from waitress.utilities import Error, RequestEntityTooLarge
 
-from spliceway.fdlimit import AcceptBackoff, is_fd_exhaustion
+from spliceway.support.fdlimit import AcceptBackoff, is_fd_exhaustion
 
 logger = logging.getLogger(__name__)
 

@@ -33,17 +33,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from spliceway.api.app import body_request_id, envelope_error, envelope_ok
 
-from spliceway import commands, queries
+from spliceway.api.app import body_request_id, envelope_error, envelope_ok
+from spliceway.control import commands, queries
 from spliceway.errors import ApiError, invalid_argument
-from spliceway.event_catalogue import EVENT_CATALOGUE
-from spliceway.events import Envelope, Subscription, normalize_types, parse_types
-from spliceway.fdlimit import WARNING_CODE as FD_WARNING
-from spliceway.fdlimit import AcceptBackoff
+from spliceway.events.catalogue import EVENT_CATALOGUE
+from spliceway.events.log import Envelope, Subscription, normalize_types, parse_types
+from spliceway.support.fdlimit import WARNING_CODE as FD_WARNING
+from spliceway.support.fdlimit import AcceptBackoff
 
 if TYPE_CHECKING:
-    from spliceway.engine_core import EngineCore
+    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

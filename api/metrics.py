@@ -27,12 +27,13 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from spliceway import __version__, queries
-from spliceway.capabilities import API_ID
-from spliceway.histograms import Histogram
+from spliceway import __version__
+from spliceway.control import queries
+from spliceway.control.capabilities import API_ID
+from spliceway.flows.histograms import Histogram
 
 if TYPE_CHECKING:
-    from spliceway.engine_core import EngineCore
+    from spliceway.engine.core import EngineCore
 
 __all__ = ["EngineCollector", "MetricsResource", "metrics_registry"]
 

@@ -3,11 +3,11 @@
 The document is built here in Python from small schema helpers, and from the
 same tables the engine dispatches through, so it cannot drift from them:
 - every command's ``params`` schema is its pydantic model's JSON schema
-  (``spliceway.commands.COMMANDS``), one ``components.schemas.<Model>`` each;
+  (``spliceway.control.commands.COMMANDS``), one ``components.schemas.<Model>`` each;
 - the error ``code`` enum of each HTTP status comes from ``spliceway.errors`` (its
   table, and ``code_for_http_status`` for the statuses only HTTP answers: 405, 415);
 - event types come from ``spliceway.config.EVENT_TYPES``; the bounds of ``limit``
-  from ``spliceway.queries``.
+  from ``spliceway.control.queries``.
 
 Result shapes are closed (``additionalProperties: false``) wherever the
 contract fixes them, so validating real responses against this document is a
@@ -22,17 +22,17 @@ import copy
 import re
 from typing import Any
 
-from spliceway.capabilities import API_ID
-from spliceway.commands import COMMANDS, PERMISSIONS
 from spliceway.config import EVENT_TYPES
+from spliceway.control.capabilities import API_ID
+from spliceway.control.commands import COMMANDS, PERMISSIONS
+from spliceway.control.queries import EVENTS_LIMIT_MAX, FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
 from spliceway.dns.server import COUNTER_NAMES as DNS_SERVER_COUNTERS
 from spliceway.errors import HTTP_STATUS, code_for_http_status
-from spliceway.event_catalogue import UDP_COUNTERS
-from spliceway.events import SCHEMA_ID as EVENT_SCHEMA_ID
-from spliceway.logring import LEVELS as LOG_LEVELS
-from spliceway.logring import LOGS_LIMIT_MAX, MESSAGE_MAX_CHARS
-from spliceway.policy import TRIGGERS
-from spliceway.queries import EVENTS_LIMIT_MAX, FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
+from spliceway.events.catalogue import UDP_COUNTERS
+from spliceway.events.log import SCHEMA_ID as EVENT_SCHEMA_ID
+from spliceway.events.logring import LEVELS as LOG_LEVELS
+from spliceway.events.logring import LOGS_LIMIT_MAX, MESSAGE_MAX_CHARS
+from spliceway.routing.policy import TRIGGERS
 
 Schema = dict[str, Any]
 

@@ -23,6 +23,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from waitress import wasyncore
+
 from spliceway.api.app import MAX_BODY_BYTES, ControlState, body_too_large, envelope_error
 from spliceway.api.http_guard import (
     GuardLimits,
@@ -32,10 +34,8 @@ from spliceway.api.http_guard import (
 )
 from spliceway.api.limits import RateLimited
 from spliceway.api.ui_files import is_ui_path
-from waitress import wasyncore
-
 from spliceway.errors import ApiError
-from spliceway.fdlimit import AcceptBackoff, warning_emitter
+from spliceway.support.fdlimit import AcceptBackoff, warning_emitter
 
 if TYPE_CHECKING:
     from spliceway.api.app import ControlApp

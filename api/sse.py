@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from spliceway.errors import invalid_argument
-from spliceway.events import Envelope, EventLog, Subscription
+from spliceway.events.log import Envelope, EventLog, Subscription
 
 KEEPALIVE_S = 10.0
 #: How long a stream lets a burst gather after its first event before writing it.

@@ -14,6 +14,7 @@ import time
 
 import pykka
 from run_e2e import proc_rss_kib
+
 from spliceway.actors.dispatcher import Dispatcher, LoopActor
 
 

@@ -21,8 +21,8 @@ import sys
 import time
 
 from spliceway import Engine
-from spliceway.connpath import ROUTED, STARTED, ConnRecord
-from spliceway.relay import Cause, Completion, Counters
+from spliceway.native.conn import ROUTED, STARTED, ConnRecord
+from spliceway.native.relay import Cause, Completion, Counters
 
 CONFIG = {
     "inbounds": [{"tag": "socks-in", "protocol": "socks5", "listen": {"port": 0}}],

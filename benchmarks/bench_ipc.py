@@ -92,6 +92,7 @@ def http_client(port: int, seconds: float, out: list[tuple[int, list[float]]]) -
 def grpc_client(target: str, seconds: float, out: list[tuple[int, list[float]]]) -> None:
     """Back-to-back Control/Query stats calls on one channel."""
     import grpc
+
     from spliceway.api.grpc_gen import control_pb2, control_pb2_grpc
 
     lat: list[float] = []
@@ -121,6 +122,7 @@ def grpc_built() -> bool:
     """Whether this Python has the grpc extra (the engine runs with the same one)."""
     try:
         import grpc  # noqa: F401
+
         from spliceway.api.grpc_gen import control_pb2_grpc  # noqa: F401
     except ImportError:
         return False

@@ -3,7 +3,7 @@
 
     python benchmarks/bench_process_lookup.py [--quick] [--reps 3] [--seconds 3] [--conc 1,16]
 
-**Part 1, the lookup alone** (in this process, spliceway.process_lookup): lookups per
+**Part 1, the lookup alone** (in this process, spliceway.routing.process_lookup): lookups per
 second of
 
 - ``sock_diag exact``: one netlink ``inet_diag_req_v2`` round trip for a live socket;
@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_e2e as e2e
 
 sys.path.insert(0, str(e2e.ROOT))
-from spliceway.process_lookup import ProcessLookup, ProcTable, SockDiag
+from spliceway.routing.process_lookup import ProcessLookup, ProcTable, SockDiag
 
 VARIANTS = ("none", "python-path", "rule", "rule-later", "always")
 #: A rule C cannot check: reaching it defers every flow to Python (no lookup).

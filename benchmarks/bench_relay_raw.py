@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from run_e2e import read_stat
 
+from spliceway.native.relay import Relay
 from spliceway.protocols.shadowsocks import CIPHERS, Encryptor, master_key
-from spliceway.relay import Relay
 
 CHUNK = 8 << 20
 

@@ -1,4 +1,4 @@
-"""Route lookup cost: the C route table (csrc/route.c) vs spliceway.routing.decide.
+"""Route lookup cost: the C route table (csrc/route.c) vs spliceway.routing.rules.decide.
 
 Configs of N ``domain_suffix`` rules (one suffix each, ``s<i>.zone<i % 13>.test``), then
 lookups of hosts that hit a rule spread over the list (``www.s<i>.zone<i % 13>.test``) and
@@ -19,10 +19,8 @@ import sys
 import time
 
 from spliceway._relay import ffi, lib
-
-from spliceway import routing
 from spliceway.config import Rule
-from spliceway.route_tables import (
+from spliceway.native.route import (
     NO_INBOUND,
     NO_PRINCIPAL,
     OUT_DEFER,
@@ -30,6 +28,7 @@ from spliceway.route_tables import (
     TargetSpec,
     compile_route_table,
 )
+from spliceway.routing import rules as routing
 
 HOSTS = 1000
 

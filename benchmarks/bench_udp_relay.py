@@ -6,7 +6,7 @@ through it against the same echo without it, in the same run.
     python benchmarks/bench_udp_relay.py --loops 2 --json benchmarks/results/udp-relay.json
     python benchmarks/bench_udp_relay.py --pin 0,0,1 --busy-poll-us 100 --also dante=127.0.0.1:1080
 
-No engine: this process is a minimal SOCKS5 control plane around ``spliceway.udprelay``
+No engine: this process is a minimal SOCKS5 control plane around ``spliceway.native.udp``
 (a TCP listener answering UDP ASSOCIATE with a fresh association socket, whose one
 destination it answers DIRECT to the echo server over one upstream socket), so the
 figures are the data plane's.  The load is benchmarks/udpload.c (built with ``cc -O2``
@@ -36,7 +36,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from spliceway.udprelay import NewDest, UdpRelay
+from spliceway.native.udp import NewDest, UdpRelay
 
 BENCH = Path(__file__).resolve().parent
 BUILD = BENCH / "build"

@@ -82,7 +82,7 @@ LISTEN_RE = re.compile(r"inbound \S+ \(socks5\) listening on ([0-9.]+):(\d+)")
 # top level (pyproject's package-dir), so let the spliceway package find them there.
 ENGINE_SHIM = (
     "import sys, spliceway; spliceway.__path__.append({root!r}); "
-    "from spliceway.cli import main; sys.exit(main(['run', '-c', {cfg!r}]))"
+    "from spliceway.cli.main import main; sys.exit(main(['run', '-c', {cfg!r}]))"
 )
 
 
@@ -410,7 +410,7 @@ class Server:
 def spliceway_launch_cmd(cfg: Path) -> tuple[list[str], str]:
     """``python -m spliceway run -c cfg`` when installed, else the in-tree shim."""
     probe = subprocess.run(
-        [sys.executable, "-c", "import spliceway.relay, spliceway.actors"],
+        [sys.executable, "-c", "import spliceway.native.relay, spliceway.actors"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -418,11 +418,14 @@ def spliceway_launch_cmd(cfg: Path) -> tuple[list[str], str]:
     if probe.returncode == 0:
         return [sys.executable, "-m", "spliceway", "run", "-c", str(cfg)], "python -m spliceway"
     relay = subprocess.run(
-        [sys.executable, "-c", "import spliceway.relay"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-c", "import spliceway.native.relay"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     if relay.returncode != 0:
         raise SystemExit(
-            "spliceway is not runnable yet (import spliceway.relay failed):\n"
+            "spliceway is not runnable yet (import spliceway.native.relay failed):\n"
             + relay.stderr.strip().splitlines()[-1]
         )
     code = ENGINE_SHIM.format(root=str(ROOT), cfg=str(cfg))

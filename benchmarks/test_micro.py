@@ -15,11 +15,12 @@ import struct
 
 import pytest
 
-from spliceway import flowlog, records
 from spliceway.config import Rule
+from spliceway.flows import log as flowlog
+from spliceway.flows import records
+from spliceway.flows.records import FlowState
 from spliceway.protocols import http, sniff, socks5
-from spliceway.records import FlowState
-from spliceway.routing import FlowFacts, compile_rules, decide
+from spliceway.routing.rules import FlowFacts, compile_rules, decide
 
 pytest.importorskip("pytest_benchmark")
 

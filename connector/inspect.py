@@ -18,14 +18,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from spliceway.connector.diskgate import DiskGate, Storage
-from spliceway.connector.outbox import DiskOutbox, OutboxStore, sink_dir_name
 
 from spliceway.config import Config
+from spliceway.connector.diskgate import DiskGate, Storage
+from spliceway.connector.outbox import DiskOutbox, OutboxStore, sink_dir_name
 from spliceway.errors import ApiError
 
 if TYPE_CHECKING:
-    from spliceway.engine_core import EngineCore
+    from spliceway.engine.core import EngineCore
 
 #: How long a live read waits for an apply in progress to finish.
 APPLY_WAIT_S = 10.0

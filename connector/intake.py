@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
+
 from spliceway.connector import segments
 from spliceway.connector.diskgate import DiskGate, Storage
 from spliceway.connector.outbox import MemoryOutbox, Outbox
-
-from spliceway.events import SNAPSHOT, EventLog, normalize_types
+from spliceway.events.log import SNAPSHOT, EventLog, normalize_types
 
 logger = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ import os
 from collections.abc import Iterable
 
 import orjson
+
 from spliceway.connector import segments
 
 FILE_NAME = "flows"

@@ -55,10 +55,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import orjson
+
 from spliceway.connector import openflows, segments
 from spliceway.connector.ledger import Ledger, read_ledger
 from spliceway.connector.openflows import OpenFlows
-
 from spliceway.errors import ApiError
 
 logger = logging.getLogger(__name__)

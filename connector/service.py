@@ -19,7 +19,9 @@ from typing import Any
 
 import orjson
 import pykka
+
 from spliceway.actors.sink import SinkActor, SinkState, Transport
+from spliceway.config import Api, JsonlSink, NatsSink, Sink, one_sink_environment_problems
 from spliceway.connector.diskgate import DiskGate, Storage
 from spliceway.connector.intake import Feed, Intake, with_source
 from spliceway.connector.jetstream import NatsPublisher, parse_credentials
@@ -28,12 +30,10 @@ from spliceway.connector.outbox import DiskOutbox, MemoryOutbox, Outbox, OutboxS
 from spliceway.connector.policy import DeliveryPolicy
 from spliceway.connector.signing import Signer, secret_key
 from spliceway.connector.webhook import WebhookClient
-
-from spliceway import flowlog
-from spliceway.config import Api, JsonlSink, NatsSink, Sink, one_sink_environment_problems
 from spliceway.errors import ApiError
-from spliceway.events import EventLog, normalize_types
-from spliceway.records import Completion, crashed_completion
+from spliceway.events.log import EventLog, normalize_types
+from spliceway.flows import log as flowlog
+from spliceway.flows.records import Completion, crashed_completion
 
 #: The event a sink must select to be owed crash completions.
 COMPLETED = "flow.completed"

@@ -72,7 +72,7 @@ enum {
     /* Records promised per held connection: STARTED + ROUTED or ENDED. */
     RECORDS_PER_FLOW = 2,
     /* Out of descriptors, a loop stops accepting for this long, doubled after
-     * each further failure up to the cap (spliceway/fdlimit.py does the same). */
+     * each further failure up to the cap (spliceway/support/fdlimit.py does the same). */
     ACCEPT_BACKOFF_MIN_MS = 50,
     ACCEPT_BACKOFF_MAX_MS = 1000,
     DNS_BUCKETS = 1024,

@@ -149,7 +149,7 @@ bool sw_ip6_parse(const uint8_t *s, size_t n, uint8_t out[16])
     return true;
 }
 
-/* ---- target hosts in canonical form (spliceway/hostnorm.py) ------------- */
+/* ---- target hosts in canonical form (spliceway/routing/hostnorm.py) ------------- */
 
 static bool is_space(uint8_t c)
 {

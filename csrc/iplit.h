@@ -6,7 +6,7 @@
  * inet_pton, whose corner cases differ.
  *
  * And target hosts in canonical form (sw_host_canon, sw_host_addr), exactly
- * as spliceway/hostnorm.py writes them: every spelling of an IP address that
+ * as spliceway/routing/hostnorm.py writes them: every spelling of an IP address that
  * a browser's URL parser, glibc's inet_aton/getaddrinfo or the resolver's
  * IDNA step reads as an address is that address (tests/csrc/
  * test_hostnorm_diff.py holds the two to it).  Only those two are in the

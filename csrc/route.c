@@ -1,6 +1,6 @@
 /*
  * spliceway compiled route tables.  See route.h for the contract and
- * spliceway/routing.py for the reference semantics; this file explains the
+ * spliceway/routing/rules.py for the reference semantics; this file explains the
  * structures and where C gives up (SW_ROUTE_DEFER).
  *
  * Building
@@ -82,7 +82,7 @@
  *
  * IP literals
  *   A target or sniffed host is an address when sw_host_addr (iplit.c, the
- *   twin of spliceway/hostnorm.py, which routing._parse_target uses) says so:
+ *   twin of spliceway/routing/hostnorm.py, which routing._parse_target uses) says so:
  *   every spelling a browser, inet_aton/getaddrinfo or IDNA reads as one
  *   ("2130706433", "127.1", "0x7f.0.0.1", "127.0.0.1."), IPv4-mapped IPv6 as
  *   IPv4, 0.0.0.0 and :: as the loopback addresses Linux connects them to.

@@ -9,7 +9,7 @@
  * number of threads; conn.c publishes it with an atomic pointer swap and frees
  * the old one once every loop has passed a quiescent point.
  *
- * The reference is spliceway/routing.py (decide()).  sw_table_decide either
+ * The reference is spliceway/routing/rules.py (decide()).  sw_table_decide either
  * gives the same rule index / target as routing.decide, or SW_ROUTE_DEFER
  * when the first rule that could match needs a condition C does not check
  * (domain_regex; process_name for a client on this host) or a domain

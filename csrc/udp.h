@@ -80,7 +80,7 @@
  *   boundaries (client and upstream, each way) in packets and bytes as
  *   read or written, the payload bytes delivered each way, and what was
  *   dropped, why.  Global, sw_udp_stats: its first eleven fields are
- *   stats.udp_upstream (spliceway/event_catalogue.py UDP_COUNTERS) for what
+ *   stats.udp_upstream (spliceway/events/catalogue.py UDP_COUNTERS) for what
  *   C relays; the Python outbounds add their own.
  *
  * Conventions as relay.h: 0 or a count on success, -errno on failure
@@ -234,7 +234,7 @@ typedef struct sw_udp_record {
                                  (socks5.parse_udp_datagram), NUL-terminated */
 } sw_udp_record;
 
-/* stats.udp_upstream first (spliceway/event_catalogue.py UDP_COUNTER_TEXT),
+/* stats.udp_upstream first (spliceway/events/catalogue.py UDP_COUNTER_TEXT),
  * counting what happens inside C only, so that Python adds its own (the
  * proxies it relays) without counting anything twice: a call C refuses is
  * counted by its caller, never here.  Then the client side.  Totals since

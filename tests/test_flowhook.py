@@ -1,4 +1,4 @@
-"""The flow hook's client (spliceway.flowhook) against real hook servers on real Unix
+"""The flow hook's client (spliceway.flows.hook) against real hook servers on real Unix
 sockets: verdicts, pipelining, timeouts, outages and their warnings, reconnects,
 malformed answers, a hook that stops reading, closing; plus parse_answer and
 HookSettings on their own, and contrib/flow_hook_example.py as a subprocess."""
@@ -23,9 +23,9 @@ import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from spliceway.actors.dispatcher import Dispatcher
 
-from spliceway.flowhook import (
+from spliceway.actors.dispatcher import Dispatcher
+from spliceway.flows.hook import (
     ALLOW,
     BACKPRESSURE,
     BAD_ANSWER,
@@ -42,7 +42,7 @@ from spliceway.flowhook import (
     Verdict,
     parse_answer,
 )
-from spliceway.records import FlowState
+from spliceway.flows.records import FlowState
 from tests.conftest import fd_count, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "flow_hook_example.py"

@@ -18,7 +18,7 @@ The pool is a two-way table, domain <-> address:
   diagnostics' :meth:`FakeIpPool.peek_ip` / :meth:`FakeIpPool.peek_domain` do not
   count as use.
 - **Persistence** (``persist_path``): the table is written atomically
-  (:func:`spliceway.atomic_file.replace_file`) at most :data:`SAVE_DELAY_SECONDS`
+  (:func:`spliceway.support.atomic_file.replace_file`) at most :data:`SAVE_DELAY_SECONDS`
   after a change, at once by :meth:`FakeIpPool.clear`, and by :meth:`FakeIpPool.close`
   (engine stop). A crash may lose the mappings made in the last second; it never
   leaves a torn file. The file is read when the pool is built: mappings outside the
@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from spliceway.atomic_file import replace_file
+from spliceway.support.atomic_file import replace_file
 
 __all__ = ["FILE_VERSION", "SAVE_DELAY_SECONDS", "FakeIpPool", "domain_key"]
 

@@ -51,7 +51,7 @@ reload) or a fake-ip mapping goes away (clear, reuse), and is off in real mode w
 dropped, as unbound's ``ip-ratelimit``), at most :data:`MAX_PENDING` queries wait on
 the slow path, :data:`MAX_TCP_CLIENTS` TCP connections are served
 (:data:`MAX_TCP_PER_SOURCE` from one address), and the TCP
-listener backs off when out of file descriptors (:class:`~spliceway.fdlimit.AcceptBackoff`).
+listener backs off when out of file descriptors (:class:`~spliceway.support.fdlimit.AcceptBackoff`).
 
 The engine runs the server on a thread of its own (its own asyncio loop): on the
 dispatcher's loop one costly message delayed every Python-path flow (a 64 KiB message
@@ -91,7 +91,7 @@ from spliceway.actors.dispatcher import Dispatcher
 from spliceway.dns.resolver import Answer, InvalidHostname, ResolveError, normalize_hostname
 from spliceway.dns.transport import BACKEND
 from spliceway.errors import ApiError
-from spliceway.fdlimit import AcceptBackoff
+from spliceway.support.fdlimit import AcceptBackoff
 
 if TYPE_CHECKING:
     from spliceway.dns.fakeip import FakeIpPool
@@ -841,7 +841,7 @@ class DnsServer:
     ``rate_limit``: queries a second answered from one source address
     (:class:`ClientRateLimit`; None: no limit). ``warn(message)`` is called when the
     TCP listener runs out of file descriptors (once per outage: ``engine.warning``
-    ``fd_exhausted``); it then pauses accepting (:class:`~spliceway.fdlimit.AcceptBackoff`)
+    ``fd_exhausted``); it then pauses accepting (:class:`~spliceway.support.fdlimit.AcceptBackoff`)
     and keeps serving what it has."""
 
     def __init__(

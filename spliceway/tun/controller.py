@@ -4,7 +4,7 @@
 :mod:`~spliceway.tun.routing`, :mod:`~spliceway.tun.mark` and
 :mod:`~spliceway.tun.egress`. It does not move packets: :meth:`TunController.start`
 hands back a :class:`TunHandle` (the device's queue fds and addresses) for the
-packet loop (:mod:`spliceway.tun.stack`) to run on, and the engine's ``tun.start``
+packet loop (:mod:`spliceway.native.tun`) to run on, and the engine's ``tun.start``
 is the two composed::
 
     handle = controller.start(params, network_mtu=config.runtime.network.mtu)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from spliceway.dns.server import serve_tcp_client
-from spliceway.fdlimit import AcceptBackoff
+from spliceway.support.fdlimit import AcceptBackoff
 
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher

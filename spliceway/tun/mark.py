@@ -16,7 +16,7 @@ TUN implies.
 Where each socket is created (each must call :func:`apply_mark`, or in C set
 ``SO_MARK`` to :func:`current_mark` when it is not 0):
 
-- ``spliceway/outbounds.py`` ``_open_tcp``: every Python TCP dial (direct, and the
+- ``spliceway/flows/outbounds.py`` ``_open_tcp``: every Python TCP dial (direct, and the
   first hop to a socks5/http/shadowsocks server).
 - ``csrc/conn.c`` ``start_connect``: the C connection path's upstream socket gets
   ``SO_MARK`` before ``connect`` from the mark C keeps (``sw_conn_set_mark``, read
@@ -36,7 +36,7 @@ Where each socket is created (each must call :func:`apply_mark`, or in C set
   resolver (getaddrinfo) cannot be marked: its queries follow ``dns_hijack`` back
   into the engine, so a TUN with ``dns_hijack`` needs an explicit server.
 - ``connector/webhook.py``: ``socket.create_connection`` of each delivery.
-- ``spliceway/probe.py`` and ``spliceway/diagnostics.py``: probe connections (they
+- ``spliceway/flows/probe.py`` and ``spliceway/control/diagnostics.py``: probe connections (they
   dial through ``outbounds.open_tcp``, so they are covered there).
 """
 

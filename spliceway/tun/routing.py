@@ -69,8 +69,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spliceway.atomic_file import replace_file
 from spliceway.errors import ApiError
+from spliceway.support.atomic_file import replace_file
 from spliceway.tun.options import (
     DNS_TABLE,
     ROUTE_TABLE,

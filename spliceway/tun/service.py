@@ -2,7 +2,7 @@
 
 :class:`TunService` composes the host side (:class:`~spliceway.tun.controller.
 TunController`: device, routes, rules, mark), the packet loop
-(:class:`~spliceway.tun.stack.TunStack`) and the actor that hands the loop's kernel
+(:class:`~spliceway.native.tun.TunStack`) and the actor that hands the loop's kernel
 listeners to the C connection path (:class:`~spliceway.actors.tun.TunActor`).
 Start brings them up in that order and undoes the finished steps when one fails;
 stop takes them down in reverse. Both are serialised by one lock and run on the
@@ -25,13 +25,13 @@ from typing import Any
 import pykka
 
 from spliceway.errors import ApiError, invalid_argument
+from spliceway.native.tun import TunStack
 from spliceway.tun.controller import TunController, TunHandle
-from spliceway.tun.stack import TunStack
 
 log = logging.getLogger("spliceway.tun")
 
 #: C listener slots of the TUN's kernel listeners (IPv4, IPv6): the last two of
-#: csrc/conn.c's 256; configured inbounds use the others (spliceway.reconcile).
+#: csrc/conn.c's 256; configured inbounds use the others (spliceway.engine.reconcile).
 TUN_SLOTS = {4: 254, 6: 255}
 #: Seconds to wait for the actor to register or drop the listeners.
 _ACTOR_TIMEOUT = 10.0

@@ -6,6 +6,7 @@ import threading
 
 import pykka
 import pytest
+
 from spliceway.actors.dispatcher import Dispatcher, LoopActor
 
 

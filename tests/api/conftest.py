@@ -11,10 +11,10 @@ from typing import Any
 
 import falcon.testing
 import pytest
+
 from spliceway.api.app import ControlApp, create_app
 from spliceway.api.auth import KeyTable
 from spliceway.api.limits import Limits
-
 from tests.conftest import base_config
 
 #: Limits high enough that a test issuing many requests never trips them by accident.

@@ -9,9 +9,9 @@ from typing import Any
 import falcon.testing
 import orjson
 import pytest
+
 from spliceway.api.auth import KeyTable
 from spliceway.api.limits import Limits
-
 from spliceway.errors import HTTP_STATUS
 from tests.api.conftest import JSON_BODY, local_client
 from tests.conftest import base_config, wait_until

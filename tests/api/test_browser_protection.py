@@ -19,9 +19,9 @@ from typing import Any
 
 import falcon.testing
 import pytest
+
 from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
-
 from tests.api.conftest import RELAXED, control_config, send
 from tests.api.sse_client import Stream
 from tests.api.test_openapi import validate_response

@@ -10,9 +10,9 @@ from typing import Any
 import falcon.testing
 import orjson
 import pytest
+
 from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
-
 from tests.api.conftest import JSON_BODY, RELAXED, local_client
 from tests.api.test_openapi import validate_response
 from tests.conftest import base_config

@@ -20,11 +20,11 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from spliceway import Engine
 from spliceway.api import grpc_service
 from spliceway.api.grpc_gen import control_pb2, control_pb2_grpc
 from spliceway.api.grpc_service import struct_to_dict
-
-from spliceway import Engine
 from spliceway.errors import HTTP_STATUS, ApiError
 from tests.conftest import base_config, wait_until
 from tests.helpers.servers import EchoServer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from spliceway.api.http_guard import Refusal, source_key
 from spliceway.api.limits import FailureLimiter
 

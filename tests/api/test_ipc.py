@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spliceway.api import ipc
 
 from spliceway import Engine
+from spliceway.api import ipc
 from spliceway.errors import ApiError
 from tests.conftest import base_config, wait_until
 from tests.helpers.upstreams import refused_port

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from spliceway.logring import LOG_RING_CAPACITY, MESSAGE_MAX_CHARS, ROOT_LOGGER
+from spliceway.events.logring import LOG_RING_CAPACITY, MESSAGE_MAX_CHARS, ROOT_LOGGER
 from tests.api.conftest import control_config
 from tests.conftest import wait_until
 from tests.helpers.socks import socks5_connect

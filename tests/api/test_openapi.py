@@ -25,10 +25,10 @@ import openapi_spec_validator
 import pytest
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
-from spliceway.api.openapi import command_component, openapi_document
 
-from spliceway.commands import COMMANDS
+from spliceway.api.openapi import command_component, openapi_document
 from spliceway.config import EVENT_TYPES
+from spliceway.control.commands import COMMANDS
 from tests.api.conftest import control_config, local_client
 from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
@@ -863,7 +863,7 @@ def test_fakeip_lookup_params_document_the_handlers_rule(engine, params, valid) 
     """The document and the handler agree on ``diagnostics.fakeip_lookup``'s params: what
     the schema accepts is answered, what it rejects is ``invalid_argument`` (schemathesis
     found ``{}`` valid by the document and answered 400)."""
-    from spliceway import commands
+    from spliceway.control import commands
     from spliceway.errors import ApiError
 
     if valid:

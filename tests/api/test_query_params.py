@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from spliceway.control.queries import EVENTS_LIMIT_MAX, QUERIES
 from spliceway.errors import ApiError
-from spliceway.queries import EVENTS_LIMIT_MAX, QUERIES
 from tests.api.conftest import control_config, send
 from tests.api.test_openapi import DOC
 from tests.conftest import wait_until

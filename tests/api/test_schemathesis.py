@@ -27,9 +27,9 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from schemathesis.config import SchemathesisConfig
+
 from spliceway.api.openapi import openapi_document
 from spliceway.api.server import ControlServer
-
 from tests.conftest import base_config
 from tests.helpers.dnsserver import dns_server
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
 from spliceway.api.server import ControlServer
-
 from tests.api.conftest import RELAXED
 from tests.api.sse_client import Stream
 from tests.conftest import base_config, wait_until

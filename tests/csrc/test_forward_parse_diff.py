@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spliceway.inbound import forward_request
+from spliceway.flows.inbound import forward_request
 from spliceway.protocols import NEED_MORE, ProtocolError, http, http_message
 from tests.csrc.test_parse_diff import (
     _STATUS,

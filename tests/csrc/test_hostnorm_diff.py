@@ -1,5 +1,5 @@
 """The C host normalizer (csrc/iplit.c: sw_host_canon, sw_host_addr) against
-spliceway.hostnorm, and hostnorm against what glibc reads as an address.
+spliceway.routing.hostnorm, and hostnorm against what glibc reads as an address.
 
 The contract (csrc/iplit.h): for every host C writes exactly ``hostnorm.canonical_host``'s
 text, and says SW_HOST_IP4/IP6 exactly when ``hostnorm.target_address`` finds an address
@@ -30,7 +30,8 @@ import socket
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from spliceway import _relay, hostnorm
+from spliceway import _relay
+from spliceway.routing import hostnorm
 from tests.helpers.spellings import LOOPBACK_SPELLINGS
 
 ffi, lib = _relay.ffi, _relay.lib

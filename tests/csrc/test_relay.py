@@ -1,4 +1,4 @@
-"""The C relay through spliceway.relay, on real loopback TCP pairs and socketpairs."""
+"""The C relay through spliceway.native.relay, on real loopback TCP pairs and socketpairs."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from spliceway.relay import (
+from spliceway.native.relay import (
     ABI_VERSION,
     Cause,
     Completion,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import pykka
 import pytest
 
+from spliceway.native.relay import Cause, Completion, RelayError
 from spliceway.protocols.shadowsocks import (
     CIPHERS,
     MAX_PAYLOAD,
@@ -33,7 +34,6 @@ from spliceway.protocols.shadowsocks import (
     master_key,
     target_header,
 )
-from spliceway.relay import Cause, Completion, RelayError
 from tests.conftest import wait_until
 from tests.csrc import test_relay as base
 from tests.csrc.test_relay import (
@@ -627,8 +627,7 @@ def test_enc_nonce_continues_python_sealing(env: Env) -> None:
 def test_bridge_hand_off_of_a_sealed_session_delivers_completion(env: Env) -> None:
     from spliceway.actors.bridge import RelayBridge
     from spliceway.actors.dispatcher import Dispatcher
-
-    from spliceway.outbounds import SealedSession
+    from spliceway.flows.outbounds import SealedSession
 
     received: list[object] = []
     got = threading.Event()

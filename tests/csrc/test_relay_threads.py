@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from spliceway.relay import Cause, Completion, RelayError
+from spliceway.native.relay import Cause, Completion, RelayError
 from tests.csrc import test_relay as base
 from tests.csrc.test_relay import Env, Link, recv_exact, run
 

@@ -1,7 +1,7 @@
-"""The C route tables (csrc/route.c) against spliceway.routing.decide.
+"""The C route tables (csrc/route.c) against spliceway.routing.rules.decide.
 
 On random configs x random flows, C must give exactly routing.decide's RouteDecision
-(mapped back through spliceway.route_tables.CompiledRoutes) or defer; and it defers
+(mapped back through spliceway.native.route.CompiledRoutes) or defer; and it defers
 exactly when the first rule whose checkable conditions all hold has an opaque one
 (domain_regex; process_name for a source on this host, which fails for any other source
 and under process_lookup off), unless a host is one C leaves to Python (non-ASCII, or a
@@ -25,11 +25,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from spliceway._relay import ffi, lib
 
-from spliceway import routing
+from spliceway._relay import ffi, lib
 from spliceway.config import Rule
-from spliceway.route_tables import (
+from spliceway.native.route import (
     NO_INBOUND,
     NO_PRINCIPAL,
     OUT_BLOCK,
@@ -41,6 +40,7 @@ from spliceway.route_tables import (
     TargetSpec,
     compile_route_table,
 )
+from spliceway.routing import rules as routing
 from tests.helpers.examples import examples
 
 EINVAL = 22
@@ -426,7 +426,7 @@ def _quick_flows(rnd: random.Random, rules: list[Rule], n: int) -> list[routing.
     nets = sorted({v for r in rules for v in (*(r.ip_cidr or ()), *(r.source_ip_cidr or ()))})
     odd = ["", ".", "a..", "1.2.3.4.", "[1.2.3.4]", "::ffff:10.1.2.3", "[::1]", "01.2.3.4"]
     odd += ["ex\u212a.com", "fe80::1%eth0", "1::2::3", "::1.2.3.4", "10.0.0.1"]
-    # Other spellings of addresses (spliceway.hostnorm), the fullwidth one left to Python.
+    # Other spellings of addresses (spliceway.routing.hostnorm), the fullwidth one left to Python.
     odd += ["167772161", "0xa.1", "012.0.0.1", "10.1 x", "0", "::", "\uff11\uff10.0.0.1"]
 
     def case(s: str) -> str:
@@ -657,7 +657,7 @@ _PROBE_ORACLE = Oracle(_PROBE)
 @given(host=st.one_of(_ip_texts, _fuzz_text, st.text(max_size=8)))
 def test_ip_literals_parse_like_python(host):
     """IPv4 vs IPv6 vs name (vs nothing), as routing._parse_target tells them apart (an
-    address in any spelling spliceway.hostnorm knows)."""
+    address in any spelling spliceway.routing.hostnorm knows)."""
     facts = routing.FlowFacts(network="tcp", host=host, port=1)
     check_flow(_PROBE_ORACLE, _PROBE_ROUTES, facts)
     if _unsure(host):

@@ -24,8 +24,8 @@ from dataclasses import replace
 
 import pytest
 
+from spliceway.native.tun import TunStack, TunStackError, ffi, lib
 from spliceway.tun import packet as P
-from spliceway.tun.stack import TunStack, TunStackError, ffi, lib
 
 A4, B4 = ipaddress.ip_address("198.18.0.1"), ipaddress.ip_address("198.18.0.2")
 A6, B6 = ipaddress.ip_address("fdfe::1"), ipaddress.ip_address("fdfe::2")

@@ -1,4 +1,4 @@
-"""The C UDP datagram relay (csrc/udp.c) through spliceway.udprelay, with real UDP
+"""The C UDP datagram relay (csrc/udp.c) through spliceway.native.udp, with real UDP
 sockets on loopback: a SOCKS5 UDP client, the association socket C relays for, upstream
 sockets Python hands over, and echo servers behind them."""
 
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from spliceway.event_catalogue import UDP_COUNTERS
-from spliceway.protocols import socks5
-from spliceway.relay import RelayError
-from spliceway.udprelay import (
+from spliceway.events.catalogue import UDP_COUNTERS
+from spliceway.native.relay import RelayError
+from spliceway.native.udp import (
     UDP_UPSTREAM_FIELDS,
     Action,
     AssocEnded,
@@ -32,6 +31,7 @@ from spliceway.udprelay import (
     UdpRelay,
     UpstreamEnded,
 )
+from spliceway.protocols import socks5
 from tests.conftest import wait_until
 
 LOOP = "127.0.0.1"

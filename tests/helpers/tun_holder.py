@@ -11,7 +11,7 @@ it answers one JSON line per command read from stdin:
   the kernel routed into the TUN so far (nobody else reads the device: there is no
   packet loop here, so a captured packet ends in this list).
 - ``connect HOST PORT``: a TCP connection dialled by the engine's own
-  ``spliceway.outbounds.open_tcp`` (which marks it while a TUN runs), sending an HTTP
+  ``spliceway.flows.outbounds.open_tcp`` (which marks it while a TUN runs), sending an HTTP
   GET: ``{"connected": bool, "reply": first line or "error": text}``.
 - ``webhook-connect HOST PORT``: the same through
   :func:`spliceway.tun.mark.create_connection`, the webhook client's dial.
@@ -81,12 +81,12 @@ def _exchange(sock: socket.socket) -> dict:
 
 
 def _connect(host: str, port: int) -> dict:
-    """Dial as the engine's outbounds do (spliceway.outbounds.open_tcp)."""
+    """Dial as the engine's outbounds do (spliceway.flows.outbounds.open_tcp)."""
     import asyncio
 
     from spliceway.config import DnsSettings
     from spliceway.dns.resolver import Resolver
-    from spliceway.outbounds import DialError, open_tcp
+    from spliceway.flows.outbounds import DialError, open_tcp
 
     async def dial() -> socket.socket:
         loop = asyncio.get_running_loop()

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from spliceway.api.http_guard import GuardLimits
 from spliceway.api.sse import SEND_AHEAD_BYTES
-
 from tests.api.conftest import control_config
 from tests.conftest import wait_until
 from tests.helpers.proc import cpu_seconds, socks_and_keyless_api_config

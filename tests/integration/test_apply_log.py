@@ -16,7 +16,7 @@ from spliceway.errors import ApiError
 from tests.conftest import base_config
 from tests.helpers.program import SPLICEWAY
 
-LOGGER = "spliceway.commands"
+LOGGER = "spliceway.control.commands"
 
 
 def applied_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:

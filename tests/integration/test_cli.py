@@ -110,7 +110,8 @@ def test_validate_json_is_one_object_for_a_script(tmp_path):
 
 
 def test_build_info_prints_a_table_and_json():
-    from spliceway import __version__, relay
+    from spliceway import __version__
+    from spliceway.native import relay
 
     table = spliceway("build-info")
     assert table.returncode == 0, table.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from spliceway import Engine
-from spliceway.cli_remote import duration_text
+from spliceway.cli.remote import duration_text
 from tests.conftest import base_config, wait_until
 from tests.helpers.program import SPLICEWAY
 from tests.helpers.servers import http_origin

@@ -127,12 +127,12 @@ def test_sigint_during_events_ends_quietly_with_130(engine, sock_path):
 
 def test_sigint_while_the_cli_is_imported_ends_it_quietly_by_the_signal():
     """A Ctrl-C during the command's imports: SIGINT is sent from inside the import of
-    spliceway.cli (the bulk of the start-up); the process ends by the signal, silently."""
+    spliceway.cli.main (the bulk of the start-up); the process ends by the signal, silently."""
     script = (
         "import builtins, os, signal, sys\n"
         "real = builtins.__import__\n"
         "def hooked(name, *args, **kwargs):\n"
-        "    if name == 'spliceway.cli':\n"
+        "    if name == 'spliceway.cli.main':\n"
         "        os.kill(os.getpid(), signal.SIGINT)\n"
         "    return real(name, *args, **kwargs)\n"
         "builtins.__import__ = hooked\n"
@@ -150,7 +150,7 @@ def test_sigint_after_the_imports_is_130_and_silent():
     script = (
         "import os, signal, sys\n"
         "sys.argv = ['spliceway', 'build-info']\n"
-        "from spliceway import _console, cli\n"
+        "from spliceway import _console\nfrom spliceway.cli import main as cli\n"
         "real = cli._dispatch\n"
         "def interrupted(argv):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"

@@ -231,8 +231,8 @@ def test_a_broken_reply_is_an_error_line_not_a_traceback(sock_path, reply, messa
 
 
 def test_no_reply_in_time_is_an_api_error(sock_path):
+    from spliceway.cli.ipc_client import IpcClient
     from spliceway.errors import ApiError
-    from spliceway.ipc_client import IpcClient
 
     sock_path.parent.mkdir(mode=0o700, exist_ok=True)
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from spliceway.ipc_client import IpcClient
+from spliceway.cli.ipc_client import IpcClient
 from tests.conftest import wait_until
 from tests.helpers.proc import KeptApi, cpu_seconds, open_fds, socks_and_keyless_api_config
 from tests.helpers.servers import EchoServer

@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 import pytest
-from spliceway.actors.policy import NO_HEALTHY_MEMBER
 
+from spliceway.actors.policy import NO_HEALTHY_MEMBER
 from tests.conftest import base_config, wait_until
 from tests.unit.test_event_catalogue import check_event
 

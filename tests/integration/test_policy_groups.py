@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from spliceway import ApiError
-from spliceway.diagnostics import NO_FIXED_SERVER
-from spliceway.policy import GroupView, MemberHealth, PolicyTable
+from spliceway.control.diagnostics import NO_FIXED_SERVER
 from spliceway.protocols import socks5
+from spliceway.routing.policy import GroupView, MemberHealth, PolicyTable
 from tests.api.conftest import control_config
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import STATUS_ONLY, socks_curl, socks_fetch

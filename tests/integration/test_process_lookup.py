@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from spliceway.process_lookup import LocalAddresses, is_loopback
+from spliceway.routing.process_lookup import LocalAddresses, is_loopback
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import STATUS_ONLY, completed
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import jsonschema
 import pytest
-from spliceway.api.openapi import command_component, openapi_document
 
 from spliceway import Engine
+from spliceway.api.openapi import command_component, openapi_document
 from spliceway.errors import ApiError
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import STATUS_ONLY, proxy_curl, socks_curl
@@ -504,7 +504,7 @@ def test_kill_9_during_applies_leaves_the_old_or_the_new_file(tmp_path: Path) ->
     """A big document written again and again, between applies that fail, the engine
     killed at varied moments: the file always parses as one of the two documents that
     applied, never as the one that failed."""
-    from spliceway.ipc_client import IpcClient
+    from spliceway.cli.ipc_client import IpcClient
 
     small = reload_config(tmp_path)
     small["api"]["ipc"] = {"enabled": True, "path": f"/tmp/sw-k9-{os.getpid()}.sock"}
@@ -640,7 +640,7 @@ def test_an_install_not_confirmed_in_time_never_claims_a_rollback(
     """The dispatcher busy beyond the install timeout: the apply fails saying the new
     configuration may still be installed (the dispatcher does install it once free), not
     that it was rolled back; the file keeps the previous document."""
-    from spliceway import reconcile
+    from spliceway.engine import reconcile
 
     monkeypatch.setattr(reconcile, "INSTALL_TIMEOUT_S", 0.3)
     doc = reload_config(tmp_path)

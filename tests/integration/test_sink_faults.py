@@ -20,8 +20,8 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from spliceway.connector.outbox import OutboxStore
 
+from spliceway.connector.outbox import OutboxStore
 from tests.conftest import wait_until
 from tests.helpers.flows import curl
 from tests.helpers.receiver import Receiver, Reply, group_bodies

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
+from spliceway.cli.ipc_client import IpcClient
 from spliceway.errors import ApiError
-from spliceway.ipc_client import IpcClient
 from tests.helpers.netns import (
     OTHER_IP,
     SERVER_IP,

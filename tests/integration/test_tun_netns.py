@@ -2,7 +2,7 @@
 
 Setup (tests/helpers/netns_tun.py): a namespace with a TUN ``swk0`` holding
 198.18.0.1/30 and fdfe:dcba:9876::1/126, and the test prefixes 203.0.113.0/24 and
-2001:db8:77::/64 routed into it. The C stack (spliceway/tun/stack.py) runs on the TUN
+2001:db8:77::/64 routed into it. The C stack (spliceway/native/tun.py) runs on the TUN
 with its kernel listeners on A (198.18.0.1 / fdfe:dcba:9876::1). Clients inside the
 namespace (Python sockets made there, ``curl`` run there) reach addresses in the
 captured prefixes; the listener accepts, the NAT lookup gives the original destination,
@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from spliceway.native.tun import TunFlow, TunStack
 from spliceway.tun import packet as P
-from spliceway.tun.stack import TunFlow, TunStack
 from tests.helpers.netns_tun import TunNetns, unavailable
 
 _WHY = unavailable()
@@ -232,7 +232,7 @@ def test_accepted_sockets_do_not_pace(ns: TunNetns) -> None:
     """With BBR as the namespace's default (where the kernel has it), the listeners and
     the sockets they accept still use a congestion control that does not pace
     (stack.LISTENER_CONGESTION): their peer is a local socket behind the TUN."""
-    from spliceway.tun.stack import LISTENER_CONGESTION
+    from spliceway.native.tun import LISTENER_CONGESTION
 
     with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
         if "bbr" in f.read().split():

@@ -10,7 +10,7 @@ mark (``spliceway.tun.mark``) take the main table, out through the veth.
 
 A real engine runs in this process, started from a thread inside the host namespace
 (its dispatcher and every socket it makes live there); the test starts the packet
-loop (:class:`~spliceway.tun.stack.TunStack`) on the TUN and a
+loop (:class:`~spliceway.native.tun.TunStack`) on the TUN and a
 :class:`~actors.tun_udp.TunUdpActor` on the engine's flow dependencies, as the TUN
 inbound does. Clients are sockets made inside the host namespace, and ``dig``.
 Skipped, with the reason, only where namespaces or a TUN cannot be made.
@@ -33,16 +33,16 @@ from typing import Any
 
 import pykka
 import pytest
+
 from spliceway.actors.tun_udp import TunUdpActor, TunUdpCounters, TunUdpStats
 from spliceway.actors.udp import SampleUdp
-
 from spliceway.dns.server import DnsResponder
-from spliceway.engine_core import InboundSpec
-from spliceway.events import now_ms
-from spliceway.inbound import Users
+from spliceway.engine.core import InboundSpec
+from spliceway.events.log import now_ms
+from spliceway.flows.inbound import Users
+from spliceway.native.tun import TunStack
 from spliceway.tun import mark
 from spliceway.tun.dns_hijack import TunDnsTcp
-from spliceway.tun.stack import TunStack
 from tests.conftest import base_config, wait_until
 from tests.helpers.netns import (
     SERVER_IP,

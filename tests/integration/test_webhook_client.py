@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
-from spliceway.connector.webhook import DeliveryError, Response, WebhookClient
 
 from spliceway import __version__
+from spliceway.connector.webhook import DeliveryError, Response, WebhookClient
 from tests.helpers.receiver import Receiver, Reply
 
 

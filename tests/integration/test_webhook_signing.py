@@ -16,10 +16,10 @@ import time
 
 import orjson
 import pytest
-from spliceway.connector.signing import Signer, secret_key
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from spliceway import ApiError, Engine
+from spliceway.connector.signing import Signer, secret_key
 from tests.conftest import wait_until
 from tests.helpers.receiver import Received, Receiver, Reply
 from tests.helpers.servers import EchoServer

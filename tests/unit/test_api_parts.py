@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import orjson
 import pytest
+
 from spliceway.api.auth import ANONYMOUS_ADMIN, KeyTable
 from spliceway.api.limits import RateLimited, Slots, TokenBucket
 from spliceway.api.sse import FrameCache, parse_since
-
 from spliceway.config import ControlApi
 from spliceway.errors import ApiError
-from spliceway.events import parse_types
+from spliceway.events.log import parse_types
 
 
 class Clock:

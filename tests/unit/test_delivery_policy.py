@@ -9,6 +9,8 @@ from email.utils import format_datetime
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+from spliceway.config import Dispatcher
 from spliceway.connector.policy import (
     Action,
     DeliveryPolicy,
@@ -22,8 +24,6 @@ from spliceway.connector.policy import (
     parse_retry_after,
     retry_delay_ms,
 )
-
-from spliceway.config import Dispatcher
 
 NOW = 1_700_000_000.0
 

@@ -8,6 +8,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
 from spliceway.connector.diskgate import MIB, DiskGate, Storage, reserves
 
 _TOTAL = st.integers(0, 2**62)

@@ -9,9 +9,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from spliceway import docgen
-from spliceway.commands import COMMANDS
 from spliceway.config import Config, config_schema, default_config, parse_config
+from spliceway.control.commands import COMMANDS
+from spliceway.tools import docgen
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -37,7 +37,7 @@ def github_anchors(text: str) -> set[str]:
 
 def test_docs_are_what_the_code_generates():
     stale = docgen.stale_docs(DOCS)
-    assert stale == [], f"run python -m spliceway.docgen: {[p.name for p in stale]} are stale"
+    assert stale == [], f"run python -m spliceway.tools.docgen: {[p.name for p in stale]} are stale"
 
 
 def test_check_names_a_stale_page(tmp_path, capsys):

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from spliceway import cli
-from spliceway.commands import COMMANDS
+from spliceway.cli import main as cli
 from spliceway.config import config_schema
-from spliceway.event_catalogue import ENGINE_WARNING_CODES, EVENT_CATALOGUE
+from spliceway.control.commands import COMMANDS
+from spliceway.events.catalogue import ENGINE_WARNING_CODES, EVENT_CATALOGUE
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

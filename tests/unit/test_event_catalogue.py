@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spliceway.api.openapi import openapi_document
 
-from spliceway import records
+from spliceway.api.openapi import openapi_document
 from spliceway.config import EVENT_TYPES
-from spliceway.event_catalogue import (
+from spliceway.events.catalogue import (
     CLOSE_REASONS,
     ENVELOPE_FIELDS,
     EVENT_CATALOGUE,
@@ -31,6 +30,7 @@ from spliceway.event_catalogue import (
     OUTCOMES,
     PayloadField,
 )
+from spliceway.flows import records
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import socks_fetch
 from tests.helpers.program import environ_without, running, wait_for_line, write_config

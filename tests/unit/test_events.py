@@ -6,7 +6,7 @@ import threading
 
 import orjson
 
-from spliceway.events import EventLog, normalize_types
+from spliceway.events.log import EventLog, normalize_types
 
 
 def test_sequences_start_at_one_and_ids_carry_the_epoch():

@@ -1,4 +1,4 @@
-"""spliceway.fdlimit: the RLIMIT_NOFILE raise (in a child under prlimit) and AcceptBackoff."""
+"""spliceway.support.fdlimit: the RLIMIT_NOFILE raise (in a child, under prlimit), AcceptBackoff."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from spliceway import fdlimit
-from spliceway.fdlimit import BACKOFF_INITIAL_S, BACKOFF_MAX_S, AcceptBackoff
+from spliceway.support import fdlimit
+from spliceway.support.fdlimit import BACKOFF_INITIAL_S, BACKOFF_MAX_S, AcceptBackoff
 
 _RAISE = (
-    "import json; from spliceway import fdlimit; before = fdlimit.nofile_limits(); "
+    "import json; from spliceway.support import fdlimit; before = fdlimit.nofile_limits(); "
     "after = fdlimit.raise_nofile_limit(); print(json.dumps([before, after, "
     "fdlimit.nofile_limits()]))"
 )
@@ -46,7 +46,7 @@ def test_backoff_grows_warns_once_per_outage(caplog: pytest.LogCaptureFixture) -
     warned: list[str] = []
     backoff = AcceptBackoff("inbound 'x'", warned.append)
     before = fdlimit.backoff_stats()
-    with caplog.at_level(logging.DEBUG, logger="spliceway.fdlimit"):
+    with caplog.at_level(logging.DEBUG, logger="spliceway.support.fdlimit"):
         assert backoff.failed(errno.ECONNABORTED) == 0.0  # not an exhaustion: no pause
         delays = [backoff.failed(errno.EMFILE) for _ in range(8)]
         assert backoff.in_outage

@@ -6,8 +6,9 @@ import logging
 
 import pytest
 
-from spliceway import flowlog, records
-from spliceway.records import Failure, FlowState
+from spliceway.flows import log as flowlog
+from spliceway.flows import records
+from spliceway.flows.records import Failure, FlowState
 
 
 def completed(**changes) -> FlowState:

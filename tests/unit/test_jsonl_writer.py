@@ -7,6 +7,7 @@ import os
 import stat
 
 import pytest
+
 from spliceway.connector.jsonl import JsonlWriter
 
 

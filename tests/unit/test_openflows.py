@@ -7,15 +7,15 @@ import os
 from pathlib import Path
 
 import orjson
+
+from spliceway.config import parse_config
 from spliceway.connector import openflows
 from spliceway.connector.intake import with_source
 from spliceway.connector.openflows import OpenFlows, flow_event_of
 from spliceway.connector.outbox import DiskOutbox, OutboxStore
 from spliceway.connector.service import Connector
-
-from spliceway import records
-from spliceway.config import parse_config
-from spliceway.events import EventLog
+from spliceway.events.log import EventLog
+from spliceway.flows import records
 from tests.helpers.sinks import jsonl, sink_config
 from tests.unit.test_event_catalogue import check_event
 from tests.unit.test_outbox import fill_disk

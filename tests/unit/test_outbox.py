@@ -16,6 +16,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from spliceway.connector import segments
 from spliceway.connector.ledger import Ledger, read_ledger
 from spliceway.connector.outbox import (
@@ -26,7 +27,6 @@ from spliceway.connector.outbox import (
     OutboxStore,
     sink_dir_name,
 )
-
 from spliceway.errors import ApiError
 from tests.helpers.examples import examples
 

@@ -1,4 +1,4 @@
-"""spliceway.policy, the pure parts: selection rules, chains, snapshots, probe URLs."""
+"""spliceway.routing.policy, the pure parts: selection rules, chains, snapshots, probe URLs."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spliceway import policy
 from spliceway.config import parse_config
-from spliceway.policy import (
+from spliceway.routing import policy
+from spliceway.routing.policy import (
     DEFAULT_PROBE_URL,
     GroupView,
     MemberHealth,

@@ -1,4 +1,4 @@
-"""spliceway.process_lookup: netlink parsing (captured bytes, Hypothesis), requests the
+"""spliceway.routing.process_lookup: netlink parsing (captured bytes, Hypothesis), requests the
 kernel accepts, /proc resolution with its caches, locality, the service's modes."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spliceway import process_lookup as pl
-from spliceway.process_lookup import (
+from spliceway.routing import process_lookup as pl
+from spliceway.routing.process_lookup import (
     LocalAddresses,
     NetlinkError,
     NetlinkParseError,

@@ -1,4 +1,4 @@
-"""spliceway.routing: rule matching table, modes, final, Hypothesis properties."""
+"""spliceway.routing.rules: rule matching table, modes, final, Hypothesis properties."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spliceway import hostnorm, routing
 from spliceway.config import Rule, parse_config
-from spliceway.routing import FlowFacts, MatchedRule, RouteDecision, compile_rules, decide
+from spliceway.routing import hostnorm
+from spliceway.routing import rules as routing
+from spliceway.routing.rules import FlowFacts, MatchedRule, RouteDecision, compile_rules, decide
 from tests.helpers.examples import examples
 from tests.helpers.spellings import LOOPBACK_SPELLINGS
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import orjson
-from spliceway.api.sse import EventStream, FrameCache
 
-from spliceway.events import EventLog
+from spliceway.api.sse import EventStream, FrameCache
+from spliceway.events.log import EventLog
 
 
 def frames(chunks: list[bytes]) -> list[dict]:

@@ -1,0 +1,787 @@
+"""EngineCore: the running engine's parts, wired together, and its start/stop order.
+
+The public face is ``spliceway.Engine`` (engine.py); transports and the command
+table reach the engine through an ``EngineCore``. Start order: the connector
+(outbox lock and recovery, sink actors), bind every inbound and the DNS server's
+address (all or nothing), dispatcher, relay bridge, ``engine.started``, the DNS
+server, supervisor (listeners, sampler), the TUN of ``runtime.tun``.
+Stop reverses it, and every flow still open completes with exactly one
+``flow.completed`` before ``engine.stopped``, which the sinks still take in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pykka
+
+from spliceway import __version__
+from spliceway.actors.bridge import RelayBridge
+from spliceway.actors.dispatcher import Dispatcher
+from spliceway.actors.flow import AUTH_SCHEMES, FlowActor, FlowDeps
+from spliceway.actors.messages import StopFlow
+from spliceway.actors.supervisor import EngineSupervisor
+from spliceway.actors.tun_udp import TunUdpActor
+from spliceway.actors.udp import UdpAssociationActor, UdpRecords
+from spliceway.config import Config
+from spliceway.connector.service import Connector
+from spliceway.dns.server import DnsResponder
+from spliceway.dns.service import FAKEIP_WARNING, DnsService
+from spliceway.engine import assembly
+from spliceway.engine.reconcile import Reconciler
+from spliceway.engine.route_publish import RoutePublisher
+from spliceway.engine.runtime import Counters, FlowEntry, FlowTable, RouteState
+from spliceway.errors import ApiError
+from spliceway.events.log import EventLog, now_ms
+from spliceway.events.logring import LogRing
+from spliceway.flows.hook import WARNING_CODE, FlowHookClient
+from spliceway.flows.inbound import Users
+from spliceway.flows.outbounds import Outbound
+from spliceway.native.conn import ConnRecord, Deferred
+from spliceway.native.udp import UdpRelay
+from spliceway.protocols import socks5
+from spliceway.routing import policy
+from spliceway.routing.process_lookup import LocalAddresses, ProcessLookup
+from spliceway.support.atomic_file import remove_stale_staged
+from spliceway.support.fdlimit import warning_emitter
+from spliceway.tun.routing import sweep_if_recorded
+from spliceway.tun.service import TunParts, TunService
+
+logger = logging.getLogger(__name__)
+
+BUILD_ID = f"spliceway-{__version__}"
+#: A TUN inbound's sniffing budget (tun.start has no setting): an inbound's default.
+_TUN_SNIFF_TIMEOUT_MS = 300
+_STOP_GRACE_S = 10.0
+
+
+#: The reasons :meth:`EngineCore.udp_datagram_drops` counts.
+UDP_DROP_REASONS = (
+    "foreign",
+    "fragment",
+    "malformed",
+    "no_dest",
+    "pending",
+    "blocked",
+    "python",
+    "unsolicited",
+    "unmatched_reply",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InboundSpec:
+    """What a listener and its flows need to know about their inbound.
+
+    ``index`` is the listener's slot in the C connection path (flow ids carry it). A
+    reload gives a changed inbound a new slot, so records of the old listener's last
+    flows still name the spec they were accepted under.
+    """
+
+    index: int
+    tag: str
+    protocol: str
+    sniff: bool
+    sniff_timeout_ms: int
+    users: Users
+    #: The configuration entry (what a reload compares).
+    source: Any = None
+    #: Whether its SOCKS5 clients may open UDP associations (the inbound's ``udp``).
+    udp: bool = True
+
+    @classmethod
+    def of(cls, index: int, inbound: Any) -> InboundSpec:
+        """The spec of configuration entry ``inbound`` in slot ``index``."""
+        return cls(
+            index=index,
+            tag=inbound.tag,
+            protocol=inbound.protocol,
+            sniff=inbound.sniff,
+            sniff_timeout_ms=inbound.sniff_timeout_ms,
+            users=Users(inbound.users),
+            source=inbound,
+            udp=inbound.udp,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveInbound:
+    """A listening inbound: its spec and the address its socket is bound to."""
+
+    spec: InboundSpec
+    bound: tuple[str, int]
+
+
+class EngineCore:
+    """The engine's shared parts. Thread-safe to read; actors own the mutations."""
+
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.build_id = BUILD_ID
+        runtime = config.runtime
+        self.log = EventLog(runtime.event_ring_capacity)
+        #: Recent ``spliceway.*`` log records (``GET /api/v1/logs``), kept while running;
+        #: the level is read per record so a reload's ``runtime.log_level`` applies at once.
+        self.logs = LogRing(lambda: self.config.runtime.log_level)
+        self.connector = Connector(config.api, self.log)
+        self.flow_id_prefix = f"{secrets.token_hex(4)}-"
+        self.flows = FlowTable()
+        #: Every FlowActor alive (they are not in pykka's registry).
+        self.flow_actors: set[FlowActor] = set()
+        self.counters = Counters()
+        self.tcp_idle_timeout_ms = int(runtime.tcp_idle_timeout_seconds * 1000)
+        self.parts = assembly.build_routing(config)
+        self.resolver = self.parts.resolver
+        self.outbounds: dict[str, Outbound] = self.parts.outbounds
+        self.policies = policy.PolicyTable(self.parts.views)
+        self.route_state = self.parts.route_state
+        #: Listening inbounds in config order; replaced whole by a reload.
+        self.active_inbounds: tuple[ActiveInbound, ...] = ()
+        #: Every listener slot's spec, also of listeners a reload stopped (their last
+        #: flows' records still name the slot), until the slot is used again.
+        self.inbound_slots: dict[int, InboundSpec] = {
+            i: InboundSpec.of(i, ib) for i, ib in enumerate(config.inbounds)
+        }
+        # Principals as C knows them: small integers, in first-seen order, never reused.
+        self._principal_keys: list[str] = []
+        self.principal_ids: dict[str, int] = {}
+        self.learn_principals(config)
+        self._deferred_ids = itertools.count(1)
+        #: Serialises config.apply / config.apply_runtime / SIGHUP reloads and stop().
+        self.apply_lock = threading.Lock()
+        #: Called with the runtime section after a reload (the CLI re-applies logging).
+        self.on_runtime_changed: Callable[[Any], None] | None = None
+        #: The listening socket of each running listener slot (its ListenerActor owns it;
+        #: a reload duplicates it for a changed inbound on the same address).
+        self.listen_sockets: dict[int, socket.socket] = {}
+        self.reconciler = Reconciler(self)
+        self.routes = RoutePublisher(self)
+        #: The fake-ip pool and the DNS server (``runtime.dns``); they read the resolver
+        #: through the core, so a reload's new one answers at once. The server runs on a
+        #: thread of its own: no query, however costly, delays the dispatcher's flows
+        #: (docs/dns.md).
+        self.dns = DnsService(
+            lambda: self.resolver, self._dns_warning, warn_fd_exhausted=warning_emitter(self.log)
+        )
+        self.started_at_unix_ms = 0
+        #: UDP associations by the C relay's id (their actors take its records).
+        #: The TUN's UDP actor is among them, under ``("tun", tag)``.
+        self.udp_assocs: dict[Any, pykka.ActorRef[Any]] = {}
+        #: The DNS responder for a TUN's dns_hijack when no DNS server runs.
+        self._tun_responder: DnsResponder | None = None
+        #: ``runtime.process_lookup``'s lookups (its worker thread starts with the first).
+        self.process_lookup = ProcessLookup()
+        #: Readable when this host's addresses change (the lookup's locality snapshot).
+        self._address_watch: socket.socket | None = None
+        # Made in start(): its event loop holds a socket pair that only a started
+        # engine's stop() closes, so an engine that never starts must not own one.
+        self.dispatcher: Dispatcher
+        self.bridge: RelayBridge
+        self.supervisor: pykka.ActorRef[EngineSupervisor] | None = None
+        #: One PolicyGroupActor per group, started by the supervisor.
+        self.group_actors: dict[str, pykka.ActorRef[Any]] = {}
+        #: The flow hook's client (``api.flow_hook``), on the dispatcher loop; None without
+        #: a hook. Flows read it when they ask, so a reload's replacement takes effect at
+        #: once; the route table defers the inbounds it selects (route_publish).
+        self.flow_hook: FlowHookClient | None = None
+        #: Clients a reload replaced, closed once their outstanding asks are settled.
+        self._retired_hooks: set[FlowHookClient] = set()
+        #: The TUN inbound (``runtime.tun``, ``tun.start``); made in start().
+        self.tun: TunService | None = None
+        self.running = False
+
+    @property
+    def inbounds(self) -> list[InboundSpec]:
+        """The listening inbounds' specs, in config order."""
+        return [a.spec for a in self.active_inbounds]
+
+    def route_inbounds(self) -> dict[str, tuple[int, ...]]:
+        """Every inbound tag a rule may name and its listener slots (a TUN has two)."""
+        out = {a.spec.tag: (a.spec.index,) for a in self.active_inbounds}
+        if self.tun is not None:
+            out.update(self.tun.route_inbounds())
+        return out
+
+    @property
+    def bound(self) -> list[tuple[str, int]]:
+        """The addresses the listening inbounds are bound to, in config order."""
+        return [a.bound for a in self.active_inbounds]
+
+    def learn_principals(self, config: Config) -> None:
+        """Give every principal_key of ``config`` a C principal id (kept ones keep theirs)."""
+        for ib in config.inbounds:
+            for user in ib.users or ():
+                if user.principal_key not in self.principal_ids:
+                    self.principal_ids[user.principal_key] = len(self._principal_keys)
+                    self._principal_keys.append(user.principal_key)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind every inbound and start the actors; raises ApiError on failure."""
+        # A crashed engine's TUN routes and rules (strict_route's kill switch among them)
+        # go first, whether or not this one runs a TUN: one failed open when none.
+        self._sweep_tun_leftovers()
+        if self.config_path is not None:
+            # What an apply killed mid-way left beside the file (docs/reload.md).
+            remove_stale_staged(os.path.realpath(self.config_path))
+        # The outbox first: a second engine on the same outbox must fail before binding.
+        self.connector.start()
+        # No flow of this run may take the id of one a killed run left open (completed
+        # below): ids are this prefix, random per start, and one more is drawn on a match.
+        recovered = self.connector.orphan_flow_ids()
+        while any(flow_id.startswith(self.flow_id_prefix) for flow_id in recovered):
+            self.flow_id_prefix = f"{secrets.token_hex(4)}-"
+        try:
+            sockets = self._bind_all()
+            try:
+                dns_plan = self.dns.prepare(self.config.runtime.dns)
+            except BaseException:
+                for sock in sockets:
+                    sock.close()
+                raise
+        except BaseException:
+            self.connector.stop()
+            raise
+        # From here a failed start ends in _finish, which detaches it again.
+        self.logs.attach()
+        self.started_at_unix_ms = now_ms()
+        self.dispatcher = Dispatcher()
+        self.dispatcher.start()
+        bridge: RelayBridge | None = None
+        try:
+            bridge = RelayBridge(self.dispatcher)
+            self.dispatcher.run_sync(lambda: bridge.attach(self._start_c_flow, self._take_deferred))
+            self.bridge = bridge
+            bridge.watch_accepts(self.inbound_slots, warning_emitter(self.log))
+            self.udp = UdpRelay(loops=1, busy_poll_us=self.config.runtime.udp_busy_poll_us)
+            self.dispatcher.run_sync(
+                lambda: self.dispatcher.loop.add_reader(self.udp.fileno(), self._on_udp_ready)
+            )
+            self._watch_addresses()
+            #: What flow actors use of the engine (listeners hand it to theirs).
+            self.flow_deps = FlowDeps(self)
+            # Before the first table: it defers the inbounds the hook selects.
+            self.flow_hook = self._new_flow_hook(self.config)
+            self.routes.publish()
+            self.policies.on_publish = self.routes.publish
+            # The table names this host's addresses (process_name rules defer for them).
+            self.process_lookup.on_local_change = self.routes.publish
+            self.resolver.on_answer = self.dns_answer
+            # Before the actors start: a group's startup probe round must not be the
+            # ring's first event.
+            self.log.emit(
+                "engine.started",
+                {"build_id": self.build_id, "started_at_unix_ms": self.started_at_unix_ms},
+            )
+            # After engine.started, before any flow: the flows a killed run left open.
+            self.connector.complete_orphans()
+            # After engine.started: a damaged fake-ip file's warning follows it.
+            self.dns.install(dns_plan)
+            self.supervisor = EngineSupervisor.start(self, sockets)
+            # Its on_start runs on the dispatcher; a proxied read is answered only after it,
+            # so the group actors (policies.* commands) exist once start() returns.
+            self.supervisor.proxy().listeners.get(timeout=_STOP_GRACE_S)
+            self.tun = TunService(self._tun_parts())
+            if self.config.runtime.tun is not None:
+                self.tun.start(
+                    self.config.runtime.tun.model_dump(exclude_none=True),
+                    managed_by_config=True,
+                    field_prefix="runtime.tun.",
+                )
+        except BaseException:
+            dns_plan.discard()
+            self._abort_start(sockets, bridge)
+            raise
+        self.running = True
+
+    def stop(self, reason: str | None = None) -> None:
+        """Stop accepting, complete every open flow, emit engine.stopped, join threads."""
+        # After an apply in progress, and no apply after it.
+        with self.apply_lock:
+            if not self.running:
+                return
+            self.running = False
+        assert self.supervisor is not None
+        self._stop_tun()
+        with contextlib.suppress(pykka.ActorDeadError):
+            self.supervisor.proxy().stop_listeners().get(timeout=_STOP_GRACE_S)
+        # No new names either; the fake-ip table is written out.
+        self.dns.stop()
+        for entry in self.flows.entries():
+            with contextlib.suppress(pykka.ActorDeadError):
+                entry.actor.tell(StopFlow())
+        self._await_flows_drained()
+        self._unhook_c_path()
+        self.bridge.shutdown()
+        self._await_flows_drained()
+        self.dispatcher.run_sync(self.bridge.detach)
+        with contextlib.suppress(pykka.ActorDeadError):
+            self.supervisor.stop(timeout=_STOP_GRACE_S)
+        # Flows still in their handshake have no record yet; stop them quietly.
+        for actor in list(self.flow_actors):
+            with contextlib.suppress(pykka.ActorDeadError):
+                actor.actor_ref.stop(timeout=_STOP_GRACE_S)
+        self._close_udp()
+        # After the flows: one still asking was stopped above, so closing fails none open.
+        self._close_flow_hooks()
+        self._close_process_lookup()
+        payload: dict[str, Any] = {"stopped_at_unix_ms": now_ms()}
+        if reason is not None:
+            payload["reason"] = reason
+        self._finish(payload)
+
+    def _finish(self, stopped: dict[str, Any] | None) -> None:
+        """The last steps of a stop, or of a start undone: emit engine.stopped (with
+        payload ``stopped``, unless None), stop the sinks and the dispatcher, and end every
+        subscription after that event."""
+        last = self.log.emit("engine.stopped", stopped) if stopped is not None else None
+        self.connector.stop()
+        self.dispatcher.stop()
+        self.log.close_all(ended_by=last)
+        self.logs.detach()
+
+    def _abort_start(self, sockets: list[socket.socket], bridge: RelayBridge | None) -> None:
+        """Undo a start that failed after binding: nothing may be left running or open."""
+        self._stop_tun()
+        self._close_udp()
+        self.dns.stop()
+        if self.supervisor is not None:
+            with contextlib.suppress(Exception):
+                self.supervisor.stop(timeout=_STOP_GRACE_S)
+            self.supervisor = None
+        self._close_flow_hooks()
+        self._close_process_lookup()
+        if bridge is not None:
+            self._unhook_c_path()
+            with contextlib.suppress(Exception):
+                bridge.shutdown()
+                self.dispatcher.run_sync(bridge.detach)
+            # The relay (its completion eventfd) is freed with the last reference to it.
+            with contextlib.suppress(AttributeError):
+                del self.bridge
+            with contextlib.suppress(AttributeError):
+                del self.flow_deps
+        for sock in sockets:
+            sock.close()
+        # Once engine.started went out, every start a consumer saw has its stop.
+        self._finish({"stopped_at_unix_ms": now_ms()} if self.log.latest_sequence else None)
+
+    # -- the C connection path ----------------------------------------------------------
+
+    def _unhook_c_path(self) -> None:
+        """Nothing feeds the C path from here on (tables, DNS answers): before it shuts down."""
+        self.process_lookup.on_local_change = None
+        self.policies.on_publish = None
+        self.resolver.on_answer = None
+        self.routes.close()
+
+    # -- the flow hook ------------------------------------------------------------------
+
+    def _new_flow_hook(self, config: Config) -> FlowHookClient | None:
+        """A client for ``config``'s flow hook on the dispatcher loop (it connects at the
+        first ask), or None without one."""
+        hook = config.api.flow_hook
+        if hook is None:
+            return None
+        return FlowHookClient(hook.settings(), self.dispatcher.loop, self._hook_warning)
+
+    def _dns_warning(self, message: str) -> None:
+        """A fake-ip table that could not be read back whole, as ``engine.warning``."""
+        self.log.emit("engine.warning", {"code": FAKEIP_WARNING, "message": message})
+
+    def _hook_warning(self, message: str) -> None:
+        """The client's outage report, as ``engine.warning`` (dispatcher thread)."""
+        logger.warning("%s", message)
+        self.log.emit("engine.warning", {"code": WARNING_CODE, "message": message})
+
+    def replace_flow_hook(self, config: Config) -> None:
+        """Switch to ``config``'s flow hook (a reload; dispatcher thread, before the route
+        table is republished). New flows ask the new client at once; the old one keeps
+        its connection until every ask already sent to it has its answer or timed out,
+        so no flow loses a verdict to the swap."""
+        old, self.flow_hook = self.flow_hook, self._new_flow_hook(config)
+        if old is None:
+            return
+        if not old.pending:
+            old.close()
+            return
+        self._retired_hooks.add(old)
+        # No ask outlives its timeout: after it, every one the old client had is settled.
+        self.dispatcher.loop.call_later(
+            old.settings.timeout_ms / 1000 + 0.05, self._retire_flow_hook, old
+        )
+
+    def _retire_flow_hook(self, client: FlowHookClient) -> None:
+        if client in self._retired_hooks:
+            self._retired_hooks.discard(client)
+            client.close()
+
+    def _close_flow_hooks(self) -> None:
+        """Close the hook's client and any a reload retired (stop, or an undone start)."""
+        clients = [*self._retired_hooks, self.flow_hook]
+        self._retired_hooks.clear()
+        self.flow_hook = None
+        for client in clients:
+            if client is not None:
+                client.close()
+
+    def principal_key(self, principal: int) -> str | None:
+        """The principal_key C's principal id stands for (None for none)."""
+        if 0 <= principal < len(self._principal_keys):
+            return self._principal_keys[principal]
+        return None
+
+    def listener_users(self, spec: InboundSpec) -> list[tuple[str, str, int]] | None:
+        """An inbound's credentials as C takes them, None without authentication."""
+        users = spec.source.users
+        if users is None:
+            return None
+        return [(u.username, u.password, self.principal_ids[u.principal_key]) for u in users]
+
+    def _start_c_flow(self, record: ConnRecord) -> pykka.ActorRef[Any]:
+        """The FlowActor of a flow C started (dispatcher thread, from the bridge)."""
+        inbound = self.inbound_slots[record.inbound]
+        flow_id = f"{self.flow_id_prefix}{inbound.index}-{record.flow}"
+        peer = (record.source_ip or "", record.source_port)
+        return FlowActor.start(self.flow_deps, inbound, None, peer, flow_id, started=record)
+
+    def dns_answer(self, name: str, addresses: list[str], ttl_s: float) -> None:
+        """Copy a resolver answer into C's cache: C then dials the name itself, trying
+        the addresses in order within one deadline, as the Python path does."""
+        self.bridge.conn.dns_put(name, addresses, int(ttl_s * 1000))
+
+    def _take_deferred(self, deferred: Deferred) -> None:
+        """Finish a connection C accepted and handed back before its handshake, in a
+        FlowActor (dispatcher thread). Its listener may have been replaced by a reload
+        meanwhile: the connection is still served, under the inbound that accepted it.
+        """
+        inbound = self.inbound_slots.get(deferred.inbound)
+        if inbound is None or not self.running:
+            os.close(deferred.fd)
+            return
+        client = socket.socket(fileno=deferred.fd)
+        flow_id = self.deferred_flow_id(inbound.index)
+        peer = (deferred.source_ip or "", deferred.source_port)
+        if deferred.command == socks5.CMD_UDP_ASSOCIATE:
+            if not inbound.udp:
+                # C parsed the request and answered nothing yet: refused as Python's
+                # handshake refuses it (accept_handshake's ``udp``).
+                with contextlib.suppress(OSError):
+                    client.send(socks5.reply(socks5.REP_COMMAND_NOT_SUPPORTED))
+                client.close()
+                return
+            self.start_association(
+                inbound,
+                client,
+                peer,
+                deferred.port,
+                self.principal_key(deferred.principal),
+                AUTH_SCHEMES.get(deferred.auth),
+                flow_id,
+            )
+            return
+        FlowActor.start(self.flow_deps, inbound, client, peer, flow_id, deferred=deferred)
+
+    def _on_udp_ready(self) -> None:
+        """The C UDP relay has records: each association's go to its actor, in order."""
+        by_assoc: dict[int, list[Any]] = {}
+        for record in self.udp.drain():
+            by_assoc.setdefault(record.assoc, []).append(record)
+        for assoc, batch in by_assoc.items():
+            ref = self.udp_assocs.get(assoc)
+            if ref is not None:
+                with contextlib.suppress(pykka.ActorDeadError):
+                    ref.tell(UdpRecords(batch))
+
+    def _register_association(self, assoc: int, ref: pykka.ActorRef[Any] | None) -> None:
+        if ref is None:
+            self.udp_assocs.pop(assoc, None)
+        else:
+            self.udp_assocs[assoc] = ref
+
+    def _close_udp(self) -> None:
+        """Stop the C UDP relay (after every association actor has stopped)."""
+        relay = getattr(self, "udp", None)
+        if relay is None or relay.closed:
+            return
+
+        def close() -> None:
+            with contextlib.suppress(ValueError, OSError):
+                self.dispatcher.loop.remove_reader(relay.fileno())
+            relay.close()
+
+        self.dispatcher.run_sync(close)
+        # Its loops' threads and descriptors are freed with the last reference to it.
+        del self.udp
+
+    def start_association(
+        self,
+        inbound: InboundSpec,
+        control: socket.socket,
+        peer: tuple[str, int],
+        declared_port: int,
+        principal_key: str | None,
+        auth_scheme: str | None,
+        id_prefix: str,
+    ) -> None:
+        """A SOCKS5 UDP ASSOCIATE whose handshake is done: its actor replies and relays
+        (dispatcher thread)."""
+        UdpAssociationActor.start(
+            self.flow_deps,
+            self.udp,
+            self._register_association,
+            self.resolver,
+            inbound,
+            control,
+            peer,
+            declared_port,
+            principal_key,
+            auth_scheme,
+            f"{id_prefix}-",
+            self.config.runtime.udp_upstream_idle_timeout_seconds,
+        )
+
+    def _await_flows_drained(self) -> None:
+        deadline = time.monotonic() + _STOP_GRACE_S
+        # A flow C started whose record waits for its process lookup is not listed yet;
+        # it is, with its end, within the lookup's bounded wait.
+        while (len(self.flows) or self.process_lookup.holding) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    # -- process lookup ---------------------------------------------------------------
+
+    def _watch_addresses(self) -> None:
+        """Take this host's addresses now and follow their changes (for the locality
+        test of ``runtime.process_lookup``: a client on this host is looked up)."""
+        lookup = self.process_lookup
+        try:
+            watch = LocalAddresses.watch_socket()
+        except OSError as ex:
+            logger.warning("cannot follow this host's address changes: %s", ex)
+            watch = None
+        # After subscribing: a change from here on is seen by the next refresh.
+        lookup.refresh_local()
+        if watch is None:
+            return
+        self._address_watch = watch
+
+        def changed() -> None:
+            # Drain the notifications; one refresh (off the loop) covers them all.
+            with contextlib.suppress(OSError):
+                while watch.recv(65536):
+                    pass
+            lookup.refresh_local_later()
+
+        self.dispatcher.run_sync(lambda: self.dispatcher.loop.add_reader(watch.fileno(), changed))
+
+    def _close_process_lookup(self) -> None:
+        """Stop following addresses and stop the lookup worker (after the flows)."""
+        watch, self._address_watch = self._address_watch, None
+        if watch is not None:
+            with contextlib.suppress(Exception):
+                self.dispatcher.run_sync(lambda: self.dispatcher.loop.remove_reader(watch.fileno()))
+            watch.close()
+        self.process_lookup.close()
+
+    # -- the TUN -----------------------------------------------------------------------
+
+    @staticmethod
+    def _sweep_tun_leftovers() -> None:
+        try:
+            swept = sweep_if_recorded()
+        except Exception as ex:  # no privilege, no netlink: the TUN's own start says so
+            logger.warning("could not remove a crashed engine's TUN routes and rules: %s", ex)
+            return
+        if swept is not None and swept.removed:
+            logger.warning(
+                "removed what a crashed engine's TUN (pid %s) left behind: %s",
+                swept.previous_owner,
+                "; ".join(swept.removed),
+            )
+
+    def _tun_parts(self) -> TunParts:
+        def register(slot: int, tag: str) -> InboundSpec:
+            spec = InboundSpec(slot, tag, "tun", True, _TUN_SNIFF_TIMEOUT_MS, Users(None))
+            self.inbound_slots[slot] = spec
+            return spec
+
+        return TunParts(
+            dispatcher=self.dispatcher,
+            conn=self.bridge.conn,
+            register=register,
+            republish=self.routes.publish,
+            inbound_tags=lambda: {ib.tag for ib in self.config.inbounds},
+            idle_timeout_ms=lambda: self.tcp_idle_timeout_ms,
+            network_mtu=lambda: self.config.runtime.network.mtu,
+            end_flows=self._end_flows_of,
+            udp_idle_timeout_s=lambda: self.config.runtime.udp_upstream_idle_timeout_seconds,
+            dns_responder=self._dns_responder,
+            start_udp=self._start_tun_udp,
+            warn_fd_exhausted=warning_emitter(self.log),
+        )
+
+    def _dns_responder(self) -> DnsResponder:
+        """The DNS server's responder (one set of counters), else one of the TUN's own."""
+        server = self.dns.server
+        if server is not None:
+            return server.responder
+        if self._tun_responder is None:
+            self._tun_responder = DnsResponder(lambda: self.resolver, lambda: self.dns.pool)
+        return self._tun_responder
+
+    def _start_tun_udp(
+        self, spec: InboundSpec, stack: Any, dns: DnsResponder | None
+    ) -> pykka.ActorRef[Any]:
+        """The actor of a TUN's UDP sessions (on the dispatcher, from the TunActor); the
+        stats sampler ticks it like a SOCKS5 association."""
+        ref = TunUdpActor.start(
+            self.flow_deps,
+            lambda: self.resolver,
+            spec,
+            stack,
+            dns,
+            self.config.runtime.udp_upstream_idle_timeout_seconds,
+        )
+        self.udp_assocs[("tun", spec.tag)] = ref
+        return ref
+
+    def _end_flows_of(self, tag: str) -> None:
+        self.udp_assocs.pop(("tun", tag), None)
+        for entry in self.flows.entries():
+            if entry.inbound_tag == tag:
+                with contextlib.suppress(pykka.ActorDeadError):
+                    entry.actor.tell(StopFlow())
+
+    def _stop_tun(self) -> None:
+        """Take a running TUN down (engine stop, or a start undone); never raises."""
+        if self.tun is None:
+            return
+        try:
+            self.tun.stop()
+        except Exception:
+            logger.exception("stopping the TUN failed")
+
+    def _bind_all(self) -> list[socket.socket]:
+        sockets: list[socket.socket] = []
+        try:
+            for i, ib in enumerate(self.config.inbounds):
+                sockets.append(bind_listener(ib.listen.address, ib.listen.port, ib.tag, i))
+        except BaseException:
+            for s in sockets:
+                s.close()
+            raise
+        self.active_inbounds = tuple(
+            ActiveInbound(self.inbound_slots[i], s.getsockname()[:2]) for i, s in enumerate(sockets)
+        )
+        return sockets
+
+    # -- state read by queries --------------------------------------------------------
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The stats resource (docs/http-api.md), live."""
+        c = self.counters
+        up, down = c.completed_bytes_up, c.completed_bytes_down
+        live = self.live_traffic()
+        up += sum(flow_up for _entry, flow_up, _down in live)
+        down += sum(flow_down for _entry, _up, flow_down in live)
+        return {
+            "active_sessions": len(self.flows),
+            "total_started": c.total_started,
+            "completed_sessions": c.completed_sessions,
+            "failed_sessions": c.failed_sessions,
+            "blocked_sessions": c.blocked_sessions,
+            "direct_sessions": c.direct_sessions,
+            "chained_sessions": c.chained_sessions,
+            "bytes_up": up,
+            "bytes_down": down,
+            "udp_upstream": self.udp_upstream_counters(),
+        }
+
+    def live_traffic(self) -> list[tuple[FlowEntry, int, int]]:
+        """``(entry, bytes_up, bytes_down)`` of every active flow that has moved or may move
+        bytes, read now (relayed flows from C's counters)."""
+        entries = self.flows.entries()
+        out: list[tuple[FlowEntry, int, int]] = []
+        relayed = [e for e in entries if e.handle is not None and e.base is not None]
+        counters = self.bridge.counters([e.handle for e in relayed if e.handle is not None])
+        for entry, relay in zip(relayed, counters, strict=True):
+            if relay is not None and entry.base is not None:
+                traffic = entry.base.with_relay(relay)
+                out.append((entry, traffic.bytes_up, traffic.bytes_down))
+        for entry in entries:
+            if entry.handle is None:
+                traffic_now = entry.record["traffic"]
+                out.append((entry, traffic_now["bytes_up"], traffic_now["bytes_down"]))
+        return out
+
+    def udp_upstream_counters(self) -> dict[str, int]:
+        """``stats.udp_upstream``: C's upstreams (direct) plus Python's (proxies)."""
+        out = dict(self.counters.udp)
+        relay = getattr(self, "udp", None)
+        if relay is not None:
+            for name, value in relay.stats().udp_upstream().items():
+                out[name] = out.get(name, 0) + value
+        return out
+
+    def udp_datagram_drops(self) -> dict[str, int]:
+        """Datagrams of SOCKS5 UDP associations dropped, by reason: C's (``foreign``: not
+        from the client's address; ``fragment``: FRAG not 0; ``malformed``; ``no_dest``:
+        the destination table full; ``pending``: over the bound while a verdict is
+        awaited; ``blocked``: a refused destination; ``python``: Python's queue full;
+        ``unsolicited``: an upstream reply from an address nothing was sent to) and
+        Python's (``unmatched_reply``: a proxy's reply no destination sent for)."""
+        out = dict.fromkeys(UDP_DROP_REASONS, 0)
+        relay = getattr(self, "udp", None)
+        if relay is not None:
+            stats = relay.stats()
+            for reason in UDP_DROP_REASONS[:-1]:
+                out[reason] = getattr(stats, f"dropped_{reason}")
+        out["unmatched_reply"] = self.counters.udp_unmatched_replies
+        return out
+
+    def deferred_flow_id(self, inbound_index: int) -> str:
+        """The id of a flow Python starts (``<prefix><inbound>-d<n>``): a connection C
+        handed over, or a later request on a kept-alive http connection."""
+        return f"{self.flow_id_prefix}{inbound_index}-d{next(self._deferred_ids)}"
+
+    def leaf_outbound(self, tag: str) -> Outbound:
+        """The outbound ``tag`` (an outbound or a group) uses now."""
+        return self.outbounds[self.policies.resolve(tag)[-1]]
+
+    def set_mode(self, mode: str, outbound: str | None) -> None:
+        """Swap the routing mode (called by the supervisor after validation)."""
+        old = self.route_state
+        self.route_state = RouteState(mode, outbound, old.final, old.ruleset)
+        self.routes.publish()
+
+
+def bind_listener(address: str, port: int, tag: str, index: int) -> socket.socket:
+    """A listening TCP socket for inbound ``tag`` (``inbounds[index]``); ApiError
+    ``conflict`` naming the inbound when the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(min(socket.SOMAXCONN, 4096))
+    except OSError as ex:
+        sock.close()
+        raise ApiError(
+            "conflict",
+            f"inbound {tag!r} cannot listen on {address}:{port}: "
+            f"{os.strerror(ex.errno) if ex.errno else ex}",
+            field_path=f"inbounds[{index}].listen",
+        ) from ex
+    return sock

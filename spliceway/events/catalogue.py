@@ -1,0 +1,673 @@
+"""The event catalogue: every event type, when it is emitted and what its payload holds.
+
+This is the one definition of the event types: ``spliceway.config.EVENT_TYPES``
+(what a sink's ``events`` filter and the ``types`` parameters accept) is the set of
+its keys, and ``docs/events.md`` is rendered from it by ``spliceway.tools.docgen``.
+
+Payload fields are named by key path: ``target.host`` is the ``host`` key of the
+``target`` object, ``members[].healthy`` the ``healthy`` key of every item of the
+``members`` list. A field of type ``FlowRecord`` holds a flow record, whose fields
+are :data:`FLOW_RECORD_FIELDS`. The unit tests start an engine, drive real flows
+through it and check that every payload it emits has exactly the fields listed
+here (the required ones always, the optional ones when they apply).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: The ``udp_upstream`` counters of the stats resource (docs/http-api.md, stats).
+UDP_COUNTERS = (
+    "active_associations",
+    "created_associations",
+    "reused_associations",
+    "closed_associations",
+    "idle_timeouts",
+    "dropped_associations",
+    "failed_association_attempts",
+    "send_failures",
+    "recv_failures",
+    "packets_sent",
+    "packets_received",
+)
+
+
+__all__ = [
+    "CLOSE_REASONS",
+    "ENGINE_WARNING_CODES",
+    "ENVELOPE_FIELDS",
+    "EVENT_CATALOGUE",
+    "FAILURE_CODES",
+    "FAILURE_STAGES",
+    "FLOW_RECORD_FIELDS",
+    "OUTCOMES",
+    "EventType",
+    "PayloadField",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadField:
+    """One key of an event payload (or of the envelope, or of a flow record)."""
+
+    #: Key path: ``a.b`` for key ``b`` of object ``a``, ``a[].b`` for key ``b`` of each item.
+    name: str
+    #: JSON type in words (``integer``, ``string or null``, ``FlowRecord``...).
+    type: str
+    #: What the value means.
+    description: str
+    #: False when the key is present only in some cases (the description says which).
+    required: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class EventType:
+    """One event type of the catalogue."""
+
+    name: str
+    #: What makes the engine emit it.
+    when: str
+    #: How often it comes.
+    frequency: str
+    #: Whether this build emits it (some types are reserved for subsystems not built yet).
+    emitted: bool
+    #: The payload's keys; empty for a type this build does not emit.
+    fields: tuple[PayloadField, ...] = ()
+
+
+def _f(name: str, type_: str, description: str, *, required: bool = True) -> PayloadField:
+    return PayloadField(name, type_, description, required)
+
+
+UNIX_MS = "integer (UNIX ms)"
+
+#: The envelope every event travels in (``schema_id`` ``service.event.v1``).
+ENVELOPE_FIELDS: tuple[PayloadField, ...] = (
+    _f("schema_id", "string", "Always `service.event.v1`: the version of this envelope."),
+    _f(
+        "event_id",
+        "string",
+        "Opaque identifier, unique across engine restarts; sinks deliver an event again "
+        "with the same `event_id`, so receivers de-duplicate by it.",
+    ),
+    _f("event_type", "string", "One of the types below."),
+    _f("occurred_at_unix_ms", UNIX_MS, "When it happened (a flow's end for `flow.completed`)."),
+    _f(
+        "source_id",
+        "string or null",
+        "The webhook sink's `source_id` in what that sink delivers; `null` everywhere else.",
+    ),
+    _f(
+        "sequence",
+        "integer",
+        "Position in the event ring: 1 for the first event after each engine start, then one "
+        "more per event. A `flow.snapshot` carries the sequence of the event before it (its "
+        "watermark) instead of a new one.",
+    ),
+    _f(
+        "principal_key",
+        "string or null",
+        "The principal of a flow event: the authenticated user (see `inbounds[].users`), or "
+        "the one the flow hook gave (`api.flow_hook`); `null` otherwise.",
+    ),
+    _f(
+        "labels",
+        "object of string",
+        "The labels the flow hook gave a flow, on that flow's events; empty otherwise.",
+    ),
+    _f("payload", "object", "The type's own fields, listed below."),
+)
+
+#: Outcomes of a completed flow (``result.outcome``).
+OUTCOMES: dict[str, str] = {
+    "direct_relayed": "Relayed to the target by a `direct` outbound.",
+    "chained_relayed": "Relayed through an upstream proxy (socks5, http, shadowsocks or a "
+    "relay chain).",
+    "blocked": "Refused by a `block` rule, a `block` outbound or a group that chose one, or "
+    "denied by the flow hook (`result.failure.code` `hook_denied`).",
+    "failed": "The upstream could not be reached, or failed while relaying (see `result.failure`).",
+    "cancelled": "Closed by the `flows.close` command (close reason `manual`), or ended by "
+    "an engine stop before its upstream connection was made (while it was routed or dialled).",
+    "engine_crashed": "The engine stopped without completing the flow (killed, or crashed): "
+    "at its next start, before any new flow, the engine completes every flow a sink's "
+    "outbox shows started and not completed, with this outcome, `result.failure` "
+    "`internal`/`engine_crashed`, the newest record a sink was given (the bytes last "
+    "reported) and the last moment the flow was seen as its end, so every flow has one "
+    "final record even across a crash (see Sinks below; needs `api.outbox_path`).",
+}
+
+#: ``result.close_reason`` values.
+CLOSE_REASONS: dict[str, str] = {
+    "manual": "Closed by the `flows.close` command.",
+    "idle_timeout": "No byte moved for `runtime.tcp_idle_timeout_seconds`.",
+    "upstream_error": "The upstream failed (the outcome is `failed`).",
+}
+
+#: ``result.failure.stage`` values.
+FAILURE_STAGES: dict[str, str] = {
+    "resolve": "Resolving the target or proxy name with `runtime.dns`.",
+    "connect": "Connecting to the target or proxy, or the proxy refusing the target.",
+    "handshake": "The upstream proxy's protocol exchange.",
+    "relay": "After the relay started: the upstream connection broke.",
+    "internal": "An unexpected error inside the engine.",
+    "hook": "The flow hook (`api.flow_hook`), asked before routing.",
+}
+
+#: ``result.failure.code`` values.
+FAILURE_CODES: dict[str, str] = {
+    "dns_failed": "The name has no address, or every DNS server failed.",
+    "connect_timeout": "`connect_timeout_ms` ran out (or a proxy reported a timeout).",
+    "connection_refused": "The peer refused the connection (or a proxy reported so).",
+    "network_unreachable": "No route to the network (or a proxy reported so).",
+    "host_unreachable": "No route to the host (or a proxy reported so).",
+    "connect_failed": "Any other connection error.",
+    "auth_failed": "An upstream proxy refused the configured credentials.",
+    "upstream_rejected": "An upstream proxy refused the target (another SOCKS5 reply, or "
+    "an HTTP status other than 2xx to CONNECT).",
+    "upstream_not_allowed": 'An upstream SOCKS5 proxy answered "not allowed by ruleset".',
+    "protocol_error": "An upstream proxy answered something that is not its protocol.",
+    "upstream_reset": "The upstream connection was reset while relaying.",
+    "upstream_error": "The upstream connection failed while relaying.",
+    "internal_error": "An unexpected error inside the engine.",
+    "engine_crashed": "The engine was killed or crashed while the flow was open; it was "
+    "completed at the next start (outcome `engine_crashed`).",
+    "hook_denied": "The flow hook denied the flow (outcome `blocked`; its route stays `pending`).",
+}
+
+#: Codes of ``engine.warning`` this build emits.
+ENGINE_WARNING_CODES: dict[str, str] = {
+    "reload_failed": "`spliceway run` received SIGHUP and could not apply its configuration "
+    "file (invalid, or a listener or sink failed and was rolled back): the running "
+    "configuration is kept; the message says why.",
+    "ipc_hook_unreachable": "The flow hook (`api.flow_hook`) could not be reached, did not "
+    "answer within `timeout_ms`, or answered something unreadable: flows are allowed as if "
+    "there were no hook (fail-open). Once per outage; the next comes only after the hook "
+    "has answered in time again.",
+    "fakeip_table_damaged": "The fake-ip table (`runtime.dns.answer.persist_path`) could not be "
+    "read back whole at start or reload: unreadable or damaged (it is moved aside to "
+    "`<path>.damaged` and the table starts empty), or some mappings lay outside the "
+    "configured range (they are dropped).",
+    "policy_no_healthy_member": "A `url_test` or `fallback` group has no healthy member left "
+    "(every member's last probe or dial failed); the message names the group, each member's "
+    "last error and the member its flows still use. Once per outage of the group: the next "
+    "comes only after a member was healthy again (logged at info).",
+    "fd_exhausted": "A listener (an inbound, the DNS server, the control API, IPC or gRPC) "
+    "could not accept a connection because the process or the system is out of file "
+    "descriptors (`EMFILE`/`ENFILE`): it pauses accepting and retries with a growing delay, "
+    "while every connection already open is served. The message names the listener and the "
+    "limits (`runtime` reports the soft and hard `RLIMIT_NOFILE`). Once per outage of each "
+    "listener: the next comes only after it has accepted again.",
+}
+
+_COUNT = "integer"
+
+#: What each ``udp_upstream`` counter counts.
+UDP_COUNTER_TEXT: dict[str, str] = {
+    "active_associations": "Upstream associations open now.",
+    "created_associations": "Upstream associations opened since start.",
+    "reused_associations": "New destinations that used an upstream association already open.",
+    "closed_associations": "Upstream associations closed (idle, or their client association "
+    "ended).",
+    "idle_timeouts": "Upstream associations closed because every destination on them was "
+    "idle for `runtime.udp_upstream_idle_timeout_seconds`.",
+    "dropped_associations": "Client UDP ASSOCIATE requests refused because the engine could "
+    "not open their relay socket.",
+    "failed_association_attempts": "Upstream associations that could not be opened.",
+    "send_failures": "Datagrams a socket refused to send (towards a target or the client).",
+    "recv_failures": "Failed reads on a relay or upstream socket.",
+    "packets_sent": "Datagrams sent to targets.",
+    "packets_received": "Datagrams received from targets and relayed to clients.",
+}
+
+#: The fields of a flow record (the ``record`` of flow events, ``GET /api/v1/flows``).
+FLOW_RECORD_FIELDS: tuple[PayloadField, ...] = (
+    _f("flow_id", "string", "Identifier of the flow, unique within one engine start."),
+    _f(
+        "revision",
+        "integer",
+        "1 for the first record of a flow, one more for each later record; a consumer keeps "
+        "the highest.",
+    ),
+    _f(
+        "state",
+        "string",
+        "`opening` (handshake done, not relaying yet), `active` (relaying) or `completed`.",
+    ),
+    _f(
+        "network",
+        "string",
+        "`tcp` or `udp` (one flow per UDP association and destination, or per TUN session).",
+    ),
+    _f("inbound", "object", "The inbound the client connected to."),
+    _f("inbound.tag", "string", "Its tag."),
+    _f("inbound.protocol", "string", "Its protocol: `socks5`, `http`, `mixed`, or `tun`."),
+    _f("source", "object", "The client's end of the connection."),
+    _f("source.ip", "string", "Client IP address."),
+    _f("source.port", "integer", "Client port."),
+    _f(
+        "source.process_id",
+        "integer",
+        "Process id of the client, when it runs on this host and was found "
+        "(`runtime.process_lookup`).",
+        required=False,
+    ),
+    _f(
+        "source.process_name",
+        "string",
+        "Base name of that process's executable (`curl`); present with `process_id`.",
+        required=False,
+    ),
+    _f(
+        "source.process_path",
+        "string",
+        "Path of that process's executable; present when it could be read.",
+        required=False,
+    ),
+    _f("target", "object", "What the client asked for."),
+    _f(
+        "target.host",
+        "string",
+        "Host name or IP address the client asked for, canonically: any spelling of an "
+        "address as that address (`2130706433` as `127.0.0.1`), a name without a trailing "
+        "dot (see docs/routing.md).",
+    ),
+    _f("target.port", "integer", "Port the client asked for."),
+    _f(
+        "target.resolved_ip",
+        "string",
+        "The address a `direct` outbound connected to; present once the flow is relayed directly.",
+        required=False,
+    ),
+    _f(
+        "target.sniffed_host",
+        "string",
+        "TLS SNI or HTTP Host seen in the client's first bytes; present when sniffing found one.",
+        required=False,
+    ),
+    _f("route", "object", "How the flow was routed."),
+    _f("route.mode", "string", "Routing mode that decided: `rule`, `global` or `direct`."),
+    _f("route.action", "string", "`pending` (not decided yet), `route` or `block`."),
+    _f("route.target", "string or null", "Outbound or group the decision named."),
+    _f(
+        "route.matched_rule",
+        "object or null",
+        "`{index, condition}` of the rule that matched (`index` from 0, `condition` such as "
+        "`domain_suffix=example.com,port=443`); `null` when no rule did (`route.final`, or "
+        "modes `global`/`direct`).",
+    ),
+    _f(
+        "route.selection_chain",
+        "list of string",
+        "Tags walked from the route target down to the outbound used, groups first "
+        '(`["proxy", "auto", "hop-a"]`); empty until routed.',
+    ),
+    _f("path", "object", "How the upstream was reached."),
+    _f(
+        "path.outbound",
+        "object or null",
+        "`{tag, protocol}` of the outbound used (a relay group's protocol is `relay`).",
+    ),
+    _f(
+        "path.remote",
+        "object or null",
+        "`{host, port}` of the peer the engine connected to: the target, or the first proxy.",
+    ),
+    _f("path.relay_chain", "list of string", "Hops of a relay group, in order; else empty."),
+    _f("traffic", "object", "Byte counters."),
+    _f("traffic.bytes_up", _COUNT, "Client payload bytes sent towards the target."),
+    _f("traffic.bytes_down", _COUNT, "Payload bytes delivered to the client."),
+    _f(
+        "traffic.inbound_rx_bytes",
+        _COUNT,
+        "Bytes read from the client, handshake included.",
+    ),
+    _f("traffic.inbound_tx_bytes", _COUNT, "Bytes written to the client, replies included."),
+    _f(
+        "traffic.outbound_rx_bytes",
+        _COUNT,
+        "Bytes read from the upstream, proxy handshakes (and encryption) included.",
+    ),
+    _f(
+        "traffic.outbound_tx_bytes",
+        _COUNT,
+        "Bytes written to the upstream, proxy handshakes (and encryption) included.",
+    ),
+    _f("traffic.packets_up", "integer or null", "Always `null` for TCP."),
+    _f("traffic.packets_down", "integer or null", "Always `null` for TCP."),
+    _f("throughput", "object", "Rates over the last sampling interval."),
+    _f("throughput.upload_bps", _COUNT, "Bits per second towards the target."),
+    _f("throughput.download_bps", _COUNT, "Bits per second towards the client."),
+    _f("throughput.sampled_at_unix_ms", "integer or null", "When they were measured."),
+    _f("timing", "object", "When things happened."),
+    _f("timing.started_at_unix_ms", UNIX_MS, "When the handshake completed."),
+    _f("timing.last_activity_at_unix_ms", UNIX_MS, "Last time a byte moved."),
+    _f("timing.ended_at_unix_ms", UNIX_MS, "When it ended; once completed.", required=False),
+    _f("timing.duration_ms", "integer", "End minus start; once completed.", required=False),
+    _f(
+        "labels",
+        "object of string",
+        "The labels the flow hook gave the flow (`api.flow_hook`); present only then.",
+        required=False,
+    ),
+    _f(
+        "result",
+        "object",
+        "How it ended; present exactly when `state` is `completed`.",
+        required=False,
+    ),
+    _f("result.outcome", "string", "One of the outcomes below."),
+    _f(
+        "result.close_reason",
+        "string",
+        "One of the close reasons below, when one applies.",
+        required=False,
+    ),
+    _f("result.failure", "object", "Why a failed flow failed.", required=False),
+    _f("result.failure.stage", "string", "Where it failed: one of the stages below."),
+    _f("result.failure.code", "string", "What failed: one of the codes below."),
+    _f("result.failure.message", "string", "The same in words, for people."),
+    _f(
+        "result.failure.remote",
+        "object",
+        "`{host, port?}` of the peer that failed (the target, or a proxy), when known.",
+        required=False,
+    ),
+)
+
+_FLOW_ID = _f("flow_id", "string", "The flow's identifier (also `record.flow_id`).")
+_RECORD = _f("record", "FlowRecord", "The flow's record at this revision.")
+
+#: The fields of flow.started and flow.routed (flow.completed adds some).
+_LIFECYCLE: tuple[PayloadField, ...] = (
+    _FLOW_ID,
+    _f("network", "string", "`tcp`."),
+    _f("inbound", "object", "`{tag, protocol}`, as in the record."),
+    _f("auth", "object", "How the client authenticated."),
+    _f(
+        "auth.scheme",
+        "string or null",
+        "`userpass` (SOCKS5), `basic` (HTTP) or `null` when the inbound has no users.",
+    ),
+    _f(
+        "auth.principal_key",
+        "string or null",
+        "The flow's principal: the authenticated user's key, or the one the flow hook gave.",
+    ),
+    _f("auth.attributes", "object", "Always empty in this build."),
+    _f("target", "object", "`{host, port}` the client asked for."),
+    _f("target.host", "string", "Host name or IP address."),
+    _f("target.port", "integer", "Port."),
+    _f("route", "object", "`{mode, target}`, as in the record."),
+    _f("route.mode", "string", "`rule`, `global` or `direct`."),
+    _f("route.target", "string or null", "The outbound or group routing named."),
+    _f(
+        "policy",
+        "string or null",
+        "The group routing named when the route went through one (first tag of "
+        "`record.route.selection_chain`), else `null`.",
+    ),
+    _f("outbound", "object or null", "`{tag, protocol}` of the outbound used, once routed."),
+    _f("traffic", "object", "Byte counts so far."),
+    _f("traffic.bytes_up", _COUNT, "As `record.traffic.bytes_up`."),
+    _f("traffic.bytes_down", _COUNT, "As `record.traffic.bytes_down`."),
+    _f("traffic.packets_up", "null", "Always `null` for TCP."),
+    _f("traffic.packets_down", "null", "Always `null` for TCP."),
+    _f("timing", "object", "Start, end and duration."),
+    _f("timing.started_at_unix_ms", UNIX_MS, "When the handshake completed."),
+    _f("timing.ended_at_unix_ms", "integer or null", "When it ended; `null` until then."),
+    _f("timing.duration_ms", "integer or null", "End minus start; `null` until then."),
+    _f("outcome", "string or null", "The outcome once completed, else `null`."),
+    _RECORD,
+)
+
+_AFTER_TRAFFIC = [f.name for f in _LIFECYCLE].index("traffic.packets_down") + 1
+
+#: flow.completed: the same fields, plus the boundary counters and the close reason.
+_COMPLETED: tuple[PayloadField, ...] = (
+    *_LIFECYCLE[:_AFTER_TRAFFIC],
+    _f("traffic.inbound_rx_bytes", _COUNT, "As in the record."),
+    _f("traffic.inbound_tx_bytes", _COUNT, "As in the record."),
+    _f("traffic.outbound_rx_bytes", _COUNT, "As in the record."),
+    _f("traffic.outbound_tx_bytes", _COUNT, "As in the record."),
+    *_LIFECYCLE[_AFTER_TRAFFIC:],
+    _f(
+        "close_reason",
+        "string",
+        "As `record.result.close_reason`, when there is one.",
+        required=False,
+    ),
+)
+
+
+_STATS: tuple[PayloadField, ...] = (
+    _f("active_sessions", _COUNT, "Flows open now."),
+    _f("total_started", _COUNT, "Flows started since the engine started."),
+    _f("completed_sessions", _COUNT, "Flows completed, whatever their outcome."),
+    _f("failed_sessions", _COUNT, "Flows completed with outcome `failed`."),
+    _f("blocked_sessions", _COUNT, "Flows completed with outcome `blocked`."),
+    _f("direct_sessions", _COUNT, "Flows relayed by a `direct` outbound."),
+    _f("chained_sessions", _COUNT, "Flows relayed through an upstream proxy."),
+    _f("bytes_up", _COUNT, "Payload bytes towards targets, open flows included."),
+    _f("bytes_down", _COUNT, "Payload bytes towards clients, open flows included."),
+    _f(
+        "udp_upstream",
+        "object",
+        "UDP counters. An *upstream association* is the upstream UDP socket a SOCKS5 UDP "
+        "association uses for one outbound; every destination routed there shares it.",
+    ),
+    *(_f(f"udp_upstream.{name}", _COUNT, text) for name, text in UDP_COUNTER_TEXT.items()),
+)
+
+_EVENTS: tuple[EventType, ...] = (
+    EventType(
+        "engine.started",
+        "The engine started: every inbound is bound; the actors are starting. Always the "
+        "first event of an engine start (sequence 1).",
+        "Once per start.",
+        True,
+        (
+            _f("build_id", "string", "`spliceway-<version>`."),
+            _f("started_at_unix_ms", UNIX_MS, "When the engine started."),
+        ),
+    ),
+    EventType(
+        "engine.stopped",
+        "The engine stopped: listeners are closed and every open flow has emitted its "
+        "`flow.completed`.",
+        "Once per stop; the last event. It is the last frame of every open SSE stream, "
+        "whatever the stream's `types`.",
+        True,
+        (
+            _f("stopped_at_unix_ms", UNIX_MS, "When the engine stopped."),
+            _f(
+                "reason",
+                "string",
+                "Why: `signal` when `spliceway run` received SIGINT or SIGTERM; absent when "
+                "a host application stopped the engine without giving one.",
+                required=False,
+            ),
+        ),
+    ),
+    EventType(
+        "engine.warning",
+        "The engine met something an operator should know but kept running.",
+        "Rare; the codes this build uses are listed below.",
+        True,
+        (
+            _f("code", "string", "Stable code of the warning."),
+            _f("message", "string", "What happened, in words."),
+        ),
+    ),
+    EventType(
+        "config.changed",
+        "A new configuration is running: `config.apply`, `config.apply_runtime` or a SIGHUP "
+        "reload completed, with listeners, outbounds, groups, rules, DNS and sinks "
+        "reconciled. A failed apply (rolled back) emits nothing.",
+        "Once per successful apply.",
+        True,
+        (
+            _f("changed_at_unix_ms", UNIX_MS, "When the reload completed."),
+            _f(
+                "trigger",
+                "string",
+                "What applied it: `config.apply`, `config.apply_runtime` or `sighup`.",
+            ),
+            _f(
+                "persistence",
+                "string",
+                "`source_file` (the running configuration is the file's) or `runtime_only` "
+                "(the file differs; a restart goes back to it).",
+            ),
+            _f(
+                "changed_components",
+                "list of string",
+                "The components whose configuration differed, of `proxy_listeners`, "
+                "`outbounds`, `policy_groups`, `routing`, `dns`, `flow_hook`, "
+                "`event_dispatcher`, `runtime` (empty when the document equals the running "
+                "one).",
+            ),
+        ),
+    ),
+    EventType(
+        "flow.started",
+        "A client completed the inbound handshake (and authentication): the flow exists. "
+        "A connection whose handshake fails emits nothing.",
+        "Once per flow.",
+        True,
+        _LIFECYCLE,
+    ),
+    EventType(
+        "flow.snapshot",
+        "A subscriber's live phase begins: an SSE stream, or `engine.subscribe(..., "
+        "snapshot=True)`, whose filter includes a flow type.",
+        "Once per such subscription, first of its live phase. Never stored in the ring, "
+        "never in `GET /api/v1/events`, never sent to sinks.",
+        True,
+        (
+            _f(
+                "watermark",
+                "integer",
+                "The latest sequence when the snapshot was taken (also the envelope's "
+                "`sequence` and the SSE `id`): the records include everything up to it.",
+            ),
+            _f("records", "list of FlowRecord", "Every open flow."),
+        ),
+    ),
+    EventType(
+        "flow.routed",
+        "The upstream connection is established and the relay took the flow over "
+        "(`state` becomes `active`).",
+        "Once per relayed flow; blocked and failed flows never get one.",
+        True,
+        _LIFECYCLE,
+    ),
+    EventType(
+        "flow.updated",
+        "A sample found that a relayed flow moved bytes.",
+        "At most once per flow every `runtime.stats_interval_ms`, and only while bytes move.",
+        True,
+        (
+            _FLOW_ID,
+            _f("network", "string", "`tcp`."),
+            _f("inbound_tag", "string", "The inbound's tag."),
+            _f("outbound_tag", "string or null", "The outbound's tag."),
+            _f("bytes_up", _COUNT, "As `record.traffic.bytes_up`."),
+            _f("bytes_down", _COUNT, "As `record.traffic.bytes_down`."),
+            _f("inbound_rx_bytes", _COUNT, "As in the record."),
+            _f("inbound_tx_bytes", _COUNT, "As in the record."),
+            _f("outbound_rx_bytes", _COUNT, "As in the record."),
+            _f("outbound_tx_bytes", _COUNT, "As in the record."),
+            _f("throughput_up_bps", _COUNT, "As `record.throughput.upload_bps`."),
+            _f("throughput_down_bps", _COUNT, "As `record.throughput.download_bps`."),
+            _f("snapshot_at_unix_ms", "integer or null", "When the sample was taken."),
+            _RECORD,
+        ),
+    ),
+    EventType(
+        "flow.completed",
+        "The flow ended, whatever ended it: relayed to the end, blocked, failed, closed by "
+        "`flows.close`, idle timeout, engine stop; or the engine was killed while the flow "
+        "was open, and its next start completes it (outcome `engine_crashed`, needs "
+        "`api.outbox_path`; see Sinks).",
+        "Exactly once per flow that emitted `flow.started` (across a crash, once per sink "
+        "that was given the flow's start).",
+        True,
+        _COMPLETED,
+    ),
+    EventType(
+        "policy.selected",
+        "The `policies.select` command changed a selector group's member.",
+        "Once per successful `policies.select`.",
+        True,
+        (
+            _f("policy_tag", "string", "The group's tag."),
+            _f("policy_kind", "string", "`selector`."),
+            _f("selected", "string", "The member now selected."),
+            _f("previous", "string or null", "The member selected before."),
+        ),
+    ),
+    EventType(
+        "policy.probe.completed",
+        "A probe round of a `url_test`, `fallback` or `load_balance` group finished.",
+        "At start, every `interval_seconds`, on `policies.probe`, and when a flow fails to "
+        "dial a member (at most one round per group at a time).",
+        True,
+        (
+            _f("policy_tag", "string", "The group's tag."),
+            _f(
+                "trigger",
+                "string",
+                "What started the round: `startup`, `scheduled`, `manual` (`policies.probe`) "
+                "or `dial_failure`.",
+            ),
+            _f("url", "string", "The URL probed."),
+            _f("started_at_unix_ms", UNIX_MS, "When the round started."),
+            _f("completed_at_unix_ms", UNIX_MS, "When it finished."),
+            _f("duration_ms", "integer", "Finish minus start."),
+            _f("selected", "string or null", "The member the group uses after the round."),
+            _f("members", "list of object", "One item per member, in configuration order."),
+            _f("members[].target_tag", "string", "The member's tag."),
+            _f("members[].healthy", "boolean", "Whether the probe got an answer."),
+            _f("members[].latency_ms", "number or null", "Time to the first byte, if healthy."),
+            _f("members[].error", "string or null", "Why the probe failed, if it did."),
+        ),
+    ),
+    EventType(
+        "stats.sampled",
+        "The sampler ran.",
+        "Every `runtime.stats_interval_ms`.",
+        True,
+        _STATS,
+    ),
+    EventType(
+        "ipc.connected",
+        "A client connected to the local control socket (docs/ipc.md).",
+        "Once per IPC connection.",
+        True,
+        (
+            _f("active", "integer", "Open IPC connections, this one included."),
+            _f("pipe", "string", "The client's socket address (empty for an unnamed socket)."),
+        ),
+    ),
+    EventType(
+        "ipc.disconnected",
+        "An IPC client's connection ended (not emitted while the engine stops, so "
+        "`engine.stopped` stays the last event).",
+        "Once per IPC connection.",
+        True,
+        (
+            _f("active", "integer", "Open IPC connections after this one closed."),
+            _f("pipe", "string", "The client's socket address (empty for an unnamed socket)."),
+            _f(
+                "error",
+                "string",
+                "Why it ended abnormally (a failed read or write, a subscription that fell "
+                "too far behind); absent on a normal close.",
+                required=False,
+            ),
+        ),
+    ),
+)
+
+#: Every event type by name, in documentation order.
+EVENT_CATALOGUE: dict[str, EventType] = {e.name: e for e in _EVENTS}

@@ -1,0 +1,464 @@
+"""Compile routing rules into the C route table (``csrc/route.h``) and keep its Python mirror.
+
+:func:`compile_route_table` turns validated configuration rules (``Config.rules``), a mode,
+the final tag and the route targets into a sealed ``sw_table`` built through
+``spliceway._relay``, plus a :class:`CompiledRoutes` that owns it and maps every result
+the C side can give back to exactly the :class:`spliceway.routing.rules.RouteDecision`
+:func:`spliceway.routing.rules.decide` returns for the same flow (the rule decisions are the
+ones :func:`spliceway.routing.rules.compile_rules` prebuilt).
+
+What the engine supplies, because only it knows them: the index of each inbound tag
+(config order), the id of each principal key, and for each route target tag what the C
+path does with it (:class:`TargetSpec`). Targets are indexed in the mapping's order.
+
+What C cannot check is compiled as opaque (``sw_table_cond_opaque``), so reaching such a
+rule defers to Python: ``domain_regex``, and a domain item whose lowercased text holds a
+NUL (a C string cannot carry it; the rule's whole condition of that kind is then left to
+Python). ``process_name`` is a process condition (``sw_table_cond_process``): only a
+client on this host has a process, which only Python finds, so reaching such a rule
+defers for a source on this host (loopback or one of ``local_addresses``) and fails for
+any other, as ``routing.decide`` fails it for a flow without a ``process_name``; with
+``process_mode`` ``off`` it never holds. Inbound tags and principal keys missing from the
+mappings are dropped: a query can only name mapped ones (:meth:`CompiledRoutes.decide`
+answers None for a flow whose tag or key is not mapped); a condition left with no item
+gets the "none" value, which never matches.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from spliceway._relay import ffi, lib
+from spliceway.config import BUILTIN_DIRECT, Rule, parse_port_spec
+from spliceway.native.relay import check
+from spliceway.routing import hostnorm
+from spliceway.routing import rules as routing
+
+__all__ = [
+    "NO_INBOUND",
+    "NO_PRINCIPAL",
+    "OUT_BLOCK",
+    "OUT_DEFER",
+    "OUT_DIRECT",
+    "OUT_HTTP",
+    "OUT_SOCKS5",
+    "PROCESS_MODES",
+    "CompiledRoutes",
+    "TargetSpec",
+    "compile_route_table",
+]
+
+#: ``sw_out_kind``: what a route target is to the C connection path.
+OUT_DEFER: int = lib.SW_OUT_DEFER
+OUT_DIRECT: int = lib.SW_OUT_DIRECT
+OUT_BLOCK: int = lib.SW_OUT_BLOCK
+OUT_SOCKS5: int = lib.SW_OUT_SOCKS5
+OUT_HTTP: int = lib.SW_OUT_HTTP
+
+#: Query values meaning "no inbound" / "no principal": conditions on them never match.
+NO_INBOUND: int = 0xFFFFFFFF
+NO_PRINCIPAL: int = lib.SW_NO_PRINCIPAL
+
+_MODES = {"rule": lib.SW_MODE_RULE, "global": lib.SW_MODE_GLOBAL, "direct": lib.SW_MODE_DIRECT}
+_DOMAIN_KINDS = {
+    "domain": lib.SW_DOMAIN_EXACT,
+    "domain_suffix": lib.SW_DOMAIN_SUFFIX,
+    "domain_keyword": lib.SW_DOMAIN_KEYWORD,
+}
+_OPAQUE_KEYS = ("domain_regex",)
+#: ``runtime.process_lookup`` -> ``sw_process_mode``.
+PROCESS_MODES: dict[str, int] = {
+    "off": lib.SW_PROCESS_OFF,
+    "auto": lib.SW_PROCESS_RULES,
+    "always": lib.SW_PROCESS_ALL,
+}
+_NETWORKS = {"tcp": lib.SW_NET_TCP, "udp": lib.SW_NET_UDP}
+
+
+class TargetSpec(NamedTuple):
+    """One route target as the C path sees it (``sw_table_target``).
+
+    ``kind`` is one of the ``OUT_*`` constants; ``server``/``port``/``user``/``password``
+    matter for socks5 and http (``user`` None: no credentials).
+    """
+
+    kind: int
+    server: str | None = None
+    port: int = 0
+    user: str | None = None
+    password: str | None = None
+    connect_timeout_ms: int = 0
+    #: The leaf outbound's tag, which C's failure messages name (as Python's do).
+    outbound_tag: str | None = None
+
+
+def _cstr(text: str | None, what: str) -> Any:
+    """``text`` as a NUL-terminated C string argument (NULL for None)."""
+    if text is None:
+        return ffi.NULL
+    data = text.encode("utf-8", "surrogatepass")
+    if b"\0" in data:
+        raise ValueError(f"{what} {text!r} contains a NUL character")
+    return data
+
+
+def _parse_source(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as routing._parse_ip reads it (brackets allowed), or None."""
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+class CompiledRoutes:
+    """A sealed C route table and its Python mirror.
+
+    ``epoch`` and ``targets`` (tags by index) are as compiled; ``rule_decisions[i]`` is
+    what :func:`routing.decide` returns when rule ``i`` matches in mode ``rule``.
+    ``first_domain_rule`` is :attr:`routing.RuleSet.first_domain_rule`
+    (``sw_table_first_domain_rule`` may be lower: it counts every opaque rule).
+
+    The table is freed when this object is collected, by :meth:`close`, or becomes the
+    caller's with :meth:`detach`.
+    """
+
+    __slots__ = (
+        "_final_decision",
+        "_mode_decision",
+        "_table",
+        "epoch",
+        "first_domain_rule",
+        "inbounds",
+        "mode_kind",
+        "principals",
+        "rule_decisions",
+        "ruleset",
+        "targets",
+    )
+
+    def __init__(
+        self,
+        table: Any,
+        *,
+        epoch: int,
+        targets: tuple[str, ...],
+        mode_kind: str,
+        mode_decision: routing.RouteDecision | None,
+        final_decision: routing.RouteDecision,
+        ruleset: routing.RuleSet,
+        inbounds: Mapping[str, int | Sequence[int]],
+        principals: Mapping[str, int],
+    ) -> None:
+        self._table = table
+        self.epoch = epoch
+        self.targets = targets
+        self.mode_kind = mode_kind
+        self._mode_decision = mode_decision
+        self._final_decision = final_decision
+        self.ruleset = ruleset
+        self.rule_decisions: tuple[routing.RouteDecision, ...] = tuple(
+            r.decision for r in ruleset.rules
+        )
+        self.first_domain_rule = ruleset.first_domain_rule
+        self.inbounds = dict(inbounds)
+        self.principals = dict(principals)
+
+    @property
+    def table(self) -> Any:
+        """The ``sw_table *`` (still owned by this object)."""
+        if self._table is None:
+            raise RuntimeError("route table already detached or closed")
+        return self._table
+
+    def detach(self) -> Any:
+        """Hand the table over: returns the raw ``sw_table *``, which the caller frees."""
+        table = self.table
+        self._table = None
+        ffi.gc(table, None)  # drops the finaliser; `table` stays a plain pointer
+        return table
+
+    def close(self) -> None:
+        """Free the table now (idempotent; nothing after :meth:`detach`)."""
+        table, self._table = self._table, None
+        if table is not None:
+            ffi.gc(table, None)
+            lib.sw_table_free(table)
+
+    def decision(self, action: int, rule: int, target: int) -> routing.RouteDecision | None:
+        """The RouteDecision for a ``sw_route_result`` of this table; None for a deferral.
+
+        Raises ValueError for a result this table cannot have given.
+        """
+        if action == lib.SW_ROUTE_DEFER:
+            return None
+        if self._mode_decision is not None:
+            decision = self._mode_decision
+        elif rule < 0:
+            decision = self._final_decision
+        elif rule < len(self.rule_decisions):
+            decision = self.rule_decisions[rule]
+        else:
+            raise ValueError(f"rule {rule} out of range")
+        if decision.action == "block":
+            fits = action == lib.SW_ROUTE_BLOCK
+        else:
+            tag = self.targets[target] if 0 <= target < len(self.targets) else None
+            fits = action == lib.SW_ROUTE_ROUTE and tag == decision.target
+        if not fits:
+            raise ValueError(f"result ({action}, {rule}, {target}) does not fit epoch {self.epoch}")
+        return decision
+
+    def decide(self, facts: routing.FlowFacts) -> routing.RouteDecision | None:
+        """Route ``facts`` through the C table; None when C defers or cannot express the facts."""
+        result = self.query(facts)
+        return None if result is None else self.decision(*result)
+
+    def query(self, facts: routing.FlowFacts) -> tuple[int, int, int] | None:
+        """``sw_table_decide`` on ``facts``: ``(action, rule, target)``, or None for facts C
+        cannot express.
+
+        Those are: a ``resolved_ip`` that is not an address (C's query carries one only
+        as bytes), a ``process_name`` (C never knows one), an inbound tag or principal key
+        missing from the mappings, a port outside 0..65535, and a source address and port
+        of which only one is known or the address does not parse.
+        """
+        if facts.process_name is not None:
+            return None
+        query = ffi.new("sw_route_query *")
+        if facts.resolved_ip is not None:
+            resolved = hostnorm.target_address(facts.resolved_ip)
+            if resolved is None:
+                return None
+            ip = ipaddress.ip_address(resolved.partition("%")[0])
+            query.resolved_family = ip.version
+            ffi.memmove(query.resolved_ip, ip.packed, len(ip.packed))
+        keep: list[Any] = []
+        if not 0 <= facts.port <= 0xFFFF:
+            return None
+        query.port = facts.port
+        host = facts.host.encode("utf-8", "surrogatepass")
+        keep.append(ffi.from_buffer(host))
+        query.host, query.host_len = keep[-1], len(host)
+        if facts.sniffed_host:
+            sniffed = facts.sniffed_host.encode("utf-8", "surrogatepass")
+            keep.append(ffi.from_buffer(sniffed))
+            query.sniffed, query.sniffed_len = keep[-1], len(sniffed)
+        if (facts.source_ip is None) != (facts.source_port is None):
+            return None
+        if facts.source_ip is not None and facts.source_port is not None:
+            src = _parse_source(facts.source_ip)
+            if src is None or not 0 <= facts.source_port <= 0xFFFF:
+                return None
+            query.source_family = src.version
+            packed = src.packed
+            ffi.memmove(query.source_ip, packed, len(packed))
+            query.source_port = facts.source_port
+        query.network = _NETWORKS.get(facts.network, 0)
+        if facts.inbound_tag is None:
+            query.inbound = NO_INBOUND
+        elif facts.inbound_tag in self.inbounds:
+            query.inbound = _ids(self.inbounds[facts.inbound_tag])[0]
+        else:
+            return None
+        if facts.principal_key is None:
+            query.principal = NO_PRINCIPAL
+        elif facts.principal_key in self.principals:
+            query.principal = self.principals[facts.principal_key]
+        else:
+            return None
+        out = ffi.new("sw_route_result *")
+        check(lib.sw_table_decide(self.table, query, out), "sw_table_decide")
+        return out.action, out.rule, out.target
+
+
+def _values(value: tuple[str, ...] | str) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else value
+
+
+def _ids(value: int | Sequence[int]) -> Sequence[int]:
+    """The ids a tag stands for: one, or several (a TUN's listener per family)."""
+    return (value,) if isinstance(value, int) else value
+
+
+def _compile_rule(
+    table: Any,
+    index: int,
+    rule: Rule,
+    target: int,
+    inbounds: Mapping[str, int | Sequence[int]],
+    principals: Mapping[str, int],
+) -> None:
+    """Rule ``index``: its action and every condition (see the module docstring)."""
+    if rule.action == "block":
+        check(lib.sw_table_rule(table, index, lib.SW_ROUTE_BLOCK, -1), "sw_table_rule")
+    else:
+        check(lib.sw_table_rule(table, index, lib.SW_ROUTE_ROUTE, target), "sw_table_rule")
+    opaque = False
+    for key, value in rule.conditions().items():
+        items = _values(value)
+        if key in _OPAQUE_KEYS:
+            opaque = True
+        elif key == "process_name":
+            check(lib.sw_table_cond_process(table, index), "sw_table_cond_process")
+        elif key in _DOMAIN_KINDS:
+            # routing lowercases with str.lower (Unicode-aware): C gets the result and
+            # only drops the trailing dot (domain, domain_suffix) and lowercases ASCII.
+            lowered = [v.lower().encode("utf-8", "surrogatepass") for v in items]
+            if any(b"\0" in v for v in lowered):
+                opaque = True
+                continue
+            for v in lowered:
+                rc = lib.sw_table_cond_domain(table, index, _DOMAIN_KINDS[key], v)
+                check(rc, "sw_table_cond_domain")
+        elif key in ("ip_cidr", "source_ip_cidr"):
+            field = lib.SW_COND_DST if key == "ip_cidr" else lib.SW_COND_SRC
+            for v in items:
+                net = ipaddress.ip_network(v, strict=False)
+                addr = ffi.new("uint8_t[]", net.network_address.packed)
+                rc = lib.sw_table_cond_cidr(table, index, field, net.version, addr, net.prefixlen)
+                check(rc, "sw_table_cond_cidr")
+        elif key in ("port", "source_port"):
+            field = lib.SW_COND_DST if key == "port" else lib.SW_COND_SRC
+            for v in items:
+                lo, hi = parse_port_spec(v)
+                check(lib.sw_table_cond_port(table, index, field, lo, hi), "sw_table_cond_port")
+        elif key == "network":
+            for v in items:
+                check(lib.sw_table_cond_network(table, index, _NETWORKS[v]), "cond_network")
+        elif key in ("inbound_tag", "principal_key"):
+            mapping, none, add = (
+                (inbounds, NO_INBOUND, lib.sw_table_cond_inbound)
+                if key == "inbound_tag"
+                else (principals, NO_PRINCIPAL, lib.sw_table_cond_principal)
+            )
+            ids = sorted({i for v in items if v in mapping for i in _ids(mapping[v])}) or [none]
+            for i in ids:
+                check(add(table, index, i), f"sw_table_cond_{key}")
+        else:  # pragma: no cover - a CONDITION_KEYS entry this module does not know
+            raise ValueError(f"unknown rule condition {key!r}")
+    if opaque:
+        check(lib.sw_table_cond_opaque(table, index), "sw_table_cond_opaque")
+
+
+def compile_route_table(
+    rules: Sequence[Rule],
+    *,
+    mode_kind: str,
+    mode_outbound: str | None,
+    final: str,
+    targets: Mapping[str, TargetSpec] | Sequence[tuple[str, TargetSpec]],
+    inbounds: Mapping[str, int | Sequence[int]],
+    principals: Mapping[str, int],
+    epoch: int,
+    ruleset: routing.RuleSet | None = None,
+    deferred_inbounds: Sequence[int] = (),
+    deferred_cidrs: Sequence[str] = (),
+    process_lookup: str = "auto",
+    local_addresses: Sequence[str] = (),
+) -> CompiledRoutes:
+    """Build and seal the C table for ``rules`` under a mode; return it with its mirror.
+
+    ``mode_kind``/``mode_outbound``/``final`` are what :func:`routing.decide` takes;
+    ``targets`` gives every tag a rule, ``final`` or the mode can route to (``direct`` in
+    mode ``direct``) its :class:`TargetSpec` (or a plain tuple of its fields), as a
+    mapping or a list of ``(tag, spec)``; index = position. ``inbounds`` maps inbound
+    tags to indexes, ``principals`` principal keys to ids (both below 2**32 - 1, the
+    "none" value); ``epoch`` is stored in the table; ``ruleset`` is
+    ``routing.compile_rules(rules)`` if the caller has it already.
+    ``deferred_inbounds`` are listener slots whose flows C hands to Python after the
+    handshake, before routing (the flow hook's inbounds); the decisions are unchanged.
+    ``deferred_cidrs`` are networks (fake-ip ranges) whose IP-literal targets C hands to
+    Python likewise, which routes them by the domain the address stands for.
+    ``process_lookup`` is ``runtime.process_lookup`` (``always``: C hands Python every
+    flow from a client on this host likewise, to find its process before routing) and
+    ``local_addresses`` this host's addresses (loopback is always local).
+
+    Raises ValueError for a bad mode, a missing or repeated target tag, an id out of
+    range, or a target string with a NUL; RelayError if C refuses (e.g. ENOMEM).
+    """
+    if mode_kind not in _MODES:
+        raise ValueError(f"unknown mode {mode_kind!r}")
+    if mode_kind == "global" and not mode_outbound:
+        raise ValueError("global mode needs an outbound")
+    pairs = list(targets.items()) if isinstance(targets, Mapping) else list(targets)
+    specs = {tag: TargetSpec(*spec) for tag, spec in pairs}
+    if len(specs) != len(pairs):
+        raise ValueError("a route target tag is listed twice")
+    for what, ids, none in (
+        ("inbound", inbounds, NO_INBOUND),
+        ("principal", principals, NO_PRINCIPAL),
+    ):
+        bad = sorted(k for k, v in ids.items() if not all(0 <= i < none for i in _ids(v)))
+        if bad:
+            raise ValueError(f"{what} ids out of range for {', '.join(map(repr, bad))}")
+    tags = tuple(specs)
+    index = {tag: i for i, tag in enumerate(tags)}
+    mode_tag = {"rule": None, "global": mode_outbound, "direct": BUILTIN_DIRECT}[mode_kind]
+    needed = [final, *(r.outbound for r in rules if r.action == "route"), mode_tag]
+    missing = sorted({t for t in needed if t is not None and t not in index})
+    if missing:
+        raise ValueError(f"no route target for {', '.join(map(repr, missing))}")
+    if ruleset is None:
+        ruleset = routing.compile_rules(rules)
+    if len(ruleset.rules) != len(rules):
+        raise ValueError("ruleset does not belong to these rules")
+
+    out = ffi.new("sw_table **")
+    check(lib.sw_table_new(len(rules), len(tags), epoch, out), "sw_table_new")
+    table = ffi.gc(out[0], lib.sw_table_free)
+    for i, spec in enumerate(specs.values()):
+        rc = lib.sw_table_target(
+            table,
+            i,
+            spec.kind,
+            _cstr(spec.server, "server"),
+            spec.port,
+            _cstr(spec.user, "user"),
+            _cstr(spec.password, "password"),
+            spec.connect_timeout_ms,
+        )
+        check(rc, "sw_table_target")
+        if spec.outbound_tag is not None:
+            rc = lib.sw_table_target_tag(table, i, _cstr(spec.outbound_tag, "outbound tag"))
+            check(rc, "sw_table_target_tag")
+    mode_target = -1 if mode_tag is None else index[mode_tag]
+    rc = lib.sw_table_set_mode(table, _MODES[mode_kind], mode_target, index[final])
+    check(rc, "sw_table_set_mode")
+    for i, rule in enumerate(rules):
+        target = index[rule.outbound] if rule.action == "route" and rule.outbound else -1
+        _compile_rule(table, i, rule, target, inbounds, principals)
+    for slot in deferred_inbounds:
+        check(lib.sw_table_defer_inbound(table, slot), "sw_table_defer_inbound")
+    for cidr in deferred_cidrs:
+        net = ipaddress.ip_network(cidr, strict=False)
+        addr = ffi.new("uint8_t[]", net.network_address.packed)
+        rc = lib.sw_table_defer_cidr(table, net.version, addr, net.prefixlen)
+        check(rc, "sw_table_defer_cidr")
+    check(lib.sw_table_set_process(table, PROCESS_MODES[process_lookup]), "sw_table_set_process")
+    for text in local_addresses:
+        ip = ipaddress.ip_address(text)
+        rc = lib.sw_table_local_addr(table, ip.version, ffi.new("uint8_t[]", ip.packed))
+        check(rc, "sw_table_local_addr")
+    check(lib.sw_table_seal(table), "sw_table_seal")
+
+    if mode_kind == "rule":
+        mode_decision = None
+    elif mode_kind == "global":
+        mode_decision = routing.RouteDecision("global", "route", mode_outbound, None)
+    else:
+        mode_decision = routing.RouteDecision("direct", "route", BUILTIN_DIRECT, None)
+    return CompiledRoutes(
+        table,
+        epoch=epoch,
+        targets=tags,
+        mode_kind=mode_kind,
+        mode_decision=mode_decision,
+        final_decision=routing.RouteDecision("rule", "route", final, None),
+        ruleset=ruleset,
+        inbounds=inbounds,
+        principals=principals,
+    )

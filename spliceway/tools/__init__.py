@@ -1,0 +1,4 @@
+"""Developer tools outside the running engine.
+
+- ``docgen``  generates the reference parts of ``docs/`` from the code
+"""
