@@ -44,7 +44,7 @@ from spliceway.engine.runtime import Counters, FlowEntry, FlowTable, RouteState
 from spliceway.errors import ApiError
 from spliceway.events.log import EventLog, now_ms
 from spliceway.events.logring import LogRing
-from spliceway.flows.hook import WARNING_CODE, FlowHookClient
+from spliceway.flows.hook import WARNING_CODE, FlowHookClient, HookSettings
 from spliceway.flows.inbound import Users
 from spliceway.flows.outbounds import Outbound
 from spliceway.native.conn import ConnRecord, Deferred
@@ -395,7 +395,8 @@ class EngineCore:
         hook = config.api.flow_hook
         if hook is None:
             return None
-        return FlowHookClient(hook.settings(), self.dispatcher.loop, self._hook_warning)
+        settings = HookSettings.from_config(hook)
+        return FlowHookClient(settings, self.dispatcher.loop, self._hook_warning)
 
     def _dns_warning(self, message: str) -> None:
         """A fake-ip table that could not be read back whole, as ``engine.warning``."""

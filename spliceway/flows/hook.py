@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 
 if TYPE_CHECKING:
+    from spliceway.config.models_api import FlowHook
     from spliceway.flows.records import FlowState
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,17 @@ class HookSettings:
         object.__setattr__(self, "networks", networks)
         if self.inbound_tags is not None:
             object.__setattr__(self, "inbound_tags", _names(self.inbound_tags, "inbound_tags"))
+
+    @classmethod
+    def from_config(cls, hook: FlowHook) -> HookSettings:
+        """The settings of a validated ``api.flow_hook`` (built here, not in the config,
+        so the configuration imports nothing from the flows above it)."""
+        return cls(
+            path=hook.path,
+            timeout_ms=hook.timeout_ms,
+            networks=hook.networks,
+            inbound_tags=hook.inbound_tags,
+        )
 
     def selects(self, network: str, inbound_tag: str) -> bool:
         """Whether a new flow on ``network`` through inbound ``inbound_tag`` asks the hook."""

@@ -23,6 +23,7 @@ from spliceway.config import (
     validate_document,
 )
 from spliceway.errors import ApiError
+from spliceway.flows.hook import HookSettings
 
 # A complete example configuration using every section.
 EXAMPLE = {
@@ -1151,7 +1152,7 @@ def test_flow_hook_defaults_and_client_settings():
     hook = cfg.api.flow_hook
     assert hook is not None
     assert (hook.timeout_ms, hook.networks, hook.inbound_tags) == (200, ("tcp", "udp"), None)
-    settings = hook.settings()
+    settings = HookSettings.from_config(hook)
     assert settings.selects("tcp", IN["tag"]) and settings.path == "/run/h.sock"
     only = parse_config(
         {
@@ -1159,7 +1160,7 @@ def test_flow_hook_defaults_and_client_settings():
             "api": {"flow_hook": {"path": "/h", "networks": ["tcp"], "inbound_tags": [IN["tag"]]}},
         }
     ).api.flow_hook
-    assert only is not None and only.settings().inbound_tags == (IN["tag"],)
-    assert not only.settings().selects("tcp", "other")
+    assert only is not None and HookSettings.from_config(only).inbound_tags == (IN["tag"],)
+    assert not HookSettings.from_config(only).selects("tcp", "other")
     # Round trip: the normalised document validates again.
     assert parse_config(cfg.to_dict()) == cfg
