@@ -47,6 +47,7 @@ import orjson
 import pykka
 
 from spliceway.config import Config, check_environment, parse_config, resolve_ipc
+from spliceway.config.diff import COMPONENTS, diff
 from spliceway.engine import assembly
 from spliceway.errors import ApiError
 from spliceway.events.log import now_ms
@@ -58,18 +59,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The components an apply reconciles, in the order it reports them.
-COMPONENTS = (
-    "proxy_listeners",
-    "outbounds",
-    "policy_groups",
-    "routing",
-    "dns",
-    "flow_hook",
-    "event_dispatcher",
-    "runtime",
-    "tun",
-)
 #: How long an apply waits for the dispatcher to install the new configuration.
 INSTALL_TIMEOUT_S = 30.0
 #: C's listener slots for configured inbounds: csrc/conn.c's MAX_LISTENERS (256) but
@@ -348,29 +337,10 @@ class Reconciler:
         core = self._core
         parts = assembly.build_routing(new, core.parts, old, core.policies, core.route_state)
         listeners = self._plan_listeners(old, new)
-        changed = []
-        if listeners.added or listeners.removed or listeners.changed:
-            changed.append("proxy_listeners")
-        if old.outbounds != new.outbounds:
-            changed.append("outbounds")
-        if old.outbound_groups != new.outbound_groups or old.runtime.latency_test_url != (
-            new.runtime.latency_test_url
-        ):
-            changed.append("policy_groups")
-        if (old.rules, old.route, old.mode) != (new.rules, new.route, new.mode):
-            changed.append("routing")
-        if old.runtime.dns != new.runtime.dns:
-            changed.append("dns")
-        if old.api.flow_hook != new.api.flow_hook:
-            changed.append("flow_hook")
-        if (old.api.event_sinks, old.api.dispatcher) != (new.api.event_sinks, new.api.dispatcher):
-            changed.append("event_dispatcher")
-        if old.runtime != new.runtime:
-            changed.append("runtime")
-        if old.runtime.tun != new.runtime.tun:
-            changed.append("tun")
+        difference = diff(old, new)
+        changed = list(difference.changed)
         dns = None
-        if old.runtime.dns != new.runtime.dns:
+        if difference.dns:
             try:
                 dns = core.dns.prepare(new.runtime.dns)
             except BaseException:
