@@ -154,11 +154,11 @@ class _Checker:
             if not isinstance(members, list | tuple):
                 continue  # the schema reports it
             seen: set[str] = set()
-            for tag, path in _string_items(members, f"outbound_groups[{i}].outbounds"):
-                if tag in seen:
-                    self.add(f"member {tag!r} is listed twice", path)
-                seen.add(tag)
-                self.ref(tag, path)
+            for member, path in _string_items(members, f"outbound_groups[{i}].outbounds"):
+                if member in seen:
+                    self.add(f"member {member!r} is listed twice", path)
+                seen.add(member)
+                self.ref(member, path)
             if g.get("kind") == "relay":
                 self.check_relay_hops(members, f"outbound_groups[{i}].outbounds")
             default = _str(g.get("default"))

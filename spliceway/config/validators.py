@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 from pydantic import (
@@ -271,18 +271,20 @@ Percent = Annotated[
 ]
 
 
-def _cond_list(item: Any) -> Any:
-    return Annotated[tuple[item, ...], BeforeValidator(_one_or_many), Field(min_length=1)]
+_Item = TypeVar("_Item")
+#: A rule condition's value: a non-empty list of items, or one item standing for a list
+#: of one. A generic alias (not a function returning ``Annotated``) so type checkers see
+#: the types below as types.
+CondList = Annotated[tuple[_Item, ...], BeforeValidator(_one_or_many), Field(min_length=1)]
 
-
-DomainList = _cond_list(Annotated[str, Strict(), AfterValidator(_check_domain)])
-KeywordList = _cond_list(Annotated[str, Strict(), AfterValidator(_check_keyword)])
-RegexList = _cond_list(Annotated[str, Strict(), AfterValidator(_check_regex)])
-CidrList = _cond_list(Cidr)
-PortList = _cond_list(
+DomainList = CondList[Annotated[str, Strict(), AfterValidator(_check_domain)]]
+KeywordList = CondList[Annotated[str, Strict(), AfterValidator(_check_keyword)]]
+RegexList = CondList[Annotated[str, Strict(), AfterValidator(_check_regex)]]
+CidrList = CondList[Cidr]
+PortList = CondList[
     Annotated[str, BeforeValidator(_port_to_str), Strict(), AfterValidator(_check_port_spec)]
-)
-NameList = _cond_list(NonEmptyStr)
+]
+NameList = CondList[NonEmptyStr]
 
 
 class _Model(BaseModel):
