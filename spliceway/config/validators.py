@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from spliceway.events.catalogue import EVENT_CATALOGUE
-from spliceway.protocols.probe_url import parse_probe_url
+from spliceway.support.probe_url import parse_probe_url
 
 DEFAULT_API_KEY_ENV = "SPLICEWAY_API_KEY"
 

@@ -35,8 +35,8 @@ from typing import Any
 
 # Re-exported: the probe URL parser sits with the pure parsers, below the configuration
 # that validates with it; the groups, probes and diagnostics name it from here.
-from spliceway.protocols.probe_url import ProbeUrl as ProbeUrl
-from spliceway.protocols.probe_url import parse_probe_url as parse_probe_url
+from spliceway.support.probe_url import ProbeUrl as ProbeUrl
+from spliceway.support.probe_url import parse_probe_url as parse_probe_url
 
 #: Used when neither the group, ``runtime.latency_test_url`` nor the command names a URL.
 DEFAULT_PROBE_URL = "http://www.gstatic.com/generate_204"

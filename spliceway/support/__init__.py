@@ -1,5 +1,7 @@
-"""Operating-system helpers with no engine knowledge.
+"""Helpers with no engine knowledge: the operating system, and two small pure formats.
 
 - ``atomic_file``  replacing a file so a crash leaves the old or the new one, whole
 - ``fdlimit``      file-descriptor limits and accept backoff
+- ``probe_url``    the ``http://`` URL a health probe sends HEAD to, parsed
+- ``webhook_secret``  Standard Webhooks secrets (``whsec_``): the key inside one
 """
