@@ -14,7 +14,7 @@ Validation runs in two passes over the same document and reports every problem f
 Each problem is a :class:`~spliceway.errors.Detail` whose ``field_path`` looks like
 ``inbounds[0].listen.port`` (``None`` only when the document itself is not an object).
 
-Decisions this module makes where the spec leaves room:
+Decisions this package makes where the spec leaves room:
 
 - ``api.control.api_key_env`` defaults to ``"SPLICEWAY_API_KEY"`` as in the example (1.1:
   "everything else takes the value shown in the example"). An explicit ``null`` means
@@ -54,7 +54,7 @@ Decisions this module makes where the spec leaves room:
 - Tag ``direct`` is reserved for the built-in direct outbound: an outbound may use it only
   with protocol ``direct``; a group may not.
 
-Modules (each name below is re-exported here; importers may use either):
+Modules (their public names, but ``diff``'s, are re-exported here):
 
 - ``validators``        field validators, the Annotated scalar types, the models' base
 - ``models_inbounds``   ``inbounds``: listeners and their users
