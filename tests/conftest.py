@@ -16,6 +16,7 @@ from typing import Any
 import pykka
 import pytest
 
+from tests import markers
 from tests.helpers.servers import http_origin
 
 #: Worker processes the suite runs in unless ``-n`` says otherwise (``-n 0``: none).
@@ -190,3 +191,31 @@ def tmpfs(tmp_path) -> Iterator[Callable[[str], Path]]:
     yield mount
     for mnt in mounted:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test ``unit`` or ``integration`` (tests/markers.py), before ``-m``
+    selects."""
+    markers.apply(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """A ``unit`` test's fixtures may start no process and no engine."""
+    with markers.guard().watching(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A ``unit`` test may start no process and no engine."""
+    with markers.guard().watching(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """A ``unit`` test's teardown may start no process and no engine."""
+    with markers.guard().watching(item):
+        return (yield)

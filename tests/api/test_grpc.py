@@ -27,9 +27,9 @@ from spliceway.api.grpc_gen import control_pb2, control_pb2_grpc
 from spliceway.api.grpc_service import struct_to_dict
 from spliceway.errors import HTTP_STATUS, ApiError
 from tests.conftest import base_config, wait_until
+from tests.events.test_catalogue import check_event
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import socks5_connect
-from tests.unit.test_event_catalogue import check_event
 
 ADMIN_ENV, READ_ENV = "SPLICEWAY_TEST_GRPC_ADMIN", "SPLICEWAY_TEST_GRPC_READ"
 ADMIN, READER = "grpc-admin-key", "grpc-read-key"

@@ -22,8 +22,8 @@ from spliceway import Engine
 from spliceway.api import ipc
 from spliceway.errors import ApiError
 from tests.conftest import base_config, wait_until
+from tests.events.test_catalogue import check_event
 from tests.helpers.upstreams import refused_port
-from tests.unit.test_event_catalogue import check_event
 
 
 def _config(path: Path) -> dict[str, Any]:

@@ -5,7 +5,7 @@ one outbox: flows are held open through the SOCKS5 inbound, the engine is killed
 SIGKILL, and the next start must emit exactly one ``flow.completed`` with outcome
 ``engine_crashed`` per flow each sink was told had started, with the newest record that
 sink had (bytes, route), and nothing for a flow whose real completion it had already
-taken (tests/unit/test_openflows.py shows a second start adds none). The leftover
+taken (tests/connector/test_openflows.py shows a second start adds none). The leftover
 temporary files of an apply killed mid-way go at the next start (and before the next
 apply) unless their process is alive.
 """
@@ -23,11 +23,11 @@ from typing import Any
 
 from tests.api.test_openapi import validate_component
 from tests.conftest import wait_until
+from tests.events.test_catalogue import check_event
 from tests.helpers.receiver import Receiver, Reply
 from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import EngineProcess, jsonl, sink_config, webhook
 from tests.helpers.socks import recv_exact, socks5_connect
-from tests.unit.test_event_catalogue import check_event
 
 FLOW_EVENTS = ["flow.started", "flow.routed", "flow.updated", "flow.completed"]
 CRASHED = "engine_crashed"

@@ -15,7 +15,7 @@ import pytest
 
 from spliceway.actors.policy import NO_HEALTHY_MEMBER
 from tests.conftest import base_config, wait_until
-from tests.unit.test_event_catalogue import check_event
+from tests.events.test_catalogue import check_event
 
 LOGGER = "spliceway.actors.policy"
 GROUPS = ("auto", "fb")

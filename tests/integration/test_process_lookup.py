@@ -1,6 +1,6 @@
 """runtime.process_lookup with real client processes (curl, wget) through the engine's
 socks5 and http inbounds on this host: the record's source.process_*, process_name rules,
-the modes. (A client on another host is never looked up: tests/unit/test_process_lookup.py
+the modes. (A client on another host is never looked up: tests/routing/test_process_lookup.py
 and tests/csrc/test_route_diff.py.)"""
 
 from __future__ import annotations

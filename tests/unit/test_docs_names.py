@@ -4,7 +4,7 @@ Every configuration key, command, event type, ``engine.warning`` code and CLI su
 the code has is documented; every one the hand-written pages and the README name
 (in backticks, or as a ``spliceway <subcommand>`` command line) exists. The generated
 references (configuration.md, commands.md, events.md) are held to the code by
-test_docs.py; this catches the prose that drifts beside them: a key renamed, a
+tests/tools/test_docgen.py; this catches the prose that drifts beside them: a key renamed, a
 command removed, a subcommand promised that never came.
 """
 

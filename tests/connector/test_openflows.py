@@ -16,9 +16,9 @@ from spliceway.connector.outbox import DiskOutbox, OutboxStore
 from spliceway.connector.service import Connector
 from spliceway.events.log import EventLog
 from spliceway.flows import records
+from tests.connector.test_outbox import fill_disk
+from tests.events.test_catalogue import check_event
 from tests.helpers.sinks import jsonl, sink_config
-from tests.unit.test_event_catalogue import check_event
-from tests.unit.test_outbox import fill_disk
 
 LOG = EventLog(1000)
 

@@ -23,7 +23,7 @@ from spliceway.dns.server import (
     _fast_key,
     screen,
 )
-from tests.unit.test_dns_responder import mutated, queries
+from tests.dns.test_server import mutated, queries
 
 _HEADER = struct.Struct(">HHHHHH")
 QUESTION = b"\x01a\x04test\x00\x00\x01\x00\x01"

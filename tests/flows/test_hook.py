@@ -45,7 +45,7 @@ from spliceway.flows.hook import (
 from spliceway.flows.records import FlowState
 from tests.conftest import fd_count, wait_until
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "flow_hook_example.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "contrib" / "flow_hook_example.py"
 
 
 def flow(host: str = "example.com", *, tag: str = "socks-in", pad: int = 0) -> dict[str, Any]:
