@@ -25,6 +25,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
+from spliceway.control.capabilities import grpc_missing
 from spliceway.errors import ApiError, invalid_argument
 
 if TYPE_CHECKING:
@@ -49,19 +50,6 @@ _DRAIN_S = 60.0
 _FINISH_S = 2.0
 _JOIN_S = 10.0
 _MAX_PORT = 65535
-
-
-def grpc_missing() -> str | None:
-    """None when the ``grpc`` extra is installed and usable; else why it is not.
-
-    The import is the check: the stubs themselves refuse a grpcio or protobuf older
-    than the versions that generated them (RuntimeError, protobuf's VersionError).
-    """
-    try:
-        importlib.import_module(_SERVICE_MODULE)
-    except Exception as ex:
-        return f"{type(ex).__name__}: {ex}"
-    return None
 
 
 def grpc_port(control_port: int) -> int:
