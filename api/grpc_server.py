@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from spliceway.api.app import ControlState
     from spliceway.api.grpc_service import ControlService
     from spliceway.config import Api
-    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +83,10 @@ def check_grpc(api: Api) -> None:
 class GrpcServer:
     """The gRPC control API of one running engine."""
 
-    def __init__(
-        self, core: EngineCore, state: ControlState, address: str, control_port: int
-    ) -> None:
+    def __init__(self, state: ControlState, address: str, control_port: int) -> None:
         """Bind (``conflict`` when the port is taken); serving starts with :meth:`start`."""
         service_module = importlib.import_module(_SERVICE_MODULE)
-        self._service: ControlService = service_module.ControlService(core, state)
+        self._service: ControlService = service_module.ControlService(state)
         workers = state.limits.sse_streams + _SPARE_THREADS
         server, executor, port = service_module.build_server(
             self._service, address, grpc_port(control_port), workers

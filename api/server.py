@@ -143,7 +143,7 @@ class ControlServer:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         backoff = AcceptBackoff(
-            f"control API ({shown}:{port})", warning_emitter(app.state.core.log)
+            f"control API ({shown}:{port})", warning_emitter(app.state.plane.log)
         )
         return create_guarded_server(
             app,
