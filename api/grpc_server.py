@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import importlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from spliceway.api.app import ControlState
+from spliceway.config import Api
 from spliceway.control.capabilities import grpc_missing
 from spliceway.errors import ApiError, invalid_argument
 
+# Only for their names: both need the grpc extra, which this module must not.
 if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
-
     import grpc
 
-    from spliceway.api.app import ControlState
     from spliceway.api.grpc_service import ControlService
-    from spliceway.config import Api
 
 logger = logging.getLogger(__name__)
 

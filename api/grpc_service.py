@@ -27,14 +27,14 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import grpc
 import orjson
 from google.protobuf import struct_pb2
 from grpc_reflection.v1alpha import reflection
 
-from spliceway.api.app import MAX_BODY_BYTES, caller_capabilities, require_read
+from spliceway.api.app import MAX_BODY_BYTES, ControlState, caller_capabilities, require_read
 from spliceway.api.auth import Principal
 from spliceway.api.grpc_gen import control_pb2, control_pb2_grpc
 from spliceway.api.ipc import event_list
@@ -44,9 +44,6 @@ from spliceway.control import queries
 from spliceway.control.capabilities import API_ID
 from spliceway.errors import ApiError, invalid_argument
 from spliceway.events.log import Subscription
-
-if TYPE_CHECKING:
-    from spliceway.api.app import ControlState
 
 logger = logging.getLogger(__name__)
 

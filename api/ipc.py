@@ -30,20 +30,18 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from spliceway.api.app import body_request_id, envelope_error, envelope_ok
+from spliceway.api.plane import ControlPlane
 from spliceway.control import queries
 from spliceway.errors import ApiError, invalid_argument
 from spliceway.events.catalogue import EVENT_CATALOGUE
 from spliceway.events.log import Envelope, Subscription, normalize_types, parse_types
 from spliceway.support.fdlimit import WARNING_CODE as FD_WARNING
 from spliceway.support.fdlimit import AcceptBackoff
-
-if TYPE_CHECKING:
-    from spliceway.api.plane import ControlPlane
 
 logger = logging.getLogger(__name__)
 

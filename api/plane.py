@@ -12,13 +12,12 @@ contract in ``pyproject.toml``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry
 
-    from spliceway.config import Api
-    from spliceway.events.log import EventLog
+from spliceway.config import Api
+from spliceway.events.log import EventLog
 
 __all__ = ["ControlPlane"]
 

@@ -11,25 +11,23 @@ the only caller, so neither the core nor the transports import each other.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from spliceway.api.app import create_app
 from spliceway.api.auth import KeyTable
 from spliceway.api.grpc_server import GrpcServer, check_grpc
 from spliceway.api.ipc import IpcServer
 from spliceway.api.metrics import metrics_registry
+from spliceway.api.plane import ControlPlane
 from spliceway.api.server import ControlServer
+from spliceway.config import Api
 from spliceway.connector import inspect
 from spliceway.control import commands, queries
+from spliceway.engine.core import EngineCore
 from spliceway.errors import not_found
-
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
-    from spliceway.api.plane import ControlPlane
-    from spliceway.config import Api
-    from spliceway.engine.core import EngineCore
-    from spliceway.events.log import EventLog
+from spliceway.events.log import EventLog
 
 __all__ = ["CorePlane", "Transports"]
 
