@@ -118,7 +118,8 @@ def caller_capabilities(plane: ControlPlane, principal: Principal) -> dict[str, 
     return capabilities(
         principal.effective_permissions,
         api_enabled=api.control.enabled,
-        ipc_enabled=api.ipc.enabled,
+        # A running engine's is decided (config.resolve_ipc): never None here.
+        ipc_enabled=bool(api.ipc.enabled),
         grpc_enabled=api.grpc.enabled,
     )
 
@@ -350,7 +351,8 @@ def _on_http_error(
         message = f"{req.method} is not supported on {req.path}"
     else:
         message = ex.description or ex.title or f"HTTP {status}"
-    for name, value in (ex.headers or {}).items():
+    # Falcon types them as a mapping or (name, value) pairs; dict() takes both.
+    for name, value in dict(ex.headers or {}).items():
         resp.set_header(name, value)
     error = ApiError(code, message, http_status=status)
     _send(resp, envelope_error(error, getattr(req.context, "request_id", None)), status)
