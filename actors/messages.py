@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+# What a command sends (flows.close) is the control plane's, defined below the actors.
+from spliceway.control.messages import CloseFlow
+
+__all__ = [
+    "CloseFlow",
+    "ConnEnded",
+    "ConnRouted",
+    "ConnTakeOver",
+    "RelayFinished",
+    "StopFlow",
+    "TrafficSample",
+]
+
 
 class RelayFinished(NamedTuple):
     """The C relay completed a flow (delivered by the relay bridge on the dispatcher loop)."""
@@ -16,13 +29,6 @@ class TrafficSample(NamedTuple):
 
     counters: Any  # spliceway.native.relay.Counters
     sampled_at_unix_ms: int
-
-
-class CloseFlow(NamedTuple):
-    """``flows.close``: end the flow now (outcome cancelled, close_reason manual)."""
-
-    #: Which flow (an actor holding several, a UDP association, needs it).
-    flow_id: str = ""
 
 
 class StopFlow(NamedTuple):

@@ -22,6 +22,7 @@ import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from spliceway.actors.dispatcher import LoopActor
+from spliceway.control.messages import ProbeNow, SelectMember
 from spliceway.errors import invalid_argument
 from spliceway.events.log import now_ms
 from spliceway.flows.probe import ProbeResult, probe
@@ -37,18 +38,6 @@ NO_HEALTHY_MEMBER = "policy_no_healthy_member"
 #: Kinds that fall back to an unhealthy member when none is healthy: the warning's kinds
 #: (a load_balance group spreads over all members then, a selector is never probed).
 _HEALTH_WARNED_KINDS = frozenset({"url_test", "fallback"})
-
-
-class SelectMember(NamedTuple):
-    """``policies.select``: use ``target`` (a direct member of this selector)."""
-
-    target: str
-
-
-class ProbeNow(NamedTuple):
-    """Start a probe round unless one is running; answers whether it started."""
-
-    trigger: str
 
 
 class MemberFailed(NamedTuple):

@@ -1,6 +1,7 @@
 """The HTTP control API: a Falcon WSGI app over the engine (docs/http-api.md, docs/security.md).
 
-``create_app(engine)`` builds it; ``api.server`` serves it on Waitress. Every
+``create_app(plane)`` builds it over a :class:`~spliceway.api.plane.ControlPlane`
+(the running engine as its transports see it); ``api.server`` serves it on Waitress. Every
 response carries the envelope ``{api_id, id, ok, result | error}`` and
 ``Access-Control-Allow-Origin: *`` (the SSE stream and the OpenAPI document
 are bodies of their own formats). One gate checks, authenticates, authorises
@@ -38,7 +39,7 @@ import logging
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import falcon
 import orjson
@@ -46,8 +47,9 @@ import orjson
 from spliceway.api.auth import KeyTable, Principal
 from spliceway.api.http_guard import UNSENT_BYTES_KEY, source_key
 from spliceway.api.limits import FailureLimiter, Limits, RateLimited, Slots, TokenBucket
-from spliceway.api.metrics import MetricsResource, metrics_registry
+from spliceway.api.metrics import MetricsResource
 from spliceway.api.openapi import openapi_document
+from spliceway.api.plane import ControlPlane
 from spliceway.api.sse import (
     KEEPALIVE_S,
     EventStream,
@@ -56,14 +58,10 @@ from spliceway.api.sse import (
     parse_since,
 )
 from spliceway.api.ui_files import UI_PATH, UiFiles, is_ui_path
-from spliceway.control import commands, queries
+from spliceway.control import queries
 from spliceway.control.capabilities import API_ID, capabilities
 from spliceway.errors import ApiError, code_for_http_status, invalid_argument
 from spliceway.events.log import parse_types
-
-if TYPE_CHECKING:
-    from spliceway.app.engine import Engine
-    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -113,14 +111,15 @@ def require_read(principal: Principal) -> None:
         raise ApiError("permission_denied", "this endpoint needs the read permission")
 
 
-def caller_capabilities(core: EngineCore, principal: Principal) -> dict[str, Any]:
+def caller_capabilities(plane: ControlPlane, principal: Principal) -> dict[str, Any]:
     """The capabilities resource as ``principal`` sees it: its own grants, and which
     transports this engine serves."""
-    api = core.config.api
+    api = plane.api_settings
     return capabilities(
         principal.effective_permissions,
         api_enabled=api.control.enabled,
-        ipc_enabled=api.ipc.enabled,
+        # A running engine's is decided (config.resolve_ipc): never None here.
+        ipc_enabled=bool(api.ipc.enabled),
         grpc_enabled=api.grpc.enabled,
     )
 
@@ -129,7 +128,7 @@ def caller_capabilities(core: EngineCore, principal: Principal) -> dict[str, Any
 class ControlState:
     """What every request of one app shares."""
 
-    core: EngineCore
+    plane: ControlPlane
     keys: KeyTable
     limits: Limits
     keepalive_s: float
@@ -157,7 +156,7 @@ class ControlState:
             limits.failed_auth_per_second,
             limits.failed_auth_burst,
         )
-        self.frames = FrameCache(encode=self.core.log.encoded)
+        self.frames = FrameCache(encode=self.plane.log.encoded)
 
     def authenticate(
         self, authorization: str | None, api_key: str | None, source: str
@@ -352,7 +351,8 @@ def _on_http_error(
         message = f"{req.method} is not supported on {req.path}"
     else:
         message = ex.description or ex.title or f"HTTP {status}"
-    for name, value in (ex.headers or {}).items():
+    # Falcon types them as a mapping or (name, value) pairs; dict() takes both.
+    for name, value in dict(ex.headers or {}).items():
         resp.set_header(name, value)
     error = ApiError(code, message, http_status=status)
     _send(resp, envelope_error(error, getattr(req.context, "request_id", None)), status)
@@ -390,7 +390,7 @@ class _Query:
             if key in args:
                 raise invalid_argument(f"{key} is given both in the path and in the query", key)
             args[key] = value
-        _send(resp, envelope_ok(queries.run_query(self._state.core, self._name, args)))
+        _send(resp, envelope_ok(self._state.plane.run_query(self._name, args)))
 
 
 class _Capabilities:
@@ -399,7 +399,7 @@ class _Capabilities:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         queries.check_params("capabilities", _query_args(req))
-        _send(resp, envelope_ok(caller_capabilities(self._state.core, _principal(req))))
+        _send(resp, envelope_ok(caller_capabilities(self._state.plane, _principal(req))))
 
 
 class _Commands:
@@ -423,8 +423,7 @@ class _Commands:
         for key in body:
             if key not in _COMMAND_KEYS:
                 raise invalid_argument(f"unknown field {key!r}", field_path=key)
-        result = commands.execute(
-            self._state.core,
+        result = self._state.plane.execute(
             body.get("method"),
             body.get("params"),
             _principal(req).permissions,
@@ -448,7 +447,7 @@ class _EventStream:
         if not state.sse_slots.acquire():
             raise RateLimited(f"at most {state.sse_slots.capacity} concurrent event streams", 1.0)
         try:
-            sub, preface = open_stream(state.core.log, types, since, state.core.flows.records)
+            sub, preface = open_stream(state.plane.log, types, since, state.plane.flow_records)
         except BaseException:
             state.sse_slots.release()
             raise
@@ -492,14 +491,14 @@ class ControlApp(falcon.App):
 
 
 def create_app(
-    engine: Engine,
+    plane: ControlPlane,
     *,
     keys: KeyTable | None = None,
     limits: Limits | None = None,
     keepalive_s: float = KEEPALIVE_S,
     listen: tuple[str, int] | None = None,
 ) -> ControlApp:
-    """The control API's WSGI app for ``engine``.
+    """The control API's WSGI app over ``plane`` (``Engine.control_plane``).
 
     ``keys`` defaults to the keys ``api.control`` names in the environment;
     ``limits`` to the documented limits (tests and benchmarks may pass others).
@@ -507,10 +506,9 @@ def create_app(
     ``ControlServer`` sets it once it has bound, so only an app served by another
     WSGI server needs it (without it, only loopback names pass, on ``SERVER_PORT``).
     """
-    core = engine.core
     if keys is None:
-        keys = KeyTable.from_config(core.config.api.control)
-    state = ControlState(core, keys, limits or Limits(), keepalive_s, listen)
+        keys = KeyTable.from_config(plane.api_settings.control)
+    state = ControlState(plane, keys, limits or Limits(), keepalive_s, listen)
     app = ControlApp(middleware=[_Gate(state)])
     app.req_options.strip_url_path_trailing_slash = True
     # Falcon's default, stated: a blank ``?x=`` reaches the checks instead of vanishing.
@@ -536,7 +534,7 @@ def create_app(
     app.add_route(COMMANDS_PATH, _Commands(state))
     app.add_route(f"{PREFIX}/events/stream", _EventStream(state))
     app.add_route(f"{PREFIX}/openapi.json", _OpenApi())
-    app.add_route("/metrics", MetricsResource(metrics_registry(core, state.open_streams)))
+    app.add_route("/metrics", MetricsResource(plane.metrics_registry(state.open_streams)))
     ui = UiFiles()
     app.add_route(UI_PATH, ui)
     app.add_route(f"{UI_PATH}/{{name}}", ui)

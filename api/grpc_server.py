@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import importlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from spliceway.api.app import ControlState
+from spliceway.config import Api
+from spliceway.control.capabilities import grpc_missing
 from spliceway.errors import ApiError, invalid_argument
 
+# Only for their names: both need the grpc extra, which this module must not.
 if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
-
     import grpc
 
-    from spliceway.api.app import ControlState
     from spliceway.api.grpc_service import ControlService
-    from spliceway.config import Api
-    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +49,6 @@ _DRAIN_S = 60.0
 _FINISH_S = 2.0
 _JOIN_S = 10.0
 _MAX_PORT = 65535
-
-
-def grpc_missing() -> str | None:
-    """None when the ``grpc`` extra is installed and usable; else why it is not.
-
-    The import is the check: the stubs themselves refuse a grpcio or protobuf older
-    than the versions that generated them (RuntimeError, protobuf's VersionError).
-    """
-    try:
-        importlib.import_module(_SERVICE_MODULE)
-    except Exception as ex:
-        return f"{type(ex).__name__}: {ex}"
-    return None
 
 
 def grpc_port(control_port: int) -> int:
@@ -96,12 +83,10 @@ def check_grpc(api: Api) -> None:
 class GrpcServer:
     """The gRPC control API of one running engine."""
 
-    def __init__(
-        self, core: EngineCore, state: ControlState, address: str, control_port: int
-    ) -> None:
+    def __init__(self, state: ControlState, address: str, control_port: int) -> None:
         """Bind (``conflict`` when the port is taken); serving starts with :meth:`start`."""
         service_module = importlib.import_module(_SERVICE_MODULE)
-        self._service: ControlService = service_module.ControlService(core, state)
+        self._service: ControlService = service_module.ControlService(state)
         workers = state.limits.sse_streams + _SPARE_THREADS
         server, executor, port = service_module.build_server(
             self._service, address, grpc_port(control_port), workers

@@ -27,27 +27,23 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import grpc
 import orjson
 from google.protobuf import struct_pb2
 from grpc_reflection.v1alpha import reflection
 
-from spliceway.api.app import MAX_BODY_BYTES, caller_capabilities, require_read
+from spliceway.api.app import MAX_BODY_BYTES, ControlState, caller_capabilities, require_read
 from spliceway.api.auth import Principal
 from spliceway.api.grpc_gen import control_pb2, control_pb2_grpc
 from spliceway.api.ipc import event_list
 from spliceway.api.limits import RateLimited, TokenBucket
 from spliceway.api.sse import open_stream
-from spliceway.control import commands, queries
+from spliceway.control import queries
 from spliceway.control.capabilities import API_ID
 from spliceway.errors import ApiError, invalid_argument
 from spliceway.events.log import Subscription
-
-if TYPE_CHECKING:
-    from spliceway.api.app import ControlState
-    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +174,8 @@ class _Stream:
 class ControlService(control_pb2_grpc.ControlServicer):
     """The servicer: one per engine, over the HTTP app's shared state."""
 
-    def __init__(self, core: EngineCore, state: ControlState) -> None:
-        self._core = core
+    def __init__(self, state: ControlState) -> None:
+        self._plane = state.plane
         self._state = state
         self._lock = threading.Lock()
         self._streams: set[_Stream] = set()
@@ -248,8 +244,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
             principal = self._admit(context, self._state.command_bucket, read=False)
             # Unset params is a missing one: invalid_argument on "params", as over HTTP.
             params = struct_to_dict(request.params) if request.HasField("params") else None
-            return commands.execute(
-                self._core, request.method, params, principal.permissions, transport="grpc"
+            return self._plane.execute(
+                request.method, params, principal.permissions, transport="grpc"
             )
 
         return self._answer(context, request.id, run)
@@ -269,8 +265,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
             if name == "capabilities":
                 # The caller's own grants, as over HTTP (the table's entry grants all).
                 queries.check_params(name, params)
-                return caller_capabilities(self._core, principal)
-            return queries.run_query(self._core, name, params)
+                return caller_capabilities(self._plane, principal)
+            return self._plane.run_query(name, params)
 
         return self._answer(context, request.id, run)
 
@@ -310,7 +306,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 1.0,
             )
         try:
-            sub, preface = open_stream(self._core.log, types, since, self._core.flows.records)
+            sub, preface = open_stream(self._plane.log, types, since, self._plane.flow_records)
         except BaseException:
             state.sse_slots.release()
             raise
@@ -328,7 +324,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
 
     def _pump(self, stream: _Stream, context: grpc.ServicerContext) -> Iterator[control_pb2.Event]:
         sub = stream.sub
-        encoded = self._core.log.encoded
+        encoded = self._plane.log.encoded
         try:
             while not sub.overflowed:
                 batch = sub.get_many(timeout=_POLL_S, limit=_BATCH)

@@ -30,20 +30,18 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from spliceway.api.app import body_request_id, envelope_error, envelope_ok
-from spliceway.control import commands, queries
+from spliceway.api.plane import ControlPlane
+from spliceway.control import queries
 from spliceway.errors import ApiError, invalid_argument
 from spliceway.events.catalogue import EVENT_CATALOGUE
 from spliceway.events.log import Envelope, Subscription, normalize_types, parse_types
 from spliceway.support.fdlimit import WARNING_CODE as FD_WARNING
 from spliceway.support.fdlimit import AcceptBackoff
-
-if TYPE_CHECKING:
-    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +61,13 @@ _SEND_S = 30
 LOCK_SUFFIX = ".lock"
 
 
-def _connector_state(core: EngineCore) -> dict[str, Any]:
-    from spliceway.connector import inspect
-
-    return inspect.live_state(core)
+def _connector_state(plane: ControlPlane) -> dict[str, Any]:
+    return plane.connector_state()
 
 
 #: Queries only IPC answers (an extension, docs/ipc.md), for the CLI on the same host:
 #: ``connector_state`` is ``spliceway connector state`` of the engine holding the outbox.
-IPC_QUERIES: dict[str, Callable[[EngineCore], dict[str, Any]]] = {
+IPC_QUERIES: dict[str, Callable[[ControlPlane], dict[str, Any]]] = {
     "connector_state": _connector_state,
 }
 
@@ -234,13 +230,13 @@ class IpcServer:
 
     def __init__(
         self,
-        core: EngineCore,
+        plane: ControlPlane,
         path: str,
         max_pending: int = MAX_PENDING,
         out_queue: int = OUT_QUEUE,
         private_dir: bool = False,
     ) -> None:
-        self._core = core
+        self._plane = plane
         self.path = path
         self._max_pending = max_pending
         self._out_queue = out_queue
@@ -322,9 +318,9 @@ class IpcServer:
     def _emit(self, event_type: str, payload: dict[str, Any]) -> None:
         with self._emit_lock:
             # A stop that began elsewhere (the core's own) silences us as well.
-            if self._quiet or not self._core.running:
+            if self._quiet or not self._plane.running:
                 return
-            self._core.log.emit(event_type, payload)
+            self._plane.log.emit(event_type, payload)
 
     @property
     def active(self) -> int:
@@ -391,7 +387,7 @@ class _Connection:
 
     def __init__(self, server: IpcServer, sock: socket.socket) -> None:
         self._server = server
-        self._core = server._core
+        self._plane = server._plane
         self._sock = sock
         # A write that cannot progress for this long (a client that stopped reading
         # with a reply in flight) ends the connection instead of holding its writer.
@@ -557,7 +553,7 @@ class _Connection:
             if unknown:
                 raise invalid_argument(f"unknown field {sorted(unknown)[0]!r}", "command")
             params = body.get("params", {})
-            result = commands.execute(self._core, body.get("method"), params, transport="ipc")
+            result = self._plane.execute(body.get("method"), params, transport="ipc")
             return "command", result
         if name not in queries.QUERIES and name not in IPC_QUERIES:
             raise invalid_argument(f"unknown request {name!r}", name)
@@ -565,15 +561,15 @@ class _Connection:
             raise invalid_argument(f"{name} parameters must be an object", name)
         if name in IPC_QUERIES:
             queries.reject_unknown(body, (), f"query {name!r}")
-            return name, IPC_QUERIES[name](self._core)
-        return name, queries.run_query(self._core, name, body)
+            return name, IPC_QUERIES[name](self._plane)
+        return name, self._plane.run_query(name, body)
 
     def _subscribe(self, events: object) -> dict[str, Any]:
         if self._sub is not None:
             raise ApiError("conflict", "this connection is already subscribed")
         types = normalize_types(event_list(events))
-        self._sub = self._core.log.subscribe(
-            types, snapshot=self._core.flows.records, max_pending=self._server._max_pending
+        self._sub = self._plane.log.subscribe(
+            types, snapshot=self._plane.flow_records, max_pending=self._server._max_pending
         )
         return {"events": sorted(types) if types is not None else ["*"]}
 
@@ -587,7 +583,7 @@ class _Connection:
     def _forward(self) -> None:
         sub = self._sub
         assert sub is not None
-        encoded: Callable[[Envelope], bytes] = self._core.log.encoded
+        encoded: Callable[[Envelope], bytes] = self._plane.log.encoded
 
         def overflowed() -> bool:
             return sub.overflowed

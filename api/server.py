@@ -21,11 +21,17 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from waitress import wasyncore
 
-from spliceway.api.app import MAX_BODY_BYTES, ControlState, body_too_large, envelope_error
+from spliceway.api.app import (
+    MAX_BODY_BYTES,
+    ControlApp,
+    ControlState,
+    body_too_large,
+    envelope_error,
+)
 from spliceway.api.http_guard import (
     GuardLimits,
     Refusal,
@@ -36,9 +42,6 @@ from spliceway.api.limits import RateLimited
 from spliceway.api.ui_files import is_ui_path
 from spliceway.errors import ApiError
 from spliceway.support.fdlimit import AcceptBackoff, warning_emitter
-
-if TYPE_CHECKING:
-    from spliceway.api.app import ControlApp
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +146,7 @@ class ControlServer:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         backoff = AcceptBackoff(
-            f"control API ({shown}:{port})", warning_emitter(app.state.core.log)
+            f"control API ({shown}:{port})", warning_emitter(app.state.plane.log)
         )
         return create_guarded_server(
             app,

@@ -22,11 +22,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from spliceway.api.app import create_app
-from spliceway.api.auth import KeyTable
-from spliceway.api.grpc_server import GrpcServer, check_grpc
-from spliceway.api.ipc import IpcServer
-from spliceway.api.server import ControlServer
+from spliceway.api.plane import ControlPlane
+from spliceway.app.transports import CorePlane, Transports
 from spliceway.config import (
     Config,
     default_config,
@@ -34,7 +31,6 @@ from spliceway.config import (
     parse_config,
     resolve_ipc,
 )
-from spliceway.control import commands, queries
 from spliceway.engine.core import EngineCore
 from spliceway.errors import ApiError, not_found
 from spliceway.events.log import Subscription
@@ -60,11 +56,10 @@ class Engine:
         parsed = default_config() if config is None else parse_config(config)
         parsed = resolve_ipc(parsed, ipc_by_default)
         self._core = EngineCore(parsed, config_path)
+        self._plane = CorePlane(self._core)
+        self._transports = Transports(self._plane)
         self._lock = threading.Lock()
         self._started = False
-        self._control: ControlServer | None = None
-        self._ipc: IpcServer | None = None
-        self._grpc: GrpcServer | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Engine:
@@ -73,8 +68,14 @@ class Engine:
 
     @property
     def core(self) -> EngineCore:
-        """The engine's internals, for transports built on top of it."""
+        """The engine's internals (the CLI's startup log lines, tests)."""
         return self._core
+
+    @property
+    def control_plane(self) -> ControlPlane:
+        """What a control transport is built on (``spliceway.api.app.create_app``, the
+        IPC and gRPC servers): queries, commands, the event log, the ``api`` settings."""
+        return self._plane
 
     @property
     def running(self) -> bool:
@@ -91,42 +92,16 @@ class Engine:
         with self._lock:
             if self._started:
                 raise ApiError("conflict", "engine already started")
-            control = self._core.config.api.control
-            ipc = self._core.config.api.ipc
-            keys = KeyTable.from_config(control) if control.enabled else None
-            # Before anything starts: gRPC without its extra or without the control API.
-            check_grpc(self._core.config.api)
+            # Before anything starts: an unset key variable, gRPC without its extra or
+            # without the control API.
+            self._transports.prepare()
             # Every flow holds two descriptors: a shell's soft limit of 1,024 would run
             # out near 500 (docs/running.md). The engine never select()s.
             raise_nofile_limit()
             self._core.start()
             try:
-                if ipc.enabled:
-                    self._ipc = IpcServer(
-                        self._core, ipc.resolved_path(), private_dir=ipc.path is None
-                    )
-                    self._ipc.start()
-                if keys is not None:
-                    app = create_app(self, keys=keys)
-                    self._control = ControlServer(app, control.listen.address, control.listen.port)
-                    self._control.start()
-                    if self._core.config.api.grpc.enabled:
-                        # Shares the app's state: its keys, rate limits and stream slots.
-                        self._grpc = GrpcServer(
-                            self._core, app.state, control.listen.address, control.listen.port
-                        )
-                        self._grpc.start()
+                self._transports.start()
             except BaseException:
-                if self._grpc is not None:
-                    self._grpc.stop()
-                    self._grpc = None
-                if self._control is not None:
-                    # Started before something after it failed (gRPC's port taken).
-                    self._control.stop()
-                self._control = None
-                if self._ipc is not None:
-                    self._ipc.stop()
-                    self._ipc = None
                 self._core.stop()
                 raise
             self._started = True
@@ -139,24 +114,11 @@ class Engine:
             # No new control connections; the open ones (SSE streams among them) go on
             # while the core stops, so engine.stopped is the streams' last frame, and
             # the control API stops once they have ended.
-            if self._control is not None:
-                self._control.stop_accepting()
-            if self._ipc is not None:
-                self._ipc.stop_accepting()
-            if self._grpc is not None:
-                self._grpc.stop_accepting()
+            self._transports.stop_accepting()
             try:
                 self._core.stop(reason)
             finally:
-                if self._grpc is not None:
-                    self._grpc.stop()
-                    self._grpc = None
-                if self._control is not None:
-                    self._control.stop()
-                    self._control = None
-                if self._ipc is not None:
-                    self._ipc.stop()
-                    self._ipc = None
+                self._transports.stop()
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -182,21 +144,17 @@ class Engine:
     @property
     def control_url(self) -> str:
         """Base URL (``http://host:port``) of the running HTTP control API."""
-        if self._control is None:
-            raise not_found("the HTTP control API is not running")
-        return self._control.base_url
+        return self._transports.control_url
 
     def query(self, name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Answer a query (docs/http-api.md) by name (``health``, ``stats``, ``flows``...)."""
         self._require_running()
-        return queries.run_query(self._core, name, params)
+        return self._plane.run_query(name, params)
 
     def execute(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run a command (docs/commands.md) through the engine's one command table."""
         self._require_running()
-        return commands.execute(
-            self._core, method, {} if params is None else params, transport="embedded"
-        )
+        return self._plane.execute(method, {} if params is None else params, transport="embedded")
 
     def subscribe(
         self,

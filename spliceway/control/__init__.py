@@ -4,4 +4,5 @@
 - ``queries``       the query table: every read-only resource by name
 - ``capabilities``  what this build can do
 - ``diagnostics``   diagnostics that dial (probe_target, probe_outbound)
+- ``messages``      what a command sends to the engine's actors (close, select, probe)
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -213,13 +214,38 @@ GLOBAL_LIMITATIONS: tuple[dict[str, str], ...] = (
 )
 
 
+#: What the gRPC transport imports from the ``grpc`` extra, in its import order, then
+#: the checked-in stubs: generated code that imports nothing of the engine's and
+#: refuses a grpcio or protobuf older than the versions that generated it.
+_GRPC_EXTRA_MODULES = (
+    "grpc",
+    "google.protobuf.struct_pb2",
+    "grpc_reflection.v1alpha.reflection",
+    "spliceway.api.grpc_gen.control_pb2",
+    "spliceway.api.grpc_gen.control_pb2_grpc",
+)
+
+
+def grpc_missing() -> str | None:
+    """None when the ``grpc`` extra is installed and usable; else why it is not.
+
+    The import is the check (RuntimeError, protobuf's VersionError from the stubs).
+    It lives here, below the transports, because capabilities answer it too; the
+    gRPC transport asks it before it starts.
+    """
+    for name in _GRPC_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as ex:
+            return f"{type(ex).__name__}: {ex}"
+    return None
+
+
 @functools.cache
 def grpc_built() -> bool:
     """Whether this installation can serve gRPC: the ``grpc`` extra (grpcio,
     grpcio-reflection, protobuf) imports, at versions the checked-in stubs accept.
     Asked once per process (the import is the check)."""
-    from spliceway.api.grpc_server import grpc_missing
-
     return grpc_missing() is None
 
 

@@ -22,9 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spliceway import config as config_module
 from spliceway import dns
-from spliceway.actors.messages import CloseFlow
-from spliceway.actors.policy import ProbeNow, SelectMember
 from spliceway.control import diagnostics
+from spliceway.control.messages import CloseFlow, ProbeNow, SelectMember
 from spliceway.errors import ApiError, invalid_argument, not_found
 from spliceway.routing import hostnorm, policy
 from spliceway.routing import rules as routing

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from spliceway.control.capabilities import capabilities
 from spliceway.control.commands import PERMISSIONS
 from spliceway.errors import invalid_argument, not_found
 from spliceway.events.log import normalize_types, parse_types
@@ -236,8 +237,6 @@ def _sinks(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     # Embedding and IPC callers hold every permission; HTTP and gRPC render
     # capabilities themselves with the caller's own grants (api.app.caller_capabilities).
-    from spliceway.control.capabilities import capabilities
-
     api = core.config.api
     return capabilities(
         PERMISSIONS,

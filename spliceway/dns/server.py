@@ -87,11 +87,11 @@ import dns.rdtypes.IN.AAAA
 import dns.reversename
 import dns.rrset
 
-from spliceway.actors.dispatcher import Dispatcher
 from spliceway.dns.resolver import Answer, InvalidHostname, ResolveError, normalize_hostname
 from spliceway.dns.transport import BACKEND
 from spliceway.errors import ApiError
 from spliceway.support.fdlimit import AcceptBackoff
+from spliceway.support.loop import Dispatcher
 
 if TYPE_CHECKING:
     from spliceway.dns.fakeip import FakeIpPool

@@ -31,8 +31,8 @@ from spliceway.dns.fakeip import FakeIpPool
 from spliceway.dns.server import DnsResponder, DnsServer, bind_dns
 
 if TYPE_CHECKING:
-    from spliceway.actors.dispatcher import Dispatcher
     from spliceway.dns.resolver import Resolver
+    from spliceway.support.loop import Dispatcher
 
 __all__ = ["FAKEIP_WARNING", "DnsPlan", "DnsService"]
 

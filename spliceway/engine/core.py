@@ -12,6 +12,7 @@ Stop reverses it, and every flow still open completes with exactly one
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -31,6 +32,7 @@ from spliceway.actors.dispatcher import Dispatcher
 from spliceway.actors.flow import AUTH_SCHEMES, FlowActor, FlowDeps
 from spliceway.actors.messages import StopFlow
 from spliceway.actors.supervisor import EngineSupervisor
+from spliceway.actors.tun import TunActor
 from spliceway.actors.tun_udp import TunUdpActor
 from spliceway.actors.udp import UdpAssociationActor, UdpRecords
 from spliceway.config import Config
@@ -620,7 +622,7 @@ class EngineCore:
 
         return TunParts(
             dispatcher=self.dispatcher,
-            conn=self.bridge.conn,
+            start_actor=functools.partial(TunActor.start, self.dispatcher, self.bridge.conn),
             register=register,
             republish=self.routes.publish,
             inbound_tags=lambda: {ib.tag for ib in self.config.inbounds},

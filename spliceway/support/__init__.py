@@ -4,4 +4,5 @@
 - ``fdlimit``      file-descriptor limits and accept backoff
 - ``probe_url``    the ``http://`` URL a health probe sends HEAD to, parsed
 - ``webhook_secret``  Standard Webhooks secrets (``whsec_``): the key inside one
+- ``loop``        ``Dispatcher``: an asyncio loop in its own thread, fed from any thread
 """

@@ -30,8 +30,8 @@ from spliceway.dns.server import serve_tcp_client
 from spliceway.support.fdlimit import AcceptBackoff
 
 if TYPE_CHECKING:
-    from spliceway.actors.dispatcher import Dispatcher
     from spliceway.dns.server import DnsResponder
+    from spliceway.support.loop import Dispatcher
 
 __all__ = ["TunDnsTcp"]
 

@@ -3,11 +3,11 @@
 :class:`TunService` composes the host side (:class:`~spliceway.tun.controller.
 TunController`: device, routes, rules, mark), the packet loop
 (:class:`~spliceway.native.tun.TunStack`) and the actor that hands the loop's kernel
-listeners to the C connection path (:class:`~spliceway.actors.tun.TunActor`).
-Start brings them up in that order and undoes the finished steps when one fails;
-stop takes them down in reverse. Both are serialised by one lock and run on the
-caller's thread (a command's), never on the dispatcher: netlink work takes tens of
-milliseconds.
+listeners to the C connection path (:class:`~spliceway.actors.tun.TunActor`, which the
+engine passes in as ``TunParts.start_actor``). Start brings them up in that order and
+undoes the finished steps when one fails; stop takes them down in reverse. Both are
+serialised by one lock and run on the caller's thread (a command's), never on the
+dispatcher: netlink work takes tens of milliseconds.
 
 A TUN's flows come from two listener slots of their own (:data:`TUN_SLOTS`, one per
 family), never used by configured inbounds, so a rule's ``inbound_tag`` names both.
@@ -26,7 +26,9 @@ import pykka
 
 from spliceway.errors import ApiError, invalid_argument
 from spliceway.native.tun import TunStack
+from spliceway.support.loop import Dispatcher
 from spliceway.tun.controller import TunController, TunHandle
+from spliceway.tun.dns_hijack import TunDnsTcp
 
 log = logging.getLogger("spliceway.tun")
 
@@ -36,15 +38,26 @@ TUN_SLOTS = {4: 254, 6: 255}
 #: Seconds to wait for the actor to register or drop the listeners.
 _ACTOR_TIMEOUT = 10.0
 
+#: Starts the actor of the stack's UDP sessions (None: none).
+UdpStarter = Callable[[], "pykka.ActorRef[Any] | None"]
+#: ``start_actor(stack, specs, idle_timeout_ms, start_udp, dns_tcp)``: the TUN's actor,
+#: given the stack, its listener slot's spec per family, ``runtime.tcp_idle_timeout``
+#: in ms, the UDP sessions' starter and the DNS-over-TCP hijack (each None: none).
+TunActorStarter = Callable[
+    [TunStack, dict[int, Any], int, UdpStarter | None, TunDnsTcp | None], "pykka.ActorRef[Any]"
+]
+
 
 @dataclass(frozen=True, slots=True)
 class TunParts:
     """What the service needs of the engine, and nothing more."""
 
-    dispatcher: Any
-    """The dispatcher the TunActor runs on."""
-    conn: Any
-    """The C connection path (``ConnPath``)."""
+    dispatcher: Dispatcher
+    """The dispatcher the actors and the DNS hijack run on."""
+    start_actor: TunActorStarter
+    """Starts the actor that gives the stack's kernel listeners to the C connection path
+    (``spliceway.actors.tun.TunActor``, on the dispatcher). Given, not imported: the
+    actors sit above this package."""
     register: Callable[[int, str], Any]
     """``register(slot, tag)``: make ``slot`` a TUN inbound named ``tag``; returns its
     spec (the flows' records name it)."""
@@ -164,9 +177,6 @@ class TunService:
             parts.republish()
 
     def _start_loop(self, handle: TunHandle) -> _Running:
-        from spliceway.actors.tun import TunActor
-        from spliceway.tun.dns_hijack import TunDnsTcp
-
         parts = self._parts
         opts = handle.options
         stack = TunStack(
@@ -199,9 +209,7 @@ class TunService:
                 def start_udp() -> pykka.ActorRef[Any] | None:
                     return udp_starter(spec, stack, dns)
 
-            actor = TunActor.start(
-                parts.dispatcher,
-                parts.conn,
+            actor = parts.start_actor(
                 stack,
                 specs,
                 parts.idle_timeout_ms(),

@@ -64,7 +64,7 @@ def app_for(make_engine: Callable[..., Any]) -> Callable[..., ControlApp]:
         keys: KeyTable | None = None, limits: Limits = RELAXED, config: dict[str, Any] | None = None
     ) -> ControlApp:
         engine = make_engine(config or base_config())
-        return create_app(engine, keys=keys or KeyTable([]), limits=limits)
+        return create_app(engine.control_plane, keys=keys or KeyTable([]), limits=limits)
 
     return _make
 

@@ -134,7 +134,7 @@ def test_config_reports_bound_ports(make_engine: Callable[..., Any]) -> None:
     from spliceway.api.app import create_app
 
     engine = make_engine(base_config())
-    client = local_client(create_app(engine, keys=KeyTable([])))
+    client = local_client(create_app(engine.control_plane, keys=KeyTable([])))
     result = ok(client.simulate_get(f"{API}/config"))
     assert result["mode"] == {"kind": "rule", "outbound": None}
     assert result["rule_count"] == 0
@@ -185,7 +185,7 @@ def two_flows(
         }
     )
     engine = make_engine(cfg)
-    client = local_client(create_app(engine, keys=KeyTable([])))
+    client = local_client(create_app(engine.control_plane, keys=KeyTable([])))
     socks = [
         socks5_connect(engine.listen_address("socks-in"), *origin),
         socks5_connect(engine.listen_address("auth-in"), *origin, auth=("u", "p")),

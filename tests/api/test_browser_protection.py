@@ -398,7 +398,7 @@ def test_listen_address_decides_the_accepted_hosts(
     make_engine: Callable[..., Any], listen: tuple[str, int], host: str, status: int
 ) -> None:
     engine = make_engine()
-    app = create_app(engine, keys=KeyTable([]), limits=RELAXED, listen=listen)
+    app = create_app(engine.control_plane, keys=KeyTable([]), limits=RELAXED, listen=listen)
     client = falcon.testing.TestClient(app)
     result = client.simulate_get(f"{API}/health", headers={"Host": host})
     assert result.status_code == status, result.text

@@ -56,7 +56,7 @@ def zone_engine(
             runtime={"dns": {"servers": [dns.udp_url], "cache": {"max_entries": 16}}},
         )
         engine = make_engine(cfg)
-        yield local_client(create_app(engine, keys=KeyTable([]), limits=RELAXED))
+        yield local_client(create_app(engine.control_plane, keys=KeyTable([]), limits=RELAXED))
 
 
 def test_probe_target_reachable_through_the_engine_resolver(

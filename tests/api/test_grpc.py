@@ -70,8 +70,8 @@ class Client:
     """A channel to an engine's gRPC API and the Control stub on it."""
 
     def __init__(self, engine: Engine) -> None:
-        assert engine._grpc is not None
-        self.channel = grpc.insecure_channel(engine._grpc.target)
+        assert engine._transports.grpc is not None
+        self.channel = grpc.insecure_channel(engine._transports.grpc.target)
         self.stub = control_pb2_grpc.ControlStub(self.channel)
 
     def query(self, name: str, params: dict[str, Any] | None = None, key: str = ADMIN) -> Any:
@@ -129,7 +129,7 @@ def envelope_of(event: control_pb2.Event) -> dict[str, Any]:
 
 
 def test_queries_answer_the_http_apis_results_in_the_envelope(engine, client):
-    assert engine._grpc.address[1] != 0
+    assert engine._transports.grpc.address[1] != 0
     health = client.query("health")
     assert (health.api_id, health.id, health.ok) == ("service.api.v1", "q-health", True)
     assert not health.HasField("error")
@@ -354,7 +354,7 @@ def test_subscribe_resumes_from_the_ring_with_since(engine, client):
 
 
 def test_streams_share_the_engines_slots_and_a_cancel_gives_the_slot_back(engine, client):
-    slots = engine._grpc._service._state.sse_slots
+    slots = engine._transports.grpc._service._state.sse_slots
     calls = [client.subscribe(["policy.selected"]) for _ in range(slots.capacity)]
     for call in calls:
         call.initial_metadata()  # each subscribed
@@ -365,7 +365,7 @@ def test_streams_share_the_engines_slots_and_a_cancel_gives_the_slot_back(engine
     for call in calls:
         call.cancel()
     wait_until(lambda: slots.used == 0, what="every cancelled stream's slot back")
-    assert not engine._grpc._service._streams
+    assert not engine._transports.grpc._service._streams
 
 
 def test_a_subscriber_that_does_not_read_never_blocks_the_engine(make_engine):
@@ -384,7 +384,7 @@ def test_a_subscriber_that_does_not_read_never_blocks_the_engine(make_engine):
         code, details, _ = refusal(lambda: received.extend(call))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "since" in details and len(received) < 3000
-        slots = engine._grpc._service._state.sse_slots
+        slots = engine._transports.grpc._service._state.sse_slots
         wait_until(lambda: slots.used == 0, what="the overflowed stream's slot back")
     finally:
         client.close()

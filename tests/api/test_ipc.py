@@ -192,7 +192,7 @@ def test_a_client_that_stops_reading_is_dropped_and_never_blocks_the_engine(sock
     eng.start()
     try:
         # Small bounds, so a few thousand events overflow them.
-        server = eng._ipc
+        server = eng._transports.ipc
         assert server is not None
         server._max_pending, server._out_queue = 64, 4
         c = Client(sock_path)
@@ -268,7 +268,10 @@ def test_stop_cuts_off_a_client_that_neither_reads_nor_closes(sock_path):
     eng = Engine(_config(sock_path)).start()
     c = Client(sock_path)
     c.send(b'{"id": 1, "runtime": {}}\n' * 3000)  # replies pile up unread
-    wait_until(lambda: eng._ipc is not None and eng._ipc.active == 1, what="connected")
+    wait_until(
+        lambda: eng._transports.ipc is not None and eng._transports.ipc.active == 1,
+        what="connected",
+    )
     started = time.monotonic()
     eng.stop()
     assert time.monotonic() - started < 8.0
@@ -291,7 +294,7 @@ def test_a_default_directory_another_user_could_have_made_is_refused(tmp_path):
     ipc.prepare_path(str(shared / "control.sock"), private_dir=False).release()
 
 
-def _race(core: Any, path: str) -> tuple[list[ipc.IpcServer], list[ApiError]]:
+def _race(plane: Any, path: str) -> tuple[list[ipc.IpcServer], list[ApiError]]:
     """Two IpcServers started at the same moment on ``path``: those made, those refused."""
     barrier = threading.Barrier(2)
     won: list[ipc.IpcServer] = []
@@ -300,7 +303,7 @@ def _race(core: Any, path: str) -> tuple[list[ipc.IpcServer], list[ApiError]]:
     def start() -> None:
         barrier.wait()
         try:
-            won.append(ipc.IpcServer(core, path))
+            won.append(ipc.IpcServer(plane, path))
         except ApiError as ex:
             lost.append(ex)
 
@@ -323,7 +326,7 @@ def test_two_servers_starting_at_once_on_one_path_one_wins_the_other_conflicts(e
         stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stale.bind(path)
         stale.close()
-        won, lost = _race(engine.core, path)
+        won, lost = _race(engine.control_plane, path)
         try:
             assert (len(won), len(lost)) == (1, 1), (rounds, lost)
             assert lost[0].code == "conflict" and path in lost[0].message

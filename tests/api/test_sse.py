@@ -189,7 +189,7 @@ def test_sixth_stream_is_refused_and_a_dropped_client_frees_its_slot(
 
 def test_keepalive_comments_on_an_idle_stream(make_engine: Callable[..., Any]) -> None:
     engine = make_engine(base_config(runtime={"stats_interval_ms": 60000}))
-    app = create_app(engine, keys=KeyTable([]), limits=RELAXED, keepalive_s=0.2)
+    app = create_app(engine.control_plane, keys=KeyTable([]), limits=RELAXED, keepalive_s=0.2)
     server = ControlServer(app, "127.0.0.1", 0)
     server.start()
     try:

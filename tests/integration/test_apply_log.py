@@ -95,7 +95,7 @@ def test_an_apply_over_grpc_names_grpc(
     doc["api"]["grpc"] = {"enabled": True}
     engine = make_engine(doc)
     new = {**doc, "mode": {"kind": "direct"}}
-    with grpc.insecure_channel(engine._grpc.target) as channel:
+    with grpc.insecure_channel(engine._transports.grpc.target) as channel:
         stub = control_pb2_grpc.ControlStub(channel)
         request = control_pb2.CommandRequest(
             id="c-1", method="config.apply_runtime", params={"config": new}

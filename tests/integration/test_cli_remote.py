@@ -126,7 +126,7 @@ def test_events_prints_one_envelope_per_line_until_the_engine_stops(sock_path):
     )
     try:
         # Subscribed once the engine holds its subscription: then select.
-        wait_until(lambda: any(c._sub for c in list(eng._ipc._conns)), what="subscribed")
+        wait_until(lambda: any(c._sub for c in list(eng._transports.ipc._conns)), what="subscribed")
         eng.execute("policies.select", {"policy_tag": "proxy", "target_tag": "block"})
         ready, _, _ = select.select([proc.stdout], [], [], 20)
         assert ready, "no event line within 20 s"

@@ -1,0 +1,31 @@
+"""The messages a command sends to the engine's actors: immutable values.
+
+They are the control plane's half of the conversation, so they live here, below the
+actors: ``commands`` asks with them without importing any actor, and the actors
+that answer (flows, UDP associations, policy groups) import them from here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["CloseFlow", "ProbeNow", "SelectMember"]
+
+
+class CloseFlow(NamedTuple):
+    """``flows.close``: end the flow now (outcome cancelled, close_reason manual)."""
+
+    #: Which flow (an actor holding several, a UDP association, needs it).
+    flow_id: str = ""
+
+
+class SelectMember(NamedTuple):
+    """``policies.select``: use ``target`` (a direct member of this selector)."""
+
+    target: str
+
+
+class ProbeNow(NamedTuple):
+    """Start a probe round unless one is running; answers whether it started."""
+
+    trigger: str
