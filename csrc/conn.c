@@ -33,9 +33,13 @@
  */
 #define _GNU_SOURCE
 #include "conn.h"
+#include "clock.h"
 #include "evloop.h"
+#include "heap.h"
 #include "iplit.h"
+#include "ip6text.h"
 #include "parse.h"
+#include "ring.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -304,20 +308,6 @@ struct sw_conn {
 
 /* ---- small helpers ------------------------------------------------------ */
 
-static uint64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
-static uint64_t real_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 static uint32_t hash_str(const char *s)
 {
     uint32_t h = 2166136261u;
@@ -347,40 +337,7 @@ static int write_all(int fd, const void *data, size_t len)
 
 /* ---- timers (min-heap by deadline) --------------------------------------- */
 
-static void heap_swap(struct cloop *L, size_t a, size_t b)
-{
-    struct cconn *t = L->heap[a];
-    L->heap[a] = L->heap[b];
-    L->heap[b] = t;
-    L->heap[a]->heap_idx = a;
-    L->heap[b]->heap_idx = b;
-}
-
-static void heap_up(struct cloop *L, size_t i)
-{
-    while (i > 0) {
-        size_t p = (i - 1) / 2;
-        if (L->heap[p]->deadline <= L->heap[i]->deadline)
-            break;
-        heap_swap(L, i, p);
-        i = p;
-    }
-}
-
-static void heap_down(struct cloop *L, size_t i)
-{
-    for (;;) {
-        size_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < L->heap_len && L->heap[l]->deadline < L->heap[m]->deadline)
-            m = l;
-        if (r < L->heap_len && L->heap[r]->deadline < L->heap[m]->deadline)
-            m = r;
-        if (m == i)
-            return;
-        heap_swap(L, i, m);
-        i = m;
-    }
-}
+SW_HEAP_DEFINE(heap, struct cloop, struct cconn, heap_idx, deadline)
 
 static void timer_clear(struct cconn *c)
 {
@@ -390,41 +347,23 @@ static void timer_clear(struct cconn *c)
         return;
     c->heap_idx = SIZE_MAX;
     c->deadline = 0;
-    L->heap_len--;
-    if (i == L->heap_len)
-        return;
-    L->heap[i] = L->heap[L->heap_len];
-    L->heap[i]->heap_idx = i;
-    heap_up(L, i);
-    heap_down(L, L->heap[i]->heap_idx);
+    heap_remove(L, i);
 }
 
 static int timer_set(struct cconn *c, uint64_t deadline)
 {
     struct cloop *L = c->loop;
     timer_clear(c);
-    if (L->heap_len == L->heap_cap) {
-        size_t cap = L->heap_cap ? L->heap_cap * 2 : 256;
-        struct cconn **h = realloc(L->heap, cap * sizeof *h);
-        if (!h)
-            return -ENOMEM;
-        L->heap = h;
-        L->heap_cap = cap;
-    }
     c->deadline = deadline;
-    c->heap_idx = L->heap_len;
-    L->heap[L->heap_len++] = c;
-    heap_up(L, c->heap_idx);
-    return 0;
+    int e = heap_push(L, c, 256);
+    if (e)
+        c->deadline = 0; /* not in the heap: no deadline, as timer_clear leaves it */
+    return e;
 }
 
 /* ---- records ------------------------------------------------------------- */
 
-static uint32_t ring_used(struct ring *R)
-{
-    return atomic_load_explicit(&R->head, memory_order_relaxed) -
-           atomic_load_explicit(&R->tail, memory_order_acquire);
-}
+static uint32_t ring_used(struct ring *R) { return sw_ring_used(&R->head, &R->tail); }
 
 /* Room for one more held connection's records? */
 static bool ring_has_room(struct cloop *L)
@@ -436,12 +375,12 @@ static bool ring_has_room(struct cloop *L)
 static sw_conn_record *record_begin(struct cconn *c, uint32_t kind)
 {
     struct ring *R = &c->loop->ring;
-    uint32_t head = atomic_load_explicit(&R->head, memory_order_relaxed);
+    uint32_t head = sw_ring_head(&R->head);
     sw_conn_record *r = &R->slots[head & R->mask];
     memset(r, 0, offsetof(sw_conn_record, name));
     r->name[0] = 0;
     r->flow = c->flow;
-    r->at_unix_ms = real_ms();
+    r->at_unix_ms = sw_real_ms();
     r->kind = kind;
     r->inbound = c->listener->index;
     r->principal = c->principal;
@@ -472,11 +411,11 @@ static void record_listener(struct cloop *L, struct listener *l, uint32_t kind, 
                             int err, int32_t detail)
 {
     struct ring *R = &L->ring;
-    uint32_t head = atomic_load_explicit(&R->head, memory_order_relaxed);
+    uint32_t head = sw_ring_head(&R->head);
     sw_conn_record *r = &R->slots[head & R->mask];
     memset(r, 0, sizeof *r);
     r->flow = outage;
-    r->at_unix_ms = real_ms();
+    r->at_unix_ms = sw_real_ms();
     r->kind = kind;
     r->inbound = l->index;
     r->principal = SW_NO_PRINCIPAL;
@@ -484,7 +423,7 @@ static void record_listener(struct cloop *L, struct listener *l, uint32_t kind, 
     r->target = -1;
     r->err = err;
     r->detail = detail;
-    atomic_store_explicit(&R->head, head + 1, memory_order_release);
+    sw_ring_publish(&R->head, head);
     L->published = true;
 }
 
@@ -499,8 +438,7 @@ static void record_commit(struct cconn *c)
 {
     struct cloop *L = c->loop;
     struct ring *R = &L->ring;
-    atomic_store_explicit(&R->head, atomic_load_explicit(&R->head, memory_order_relaxed) + 1,
-                          memory_order_release);
+    sw_ring_publish(&R->head, sw_ring_head(&R->head));
     L->promised--;
     c->promise--;
     L->published = true;
@@ -598,7 +536,7 @@ static void addr_select(struct cconn *c, uint8_t i)
 static bool dns_get(sw_conn *conn, const char *host, struct cconn *c, uint16_t port)
 {
     uint32_t b = hash_str(host) % DNS_BUCKETS;
-    uint64_t now = mono_ms();
+    uint64_t now = sw_mono_ms();
     bool found = false;
     pthread_mutex_lock(&conn->dns_lock);
     for (struct dns_entry *e = conn->dns[b]; e; e = e->next) {
@@ -655,7 +593,7 @@ int sw_conn_dns_put(sw_conn *conn, const char *host, uint32_t n, const uint8_t *
     size_t len = strlen(host);
     if (len == 0 || len >= SW_HOST_MAX)
         return -EINVAL;
-    uint64_t now = mono_ms();
+    uint64_t now = sw_mono_ms();
     uint32_t b = hash_str(host) % DNS_BUCKETS;
     pthread_mutex_lock(&conn->dns_lock);
     struct dns_entry *e = conn->dns[b];
@@ -1250,7 +1188,7 @@ static void start_connect(struct cconn *c)
     }
     c->state = ST_CONNECT;
     if (c->addr_idx == 0) /* one deadline for every address, as open_tcp has */
-        timer_set(c, mono_ms() + c->connect_timeout_ms);
+        timer_set(c, sw_mono_ms() + c->connect_timeout_ms);
     /* A loopback (or otherwise local) handshake has finished inside connect()
      * though it said EINPROGRESS: go on now rather than one epoll round later
      * (and never put a relayed direct upstream in this loop's set at all). */
@@ -1304,7 +1242,7 @@ static void dial(struct cconn *c)
 /* The handshake completed: route, maybe sniff first, then dial. */
 static void after_handshake(struct cconn *c)
 {
-    c->started_ms = real_ms();
+    c->started_ms = sw_real_ms();
     c->hs_tx = c->ctx;
     if (!decide(c)) {
         conn_defer(c, SW_DEFER_ROUTE);
@@ -1324,7 +1262,7 @@ static void after_handshake(struct cconn *c)
         record_started(c);
         c->state = ST_SNIFF_PRE;
         if (sniff_step(c) == SNIFF_WAIT) {
-            timer_set(c, mono_ms() + c->listener->opts.sniff_timeout_ms);
+            timer_set(c, sw_mono_ms() + c->listener->opts.sniff_timeout_ms);
             return;
         }
         if (!decide(c)) {
@@ -1725,7 +1663,7 @@ static void proceed_after_reply(struct cconn *c)
         if (c->listener->opts.sniff) {
             c->state = ST_SNIFF_POST;
             if (sniff_step(c) == SNIFF_WAIT) {
-                timer_set(c, mono_ms() + c->listener->opts.sniff_timeout_ms);
+                timer_set(c, sw_mono_ms() + c->listener->opts.sniff_timeout_ms);
                 return;
             }
         }
@@ -1861,7 +1799,7 @@ static int fwd_try(struct cconn *c, const uint8_t *p, size_t n)
         return -1;
     set_host(c, f.host, f.host_len);
     c->port = f.port;
-    c->started_ms = real_ms();
+    c->started_ms = sw_real_ms();
     c->hs_tx = 0;
     if (!decide(c) || c->out_kind != SW_OUT_DIRECT)
         return -1; /* blocked, a proxy outbound, a DNS miss...: Python's answer */
@@ -1944,7 +1882,7 @@ static void fwd_send(struct cconn *c)
         conn_defer(c, SW_DEFER_FORWARD);
         return;
     }
-    timer_set(c, mono_ms() + c->listener->opts.idle_timeout_ms);
+    timer_set(c, sw_mono_ms() + c->listener->opts.idle_timeout_ms);
     fwd_readable(c);
 }
 
@@ -2073,7 +2011,7 @@ static void fwd_next(struct cconn *c)
         epoll_ctl(c->loop->epfd, EPOLL_CTL_MOD, c->cfd, &ev);
         c->fwd_out_watch = false;
     }
-    if (timer_set(c, mono_ms() + c->listener->opts.idle_timeout_ms) < 0) {
+    if (timer_set(c, sw_mono_ms() + c->listener->opts.idle_timeout_ms) < 0) {
         conn_release(c);
         return;
     }
@@ -2389,36 +2327,6 @@ static void timer_fired(struct cconn *c)
     }
 }
 
-/* An IPv6 address as CPython 3.11's str(IPv6Address) writes it (the host a
- * Python inbound would give the flow): lowercase hextets without leading
- * zeros, the first longest run of two or more zero hextets as "::", never
- * an IPv4 tail (inet_ntop writes one for mapped and compatible addresses). */
-static size_t ip6_text(const uint8_t *a, char *out)
-{
-    int best = -1, best_len = 1;
-    for (int i = 0; i < 8;) {
-        int j = i;
-        while (j < 8 && !a[2 * j] && !a[2 * j + 1])
-            j++;
-        if (j - i > best_len)
-            best = i, best_len = j - i;
-        i = j > i ? j : i + 1;
-    }
-    size_t n = 0;
-    for (int i = 0; i < 8; i++) {
-        if (i == best) {
-            n += (size_t)sprintf(out + n, "::");
-            i += best_len - 1;
-            continue;
-        }
-        if (n && out[n - 1] != ':')
-            out[n++] = ':';
-        n += (size_t)sprintf(out + n, "%x", (unsigned)(a[2 * i] << 8 | a[2 * i + 1]));
-    }
-    out[n] = 0;
-    return n;
-}
-
 /* The TUN "handshake": the accepted socket's peer is the stack's NAT address
  * and port; its entry holds the original source and destination. */
 static bool tun_handshake(struct cconn *c)
@@ -2436,7 +2344,7 @@ static bool tun_handshake(struct cconn *c)
         c->host_len = (uint16_t)sprintf(c->host, "%u.%u.%u.%u", f.dst[0], f.dst[1], f.dst[2],
                                         f.dst[3]);
     else
-        c->host_len = (uint16_t)ip6_text(f.dst, c->host);
+        c->host_len = (uint16_t)sw_ip6_text(f.dst, c->host);
     c->port = f.dport;
     return true;
 }
@@ -2455,7 +2363,7 @@ static void accept_exhausted(struct cloop *L, struct listener *l, int err)
 {
     uint32_t delay = L->accept_delay_ms ? L->accept_delay_ms * 2 : ACCEPT_BACKOFF_MIN_MS;
     L->accept_delay_ms = delay > ACCEPT_BACKOFF_MAX_MS ? ACCEPT_BACKOFF_MAX_MS : delay;
-    L->accept_retry_at = mono_ms() + L->accept_delay_ms;
+    L->accept_retry_at = sw_mono_ms() + L->accept_delay_ms;
     atomic_fetch_add_explicit(&l->outage_failures, 1, memory_order_relaxed);
     uint32_t none = 0;
     uint32_t number = atomic_load(&l->outages) + 1;
@@ -2576,7 +2484,7 @@ static void accept_on(struct cloop *L, struct listener *l)
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET,
                                  .data.ptr = &c->ep_client};
         if (epoll_ctl(L->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ||
-            timer_set(c, mono_ms() + l->opts.handshake_timeout_ms) < 0) {
+            timer_set(c, sw_mono_ms() + l->opts.handshake_timeout_ms) < 0) {
             conn_drop(c);
             continue;
         }
@@ -2643,7 +2551,7 @@ static void *loop_main(void *arg)
         if (L->accept_more) {
             timeout = 0;
         } else if (L->heap_len || L->accept_retry_at) {
-            uint64_t now = mono_ms();
+            uint64_t now = sw_mono_ms();
             uint64_t first = L->heap_len ? L->heap[0]->deadline : UINT64_MAX;
             if (L->accept_retry_at && L->accept_retry_at < first)
                 first = L->accept_retry_at;
@@ -2682,7 +2590,7 @@ static void *loop_main(void *arg)
                 break;
             }
         }
-        uint64_t now = mono_ms();
+        uint64_t now = sw_mono_ms();
         while (L->heap_len && L->heap[0]->deadline <= now) {
             struct cconn *c = L->heap[0];
             timer_clear(c);
@@ -3136,8 +3044,8 @@ int sw_conn_drain(sw_conn *conn, sw_conn_record *out, size_t max)
     for (int i = 0; i < conn->nloops; i++) {
         struct cloop *L = &conn->loops[i];
         struct ring *R = &L->ring;
-        uint32_t tail = atomic_load_explicit(&R->tail, memory_order_relaxed);
-        uint32_t head = atomic_load_explicit(&R->head, memory_order_acquire);
+        uint32_t tail = sw_ring_tail(&R->tail);
+        uint32_t head = sw_ring_ready(&R->head);
         uint32_t took = 0;
         while (tail != head && n < max) {
             memcpy(&out[n++], &R->slots[tail & R->mask], sizeof(sw_conn_record));
@@ -3146,7 +3054,7 @@ int sw_conn_drain(sw_conn *conn, sw_conn_record *out, size_t max)
         }
         if (tail != head)
             more = true;
-        atomic_store_explicit(&R->tail, tail, memory_order_release);
+        sw_ring_release(&R->tail, tail);
         if (took && atomic_load(&L->paused))
             efd_signal(L->wakefd); /* room again: let it accept */
     }
