@@ -34,8 +34,14 @@ def _rel(path: pathlib.Path) -> str:
 #: The C modules linked into the extension, each a ``.c`` with its ``.h``, in cdef
 #: order (conn.h's declarations use tun.h's sw_tun).
 MODULES = ("relay", "iplit", "parse", "route", "pkt", "tun", "conn", "udp")
-#: Helpers those modules share, compiled in but not part of the cdef.
-INTERNAL: tuple[str, ...] = ()
+#: Further parts of a module, compiled in but not part of the cdef (conn.c is
+#: split along its sections; conn_int.h is what the parts share).
+PARTS = (
+    "conn_flow", "conn_dns", "conn_route", "conn_upstream", "conn_forward", "conn_handshake",
+    "conn_api",
+)  # fmt: skip
+#: Internal headers (static inline helpers, shared types): rebuild triggers only.
+INTERNAL_HEADERS = ("clock", "evloop", "heap", "ip6text", "ring", "conn_int")
 
 
 def _cdef_text() -> str:
@@ -69,9 +75,9 @@ def _make_builder(*, absolute: bool) -> FFI:
     builder.set_source(
         "spliceway._relay",
         "".join(f'#include "{name}.h"\n' for name in MODULES),
-        sources=[path(_HERE / f"{name}.c") for name in (*MODULES, *INTERNAL)],
+        sources=[path(_HERE / f"{name}.c") for name in (*MODULES, *PARTS)],
         include_dirs=[path(_HERE)],
-        depends=[path(_HERE / f"{name}.h") for name in (*MODULES, *INTERNAL)],
+        depends=[path(_HERE / f"{name}.h") for name in (*MODULES, *INTERNAL_HEADERS)],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         # libcrypto (OpenSSL 3, Debian libssl-dev) for the Shadowsocks AEAD flows.
