@@ -8,6 +8,9 @@ Python sees can never drift from the ones the C code is compiled against.
 separated) builds an instrumented debug extension; load it with the matching
 runtime preloaded, e.g. ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``.
 
+``SPLICEWAY_RELAY_WERROR=1`` adds ``-Werror`` to ``-Wall -Wextra``: CI builds so, and
+the sources build warning-free with the gcc of Debian 12 (12.2).
+
 Run directly (``python csrc/relay_build.py``) to compile in place for quick
 iteration; pip builds go through setup.py.
 """
@@ -64,6 +67,8 @@ def _flags() -> tuple[list[str], list[str]]:
         debug = [f"-fsanitize={kinds}", "-fno-omit-frame-pointer", "-g"]
         compile_args = ["-O1", "-std=gnu11", "-Wall", "-Wextra", *debug]
         link_args = [f"-fsanitize={kinds}"]
+    if os.environ.get("SPLICEWAY_RELAY_WERROR", "").strip() not in ("", "0"):
+        compile_args.append("-Werror")
     return compile_args, link_args
 
 
