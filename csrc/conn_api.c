@@ -54,8 +54,8 @@ int sw_conn_new(sw_relay *relay, int nloops, uint32_t ring_records, sw_conn **ou
         L->ring.mask = cap - 1;
         /* mmap: pages of the ring cost memory only once records reach them. */
         L->ring.bytes = (size_t)cap * sizeof(sw_conn_record);
-        void *slots = mmap(NULL, L->ring.bytes, PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        void *slots =
+            mmap(NULL, L->ring.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (slots == MAP_FAILED) {
             rc = -errno;
             goto fail;
@@ -283,8 +283,7 @@ static int listen_on(sw_conn *conn, uint32_t inbound, int fd, const sw_listener_
     l->tun = tun;
     atomic_store(&l->active, 1);
     for (int i = 0; i < conn->nloops; i++) {
-        struct epoll_event ev = {.events = EPOLLIN | EPOLLET | EPOLLEXCLUSIVE,
-                                 .data.ptr = &l->ep};
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLET | EPOLLEXCLUSIVE, .data.ptr = &l->ep};
         if (epoll_ctl(conn->loops[i].epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
             rc = -errno;
             for (int j = 0; j < i; j++)
@@ -416,10 +415,7 @@ int sw_conn_request_close(sw_conn *conn, uint64_t flow)
     return 0;
 }
 
-int sw_conn_fd(sw_conn *conn)
-{
-    return conn ? conn->efd : -EINVAL;
-}
+int sw_conn_fd(sw_conn *conn) { return conn ? conn->efd : -EINVAL; }
 
 int sw_conn_drain(sw_conn *conn, sw_conn_record *out, size_t max)
 {

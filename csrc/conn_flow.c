@@ -63,10 +63,7 @@ int timer_set(struct cconn *c, uint64_t deadline)
 
 /* ---- records ------------------------------------------------------------- */
 
-uint32_t ring_used(struct ring *R)
-{
-    return sw_ring_used(&R->head, &R->tail);
-}
+uint32_t ring_used(struct ring *R) { return sw_ring_used(&R->head, &R->tail); }
 
 /* Room for one more held connection's records? */
 bool ring_has_room(struct cloop *L)
@@ -110,8 +107,8 @@ sw_conn_record *record_begin(struct cconn *c, uint32_t kind)
 
 /* A listener's record (SW_REC_ACCEPT_*): no connection promised it, so the
  * caller checks the ring has room for one more. */
-void record_listener(struct cloop *L, struct listener *l, uint32_t kind, uint32_t outage,
-                            int err, int32_t detail)
+void record_listener(struct cloop *L, struct listener *l, uint32_t kind, uint32_t outage, int err,
+                     int32_t detail)
 {
     struct ring *R = &L->ring;
     uint32_t head = sw_ring_head(&R->head);
@@ -286,7 +283,6 @@ void conn_defer(struct cconn *c, uint32_t stage)
 }
 
 /* ---- failure messages ---------------------------------------------------- */
-
 
 /* Keep the text of flow c's failure for Python (sw_conn_take_message), which
  * takes it when the ENDED record says so; the oldest go beyond the bound. */
@@ -465,8 +461,8 @@ void failure_reply(struct cconn *c, int socks_code, int http_status, const char 
         "HTTP/1.1 %d %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n%s\n";
     char small[1024], *out = small;
     size_t body = strlen(message) + 1;
-    int n = snprintf(small, sizeof small, fmt, http_status, http_phrase(http_status), body,
-                     message);
+    int n =
+        snprintf(small, sizeof small, fmt, http_status, http_phrase(http_status), body, message);
     if (n < 0)
         return;
     if ((size_t)n >= sizeof small) {
@@ -481,7 +477,6 @@ void failure_reply(struct cconn *c, int socks_code, int http_status, const char 
 }
 
 /* ---- sniffing ----------------------------------------------------------------- */
-
 
 /* Peek at the client's first bytes (they stay in the socket for the relay).
  * Early bytes C already holds are sniffed instead, as the Python path does. */

@@ -78,8 +78,8 @@ int fwd_try(struct cconn *c, const uint8_t *p, size_t n)
     c->consumed = f.consumed;
     record_started(c);
     if (c->ufd >= 0) {
-        if (c->fwd_target == c->rr.target && c->fwd_epoch == c->epoch &&
-            c->fwd_port == c->port && !strcmp(c->fwd_host, c->host) && fwd_usable(c->ufd)) {
+        if (c->fwd_target == c->rr.target && c->fwd_epoch == c->epoch && c->fwd_port == c->port &&
+            !strcmp(c->fwd_host, c->host) && fwd_usable(c->ufd)) {
             fwd_send(c);
             return 1;
         }
@@ -104,7 +104,7 @@ static void fwd_end(struct cconn *c, uint32_t end, int err, int detail)
 /* Python's _refuse_request for a dial that failed: the status and message,
  * the connection kept when the client keeps it (its request had no body). */
 void fwd_refuse(struct cconn *c, uint32_t end, int err, int detail, int http_status,
-                       const char *message)
+                const char *message)
 {
     char reply[1024];
     size_t body = strlen(message) + 1;
@@ -212,8 +212,8 @@ void fwd_readable(struct cconn *c)
         break;
     }
     sw_http_fwd_response fr;
-    int rc = sw_parse_http_fwd_response(c->rbuf, c->rlen, c->fwd_head, !c->fwd_keep, &fr,
-                                        c->fbuf, FWD_BUF);
+    int rc = sw_parse_http_fwd_response(c->rbuf, c->rlen, c->fwd_head, !c->fwd_keep, &fr, c->fbuf,
+                                        FWD_BUF);
     if (rc == SW_PARSE_OK && fr.consumed + fr.length <= c->rlen &&
         fr.wire_len + fr.length <= FWD_BUF) {
         const uint32_t body = (uint32_t)fr.length;
@@ -238,8 +238,8 @@ void fwd_readable(struct cconn *c)
 void fwd_timed_out(struct cconn *c)
 {
     sw_http_fwd_response fr;
-    int rc = sw_parse_http_fwd_response(c->rbuf, c->rlen, c->fwd_head, !c->fwd_keep, &fr,
-                                        c->fbuf, FWD_BUF);
+    int rc = sw_parse_http_fwd_response(c->rbuf, c->rlen, c->fwd_head, !c->fwd_keep, &fr, c->fbuf,
+                                        FWD_BUF);
     if (rc != SW_PARSE_OK) {
         failure_reply(c, 1, 502, "upstream connection failed: timed out");
         fwd_end(c, SW_END_FWD_TIMEOUT, 0, 0);

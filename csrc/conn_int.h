@@ -7,12 +7,12 @@
 #define SW_CONN_INT_H
 
 #define _GNU_SOURCE
-#include "conn.h"
 #include "clock.h"
+#include "conn.h"
 #include "evloop.h"
 #include "heap.h"
-#include "iplit.h"
 #include "ip6text.h"
+#include "iplit.h"
 #include "parse.h"
 #include "ring.h"
 
@@ -66,7 +66,7 @@ _Static_assert(MAX_LISTENERS == SW_TABLE_INBOUND_SLOTS, "listener slots != table
 enum ep_type { EP_WAKE = 1, EP_LISTENER, EP_CLIENT, EP_UPSTREAM };
 
 enum state {
-    ST_HS_FIRST = 1,  /* mixed: waiting for the first byte */
+    ST_HS_FIRST = 1, /* mixed: waiting for the first byte */
     ST_S5_GREETING,
     ST_S5_USERPASS,
     ST_S5_REQUEST,
@@ -102,7 +102,7 @@ struct listener {
     sw_listener_opts opts;
     struct user *users;
     size_t nusers;
-    sw_tun *tun;              /* SW_IN_TUN: the stack whose NAT names the flows */
+    sw_tun *tun;                   /* SW_IN_TUN: the stack whose NAT names the flows */
     struct listener *next_retired; /* in conn->retired_listeners once unlistened */
     /* Out of descriptors: the number of the outage under way (0: none), the
      * last one's number, and the accepts failed in the one under way.  Any
@@ -113,40 +113,40 @@ struct listener {
 };
 
 struct cconn {
-    struct ep ep_client;      /* .type EP_CLIENT */
-    struct ep ep_up;          /* .type EP_UPSTREAM */
+    struct ep ep_client; /* .type EP_CLIENT */
+    struct ep ep_up;     /* .type EP_UPSTREAM */
     struct cloop *loop;
     struct listener *listener;
-    struct cconn *next_dead;  /* freed at the end of the epoll batch */
-    struct cconn *prev, *next;/* the loop's list of held connections */
+    struct cconn *next_dead;   /* freed at the end of the epoll batch */
+    struct cconn *prev, *next; /* the loop's list of held connections */
     int cfd, ufd;
     int state;
     bool dead, replied, started, dialled;
-    bool up_watched;          /* ufd is in the loop's epoll set */
-    bool client_eof;          /* the client's FIN was read during the handshake */
-    uint8_t promise;          /* records this connection may still write */
-    uint8_t proto;            /* 1 socks5, 2 http */
+    bool up_watched; /* ufd is in the loop's epoll set */
+    bool client_eof; /* the client's FIN was read during the handshake */
+    uint8_t promise; /* records this connection may still write */
+    uint8_t proto;   /* 1 socks5, 2 http */
     uint8_t auth;
     uint32_t principal;
     uint64_t flow;
     uint64_t started_ms;
-    uint64_t deadline;        /* monotonic ms, 0 = none */
-    size_t heap_idx;          /* SIZE_MAX when not in the heap */
+    uint64_t deadline; /* monotonic ms, 0 = none */
+    size_t heap_idx;   /* SIZE_MAX when not in the heap */
     uint8_t *buf;
     uint32_t len, cap, consumed;
     uint32_t crx, ctx, urx, utx, early, late;
-    uint32_t hs_tx;           /* client bytes written by the handshake itself */
+    uint32_t hs_tx; /* client bytes written by the handshake itself */
     uint8_t src_family;
     uint16_t src_port;
     uint8_t src_ip[16];
     uint16_t port, host_len, sniffed_len;
-    uint8_t command;          /* SOCKS5 command; 3 (UDP ASSOCIATE) goes to Python */
+    uint8_t command; /* SOCKS5 command; 3 (UDP ASSOCIATE) goes to Python */
     char host[SW_HOST_MAX];
     char sniffed[SW_HOST_MAX];
     /* the route, copied from the table */
     uint64_t epoch;
     sw_route_result rr;
-    bool sniff_may_reroute;   /* a domain rule ranks before the matched one */
+    bool sniff_may_reroute; /* a domain rule ranks before the matched one */
     int out_kind;
     uint32_t connect_timeout_ms;
     struct sockaddr_storage up_addr;
@@ -157,37 +157,37 @@ struct cconn {
     uint8_t addr_family[SW_DNS_MAX_ADDRS];
     uint8_t addr_raw[SW_DNS_MAX_ADDRS][16];
     char *up_user, *up_pass; /* socks5 upstream credentials (copied) */
-    char *up_tag;             /* the proxy outbound's tag, for failure messages */
-    uint8_t *http_buf;        /* upstream http: the CONNECT request, then its response */
+    char *up_tag;            /* the proxy outbound's tag, for failure messages */
+    uint8_t *http_buf;       /* upstream http: the CONNECT request, then its response */
     uint32_t http_req_len, http_len, http_cap;
-    const uint8_t *left;      /* upstream bytes past the proxy's answer, for the client */
+    const uint8_t *left; /* upstream bytes past the proxy's answer, for the client */
     uint32_t left_len;
-    char up_where[300];       /* "server:port" of the proxy, as Python writes it */
+    char up_where[300]; /* "server:port" of the proxy, as Python writes it */
     uint8_t up_buf[600];
     uint32_t up_len;
     /* Forwarding an absolute-URI request (fwd_try): one flow per request. */
-    bool fwd;                 /* the current request is one C forwards */
-    bool fwd_keep;            /* its client keeps the connection after it */
-    bool fwd_head;            /* its method is HEAD */
-    bool fwd_served;          /* C answered a request on this connection before */
-    bool fwd_reuse;           /* ST_FWD_FLUSH: the upstream may serve the next request */
-    bool fwd_out_watch;       /* the client's epoll mask has EPOLLOUT (ST_FWD_FLUSH) */
-    uint32_t fwd_head_len;    /* the request head, at the start of buf */
-    int32_t fwd_target;       /* what the kept upstream connection was dialled for */
+    bool fwd;              /* the current request is one C forwards */
+    bool fwd_keep;         /* its client keeps the connection after it */
+    bool fwd_head;         /* its method is HEAD */
+    bool fwd_served;       /* C answered a request on this connection before */
+    bool fwd_reuse;        /* ST_FWD_FLUSH: the upstream may serve the next request */
+    bool fwd_out_watch;    /* the client's epoll mask has EPOLLOUT (ST_FWD_FLUSH) */
+    uint32_t fwd_head_len; /* the request head, at the start of buf */
+    int32_t fwd_target;    /* what the kept upstream connection was dialled for */
     uint64_t fwd_epoch;
     uint16_t fwd_port;
     char fwd_host[SW_HOST_MAX];
-    uint8_t *fbuf;            /* the request's origin-form head, then the answer */
+    uint8_t *fbuf; /* the request's origin-form head, then the answer */
     uint32_t flen, foff;
-    uint8_t *rbuf;            /* what the upstream answered */
+    uint8_t *rbuf; /* what the upstream answered */
     uint32_t rlen;
 };
 
 struct cmd {
     struct cmd *next;
-    int kind;                 /* CMD_CLOSE, CMD_BARRIER */
+    int kind; /* CMD_CLOSE, CMD_BARRIER */
     uint64_t flow;
-    int done;                 /* barrier: set by the loop */
+    int done; /* barrier: set by the loop */
 };
 enum { CMD_CLOSE = 1, CMD_BARRIER = 2 };
 
@@ -195,8 +195,8 @@ struct ring {
     sw_conn_record *slots;
     size_t bytes;
     uint32_t mask;
-    _Atomic uint32_t head;    /* written by the loop */
-    _Atomic uint32_t tail;    /* written by the consumer */
+    _Atomic uint32_t head; /* written by the loop */
+    _Atomic uint32_t tail; /* written by the consumer */
 };
 
 struct cloop {
@@ -210,16 +210,16 @@ struct cloop {
     pthread_cond_t cmd_cond;
     struct cmd *cmds;
     _Atomic int stop;
-    _Atomic uint64_t seen;    /* epoch seen this iteration, 0 while asleep */
-    _Atomic int paused;       /* accepting paused for ring room */
+    _Atomic uint64_t seen; /* epoch seen this iteration, 0 while asleep */
+    _Atomic int paused;    /* accepting paused for ring room */
     struct ring ring;
-    uint32_t promised;        /* records held connections may still write */
+    uint32_t promised; /* records held connections may still write */
     struct cconn **heap;
     size_t heap_len, heap_cap;
-    struct cconn *held;       /* list of held connections */
+    struct cconn *held; /* list of held connections */
     struct cconn *dead;
-    bool published;           /* a record went into the ring this iteration */
-    bool accept_more;         /* a listener's batch ended before EAGAIN */
+    bool published;   /* a record went into the ring this iteration */
+    bool accept_more; /* a listener's batch ended before EAGAIN */
     /* Out of descriptors: no accept before accept_retry_at (monotonic ms, 0:
      * accepting); accept_delay_ms is the pause the last failure chose. */
     uint64_t accept_retry_at;
@@ -235,8 +235,8 @@ struct retired {
 
 struct dns_entry {
     struct dns_entry *next;
-    uint64_t expires;         /* monotonic ms */
-    uint8_t n;                /* addresses, in the resolver's order */
+    uint64_t expires; /* monotonic ms */
+    uint8_t n;        /* addresses, in the resolver's order */
     uint8_t family[SW_DNS_MAX_ADDRS];
     uint8_t addr[SW_DNS_MAX_ADDRS][16];
     char host[];
@@ -251,7 +251,7 @@ struct sw_conn {
     sw_relay *relay;
     int nloops;
     struct cloop *loops;
-    int efd;                  /* readable while records or deferrals are pending */
+    int efd; /* readable while records or deferrals are pending */
     _Atomic uint64_t next_flow;
     _Atomic(sw_table *) table;
     _Atomic uint64_t epoch;

@@ -10,8 +10,7 @@
 static void start_flow(struct cconn *c);
 
 /* An IP literal as Python's resolver and encode_address read it (iplit.h). */
-bool parse_ip_literal(const char *host, struct sockaddr_storage *ss, socklen_t *len,
-                             uint16_t port)
+bool parse_ip_literal(const char *host, struct sockaddr_storage *ss, socklen_t *len, uint16_t port)
 {
     size_t n = strlen(host);
     memset(ss, 0, sizeof *ss);
@@ -110,8 +109,8 @@ bool decide(struct cconn *c)
     /* As the Python path's _sniff_may_reroute: only rule mode, and only when
      * a domain rule ranks before the match (before the end for the final). */
     int64_t matched = c->rr.rule >= 0 ? c->rr.rule : (int64_t)sw_table_rule_count(t);
-    c->sniff_may_reroute = sw_table_mode(t) == SW_MODE_RULE &&
-                           (int64_t)sw_table_first_domain_rule(t) < matched;
+    c->sniff_may_reroute =
+        sw_table_mode(t) == SW_MODE_RULE && (int64_t)sw_table_first_domain_rule(t) < matched;
     c->out_kind = SW_OUT_BLOCK;
     if (c->rr.action == SW_ROUTE_BLOCK)
         return true;
@@ -170,9 +169,8 @@ bool decide(struct cconn *c)
     return true;
 }
 
-
-void fail_flow(struct cconn *c, uint32_t end, int err, int detail, int socks_code,
-                      int http_status, const char *message)
+void fail_flow(struct cconn *c, uint32_t end, int err, int detail, int socks_code, int http_status,
+               const char *message)
 {
     if (c->fwd) {
         fwd_refuse(c, end, err, detail, http_status, message);
@@ -181,7 +179,6 @@ void fail_flow(struct cconn *c, uint32_t end, int err, int detail, int socks_cod
     failure_reply(c, socks_code, http_status, message);
     conn_end(c, end, err, detail);
 }
-
 
 void connect_failed(struct cconn *c, int err)
 {

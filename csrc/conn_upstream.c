@@ -87,8 +87,7 @@ static int up_pair(struct cconn *c, uint8_t version, uint8_t *value)
     if (c->up_len < 2)
         return 0;
     if (c->up_buf[0] != version) {
-        up_broken(c, version == 5 ? SW_PROTO_METHOD_VERSION : SW_PROTO_AUTH_VERSION,
-                  c->up_buf[0]);
+        up_broken(c, version == 5 ? SW_PROTO_METHOD_VERSION : SW_PROTO_AUTH_VERSION, c->up_buf[0]);
         return -1;
     }
     *value = c->up_buf[1];
@@ -370,7 +369,6 @@ void proceed_after_reply(struct cconn *c)
     hand_off(c);
 }
 
-
 /* The address a ROUTED record says the upstream was dialled at. */
 void record_resolved(sw_conn_record *r, const struct sockaddr_storage *addr)
 {
@@ -417,8 +415,8 @@ void hand_off(struct cconn *c)
     record_name(r, c->sniffed, c->sniffed_len);
     record_resolved(r, &c->up_addr);
     uint64_t handle = 0;
-    int rc = sw_relay_add_own(conn->relay, c->cfd, c->ufd, c->listener->opts.idle_timeout_ms,
-                              &handle);
+    int rc =
+        sw_relay_add_own(conn->relay, c->cfd, c->ufd, c->listener->opts.idle_timeout_ms, &handle);
     if (rc < 0) {
         /* Not published yet: turn the slot into an ENDED record instead. */
         r->kind = SW_REC_ENDED;
