@@ -69,6 +69,10 @@ def _flags() -> tuple[list[str], list[str]]:
         link_args = [f"-fsanitize={kinds}"]
     if os.environ.get("SPLICEWAY_RELAY_WERROR", "").strip() not in ("", "0"):
         compile_args.append("-Werror")
+        if "thread" in sanitize:
+            # gcc's TSan does not model fences and says so (-Wtsan) about
+            # relay.c's counter seqlock, whose fences are correct: a warning kept.
+            compile_args.append("-Wno-error=tsan")
     return compile_args, link_args
 
 
