@@ -40,7 +40,10 @@ C_FILES = (
     BENCH / "fuzz_parse.c", ROOT / "csrc" / "parse.c", ROOT / "csrc" / "iplit.c",
     ROOT / "csrc" / "pkt.c",
 )  # fmt: skip
-SOURCES = (*C_FILES, ROOT / "csrc" / "parse.h", ROOT / "csrc" / "iplit.h", ROOT / "csrc" / "pkt.h")
+SOURCES = (
+    *C_FILES,
+    *(ROOT / "csrc" / name for name in ("parse.h", "iplit.h", "pkt.h", "ip6text.h")),
+)
 
 
 def build(cc: str) -> Path:

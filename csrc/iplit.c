@@ -2,6 +2,7 @@
  * IP literals exactly as CPython 3.11's ipaddress reads them.  See iplit.h.
  */
 #include "iplit.h"
+#include "ip6text.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -313,44 +314,6 @@ int sw_host_addr_as_given(const uint8_t *s, size_t n, uint8_t out[16])
     return host_addr(s, n, out, false);
 }
 
-/* ipaddress.IPv6Address.__str__: hextets in lowercase hex, the first longest
- * run of two or more zero hextets as "::". */
-static size_t ip6_text(const uint8_t a[16], char *out)
-{
-    unsigned h[8];
-    int best = -1, best_len = 0, run = -1, run_len = 0;
-    for (int i = 0; i < 8; i++) {
-        h[i] = (unsigned)a[2 * i] << 8 | a[2 * i + 1];
-        if (h[i] == 0) {
-            if (run < 0)
-                run = i;
-            if (++run_len > best_len) {
-                best = run;
-                best_len = run_len;
-            }
-        } else {
-            run = -1;
-            run_len = 0;
-        }
-    }
-    if (best_len < 2)
-        best = -1;
-    size_t o = 0;
-    for (int i = 0; i < 8; i++) {
-        if (i == best) {
-            out[o++] = ':';
-            out[o++] = ':';
-            i += best_len - 1;
-            continue;
-        }
-        if (i && i != best + best_len)
-            out[o++] = ':';
-        o += (size_t)sprintf(out + o, "%x", h[i]);
-    }
-    out[o] = 0;
-    return o;
-}
-
 int sw_host_canon(const uint8_t *s, size_t n, char *out, size_t cap, size_t *out_len)
 {
     if (!out || !out_len || (n && !s))
@@ -362,7 +325,7 @@ int sw_host_canon(const uint8_t *s, size_t n, char *out, size_t cap, size_t *out
     if (kind == SW_HOST_IP4) {
         m = (size_t)sprintf(text, "%u.%u.%u.%u", a[0], a[1], a[2], a[3]);
     } else if (kind == SW_HOST_IP6) {
-        m = ip6_text(a, text);
+        m = sw_ip6_text(a, text);
     } else {
         /* A name: one trailing dot dropped (not the only byte, nor one of
          * two), unless it has a '%', which Python leaves as given. */

@@ -49,6 +49,7 @@
  */
 #include "parse.h"
 #include "iplit.h"
+#include "ip6text.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -180,57 +181,6 @@ static size_t ip4_text(const uint8_t a[4], char *out)
     return n;
 }
 
-/* ipaddress.IPv6Address(packed).compressed as Python 3.11 spells it
- * (_compress_hextets): lower-case hex without leading zeros, the leftmost
- * longest run of two or more zero hextets replaced by "::".  No mixed
- * IPv4 notation for any address: that is the caller's decision (glibc's
- * inet_ntop writes "::a.b.c.d" for IPv4-compatible addresses, Python does
- * not, which is why this is not inet_ntop). */
-static size_t ip6_text(const uint8_t a[16], char *out)
-{
-    unsigned h[8];
-    for (int i = 0; i < 8; i++)
-        h[i] = (unsigned)a[2 * i] << 8 | a[2 * i + 1];
-    int best = -1, best_len = 0, run = -1, run_len = 0;
-    for (int i = 0; i < 8; i++) {
-        if (h[i] == 0) {
-            if (run < 0)
-                run = i;
-            /* strictly longer: the first of equal runs wins */
-            if (++run_len > best_len) {
-                best_len = run_len;
-                best = run;
-            }
-        } else {
-            run = -1;
-            run_len = 0;
-        }
-    }
-    if (best_len < 2)
-        best = -1;
-    static const char digits[] = "0123456789abcdef";
-    size_t n = 0;
-    for (int i = 0; i < 8; i++) {
-        if (i == best) {
-            out[n++] = ':';
-            out[n++] = ':';
-            i += best_len - 1;
-            continue;
-        }
-        if (i && i != best + best_len)
-            out[n++] = ':';
-        bool started = false;
-        for (int shift = 12; shift >= 0; shift -= 4) {
-            unsigned d = (h[i] >> shift) & 0xF;
-            if (d || started || shift == 0) {
-                out[n++] = digits[d];
-                started = true;
-            }
-        }
-    }
-    return n;
-}
-
 /* ipaddress.IPv6Address(packed).ipv4_mapped is not None: ::ffff:0:0/96. */
 static bool ip6_is_v4_mapped(const uint8_t a[16])
 {
@@ -331,7 +281,7 @@ static size_t s5_host_text(uint8_t atyp, const uint8_t *addr, size_t n, char *ou
         memcpy(out, "::ffff:", 7);
         n = 7 + ip4_text(addr + 12, out + 7);
     } else {
-        n = ip6_text(addr, out);
+        n = sw_ip6_text(addr, out);
     }
     out[n] = '\0';
     return n;
@@ -506,7 +456,7 @@ static bool http_authority(const uint8_t *t, size_t n, sw_http_connect *out)
             return false;
         port_text = rest + 1;
         port_len = rest_len - 1;
-        host_len = ip6_text(a, out->host);
+        host_len = sw_ip6_text(a, out->host);
     } else {
         const uint8_t *colon = memchr(t, ':', n);
         if (!colon)
@@ -1138,7 +1088,7 @@ static int up_authority(const char *host, struct up_authority *a)
              * id unchecked -- Python's _authority does not look at it, so
              * neither may C, save for the ASCII encoding. */
             a->v6 = true;
-            a->ip_len = ip6_text(v6, a->ip);
+            a->ip_len = sw_ip6_text(v6, a->ip);
             if (pct) {
                 for (size_t i = 0; i < scope_len; i++)
                     if (pct[1 + i] >= 0x80)
@@ -1936,7 +1886,7 @@ static int sniff_http_host(const uint8_t *v, size_t n, sw_sniffed *out)
             return SW_PARSE_ERROR;
         /* .compressed as Python 3.11 has it, IPv4-mapped ones in hex too
          * (3.13 would write ::ffff:a.b.c.d; sniff.py does not pin it). */
-        size_t m = ip6_text(a, out->host);
+        size_t m = sw_ip6_text(a, out->host);
         out->host[m] = '\0';
         out->host_len = (uint16_t)m;
         return SW_PARSE_OK;

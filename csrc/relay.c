@@ -45,6 +45,7 @@
  */
 #define _GNU_SOURCE
 #include "relay.h"
+#include "clock.h"
 #include "evloop.h"
 
 #include <errno.h>
@@ -297,13 +298,6 @@ struct sw_relay {
 };
 
 /* ------------------------------------------------------------------------ */
-
-static int64_t clock_ms(clockid_t id)
-{
-    struct timespec ts;
-    clock_gettime(id, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* A flow's public handle (handle_slot() splits it again); its epoll cookies
  * add the side in bit 31, which slot indices never reach. */
@@ -1142,8 +1136,8 @@ static void flow_service(struct loop *L, struct flow *f)
 
 static void clocks_update(struct loop *L)
 {
-    L->now_mono = clock_ms(CLOCK_MONOTONIC);
-    L->now_real = clock_ms(CLOCK_REALTIME);
+    L->now_mono = (int64_t)sw_mono_ms();
+    L->now_real = (int64_t)sw_real_ms();
 }
 
 static void handle_event(struct loop *L, const struct epoll_event *ev)
@@ -1245,7 +1239,7 @@ static int loop_timeout(struct loop *L)
         return 0;
     if (L->ntimed == 0)
         return -1; /* nothing can happen without an event: sleep */
-    L->now_mono = clock_ms(CLOCK_MONOTONIC);
+    L->now_mono = (int64_t)sw_mono_ms();
     for (int64_t i = 0; i < WHEEL_SLOTS; i++) {
         int64_t t = L->wheel_cursor + i;
         if (!dl_empty(&L->wheel[t % WHEEL_SLOTS])) {
@@ -1608,8 +1602,7 @@ static void flow_init(struct sw_relay *r, struct flow *f, uint32_t li, int cfd, 
     atomic_thread_fence(memory_order_release);
     for (int i = 0; i < C_COUNT; i++)
         atomic_store_explicit(&f->ctr[i], 0, memory_order_relaxed);
-    atomic_store_explicit(&f->last_activity_ms, (uint64_t)clock_ms(CLOCK_REALTIME),
-                          memory_order_relaxed);
+    atomic_store_explicit(&f->last_activity_ms, sw_real_ms(), memory_order_relaxed);
 }
 
 /* sw_relay_add and sw_relay_add_aead; on success the flow owns `aead`. */

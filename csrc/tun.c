@@ -53,8 +53,10 @@
  */
 #define _GNU_SOURCE
 #include "tun.h"
+#include "clock.h"
 #include "evloop.h"
 #include "pkt.h"
+#include "ring.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -172,27 +174,11 @@ struct sw_tun {
     pthread_mutex_t drain_lock;
 };
 
-static uint64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
+/* Session expiry needs no better than a tick: the coarse clock is a vDSO
+ * read without the hardware counter. */
+static uint64_t mono_ms(void) { return sw_clock_ms(CLOCK_MONOTONIC_COARSE); }
 
-static uint64_t real_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-static uint32_t pow2_at_least(uint32_t n)
-{
-    uint32_t p = 1;
-    while (p < n && p < (1u << 30))
-        p <<= 1;
-    return p;
-}
+static uint32_t pow2_at_least(uint32_t n) { return sw_pow2_at_least(n, 1u << 30); }
 
 /* FNV-1a over the tuple, seeded: cheap, and a local application cannot aim
  * its tuples at one chain without knowing the seed. */
@@ -221,28 +207,22 @@ static size_t alen_of(uint8_t version) { return version == 4 ? 4 : 16; }
  * Records
  */
 
-static uint32_t ring_used(sw_tun *t)
-{
-    return atomic_load_explicit(&t->head, memory_order_relaxed) -
-           atomic_load_explicit(&t->tail, memory_order_acquire);
-}
-
 static bool ring_room(sw_tun *t, size_t payload)
 {
-    return ring_used(t) <= t->rmask &&
+    return sw_ring_has_room(&t->head, &t->tail, t->rmask) &&
            atomic_load_explicit(&t->ring_bytes, memory_order_relaxed) + payload <= t->o.ring_bytes;
 }
 
 /* Puts a record (room checked by the caller); payload ownership passes. */
 static void ring_put(sw_tun *t, const sw_tun_record *r, uint8_t *payload)
 {
-    uint32_t h = atomic_load_explicit(&t->head, memory_order_relaxed);
+    uint32_t h = sw_ring_head(&t->head);
     struct slot *s = &t->ring[h & t->rmask];
     s->rec = *r;
     s->payload = payload;
     if (payload)
         atomic_fetch_add_explicit(&t->ring_bytes, r->payload_len, memory_order_relaxed);
-    atomic_store_explicit(&t->head, h + 1, memory_order_release);
+    sw_ring_publish(&t->head, h);
 }
 
 static void ring_announce(sw_tun *t)
@@ -354,7 +334,7 @@ static struct nat *nat_create(sw_tun *t, const sw_pkt *pk, uint32_t hash, uint16
     n->natport = nat_port_alloc(t);
     n->state = SW_TUN_TCP_SYN;
     n->last_ms = now;
-    n->created_unix_ms = real_ms();
+    n->created_unix_ms = sw_real_ms();
     n->hnext = t->tcp_hash[hash & t->tcp_hmask];
     t->tcp_hash[hash & t->tcp_hmask] = n;
     t->by_port[n->natport] = n;
@@ -510,7 +490,7 @@ static void sess_fill(sw_tun *t, struct usess *s, sw_tun_record *r, uint32_t kin
 {
     memset(r, 0, sizeof *r);
     r->session = sess_id(t, s);
-    r->at_unix_ms = real_ms();
+    r->at_unix_ms = sw_real_ms();
     r->kind = kind;
     r->version = s->version;
     r->sport = s->sport;
@@ -1005,7 +985,7 @@ int sw_tun_new(const sw_tun_opts *opts, sw_tun **out)
     pthread_mutex_init(&t->lock, NULL);
     pthread_mutex_init(&t->drain_lock, NULL);
     if (getrandom(&t->seed, sizeof t->seed, GRND_NONBLOCK) != sizeof t->seed)
-        t->seed = (uint32_t)real_ms() ^ (uint32_t)(uintptr_t)t;
+        t->seed = (uint32_t)sw_real_ms() ^ (uint32_t)(uintptr_t)t;
     t->next_port = NAT_PORT_MIN;
     t->timeouts[L_SYN] = o.syn_timeout_ms;
     t->timeouts[L_OPEN] = o.tcp_idle_ms;
@@ -1153,8 +1133,8 @@ int sw_tun_drain(sw_tun *t, sw_tun_record *out, size_t max, uint8_t *payload, si
     /* Clear the flag first: a record put after this is announced again. */
     atomic_store(&t->signalled, 0);
     efd_clear(t->efd);
-    uint32_t tail = atomic_load_explicit(&t->tail, memory_order_relaxed);
-    uint32_t head = atomic_load_explicit(&t->head, memory_order_acquire);
+    uint32_t tail = sw_ring_tail(&t->tail);
+    uint32_t head = sw_ring_ready(&t->head);
     while (n < max && tail != head) {
         struct slot *s = &t->ring[tail & t->rmask];
         uint32_t plen = s->rec.payload_len;
@@ -1174,7 +1154,7 @@ int sw_tun_drain(sw_tun *t, sw_tun_record *out, size_t max, uint8_t *payload, si
         n++;
         tail++;
     }
-    atomic_store_explicit(&t->tail, tail, memory_order_release);
+    sw_ring_release(&t->tail, tail);
     if (tail != atomic_load(&t->head))
         ring_announce(t);
     pthread_mutex_unlock(&t->drain_lock);

@@ -53,8 +53,11 @@
  */
 #define _GNU_SOURCE
 #include "udp.h"
+#include "clock.h"
 #include "evloop.h"
+#include "heap.h"
 #include "parse.h"
+#include "ring.h"
 
 #include <errno.h>
 #include <netinet/in.h>
@@ -96,13 +99,6 @@ struct ep {
 };
 
 /* ---- time, hashing --------------------------------------------------------- */
-
-static uint64_t clock_ms(clockid_t id)
-{
-    struct timespec ts;
-    clock_gettime(id, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
 
 static uint64_t mix64(uint64_t z)
 {
@@ -356,8 +352,8 @@ struct sw_udp {
 
 static void now_update(struct uloop *L)
 {
-    L->now = clock_ms(CLOCK_MONOTONIC);
-    L->now_unix = clock_ms(CLOCK_REALTIME);
+    L->now = sw_mono_ms();
+    L->now_unix = sw_real_ms();
 }
 
 static void flush_signal(struct uloop *L)
@@ -457,40 +453,7 @@ static void counters_add(sw_udp_counters *to, const sw_udp_counters *from)
 
 /* ---- timers -------------------------------------------------------------------- */
 
-static void heap_swap(struct uloop *L, size_t i, size_t j)
-{
-    struct timer *t = L->heap[i];
-    L->heap[i] = L->heap[j];
-    L->heap[j] = t;
-    L->heap[i]->idx = i;
-    L->heap[j]->idx = j;
-}
-
-static void heap_up(struct uloop *L, size_t i)
-{
-    while (i > 0) {
-        size_t p = (i - 1) / 2;
-        if (L->heap[p]->deadline <= L->heap[i]->deadline)
-            break;
-        heap_swap(L, i, p);
-        i = p;
-    }
-}
-
-static void heap_down(struct uloop *L, size_t i)
-{
-    for (;;) {
-        size_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < L->heap_len && L->heap[l]->deadline < L->heap[m]->deadline)
-            m = l;
-        if (r < L->heap_len && L->heap[r]->deadline < L->heap[m]->deadline)
-            m = r;
-        if (m == i)
-            break;
-        heap_swap(L, i, m);
-        i = m;
-    }
-}
+SW_HEAP_DEFINE(heap, struct uloop, struct timer, idx, deadline)
 
 /* Arms t (timeout > 0) from its `last`.  Returns -ENOMEM only when the heap
  * cannot grow. */
@@ -498,19 +461,12 @@ static int timer_arm(struct uloop *L, struct timer *t)
 {
     if (!t->timeout)
         return 0;
-    if (L->heap_len == L->heap_cap) {
-        size_t cap = L->heap_cap ? L->heap_cap * 2 : 64;
-        struct timer **h = realloc(L->heap, cap * sizeof *h);
-        if (!h)
-            return -ENOMEM;
-        L->heap = h;
-        L->heap_cap = cap;
-    }
+    uint64_t old = t->deadline;
     t->deadline = t->last + t->timeout;
-    t->idx = L->heap_len;
-    L->heap[L->heap_len++] = t;
-    heap_up(L, t->idx);
-    return 0;
+    int e = heap_push(L, t, 64);
+    if (e)
+        t->deadline = old; /* unarmed, as it was */
+    return e;
 }
 
 static void timer_disarm(struct uloop *L, struct timer *t)
@@ -519,22 +475,14 @@ static void timer_disarm(struct uloop *L, struct timer *t)
     if (i == SIZE_MAX)
         return;
     t->idx = SIZE_MAX;
-    L->heap_len--;
-    if (i == L->heap_len)
-        return;
-    L->heap[i] = L->heap[L->heap_len];
-    L->heap[i]->idx = i;
-    heap_down(L, i);
-    heap_up(L, L->heap[i]->idx);
+    heap_remove(L, i);
 }
 
 /* ---- records --------------------------------------------------------------------- */
 
 static bool ring_room(struct uloop *L)
 {
-    uint32_t used = atomic_load_explicit(&L->head, memory_order_relaxed) -
-                    atomic_load_explicit(&L->tail, memory_order_acquire);
-    return used <= L->mask;
+    return sw_ring_has_room(&L->head, &L->tail, L->mask);
 }
 
 static void rec_init(struct uloop *L, sw_udp_record *r, uint32_t kind, uint64_t assoc)
@@ -548,11 +496,11 @@ static void rec_init(struct uloop *L, sw_udp_record *r, uint32_t kind, uint64_t 
 
 static void ring_put(struct uloop *L, const sw_udp_record *r, struct pkt *payload)
 {
-    uint32_t head = atomic_load_explicit(&L->head, memory_order_relaxed);
+    uint32_t head = sw_ring_head(&L->head);
     struct rslot *s = &L->slots[head & L->mask];
     memcpy(&s->rec, r, sizeof *r);
     s->payload = payload;
-    atomic_store_explicit(&L->head, head + 1, memory_order_release);
+    sw_ring_publish(&L->head, head);
     L->published = true;
 }
 
@@ -1191,7 +1139,7 @@ static int sleep_ms(struct uloop *L)
 {
     if (!L->heap_len)
         return -1;
-    uint64_t now = clock_ms(CLOCK_MONOTONIC), first = L->heap[0]->deadline;
+    uint64_t now = sw_mono_ms(), first = L->heap[0]->deadline;
     if (first <= now)
         return 0;
     return (int)(first - now > 60000 ? 60000 : first - now);
@@ -1274,14 +1222,6 @@ static void *loop_main(void *arg)
 
 int sw_udp_abi_version(void) { return SW_UDP_ABI_VERSION; }
 
-static uint32_t pow2_at_least(uint32_t v)
-{
-    uint32_t p = 1;
-    while (p < v && p < (1u << 24))
-        p <<= 1;
-    return p;
-}
-
 static void loop_destroy(struct uloop *L)
 {
     struct ovf *o = L->ovf_head;
@@ -1347,7 +1287,7 @@ int sw_udp_new(const sw_udp_opts *opts, sw_udp **out)
     if (o.loops > MAX_LOOPS)
         return -EINVAL;
     o.max_assocs = o.max_assocs ? o.max_assocs : DEFAULT_ASSOCS;
-    o.ring_records = pow2_at_least(o.ring_records ? o.ring_records : DEFAULT_RING);
+    o.ring_records = sw_pow2_at_least(o.ring_records ? o.ring_records : DEFAULT_RING, 1u << 24);
     o.max_dests = o.max_dests ? o.max_dests : DEFAULT_DESTS;
     o.pending_max = o.pending_max ? o.pending_max : DEFAULT_PENDING;
     o.pending_bytes_max = o.pending_bytes_max ? o.pending_bytes_max : DEFAULT_PENDING_BYTES;
@@ -1364,7 +1304,7 @@ int sw_udp_new(const sw_udp_opts *opts, sw_udp **out)
     pthread_mutex_init(&udp->shut_lock, NULL);
     int rc = 0;
     if (getrandom(&udp->seed, sizeof udp->seed, GRND_NONBLOCK) != sizeof udp->seed)
-        udp->seed = clock_ms(CLOCK_REALTIME) ^ (uint64_t)(uintptr_t)udp;
+        udp->seed = sw_real_ms() ^ (uint64_t)(uintptr_t)udp;
     udp->nloops = (int)o.loops;
     /* whole rounds of slots, so each loop holds the same number */
     uint32_t per_loop = (o.max_assocs + o.loops - 1) / o.loops;
@@ -1474,8 +1414,8 @@ int sw_udp_drain(sw_udp *udp, sw_udp_record *out, size_t max, uint8_t *payload, 
     bool more = false;
     for (int i = 0; i < udp->nloops; i++) {
         struct uloop *L = &udp->loops[i];
-        uint32_t tail = atomic_load_explicit(&L->tail, memory_order_relaxed);
-        uint32_t head = atomic_load_explicit(&L->head, memory_order_acquire);
+        uint32_t tail = sw_ring_tail(&L->tail);
+        uint32_t head = sw_ring_ready(&L->head);
         bool stuck = false;
         while (tail != head && n < max) {
             struct rslot *s = &L->slots[tail & L->mask];
@@ -1499,7 +1439,7 @@ int sw_udp_drain(sw_udp *udp, sw_udp_record *out, size_t max, uint8_t *payload, 
             n++;
             tail++;
         }
-        atomic_store_explicit(&L->tail, tail, memory_order_release);
+        sw_ring_release(&L->tail, tail);
         if (tail != head || stuck) {
             more = true;
             continue;

@@ -3,7 +3,8 @@ heads, TLS ClientHello/SNI, the upstream replies, the TUN's packets) under ASan 
 UBSan in every CI run: benchmarks/fuzz_parse.py builds the driver with
 ``-fsanitize=address,undefined -fno-sanitize-recover=all`` and runs a bounded, seeded
 slice of the fuzz campaign (the long runs are the benchmark's own). A sanitizer report
-or a broken driver invariant exits non-zero with the failing input kept."""
+or a broken driver invariant exits non-zero with the failing input kept. The route
+tables (csrc/route.c) get the same through benchmarks/fuzz_route.c."""
 
 from __future__ import annotations
 
@@ -37,3 +38,27 @@ def test_the_c_parsers_survive_a_sanitized_fuzz_run() -> None:
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "fuzz_parse exited 0" in run.stdout + run.stderr
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_route_tables_survive_a_sanitized_fuzz_run() -> None:
+    """csrc/route.c's builders and sw_table_decide under ASan/UBSan, through the same
+    command as CI's fuzz slice (benchmarks/fuzz_slice.py), for a short seeded run."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "fuzz_slice.py"),
+            "--only",
+            "route",
+            "--seconds",
+            "5",
+            "--seed",
+            "20261125",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "fuzz slice: all clean" in run.stdout
