@@ -610,7 +610,7 @@ class DnsResponder:
             logger.debug(
                 "the DNS server refused a malformed query (%s; %d more refused in the "
                 "previous %.0f s)",
-                "dropped" if reply is None else dns.rcode.to_text(rcode),
+                "dropped" if reply is None else dns.rcode.to_text(dns.rcode.Rcode(rcode)),
                 self._refusals.skipped,
                 LOG_INTERVAL_SECONDS,
             )
