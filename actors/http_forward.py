@@ -35,7 +35,7 @@ from spliceway.flows.inbound import (
 )
 from spliceway.flows.outbounds import DialError
 from spliceway.native import conn as connpath
-from spliceway.protocols import NEED_MORE, ProtocolError, shadowsocks
+from spliceway.protocols import NEED_MORE, NeedMore, ProtocolError, shadowsocks
 from spliceway.protocols import http as http_proto
 from spliceway.protocols import http_message as framing
 from spliceway.routing import hostnorm
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Coroutine
 
     from spliceway.flows.outbounds import Dialed
+    from spliceway.routing.rules import RouteDecision
 
 #: Largest read from either socket.
 _CHUNK = 64 * 1024
@@ -54,6 +55,17 @@ _KEEP, _CLOSE, _TUNNEL = range(3)
 
 class _ClientGone(Exception):
     """Writing to the client failed: it went away mid-response."""
+
+
+class _UpstreamFailed(Exception):
+    """The upstream failed a request (HttpForwarding._upstream_failed answers it).
+
+    ``answered``: the client already had bytes of a response (an interim one, or part of
+    the final one), so it gets no 502."""
+
+    def __init__(self, message: str, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class _Upstream:
@@ -182,6 +194,32 @@ class HttpForwarding:
     _fwd_memo: _RequestMemo | None
     _fwd_rmemo: _ResponseMemo | None
 
+    if TYPE_CHECKING:
+        # FlowActor's methods this mixin calls: declared for the type checker only, so
+        # a change of their signatures in actors/flow.py fails mypy here.
+        async def _establish(self, steps: Coroutine[Any, Any, None] | None = None) -> None: ...
+        async def _tunnel_request(
+            self, hs: Handshake, state: records.FlowState, replied: bool = False
+        ) -> None: ...
+        async def _decide(
+            self, hs: Handshake, address: str | None = None
+        ) -> tuple[RouteDecision, str | None]: ...
+        async def _dial(self, outbound: Any, hs: Handshake, address: str | None) -> Any: ...
+        def _new_state(self, hs: Handshake, started_at: int | None = None) -> records.FlowState: ...
+        def _start_record(self, state: records.FlowState) -> None: ...
+        async def _reply(self, data: bytes, *, quiet: bool = False) -> None: ...
+        def _set_route(self, decision: RouteDecision, chain: list[str], outbound: Any) -> None: ...
+        def _report_member_down(self, chain: list[str], error: str) -> None: ...
+        def _complete_closed(self) -> None: ...
+        def _relayed_outcome(self) -> str: ...
+        def _publish(
+            self, event_type: str, payload_fn: Any, occurred: int | None = None
+        ) -> None: ...
+        def _complete(
+            self, outcome: str, close_reason: str | None, failure: records.Failure | None = None
+        ) -> None: ...
+        def _finish(self) -> None: ...
+
     # -- the connection ------------------------------------------------------------
 
     async def _serve_forward(
@@ -199,7 +237,7 @@ class HttpForwarding:
             self._fwd_up = None
             self._fwd_memo = None
             self._fwd_rmemo = None
-        process = (state.process_id, state.process_name, state.process_path)
+        pid, pname, ppath = state.process_id, state.process_name, state.process_path
         while True:
             if first is not None:
                 after, first = await first, None
@@ -215,8 +253,8 @@ class HttpForwarding:
             self._next_flow()
             hs = following
             state = self._new_state(hs)
-            if process[0] is not None:
-                state.set_process(*process)
+            if pid is not None:
+                state.set_process(pid, pname, ppath)
             if not hs.forward:
                 # A CONNECT after forwarded requests: the connection becomes its tunnel.
                 self._drop_upstream()
@@ -621,11 +659,61 @@ class HttpForwarding:
         upload: asyncio.Task[None] | None,
         upgrade: bool,
     ) -> int:
+        """Relay the upstream's response to the client; what the connection does next."""
+        head = request.head
+        try:
+            final = await self._final_head(request, up, upgrade)
+            if final is None:
+                return _TUNNEL
+            rmemo, buf, sent = final
+            tokens = rmemo.tokens
+            # The connection closes after a response the client can only see end by the
+            # close, when either side asked for it, or when the request body is still on its
+            # way (we could not tell where the next request starts).
+            close = (
+                not request.keep_alive
+                or "close" in tokens
+                or rmemo.kind == framing.CLOSE
+                or (upload is not None and not upload.done())
+                or self._fwd_upload_failed
+            )
+            reusable = (
+                not close
+                and (rmemo.response.version == "HTTP/1.1" or "keep-alive" in tokens)
+                and not (request.upgrade and not upgrade)
+            )
+            connection = (
+                "close" if close else ("keep-alive" if head.version == "HTTP/1.0" else None)
+            )
+            in_step = await self._download_body(up, rmemo, connection, buf, sent)
+        except _UpstreamFailed as ex:
+            return await self._upstream_failed(str(ex), ex.answered)
+        # Bytes after the response: the upstream is out of step.
+        reusable = reusable and in_step
+        if upload is not None and not upload.done():
+            upload.cancel()
+            reusable = False
+        if self._fwd_upload_failed:
+            close = True
+        if close or not reusable:
+            self._drop_upstream()
+        self._complete(self._relayed_outcome(), None)
+        return _CLOSE if close else _KEEP
+
+    async def _final_head(
+        self, request: ForwardRequest, up: _Upstream, upgrade: bool
+    ) -> tuple[_ResponseMemo, bytes, bool] | None:
+        """Read the upstream's final response head, passing interim ones to the client.
+
+        Returns the head's memo (the previous one when the head bytes repeat it), the bytes
+        read after the head, and whether the client has had an (interim) answer; None when
+        the connection switched protocols (it is a tunnel now). Raises _UpstreamFailed."""
         head = request.head
         buf, up.pending = up.pending, b""
         sent = False
         method = head.method.upper()
         rmemo = self._fwd_rmemo
+        response: http_proto.ResponseHead | NeedMore
         while True:
             if rmemo is not None and rmemo.method == method and buf.startswith(rmemo.raw):
                 # The previous response's head bytes again (an origin's heads differ
@@ -638,29 +726,19 @@ class HttpForwarding:
                 try:
                     response = http_proto.parse_response_head(buf)
                 except ProtocolError as ex:
-                    return await self._upstream_failed(f"upstream response: {ex}", sent)
+                    raise _UpstreamFailed(f"upstream response: {ex}", sent) from ex
             if response is NEED_MORE:
-                try:
-                    data = await self._up_recv(up)
-                except (OSError, TimeoutError, ProtocolError) as ex:
-                    return await self._upstream_failed(
-                        f"upstream connection failed: {str(ex) or 'timed out'}", sent
-                    )
-                if not data:
-                    return await self._upstream_failed(
-                        "upstream closed the connection before its response was complete", sent
-                    )
-                buf += data
+                buf += await self._more_response(up, sent)
                 continue
             raw, buf = buf[: response.consumed], buf[response.consumed :]
             if response.status == 101 and upgrade:
                 await self._to_client(http_proto.proxy_response(response, "Upgrade"))
                 await self._switch_protocols(up, buf)
-                return _TUNNEL
+                return None
             if response.status >= 200:
                 break
             if response.status == 101:
-                return await self._upstream_failed("upstream switched protocols unasked", sent)
+                raise _UpstreamFailed("upstream switched protocols unasked", sent)
             # Interim (100 Continue, 103): passed on, except to an HTTP/1.0 client, which
             # does not know them (RFC 9110 15.2).
             if head.version != "HTTP/1.0":
@@ -670,39 +748,48 @@ class HttpForwarding:
             try:
                 kind, length = framing.response_framing(response, method)
             except ProtocolError as ex:
-                return await self._upstream_failed(str(ex), sent)
+                raise _UpstreamFailed(str(ex), sent) from ex
             tokens = framing.connection_tokens(response.headers, "Connection")
             rmemo = self._fwd_rmemo = _ResponseMemo(
                 bytes(raw), method, response, kind, length, frozenset(tokens)
             )
-        else:
-            kind, length, tokens = rmemo.kind, rmemo.length, rmemo.tokens
-        # The connection closes after a response the client can only see end by the close,
-        # when either side asked for it, or when the request body is still on its way (we
-        # could not tell where the next request starts).
-        close = (
-            not request.keep_alive
-            or "close" in tokens
-            or kind == framing.CLOSE
-            or (upload is not None and not upload.done())
-            or self._fwd_upload_failed
-        )
-        reusable = (
-            not close
-            and (response.version == "HTTP/1.1" or "keep-alive" in tokens)
-            and not (request.upgrade and not upgrade)
-        )
-        connection = "close" if close else ("keep-alive" if head.version == "HTTP/1.0" else None)
-        body = framing.BodyFramer(kind, length)
+        return rmemo, buf, sent
+
+    async def _more_response(self, up: _Upstream, sent: bool) -> bytes:
+        """The upstream's next bytes of a response head; _UpstreamFailed when none come."""
+        try:
+            data = await self._up_recv(up)
+        except (OSError, TimeoutError, ProtocolError) as ex:
+            raise _UpstreamFailed(
+                f"upstream connection failed: {str(ex) or 'timed out'}", sent
+            ) from ex
+        if not data:
+            raise _UpstreamFailed(
+                "upstream closed the connection before its response was complete", sent
+            )
+        return data
+
+    async def _download_body(
+        self,
+        up: _Upstream,
+        rmemo: _ResponseMemo,
+        connection: str | None,
+        buf: bytes,
+        sent: bool,
+    ) -> bool:
+        """Send the final head, then relay the body until its framing ends.
+
+        True when the upstream stopped in step with the body (no bytes after it).
+        Raises _UpstreamFailed."""
+        body = framing.BodyFramer(rmemo.kind, rmemo.length)
         try:
             taken = body.feed(buf)
         except ProtocolError as ex:
-            return await self._upstream_failed(f"upstream response body: {ex}", sent)
-        if taken < len(buf):
-            reusable = False  # bytes after the response: the upstream is out of step
+            raise _UpstreamFailed(f"upstream response body: {ex}", sent) from ex
+        in_step = taken >= len(buf)
         out = rmemo.heads.get(connection)
         if out is None:
-            out = rmemo.heads[connection] = http_proto.proxy_response(response, connection)
+            out = rmemo.heads[connection] = http_proto.proxy_response(rmemo.response, connection)
         await self._to_client(out + buf[:taken])
         while not body.done:
             try:
@@ -710,30 +797,22 @@ class HttpForwarding:
                 if not data:
                     if body.at_eof():
                         break
-                    return await self._upstream_failed(
+                    raise _UpstreamFailed(
                         "upstream closed the connection mid-response; the response to the "
                         "client is cut short",
                         True,
                     )
                 taken = body.feed(data)
             except (OSError, TimeoutError, ProtocolError) as ex:
-                return await self._upstream_failed(
-                    f"upstream failed mid-response ({str(ex) or 'timed out'}); the response to "
-                    "the client is cut short",
+                raise _UpstreamFailed(
+                    f"upstream failed mid-response ({str(ex) or 'timed out'}); the response "
+                    "to the client is cut short",
                     True,
-                )
+                ) from ex
             if taken < len(data):
-                reusable = False
+                in_step = False
             await self._to_client(data[:taken])
-        if upload is not None and not upload.done():
-            upload.cancel()
-            reusable = False
-        if self._fwd_upload_failed:
-            close = True
-        if close or not reusable:
-            self._drop_upstream()
-        self._complete(self._relayed_outcome(), None)
-        return _CLOSE if close else _KEEP
+        return in_step
 
     async def _upstream_failed(self, message: str, answered: bool) -> int:
         """The upstream failed this request: a 502 if the client has no answer yet, the

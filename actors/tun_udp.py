@@ -259,7 +259,7 @@ class TunUdpActor(LoopActor):
     def on_stop(self) -> None:
         """Complete every open flow (an ordinary end, as at engine stop), close the
         upstreams, stop watching the stack. The stack's sessions stay its own."""
-        self.deps.flow_actors.discard(self)  # type: ignore[arg-type]
+        self.deps.flow_actors.discard(self)
         loop = self.dispatcher.loop
         if self._fd is not None:
             with contextlib.suppress(ValueError, OSError):

@@ -253,7 +253,7 @@ class GuardedChannel(HTTPChannel):
         #: Flushes that sent bytes, and the server's last look at them (stall check).
         self.sends = 0
         self.stall_mark: tuple[float, int] | None = None
-        self.parser_class = functools.partial(GuardedParser, channel=self)  # type: ignore[assignment]
+        self.parser_class = functools.partial(GuardedParser, channel=self)
         #: Accepted on the server's reserve descriptor: closing it gives the reserve back.
         self.on_reserve = False
         self._guard = server

@@ -128,8 +128,8 @@ class ControlServer:
             sock.close()
             raise
         self.address: tuple[str, int] = (
-            self._server.effective_host,  # type: ignore[union-attr]
-            int(self._server.effective_port),  # type: ignore[union-attr]
+            self._server.effective_host,
+            int(self._server.effective_port),
         )
         # The app's keyless Host check accepts the address and port actually bound
         # (port 0 in the config becomes the port the kernel chose).
@@ -187,7 +187,7 @@ class ControlServer:
         self._accepting = False
         server = self._server
         # dispatcher.close, not server.close, which would also close the trigger.
-        server.trigger.pull_trigger(lambda: wasyncore.dispatcher.close(server))  # type: ignore[union-attr]
+        server.trigger.pull_trigger(lambda: wasyncore.dispatcher.close(server))
 
     def stop(self) -> None:
         """Stop serving and join every thread the server started.
@@ -203,7 +203,7 @@ class ControlServer:
             time.monotonic() < deadline
         ):
             time.sleep(0.01)
-        server.trigger.pull_trigger(lambda: _close_all(server))  # type: ignore[union-attr]
+        server.trigger.pull_trigger(lambda: _close_all(server))
         self._thread.join(_JOIN_S)
         if self._thread.is_alive():
             logger.warning("control API loop did not stop within %.0f s", _JOIN_S)

@@ -67,8 +67,9 @@ class Feed:
         return cls(tag, normalize_types(events), source_id, outbox)
 
 
-def with_source(data: bytes, source_id: str) -> bytes:
-    """An envelope's JSON with its ``source_id`` set to ``source_id``."""
+def with_source(data: bytes, source_id: str | None) -> bytes:
+    """An envelope's JSON with its ``source_id`` set to ``source_id`` (None: the
+    engine's own null, as for a sink that stamps none)."""
     return orjson.dumps({**orjson.loads(data), "source_id": source_id})
 
 

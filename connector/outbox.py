@@ -121,6 +121,8 @@ class Outbox(Protocol):
     def take(self, limit: int) -> list[Item]: ...
     def ack(self, record_id: int) -> None: ...
     def flush_acks(self) -> int: ...
+    @property
+    def unflushed_acks(self) -> int: ...
     def dead_letter(self, item: Item, meta: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
 
@@ -237,6 +239,13 @@ class SegmentLog:
             scans.append(scan)
         self.next_id = max(self.next_id, acked_id + 1)
         recovery.recovered_records = pending
+        return pending, self._resume(scans, acked_id, recovery, delete_acked)
+
+    def _resume(
+        self, scans: list[_Scan], acked_id: int, recovery: Recovery, delete_acked: bool
+    ) -> tuple[int, int]:
+        """Take the scanned segments as the log (the last one open for appends unless
+        read-only); return the read position (see :meth:`recover`)."""
         # Nothing pending: the reader starts at the end of the log, which the next
         # append may well extend in place (not at a segment yet to be created).
         position = (scans[-1].seg.first_id, scans[-1].size) if scans else (self.next_id, 0)
@@ -255,7 +264,7 @@ class SegmentLog:
                         self.delete_through(acked_id)
                     except OSError as ex:
                         recovery.errors.append(f"cannot delete acknowledged segments: {ex}")
-        return pending, position
+        return position
 
     # -- writing (intake thread) ----------------------------------------------------
 
@@ -767,7 +776,7 @@ class MemoryOutbox:
     def take(self, limit: int) -> list[Item]:
         """The next queued items after those already taken."""
         with self._lock:
-            out = []
+            out: list[Item] = []
             while self._read < len(self._items) and len(out) < limit:
                 out.append(self._items[self._read])
                 self._read += 1

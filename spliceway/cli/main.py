@@ -451,8 +451,11 @@ def cmd_build_info(as_json: bool = False) -> int:
         return EXIT_OK
     from spliceway.cli.remote import table
 
-    rows = [("version", info["version"]), ("relay_abi", info["relay_abi"])]
-    rows.append(("build_features", ",".join(info["build_features"]) or "-"))
+    rows = [
+        ("version", info["version"]),
+        ("relay_abi", info["relay_abi"]),
+        ("build_features", ",".join(BUILD_FEATURES) or "-"),
+    ]
     print(table(("FIELD", "VALUE"), rows))
     return EXIT_OK
 

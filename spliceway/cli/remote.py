@@ -35,7 +35,7 @@ def _json(value: Any) -> str:
 
 def duration_text(seconds: int) -> str:
     """``seconds`` as ``2d 3h 4m 5s``, leading zero units left out (``0s`` for none)."""
-    parts = []
+    parts: list[str] = []
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size or parts:
             parts.append(f"{seconds // size}{unit}")

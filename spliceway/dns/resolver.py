@@ -240,7 +240,7 @@ class _Do53Server:
             return _Answer([], 0, True)
         answers = [r for r in results if isinstance(r, dns.resolver.Answer) and r.rrset]
         if answers:
-            addresses = _ordered(str(rr.address) for a in answers for rr in a.rrset)
+            addresses = _ordered(str(rr.address) for a in answers for rr in a.rrset or ())
             ttl = min(a.chaining_result.minimum_ttl for a in answers)
             return _Answer(addresses, ttl)
         for r in results:

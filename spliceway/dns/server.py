@@ -428,6 +428,22 @@ class ClientRateLimit:
         return len(self._buckets)
 
 
+def _plain_options(data: bytes, start: int) -> bool:
+    """Whether the OPT record's options from ``start`` to the end of ``data`` are
+    whole, at most :data:`MAX_EDNS_OPTIONS`, and without padding (see _fast_key)."""
+    j, end, options = start, len(data), 0
+    while j < end:
+        options += 1
+        if j + 4 > end or options > MAX_EDNS_OPTIONS:
+            return False
+        code = (data[j] << 8) | data[j + 1]
+        olen = (data[j + 2] << 8) | data[j + 3]
+        if code == _PADDING:
+            return False
+        j += 4 + olen
+    return j == end
+
+
 def _fast_key(data: bytes, tcp: bool) -> tuple[bytes, int, int] | None:
     """``(key, end of question, size limit)`` for a plain query the wire cache can
     answer: QR clear, opcode QUERY, one question with an uncompressed name, no answer
@@ -463,19 +479,7 @@ def _fast_key(data: bytes, tcp: bool) -> tuple[bytes, int, int] | None:
         return None
     payload = (data[qend + 3] << 8) | data[qend + 4]
     rdlen = (data[qend + 9] << 8) | data[qend + 10]
-    if data[qend + 6] != 0 or qend + 11 + rdlen != n:
-        return None
-    j, end, options = qend + 11, n, 0
-    while j < end:
-        options += 1
-        if j + 4 > end or options > MAX_EDNS_OPTIONS:
-            return None
-        code = (data[j] << 8) | data[j + 1]
-        olen = (data[j + 2] << 8) | data[j + 3]
-        if code == _PADDING:
-            return None
-        j += 4 + olen
-    if j != end:
+    if data[qend + 6] != 0 or qend + 11 + rdlen != n or not _plain_options(data, qend + 11):
         return None
     limit = 65535 if tcp else max(512, payload)
     return data[12:i].lower() + data[i:qend] + b"E", qend, limit
@@ -610,7 +614,7 @@ class DnsResponder:
             logger.debug(
                 "the DNS server refused a malformed query (%s; %d more refused in the "
                 "previous %.0f s)",
-                "dropped" if reply is None else dns.rcode.to_text(rcode),
+                "dropped" if reply is None else dns.rcode.to_text(dns.rcode.Rcode(rcode)),
                 self._refusals.skipped,
                 LOG_INTERVAL_SECONDS,
             )

@@ -113,8 +113,18 @@ class Outbound(Protocol):
     protocol: str
     #: True when traffic goes through another proxy (outcome chained_relayed).
     chained: bool
-    server: str | None
-    port: int | None
+
+    # Read-only: a proxy outbound's are never None (properties are covariant, plain
+    # attributes of a Protocol are not).
+    @property
+    def server(self) -> str | None:
+        """The upstream proxy's host; None when there is none (direct, block, relay)."""
+        ...
+
+    @property
+    def port(self) -> int | None:
+        """The upstream proxy's port; None when there is none."""
+        ...
 
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
         """Connect to ``host:port`` through this outbound."""
@@ -275,6 +285,8 @@ class _ProxyOutbound(abc.ABC):
     """An outbound that reaches targets through an upstream proxy server."""
 
     chained = True
+    #: Each concrete proxy's protocol name (``socks5``, ``http``, ``shadowsocks``).
+    protocol: str
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ gets the "none" value, which never matches.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from spliceway._relay import ffi, lib
@@ -284,6 +284,36 @@ def _ids(value: int | Sequence[int]) -> Sequence[int]:
     return (value,) if isinstance(value, int) else value
 
 
+def _cond_domains(table: Any, index: int, key: str, items: Sequence[str]) -> bool:
+    """Rule ``index``'s ``key`` domains; False (and none written) when one has a NUL,
+    which C cannot take: the rule is then opaque to C."""
+    # routing lowercases with str.lower (Unicode-aware): C gets the result and
+    # only drops the trailing dot (domain, domain_suffix) and lowercases ASCII.
+    lowered = [v.lower().encode("utf-8", "surrogatepass") for v in items]
+    if any(b"\0" in v for v in lowered):
+        return False
+    for v in lowered:
+        rc = lib.sw_table_cond_domain(table, index, _DOMAIN_KINDS[key], v)
+        check(rc, "sw_table_cond_domain")
+    return True
+
+
+def _cond_ids(
+    table: Any,
+    index: int,
+    key: str,
+    items: Sequence[str],
+    mapping: Mapping[str, int | Sequence[int]],
+    none: int,
+    add: Any,
+) -> None:
+    """Rule ``index``'s inbound_tag / principal_key condition: the ids of the listed
+    names, or ``none`` (matches nothing) when no name has one."""
+    ids = sorted({i for v in items if v in mapping for i in _ids(mapping[v])}) or [none]
+    for i in ids:
+        check(add(table, index, i), f"sw_table_cond_{key}")
+
+
 def _compile_rule(
     table: Any,
     index: int,
@@ -305,15 +335,7 @@ def _compile_rule(
         elif key == "process_name":
             check(lib.sw_table_cond_process(table, index), "sw_table_cond_process")
         elif key in _DOMAIN_KINDS:
-            # routing lowercases with str.lower (Unicode-aware): C gets the result and
-            # only drops the trailing dot (domain, domain_suffix) and lowercases ASCII.
-            lowered = [v.lower().encode("utf-8", "surrogatepass") for v in items]
-            if any(b"\0" in v for v in lowered):
-                opaque = True
-                continue
-            for v in lowered:
-                rc = lib.sw_table_cond_domain(table, index, _DOMAIN_KINDS[key], v)
-                check(rc, "sw_table_cond_domain")
+            opaque = not _cond_domains(table, index, key, items) or opaque
         elif key in ("ip_cidr", "source_ip_cidr"):
             field = lib.SW_COND_DST if key == "ip_cidr" else lib.SW_COND_SRC
             for v in items:
@@ -329,19 +351,50 @@ def _compile_rule(
         elif key == "network":
             for v in items:
                 check(lib.sw_table_cond_network(table, index, _NETWORKS[v]), "cond_network")
-        elif key in ("inbound_tag", "principal_key"):
-            mapping, none, add = (
-                (inbounds, NO_INBOUND, lib.sw_table_cond_inbound)
-                if key == "inbound_tag"
-                else (principals, NO_PRINCIPAL, lib.sw_table_cond_principal)
-            )
-            ids = sorted({i for v in items if v in mapping for i in _ids(mapping[v])}) or [none]
-            for i in ids:
-                check(add(table, index, i), f"sw_table_cond_{key}")
+        elif key == "inbound_tag":
+            _cond_ids(table, index, key, items, inbounds, NO_INBOUND, lib.sw_table_cond_inbound)
+        elif key == "principal_key":
+            add = lib.sw_table_cond_principal
+            _cond_ids(table, index, key, items, principals, NO_PRINCIPAL, add)
         else:  # pragma: no cover - a CONDITION_KEYS entry this module does not know
             raise ValueError(f"unknown rule condition {key!r}")
     if opaque:
         check(lib.sw_table_cond_opaque(table, index), "sw_table_cond_opaque")
+
+
+def _check_ids(what: str, ids: Mapping[str, int | Sequence[int]], none: int) -> None:
+    """ValueError when an id is out of range (``none`` and above are not ids)."""
+    bad = sorted(k for k, v in ids.items() if not all(0 <= i < none for i in _ids(v)))
+    if bad:
+        raise ValueError(f"{what} ids out of range for {', '.join(map(repr, bad))}")
+
+
+def _write_targets(table: Any, specs: Iterable[TargetSpec]) -> None:
+    """The table's targets, index = position in ``specs``."""
+    for i, spec in enumerate(specs):
+        rc = lib.sw_table_target(
+            table,
+            i,
+            spec.kind,
+            _cstr(spec.server, "server"),
+            spec.port,
+            _cstr(spec.user, "user"),
+            _cstr(spec.password, "password"),
+            spec.connect_timeout_ms,
+        )
+        check(rc, "sw_table_target")
+        if spec.outbound_tag is not None:
+            rc = lib.sw_table_target_tag(table, i, _cstr(spec.outbound_tag, "outbound tag"))
+            check(rc, "sw_table_target_tag")
+
+
+def _mode_decision(mode_kind: str, mode_outbound: str | None) -> routing.RouteDecision | None:
+    """The decision every flow gets in a ``global`` or ``direct`` mode (None: ``rule``)."""
+    if mode_kind == "rule":
+        return None
+    if mode_kind == "global":
+        return routing.RouteDecision("global", "route", mode_outbound, None)
+    return routing.RouteDecision("direct", "route", BUILTIN_DIRECT, None)
 
 
 def compile_route_table(
@@ -388,13 +441,8 @@ def compile_route_table(
     specs = {tag: TargetSpec(*spec) for tag, spec in pairs}
     if len(specs) != len(pairs):
         raise ValueError("a route target tag is listed twice")
-    for what, ids, none in (
-        ("inbound", inbounds, NO_INBOUND),
-        ("principal", principals, NO_PRINCIPAL),
-    ):
-        bad = sorted(k for k, v in ids.items() if not all(0 <= i < none for i in _ids(v)))
-        if bad:
-            raise ValueError(f"{what} ids out of range for {', '.join(map(repr, bad))}")
+    _check_ids("inbound", inbounds, NO_INBOUND)
+    _check_ids("principal", principals, NO_PRINCIPAL)
     tags = tuple(specs)
     index = {tag: i for i, tag in enumerate(tags)}
     mode_tag = {"rule": None, "global": mode_outbound, "direct": BUILTIN_DIRECT}[mode_kind]
@@ -410,21 +458,7 @@ def compile_route_table(
     out = ffi.new("sw_table **")
     check(lib.sw_table_new(len(rules), len(tags), epoch, out), "sw_table_new")
     table = ffi.gc(out[0], lib.sw_table_free)
-    for i, spec in enumerate(specs.values()):
-        rc = lib.sw_table_target(
-            table,
-            i,
-            spec.kind,
-            _cstr(spec.server, "server"),
-            spec.port,
-            _cstr(spec.user, "user"),
-            _cstr(spec.password, "password"),
-            spec.connect_timeout_ms,
-        )
-        check(rc, "sw_table_target")
-        if spec.outbound_tag is not None:
-            rc = lib.sw_table_target_tag(table, i, _cstr(spec.outbound_tag, "outbound tag"))
-            check(rc, "sw_table_target_tag")
+    _write_targets(table, specs.values())
     mode_target = -1 if mode_tag is None else index[mode_tag]
     rc = lib.sw_table_set_mode(table, _MODES[mode_kind], mode_target, index[final])
     check(rc, "sw_table_set_mode")
@@ -445,18 +479,12 @@ def compile_route_table(
         check(rc, "sw_table_local_addr")
     check(lib.sw_table_seal(table), "sw_table_seal")
 
-    if mode_kind == "rule":
-        mode_decision = None
-    elif mode_kind == "global":
-        mode_decision = routing.RouteDecision("global", "route", mode_outbound, None)
-    else:
-        mode_decision = routing.RouteDecision("direct", "route", BUILTIN_DIRECT, None)
     return CompiledRoutes(
         table,
         epoch=epoch,
         targets=tags,
         mode_kind=mode_kind,
-        mode_decision=mode_decision,
+        mode_decision=_mode_decision(mode_kind, mode_outbound),
         final_decision=routing.RouteDecision("rule", "route", final, None),
         ruleset=ruleset,
         inbounds=inbounds,

@@ -131,7 +131,7 @@ def _parse_ip(text: str | None) -> _Ip | None:
     except ValueError:
         return None
     if ip.version == 6:
-        mapped = ip.ipv4_mapped  # type: ignore[union-attr]
+        mapped = ip.ipv4_mapped
         if mapped is not None:
             return 4, int(mapped)
     return ip.version, int(ip)
@@ -159,7 +159,8 @@ class _IpSet:
         spans: dict[int, list[tuple[int, int]]] = {4: [], 6: []}
         for cidr in cidrs:
             net = ipaddress.ip_network(cidr, strict=False)
-            version, first, last = net.version, int(net.network_address), int(net[-1])
+            version: int = net.version
+            first, last = int(net.network_address), int(net[-1])
             if version == 6 and net.prefixlen >= 96:
                 mapped = net.network_address.ipv4_mapped  # type: ignore[union-attr]
                 if mapped is not None:  # ::ffff:a.b.c.d/n also covers a.b.c.d as IPv4

@@ -237,7 +237,7 @@ def resolve_tun_options(
     ``runtime.network.mtu``. Raises ``ApiError(invalid_argument)`` with ``field_path``.
     """
     if hasattr(params, "model_dump"):
-        params = params.model_dump()  # type: ignore[union-attr]
+        params = params.model_dump()
     if "addr" not in params or params.get("addr") is None:
         raise invalid_argument("addr is required", "addr")
     tag = params.get("tag")
@@ -294,8 +294,8 @@ def resolve_tun_options(
         addr=str(params["addr"]),
         name=_name(params.get("name")),
         mtu=mtu,
-        inet4=inet4,  # type: ignore[arg-type]
-        inet6=inet6,  # type: ignore[arg-type]
+        inet4=inet4,
+        inet6=inet6,
         include_cidrs=_cidrs(params, "include_cidrs"),
         exclude_cidrs=_cidrs(params, "exclude_cidrs"),
         auto_route=_bool(params, "auto_route"),

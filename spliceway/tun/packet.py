@@ -121,11 +121,11 @@ class VnetHeader:
         return cls(*_VNET.unpack_from(data))
 
 
-def _u16(b: bytes, off: int) -> int:
+def _u16(b: bytes | bytearray, off: int) -> int:
     return int.from_bytes(b[off : off + 2], "big")
 
 
-def _u32(b: bytes, off: int) -> int:
+def _u32(b: bytes | bytearray, off: int) -> int:
     return int.from_bytes(b[off : off + 4], "big")
 
 

@@ -217,21 +217,12 @@ class RoutingPlan:
         return [r.describe() for r in self.routes] + [r.describe() for r in self.rules]
 
 
-def build_plan(opts: TunOptions, ifname: str) -> RoutingPlan:
-    """The routes and rules for ``opts`` on device ``ifname`` (empty without auto_route).
-
-    Pure: it reads nothing from the host, so a unit test can check it line by line.
-    """
-    if not opts.auto_route:
-        return RoutingPlan((), ())
-    p = opts.rule_base
-    nop = p + NOP_OFFSET
-    table, dns_table = opts.table, opts.dns_table
+def _plan_routes(opts: TunOptions, families: list[int]) -> list[Route]:
+    """build_plan's routes: the TUN's table (its network, the included networks) and,
+    with dns_hijack, the DNS table's default; each doubled by an unreachable route in
+    strict mode."""
+    table, dns_table, strict = opts.table, opts.dns_table, opts.strict_route
     routes: list[Route] = []
-    rules: list[Rule] = []
-    families = [v for v in (4, 6) if opts.captured(v)]
-    strict = opts.strict_route
-
     for v in families:
         iface = opts.inet4 if v == 4 else opts.inet6
         assert iface is not None
@@ -245,6 +236,23 @@ def build_plan(opts: TunOptions, ifname: str) -> RoutingPlan:
             routes.append(Route(v, dns_table, default))
             if strict:
                 routes.append(Route(v, dns_table, default, "unreachable", STRICT_METRIC))
+    return routes
+
+
+def build_plan(opts: TunOptions, ifname: str) -> RoutingPlan:
+    """The routes and rules for ``opts`` on device ``ifname`` (empty without auto_route).
+
+    Pure: it reads nothing from the host, so a unit test can check it line by line.
+    """
+    if not opts.auto_route:
+        return RoutingPlan((), ())
+    p = opts.rule_base
+    nop = p + NOP_OFFSET
+    table, dns_table = opts.table, opts.dns_table
+    rules: list[Rule] = []
+    families = [v for v in (4, 6) if opts.captured(v)]
+    strict = opts.strict_route
+    routes = _plan_routes(opts, families)
 
     for v in (4, 6):
         rules.append(Rule(v, p, "goto", goto=nop, fwmark=opts.mark))
