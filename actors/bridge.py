@@ -23,7 +23,7 @@ from spliceway.native import conn as connpath
 from spliceway.native.conn import ConnPath, ConnRecord, Deferred
 from spliceway.native.relay import Completion, Counters, Relay
 from spliceway.support.fdlimit import AcceptBackoff
-from spliceway.tun import mark
+from spliceway.support import socket_mark as mark
 
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher
@@ -63,7 +63,7 @@ class RelayBridge:
         self.relay = Relay(loops=relay_loops())
         self.conn = ConnPath(self.relay)
         # C dials upstreams itself: it gets the TUN's socket mark now and on every
-        # change, so its connections leave by the physical egress (spliceway.tun.mark;
+        # change, so its connections leave by the physical egress (spliceway.support.socket_mark;
         # the subscription holds the bound method weakly).
         self._unsubscribe_mark = mark.subscribe(self.conn.set_mark)
         self._dispatcher = dispatcher

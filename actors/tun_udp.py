@@ -73,7 +73,7 @@ from spliceway.events.log import now_ms
 from spliceway.flows import records
 from spliceway.flows.hook import ask_about
 from spliceway.native.tun import TunStackError, UdpRecord
-from spliceway.tun.mark import apply_mark
+from spliceway.support.socket_mark import apply_mark
 
 if TYPE_CHECKING:
     from spliceway.actors.flow import FlowDeps

@@ -48,7 +48,7 @@ from spliceway.native import udp as udprelay
 from spliceway.native.relay import RelayError
 from spliceway.protocols import socks5
 from spliceway.routing import hostnorm
-from spliceway.tun.mark import apply_mark
+from spliceway.support.socket_mark import apply_mark
 
 if TYPE_CHECKING:
     from spliceway.actors.flow import FlowDeps

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from spliceway.dns import InvalidHostname, ResolveError
 from spliceway.flows.outbounds import DialError
 from spliceway.protocols import ProtocolError, shadowsocks, socks5
-from spliceway.tun.mark import apply_mark
+from spliceway.support.socket_mark import apply_mark
 
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher

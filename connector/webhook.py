@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import httptools
 
 from spliceway import __version__
-from spliceway.tun.mark import create_connection
+from spliceway.support.socket_mark import create_connection
 
 __all__ = ["DeliveryError", "Response", "WebhookClient"]
 

@@ -278,7 +278,7 @@ int sw_conn_stats_get(sw_conn *conn, sw_conn_stats *out);
 
 /* The SO_MARK every upstream socket gets before connect() from now on (0: none,
  * the default): the TUN's auto_route sends marked packets around the TUN
- * (spliceway/tun/mark.py).  Read once per dial; flows already connected keep
+ * (spliceway/support/socket_mark.py).  Read once per dial; flows already connected keep
  * theirs.  A socket whose setsockopt fails is dialled unmarked and counted in
  * sw_conn_stats.mark_failed. */
 int sw_conn_set_mark(sw_conn *conn, uint32_t mark);

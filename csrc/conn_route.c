@@ -233,7 +233,7 @@ void start_connect(struct cconn *c)
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     /* The engine's own traffic must leave by the physical egress, not loop back
-     * into the TUN it serves (spliceway/tun/mark.py): the route is chosen at
+     * into the TUN it serves (spliceway/support/socket_mark.py): the route is chosen at
      * connect(), so the mark goes on first.  A refusal (EPERM: no CAP_NET_ADMIN)
      * is counted, not fatal: the flow is dialled unmarked, as it would be
      * without a TUN. */

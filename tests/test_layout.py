@@ -103,7 +103,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "spliceway/tun/device.py": "tests/integration/test_tun_netns.py",
     "spliceway/tun/dns_hijack.py": "tests/integration/test_dns_hijack_shared.py",
     "spliceway/tun/egress.py": "tests/unit/test_tun_host.py",
-    "spliceway/tun/mark.py": "tests/integration/test_socket_mark.py",
+    "spliceway/support/socket_mark.py": "tests/integration/test_socket_mark.py",
     "spliceway/tun/options.py": "tests/unit/test_tun_host.py",
     "spliceway/tun/routing.py": "tests/integration/test_tun_routing.py",
     "spliceway/tun/service.py": "tests/integration/test_tun_engine.py",

@@ -22,7 +22,7 @@ Behaviour where the spec leaves room:
   UDP answer is retried over TCP by dnspython). The cached TTL is the smallest TTL of
   the answer, CNAME chain included. Their sockets carry the TUN's mark while one runs
   (:mod:`spliceway.dns.transport`), so the queries go around the TUN; ``system``
-  queries cannot be marked (see :mod:`spliceway.tun.mark`).
+  queries cannot be marked (see :mod:`spliceway.support.socket_mark`).
 - Addresses come IPv4 first, then IPv6, without duplicates.
 - Negative answers are not cached: a name that starts to exist is seen at once, and a
   miss costs one query, as it would without a cache.

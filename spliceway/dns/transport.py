@@ -3,7 +3,7 @@
 The resolver (:mod:`spliceway.dns.resolver`) and the DNS server's forwarding
 (:mod:`spliceway.dns.server`) ask ``udp://`` / ``tcp://`` servers with dnspython. While
 a TUN with ``auto_route`` runs, those queries must carry the engine's socket mark
-(:mod:`spliceway.tun.mark`): unmarked, they would be routed into the TUN and come
+(:mod:`spliceway.support.socket_mark`): unmarked, they would be routed into the TUN and come
 back to the engine (``dns_hijack`` answers port 53 itself), a loop. The mark must be
 on the socket before its first ``sendto``/``connect`` (the route is chosen then), and
 dnspython creates its sockets itself with no hook in between; it does take a socket
@@ -14,7 +14,7 @@ dnspython creates its sockets itself with no hook in between; it does take a soc
 - :data:`BACKEND`: an asyncio backend for ``dns.asyncquery`` whose sockets are made
   here (pass it as ``backend=``).
 
-Every socket goes through :func:`spliceway.tun.mark.marked_socket`: with no TUN (mark
+Every socket goes through :func:`spliceway.support.socket_mark.marked_socket`: with no TUN (mark
 0) it is a plain socket, so the same code runs with and without a TUN. Only plain DNS
 is served: a TLS socket (DoT) is refused with ``NotImplementedError``.
 """
@@ -37,7 +37,7 @@ import dns.message
 import dns.nameserver
 import dns.query
 
-from spliceway.tun.mark import marked_socket
+from spliceway.support.socket_mark import marked_socket
 
 __all__ = ["BACKEND", "MarkedDo53Nameserver", "marked_nonblocking"]
 

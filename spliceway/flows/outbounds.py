@@ -34,7 +34,7 @@ from spliceway.dns import ResolveError, Resolver
 from spliceway.errors import ApiError
 from spliceway.protocols import NEED_MORE, ProtocolError, shadowsocks, socks5
 from spliceway.protocols import http as http_proto
-from spliceway.tun.mark import apply_mark
+from spliceway.support.socket_mark import apply_mark
 
 #: SOCKS5 reply code for a failure code (RFC 1928 6).
 _SOCKS_REPLY = {
@@ -203,7 +203,7 @@ async def _open_tcp(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             # While a TUN routes this host, the engine's own connections must leave by
-            # the physical egress, not loop back into it (spliceway.tun.mark).
+            # the physical egress, not loop back into it (spliceway.support.socket_mark).
             apply_mark(sock)
             if not _connected_at_once(sock, (ip, port)):
                 await loop.sock_connect(sock, (ip, port))

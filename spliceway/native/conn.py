@@ -417,7 +417,7 @@ class ConnPath:
     def set_mark(self, mark: int) -> None:
         """Put SO_MARK ``mark`` (0: none) on every upstream socket C dials from now on.
 
-        The engine keeps it current with :func:`spliceway.tun.mark.subscribe` (see
+        The engine keeps it current with :func:`spliceway.support.socket_mark.subscribe` (see
         ``RelayBridge``). A socket the kernel refuses to mark (no CAP_NET_ADMIN) is
         dialled unmarked and counted in :meth:`stats` ``mark_failed``.
         """

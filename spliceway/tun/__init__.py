@@ -6,7 +6,6 @@ Modules (each has its own owner; see their docstrings):
 - ``routing``: ``auto_route``, ``strict_route`` and ``dns_hijack`` as a policy routing
   table and ``ip rule`` set, recorded so a crash leaves nothing behind.
 - ``egress``: the physical egress interfaces and the network generation.
-- ``mark``: the socket mark that keeps the engine's own sockets out of the TUN.
 - ``controller``: start/stop/status of the host side, composed from the above.
 - ``stack`` / ``packet``: the packet loop (system stack) over the device.
 """

@@ -1,7 +1,7 @@
 """The host side of a TUN: device, routes and rules, socket mark, egress and status.
 
 :class:`TunController` composes :mod:`~spliceway.tun.device`,
-:mod:`~spliceway.tun.routing`, :mod:`~spliceway.tun.mark` and
+:mod:`~spliceway.tun.routing`, :mod:`~spliceway.support.socket_mark` and
 :mod:`~spliceway.tun.egress`. It does not move packets: :meth:`TunController.start`
 hands back a :class:`TunHandle` (the device's queue fds and addresses) for the
 packet loop (:mod:`spliceway.native.tun`) to run on, and the engine's ``tun.start``
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spliceway.errors import ApiError
-from spliceway.tun import mark as _mark
+from spliceway.support import socket_mark as _mark
 from spliceway.tun.device import TunDevice, require_net_admin, translate_privilege
 from spliceway.tun.egress import Egress, EgressMonitor
 from spliceway.tun.options import TunOptions, resolve_tun_options

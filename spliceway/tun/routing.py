@@ -47,7 +47,7 @@ Differences from sing-tun, and why:
   captured ranges stay unreachable until the next start (or
   ``python -m spliceway.tun.routing sweep``) removes the leftovers.
 - The first rule exempts sockets carrying the engine's mark (SO_MARK), the loop
-  avoidance of :mod:`spliceway.tun.mark` (sing-tun binds to the interface instead).
+  avoidance of :mod:`spliceway.support.socket_mark` (sing-tun binds to the interface instead).
 
 Everything added is recorded, before it is added, in a state file keyed by the
 network namespace (:class:`HostState`), and every start first sweeps leftovers: the

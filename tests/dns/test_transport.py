@@ -27,7 +27,7 @@ from spliceway.dns.transport import (
     MarkedDo53Nameserver,
     marked_nonblocking,
 )
-from spliceway.tun import mark
+from spliceway.support import socket_mark as mark
 from spliceway.tun.device import has_cap_net_admin
 from spliceway.tun.options import ENGINE_MARK
 from tests.helpers.dnsserver import DnsServer, dns_server

@@ -2,12 +2,12 @@
 
 Run inside a test namespace (``Netns.python("-m", "tests.helpers.mark_engine", CONFIG)``)
 with the engine's configuration as JSON; ``--mark N`` sets the engine's mark
-(:func:`spliceway.tun.mark.set_mark`, what the TUN controller does around
+(:func:`spliceway.support.socket_mark.set_mark`, what the TUN controller does around
 auto_route) before the engine starts. It prints ``{"ready": {"socks": port, "dns":
 port or null}}`` once the engine runs, then answers one JSON line per command read
 from stdin:
 
-- ``mark N``: :func:`spliceway.tun.mark.set_mark` (``N`` decimal or 0x-hex):
+- ``mark N``: :func:`spliceway.support.socket_mark.set_mark` (``N`` decimal or 0x-hex):
   ``{"mark": N}``.
 - ``socks HOST PORT``: a SOCKS5 CONNECT to ``HOST:PORT`` through the engine's
   ``socks-in`` (an IPv4 literal as ATYP 1), then a line sent and its echo awaited:
@@ -36,7 +36,7 @@ import dns.query
 import dns.rcode
 
 from spliceway import Engine
-from spliceway.tun import mark
+from spliceway.support import socket_mark as mark
 from tests.helpers.socks import recv_exact
 
 PAYLOAD = b"marked or not\n"

@@ -14,7 +14,7 @@ it answers one JSON line per command read from stdin:
   ``spliceway.flows.outbounds.open_tcp`` (which marks it while a TUN runs), sending an HTTP
   GET: ``{"connected": bool, "reply": first line or "error": text}``.
 - ``webhook-connect HOST PORT``: the same through
-  :func:`spliceway.tun.mark.create_connection`, the webhook client's dial.
+  :func:`spliceway.support.socket_mark.create_connection`, the webhook client's dial.
 - ``stop``: ``{"stopped": bool}`` (``TunController.stop``); ``exit``: exit at once.
 
 Options: ``--state-dir DIR``; ``--fail-after-routes`` makes the start fail after its
@@ -34,7 +34,7 @@ import sys
 import threading
 
 from spliceway.errors import ApiError
-from spliceway.tun import mark
+from spliceway.support import socket_mark as mark
 from spliceway.tun.controller import TunController
 
 
@@ -106,7 +106,7 @@ def _connect(host: str, port: int) -> dict:
 
 
 def _webhook_connect(host: str, port: int) -> dict:
-    """Dial as webhook deliveries do (spliceway.tun.mark.create_connection)."""
+    """Dial as webhook deliveries do (spliceway.support.socket_mark.create_connection)."""
     try:
         sock = mark.create_connection((host, port), 3)
     except OSError as ex:

@@ -12,7 +12,7 @@ mark, as a TUN's auto_route does (its first rule sends marked packets around the
 So a connection to ``SERVER_IP`` succeeds only on a marked socket and one to
 ``SERVER_IP_B`` only on an unmarked one. The engine runs in the host namespace in a
 process of its own (tests/helpers/mark_engine.py), its mark set as the TUN
-controller sets it (:func:`spliceway.tun.mark.set_mark`).
+controller sets it (:func:`spliceway.support.socket_mark.set_mark`).
 """
 
 from __future__ import annotations

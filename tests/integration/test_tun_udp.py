@@ -6,7 +6,7 @@ veth pair; the servers sit on the internet namespace's loopback (203.0.113.10,
 fdfe:dcba:9877::1/126) and a policy rule sending every *unmarked* packet for the
 captured prefixes (203.0.113.0/24, 2001:db8:100::/64 and the fake-ip range
 198.18.0.0/15) into it, as ``auto_route`` would, while sockets carrying the engine's
-mark (``spliceway.tun.mark``) take the main table, out through the veth.
+mark (``spliceway.support.socket_mark``) take the main table, out through the veth.
 
 A real engine runs in this process, started from a thread inside the host namespace
 (its dispatcher and every socket it makes live there); the test starts the packet
@@ -41,7 +41,7 @@ from spliceway.engine.core import InboundSpec
 from spliceway.events.log import now_ms
 from spliceway.flows.inbound import Users
 from spliceway.native.tun import TunStack
-from spliceway.tun import mark
+from spliceway.support import socket_mark as mark
 from spliceway.tun.dns_hijack import TunDnsTcp
 from tests.conftest import base_config, wait_until
 from tests.helpers.netns import (

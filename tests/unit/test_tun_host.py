@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from spliceway.errors import ApiError
-from spliceway.tun import mark
+from spliceway.support import socket_mark as mark
 from spliceway.tun.device import has_cap_net_admin
 from spliceway.tun.egress import Egress, FamilyEgress
 from spliceway.tun.options import (
