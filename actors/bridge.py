@@ -22,8 +22,8 @@ from spliceway.actors.messages import ConnEnded, ConnRouted, ConnTakeOver, Relay
 from spliceway.native import conn as connpath
 from spliceway.native.conn import ConnPath, ConnRecord, Deferred
 from spliceway.native.relay import Completion, Counters, Relay
-from spliceway.support.fdlimit import AcceptBackoff
 from spliceway.support import socket_mark as mark
+from spliceway.support.fdlimit import AcceptBackoff
 
 if TYPE_CHECKING:
     from spliceway.actors.dispatcher import Dispatcher
