@@ -190,8 +190,8 @@ class _Checker:
                 )
                 continue
             protocol = self.protocols.get(tag, "direct" if tag == BUILTIN_DIRECT else None)
-            if protocol is None:
-                continue  # unknown tags are reported by ref()
+            if not isinstance(protocol, str):
+                continue  # unknown tags are reported by ref(), a non-string protocol by the schema
             if protocol not in RELAY_HOP_PROTOCOLS:
                 self.add(
                     f"relay hop {tag!r} has protocol {protocol!r}; hops must be socks5, http "

@@ -577,6 +577,14 @@ INVALID = [
         ["outbound_groups[1].outbounds[1]", "outbound_groups[1].outbounds[2]"],
     ),
     (
+        "relay hop whose protocol is a list (the schema's error, no crash in the checks)",
+        {
+            "outbounds": [{"tag": "s", "protocol": ["socks5"], "server": "h", "port": 1}],
+            "outbound_groups": [{"tag": "a", "kind": "relay", "outbounds": ["s"]}],
+        },
+        ["outbounds[0].protocol"],
+    ),
+    (
         "shadowsocks relay hop before the last",
         {
             "outbounds": [
