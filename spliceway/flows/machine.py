@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from spliceway.flows import records
 
@@ -74,15 +75,16 @@ class CloseAction(enum.Enum):
 
 
 # -- events ------------------------------------------------------------------------
+# Immutable NamedTuples, as the actors' messages are: cheap to make, a few per flow.
+# Being tuples, two events of different types may compare equal: the machine tells
+# them apart by type, never by ==.
 
 
-@dataclass(frozen=True, slots=True)
-class Started:
+class Started(NamedTuple):
     """The handshake completed and the record started (flow.started)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Routed:
+class Routed(NamedTuple):
     """A route was applied; ``outbound``: it names an outbound (``chained`` through a
     proxy). C repeats the route it took in each of its records."""
 
@@ -90,57 +92,48 @@ class Routed:
     chained: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Dialing:
+class Dialing(NamedTuple):
     """Connecting to the outbound began (or a pooled upstream is about to be reused)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Dialed:
+class Dialed(NamedTuple):
     """The upstream connection is there."""
 
 
-@dataclass(frozen=True, slots=True)
-class Relaying:
+class Relaying(NamedTuple):
     """Bytes move: the relay has both fds, or Python forwards the request
     (flow.routed; the record's state ``active``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class HookDenied:
+class HookDenied(NamedTuple):
     """The flow hook denied the flow."""
 
 
-@dataclass(frozen=True, slots=True)
-class Blocked:
+class Blocked(NamedTuple):
     """A rule (or a block outbound, or no outbound) blocked the flow."""
 
 
-@dataclass(frozen=True, slots=True)
-class Failed:
+class Failed(NamedTuple):
     """The flow failed: its dial, its upstream, or something internal."""
 
     failure: records.Failure
 
 
-@dataclass(frozen=True, slots=True)
-class Closed:
+class Closed(NamedTuple):
     """The flow was stopped (a close, an engine stop, a task cancelled); ``dialled``:
     its upstream connection existed (the client was told the tunnel is open)."""
 
     dialled: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Ended:
+class Ended(NamedTuple):
     """The flow ended of itself (both sides done, the client gone, a forwarded
     request answered); ``dialled`` as for :class:`Closed`."""
 
     dialled: bool
 
 
-@dataclass(frozen=True, slots=True)
-class RelayEnded:
+class RelayEnded(NamedTuple):
     """The relay reported the flow's end: ``cause`` is the relay's ``Cause`` name
     (DONE, RESET, ERROR, IDLE, CLOSED, SHUTDOWN), ``side`` which socket ended it,
     ``remote`` the record's remote host and port."""
@@ -202,13 +195,32 @@ _ENDS: dict[type, frozenset[Phase]] = {
 }
 
 
+class _Node(NamedTuple):
+    """A phase with its edges, resolved once: a transition is one dict lookup by type."""
+
+    phase: Phase
+    edges: dict[type, _Node]
+    live: bool
+
+
+_NODES = {phase: _Node(phase, {}, phase in LIVE) for phase in Phase}
+for (_phase, _kind), _after in _PROGRESS.items():
+    _NODES[_phase].edges[_kind] = _NODES[_after]
+for _kind, _phases in _ENDS.items():
+    for _phase in _phases:
+        _NODES[_phase].edges[_kind] = _NODES[Phase.COMPLETED]
+_OPENING = _NODES[Phase.OPENING]
+_COMPLETED = _NODES[Phase.COMPLETED]
+_RELAYING = _NODES[Phase.RELAYING]
+
+
 class FlowMachine:
     """One flow's phase, route facts and close request; events in, verdicts out."""
 
-    __slots__ = ("chained", "close_reason", "close_requested", "has_outbound", "phase")
+    __slots__ = ("_node", "chained", "close_reason", "close_requested", "has_outbound")
 
     def __init__(self) -> None:
-        self.phase = Phase.OPENING
+        self._node = _OPENING
         #: Whether the route applied names an outbound, and one that chains through a
         #: proxy (kept: the outbound may leave the engine's outbounds by a reload).
         self.has_outbound = False
@@ -219,41 +231,45 @@ class FlowMachine:
         self.close_reason: str | None = None
 
     @property
+    def phase(self) -> Phase:
+        """Where the flow stands."""
+        return self._node.phase
+
+    @property
     def started(self) -> bool:
         """Whether the flow has a record (flow.started was published)."""
-        return self.phase is not Phase.OPENING
+        return self._node is not _OPENING
 
     @property
     def live(self) -> bool:
         """Whether the flow has a record and has not completed."""
-        return self.phase in LIVE
+        return self._node.live
 
     @property
     def done(self) -> bool:
         """Whether the flow completed."""
-        return self.phase is Phase.COMPLETED
+        return self._node is _COMPLETED
 
     def handle(self, event: Event) -> Verdict | None:
         """Take ``event``: the new phase, and the verdict when it completes the flow.
 
         Raises :class:`IllegalTransition` when the phase has no edge for it (the
         phase is then unchanged)."""
-        kind = type(event)
-        after = _PROGRESS.get((self.phase, kind))
-        if after is not None:
-            if isinstance(event, Routed) and event.outbound:
-                # Kept once known: a later report without an outbound (the table it
-                # named is gone) does not undo the outbound the flow went to.
-                self.has_outbound = True
-                self.chained = event.chained
-            self.phase = after
-            return None
-        allowed = _ENDS.get(kind)
-        if allowed is None or self.phase not in allowed:
-            raise IllegalTransition(self.phase, event)
-        verdict = self._verdict(event)
-        self.phase = Phase.COMPLETED
-        return verdict
+        after = self._node.edges.get(type(event))
+        if after is None:
+            raise IllegalTransition(self._node.phase, event)
+        if after is _COMPLETED:
+            # Decided in the phase the flow ends from (a relayed outcome depends on it).
+            verdict = self._verdict(event)
+            self._node = after
+            return verdict
+        if type(event) is Routed and event.outbound:
+            # Kept once known: a later report without an outbound (the table it
+            # named is gone) does not undo the outbound the flow went to.
+            self.has_outbound = True
+            self.chained = event.chained
+        self._node = after
+        return None
 
     def close(self, reason: str | None, holder: Holder) -> CloseAction:
         """A close request (``reason``: ``records.MANUAL`` for flows.close, None for an
@@ -308,6 +324,6 @@ class FlowMachine:
         # Stopped before its upstream connection existed (while routing or dialling):
         # there was never a path to relay over. (Once dialled, the client has been told
         # the tunnel is open, even if sniffing still holds the hand-off.)
-        if not self.has_outbound or (self.phase is not Phase.RELAYING and not dialled):
+        if not self.has_outbound or (self._node is not _RELAYING and not dialled):
             return records.CANCELLED
         return records.CHAINED_RELAYED if self.chained else records.DIRECT_RELAYED

@@ -323,7 +323,7 @@ def test_any_event_sequence_moves_forward_and_completes_at_most_once(steps):
     verdicts = []
     for step in steps:
         before = machine.phase
-        if isinstance(step, tuple):
+        if type(step) is tuple:  # a close; events are NamedTuples
             machine.close(*step)
             assert machine.phase is before
             continue
