@@ -172,8 +172,8 @@ class Verdict:
 _PROGRESS: dict[tuple[Phase, type], Phase] = {
     (Phase.OPENING, Started): Phase.HANDSHAKEN,
     (Phase.HANDSHAKEN, Routed): Phase.ROUTED,
-    # C reports its route again in a later record, and the Python path decides again
-    # after sniffing: the same phase, the route of now.
+    # C repeats the route it took in a later record (a forwarded request's ENDED after
+    # its ROUTED): the same phase, the same route.
     (Phase.ROUTED, Routed): Phase.ROUTED,
     (Phase.RELAYING, Routed): Phase.RELAYING,
     (Phase.ROUTED, Dialing): Phase.DIALING,
