@@ -6,6 +6,10 @@ FlowRecord; every revision is published to the flow table as a new dict and
 announced as an event. Exactly one ``flow.completed`` is emitted per flow that
 got past the handshake, whatever path ends it (blocked, failed, cancelled,
 relay completion, engine stop).
+
+Where the flow stands and what its end means is :class:`~spliceway.flows.machine.FlowMachine`'s
+(pure, tested without sockets): this actor does the I/O, feeds it the events and records
+the verdict it answers.
 """
 
 from __future__ import annotations
@@ -41,9 +45,24 @@ from spliceway.flows import records
 from spliceway.flows.hook import ask_about
 from spliceway.flows.inbound import Handshake, HandshakeFailed, refuse_quietly
 from spliceway.flows.inbound import accept as accept_handshake
+from spliceway.flows.machine import (
+    Blocked,
+    CloseAction,
+    Closed,
+    Dialed,
+    Dialing,
+    Event,
+    Failed,
+    FlowMachine,
+    Holder,
+    HookDenied,
+    RelayEnded,
+    Relaying,
+    Routed,
+    Started,
+)
 from spliceway.flows.outbounds import DialError
 from spliceway.native import conn as connpath
-from spliceway.native.relay import Cause
 from spliceway.protocols import NEED_MORE, sniff, socks5
 from spliceway.routing import hostnorm
 from spliceway.routing import rules as routing
@@ -210,18 +229,13 @@ class FlowActor(HttpForwarding, LoopActor):
         self.handle: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._base: records.Traffic | None = None
-        self._done = False
-        self._close_reason_on_cancel: str | None = None
+        #: Where the flow stands and what its end means (spliceway/flows/machine.py).
+        self.machine = FlowMachine()
         #: Set when C handed this connection over mid-way (see connpath.Deferred).
         self._deferred = deferred
         #: Set when the C connection path runs this flow; Python only records it.
         self._started = started
         self._c_flow = started.flow if started is not None else None
-        self._c_dialled = False
-        self._close_requested = False
-        #: Whether the outbound the flow was routed to chains through a proxy (it may
-        #: have left the engine's outbounds since, by a reload).
-        self._chained = False
         #: While a flow C started waits for its process lookup: C's reports, kept in order.
         self._held: list[Any] | None = None
         deps.flow_actors.add(self)
@@ -251,9 +265,8 @@ class FlowActor(HttpForwarding, LoopActor):
         self._teardown()
 
     def _fail_internal(self, ex: BaseException | None) -> None:
-        if self.state is not None and not self._done:
-            failure = records.Failure("internal", "internal_error", str(ex))
-            self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+        if self.machine.live:
+            self._end(Failed(records.Failure("internal", "internal_error", str(ex))))
 
     def _become_association(self, hs: Handshake) -> None:
         """A UDP ASSOCIATE: its control connection goes to an association actor (whose
@@ -309,23 +322,26 @@ class FlowActor(HttpForwarding, LoopActor):
         return None
 
     def _close(self, reason: str | None) -> bool:
-        if self._done or self._close_requested:
-            # A close already asked C or the relay to end it: it is ending.
-            return False
         if self.handle is not None:
-            self._close_requested = True
-            self._close_reason_on_cancel = reason
-            return self.deps.bridge.request_close(self.handle)
-        if self._c_flow is not None:
+            holder = Holder.RELAY
+        elif self._c_flow is not None:
             # C still holds it (dialling or sniffing): its ENDED record ends the flow.
-            self._close_requested = True
-            self._close_reason_on_cancel = reason
+            holder = Holder.CONN
+        elif self._task is not None and not self._task.done():
+            holder = Holder.TASK
+        else:
+            holder = Holder.NOTHING
+        action = self.machine.close(reason, holder)
+        if action is CloseAction.CLOSE_RELAY:
+            assert self.handle is not None
+            return self.deps.bridge.request_close(self.handle)
+        if action is CloseAction.CLOSE_CONN:
             self.deps.bridge.conn.request_close(self._c_flow)
             return True
-        if self._task is not None and not self._task.done():
-            self._close_reason_on_cancel = reason
+        if action is CloseAction.CANCEL_TASK:
+            assert self._task is not None
             self._task.cancel()
-            return self.state is not None
+            return self.machine.started
         return False
 
     # -- establishment (a task on the dispatcher loop) -----------------------------
@@ -336,8 +352,8 @@ class FlowActor(HttpForwarding, LoopActor):
             # An idle relayed flow should hold no finished task or coroutine frame.
             self._task = None
         except asyncio.CancelledError:
-            if self.state is not None and not self._done:
-                self._complete_closed()
+            if self.machine.live:
+                self._end(Closed(self._dialled()))
             self._finish()
         except Exception as ex:
             logger.exception("flow %s failed unexpectedly", self.flow_id)
@@ -422,7 +438,7 @@ class FlowActor(HttpForwarding, LoopActor):
             return True
         if not replied:
             await self._refuse(hs, socks5.REP_NOT_ALLOWED, 403, "denied by the flow hook")
-        self._complete(records.BLOCKED, None, records.HOOK_DENIED)
+        self._end(HookDenied())
         self._finish()
         return False
 
@@ -453,10 +469,11 @@ class FlowActor(HttpForwarding, LoopActor):
             self._set_route(decision, chain, outbound)
             if not replied:
                 await self._refuse(hs, socks5.REP_NOT_ALLOWED, 403, "blocked by rule")
-            self._complete(records.BLOCKED, None)
+            self._end(Blocked())
             self._finish()
             return
         self._set_route(decision, chain, outbound)
+        self.machine.handle(Dialing())
         try:
             dialed = await self._dial(outbound, hs, address)
         except DialError as ex:
@@ -467,14 +484,11 @@ class FlowActor(HttpForwarding, LoopActor):
             remote = (
                 {"host": hs.host, "port": hs.port} if ex.remote is None else {"host": ex.remote}
             )
-            self._complete(
-                records.FAILED,
-                records.UPSTREAM_ERROR,
-                records.Failure(ex.stage, ex.code, ex.message, remote),
-            )
+            self._end(Failed(records.Failure(ex.stage, ex.code, ex.message, remote)))
             self._finish()
             return
         self.upstream = dialed.sock
+        self.machine.handle(Dialed())
         if not replied:
             await self._reply(hs.success_reply())
             if self.inbound.sniff and not hs.forward:
@@ -573,6 +587,7 @@ class FlowActor(HttpForwarding, LoopActor):
 
     def _start_record(self, state: records.FlowState) -> None:
         """The flow exists from here: flow.started, listed, completed exactly once."""
+        self.machine.handle(Started())
         self.state = state
         self.deps.counters.total_started += 1
         # When it started (C's time for a flow C runs), as flow.routed carries C's too.
@@ -661,8 +676,10 @@ class FlowActor(HttpForwarding, LoopActor):
         s.route_action = decision.action
         s.route_target = decision.target
         s.matched_rule = decision.matched_rule.to_dict() if decision.matched_rule else None
-        if outbound is not None:
-            self._chained = outbound.chained
+        if outbound is None:
+            self.machine.handle(Routed(outbound=False))
+        else:
+            self.machine.handle(Routed(outbound=True, chained=outbound.chained))
             s.selection_chain = chain
             s.outbound_tag = outbound.tag
             s.outbound_protocol = outbound.protocol
@@ -710,6 +727,7 @@ class FlowActor(HttpForwarding, LoopActor):
                 with contextlib.suppress(OSError):
                     socket.close(fd)
             raise
+        self.machine.handle(Relaying())
         s.state = "active"
         if chained:
             self.deps.counters.chained_sessions += 1
@@ -779,7 +797,7 @@ class FlowActor(HttpForwarding, LoopActor):
 
     def _on_c_routed(self, rec: connpath.ConnRecord) -> None:
         s = self.state
-        if s is None or self._done:
+        if s is None or not self.machine.live:
             return
         outbound = self._c_route(rec)
         if rec.relay_handle == 0:
@@ -800,13 +818,14 @@ class FlowActor(HttpForwarding, LoopActor):
             s.remote_host, s.remote_port = outbound.server, outbound.port
         self._base = s.traffic.copy(sealed=False)
         self.handle = rec.relay_handle
+        self.machine.handle(Relaying())
         s.state = "active"
         if outbound.chained:
             self.deps.counters.chained_sessions += 1
         else:
             self.deps.counters.direct_sessions += 1
         self._publish("flow.routed", records.lifecycle_payload, occurred=rec.at_unix_ms)
-        if self._close_requested:
+        if self.machine.close_requested:
             # The close reached C after it had handed the flow to the relay.
             self.deps.bridge.request_close(rec.relay_handle)
 
@@ -826,14 +845,14 @@ class FlowActor(HttpForwarding, LoopActor):
         if d.stage == connpath.FORWARD:
             self._take_over_forward(d, client)
             return
-        if s is None or self._done:
+        if s is None or not self.machine.live:
             client.close()
             return
         self._c_seen(d.client_rx, d.client_tx, d.sniffed)
-        if self._close_requested:
+        if self.machine.close_requested:
             # The close reached C after it had handed the connection over.
             client.close()
-            self._complete_closed()
+            self._end(Closed(self._dialled()))
             self._finish()
             return
         self.client = client
@@ -842,7 +861,7 @@ class FlowActor(HttpForwarding, LoopActor):
 
     def _on_c_ended(self, rec: connpath.ConnRecord) -> None:
         s = self.state
-        if s is None or self._done:
+        if s is None or not self.machine.live:
             return
         # Closed while C sniffed before routing, when the Python path has applied no
         # route yet.
@@ -858,17 +877,16 @@ class FlowActor(HttpForwarding, LoopActor):
             self._finish()
             return
         if rec.end == connpath.END_BLOCKED:
-            self._complete(records.BLOCKED, None)
+            self._end(Blocked())
         elif rec.end == connpath.END_CLOSED:
             # Dialled and told the tunnel is open (C was still sniffing): as the
             # Python path, that flow was relayed.
-            self._c_dialled = rec.dialled
-            self._complete_closed()
+            self._end(Closed(self._dialled() or rec.dialled))
         elif rec.end in (connpath.END_CLIENT, connpath.END_INTERNAL) or outbound is None:
             failure = records.Failure(
                 "internal", "internal_error", f"client socket error: {os.strerror(rec.err)}"
             )
-            self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+            self._end(Failed(failure))
         else:
             ex = connpath.dial_error(rec, outbound, s.target_host, s.target_port, rec.message)
             if ex.member_down:
@@ -878,8 +896,7 @@ class FlowActor(HttpForwarding, LoopActor):
                 if ex.remote is None
                 else {"host": ex.remote}
             )
-            failure = records.Failure(ex.stage, ex.code, ex.message, remote)
-            self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+            self._end(Failed(records.Failure(ex.stage, ex.code, ex.message, remote)))
         self._finish()
 
     # -- after the hand-off ----------------------------------------------------------
@@ -898,7 +915,7 @@ class FlowActor(HttpForwarding, LoopActor):
 
     def _on_sample(self, counters: Any, sampled_at: int) -> None:
         s = self.state
-        if s is None or self._done or self.handle is None:
+        if s is None or not self.machine.live or self.handle is None:
             return
         before_up, before_down = s.traffic.bytes_up, s.traffic.bytes_down
         previous_at = s.sampled_at_unix_ms or s.started_at_unix_ms
@@ -911,45 +928,19 @@ class FlowActor(HttpForwarding, LoopActor):
         self._publish("flow.updated", records.updated_payload)
 
     def _on_relay_finished(self, completion: Any) -> None:
-        if self._done or self.state is None:
+        s = self.state
+        if s is None or not self.machine.live:
             return
         self._apply_counters(completion.counters)
-        cause = completion.cause
-        if cause is Cause.CLOSED:
-            self._complete_closed()
-        elif cause is Cause.IDLE:
-            self._complete(self._relayed_outcome(), records.IDLE_TIMEOUT)
-        elif cause in (Cause.RESET, Cause.ERROR) and completion.side == "upstream":
-            code = "upstream_reset" if cause is Cause.RESET else "upstream_error"
-            failure = records.Failure(
-                "relay",
-                code,
-                f"upstream connection failed: errno {completion.errno}",
-                {"host": self.state.remote_host, "port": self.state.remote_port},
-            )
-            self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
-        else:
-            # Both sides done, a client-side reset, or engine shutdown: an ordinary end.
-            self._complete(self._relayed_outcome(), None)
+        remote = {"host": s.remote_host, "port": s.remote_port}
+        cause = completion.cause.name
+        self._end(RelayEnded(cause, completion.side, completion.errno, remote))
         self._finish()
 
-    def _complete_closed(self) -> None:
-        # flows.close is a manual cancel; an engine stop is an ordinary end.
-        if self._close_reason_on_cancel == records.MANUAL:
-            self._complete(records.CANCELLED, records.MANUAL)
-        else:
-            self._complete(self._relayed_outcome(), None)
-
-    def _relayed_outcome(self) -> str:
-        s = self.state
-        assert s is not None
-        # Stopped before its upstream connection existed (while routing or dialling):
-        # there was never a path to relay over. (Once dialled, the client has been told
-        # the tunnel is open, even if sniffing still holds the hand-off.)
-        dialled = self.upstream is not None or self._c_dialled
-        if s.outbound_tag is None or (s.state != "active" and not dialled):
-            return records.CANCELLED
-        return records.CHAINED_RELAYED if self._chained else records.DIRECT_RELAYED
+    def _dialled(self) -> bool:
+        """Whether the flow's upstream connection is open here (what the machine cannot
+        see: it decides whether a stopped flow was relayed or cancelled)."""
+        return self.upstream is not None
 
     # -- publishing ---------------------------------------------------------------
 
@@ -981,17 +972,17 @@ class FlowActor(HttpForwarding, LoopActor):
             occurred_at_unix_ms=occurred,
         )
 
-    def _complete(
-        self, outcome: str, close_reason: str | None, failure: records.Failure | None = None
-    ) -> None:
+    def _end(self, event: Event) -> None:
+        """Complete the flow by ``event`` (the machine decides its outcome): the record's
+        end, flow.completed and the flow log line, exactly once."""
+        verdict = self.machine.handle(event)
         s = self.state
-        assert s is not None and not self._done
-        self._done = True
+        assert s is not None and verdict is not None
         ended = now_ms()
         s.state = "completed"
-        s.outcome = outcome
-        s.close_reason = close_reason
-        s.failure = failure
+        s.outcome = verdict.outcome
+        s.close_reason = verdict.close_reason
+        s.failure = verdict.failure
         s.ended_at_unix_ms = max(ended, s.started_at_unix_ms)
         self.deps.counters.count_completed(s)
         self._publish("flow.completed", records.lifecycle_payload, occurred=s.ended_at_unix_ms)

@@ -33,6 +33,18 @@ from spliceway.flows.inbound import (
     forward_request,
     http_auth,
 )
+from spliceway.flows.machine import (
+    Blocked,
+    Closed,
+    Dialed,
+    Dialing,
+    Ended,
+    Event,
+    Failed,
+    FlowMachine,
+    HookDenied,
+    Relaying,
+)
 from spliceway.flows.outbounds import DialError
 from spliceway.native import conn as connpath
 from spliceway.protocols import NEED_MORE, NeedMore, ProtocolError, shadowsocks
@@ -184,10 +196,7 @@ class HttpForwarding:
     dispatcher: Any
     actor_ref: Any
     _base: records.Traffic | None
-    _done: bool
-    _close_reason_on_cancel: str | None
-    _chained: bool
-    _close_requested: bool
+    machine: FlowMachine
     _fwd_buf: bytes
     _fwd_up: _Upstream | None
     _fwd_upload_failed: bool
@@ -210,14 +219,11 @@ class HttpForwarding:
         async def _reply(self, data: bytes, *, quiet: bool = False) -> None: ...
         def _set_route(self, decision: RouteDecision, chain: list[str], outbound: Any) -> None: ...
         def _report_member_down(self, chain: list[str], error: str) -> None: ...
-        def _complete_closed(self) -> None: ...
-        def _relayed_outcome(self) -> str: ...
+        def _dialled(self) -> bool: ...
         def _publish(
             self, event_type: str, payload_fn: Any, occurred: int | None = None
         ) -> None: ...
-        def _complete(
-            self, outcome: str, close_reason: str | None, failure: records.Failure | None = None
-        ) -> None: ...
+        def _end(self, event: Event) -> None: ...
         def _finish(self) -> None: ...
 
     # -- the connection ------------------------------------------------------------
@@ -266,12 +272,9 @@ class HttpForwarding:
         """Forget the finished flow: the actor serves the next request's from here."""
         self.flow_id = self.deps.new_flow_id(self.inbound.index)
         self.state = None
-        self._done = False
+        self.machine = FlowMachine()
         self._base = None
         self.handle = None
-        self._chained = False
-        self._close_reason_on_cancel = None
-        self._close_requested = False
 
     async def _next_request(self) -> Handshake | None:
         """The next request on the connection, None when the client is done (it closed,
@@ -372,6 +375,7 @@ class HttpForwarding:
         assert s is not None
         s.resolved_ip = rec.resolved_ip
         s.remote_host, s.remote_port = s.target_host, s.target_port
+        self.machine.handle(Relaying())
         s.state = "active"
         if outbound is not None and outbound.chained:
             self.deps.counters.chained_sessions += 1
@@ -391,7 +395,7 @@ class HttpForwarding:
         t.outbound_tx_bytes = t.bytes_up = rec.upstream_tx
         if rec.end != connpath.END_FWD_TIMEOUT:
             t.bytes_down = rec.client_tx
-            self._complete(self._relayed_outcome(), None)
+            self._end(Ended(self._dialled()))
             return
         if rec.detail == 0:
             message = "upstream connection failed: timed out"  # our 502, not the origin's
@@ -403,18 +407,18 @@ class HttpForwarding:
         failure = records.Failure(
             "relay", "upstream_error", message, {"host": s.remote_host, "port": s.remote_port}
         )
-        self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+        self._end(Failed(failure))
 
     def _take_over_forward(self, d: connpath.Deferred, client: socket.socket) -> None:
         """C sent a request up and leaves its answer to Python (chunked, interim, long,
         an error...): carry on with the exchange, then the connection, in Python."""
         upstream = socket.socket(fileno=d.ufd)
         s = self.state
-        if s is None or self._done or self._close_requested:
+        if s is None or not self.machine.live or self.machine.close_requested:
             client.close()
             upstream.close()
-            if s is not None and not self._done:
-                self._complete_closed()
+            if s is not None and self.machine.live:
+                self._end(Closed(self._dialled()))
             self._finish()
             return
         self.client = client
@@ -468,7 +472,7 @@ class HttpForwarding:
             return await self._download(request, up, None, False)
         except _ClientGone:
             self._drop_upstream()
-            self._complete(self._relayed_outcome(), None)
+            self._end(Ended(self._dialled()))
             return _CLOSE
 
     # -- one request's flow --------------------------------------------------------
@@ -484,7 +488,7 @@ class HttpForwarding:
             self._start_record(state)
             if not allow:
                 return await self._refuse_request(
-                    request, 403, "denied by the flow hook", records.BLOCKED, records.HOOK_DENIED
+                    request, 403, "denied by the flow hook", HookDenied()
                 )
         else:
             self._start_record(state)
@@ -496,10 +500,12 @@ class HttpForwarding:
         outbound = deps.outbounds.get(chain[-1]) if chain else None
         self._set_route(decision, chain, outbound)
         if decision.action == "block" or outbound is None or outbound.protocol == "block":
-            return await self._refuse_request(request, 403, "blocked by rule", records.BLOCKED)
+            return await self._refuse_request(request, 403, "blocked by rule", Blocked())
         s = state
         t = s.traffic
         key = (outbound.tag, hs.host, hs.port, address)
+        # A pooled upstream to the same outbound and target is this flow's dial.
+        self.machine.handle(Dialing())
         up = self._fwd_up
         if up is None or up.key != key or not up.usable():
             self._drop_upstream()
@@ -513,12 +519,7 @@ class HttpForwarding:
                 )
                 failure = records.Failure(ex.stage, ex.code, ex.message, remote)
                 return await self._refuse_request(
-                    request,
-                    ex.http_status,
-                    ex.message,
-                    records.FAILED,
-                    failure,
-                    records.UPSTREAM_ERROR,
+                    request, ex.http_status, ex.message, Failed(failure)
                 )
             up = self._fwd_up = _Upstream(dialed, key, outbound.chained)
             self.upstream = up.sock
@@ -528,6 +529,8 @@ class HttpForwarding:
         s.remote_host = up.remote_host
         s.remote_port = up.remote_port
         s.relay_chain = list(up.relay_chain)
+        self.machine.handle(Dialed())
+        self.machine.handle(Relaying())
         s.state = "active"
         if up.chained:
             deps.counters.chained_sessions += 1
@@ -541,11 +544,10 @@ class HttpForwarding:
         request: ForwardRequest,
         status: int,
         message: str,
-        outcome: str,
-        failure: records.Failure | None = None,
-        close_reason: str | None = None,
+        end: Event,
     ) -> int:
-        """Answer a request we do not forward with our own error, and complete its flow.
+        """Answer a request we do not forward with our own error, and complete its flow
+        by ``end`` (denied, blocked or failed).
 
         The connection stays for the next request when the client wants that and this
         request's body is already here to be skipped; otherwise it closes after the answer.
@@ -557,7 +559,7 @@ class HttpForwarding:
             body=(message + "\n").encode(),
         )
         await self._reply(reply, quiet=True)
-        self._complete(outcome, close_reason, failure)
+        self._end(end)
         return _KEEP if keep else _CLOSE
 
     def _skip_body(self, request: ForwardRequest) -> bool:
@@ -619,7 +621,7 @@ class HttpForwarding:
             return await self._download(request, up, upload, upgrade)
         except _ClientGone:
             self._drop_upstream()
-            self._complete(self._relayed_outcome(), None)
+            self._end(Ended(self._dialled()))
             return _CLOSE
         finally:
             if upload is not None and not upload.done():
@@ -697,7 +699,7 @@ class HttpForwarding:
             close = True
         if close or not reusable:
             self._drop_upstream()
-        self._complete(self._relayed_outcome(), None)
+        self._end(Ended(self._dialled()))
         return _CLOSE if close else _KEEP
 
     async def _final_head(
@@ -826,7 +828,7 @@ class HttpForwarding:
         failure = records.Failure(
             "relay", "upstream_error", message, {"host": s.remote_host, "port": s.remote_port}
         )
-        self._complete(records.FAILED, records.UPSTREAM_ERROR, failure)
+        self._end(Failed(failure))
         return _CLOSE
 
     async def _switch_protocols(self, up: _Upstream, down_early: bytes) -> None:
