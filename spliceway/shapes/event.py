@@ -9,7 +9,7 @@ docs/events.md are generated from :class:`Envelope`. A test checks the proto's
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import Field
 from typing_extensions import TypedDict
@@ -18,7 +18,7 @@ from spliceway.shapes.flow import Count, NonEmpty, UnixMs
 from spliceway.shapes.schema import Ref
 
 #: The envelope's ``schema_id``: the version of this envelope.
-SCHEMA_ID = "service.event.v1"
+SCHEMA_ID: Final = "service.event.v1"
 
 
 class Envelope(TypedDict):
