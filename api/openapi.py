@@ -7,7 +7,14 @@ same tables the engine dispatches through, so it cannot drift from them:
 - the error ``code`` enum of each HTTP status comes from ``spliceway.errors`` (its
   table, and ``code_for_http_status`` for the statuses only HTTP answers: 405, 415);
 - event types come from ``spliceway.config.EVENT_TYPES``; the bounds of ``limit``
-  from ``spliceway.control.queries``.
+  from ``spliceway.control.queries``;
+- the wire shapes the engine emits (``FlowRecord``, ``EventEnvelope``, ``Stats``,
+  ``Sink``) are generated from their models in ``spliceway.shapes``, which also
+  generate their tables in docs/events.md.
+
+The resource and command-result schemas, and the small helpers they are written
+with, are in ``spliceway.api.schemas``; this module assembles the document (paths,
+errors, components) and re-exports the helpers.
 
 Result shapes are closed (``additionalProperties: false``) wherever the
 contract fixes them, so validating real responses against this document is a

@@ -20,8 +20,8 @@ from spliceway.events.logring import MESSAGE_MAX_CHARS
 from spliceway.routing.policy import TRIGGERS
 from spliceway.shapes.event import Envelope
 from spliceway.shapes.flow import FLOW_RECORD_CONDITIONS, FlowRecord, MatchedRule, ModeKind
-from spliceway.shapes.schema import COMPONENTS, nullable, object_schema
-from spliceway.shapes.sink import SINK_DESCRIPTION, SinkStatus
+from spliceway.shapes.schema import COMPONENTS, component, nullable, object_schema
+from spliceway.shapes.sink import SinkStatus
 from spliceway.shapes.stats import Stats
 
 Schema = dict[str, Any]
@@ -293,23 +293,23 @@ def _runtime() -> Schema:
 
 def flow_record() -> Schema:
     """``FlowRecord``, from its model; ``result`` exactly when completed."""
-    return object_schema(FlowRecord, description=FlowRecord.__doc__, extra=FLOW_RECORD_CONDITIONS)
+    return component(FlowRecord, extra=FLOW_RECORD_CONDITIONS)
 
 
 def stats() -> Schema:
     """``Stats``, from its model."""
-    return object_schema(Stats, description=Stats.__doc__)
+    return component(Stats)
 
 
 def sink() -> Schema:
     """``Sink``, from its model."""
-    return object_schema(SinkStatus, description=SINK_DESCRIPTION)
+    return component(SinkStatus)
 
 
 def event_envelope() -> Schema:
     """``EventEnvelope``: the envelope model, with each flow and policy type's payload."""
     lifecycle = ["flow.started", "flow.routed", "flow.updated", "flow.completed"]
-    envelope = object_schema(Envelope, description=Envelope.__doc__)
+    envelope = component(Envelope)
     envelope["allOf"] = [
         {
             "if": {"properties": {"event_type": enum(lifecycle)}, "required": ["event_type"]},

@@ -7,10 +7,10 @@ generated from it (``spliceway.shapes.schema``). Descriptions are the docs' text
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import Field
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
 from spliceway.shapes.schema import OPAQUE, UNIX_MS_MARK, Ref
 
@@ -39,7 +39,9 @@ class Inbound(TypedDict):
     """``inbound``."""
 
     tag: Annotated[str, Field(description="Its tag.")]
-    protocol: Annotated[str, Field(description="Its protocol: `socks5`, `http`, `mixed`, or `tun`.")]
+    protocol: Annotated[
+        str, Field(description="Its protocol: `socks5`, `http`, `mixed`, or `tun`.")
+    ]
 
 
 class Source(TypedDict):
@@ -68,7 +70,8 @@ class Source(TypedDict):
     ]
     process_path: NotRequired[
         Annotated[
-            str, Field(description="Path of that process's executable; present when it could be read.")
+            str,
+            Field(description="Path of that process's executable; present when it could be read."),
         ]
     ]
 
@@ -184,15 +187,13 @@ class TrafficCounts(TypedDict):
     outbound_rx_bytes: Annotated[
         Count,
         Field(
-            description="Bytes read from the upstream, proxy handshakes (and encryption) "
-            "included."
+            description="Bytes read from the upstream, proxy handshakes (and encryption) included."
         ),
     ]
     outbound_tx_bytes: Annotated[
         Count,
         Field(
-            description="Bytes written to the upstream, proxy handshakes (and encryption) "
-            "included."
+            description="Bytes written to the upstream, proxy handshakes (and encryption) included."
         ),
     ]
     packets_up: Annotated[Count | None, Field(description="Always `null` for TCP.")]
@@ -215,7 +216,9 @@ class Timing(TypedDict):
     ended_at_unix_ms: NotRequired[
         Annotated[UnixMs, Field(description="When it ended; once completed.")]
     ]
-    duration_ms: NotRequired[Annotated[Count, Field(description="End minus start; once completed.")]]
+    duration_ms: NotRequired[
+        Annotated[Count, Field(description="End minus start; once completed.")]
+    ]
 
 
 class FailureRemote(TypedDict):

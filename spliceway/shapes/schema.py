@@ -5,7 +5,8 @@ A wire shape is a ``TypedDict`` whose keys carry their meaning in
 ``pydantic.TypeAdapter`` validates against the same declaration). Two things are
 generated from one:
 
-- :func:`json_schema`: the JSON Schema the OpenAPI document publishes, in the
+- :func:`json_schema` (and :func:`component`, a shape with its docstring as its
+  description): the JSON Schema the OpenAPI document publishes, in the
   document's own style (objects closed, ``nullable`` as a type list where it can be,
   named components as ``$ref``);
 - :func:`catalogue_rows`: the rows of the field tables in docs/events.md (key path,
@@ -213,6 +214,11 @@ def object_schema(
         out["required"] = required
     out["additionalProperties"] = False
     return {**out, **(extra or {})}
+
+
+def component(td: type, *, extra: Schema | None = None) -> Schema:
+    """``td`` as a named component: :func:`object_schema` described by its docstring."""
+    return object_schema(td, description=" ".join((td.__doc__ or "").split()) or None, extra=extra)
 
 
 def _word(tp: Any) -> str:

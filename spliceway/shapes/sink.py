@@ -6,16 +6,16 @@ The OpenAPI component ``Sink`` is generated from :class:`SinkStatus`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NotRequired
 
 from pydantic import Field
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
 from spliceway.shapes.flow import Count, UnixMs
 
 
 class OutboxRecovery(TypedDict):
-    """What opening the outbox found; counts are of this start."""
+    """``outbox_recovery``: the outbox's state when it was opened, and what repairing it took."""
 
     state: Literal["clean", "repaired"]
     recovered_records: Count
@@ -71,11 +71,3 @@ class SinkStatus(TypedDict):
     ]
     outbox_storage: NotRequired[OutboxStorage]
     delivery: NotRequired[Delivery]
-
-
-#: The component's description (the docstring above, on one line).
-SINK_DESCRIPTION = (
-    "One event sink's delivery state. Extensions: type, "
-    "total_dead_lettered, total_discarded, dead_letters (kept on disk now), "
-    "cursor_sequence (the last event-log sequence this sink has taken in)."
-)

@@ -32,8 +32,7 @@ class UdpUpstreamCounters(TypedDict):
     closed_associations: Annotated[
         Count,
         Field(
-            description="Upstream associations closed (idle, or their client association "
-            "ended)."
+            description="Upstream associations closed (idle, or their client association ended)."
         ),
     ]
     idle_timeouts: Annotated[
@@ -57,7 +56,9 @@ class UdpUpstreamCounters(TypedDict):
         Count,
         Field(description="Datagrams a socket refused to send (towards a target or the client)."),
     ]
-    recv_failures: Annotated[Count, Field(description="Failed reads on a relay or upstream socket.")]
+    recv_failures: Annotated[
+        Count, Field(description="Failed reads on a relay or upstream socket.")
+    ]
     packets_sent: Annotated[Count, Field(description="Datagrams sent to targets.")]
     packets_received: Annotated[
         Count, Field(description="Datagrams received from targets and relayed to clients.")
@@ -77,9 +78,7 @@ class Stats(TypedDict):
         Count, Field(description="Flows completed, whatever their outcome.")
     ]
     failed_sessions: Annotated[Count, Field(description="Flows completed with outcome `failed`.")]
-    blocked_sessions: Annotated[
-        Count, Field(description="Flows completed with outcome `blocked`.")
-    ]
+    blocked_sessions: Annotated[Count, Field(description="Flows completed with outcome `blocked`.")]
     direct_sessions: Annotated[Count, Field(description="Flows relayed by a `direct` outbound.")]
     chained_sessions: Annotated[
         Count, Field(description="Flows relayed through an upstream proxy.")
