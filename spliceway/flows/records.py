@@ -251,9 +251,9 @@ class FlowState:
             if self.failure is not None:
                 result["failure"] = self.failure.to_dict()
             record["result"] = result
-        # The record's str fields (state, mode, ...) hold the model's Literal values:
-        # a cast, not a validation, so the per-flow cost stays one dict build.
-        return cast("FlowRecord", record)
+        # The record's str fields (state, mode, ...) hold the model's Literal values. Not
+        # a cast() or a validation: render runs per flow revision, and a call costs ~4%.
+        return record  # type: ignore[return-value]
 
 
 def lifecycle_payload(state: FlowState, record: FlowRecord) -> dict[str, Any]:
