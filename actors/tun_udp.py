@@ -52,7 +52,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from spliceway.actors import udp_flow
@@ -97,25 +97,7 @@ _QUEUE_PACKETS = 64
 _QUEUE_BYTES = 256 * 1024
 _FORMERR = 1
 
-#: :class:`TunUdpCounters`' fields, in order.
-COUNTER_NAMES = (
-    "flows",
-    "datagrams_in",
-    "datagrams_relayed",
-    "datagrams_dropped",
-    "replies",
-    "reply_failures",
-    "upstream_errors",
-    "unknown_sessions",
-    "errors",
-    "dns_queries",
-    "dns_answers",
-    "dns_dropped",
-    "dns_malformed",
-    "dns_send_failed",
-)
-
-
+@dataclass(slots=True, eq=False)
 class TunUdpCounters:
     """What the actor did since it started (ints; any thread may read them).
 
@@ -133,14 +115,28 @@ class TunUdpCounters:
     ``dns_send_failed``: answers the stack refused.
     """
 
-    __slots__ = COUNTER_NAMES
-
-    def __init__(self) -> None:
-        for name in COUNTER_NAMES:
-            setattr(self, name, 0)
+    flows: int = 0
+    datagrams_in: int = 0
+    datagrams_relayed: int = 0
+    datagrams_dropped: int = 0
+    replies: int = 0
+    reply_failures: int = 0
+    upstream_errors: int = 0
+    unknown_sessions: int = 0
+    errors: int = 0
+    dns_queries: int = 0
+    dns_answers: int = 0
+    dns_dropped: int = 0
+    dns_malformed: int = 0
+    dns_send_failed: int = 0
 
     def snapshot(self) -> dict[str, int]:
+        """The counters as a document, in :data:`COUNTER_NAMES` order."""
         return {name: getattr(self, name) for name in COUNTER_NAMES}
+
+
+#: :class:`TunUdpCounters`' fields, in order.
+COUNTER_NAMES = tuple(f.name for f in fields(TunUdpCounters))
 
 
 class TunUdpStats(NamedTuple):

@@ -7,7 +7,14 @@ same tables the engine dispatches through, so it cannot drift from them:
 - the error ``code`` enum of each HTTP status comes from ``spliceway.errors`` (its
   table, and ``code_for_http_status`` for the statuses only HTTP answers: 405, 415);
 - event types come from ``spliceway.config.EVENT_TYPES``; the bounds of ``limit``
-  from ``spliceway.control.queries``.
+  from ``spliceway.control.queries``;
+- the wire shapes the engine emits (``FlowRecord``, ``EventEnvelope``, ``Stats``,
+  ``Sink``) are generated from their models in ``spliceway.shapes``, which also
+  generate their tables in docs/events.md.
+
+The resource and command-result schemas, and the small helpers they are written
+with, are in ``spliceway.api.schemas``; this module assembles the document (paths,
+errors, components) and re-exports the helpers.
 
 Result shapes are closed (``additionalProperties: false``) wherever the
 contract fixes them, so validating real responses against this document is a
@@ -22,19 +29,63 @@ import copy
 import re
 from typing import Any
 
+from spliceway.api.schemas import (
+    BOOL,
+    COUNT,
+    LATENCY_MS,
+    MODE_KIND,
+    NON_EMPTY,
+    OPEN_OBJECT,
+    PORT,
+    STR,
+    STRINGS,
+    UNIX_MS,
+    Schema,
+    array,
+    command_results,
+    const,
+    enum,
+    integer,
+    obj,
+    ref,
+    resource_schemas,
+    string,
+)
 from spliceway.config import EVENT_TYPES
 from spliceway.control.capabilities import API_ID
 from spliceway.control.commands import COMMANDS, PERMISSIONS
 from spliceway.control.queries import EVENTS_LIMIT_MAX, FLOWS_LIMIT_DEFAULT, FLOWS_LIMIT_MAX
-from spliceway.dns.server import COUNTER_NAMES as DNS_SERVER_COUNTERS
 from spliceway.errors import HTTP_STATUS, code_for_http_status
-from spliceway.events.catalogue import UDP_COUNTERS
-from spliceway.events.log import SCHEMA_ID as EVENT_SCHEMA_ID
 from spliceway.events.logring import LEVELS as LOG_LEVELS
-from spliceway.events.logring import LOGS_LIMIT_MAX, MESSAGE_MAX_CHARS
-from spliceway.routing.policy import TRIGGERS
+from spliceway.events.logring import LOGS_LIMIT_MAX
+from spliceway.shapes.schema import nullable
 
-Schema = dict[str, Any]
+__all__ = [
+    "BOOL",
+    "COUNT",
+    "LATENCY_MS",
+    "NON_EMPTY",
+    "OPENAPI_VERSION",
+    "OPEN_OBJECT",
+    "PORT",
+    "PREFIX",
+    "STR",
+    "STRINGS",
+    "UNIX_MS",
+    "Schema",
+    "array",
+    "command_component",
+    "const",
+    "enum",
+    "error_envelope",
+    "integer",
+    "nullable",
+    "obj",
+    "openapi_document",
+    "ref",
+    "string",
+    "success_envelope",
+]
 
 PREFIX = "/api/v1"
 OPENAPI_VERSION = "3.1.0"
@@ -43,84 +94,7 @@ _JSON = "application/json"
 _SSE = "text/event-stream"
 _SCHEMAS = "#/components/schemas/"
 
-# ---------------------------------------------------------------------------
-# Schema helpers
-# ---------------------------------------------------------------------------
 
-
-def ref(name: str) -> Schema:
-    """A reference to ``components.schemas.<name>``."""
-    return {"$ref": f"{_SCHEMAS}{name}"}
-
-
-def obj(
-    required: dict[str, Schema],
-    optional: dict[str, Schema] | None = None,
-    *,
-    description: str | None = None,
-    closed: bool = True,
-) -> Schema:
-    """An object with ``required`` and ``optional`` properties, closed unless told otherwise."""
-    properties = {**required, **(optional or {})}
-    out: Schema = {"type": "object"}
-    if description is not None:
-        out["description"] = description
-    out["properties"] = properties
-    if required:
-        out["required"] = list(required)
-    if closed:
-        out["additionalProperties"] = False
-    return out
-
-
-def nullable(schema: Schema) -> Schema:
-    """``schema`` or JSON ``null``."""
-    kind = schema.get("type")
-    if isinstance(kind, str) and kind != "object" and not {"enum", "const"} & set(schema):
-        return {**schema, "type": [kind, "null"]}
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def array(items: Schema, **extra: Any) -> Schema:
-    """An array of ``items``."""
-    return {"type": "array", "items": items, **extra}
-
-
-def enum(values: Any) -> Schema:
-    """A string out of ``values`` (kept in the given order, or sorted for sets)."""
-    ordered = sorted(values) if isinstance(values, set | frozenset) else list(values)
-    return {"type": "string", "enum": ordered}
-
-
-def const(value: Any) -> Schema:
-    """Exactly ``value``."""
-    return {"const": value}
-
-
-def string(**extra: Any) -> Schema:
-    """A string."""
-    return {"type": "string", **extra}
-
-
-def integer(minimum: int | None = 0, maximum: int | None = None, **extra: Any) -> Schema:
-    """An integer, non-negative by default."""
-    out: Schema = {"type": "integer"}
-    if minimum is not None:
-        out["minimum"] = minimum
-    if maximum is not None:
-        out["maximum"] = maximum
-    return {**out, **extra}
-
-
-BOOL: Schema = {"type": "boolean"}
-STR: Schema = string()
-NON_EMPTY: Schema = string(minLength=1)
-COUNT: Schema = integer()
-UNIX_MS: Schema = integer(description="UNIX time in milliseconds")
-PORT: Schema = integer(0, 65535)
-LATENCY_MS: Schema = {"type": "number", "minimum": 0}
-STRINGS: Schema = array(STR)
-OPEN_OBJECT: Schema = {"type": "object"}
 
 
 def _pascal(method: str) -> str:
@@ -267,649 +241,11 @@ def _ok(result: Schema, description: str) -> Schema:
     }
 
 
-# ---------------------------------------------------------------------------
-# Resource schemas
-# ---------------------------------------------------------------------------
-
-
-def _support() -> Schema:
-    return obj(
-        {
-            "supported": BOOL,
-            "level": enum(["supported", "unsupported", "not_built", "not_applicable"]),
-            "notes": STRINGS,
-        }
-    )
-
-
-def _limitation() -> Schema:
-    return obj({"code": STR, "message": STR})
-
-
-def _capabilities() -> Schema:
-    direction = obj({"tcp": ref("Support"), "udp": ref("Support")})
-    protocol = obj(
-        {
-            "protocol": STR,
-            "feature": STR,
-            "compiled": BOOL,
-            "status": enum(["stable", "not_built"]),
-            "compatibility_baseline": STR,
-            "inbound": direction,
-            "outbound": direction,
-            "transports": STRINGS,
-            "mux": ref("Support"),
-            "limitations": array(ref("Limitation")),
-        }
-    )
-    toggle = obj({"kind": STR, "enabled": BOOL})
-    return obj(
-        {
-            "api_id": const(API_ID),
-            "schema_id": const(EVENT_SCHEMA_ID),
-            "engine_version": STR,
-            "adapters": array(toggle),
-            "sinks": array(toggle),
-            "features": STRINGS,
-            "protocols": array(protocol),
-            "build_features": STRINGS,
-            "permissions": array(ref("Permission"), uniqueItems=True),
-            "contracts": array(
-                obj({"name": STR, "id": STR, "min_version": COUNT, "max_version": COUNT})
-            ),
-            "error_codes": array(
-                obj({"code": enum(HTTP_STATUS), "http_status": integer(400, 599)})
-            ),
-            "commands": array(
-                obj(
-                    {
-                        "method": ref("CommandMethod"),
-                        "permission": ref("Permission"),
-                        "available": BOOL,
-                    },
-                    {"missing": string(description="What this build lacks for the command.")},
-                )
-            ),
-            "global_limitations": array(ref("Limitation")),
-        },
-        description="What this build can do.",
-    )
-
-
-def _group_fields() -> dict[str, Schema]:
-    chains = array(STRINGS)
-    member = obj(
-        {
-            "member_tag": STR,
-            "healthy": BOOL,
-            "latency_ms": nullable(LATENCY_MS),
-            "last_checked_unix_ms": nullable(UNIX_MS),
-            "last_error": nullable(STR),
-            "effective_chains": chains,
-        }
-    )
-    return {
-        "tag": STR,
-        "kind": enum(["selector", "url_test", "fallback", "relay", "load_balance"]),
-        "outbounds": STRINGS,
-        "selected": nullable(STR),
-        "latency_ms": nullable(LATENCY_MS),
-        "last_checked_unix_ms": nullable(UNIX_MS),
-        "effective_chains": chains,
-        "url_test_members": array(member),
-        "member_health": array(
-            obj(
-                {
-                    "member_tag": STR,
-                    "healthy": nullable(BOOL),
-                    "latency_ms": nullable(LATENCY_MS),
-                    "last_checked_unix_ms": nullable(UNIX_MS),
-                    "last_error": nullable(STR),
-                    "checked_by": nullable(STR),
-                },
-                description="What the engine knows of one member now: the newest check of "
-                "it by any probing group (`checked_by`), whichever group lists it; all null "
-                "until some group has checked it.",
-            ),
-            description="Every member, in order, with its engine-wide latest health "
-            "(`url_test_members` keeps this group's own view, which its selection follows).",
-        ),
-    }
-
-
-def _config_summary() -> Schema:
-    return obj(
-        {
-            "mode": obj({"kind": ref("ModeKind"), "outbound": nullable(STR)}),
-            "rule_count": COUNT,
-            "rules": array(
-                obj(
-                    {
-                        "index": COUNT,
-                        "condition": STR,
-                        "action": enum(["route", "block"]),
-                        "outbound": nullable(STR),
-                    },
-                    description="One routing rule, in order: `index` and `condition` as a "
-                    "flow's `route.matched_rule` names it; `outbound` is null for `block`.",
-                ),
-                description="The rules in force (mode `rule` tries them in order).",
-            ),
-            "final": string(description="`route.final`: where flows no rule matches go."),
-            "listeners": array(
-                obj(
-                    {
-                        "tag": STR,
-                        "protocol": STR,
-                        "listen_address": STR,
-                        "listen_port": PORT,
-                    }
-                )
-            ),
-            "outbounds": array(
-                obj({"tag": STR, "protocol": STR, "server": nullable(STR), "port": nullable(PORT)})
-            ),
-            "outbound_groups": array(ref("PolicySnapshot")),
-        },
-        description="The running configuration, summarised.",
-    )
-
-
-def _stats() -> Schema:
-    udp = UDP_COUNTERS
-    counters = (
-        "active_sessions",
-        "total_started",
-        "completed_sessions",
-        "failed_sessions",
-        "blocked_sessions",
-        "direct_sessions",
-        "chained_sessions",
-        "bytes_up",
-        "bytes_down",
-    )
-    return obj(
-        {
-            **dict.fromkeys(counters, COUNT),
-            "udp_upstream": obj(dict.fromkeys(udp, COUNT)),
-        },
-        description="Cumulative counters.",
-    )
-
-
-def _runtime() -> Schema:
-    return obj(
-        {
-            "stats": ref("Stats"),
-            "udp_upstream_idle_timeout_seconds": integer(1),
-            "log_level": enum(["trace", "debug", "info", "warn", "error"]),
-            "log_files": STRINGS,
-            "pid": integer(1),
-            "started_at_unix_ms": UNIX_MS,
-            "active_sessions": array(ref("FlowRecord")),
-            "recent_completed_sessions": array(ref("FlowRecord")),
-            "file_descriptors": obj(
-                {
-                    "soft_limit": integer(-1),
-                    "hard_limit": integer(-1),
-                    "accept_failures": COUNT,
-                    "accept_outages": COUNT,
-                    "listeners_out_of_descriptors": STRINGS,
-                },
-                {"open": COUNT},
-                description="The process's `RLIMIT_NOFILE` (-1: unlimited; the engine "
-                "raises the soft limit to the hard one at start), the descriptors open now "
-                "(absent when they cannot be counted), and accepts that failed for want of "
-                "descriptors since start: how many, in how many outages, and the listeners "
-                "in one now (docs/running.md).",
-            ),
-        },
-        {
-            "config_path": string(description="Present when the engine was started from a file."),
-            "dns_server": obj(
-                {
-                    "listen_address": STR,
-                    "listen_port": PORT,
-                    "counters": obj(dict.fromkeys(DNS_SERVER_COUNTERS, COUNT)),
-                },
-                description="Present while the DNS server (`runtime.dns.listen`) runs: the "
-                "address it bound (UDP and TCP) and what it did since it started "
-                "(docs/dns.md).",
-            ),
-        },
-        description="The runtime snapshot.",
-    )
-
-
-def _flow_record() -> Schema:
-    failure = obj(
-        {"stage": STR, "code": STR, "message": STR},
-        {"remote": obj({"host": nullable(STR)}, {"port": nullable(PORT)})},
-    )
-    record = obj(
-        {
-            "flow_id": NON_EMPTY,
-            "revision": integer(1),
-            "state": enum(["opening", "active", "completed"]),
-            "network": enum(["tcp", "udp"]),
-            "inbound": obj({"tag": STR, "protocol": STR}),
-            "source": obj(
-                {"ip": STR, "port": PORT},
-                {"process_id": integer(1), "process_name": STR, "process_path": STR},
-            ),
-            "target": obj({"host": STR, "port": PORT}, {"resolved_ip": STR, "sniffed_host": STR}),
-            "route": obj(
-                {
-                    "mode": ref("ModeKind"),
-                    "action": enum(["pending", "route", "block"]),
-                    "target": nullable(STR),
-                    "matched_rule": nullable(ref("MatchedRule")),
-                    "selection_chain": STRINGS,
-                }
-            ),
-            "path": obj(
-                {
-                    "outbound": nullable(obj({"tag": STR, "protocol": STR})),
-                    "remote": nullable(obj({"host": STR, "port": nullable(PORT)})),
-                    "relay_chain": STRINGS,
-                }
-            ),
-            "traffic": obj(
-                {
-                    **dict.fromkeys(
-                        (
-                            "bytes_up",
-                            "bytes_down",
-                            "inbound_rx_bytes",
-                            "inbound_tx_bytes",
-                            "outbound_rx_bytes",
-                            "outbound_tx_bytes",
-                        ),
-                        COUNT,
-                    ),
-                    "packets_up": nullable(COUNT),
-                    "packets_down": nullable(COUNT),
-                }
-            ),
-            "throughput": obj(
-                {
-                    "upload_bps": COUNT,
-                    "download_bps": COUNT,
-                    "sampled_at_unix_ms": nullable(UNIX_MS),
-                }
-            ),
-            "timing": {
-                **obj(
-                    {"started_at_unix_ms": UNIX_MS, "last_activity_at_unix_ms": UNIX_MS},
-                    {"ended_at_unix_ms": UNIX_MS, "duration_ms": COUNT},
-                ),
-                "dependentRequired": {
-                    "ended_at_unix_ms": ["duration_ms"],
-                    "duration_ms": ["ended_at_unix_ms"],
-                },
-            },
-        },
-        {
-            # Only on a flow the flow hook labelled (api.flow_hook).
-            "labels": {"type": "object", "additionalProperties": STR},
-            "result": obj(
-                {
-                    "outcome": enum(
-                        ["direct_relayed", "chained_relayed", "blocked", "failed", "cancelled",
-                         "engine_crashed"]
-                    )
-                },
-                {"close_reason": STR, "failure": failure},
-                description="Present exactly when state is completed.",
-            ),
-        },
-        description="A flow (FlowRecord); result only once completed.",
-    )
-    record["if"] = {"properties": {"state": const("completed")}, "required": ["state"]}
-    record["then"] = {
-        "required": ["result"],
-        "properties": {"timing": {"required": ["ended_at_unix_ms", "duration_ms"]}},
-    }
-    record["else"] = {"not": {"required": ["result"]}}
-    return record
-
-
-def _event_envelope() -> Schema:
-    lifecycle = ["flow.started", "flow.routed", "flow.updated", "flow.completed"]
-    envelope = obj(
-        {
-            "schema_id": const(EVENT_SCHEMA_ID),
-            "event_id": NON_EMPTY,
-            "event_type": ref("EventType"),
-            "occurred_at_unix_ms": UNIX_MS,
-            "source_id": nullable(STR),
-            "sequence": COUNT,
-            "principal_key": nullable(STR),
-            "labels": {"type": "object", "additionalProperties": STR},
-            "payload": OPEN_OBJECT,
-        },
-        description="An event; flow events carry the FlowRecord.",
-    )
-    envelope["allOf"] = [
-        {
-            "if": {"properties": {"event_type": enum(lifecycle)}, "required": ["event_type"]},
-            "then": {
-                "properties": {
-                    "payload": {
-                        "type": "object",
-                        "required": ["flow_id", "record"],
-                        "properties": {"flow_id": NON_EMPTY, "record": ref("FlowRecord")},
-                    }
-                }
-            },
-        },
-        {
-            "if": {"properties": {"event_type": const("flow.completed")}},
-            "then": {
-                "properties": {
-                    "payload": {
-                        "properties": {"record": {"properties": {"state": const("completed")}}}
-                    }
-                }
-            },
-        },
-        {
-            "if": {"properties": {"event_type": const("flow.snapshot")}},
-            "then": {
-                "properties": {
-                    "payload": obj({"watermark": COUNT, "records": array(ref("FlowRecord"))})
-                }
-            },
-        },
-        {
-            "if": {"properties": {"event_type": const("policy.selected")}},
-            "then": {
-                "properties": {
-                    "payload": obj(
-                        {
-                            "policy_tag": STR,
-                            "policy_kind": const("selector"),
-                            "selected": STR,
-                            "previous": nullable(STR),
-                        }
-                    )
-                }
-            },
-        },
-        {
-            "if": {"properties": {"event_type": const("policy.probe.completed")}},
-            "then": {"properties": {"payload": _probe_completed()}},
-        },
-    ]
-    return envelope
-
-
-def _probe_completed() -> Schema:
-    member = obj(
-        {
-            "target_tag": STR,
-            "healthy": BOOL,
-            "latency_ms": nullable(LATENCY_MS),
-            "error": nullable(STR),
-        }
-    )
-    return obj(
-        {
-            "policy_tag": STR,
-            "trigger": enum(list(TRIGGERS)),
-            "url": STR,
-            "started_at_unix_ms": UNIX_MS,
-            "completed_at_unix_ms": UNIX_MS,
-            "duration_ms": COUNT,
-            "selected": nullable(STR),
-            "members": array(member),
-        },
-        description="A finished probe round of a url_test, fallback or load_balance group.",
-    )
-
-
-def _log_ring() -> Schema:
-    record = obj(
-        {
-            "sequence": integer(1),
-            "time_unix_ms": UNIX_MS,
-            "level": enum(["debug", "info", "warn", "error"]),
-            "logger": string(description="The logger's name: `spliceway` or below it."),
-            "message": string(
-                description=f"The formatted message, with its traceback if any; at most "
-                f"{MESSAGE_MAX_CHARS} characters."
-            ),
-            "thread": STR,
-        },
-        description="One log record.",
-    )
-    return obj(
-        {
-            "records": array(record),
-            "oldest_sequence": integer(1),
-            "latest_sequence": COUNT,
-            "capacity": integer(1),
-        },
-        description=(
-            "The newest log records of the `spliceway` loggers at or above "
-            "`runtime.log_level`, as the host's logging configuration lets them through, "
-            "since the engine started. `oldest_sequence`, `latest_sequence` and `capacity` "
-            "describe the ring itself, not the filtered list."
-        ),
-    )
-
-
-def _sink() -> Schema:
-    return obj(
-        {
-            "name": STR,
-            "type": {"type": "string", "enum": ["webhook", "jsonl", "nats"]},
-            "pending": COUNT,
-            "total_delivered": COUNT,
-            "total_failed": COUNT,
-            "total_dead_lettered": COUNT,
-            "total_discarded": COUNT,
-            "dead_letters": COUNT,
-            "replay_gaps": COUNT,
-            "cursor_sequence": COUNT,
-            "last_success_at_unix_ms": nullable(UNIX_MS),
-            "last_failure_at_unix_ms": nullable(UNIX_MS),
-            "last_error": nullable(STR),
-            "outbox_recovery": obj(
-                {
-                    "state": {"type": "string", "enum": ["clean", "repaired"]},
-                    "recovered_records": COUNT,
-                    "lost_records": COUNT,
-                    "damaged_regions": COUNT,
-                    "truncated_bytes": COUNT,
-                    "damaged_ledger_slots": COUNT,
-                    "unreadable_segments": COUNT,
-                    "errors": array(STR),
-                },
-                description="What opening the outbox found; counts are of this start.",
-            ),
-        },
-        {
-            "outbox_storage": obj(
-                {
-                    "available_bytes": COUNT,
-                    "total_bytes": COUNT,
-                    "reserve_bytes": COUNT,
-                    "maintenance_reserve_bytes": COUNT,
-                    "write_blocked": BOOL,
-                }
-            ),
-            "delivery": obj(
-                {
-                    "in_flight": COUNT,
-                    "retry_pending": COUNT,
-                    "ack_retry_pending": COUNT,
-                    "durable_pending": COUNT,
-                    "next_retry_at_unix_ms": nullable(UNIX_MS),
-                }
-            ),
-        },
-        description=(
-            "One event sink's delivery state. Extensions: type, "
-            "total_dead_lettered, total_discarded, dead_letters (kept on disk now), "
-            "cursor_sequence (the last event-log sequence this sink has taken in)."
-        ),
-    )
-
-
-def _tun_status() -> Schema:
-    stopped = obj(
-        {
-            "running": const(False),
-            "name": {"type": "null"},
-            "addr": {"type": "null"},
-            "tag": {"type": "null"},
-        },
-        description="No TUN inbound is running.",
-    )
-    egress = obj(
-        {"availability": enum(["unknown", "available", "unavailable"])},
-        {"interface": STR, "reason": STR},
-    )
-    running = obj(
-        {
-            "running": const(True),
-            "name": STR,
-            "addr": STR,
-            "tag": STR,
-            "addresses": STRINGS,
-            "mtu": integer(1),
-            "healthy": BOOL,
-            "last_error": nullable(STR),
-            "auto_route": BOOL,
-            "include_cidrs": STRINGS,
-            "exclude_cidrs": STRINGS,
-            "dual_stack": BOOL,
-            "strict_route": BOOL,
-            "dns_hijack": BOOL,
-            "ipv4_egress": egress,
-            "ipv6_egress": egress,
-            "network_generation": COUNT,
-            "address_family_policy": STR,
-            "ipv6_to_ipv4_fallbacks": COUNT,
-            "managed_by_config": BOOL,
-        },
-        description="A running TUN inbound; egress_interface* fields name the egress device.",
-    )
-    running["patternProperties"] = {"^egress_interface": {}}
-    return {"oneOf": [stopped, running], "description": "The TUN inbound."}
-
-
-# ---------------------------------------------------------------------------
-# Commands
-# ---------------------------------------------------------------------------
-
-
-def _apply_result() -> Schema:
-    return obj(
-        {
-            "applied": BOOL,
-            "persistence": enum(["source_file", "runtime_only"]),
-            "reconciled": BOOL,
-            "application_components": STRINGS,
-            "changed_components": STRINGS,
-        }
-    )
-
-
-def _command_results() -> dict[str, Schema]:
-    accepted = obj({"accepted": BOOL})
-    return {
-        "flows.close": obj({"flow_id": NON_EMPTY, "closed": BOOL}),
-        "mode.set": accepted,
-        "config.validate": obj({"valid": BOOL}),
-        "diagnostics.trace_route": obj(
-            {
-                "target": STR,
-                "resolved_ip": nullable(STR),
-                "port": PORT,
-                "protocol": enum(["tcp", "udp"]),
-                "inbound_tag": nullable(STR),
-                "effective_mode": ref("ModeKind"),
-                "route_action": {
-                    "oneOf": [obj({"route": STR}), obj({"block": const(True)})],
-                },
-                "matched_rule": nullable(ref("MatchedRule")),
-            }
-        ),
-        "diagnostics.probe_target": obj(
-            {
-                "target_tag": STR,
-                "server": nullable(STR),
-                "port": nullable(PORT),
-                "reachable": BOOL,
-                "latency_ms": nullable(LATENCY_MS),
-            },
-            {"error": STR},
-        ),
-        "diagnostics.dns_lookup": obj(
-            {"hostname": STR, "resolved_addresses": STRINGS, "count": COUNT}, {"error": STR}
-        ),
-        "diagnostics.dns_cache": {
-            "oneOf": [
-                obj(
-                    {
-                        "enabled": BOOL,
-                        "domain": STR,
-                        "hit": BOOL,
-                        "addresses": STRINGS,
-                        "ttl_seconds": nullable(COUNT),
-                    },
-                    description="With params.domain: that domain's cache entry.",
-                ),
-                obj(
-                    {
-                        "enabled": BOOL,
-                        "entries": array(
-                            obj({"domain": STR, "addresses": STRINGS, "ttl_seconds": COUNT})
-                        ),
-                        "count": COUNT,
-                    },
-                    description="Without params.domain: the cache's entries.",
-                ),
-            ]
-        },
-        "policies.select": obj({"policy_tag": STR, "selected": STR}),
-        "policies.probe": obj({"policy_tag": STR, "probe_triggered": BOOL}),
-        "config.apply": _apply_result(),
-        "config.apply_runtime": _apply_result(),
-        "tun.start": accepted,
-        "tun.stop": accepted,
-        "diagnostics.probe_outbound": obj(
-            {
-                "target_tag": STR,
-                "url": STR,
-                "via": const("through_proxy"),
-                "reachable": BOOL,
-                "latency_ms": nullable(LATENCY_MS),
-            },
-            {"error": STR},
-        ),
-        "diagnostics.fakeip_lookup": {
-            "oneOf": [
-                obj(
-                    {"enabled": BOOL, "domain": STR, "fake_ip": nullable(STR)},
-                    description="Forward (params.domain).",
-                ),
-                obj(
-                    {"enabled": BOOL, "ip": STR, "domain": nullable(STR)},
-                    description="Reverse (params.ip).",
-                ),
-            ]
-        },
-        "fakeip.clear": obj({"cleared": COUNT}),
-    }
-
 
 def _command_schemas() -> tuple[dict[str, Schema], Schema, Schema]:
     """Components for params, request variants and results; the request and result unions."""
     components: dict[str, Schema] = {}
-    results = _command_results()
+    results = command_results()
     variants: list[Schema] = []
     mapping: dict[str, str] = {}
     result_refs: list[Schema] = []
@@ -942,6 +278,7 @@ def _command_schemas() -> tuple[dict[str, Schema], Schema, Schema]:
     }
     result = {"description": "The result of the command named by method.", "anyOf": result_refs}
     return components, request, result
+
 
 
 # ---------------------------------------------------------------------------
@@ -1255,53 +592,15 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
 
 
 def _components(command_components: dict[str, Schema], command_request: Schema) -> Schema:
-    policy = obj(
-        _group_fields(),
-        {
-            "interval_seconds": integer(1),
-            "tolerance_ms": COUNT,
-            "strategy": enum(["round_robin", "consistent_hashing", "sticky_sessions"]),
-            "url": STR,
-        },
-        description="A group's live state.",
-    )
     schemas: dict[str, Schema] = {
         "ApiError": _API_ERROR,
         **{f"{name}Envelope": error_envelope(s) for s, (name, _) in _ERROR_RESPONSES.items()},
         "PreflightEnvelope": success_envelope(obj({})),
         "Permission": enum(PERMISSIONS),
-        "ModeKind": enum(["rule", "global", "direct"]),
+        "ModeKind": MODE_KIND,
         "EventType": enum(EVENT_TYPES),
         "CommandMethod": enum(COMMANDS),
-        "MatchedRule": obj({"index": COUNT, "condition": STR}),
-        "Support": _support(),
-        "Limitation": _limitation(),
-        "Health": obj(
-            {"engine_build_id": STR, "started_at_unix_ms": UNIX_MS, "healthy": BOOL},
-            description="Liveness.",
-        ),
-        "Capabilities": _capabilities(),
-        "ConfigSummary": _config_summary(),
-        "Stats": _stats(),
-        "Runtime": _runtime(),
-        "FlowRecord": _flow_record(),
-        "FlowList": obj({"active_flows": array(ref("FlowRecord"))}),
-        "PolicySnapshot": policy,
-        "PolicyList": obj({"policies": array(ref("PolicySnapshot"))}),
-        "Sink": _sink(),
-        "SinkList": obj({"sinks": array(ref("Sink"))}),
-        "TunStatus": _tun_status(),
-        "EventEnvelope": _event_envelope(),
-        "EventRing": obj(
-            {
-                "events": array(ref("EventEnvelope")),
-                "oldest_sequence": integer(1),
-                "latest_sequence": COUNT,
-                "capacity": integer(1),
-            },
-            description="The event ring.",
-        ),
-        "LogRing": _log_ring(),
+        **resource_schemas(),
         "CommandRequest": command_request,
         **command_components,
     }

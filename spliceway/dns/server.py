@@ -70,7 +70,8 @@ import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 import dns.asyncquery
 import dns.exception
@@ -105,6 +106,7 @@ __all__ = [
     "SLOW",
     "WIRE_CACHE_SECONDS",
     "ClientRateLimit",
+    "DnsCounterSnapshot",
     "DnsCounters",
     "DnsResponder",
     "DnsServer",
@@ -183,58 +185,57 @@ class _Slow:
 SLOW: Final = _Slow()
 
 
+class DnsCounterSnapshot(TypedDict):
+    """The runtime snapshot's ``dns_server.counters`` (:meth:`DnsCounters.snapshot`)."""
+
+    queries: int
+    udp_queries: int
+    tcp_queries: int
+    tcp_connections: int
+    tcp_refused: int
+    answered: int
+    cache_hits: int
+    noerror: int
+    nxdomain: int
+    servfail: int
+    formerr: int
+    notimp: int
+    other_rcode: int
+    dropped: int
+    rate_limited: int
+    send_failed: int
+    truncated: int
+    forwarded: int
+    fake_ip_answers: int
+
+
 #: The counters the runtime snapshot's ``dns_server.counters`` holds, in order.
-COUNTER_NAMES: Final = (
-    "queries",
-    "udp_queries",
-    "tcp_queries",
-    "tcp_connections",
-    "tcp_refused",
-    "answered",
-    "cache_hits",
-    "noerror",
-    "nxdomain",
-    "servfail",
-    "formerr",
-    "notimp",
-    "other_rcode",
-    "dropped",
-    "rate_limited",
-    "send_failed",
-    "truncated",
-    "forwarded",
-    "fake_ip_answers",
-)
+COUNTER_NAMES: Final = tuple(DnsCounterSnapshot.__annotations__)
 
 
+@dataclass(slots=True, eq=False)
 class DnsCounters:
     """What the server did, since it started (read from any thread)."""
 
-    __slots__ = (
-        "cache_hits",
-        "dropped",
-        "fake_ip_answers",
-        "formerr",
-        "forwarded",
-        "notimp",
-        "nxdomain",
-        "other_rcode",
-        "queries",
-        "rate_limited",
-        "send_failed",
-        "servfail",
-        "slow_noerror",
-        "tcp_connections",
-        "tcp_queries",
-        "tcp_refused",
-        "truncated",
-    )
+    cache_hits: int = 0
+    dropped: int = 0
+    fake_ip_answers: int = 0
+    formerr: int = 0
+    forwarded: int = 0
+    notimp: int = 0
+    nxdomain: int = 0
+    other_rcode: int = 0
+    queries: int = 0
+    rate_limited: int = 0
+    send_failed: int = 0
+    servfail: int = 0
+    slow_noerror: int = 0
+    tcp_connections: int = 0
+    tcp_queries: int = 0
+    tcp_refused: int = 0
+    truncated: int = 0
 
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> DnsCounterSnapshot:
         """The counters as a document (``answered`` and ``noerror`` include cache hits)."""
         noerror = self.slow_noerror + self.cache_hits
         answered = (

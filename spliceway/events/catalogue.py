@@ -10,27 +10,20 @@ Payload fields are named by key path: ``target.host`` is the ``host`` key of the
 are :data:`FLOW_RECORD_FIELDS`. The unit tests start an engine, drive real flows
 through it and check that every payload it emits has exactly the fields listed
 here (the required ones always, the optional ones when they apply).
+
+The envelope, flow record and stats tables are not written here: they are generated
+from the wire-shape models (``spliceway.shapes``), which also give the OpenAPI
+document its components, so the three cannot drift apart.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: The ``udp_upstream`` counters of the stats resource (docs/http-api.md, stats).
-UDP_COUNTERS = (
-    "active_associations",
-    "created_associations",
-    "reused_associations",
-    "closed_associations",
-    "idle_timeouts",
-    "dropped_associations",
-    "failed_association_attempts",
-    "send_failures",
-    "recv_failures",
-    "packets_sent",
-    "packets_received",
-)
-
+from spliceway.shapes.event import Envelope
+from spliceway.shapes.flow import FlowRecord
+from spliceway.shapes.schema import catalogue_rows
+from spliceway.shapes.stats import UDP_COUNTERS, Stats
 
 __all__ = [
     "CLOSE_REASONS",
@@ -41,6 +34,7 @@ __all__ = [
     "FAILURE_STAGES",
     "FLOW_RECORD_FIELDS",
     "OUTCOMES",
+    "UDP_COUNTERS",
     "EventType",
     "PayloadField",
 ]
@@ -79,44 +73,16 @@ def _f(name: str, type_: str, description: str, *, required: bool = True) -> Pay
     return PayloadField(name, type_, description, required)
 
 
+def _rows(shape: type) -> tuple[PayloadField, ...]:
+    """The rows of a wire shape's table, generated from its model (spliceway.shapes)."""
+    rows = catalogue_rows(shape)
+    return tuple(PayloadField(r.name, r.type, r.description, r.required) for r in rows)
+
+
 UNIX_MS = "integer (UNIX ms)"
 
 #: The envelope every event travels in (``schema_id`` ``service.event.v1``).
-ENVELOPE_FIELDS: tuple[PayloadField, ...] = (
-    _f("schema_id", "string", "Always `service.event.v1`: the version of this envelope."),
-    _f(
-        "event_id",
-        "string",
-        "Opaque identifier, unique across engine restarts; sinks deliver an event again "
-        "with the same `event_id`, so receivers de-duplicate by it.",
-    ),
-    _f("event_type", "string", "One of the types below."),
-    _f("occurred_at_unix_ms", UNIX_MS, "When it happened (a flow's end for `flow.completed`)."),
-    _f(
-        "source_id",
-        "string or null",
-        "The webhook sink's `source_id` in what that sink delivers; `null` everywhere else.",
-    ),
-    _f(
-        "sequence",
-        "integer",
-        "Position in the event ring: 1 for the first event after each engine start, then one "
-        "more per event. A `flow.snapshot` carries the sequence of the event before it (its "
-        "watermark) instead of a new one.",
-    ),
-    _f(
-        "principal_key",
-        "string or null",
-        "The principal of a flow event: the authenticated user (see `inbounds[].users`), or "
-        "the one the flow hook gave (`api.flow_hook`); `null` otherwise.",
-    ),
-    _f(
-        "labels",
-        "object of string",
-        "The labels the flow hook gave a flow, on that flow's events; empty otherwise.",
-    ),
-    _f("payload", "object", "The type's own fields, listed below."),
-)
+ENVELOPE_FIELDS: tuple[PayloadField, ...] = _rows(Envelope)
 
 #: Outcomes of a completed flow (``result.outcome``).
 OUTCOMES: dict[str, str] = {
@@ -201,178 +167,8 @@ ENGINE_WARNING_CODES: dict[str, str] = {
 
 _COUNT = "integer"
 
-#: What each ``udp_upstream`` counter counts.
-UDP_COUNTER_TEXT: dict[str, str] = {
-    "active_associations": "Upstream associations open now.",
-    "created_associations": "Upstream associations opened since start.",
-    "reused_associations": "New destinations that used an upstream association already open.",
-    "closed_associations": "Upstream associations closed (idle, or their client association "
-    "ended).",
-    "idle_timeouts": "Upstream associations closed because every destination on them was "
-    "idle for `runtime.udp_upstream_idle_timeout_seconds`.",
-    "dropped_associations": "Client UDP ASSOCIATE requests refused because the engine could "
-    "not open their relay socket.",
-    "failed_association_attempts": "Upstream associations that could not be opened.",
-    "send_failures": "Datagrams a socket refused to send (towards a target or the client).",
-    "recv_failures": "Failed reads on a relay or upstream socket.",
-    "packets_sent": "Datagrams sent to targets.",
-    "packets_received": "Datagrams received from targets and relayed to clients.",
-}
-
 #: The fields of a flow record (the ``record`` of flow events, ``GET /api/v1/flows``).
-FLOW_RECORD_FIELDS: tuple[PayloadField, ...] = (
-    _f("flow_id", "string", "Identifier of the flow, unique within one engine start."),
-    _f(
-        "revision",
-        "integer",
-        "1 for the first record of a flow, one more for each later record; a consumer keeps "
-        "the highest.",
-    ),
-    _f(
-        "state",
-        "string",
-        "`opening` (handshake done, not relaying yet), `active` (relaying) or `completed`.",
-    ),
-    _f(
-        "network",
-        "string",
-        "`tcp` or `udp` (one flow per UDP association and destination, or per TUN session).",
-    ),
-    _f("inbound", "object", "The inbound the client connected to."),
-    _f("inbound.tag", "string", "Its tag."),
-    _f("inbound.protocol", "string", "Its protocol: `socks5`, `http`, `mixed`, or `tun`."),
-    _f("source", "object", "The client's end of the connection."),
-    _f("source.ip", "string", "Client IP address."),
-    _f("source.port", "integer", "Client port."),
-    _f(
-        "source.process_id",
-        "integer",
-        "Process id of the client, when it runs on this host and was found "
-        "(`runtime.process_lookup`).",
-        required=False,
-    ),
-    _f(
-        "source.process_name",
-        "string",
-        "Base name of that process's executable (`curl`); present with `process_id`.",
-        required=False,
-    ),
-    _f(
-        "source.process_path",
-        "string",
-        "Path of that process's executable; present when it could be read.",
-        required=False,
-    ),
-    _f("target", "object", "What the client asked for."),
-    _f(
-        "target.host",
-        "string",
-        "Host name or IP address the client asked for, canonically: any spelling of an "
-        "address as that address (`2130706433` as `127.0.0.1`), a name without a trailing "
-        "dot (see docs/routing.md).",
-    ),
-    _f("target.port", "integer", "Port the client asked for."),
-    _f(
-        "target.resolved_ip",
-        "string",
-        "The address a `direct` outbound connected to; present once the flow is relayed directly.",
-        required=False,
-    ),
-    _f(
-        "target.sniffed_host",
-        "string",
-        "TLS SNI or HTTP Host seen in the client's first bytes; present when sniffing found one.",
-        required=False,
-    ),
-    _f("route", "object", "How the flow was routed."),
-    _f("route.mode", "string", "Routing mode that decided: `rule`, `global` or `direct`."),
-    _f("route.action", "string", "`pending` (not decided yet), `route` or `block`."),
-    _f("route.target", "string or null", "Outbound or group the decision named."),
-    _f(
-        "route.matched_rule",
-        "object or null",
-        "`{index, condition}` of the rule that matched (`index` from 0, `condition` such as "
-        "`domain_suffix=example.com,port=443`); `null` when no rule did (`route.final`, or "
-        "modes `global`/`direct`).",
-    ),
-    _f(
-        "route.selection_chain",
-        "list of string",
-        "Tags walked from the route target down to the outbound used, groups first "
-        '(`["proxy", "auto", "hop-a"]`); empty until routed.',
-    ),
-    _f("path", "object", "How the upstream was reached."),
-    _f(
-        "path.outbound",
-        "object or null",
-        "`{tag, protocol}` of the outbound used (a relay group's protocol is `relay`).",
-    ),
-    _f(
-        "path.remote",
-        "object or null",
-        "`{host, port}` of the peer the engine connected to: the target, or the first proxy.",
-    ),
-    _f("path.relay_chain", "list of string", "Hops of a relay group, in order; else empty."),
-    _f("traffic", "object", "Byte counters."),
-    _f("traffic.bytes_up", _COUNT, "Client payload bytes sent towards the target."),
-    _f("traffic.bytes_down", _COUNT, "Payload bytes delivered to the client."),
-    _f(
-        "traffic.inbound_rx_bytes",
-        _COUNT,
-        "Bytes read from the client, handshake included.",
-    ),
-    _f("traffic.inbound_tx_bytes", _COUNT, "Bytes written to the client, replies included."),
-    _f(
-        "traffic.outbound_rx_bytes",
-        _COUNT,
-        "Bytes read from the upstream, proxy handshakes (and encryption) included.",
-    ),
-    _f(
-        "traffic.outbound_tx_bytes",
-        _COUNT,
-        "Bytes written to the upstream, proxy handshakes (and encryption) included.",
-    ),
-    _f("traffic.packets_up", "integer or null", "Always `null` for TCP."),
-    _f("traffic.packets_down", "integer or null", "Always `null` for TCP."),
-    _f("throughput", "object", "Rates over the last sampling interval."),
-    _f("throughput.upload_bps", _COUNT, "Bits per second towards the target."),
-    _f("throughput.download_bps", _COUNT, "Bits per second towards the client."),
-    _f("throughput.sampled_at_unix_ms", "integer or null", "When they were measured."),
-    _f("timing", "object", "When things happened."),
-    _f("timing.started_at_unix_ms", UNIX_MS, "When the handshake completed."),
-    _f("timing.last_activity_at_unix_ms", UNIX_MS, "Last time a byte moved."),
-    _f("timing.ended_at_unix_ms", UNIX_MS, "When it ended; once completed.", required=False),
-    _f("timing.duration_ms", "integer", "End minus start; once completed.", required=False),
-    _f(
-        "labels",
-        "object of string",
-        "The labels the flow hook gave the flow (`api.flow_hook`); present only then.",
-        required=False,
-    ),
-    _f(
-        "result",
-        "object",
-        "How it ended; present exactly when `state` is `completed`.",
-        required=False,
-    ),
-    _f("result.outcome", "string", "One of the outcomes below."),
-    _f(
-        "result.close_reason",
-        "string",
-        "One of the close reasons below, when one applies.",
-        required=False,
-    ),
-    _f("result.failure", "object", "Why a failed flow failed.", required=False),
-    _f("result.failure.stage", "string", "Where it failed: one of the stages below."),
-    _f("result.failure.code", "string", "What failed: one of the codes below."),
-    _f("result.failure.message", "string", "The same in words, for people."),
-    _f(
-        "result.failure.remote",
-        "object",
-        "`{host, port?}` of the peer that failed (the target, or a proxy), when known.",
-        required=False,
-    ),
-)
+FLOW_RECORD_FIELDS: tuple[PayloadField, ...] = _rows(FlowRecord)
 
 _FLOW_ID = _f("flow_id", "string", "The flow's identifier (also `record.flow_id`).")
 _RECORD = _f("record", "FlowRecord", "The flow's record at this revision.")
@@ -439,24 +235,7 @@ _COMPLETED: tuple[PayloadField, ...] = (
 )
 
 
-_STATS: tuple[PayloadField, ...] = (
-    _f("active_sessions", _COUNT, "Flows open now."),
-    _f("total_started", _COUNT, "Flows started since the engine started."),
-    _f("completed_sessions", _COUNT, "Flows completed, whatever their outcome."),
-    _f("failed_sessions", _COUNT, "Flows completed with outcome `failed`."),
-    _f("blocked_sessions", _COUNT, "Flows completed with outcome `blocked`."),
-    _f("direct_sessions", _COUNT, "Flows relayed by a `direct` outbound."),
-    _f("chained_sessions", _COUNT, "Flows relayed through an upstream proxy."),
-    _f("bytes_up", _COUNT, "Payload bytes towards targets, open flows included."),
-    _f("bytes_down", _COUNT, "Payload bytes towards clients, open flows included."),
-    _f(
-        "udp_upstream",
-        "object",
-        "UDP counters. An *upstream association* is the upstream UDP socket a SOCKS5 UDP "
-        "association uses for one outbound; every destination routed there shares it.",
-    ),
-    *(_f(f"udp_upstream.{name}", _COUNT, text) for name, text in UDP_COUNTER_TEXT.items()),
-)
+_STATS: tuple[PayloadField, ...] = _rows(Stats)
 
 _EVENTS: tuple[EventType, ...] = (
     EventType(

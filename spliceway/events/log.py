@@ -30,15 +30,27 @@ import orjson
 
 from spliceway.errors import invalid_argument
 from spliceway.events.catalogue import EVENT_CATALOGUE
+from spliceway.shapes.event import SCHEMA_ID, Envelope
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_ID = "service.event.v1"
 SNAPSHOT = "flow.snapshot"
 FLOW_TYPES = frozenset(
     {"flow.started", "flow.routed", "flow.updated", "flow.completed", "flow.snapshot"}
 )
-Envelope = dict[str, Any]
+
+__all__ = [
+    "FLOW_TYPES",
+    "SCHEMA_ID",
+    "SNAPSHOT",
+    "Envelope",
+    "EventLog",
+    "Subscription",
+    "normalize_types",
+    "now_ms",
+    "parse_types",
+    "wants_flow_snapshot",
+]
 
 
 def now_ms() -> int:
@@ -91,7 +103,8 @@ class Subscription:
         self._log = log
         self.types = types
         self._max_pending = max_pending
-        self._queue: queue.SimpleQueue[Envelope | None] = queue.SimpleQueue()
+        # Ring JSON (bytes) from a catch-up is decoded by the reader, not under the lock.
+        self._queue: queue.SimpleQueue[Envelope | bytes | None] = queue.SimpleQueue()
         self._timeout = timeout
         self._ended = False
         self._close_lock = threading.Lock()
@@ -147,8 +160,10 @@ class Subscription:
             return None
         if item is None:
             self._ended = True
-        elif type(item) is bytes:
-            item = orjson.loads(item)
+            return None
+        if isinstance(item, bytes):
+            decoded: Envelope = orjson.loads(item)
+            return decoded
         return item
 
     def get_many(self, timeout: float | None = None, limit: int = 1024) -> list[Envelope]:
@@ -165,7 +180,7 @@ class Subscription:
                 if item is None:
                     self._ended = True
                     break
-                out.append(orjson.loads(item) if type(item) is bytes else item)
+                out.append(orjson.loads(item) if isinstance(item, bytes) else item)
         except queue.Empty:
             pass
         return out
@@ -317,7 +332,7 @@ class EventLog:
             slots = list(self._ring)
             latest = self._seq
         oldest = slots[0][0] if slots else latest + 1
-        chosen = []
+        chosen: list[bytes] = []
         for seq, kind, data in slots:
             if limit is not None and len(chosen) >= limit:
                 break

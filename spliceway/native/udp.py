@@ -179,7 +179,8 @@ class UdpStats(NamedTuple):
         return {name: getattr(self, name) for name in UDP_UPSTREAM_FIELDS}
 
 
-#: ``stats.udp_upstream`` (event_catalogue.UDP_COUNTERS), the leading UdpStats fields.
+#: ``stats.udp_upstream`` (spliceway.shapes.stats.UdpUpstreamCounters), the leading UdpStats
+#: fields.
 UDP_UPSTREAM_FIELDS = UdpStats._fields[:11]
 
 
