@@ -8,6 +8,7 @@ Map of the package, one line per subpackage (each ``__init__`` names its modules
 - ``flows``      a flow from handshake to record: inbounds, outbounds, records, the flow hook
 - ``control``    the one command table and the one query table, capabilities, diagnostics
 - ``events``     the event ring with sequences, the event catalogue, recent log lines
+- ``shapes``     the wire shapes (FlowRecord, event envelope, stats, counters), declared once
 - ``native``     the Python faces of the C data plane (``spliceway._relay``), one per C module
 - ``protocols``  pure parsers: SOCKS5, HTTP heads, TLS SNI / HTTP Host sniffing, Shadowsocks
 - ``dns``        the resolver, fake-IP pool and DNS server; ``tun`` the TUN inbound
