@@ -55,7 +55,7 @@ from spliceway.routing import hostnorm
 if TYPE_CHECKING:
     from collections.abc import Coroutine
 
-    from spliceway.flows.outbounds import Dialed
+    from spliceway.flows.outbounds import Dialed as DialResult
     from spliceway.routing.rules import RouteDecision
 
 #: Largest read from either socket.
@@ -102,7 +102,7 @@ class _Upstream:
     )
 
     def __init__(
-        self, dialed: Dialed, key: tuple[str, str, int, str | None], chained: bool
+        self, dialed: DialResult, key: tuple[str, str, int, str | None], chained: bool
     ) -> None:
         self.sock = dialed.sock
         self.key = key
@@ -452,7 +452,7 @@ class HttpForwarding:
         self._fwd_upload_failed = False
         # Keyed as _forward_flow keys it: the host canonical, no address pinned.
         key = (s.outbound_tag or "", hostnorm.canonical_host(request.host), request.port, None)
-        up = self._fwd_up = _Upstream(cast("Dialed", dialed), key, False)
+        up = self._fwd_up = _Upstream(cast("DialResult", dialed), key, False)
         self.upstream = upstream
         hs = Handshake(
             "http",
