@@ -129,7 +129,8 @@ def _route_state(
     """The new routing state. A mode set at runtime (``mode.set``) outlives an apply
     whose ``mode`` section did not change, as a selection outlives one that keeps its
     group, unless its outbound is gone."""
-    mode, mode_outbound = config.mode.kind, config.mode.outbound
+    mode: str = config.mode.kind
+    mode_outbound = config.mode.outbound
     if live is not None and previous_config is not None and previous_config.mode == config.mode:
         gone = live.mode_outbound is not None and not (
             live.mode_outbound in outbounds or live.mode_outbound in groups

@@ -93,6 +93,16 @@ class EventSinks(Protocol):
         """The open outbox, or None."""
         ...
 
+    @property
+    def api(self) -> Api:
+        """The ``api`` section the sinks run."""
+        ...
+
+    @property
+    def gate(self) -> Any:
+        """The outbox's disk-space gate, or None."""
+        ...
+
     def start(self) -> None:
         """Open the outbox and start the sinks."""
         ...

@@ -30,6 +30,7 @@ import pykka
 
 from spliceway import __version__
 from spliceway.config import Config
+from spliceway.dns import Resolver
 from spliceway.dns.server import DnsResponder
 from spliceway.dns.service import FAKEIP_WARNING, DnsService
 from spliceway.engine import assembly
@@ -196,7 +197,7 @@ class EngineCore:
         return self.generation.parts
 
     @property
-    def resolver(self) -> Any:
+    def resolver(self) -> Resolver:
         """The resolver of ``runtime.dns``."""
         return self.generation.resolver
 
@@ -241,7 +242,7 @@ class EngineCore:
         """Every inbound tag a rule may name and its listener slots (a TUN has two), in
         generation ``g`` (the current one by default)."""
         active = (g or self.generation).active_inbounds
-        out = {a.spec.tag: (a.spec.index,) for a in active}
+        out: dict[str, tuple[int, ...]] = {a.spec.tag: (a.spec.index,) for a in active}
         if self.tun is not None:
             out.update(self.tun.route_inbounds())
         return out

@@ -131,7 +131,7 @@ class Plan:
 
 def check_fixed(old: Config, new: Config, outbox_open: bool) -> None:
     """Refuse (``conflict``) what a running engine cannot replace in itself."""
-    fixed = [
+    fixed: list[tuple[str, object, object]] = [
         ("api.control", old.api.control, new.api.control),
         ("api.ipc", old.api.ipc, new.api.ipc),
         ("api.grpc", old.api.grpc, new.api.grpc),
