@@ -126,7 +126,7 @@ class EngineCore:
             config,
             assembly.build_routing(config, on_answer=self.dns_answer),
             (),
-            self.routes.publish,
+            self.republish,
         )
         #: Every listener slot's spec, also of listeners a reload stopped (their last
         #: flows' records still name the slot), until the slot is used again.
@@ -160,7 +160,7 @@ class EngineCore:
         #: The DNS responder for a TUN's dns_hijack when no DNS server runs.
         self._tun_responder: DnsResponder | None = None
         #: ``runtime.process_lookup``'s lookups (its worker thread starts with the first).
-        self.process_lookup = ProcessLookup(on_local_change=self.routes.publish)
+        self.process_lookup = ProcessLookup(on_local_change=self.republish)
         #: Readable when this host's addresses change (the lookup's locality snapshot).
         self._address_watch: socket.socket | None = None
         # Made in start(): its event loop holds a socket pair that only a started
@@ -254,6 +254,12 @@ class EngineCore:
 
     # -- publishing generations ------------------------------------------------------
 
+    def republish(self) -> None:
+        """Recompile C's route table from the current generation, if anything changed
+        (the callback of the policy table, the process lookup and the TUN): through the
+        publisher's attribute, so whatever publishes is looked up at each call."""
+        self.routes.publish()
+
     def _publish_generation(self, g: Generation) -> None:
         """Make ``g`` the current generation: the one place that assigns it."""
         self.generation = g
@@ -270,7 +276,7 @@ class EngineCore:
             new,
             plan.parts,
             tuple(ActiveInbound(spec, bound) for spec, bound in plan.listeners.active),
-            self.routes.publish,
+            self.republish,
         )
         if new.api.flow_hook != previous.config.api.flow_hook:
             # Before the publish below: the table defers the new hook's inbounds.
@@ -693,7 +699,7 @@ class EngineCore:
             dispatcher=self.dispatcher,
             conn=self.bridge.conn,
             register=register,
-            republish=self.routes.publish,
+            republish=self.republish,
             inbound_tags=lambda: {ib.tag for ib in self.generation.config.inbounds},
             idle_timeout_ms=lambda: self.generation.tcp_idle_timeout_ms,
             network_mtu=lambda: self.generation.config.runtime.network.mtu,
