@@ -59,7 +59,19 @@ class RelayBridge:
     the record names its handle.
     """
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        start_flow: FlowStarter | None = None,
+        take_deferred: DeferredTaker | None = None,
+        slots: Mapping[int, Any] | None = None,
+        accept_warn: Callable[[str], None] | None = None,
+    ) -> None:
+        """``start_flow`` starts the actor of a flow C began; ``take_deferred`` takes a
+        connection C handed back before its handshake (closed without one). The C
+        listeners' accept outages are reported through an :class:`AcceptBackoff` per
+        slot: ``slots`` names the inbound in each slot (an object with ``tag``, as
+        ``EngineCore.inbound_slots``), ``accept_warn`` emits the ``engine.warning``."""
         self.relay = Relay(loops=relay_loops())
         self.conn = ConnPath(self.relay)
         # C dials upstreams itself: it gets the TUN's socket mark now and on every
@@ -71,22 +83,20 @@ class RelayBridge:
         #: C flow number -> actor, from STARTED until ROUTED or ENDED.
         self._flows: dict[int, pykka.ActorRef[Any]] = {}
         self._orphans: dict[int, Completion] = {}
-        self._start_flow: FlowStarter | None = None
-        self._take_deferred: DeferredTaker | None = None
-        self._attached = False
-        #: Listener slot -> the backoff that reports its accept outages (watch_accepts).
-        self._backoffs: dict[int, AcceptBackoff] = {}
-        self._slot_specs: Mapping[int, Any] = {}
-        #: Listener slot -> the number of its last outage that ended (RESUMED).
-        self._resumed: dict[int, int] = {}
-        self._accept_warn: Callable[[str], None] = lambda message: None
-
-    def attach(
-        self, start_flow: FlowStarter | None = None, take_deferred: DeferredTaker | None = None
-    ) -> None:
-        """Start watching the relay and the C path (call on the dispatcher thread)."""
         self._start_flow = start_flow
         self._take_deferred = take_deferred
+        self._attached = False
+        #: Listener slot -> the backoff that reports its accept outages.
+        self._backoffs: dict[int, AcceptBackoff] = {}
+        self._slot_specs: Mapping[int, Any] = slots if slots is not None else {}
+        #: Listener slot -> the number of its last outage that ended (RESUMED).
+        self._resumed: dict[int, int] = {}
+        self._accept_warn: Callable[[str], None] = (
+            accept_warn if accept_warn is not None else lambda message: None
+        )
+
+    def attach(self) -> None:
+        """Start watching the relay and the C path (call on the dispatcher thread)."""
         self._dispatcher.loop.add_reader(self.relay.fileno(), self._on_relay_ready)
         self._dispatcher.loop.add_reader(self.conn.fileno(), self._on_conn_ready)
         self._attached = True
@@ -158,14 +168,6 @@ class RelayBridge:
             pass
         logger.warning("C handed over flow %d, whose actor is gone", deferred.flow)
         os.close(deferred.fd)
-
-    def watch_accepts(self, tags: Mapping[int, Any], warn: Callable[[str], None]) -> None:
-        """Report the C listeners' accept outages (ACCEPT_FAILED/RESUMED records) through
-        an :class:`AcceptBackoff` per slot: ``tags`` names the inbound in each slot (an
-        object with ``tag``, as ``EngineCore.inbound_slots``), ``warn`` emits the
-        ``engine.warning``. Call before any listener starts."""
-        self._slot_specs = tags
-        self._accept_warn = warn
 
     def forget_listener(self, slot: int) -> None:
         """Listener ``slot`` stopped: an outage it was in ends with it (no RESUMED comes)."""

@@ -22,7 +22,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
@@ -63,15 +64,22 @@ from spliceway.flows.machine import (
 )
 from spliceway.flows.outbounds import DialError
 from spliceway.native import conn as connpath
+from spliceway.native.conn import AUTH_SCHEMES
 from spliceway.protocols import NEED_MORE, sniff, socks5
 from spliceway.routing import hostnorm
 from spliceway.routing import rules as routing
 
 if TYPE_CHECKING:
+    from spliceway.actors.dispatcher import Dispatcher
     from spliceway.dns.fakeip import FakeIpPool
     from spliceway.dns.resolver import Resolver
-    from spliceway.engine.core import EngineCore, InboundSpec
+    from spliceway.engine.generation import Generation, InboundSpec
+    from spliceway.engine.route_publish import RoutePublisher
+    from spliceway.engine.runtime import Counters, FlowTable
+    from spliceway.events.log import EventLog
     from spliceway.flows.hook import FlowHookClient
+    from spliceway.routing.policy import PolicyTable
+    from spliceway.routing.process_lookup import ProcessLookup
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +91,6 @@ PROCESS_LOOKUP_TIMEOUT = 1.0
 _HELD = (ConnRouted, ConnEnded, ConnTakeOver, RelayFinished)
 #: How a request C forwarded itself ends (actors/http_forward.py records it).
 _FORWARD_ENDS = (connpath.END_FORWARDED, connpath.END_FWD_CLIENT, connpath.END_FWD_TIMEOUT)
-#: sw_conn_auth -> FlowRecord auth_scheme.
-AUTH_SCHEMES = {1: "userpass", 2: "basic"}
 _SNIFF_PEEK = 16 * 1024 + 5
 _SNIFF_RETRY = 0.005
 
@@ -104,59 +110,54 @@ def _sniff_may_reroute(route_state: RouteState, decision: routing.RouteDecision)
     return ruleset.first_domain_rule < bound
 
 
+@dataclass(frozen=True, slots=True)
 class FlowDeps:
-    """What a FlowActor may use of the engine, and nothing more (built once per start).
+    """What a FlowActor (and a UDP association's actor) may use of the engine, and nothing
+    more: built once per start by the composition root (spliceway.app.compose).
 
-    The routing state, the outbounds and the policy table are read through the core
-    because ``mode.set`` and ``config.apply`` replace them; a flow reads them together,
-    without yielding in between, when it decides (the swap runs on the same thread).
+    What a reload or ``mode.set`` replaces is read through ``generation`` (the engine's
+    current :class:`~spliceway.engine.generation.Generation`); a flow reads it on the
+    dispatcher thread, where every generation is published, so two reads between
+    awaits see the same one.
     """
 
-    __slots__ = (
-        "_core",
-        "bridge",
-        "counters",
-        "dispatcher",
-        "flow_actors",
-        "flows",
-        "group_actors",
-        "log",
-        "principal_key",
-        "process_lookup",
-        "routes",
-    )
-
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
-        self.bridge = core.bridge
-        self.counters = core.counters
-        self.dispatcher = core.dispatcher
-        self.flow_actors = core.flow_actors
-        self.flows = core.flows
-        self.group_actors = core.group_actors
-        self.log = core.log
-        self.principal_key = core.principal_key
-        self.process_lookup = core.process_lookup
-        self.routes = core.routes
-
-    def new_flow_id(self, index: int) -> str:
-        """A flow id for a flow Python starts on a connection that already had one (the
-        next request on a kept-alive http connection): the deferred flows' sequence."""
-        return self._core.deferred_flow_id(index)
+    bridge: Any
+    counters: Counters
+    dispatcher: Dispatcher
+    #: Every FlowActor alive.
+    flow_actors: set[Any]
+    flows: FlowTable
+    group_actors: dict[str, Any]
+    log: EventLog
+    #: The principal_key C's principal id stands for.
+    principal_key: Callable[[int], str | None]
+    process_lookup: ProcessLookup
+    routes: RoutePublisher
+    #: The engine's current generation.
+    generation: Callable[[], Generation]
+    #: The flow hook's client now (a reload replaces it), None without a hook.
+    hook: Callable[[], FlowHookClient | None]
+    #: The fake-ip pool now (``runtime.dns.answer.type: fake_ip``), else None.
+    fake_ip_pool: Callable[[], FakeIpPool | None]
+    #: A flow id for a flow Python starts on a connection that already had one (the
+    #: next request on a kept-alive http connection): the deferred flows' sequence.
+    new_flow_id: Callable[[int], str]
+    #: Hand a UDP ASSOCIATE's control connection to its association actor.
+    start_association: Callable[..., None]
 
     def lookup_wanted(self, peer_ip: str) -> bool:
         """Whether the process behind a flow from ``peer_ip`` is to be looked up now
         (``runtime.process_lookup`` and the rules of now; a client on this host)."""
-        core = self._core
+        g = self.generation()
         return self.process_lookup.wanted(
             peer_ip,
-            core.config.runtime.process_lookup,
-            core.route_state.ruleset.has_process_conditions,
+            g.config.runtime.process_lookup,
+            g.route_state.ruleset.has_process_conditions,
         )
 
     def listener_address(self, index: int) -> tuple[str | None, int]:
         """The address listener slot ``index`` is bound to; ``(None, 0)`` once it is gone."""
-        for active in self._core.active_inbounds:
+        for active in self.generation().active_inbounds:
             if active.spec.index == index:
                 return active.bound
         return None, 0
@@ -164,41 +165,37 @@ class FlowDeps:
     @property
     def route_state(self) -> RouteState:
         """The routing inputs now (mode, final, rules)."""
-        return self._core.route_state
+        return self.generation().route_state
 
     @property
     def outbounds(self) -> dict[str, Any]:
         """The outbounds now, by tag."""
-        return self._core.outbounds
+        return self.generation().outbounds
 
     @property
-    def policies(self) -> Any:
+    def policies(self) -> PolicyTable:
         """The policy table now."""
-        return self._core.policies
+        return self.generation().policies
 
     @property
     def tcp_idle_timeout_ms(self) -> int:
         """``runtime.tcp_idle_timeout_seconds`` now, in milliseconds."""
-        return self._core.tcp_idle_timeout_ms
-
-    def start_association(self, *args: Any) -> None:
-        """Hand a UDP ASSOCIATE's control connection to its association actor."""
-        self._core.start_association(*args)
+        return self.generation().tcp_idle_timeout_ms
 
     @property
     def flow_hook(self) -> FlowHookClient | None:
         """The flow hook's client now (a reload replaces it), None without a hook."""
-        return self._core.flow_hook
+        return self.hook()
 
     @property
     def resolver(self) -> Resolver:
         """The engine resolver now (``runtime.dns``; a reload replaces it)."""
-        return self._core.resolver
+        return self.generation().resolver
 
     @property
     def fakeip(self) -> FakeIpPool | None:
         """The fake-ip pool now (``runtime.dns.answer.type: fake_ip``), else None."""
-        return self._core.dns.pool
+        return self.fake_ip_pool()
 
 
 class FlowActor(HttpForwarding, LoopActor):

@@ -8,22 +8,37 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from spliceway.actors.dispatcher import LoopActor
+from spliceway.actors.dispatcher import Dispatcher, LoopActor
 from spliceway.actors.flow import HANDSHAKE_TIMEOUT
 from spliceway.native.conn import ListenerOptions
 
 if TYPE_CHECKING:
-    from spliceway.engine.core import EngineCore, InboundSpec
+    from spliceway.actors.bridge import RelayBridge
+    from spliceway.engine.generation import InboundSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerPorts:
+    """What a ListenerActor uses of the engine."""
+
+    dispatcher: Dispatcher
+    bridge: RelayBridge
+    #: ``runtime.tcp_idle_timeout_seconds`` now, in milliseconds.
+    idle_timeout_ms: Callable[[], int]
+    #: An inbound's credentials as C takes them, None without authentication.
+    listener_users: Callable[[InboundSpec], list[tuple[str, str, int]] | None]
 
 
 class ListenerActor(LoopActor):
     """Accepts connections on one bound socket while alive."""
 
-    def __init__(self, core: EngineCore, inbound: InboundSpec, sock: socket.socket) -> None:
-        super().__init__(core.dispatcher)
-        self.core = core
+    def __init__(self, ports: ListenerPorts, inbound: InboundSpec, sock: socket.socket) -> None:
+        super().__init__(ports.dispatcher)
+        self.ports = ports
         self.inbound = inbound
         self.sock: socket.socket | None = sock
 
@@ -31,7 +46,7 @@ class ListenerActor(LoopActor):
         """Hand the socket to the C connection path (it accepts); we keep owning it."""
         assert self.sock is not None
         self.sock.setblocking(False)
-        self.core.bridge.conn.listen(
+        self.ports.bridge.conn.listen(
             self.inbound.index,
             self.sock.fileno(),
             ListenerOptions(
@@ -39,12 +54,12 @@ class ListenerActor(LoopActor):
                 sniff=self.inbound.sniff,
                 sniff_timeout_ms=self.inbound.sniff_timeout_ms,
                 handshake_timeout_ms=int(HANDSHAKE_TIMEOUT * 1000),
-                idle_timeout_ms=self.core.tcp_idle_timeout_ms,
+                idle_timeout_ms=self.ports.idle_timeout_ms(),
                 # C forwards what it can of an http inbound's absolute-URI requests
                 # (docs/http-forward.md); anything else still comes to Python.
                 forward=self.inbound.protocol in ("http", "mixed"),
             ),
-            self.core.listener_users(self.inbound),
+            self.ports.listener_users(self.inbound),
         )
 
     def on_stop(self) -> None:
@@ -60,9 +75,9 @@ class ListenerActor(LoopActor):
             return
         # Returns once no C loop can touch the fd again: only then may it close.
         with contextlib.suppress(Exception):
-            self.core.bridge.conn.unlisten(self.inbound.index)
+            self.ports.bridge.conn.unlisten(self.inbound.index)
         # Stopped in an outage, it is no longer a listener out of descriptors.
-        self.core.bridge.forget_listener(self.inbound.index)
+        self.ports.bridge.forget_listener(self.inbound.index)
         with contextlib.suppress(OSError):
             self.sock.close()
         self.sock = None

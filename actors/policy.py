@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from spliceway.actors.dispatcher import LoopActor
@@ -27,9 +28,11 @@ from spliceway.errors import invalid_argument
 from spliceway.events.log import now_ms
 from spliceway.flows.probe import ProbeResult, probe
 from spliceway.routing import policy
+from spliceway.support.loop import Dispatcher
 
 if TYPE_CHECKING:
-    from spliceway.engine.core import EngineCore
+    from spliceway.events.log import EventLog
+    from spliceway.flows.outbounds import Outbound
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +50,24 @@ class MemberFailed(NamedTuple):
     error: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupPorts:
+    """What a PolicyGroupActor uses of the engine."""
+
+    dispatcher: Dispatcher
+    log: EventLog
+    #: The policy table now (a reload replaces it; a kept group's view carries over).
+    policies: Callable[[], policy.PolicyTable]
+    #: The outbound a tag (an outbound or a group) uses now.
+    leaf_outbound: Callable[[str], Outbound]
+
+
 class PolicyGroupActor(LoopActor):
     """One outbound group (any kind); probing kinds also run probe rounds."""
 
-    def __init__(self, core: EngineCore, view: policy.GroupView) -> None:
-        super().__init__(core.dispatcher)
-        self.core = core
+    def __init__(self, ports: GroupPorts, view: policy.GroupView) -> None:
+        super().__init__(ports.dispatcher)
+        self.ports = ports
         self.tag = view.tag
         self._round: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -62,7 +77,7 @@ class PolicyGroupActor(LoopActor):
     @property
     def view(self) -> policy.GroupView:
         """This group's current (published) view."""
-        view = self.core.policies.get(self.tag)
+        view = self.ports.policies().get(self.tag)
         assert view is not None
         return view
 
@@ -106,8 +121,8 @@ class PolicyGroupActor(LoopActor):
                 field_path="params.target_tag",
             )
         previous = view.selected
-        self.core.policies.publish(dataclasses.replace(view, selected=target))
-        self.core.log.emit(
+        self.ports.policies().publish(dataclasses.replace(view, selected=target))
+        self.ports.log.emit(
             "policy.selected",
             {
                 "policy_tag": self.tag,
@@ -125,7 +140,7 @@ class PolicyGroupActor(LoopActor):
         if not view.probing or member not in view.members:
             return
         updated = policy.mark_down(view, member, error, now_ms())
-        self.core.policies.publish(updated)
+        self.ports.policies().publish(updated)
         self._watch_health(updated)
         self._start_round("dial_failure")
 
@@ -155,7 +170,7 @@ class PolicyGroupActor(LoopActor):
             f"its flows go to {view.selected!r} until a member is healthy again"
         )
         logger.warning("%s", message)
-        self.core.log.emit("engine.warning", {"code": NO_HEALTHY_MEMBER, "message": message})
+        self.ports.log.emit("engine.warning", {"code": NO_HEALTHY_MEMBER, "message": message})
 
     def _arm_timer(self) -> None:
         interval = self.view.interval_seconds
@@ -184,13 +199,13 @@ class PolicyGroupActor(LoopActor):
 
     async def _probe_members(self, trigger: str) -> None:
         view = self.view
-        core = self.core
+        ports = self.ports
         assert view.url is not None
         url = policy.parse_probe_url(view.url)
         loop = self.dispatcher.loop
         started = now_ms()
         results: list[ProbeResult] = await asyncio.gather(
-            *(probe(loop, core.leaf_outbound(m), url) for m in view.members)
+            *(probe(loop, ports.leaf_outbound(m), url) for m in view.members)
         )
         if self.actor_stopped.is_set():
             return
@@ -201,8 +216,8 @@ class PolicyGroupActor(LoopActor):
         }
         # Take the view again: a selection or a dial failure may have landed meanwhile.
         updated = policy.with_health(self.view, updates, completed)
-        core.policies.publish(updated)
-        core.log.emit(
+        ports.policies().publish(updated)
+        ports.log.emit(
             "policy.probe.completed",
             {
                 "policy_tag": self.tag,

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from spliceway.api.plane import ControlPlane
+from spliceway.app.compose import build_core
 from spliceway.app.transports import CorePlane, Transports
 from spliceway.config import (
     Config,
@@ -46,16 +47,19 @@ class Engine:
         *,
         config_path: str | None = None,
         ipc_by_default: bool = False,
+        on_runtime_changed: Callable[[Any], None] | None = None,
     ) -> None:
         """Validate ``config`` (a document, a parsed Config, or None for the embedded default).
 
         ``ipc_by_default`` is what an unset ``api.ipc.enabled`` with no ``path`` means:
         a host application's engine leaves the per-user default socket alone unless its
         configuration asks (docs/ipc.md); ``spliceway run`` passes ``True``.
+        ``on_runtime_changed`` is called with the new ``runtime`` section after a reload
+        that changed it (``spliceway run`` re-applies its logging settings).
         """
         parsed = default_config() if config is None else parse_config(config)
         parsed = resolve_ipc(parsed, ipc_by_default)
-        self._core = EngineCore(parsed, config_path)
+        self._core = build_core(parsed, config_path, on_runtime_changed=on_runtime_changed)
         self._plane = CorePlane(self._core)
         self._transports = Transports(self._plane)
         self._lock = threading.Lock()

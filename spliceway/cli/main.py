@@ -290,7 +290,12 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
     try:
         # The CLI's engine is the one the remote subcommands look for on the default
         # socket; an embedded engine only serves IPC when its configuration asks.
-        engine = Engine(config, config_path=config_path, ipc_by_default=True)
+        engine = Engine(
+            config,
+            config_path=config_path,
+            ipc_by_default=True,
+            on_runtime_changed=_setup_logging,
+        )
         engine.start()
     except ApiError as ex:
         return _cannot_start(ex)
@@ -308,7 +313,6 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
         log.info("control API listening on %s/api/v1/", engine.control_url)
     if running.api.ipc.enabled:
         log.info("IPC socket listening on %s", running.api.ipc.resolved_path())
-    engine.core.on_runtime_changed = _setup_logging
     while (signum := signal.sigwait(_CONTROL_SIGNALS)) == signal.SIGHUP:
         _reload(engine, config_path, log)
     # Signals that arrive during the stop stay blocked and pending: they change nothing.

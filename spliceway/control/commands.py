@@ -247,7 +247,8 @@ def _mode_set(core: EngineCore, p: ModeSetParams) -> dict[str, Any]:
     if p.mode == "global":
         if not outbound:
             raise invalid_argument("mode global needs an outbound", "params.outbound")
-        if outbound not in core.outbounds and outbound not in core.policies:
+        g = core.generation
+        if outbound not in g.outbounds and outbound not in g.policies:
             raise invalid_argument(f"unknown outbound {outbound!r}", "params.outbound")
     elif outbound is not None:
         raise invalid_argument(
@@ -288,7 +289,9 @@ def _logged(result: dict[str, Any], method: str = "config.apply") -> dict[str, A
 
 
 def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
-    state = core.route_state
+    # The rules and the resolver of one generation, as a flow decides.
+    g = core.generation
+    state = g.route_state
     # As a flow's target is: every spelling of an address is that address.
     host = hostnorm.canonical_host(p.target)
     # A fake-ip address is routed by its domain, as a flow to it would be.
@@ -312,7 +315,7 @@ def _trace_route(core: EngineCore, p: TraceRouteParams) -> dict[str, Any]:
         # What a flow does (actors/flow.py): an ip_cidr rule ranked before the match meets
         # the name's first address; a name that does not resolve meets the rules without.
         try:
-            found = core.resolver.lookup(host, routing.RULE_RESOLVE_TIMEOUT)
+            found = g.resolver.lookup(host, routing.RULE_RESOLVE_TIMEOUT)
         except dns.ResolveError:  # InvalidHostname included
             found = []
         if found:

@@ -141,9 +141,10 @@ def _flow(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    cfg = core.config
-    route = core.route_state
-    # One read of the listeners: a reload replaces them (and the config) whole.
+    # One read of the generation: a reload replaces it whole, so the listeners, the
+    # outbounds, the groups and the rules below are all of one configuration.
+    g = core.generation
+    cfg, route, table = g.config, g.route_state, g.policies
     listeners = [
         {
             "tag": a.spec.tag,
@@ -151,12 +152,12 @@ def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
             "listen_address": a.bound[0],
             "listen_port": a.bound[1],
         }
-        for a in core.active_inbounds
+        for a in g.active_inbounds
     ]
     outbounds = [
         {"tag": ob.tag, "protocol": ob.protocol, "server": ob.server, "port": ob.port}
-        for ob in core.outbounds.values()
-        if ob.tag not in core.policies  # a relay group's outbound is a group
+        for ob in g.outbounds.values()
+        if ob.tag not in table  # a relay group's outbound is a group
     ]
     # From the compiled rule set a flow decides with, so the text is matched_rule's.
     rules = []
@@ -178,7 +179,7 @@ def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
         "final": route.final,
         "listeners": listeners,
         "outbounds": outbounds,
-        "outbound_groups": [core.policies.snapshot(v.tag) for v in core.policies.views()],
+        "outbound_groups": [table.snapshot(v.tag) for v in table.views()],
     }
 
 

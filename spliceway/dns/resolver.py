@@ -263,7 +263,11 @@ class Resolver:
     """
 
     def __init__(
-        self, settings: DnsSettings, *, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: DnsSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_answer: Callable[[str, list[str], float], None] | None = None,
     ) -> None:
         self._servers: list[_Server] = []
         for spec in settings.servers:
@@ -281,7 +285,7 @@ class Resolver:
         )
         #: Told of every answer the cache keeps, as (name, addresses, clamped ttl seconds):
         #: the engine copies single-address answers into the C connection path's cache.
-        self.on_answer: Callable[[str, list[str], float], None] | None = None
+        self._on_answer = on_answer
 
     # -- resolution -----------------------------------------------------------------
 
@@ -373,9 +377,8 @@ class Resolver:
         addresses, ttl, _ = answer
         if addresses and self.cache is not None:
             self.cache.put(name, addresses, ttl)
-            hook = self.on_answer  # read once: stop() may clear it meanwhile
-            if hook is not None:
-                hook(name, addresses, self.cache.clamp_ttl(ttl))
+            if self._on_answer is not None:
+                self._on_answer(name, addresses, self.cache.clamp_ttl(ttl))
         return addresses
 
     @staticmethod

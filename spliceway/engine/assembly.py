@@ -10,7 +10,7 @@ side effects; the reconciler installs the result.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,18 +44,24 @@ def build_routing(
     previous_config: Config | None = None,
     live_views: policy.PolicyTable | None = None,
     live_route: RouteState | None = None,
+    on_answer: Callable[[str, list[str], float], None] | None = None,
 ) -> RoutingParts:
     """The routing parts of ``config``, reusing the unchanged ones of ``previous``.
 
     ``live_views`` and ``live_route`` are the running engine's current group views
     and routing state (a selection or ``mode.set`` made since the last apply).
+    ``on_answer`` is a new resolver's answer callback (``Resolver``'s).
     """
     dns_kept = (
         previous is not None
         and previous_config is not None
         and previous_config.runtime.dns == config.runtime.dns
     )
-    resolver = previous.resolver if dns_kept and previous else Resolver(config.runtime.dns)
+    resolver = (
+        previous.resolver
+        if dns_kept and previous
+        else Resolver(config.runtime.dns, on_answer=on_answer)
+    )
 
     def reusable(tag: str, spec: Any) -> Outbound | None:
         if not dns_kept or previous is None or previous.outbound_specs.get(tag) != spec:
@@ -123,7 +129,8 @@ def _route_state(
     """The new routing state. A mode set at runtime (``mode.set``) outlives an apply
     whose ``mode`` section did not change, as a selection outlives one that keeps its
     group, unless its outbound is gone."""
-    mode, mode_outbound = config.mode.kind, config.mode.outbound
+    mode: str = config.mode.kind
+    mode_outbound = config.mode.outbound
     if live is not None and previous_config is not None and previous_config.mode == config.mode:
         gone = live.mode_outbound is not None and not (
             live.mode_outbound in outbounds or live.mode_outbound in groups

@@ -1,7 +1,11 @@
-"""EngineCore: the running engine's parts, wired together, and its start/stop order.
+"""EngineCore: the running engine's state and its start/stop order.
 
-The public face is ``spliceway.Engine`` (engine.py); transports and the command
-table reach the engine through an ``EngineCore``. Start order: the connector
+The public face is ``spliceway.Engine`` (app/engine.py); transports and the command
+table reach the engine through an ``EngineCore``. What a reload replaces is one
+:class:`~spliceway.engine.generation.Generation`, published by one assignment to
+``core.generation``. The actors, the event sinks and the TUN are built by the
+composition root (:mod:`spliceway.app.compose`) through the core's
+:class:`~spliceway.engine.components.Wiring`. Start order: the connector
 (outbox lock and recovery, sink actors), bind every inbound and the DNS server's
 address (all or nothing), dispatcher, relay bridge, ``engine.started``, the DNS
 server, supervisor (listeners, sampler), the TUN of ``runtime.tun``.
@@ -12,7 +16,6 @@ Stop reverses it, and every flow still open completes with exactly one
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import os
@@ -21,26 +24,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pykka
 
 from spliceway import __version__
-from spliceway.actors.bridge import RelayBridge
-from spliceway.actors.dispatcher import Dispatcher
-from spliceway.actors.flow import AUTH_SCHEMES, FlowActor, FlowDeps
-from spliceway.actors.messages import StopFlow
-from spliceway.actors.supervisor import EngineSupervisor
-from spliceway.actors.tun import TunActor
-from spliceway.actors.tun_udp import TunUdpActor
-from spliceway.actors.udp import UdpAssociationActor, UdpRecords
 from spliceway.config import Config
-from spliceway.connector.service import Connector
+from spliceway.dns import Resolver
 from spliceway.dns.server import DnsResponder
 from spliceway.dns.service import FAKEIP_WARNING, DnsService
 from spliceway.engine import assembly
-from spliceway.engine.reconcile import Reconciler
+from spliceway.engine.components import ActorPort, BridgePort, LoopPort, TunPort, Wiring
+from spliceway.engine.generation import ActiveInbound, Generation, InboundSpec, build_generation
+from spliceway.engine.reconcile import Plan, Reconciler
 from spliceway.engine.route_publish import RoutePublisher
 from spliceway.engine.runtime import Counters, FlowEntry, FlowTable, RouteState
 from spliceway.errors import ApiError
@@ -49,7 +45,7 @@ from spliceway.events.logring import LogRing
 from spliceway.flows.hook import WARNING_CODE, FlowHookClient, HookSettings
 from spliceway.flows.inbound import Users
 from spliceway.flows.outbounds import Outbound
-from spliceway.native.conn import ConnRecord, Deferred
+from spliceway.native.conn import AUTH_SCHEMES, ConnRecord, Deferred
 from spliceway.native.udp import UdpRelay
 from spliceway.protocols import socks5
 from spliceway.routing import policy
@@ -57,7 +53,16 @@ from spliceway.routing.process_lookup import LocalAddresses, ProcessLookup
 from spliceway.support.atomic_file import remove_stale_staged
 from spliceway.support.fdlimit import warning_emitter
 from spliceway.tun.routing import sweep_if_recorded
-from spliceway.tun.service import TunParts, TunService
+from spliceway.tun.service import TunParts
+
+__all__ = [
+    "BUILD_ID",
+    "UDP_DROP_REASONS",
+    "ActiveInbound",
+    "EngineCore",
+    "InboundSpec",
+    "bind_listener",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,75 +86,48 @@ UDP_DROP_REASONS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class InboundSpec:
-    """What a listener and its flows need to know about their inbound.
+class EngineCore:
+    """The engine's shared parts. Thread-safe to read; actors own the mutations.
 
-    ``index`` is the listener's slot in the C connection path (flow ids carry it). A
-    reload gives a changed inbound a new slot, so records of the old listener's last
-    flows still name the spec they were accepted under.
+    ``wiring`` builds what the core starts (actors, sinks, TUN);
+    ``on_runtime_changed`` is called with the runtime section after a reload that
+    changed it (the CLI re-applies logging).
     """
 
-    index: int
-    tag: str
-    protocol: str
-    sniff: bool
-    sniff_timeout_ms: int
-    users: Users
-    #: The configuration entry (what a reload compares).
-    source: Any = None
-    #: Whether its SOCKS5 clients may open UDP associations (the inbound's ``udp``).
-    udp: bool = True
-
-    @classmethod
-    def of(cls, index: int, inbound: Any) -> InboundSpec:
-        """The spec of configuration entry ``inbound`` in slot ``index``."""
-        return cls(
-            index=index,
-            tag=inbound.tag,
-            protocol=inbound.protocol,
-            sniff=inbound.sniff,
-            sniff_timeout_ms=inbound.sniff_timeout_ms,
-            users=Users(inbound.users),
-            source=inbound,
-            udp=inbound.udp,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class ActiveInbound:
-    """A listening inbound: its spec and the address its socket is bound to."""
-
-    spec: InboundSpec
-    bound: tuple[str, int]
-
-
-class EngineCore:
-    """The engine's shared parts. Thread-safe to read; actors own the mutations."""
-
-    def __init__(self, config: Config, config_path: str | None = None) -> None:
-        self.config = config
+    def __init__(
+        self,
+        config: Config,
+        config_path: str | None = None,
+        *,
+        wiring: Wiring,
+        on_runtime_changed: Callable[[Any], None] | None = None,
+    ) -> None:
+        self._wiring = wiring
         self.config_path = config_path
         self.build_id = BUILD_ID
         runtime = config.runtime
         self.log = EventLog(runtime.event_ring_capacity)
         #: Recent ``spliceway.*`` log records (``GET /api/v1/logs``), kept while running;
         #: the level is read per record so a reload's ``runtime.log_level`` applies at once.
-        self.logs = LogRing(lambda: self.config.runtime.log_level)
-        self.connector = Connector(config.api, self.log)
+        self.logs = LogRing(lambda: self.generation.config.runtime.log_level)
+        self.connector = wiring.connector(config.api, self.log)
         self.flow_id_prefix = f"{secrets.token_hex(4)}-"
         self.flows = FlowTable()
         #: Every FlowActor alive (they are not in pykka's registry).
-        self.flow_actors: set[FlowActor] = set()
+        self.flow_actors: set[Any] = set()
         self.counters = Counters()
-        self.tcp_idle_timeout_ms = int(runtime.tcp_idle_timeout_seconds * 1000)
-        self.parts = assembly.build_routing(config)
-        self.resolver = self.parts.resolver
-        self.outbounds: dict[str, Outbound] = self.parts.outbounds
-        self.policies = policy.PolicyTable(self.parts.views)
-        self.route_state = self.parts.route_state
-        #: Listening inbounds in config order; replaced whole by a reload.
-        self.active_inbounds: tuple[ActiveInbound, ...] = ()
+        self.routes = RoutePublisher(self)
+        #: Serials of generations: one per build (and per ``mode.set``).
+        self._serials = itertools.count(1)
+        #: What a reload replaces, whole (module spliceway.engine.generation). Readers
+        #: take it once; it is written by :meth:`_publish_generation` alone.
+        self.generation: Generation = build_generation(
+            next(self._serials),
+            config,
+            assembly.build_routing(config, on_answer=self.dns_answer),
+            (),
+            self.republish,
+        )
         #: Every listener slot's spec, also of listeners a reload stopped (their last
         #: flows' records still name the slot), until the slot is used again.
         self.inbound_slots: dict[int, InboundSpec] = {
@@ -162,19 +140,18 @@ class EngineCore:
         self._deferred_ids = itertools.count(1)
         #: Serialises config.apply / config.apply_runtime / SIGHUP reloads and stop().
         self.apply_lock = threading.Lock()
-        #: Called with the runtime section after a reload (the CLI re-applies logging).
-        self.on_runtime_changed: Callable[[Any], None] | None = None
         #: The listening socket of each running listener slot (its ListenerActor owns it;
         #: a reload duplicates it for a changed inbound on the same address).
         self.listen_sockets: dict[int, socket.socket] = {}
-        self.reconciler = Reconciler(self)
-        self.routes = RoutePublisher(self)
+        self.reconciler = Reconciler(self, on_runtime_changed)
         #: The fake-ip pool and the DNS server (``runtime.dns``); they read the resolver
         #: through the core, so a reload's new one answers at once. The server runs on a
         #: thread of its own: no query, however costly, delays the dispatcher's flows
         #: (docs/dns.md).
         self.dns = DnsService(
-            lambda: self.resolver, self._dns_warning, warn_fd_exhausted=warning_emitter(self.log)
+            lambda: self.generation.resolver,
+            self._dns_warning,
+            warn_fd_exhausted=warning_emitter(self.log),
         )
         self.started_at_unix_ms = 0
         #: UDP associations by the C relay's id (their actors take its records).
@@ -183,14 +160,18 @@ class EngineCore:
         #: The DNS responder for a TUN's dns_hijack when no DNS server runs.
         self._tun_responder: DnsResponder | None = None
         #: ``runtime.process_lookup``'s lookups (its worker thread starts with the first).
-        self.process_lookup = ProcessLookup()
+        self.process_lookup = ProcessLookup(on_local_change=self.republish)
         #: Readable when this host's addresses change (the lookup's locality snapshot).
         self._address_watch: socket.socket | None = None
         # Made in start(): its event loop holds a socket pair that only a started
         # engine's stop() closes, so an engine that never starts must not own one.
-        self.dispatcher: Dispatcher
-        self.bridge: RelayBridge
-        self.supervisor: pykka.ActorRef[EngineSupervisor] | None = None
+        self.dispatcher: LoopPort
+        self.bridge: BridgePort
+        #: Whether C's connection path takes DNS answers (from start until it closes).
+        self._c_path_open = False
+        #: The actors' factory of this start (made once the bridge exists).
+        self._actors: ActorPort | None = None
+        self.supervisor: pykka.ActorRef[Any] | None = None
         #: One PolicyGroupActor per group, started by the supervisor.
         self.group_actors: dict[str, pykka.ActorRef[Any]] = {}
         #: The flow hook's client (``api.flow_hook``), on the dispatcher loop; None without
@@ -200,17 +181,68 @@ class EngineCore:
         #: Clients a reload replaced, closed once their outstanding asks are settled.
         self._retired_hooks: set[FlowHookClient] = set()
         #: The TUN inbound (``runtime.tun``, ``tun.start``); made in start().
-        self.tun: TunService | None = None
+        self.tun: TunPort | None = None
         self.running = False
+
+    # -- the current generation (read-only views; readers of several take it once) ---
+
+    @property
+    def config(self) -> Config:
+        """The running configuration."""
+        return self.generation.config
+
+    @property
+    def parts(self) -> assembly.RoutingParts:
+        """The running configuration's routing parts."""
+        return self.generation.parts
+
+    @property
+    def resolver(self) -> Resolver:
+        """The resolver of ``runtime.dns``."""
+        return self.generation.resolver
+
+    @property
+    def outbounds(self) -> dict[str, Outbound]:
+        """Every leaf outbound by tag."""
+        return self.generation.outbounds
+
+    @property
+    def policies(self) -> policy.PolicyTable:
+        """The group views."""
+        return self.generation.policies
+
+    @property
+    def route_state(self) -> RouteState:
+        """The routing inputs (mode, final, rules)."""
+        return self.generation.route_state
+
+    @property
+    def tcp_idle_timeout_ms(self) -> int:
+        """``runtime.tcp_idle_timeout_seconds`` in milliseconds."""
+        return self.generation.tcp_idle_timeout_ms
+
+    @property
+    def active_inbounds(self) -> tuple[ActiveInbound, ...]:
+        """Listening inbounds in config order."""
+        return self.generation.active_inbounds
+
+    @property
+    def flow_deps(self) -> Any:
+        """What flow actors use of the engine (from start on)."""
+        if self._actors is None:
+            raise AttributeError("flow_deps")
+        return self._actors.flow_deps
 
     @property
     def inbounds(self) -> list[InboundSpec]:
         """The listening inbounds' specs, in config order."""
         return [a.spec for a in self.active_inbounds]
 
-    def route_inbounds(self) -> dict[str, tuple[int, ...]]:
-        """Every inbound tag a rule may name and its listener slots (a TUN has two)."""
-        out = {a.spec.tag: (a.spec.index,) for a in self.active_inbounds}
+    def route_inbounds(self, g: Generation | None = None) -> dict[str, tuple[int, ...]]:
+        """Every inbound tag a rule may name and its listener slots (a TUN has two), in
+        generation ``g`` (the current one by default)."""
+        active = (g or self.generation).active_inbounds
+        out: dict[str, tuple[int, ...]] = {a.spec.tag: (a.spec.index,) for a in active}
         if self.tun is not None:
             out.update(self.tun.route_inbounds())
         return out
@@ -219,6 +251,48 @@ class EngineCore:
     def bound(self) -> list[tuple[str, int]]:
         """The addresses the listening inbounds are bound to, in config order."""
         return [a.bound for a in self.active_inbounds]
+
+    # -- publishing generations ------------------------------------------------------
+
+    def republish(self) -> None:
+        """Recompile C's route table from the current generation, if anything changed
+        (the callback of the policy table, the process lookup and the TUN): through the
+        publisher's attribute, so whatever publishes is looked up at each call."""
+        self.routes.publish()
+
+    def _publish_generation(self, g: Generation) -> None:
+        """Make ``g`` the current generation: the one place that assigns it."""
+        self.generation = g
+
+    def install(self, plan: Plan) -> Generation:
+        """Publish the generation of a prepared reload (dispatcher thread, before the new
+        listeners start: their first flows route by it) and recompile C's route table;
+        returns the previous generation, which :meth:`restore` puts back."""
+        previous = self.generation
+        new = plan.config
+        self.learn_principals(new)
+        g = build_generation(
+            next(self._serials),
+            new,
+            plan.parts,
+            tuple(ActiveInbound(spec, bound) for spec, bound in plan.listeners.active),
+            self.republish,
+        )
+        if new.api.flow_hook != previous.config.api.flow_hook:
+            # Before the publish below: the table defers the new hook's inbounds.
+            self.replace_flow_hook(new)
+        self._publish_generation(g)
+        self.routes.publish()
+        return previous
+
+    def restore(self, previous: Generation) -> None:
+        """Put ``previous`` back (a reload whose listener failed to start): the flow hook
+        of its configuration if the reload had changed it, and its route table."""
+        hook_changed = previous.config.api.flow_hook != self.generation.config.api.flow_hook
+        self._publish_generation(previous)
+        if hook_changed:
+            self.replace_flow_hook(previous.config)
+        self.routes.publish()
 
     def learn_principals(self, config: Config) -> None:
         """Give every principal_key of ``config`` a C principal id (kept ones keep theirs)."""
@@ -248,7 +322,7 @@ class EngineCore:
         try:
             sockets = self._bind_all()
             try:
-                dns_plan = self.dns.prepare(self.config.runtime.dns)
+                dns_plan = self.dns.prepare(self.generation.config.runtime.dns)
             except BaseException:
                 for sock in sockets:
                     sock.close()
@@ -259,28 +333,32 @@ class EngineCore:
         # From here a failed start ends in _finish, which detaches it again.
         self.logs.attach()
         self.started_at_unix_ms = now_ms()
-        self.dispatcher = Dispatcher()
+        self.dispatcher = self._wiring.dispatcher()
         self.dispatcher.start()
-        bridge: RelayBridge | None = None
+        bridge: BridgePort | None = None
         try:
-            bridge = RelayBridge(self.dispatcher)
-            self.dispatcher.run_sync(lambda: bridge.attach(self._start_c_flow, self._take_deferred))
+            bridge = self._wiring.bridge(
+                self.dispatcher,
+                self._start_c_flow,
+                self._take_deferred,
+                self.inbound_slots,
+                warning_emitter(self.log),
+            )
+            self.dispatcher.run_sync(bridge.attach)
             self.bridge = bridge
-            bridge.watch_accepts(self.inbound_slots, warning_emitter(self.log))
-            self.udp = UdpRelay(loops=1, busy_poll_us=self.config.runtime.udp_busy_poll_us)
+            self._c_path_open = True
+            self.udp = UdpRelay(
+                loops=1, busy_poll_us=self.generation.config.runtime.udp_busy_poll_us
+            )
             self.dispatcher.run_sync(
                 lambda: self.dispatcher.loop.add_reader(self.udp.fileno(), self._on_udp_ready)
             )
             self._watch_addresses()
-            #: What flow actors use of the engine (listeners hand it to theirs).
-            self.flow_deps = FlowDeps(self)
+            #: The actors of this start (flow actors' dependencies among them).
+            self._actors = self._wiring.actors(self)
             # Before the first table: it defers the inbounds the hook selects.
-            self.flow_hook = self._new_flow_hook(self.config)
+            self.flow_hook = self._new_flow_hook(self.generation.config)
             self.routes.publish()
-            self.policies.on_publish = self.routes.publish
-            # The table names this host's addresses (process_name rules defer for them).
-            self.process_lookup.on_local_change = self.routes.publish
-            self.resolver.on_answer = self.dns_answer
             # Before the actors start: a group's startup probe round must not be the
             # ring's first event.
             self.log.emit(
@@ -291,14 +369,15 @@ class EngineCore:
             self.connector.complete_orphans()
             # After engine.started: a damaged fake-ip file's warning follows it.
             self.dns.install(dns_plan)
-            self.supervisor = EngineSupervisor.start(self, sockets)
+            self.supervisor = self._actors.start_supervisor(sockets)
             # Its on_start runs on the dispatcher; a proxied read is answered only after it,
             # so the group actors (policies.* commands) exist once start() returns.
             self.supervisor.proxy().listeners.get(timeout=_STOP_GRACE_S)
-            self.tun = TunService(self._tun_parts())
-            if self.config.runtime.tun is not None:
+            self.tun = self._wiring.tun(self._tun_parts())
+            tun = self.generation.config.runtime.tun
+            if tun is not None:
                 self.tun.start(
-                    self.config.runtime.tun.model_dump(exclude_none=True),
+                    tun.model_dump(exclude_none=True),
                     managed_by_config=True,
                     field_prefix="runtime.tun.",
                 )
@@ -321,9 +400,11 @@ class EngineCore:
             self.supervisor.proxy().stop_listeners().get(timeout=_STOP_GRACE_S)
         # No new names either; the fake-ip table is written out.
         self.dns.stop()
+        actors = self._actors
+        assert actors is not None
         for entry in self.flows.entries():
             with contextlib.suppress(pykka.ActorDeadError):
-                entry.actor.tell(StopFlow())
+                actors.stop_flow(entry.actor)
         self._await_flows_drained()
         self._unhook_c_path()
         self.bridge.shutdown()
@@ -354,7 +435,7 @@ class EngineCore:
         self.log.close_all(ended_by=last)
         self.logs.detach()
 
-    def _abort_start(self, sockets: list[socket.socket], bridge: RelayBridge | None) -> None:
+    def _abort_start(self, sockets: list[socket.socket], bridge: BridgePort | None) -> None:
         """Undo a start that failed after binding: nothing may be left running or open."""
         self._stop_tun()
         self._close_udp()
@@ -373,8 +454,7 @@ class EngineCore:
             # The relay (its completion eventfd) is freed with the last reference to it.
             with contextlib.suppress(AttributeError):
                 del self.bridge
-            with contextlib.suppress(AttributeError):
-                del self.flow_deps
+            self._actors = None
         for sock in sockets:
             sock.close()
         # Once engine.started went out, every start a consumer saw has its stop.
@@ -384,9 +464,7 @@ class EngineCore:
 
     def _unhook_c_path(self) -> None:
         """Nothing feeds the C path from here on (tables, DNS answers): before it shuts down."""
-        self.process_lookup.on_local_change = None
-        self.policies.on_publish = None
-        self.resolver.on_answer = None
+        self._c_path_open = False
         self.routes.close()
 
     # -- the flow hook ------------------------------------------------------------------
@@ -458,12 +536,16 @@ class EngineCore:
         inbound = self.inbound_slots[record.inbound]
         flow_id = f"{self.flow_id_prefix}{inbound.index}-{record.flow}"
         peer = (record.source_ip or "", record.source_port)
-        return FlowActor.start(self.flow_deps, inbound, None, peer, flow_id, started=record)
+        assert self._actors is not None
+        return self._actors.start_flow(inbound, None, peer, flow_id, started=record)
 
     def dns_answer(self, name: str, addresses: list[str], ttl_s: float) -> None:
         """Copy a resolver answer into C's cache: C then dials the name itself, trying
-        the addresses in order within one deadline, as the Python path does."""
-        self.bridge.conn.dns_put(name, addresses, int(ttl_s * 1000))
+        the addresses in order within one deadline, as the Python path does. Every
+        resolver the engine builds is told to call this; answers before the C path
+        exists, or after it closed, are not copied."""
+        if self._c_path_open:
+            self.bridge.conn.dns_put(name, addresses, int(ttl_s * 1000))
 
     def _take_deferred(self, deferred: Deferred) -> None:
         """Finish a connection C accepted and handed back before its handshake, in a
@@ -495,20 +577,24 @@ class EngineCore:
                 flow_id,
             )
             return
-        FlowActor.start(self.flow_deps, inbound, client, peer, flow_id, deferred=deferred)
+        assert self._actors is not None
+        self._actors.start_flow(inbound, client, peer, flow_id, deferred=deferred)
 
     def _on_udp_ready(self) -> None:
         """The C UDP relay has records: each association's go to its actor, in order."""
         by_assoc: dict[int, list[Any]] = {}
         for record in self.udp.drain():
             by_assoc.setdefault(record.assoc, []).append(record)
+        actors = self._actors
+        assert actors is not None
         for assoc, batch in by_assoc.items():
             ref = self.udp_assocs.get(assoc)
             if ref is not None:
                 with contextlib.suppress(pykka.ActorDeadError):
-                    ref.tell(UdpRecords(batch))
+                    actors.deliver_udp(ref, batch)
 
-    def _register_association(self, assoc: int, ref: pykka.ActorRef[Any] | None) -> None:
+    def register_association(self, assoc: int, ref: pykka.ActorRef[Any] | None) -> None:
+        """Send association ``assoc``'s C records to ``ref`` (None: no longer)."""
         if ref is None:
             self.udp_assocs.pop(assoc, None)
         else:
@@ -541,19 +627,9 @@ class EngineCore:
     ) -> None:
         """A SOCKS5 UDP ASSOCIATE whose handshake is done: its actor replies and relays
         (dispatcher thread)."""
-        UdpAssociationActor.start(
-            self.flow_deps,
-            self.udp,
-            self._register_association,
-            self.resolver,
-            inbound,
-            control,
-            peer,
-            declared_port,
-            principal_key,
-            auth_scheme,
-            f"{id_prefix}-",
-            self.config.runtime.udp_upstream_idle_timeout_seconds,
+        assert self._actors is not None
+        self._actors.start_association(
+            inbound, control, peer, declared_port, principal_key, auth_scheme, f"{id_prefix}-"
         )
 
     def _await_flows_drained(self) -> None:
@@ -615,6 +691,9 @@ class EngineCore:
             )
 
     def _tun_parts(self) -> TunParts:
+        # The TUN service starts after the actors (start builds them first).
+        assert self._actors is not None
+
         def register(slot: int, tag: str) -> InboundSpec:
             spec = InboundSpec(slot, tag, "tun", True, _TUN_SNIFF_TIMEOUT_MS, Users(None))
             self.inbound_slots[slot] = spec
@@ -622,14 +701,16 @@ class EngineCore:
 
         return TunParts(
             dispatcher=self.dispatcher,
-            start_actor=functools.partial(TunActor.start, self.dispatcher, self.bridge.conn),
+            start_actor=self._actors.start_tun,
             register=register,
-            republish=self.routes.publish,
-            inbound_tags=lambda: {ib.tag for ib in self.config.inbounds},
-            idle_timeout_ms=lambda: self.tcp_idle_timeout_ms,
-            network_mtu=lambda: self.config.runtime.network.mtu,
+            republish=self.republish,
+            inbound_tags=lambda: {ib.tag for ib in self.generation.config.inbounds},
+            idle_timeout_ms=lambda: self.generation.tcp_idle_timeout_ms,
+            network_mtu=lambda: self.generation.config.runtime.network.mtu,
             end_flows=self._end_flows_of,
-            udp_idle_timeout_s=lambda: self.config.runtime.udp_upstream_idle_timeout_seconds,
+            udp_idle_timeout_s=lambda: (
+                self.generation.config.runtime.udp_upstream_idle_timeout_seconds
+            ),
             dns_responder=self._dns_responder,
             start_udp=self._start_tun_udp,
             warn_fd_exhausted=warning_emitter(self.log),
@@ -641,7 +722,9 @@ class EngineCore:
         if server is not None:
             return server.responder
         if self._tun_responder is None:
-            self._tun_responder = DnsResponder(lambda: self.resolver, lambda: self.dns.pool)
+            self._tun_responder = DnsResponder(
+                lambda: self.generation.resolver, lambda: self.dns.pool
+            )
         return self._tun_responder
 
     def _start_tun_udp(
@@ -649,23 +732,19 @@ class EngineCore:
     ) -> pykka.ActorRef[Any]:
         """The actor of a TUN's UDP sessions (on the dispatcher, from the TunActor); the
         stats sampler ticks it like a SOCKS5 association."""
-        ref = TunUdpActor.start(
-            self.flow_deps,
-            lambda: self.resolver,
-            spec,
-            stack,
-            dns,
-            self.config.runtime.udp_upstream_idle_timeout_seconds,
-        )
+        assert self._actors is not None
+        ref = self._actors.start_tun_udp(spec, stack, dns)
         self.udp_assocs[("tun", spec.tag)] = ref
         return ref
 
     def _end_flows_of(self, tag: str) -> None:
         self.udp_assocs.pop(("tun", tag), None)
+        actors = self._actors
+        assert actors is not None
         for entry in self.flows.entries():
             if entry.inbound_tag == tag:
                 with contextlib.suppress(pykka.ActorDeadError):
-                    entry.actor.tell(StopFlow())
+                    actors.stop_flow(entry.actor)
 
     def _stop_tun(self) -> None:
         """Take a running TUN down (engine stop, or a start undone); never raises."""
@@ -679,14 +758,20 @@ class EngineCore:
     def _bind_all(self) -> list[socket.socket]:
         sockets: list[socket.socket] = []
         try:
-            for i, ib in enumerate(self.config.inbounds):
+            for i, ib in enumerate(self.generation.config.inbounds):
                 sockets.append(bind_listener(ib.listen.address, ib.listen.port, ib.tag, i))
         except BaseException:
             for s in sockets:
                 s.close()
             raise
-        self.active_inbounds = tuple(
-            ActiveInbound(self.inbound_slots[i], s.getsockname()[:2]) for i, s in enumerate(sockets)
+        # The start's first generation, completed with what it listens on.
+        self._publish_generation(
+            self.generation.with_active_inbounds(
+                tuple(
+                    ActiveInbound(self.inbound_slots[i], s.getsockname()[:2])
+                    for i, s in enumerate(sockets)
+                )
+            )
         )
         return sockets
 
@@ -761,12 +846,16 @@ class EngineCore:
 
     def leaf_outbound(self, tag: str) -> Outbound:
         """The outbound ``tag`` (an outbound or a group) uses now."""
-        return self.outbounds[self.policies.resolve(tag)[-1]]
+        g = self.generation
+        return g.outbounds[g.policies.resolve(tag)[-1]]
 
     def set_mode(self, mode: str, outbound: str | None) -> None:
-        """Swap the routing mode (called by the supervisor after validation)."""
-        old = self.route_state
-        self.route_state = RouteState(mode, outbound, old.final, old.ruleset)
+        """Swap the routing mode (called by the supervisor after validation): a new
+        generation under the new routing state."""
+        g = self.generation
+        old = g.route_state
+        state = RouteState(mode, outbound, old.final, old.ruleset)
+        self._publish_generation(g.with_route_state(next(self._serials), state))
         self.routes.publish()
 
 

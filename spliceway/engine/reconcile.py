@@ -40,6 +40,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,13 +50,14 @@ import pykka
 from spliceway.config import Config, check_environment, parse_config, resolve_ipc
 from spliceway.config.diff import COMPONENTS, diff
 from spliceway.engine import assembly
+from spliceway.engine.generation import InboundSpec
 from spliceway.errors import ApiError
 from spliceway.events.log import now_ms
 from spliceway.support.atomic_file import StagedFile, remove_stale_staged
 
 if TYPE_CHECKING:
     from spliceway.dns.service import DnsPlan
-    from spliceway.engine.core import EngineCore, InboundSpec
+    from spliceway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ class Plan:
 
 def check_fixed(old: Config, new: Config, outbox_open: bool) -> None:
     """Refuse (``conflict``) what a running engine cannot replace in itself."""
-    fixed = [
+    fixed: list[tuple[str, object, object]] = [
         ("api.control", old.api.control, new.api.control),
         ("api.ipc", old.api.ipc, new.api.ipc),
         ("api.grpc", old.api.grpc, new.api.grpc),
@@ -151,9 +153,13 @@ def serialize(document: dict[str, Any], path: str) -> bytes:
 class Reconciler:
     """Applies configurations to one running engine (see the module docstring)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(
+        self, core: EngineCore, on_runtime_changed: Callable[[Any], None] | None = None
+    ) -> None:
         self._core = core
         self._next_slot = 0
+        #: Called with the runtime section after an apply that changed it.
+        self._on_runtime_changed = on_runtime_changed
 
     def apply(self, document: Any, *, persist: bool, trigger: str) -> dict[str, Any]:
         """Apply ``document`` (a whole configuration); ``persist`` writes the source file.
@@ -166,7 +172,7 @@ class Reconciler:
         with core.apply_lock:
             if not core.running:
                 raise ApiError("conflict", "the engine is not running (it is stopping)")
-            old = core.config
+            old = core.generation.config
             # An unset api.ipc.enabled means what it meant when this engine started.
             new = resolve_ipc(new, bool(old.api.ipc.enabled))
             check_fixed(old, new, core.connector.store is not None)
@@ -229,9 +235,9 @@ class Reconciler:
                     "changed_components": plan.changed,
                 },
             )
-        if core.on_runtime_changed is not None and "runtime" in plan.changed:
+        if self._on_runtime_changed is not None and "runtime" in plan.changed:
             with contextlib.suppress(Exception):
-                core.on_runtime_changed(new.runtime)
+                self._on_runtime_changed(new.runtime)
         return {
             "applied": True,
             "persistence": persistence,
@@ -335,7 +341,10 @@ class Reconciler:
 
     def _prepare(self, old: Config, new: Config) -> Plan:
         core = self._core
-        parts = assembly.build_routing(new, core.parts, old, core.policies, core.route_state)
+        g = core.generation
+        parts = assembly.build_routing(
+            new, g.parts, old, g.policies, g.route_state, on_answer=core.dns_answer
+        )
         listeners = self._plan_listeners(old, new)
         difference = diff(old, new)
         changed = list(difference.changed)
@@ -350,11 +359,11 @@ class Reconciler:
 
     def _plan_listeners(self, old: Config, new: Config) -> ListenerChange:
         """Which listeners stay, start and stop; binds the new addresses (may raise)."""
-        core = self._core
-        running = {a.spec.tag: a for a in core.active_inbounds}
+        active = self._core.generation.active_inbounds
+        running = {a.spec.tag: a for a in active}
         idle_same = old.runtime.tcp_idle_timeout_seconds == new.runtime.tcp_idle_timeout_seconds
         change = ListenerChange()
-        used = {a.spec.index for a in core.active_inbounds}
+        used = {a.spec.index for a in active}
         kept_tags: set[str] = set()
         try:
             for i, ib in enumerate(new.inbounds):
@@ -374,7 +383,7 @@ class Reconciler:
             change.close_sockets()
             raise
         new_tags = {ib.tag for ib in new.inbounds}
-        for a in core.active_inbounds:
+        for a in active:
             if a.spec.tag not in kept_tags:
                 change.retire.append(a.spec.index)
                 if a.spec.tag not in new_tags:
@@ -391,7 +400,7 @@ class Reconciler:
         from spliceway.engine.core import bind_listener
 
         address, port = ib.listen.address, ib.listen.port
-        for a in self._core.active_inbounds:
+        for a in self._core.generation.active_inbounds:
             listen = a.spec.source.listen
             same_address = (listen.address, listen.port) == (address, port)
             if same_address and (port != 0 or a.spec.tag == ib.tag):
@@ -440,7 +449,7 @@ class Reconciler:
 
     def _install(self, plan: Plan) -> None:
         core = self._core
-        old_api = core.config.api
+        old_api = core.generation.config.api
         try:
             core.connector.reconfigure(plan.config.api)
             assert core.supervisor is not None
@@ -465,8 +474,6 @@ class Unconfirmed(ApiError):
 
 
 def _spec(slot: int, inbound: Any) -> InboundSpec:
-    from spliceway.engine.core import InboundSpec
-
     return InboundSpec.of(slot, inbound)
 
 

@@ -5,7 +5,10 @@ calls :meth:`RoutePublisher.publish`, which compiles the rules, the mode and eac
 route target's current outbound into a sealed table and installs it in C (an
 atomic swap there). Each table carries an epoch; C's records name the epoch that
 routed a flow, and :meth:`RoutePublisher.mirror` maps it back to the decisions
-Python would have made, for the flow's record.
+Python would have made, for the flow's record. A table is compiled from one
+:class:`~spliceway.engine.generation.Generation`, taken once (a reload may publish
+the next one meanwhile, on another thread), and its mirror records that
+generation's serial.
 
 Until a table is installed C defers every flow to Python after its handshake. A table
 also names the listener slots the flow hook (``api.flow_hook``) selects: C hands their
@@ -53,6 +56,8 @@ class Mirror(NamedTuple):
     chains: list[list[str]]
     #: The outbounds the chains name (a reload replaces the engine's set).
     outbounds: dict[str, Any]
+    #: The serial of the generation the table was compiled from.
+    generation: int = 0
 
 
 def target_spec(tag: str, policies: Any, outbounds: dict[str, Any]) -> tuple[list[str], TargetSpec]:
@@ -98,7 +103,7 @@ class RoutePublisher:
         #: What the installed table was compiled from, to skip a publish that changes
         #: nothing (a probe round that keeps every selection).
         self._installed: tuple[Any, ...] | None = None
-        self._installed_state: Any = None
+        self._installed_generation: Any = None
         self._closed = False
 
     def publish(self) -> None:
@@ -112,12 +117,13 @@ class RoutePublisher:
             conn = getattr(getattr(core, "bridge", None), "conn", None)
             if conn is None or self._closed:
                 return
-            # One consistent view: a reload swaps these together on the dispatcher thread,
-            # and a publish from another thread must not mix two generations.
-            state, rules, outbounds = core.route_state, core.config.rules, core.outbounds
+            # Taken once: a reload publishes a new generation whole (dispatcher thread),
+            # and a publish from another thread reads one or the other, never a mix.
+            g = core.generation
+            state, rules, outbounds = g.route_state, g.config.rules, g.outbounds
             hook = core.flow_hook
             # Only TCP flows reach C; a hook for UDP alone leaves C's path as it is.
-            inbounds = core.route_inbounds()
+            inbounds = core.route_inbounds(g)
             deferred = (
                 tuple(
                     slot
@@ -129,9 +135,9 @@ class RoutePublisher:
                 else ()
             )
             # Fake-ip addresses: Python maps them back to their domain, then routes.
-            answer = core.config.runtime.dns.answer
+            answer = g.config.runtime.dns.answer
             cidrs = (answer.fake_ip_range,) if answer.type == "fake_ip" else ()
-            process_lookup = core.config.runtime.process_lookup
+            process_lookup = g.config.runtime.process_lookup
             local = tuple(sorted(core.process_lookup.local.addresses))
             tags = [state.final]
             tags += [r.outbound for r in rules if r.action == "route" and r.outbound]
@@ -139,7 +145,7 @@ class RoutePublisher:
             chains: list[list[str]] = []
             targets: dict[str, TargetSpec] = {}
             for tag in dict.fromkeys(tags):
-                chain, spec = target_spec(tag, core.policies, outbounds)
+                chain, spec = target_spec(tag, g.policies, outbounds)
                 chains.append(chain)
                 targets[tag] = spec
             key = (
@@ -151,7 +157,7 @@ class RoutePublisher:
                 process_lookup,
                 local,
             )
-            if state is self._installed_state and key == self._installed:
+            if g is self._installed_generation and key == self._installed:
                 return
             self._epoch += 1
             routes = compile_route_table(
@@ -170,11 +176,16 @@ class RoutePublisher:
                 local_addresses=local,
             )
             with self._lock:
-                self._mirrors[self._epoch] = Mirror(routes, chains, outbounds)
+                self._mirrors[self._epoch] = Mirror(routes, chains, outbounds, g.serial)
                 while len(self._mirrors) > _MIRRORS_KEPT:
                     self._mirrors.popitem(last=False)
             conn.set_table(routes.detach())
-            self._installed, self._installed_state = key, state
+            self._installed, self._installed_generation = key, g
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last table compiled (0 before the first)."""
+        return self._epoch
 
     def close(self) -> None:
         """Publish nothing more (before the connection path shuts down)."""

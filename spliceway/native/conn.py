@@ -47,6 +47,8 @@ END_INTERNAL = int(lib.SW_END_INTERNAL)
 END_FORWARDED = int(lib.SW_END_FORWARDED)
 END_FWD_CLIENT = int(lib.SW_END_FWD_CLIENT)
 END_FWD_TIMEOUT = int(lib.SW_END_FWD_TIMEOUT)
+#: sw_conn_auth -> FlowRecord auth_scheme.
+AUTH_SCHEMES = {1: "userpass", 2: "basic"}
 _AUTH_DETAILS = {
     int(lib.SW_AUTH_REFUSED_USERPASS): "refused user/password auth",
     int(lib.SW_AUTH_REJECTED): "rejected the credentials",

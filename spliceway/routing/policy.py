@@ -166,13 +166,15 @@ class PolicyTable:
     round-robin position of each load_balance group.
     """
 
-    def __init__(self, views: list[GroupView]) -> None:
+    def __init__(
+        self, views: list[GroupView], on_publish: Callable[[], None] | None = None
+    ) -> None:
         # Replacing a key keeps its place, so iteration stays in config order.
         self._views: dict[str, GroupView] = {v.tag: v for v in views}
         self._round_robin = {v.tag: itertools.count() for v in views}
         self._lock = threading.Lock()
         #: Called after every publish (the engine recompiles the C route table).
-        self.on_publish: Callable[[], None] | None = None
+        self._on_publish = on_publish
 
     def publish(self, view: GroupView) -> None:
         """Replace a group's view (called by its actor only)."""
@@ -180,9 +182,8 @@ class PolicyTable:
             views = dict(self._views)
             views[view.tag] = view
             self._views = views
-        hook = self.on_publish  # read once: stop() may clear it meanwhile
-        if hook is not None:
-            hook()
+        if self._on_publish is not None:
+            self._on_publish()
 
     def get(self, tag: str) -> GroupView | None:
         """The current view of ``tag``, or None when it is not a group."""

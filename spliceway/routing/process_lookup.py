@@ -679,6 +679,7 @@ class ProcessLookup:
         max_pending: int = 256,
         proc: ProcTable | None = None,
         local: LocalAddresses | None = None,
+        on_local_change: Callable[[], None] | None = None,
     ) -> None:
         self.local = local if local is not None else LocalAddresses()
         self._proc = proc if proc is not None else ProcTable()
@@ -691,7 +692,7 @@ class ProcessLookup:
         self.holding = 0
         #: Called (in the worker) when this host's addresses changed: the route table
         #: knows them too.
-        self.on_local_change: Callable[[], None] | None = None
+        self._on_local_change = on_local_change
         #: Counters: lookups done, found, refused for the bound, failed by an error.
         self.looked_up = 0
         self.found = 0
@@ -709,14 +710,14 @@ class ProcessLookup:
             return self._executor
 
     def refresh_local(self) -> None:
-        """Re-read this host's addresses (blocking); :attr:`on_local_change` if they changed."""
+        """Re-read this host's addresses (blocking); ``on_local_change`` if they changed."""
         before = self.local.addresses
         try:
             after = self.local.refresh()
         except (OSError, NetlinkParseError) as ex:
             logger.warning("cannot list this host's addresses: %s", ex)
             return
-        callback = self.on_local_change
+        callback = self._on_local_change
         if after != before and callback is not None:
             try:
                 callback()

@@ -214,7 +214,7 @@ def test_a_start_that_fails_after_engine_started_ends_every_subscription(monkeyp
     """engine.started already went out: a subscriber gets engine.stopped and then its end,
     and every socket and thread of the half-started engine is released."""
     from spliceway import Engine
-    from spliceway.engine.core import EngineSupervisor
+    from spliceway.actors.supervisor import EngineSupervisor
 
     def refuse(*args, **kwargs):
         raise RuntimeError("supervisor refused to start")
