@@ -400,8 +400,10 @@ class FlowActor(HttpForwarding, LoopActor):
             # Before flow.started, the hook and the route: a process_name rule needs it.
             # A TUN's client socket is connected to the original destination, which
             # this accepted socket's own address (the TUN's listener) is not.
-            tun = self.inbound.protocol == "tun" and deferred is not None
-            server = (deferred.host, deferred.port) if tun else client.getsockname()[:2]
+            if self.inbound.protocol == "tun" and deferred is not None:
+                server = (deferred.host, deferred.port)
+            else:
+                server = client.getsockname()[:2]
             await self._look_up(state, server)
         if hs.forward:
             # Absolute-URI requests: a flow per request, the connection kept between them.
@@ -929,7 +931,7 @@ class FlowActor(HttpForwarding, LoopActor):
         if s is None or not self.machine.live:
             return
         self._apply_counters(completion.counters)
-        remote = {"host": s.remote_host, "port": s.remote_port}
+        remote: dict[str, object] = {"host": s.remote_host, "port": s.remote_port}
         cause = completion.cause.name
         self._end(RelayEnded(cause, completion.side, completion.errno, remote))
         self._finish()

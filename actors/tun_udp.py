@@ -235,7 +235,7 @@ class TunUdpActor(LoopActor):
         self._timer: asyncio.TimerHandle | None = None
         self._n = 0
         # Tracked with the flow actors: an engine stop ends it and its flows.
-        deps.flow_actors.add(self)  # type: ignore[arg-type]
+        deps.flow_actors.add(self)
 
     # -- lifecycle ------------------------------------------------------------------
 

@@ -141,7 +141,7 @@ class UdpAssociationActor(LoopActor):
         self.dests: dict[int, _Dest] = {}
         self._n = 0
         # Tracked with the flow actors: an engine stop ends associations with no flow yet.
-        deps.flow_actors.add(self)  # type: ignore[arg-type]
+        deps.flow_actors.add(self)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ class UdpAssociationActor(LoopActor):
 
     def on_stop(self) -> None:
         """End every destination's flow, the association in C, and the sockets."""
-        self.deps.flow_actors.discard(self)  # type: ignore[arg-type]
+        self.deps.flow_actors.discard(self)
         loop = self.dispatcher.loop
         for dest in list(self.dests.values()):
             self._complete(dest, None if dest.action != "opening" else records.CANCELLED)

@@ -132,7 +132,7 @@ def route(
     relay UDP)."""
     decision = deps.route_state.decide(facts)
     chain = (
-        deps.policies.resolve(decision.target, facts.host, facts.source_ip)
+        deps.policies.resolve(decision.target, facts.host, facts.source_ip or "")
         if decision.target
         else []
     )

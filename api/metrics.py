@@ -11,8 +11,8 @@ negotiation). The metric names and labels are documented in the README's Metrics
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import falcon
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -104,7 +104,7 @@ class EngineCollector(Collector):
         yield active
         totals = {tag: list(pair) for tag, pair in dict(c.outbound_bytes).items()}
         for entry, up, down in live:
-            outbound = (entry.record.get("path") or {}).get("outbound") or {}
+            outbound: Mapping[str, Any] = (entry.record.get("path") or {}).get("outbound") or {}
             tag = outbound.get("tag")
             if not tag:
                 # Not routed yet (or never will be): no outbound to count it under, as

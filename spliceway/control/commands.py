@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import pykka
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -355,7 +355,9 @@ def _group_actor(core: EngineCore, tag: str, kinds: Iterable[str]) -> pykka.Acto
 def _policies_select(core: EngineCore, p: PolicySelectParams) -> dict[str, Any]:
     actor = _group_actor(core, p.policy_tag, policy.POLICY_KINDS)
     try:
-        result: dict[str, Any] = actor.ask(SelectMember(p.target_tag), timeout=_ASK_TIMEOUT)
+        result: dict[str, Any] = cast(
+            "dict[str, Any]", actor.ask(SelectMember(p.target_tag), timeout=_ASK_TIMEOUT)
+        )
     except pykka.ActorDeadError as ex:
         raise ApiError("conflict", "the engine is stopping") from ex
     return result

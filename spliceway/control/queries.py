@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from spliceway.control.capabilities import capabilities
 from spliceway.control.commands import PERMISSIONS
@@ -137,7 +137,8 @@ def _flow(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     entry = core.flows.get(flow_id)
     if entry is None:
         raise not_found(f"flow {flow_id!r} is not active")
-    return entry.record
+    # A FlowRecord is a dict; the query table's answers are typed as plain JSON objects.
+    return cast("dict[str, Any]", entry.record)
 
 
 def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
@@ -242,7 +243,7 @@ def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     return capabilities(
         PERMISSIONS,
         api_enabled=api.control.enabled,
-        ipc_enabled=api.ipc.enabled,
+        ipc_enabled=bool(api.ipc.enabled),
         grpc_enabled=api.grpc.enabled,
     )
 

@@ -52,6 +52,7 @@ from spliceway.routing import policy
 from spliceway.routing.process_lookup import LocalAddresses, ProcessLookup
 from spliceway.support.atomic_file import remove_stale_staged
 from spliceway.support.fdlimit import warning_emitter
+from spliceway.support.loop import Dispatcher
 from spliceway.tun.routing import sweep_if_recorded
 from spliceway.tun.service import TunParts
 
@@ -691,8 +692,10 @@ class EngineCore:
             )
 
     def _tun_parts(self) -> TunParts:
-        # The TUN service starts after the actors (start builds them first).
+        # The TUN service starts after the actors (start builds them first), on the
+        # support.loop Dispatcher the composition root built.
         assert self._actors is not None
+        assert isinstance(self.dispatcher, Dispatcher)
 
         def register(slot: int, tag: str) -> InboundSpec:
             spec = InboundSpec(slot, tag, "tun", True, _TUN_SNIFF_TIMEOUT_MS, Users(None))

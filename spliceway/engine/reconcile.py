@@ -142,7 +142,7 @@ def serialize(document: dict[str, Any], path: str) -> bytes:
     """The bytes of a config file holding ``document``: YAML for .yaml/.yml, else JSON."""
     if path.lower().endswith((".yaml", ".yml")):
         try:
-            import yaml  # type: ignore[import-untyped]
+            import yaml
         except ImportError:
             pass
         else:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from spliceway.events.catalogue import UDP_COUNTERS
 from spliceway.flows.histograms import DURATION_BUCKETS_S, SIZE_BUCKETS_BYTES, Histogram
 from spliceway.flows.records import BLOCKED, FAILED
 from spliceway.routing import rules as routing
+from spliceway.shapes.flow import FlowRecord
 
 if TYPE_CHECKING:
     import pykka
@@ -44,7 +45,7 @@ class FlowEntry:
     """One active flow as other threads see it."""
 
     actor: pykka.ActorRef[Any]
-    record: dict[str, Any]
+    record: FlowRecord
     inbound_tag: str
     principal_key: str | None
     handle: int | None = None
@@ -81,7 +82,8 @@ class FlowTable:
     def records(self) -> list[dict[str, Any]]:
         """The latest published record of every active flow."""
         with self._lock:
-            return [e.record for e in self._flows.values()]
+            # Snapshots and the query table deal in plain JSON objects.
+            return [cast("dict[str, Any]", e.record) for e in self._flows.values()]
 
     def __len__(self) -> int:
         return len(self._flows)

@@ -30,9 +30,11 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import orjson
+
+from spliceway.shapes.flow import FlowRecord
 
 if TYPE_CHECKING:
     from spliceway.config.models_api import FlowHook
@@ -340,7 +342,7 @@ class FlowHookClient:
 
     # -- asking ----------------------------------------------------------------------
 
-    async def ask(self, record: dict[str, Any]) -> Verdict:
+    async def ask(self, record: FlowRecord) -> Verdict:
         """The hook's verdict on a new flow (``record``: its FlowRecord, state opening).
 
         Never raises for the hook's faults: every failure is an allow verdict with

@@ -102,8 +102,9 @@ _BC_OP = struct.Struct("=BBH")
 _HOSTCOND = struct.Struct("=BBxxi")
 
 _FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
-_VERSIONS = {socket.AF_INET: 4, socket.AF_INET6: 6}
-_ADDR_LEN = {socket.AF_INET: 4, socket.AF_INET6: 16}
+# Keyed by the family number as netlink carries it (a plain int, not AddressFamily).
+_VERSIONS: dict[int, int] = {socket.AF_INET: 4, socket.AF_INET6: 6}
+_ADDR_LEN: dict[int, int] = {socket.AF_INET: 4, socket.AF_INET6: 16}
 
 
 def _align(n: int) -> int:
@@ -379,7 +380,7 @@ def _unmapped(ip: str) -> tuple[int, str]:
     """``(version, text)`` of an address; IPv4-mapped IPv6 read as IPv4."""
     addr = ipaddress.ip_address(ip.strip("[]"))
     if addr.version == 6:
-        mapped = addr.ipv4_mapped  # type: ignore[union-attr]
+        mapped = addr.ipv4_mapped
         if mapped is not None:
             return 4, str(mapped)
     return addr.version, str(addr)
