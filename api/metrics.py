@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import falcon
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -33,18 +33,82 @@ from spliceway.control.capabilities import API_ID
 from spliceway.flows.histograms import Histogram
 
 if TYPE_CHECKING:
-    from spliceway.engine.core import EngineCore
+    from spliceway.events.log import EventLog
+    from spliceway.routing.policy import PolicyTable
 
-__all__ = ["EngineCollector", "MetricsResource", "metrics_registry"]
+__all__ = ["EngineCollector", "MetricsResource", "MetricsSource", "metrics_registry"]
 
 NS = "spliceway"
 _UDP_GAUGES = frozenset({"active_associations"})
 
 
+class MetricsSource(Protocol):
+    """What ``GET /metrics`` reads of a running engine, and nothing more
+    (``spliceway.engine.core.EngineCore`` is one). The engine's own types stay ``Any``
+    here: the transports sit above the engine and import nothing of it."""
+
+    @property
+    def build_id(self) -> str:
+        """This build's id."""
+        ...
+
+    @property
+    def started_at_unix_ms(self) -> int:
+        """When the engine started."""
+        ...
+
+    @property
+    def running(self) -> bool:
+        """True between start and stop."""
+        ...
+
+    @property
+    def counters(self) -> Any:
+        """The engine's cumulative counters (``engine.runtime.Counters``)."""
+        ...
+
+    @property
+    def flows(self) -> Any:
+        """The active flows (``engine.runtime.FlowTable``)."""
+        ...
+
+    @property
+    def policies(self) -> PolicyTable:
+        """The policy groups' current views."""
+        ...
+
+    @property
+    def connector(self) -> Any:
+        """The event sinks (``status()`` per sink)."""
+        ...
+
+    @property
+    def log(self) -> EventLog:
+        """The event ring."""
+        ...
+
+    @property
+    def bridge(self) -> Any:
+        """The relay bridge (its ``relay``'s counters)."""
+        ...
+
+    def live_traffic(self) -> list[tuple[Any, int, int]]:
+        """Each active relayed flow's entry with its live up and down byte counts."""
+        ...
+
+    def udp_datagram_drops(self) -> dict[str, int]:
+        """Dropped UDP datagrams by reason."""
+        ...
+
+    def udp_upstream_counters(self) -> dict[str, int]:
+        """The UDP upstream counters."""
+        ...
+
+
 class EngineCollector(Collector):
     """Reads one engine's snapshots into metric families at each scrape."""
 
-    def __init__(self, core: EngineCore, sse_streams: Callable[[], int]) -> None:
+    def __init__(self, core: MetricsSource, sse_streams: Callable[[], int]) -> None:
         self._core = core
         self._sse_streams = sse_streams
 
@@ -276,7 +340,7 @@ def _histogram(name: str, documentation: str, histogram: Histogram) -> Histogram
     return family
 
 
-def metrics_registry(core: EngineCore, sse_streams: Callable[[], int]) -> CollectorRegistry:
+def metrics_registry(core: MetricsSource, sse_streams: Callable[[], int]) -> CollectorRegistry:
     """A registry of its own per app (never the process-wide default one): an embedding
     host may run several engines, or its own metrics. It also holds the process
     collector (``process_resident_memory_bytes``, ``process_open_fds``,
