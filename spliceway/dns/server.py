@@ -25,8 +25,8 @@ What it answers (where the spec leaves room, these are the choices):
   BADVERS.
 - **Refused by its header, before any parse** (:func:`screen`, unbound's checks): a
   question count other than 1, answer or authority records, an additional record
-  other than one EDNS OPT of at most :data:`MAX_EDNS_OPTIONS` options, or more than
-  :data:`MAX_QUERY_BYTES`: FORMERR; another opcode: NOTIMP. The
+  other than one EDNS OPT of at most :data:`~spliceway.dns.wire.MAX_EDNS_OPTIONS`
+  options, or more than :data:`MAX_QUERY_BYTES`: FORMERR; another opcode: NOTIMP. The
   answer is the header alone (ID, opcode and RD copied), never longer than the query.
   Shorter than a header, or QR set (a response: answering it could loop): dropped.
 - **Malformed:** a message that passes but whose rest does not parse gets the same
@@ -49,8 +49,8 @@ reload) or a fake-ip mapping goes away (clear, reuse), and is off in real mode w
 **Bounds** (docs/dns.md, "Limits"): each source address gets
 ``runtime.dns.client_rate_limit`` queries a second (:class:`ClientRateLimit`; over it:
 dropped, as unbound's ``ip-ratelimit``), at most :data:`MAX_PENDING` queries wait on
-the slow path, :data:`MAX_TCP_CLIENTS` TCP connections are served
-(:data:`MAX_TCP_PER_SOURCE` from one address), and the TCP
+the slow path, :data:`~spliceway.dns.tcp.MAX_TCP_CLIENTS` TCP connections are served
+(:data:`~spliceway.dns.tcp.MAX_TCP_PER_SOURCE` from one address), and the TCP
 listener backs off when out of file descriptors (:class:`~spliceway.support.fdlimit.AcceptBackoff`).
 
 The engine runs the server on a thread of its own (its own asyncio loop): on the
@@ -58,6 +58,11 @@ dispatcher's loop one costly message delayed every Python-path flow (a 64 KiB me
 of 10,831 questions took dnspython 0.4 s). The resolver, its cache and the fake-ip
 pool it shares with flow routing are thread-safe; everything else here is touched by
 the server's thread alone. UDP datagrams are read up to 64 per readiness event.
+
+Beside this module: the header screen and the wire cache's key (:mod:`spliceway.dns.wire`),
+the per-client rate limit (:mod:`spliceway.dns.ratelimit`), the counters
+(:mod:`spliceway.dns.counters`) and one TCP client's serving (:mod:`spliceway.dns.tcp`);
+their public names are importable from here as before.
 """
 
 from __future__ import annotations
@@ -66,12 +71,9 @@ import asyncio
 import contextlib
 import logging
 import socket
-import struct
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, TypedDict
+from typing import TYPE_CHECKING, Any, Final
 
 import dns.asyncquery
 import dns.exception
@@ -88,8 +90,25 @@ import dns.rdtypes.IN.AAAA
 import dns.reversename
 import dns.rrset
 
+from spliceway.dns.counters import COUNTER_NAMES, DnsCounters, DnsCounterSnapshot
+from spliceway.dns.ratelimit import PARSED_QUERY_COST, ClientRateLimit, _Throttle
 from spliceway.dns.resolver import Answer, InvalidHostname, ResolveError, normalize_hostname
+from spliceway.dns.tcp import MAX_TCP_PER_SOURCE, serve_tcp_client
 from spliceway.dns.transport import BACKEND
+from spliceway.dns.wire import (
+    _ID_FLAGS,
+    _OPT,
+    _RD_CD,
+    ACCEPTED,
+    MAX_QUERY_BYTES,
+    SLOW,
+    _Accepted,
+    _fast_key,
+    _header_reply,
+    _Slow,
+    screen,
+    unanswerable,
+)
 from spliceway.errors import ApiError
 from spliceway.support.fdlimit import AcceptBackoff
 from spliceway.support.loop import Dispatcher
@@ -129,361 +148,20 @@ QUERY_TIMEOUT_SECONDS: Final = 4.0
 #: Queries answered at once on the slow path; more are dropped (and counted) until
 #: some finish, so a flood of uncached names cannot grow memory without bound.
 MAX_PENDING: Final = 1024
-#: Open TCP connections; more are closed at once.
-MAX_TCP_CLIENTS: Final = 256
-#: Open TCP connections from one source address; more are closed at once, so one client
-#: cannot hold every one of the :data:`MAX_TCP_CLIENTS` (each for up to
-#: :data:`TCP_IDLE_SECONDS`).
-MAX_TCP_PER_SOURCE: Final = 32
-#: Longest query read, over UDP or TCP. A query is one question (a name of at most 255
-#: bytes) and at most an EDNS OPT (a cookie, padding to a 128-byte block): some 500 bytes
-#: at most. A longer message is answered FORMERR from its header without being parsed.
-MAX_QUERY_BYTES: Final = 1232
-#: EDNS options in a query: the ones a client sends (cookie, padding, client subnet,
-#: keepalive, NSID) are five at most. More is FORMERR, unparsed.
-MAX_EDNS_OPTIONS: Final = 8
-#: What a query that is parsed (resolved, forwarded: some hundreds of microseconds)
-#: takes of its client's rate, where one answered from the wire cache or refused by its
-#: header (a few microseconds) takes 1.
-PARSED_QUERY_COST: Final = 10
-#: Source addresses whose rate is followed; the least recently seen is forgotten first.
-MAX_RATE_SOURCES: Final = 8192
-#: A client's burst: this many seconds of its rate.
-RATE_BURST_SECONDS: Final = 2
 #: The UDP socket's receive buffer: a burst of large datagrams (three 64 KiB ones fill
 #: the kernel's default 208 KiB) must not push good queries out while the thread waits.
 UDP_RCVBUF: Final = 1 << 20
 #: At most one log line about refused queries, and one traceback, per this many seconds.
 LOG_INTERVAL_SECONDS: Final = 60.0
-#: A TCP connection with no complete query for this long is closed.
-TCP_IDLE_SECONDS: Final = 10.0
 
 _WIRE_CACHE_MAX = 8192
 _UDP_BATCH = 64
 _ACCEPT_BATCH = 16
 # One byte more than a query may have: a longer datagram reads as too long.
 _UDP_RECV = MAX_QUERY_BYTES + 1
-_HEADER = struct.Struct(">HHHHHH")
-_ID_FLAGS = struct.Struct(">HH")
-_QR = 0x8000
-_OPCODE = 0x7800
-_RD_CD = 0x0110
-_RA = 0x0080
-_TC = 0x0200
-_OPT = 41
-_PADDING = 12
 _NOT_SERVED = frozenset({dns.rdatatype.ANY, dns.rdatatype.AXFR, dns.rdatatype.IXFR})
 _HINTED = frozenset({dns.rdatatype.HTTPS, dns.rdatatype.SVCB})
 _ADDRESS_TYPES = {dns.rdatatype.A: 4, dns.rdatatype.AAAA: 6}
-
-
-class _Slow:
-    """The fast path's "build it properly" answer."""
-
-
-#: Returned by :meth:`DnsResponder.quick` when the full path must answer.
-SLOW: Final = _Slow()
-
-
-class DnsCounterSnapshot(TypedDict):
-    """The runtime snapshot's ``dns_server.counters`` (:meth:`DnsCounters.snapshot`)."""
-
-    queries: int
-    udp_queries: int
-    tcp_queries: int
-    tcp_connections: int
-    tcp_refused: int
-    answered: int
-    cache_hits: int
-    noerror: int
-    nxdomain: int
-    servfail: int
-    formerr: int
-    notimp: int
-    other_rcode: int
-    dropped: int
-    rate_limited: int
-    send_failed: int
-    truncated: int
-    forwarded: int
-    fake_ip_answers: int
-
-
-#: The counters the runtime snapshot's ``dns_server.counters`` holds, in order.
-COUNTER_NAMES: Final = tuple(DnsCounterSnapshot.__annotations__)
-
-
-@dataclass(slots=True, eq=False)
-class DnsCounters:
-    """What the server did, since it started (read from any thread)."""
-
-    cache_hits: int = 0
-    dropped: int = 0
-    fake_ip_answers: int = 0
-    formerr: int = 0
-    forwarded: int = 0
-    notimp: int = 0
-    nxdomain: int = 0
-    other_rcode: int = 0
-    queries: int = 0
-    rate_limited: int = 0
-    send_failed: int = 0
-    servfail: int = 0
-    slow_noerror: int = 0
-    tcp_connections: int = 0
-    tcp_queries: int = 0
-    tcp_refused: int = 0
-    truncated: int = 0
-
-    def snapshot(self) -> DnsCounterSnapshot:
-        """The counters as a document (``answered`` and ``noerror`` include cache hits)."""
-        noerror = self.slow_noerror + self.cache_hits
-        answered = (
-            noerror + self.nxdomain + self.servfail + self.formerr + self.notimp + self.other_rcode
-        )
-        return {
-            "queries": self.queries,
-            "udp_queries": self.queries - self.tcp_queries,
-            "tcp_queries": self.tcp_queries,
-            "tcp_connections": self.tcp_connections,
-            "tcp_refused": self.tcp_refused,
-            "answered": answered,
-            "cache_hits": self.cache_hits,
-            "noerror": noerror,
-            "nxdomain": self.nxdomain,
-            "servfail": self.servfail,
-            "formerr": self.formerr,
-            "notimp": self.notimp,
-            "other_rcode": self.other_rcode,
-            "dropped": self.dropped,
-            "rate_limited": self.rate_limited,
-            "send_failed": self.send_failed,
-            "truncated": self.truncated,
-            "forwarded": self.forwarded,
-            "fake_ip_answers": self.fake_ip_answers,
-        }
-
-
-def _header_reply(data: bytes, rcode: int) -> bytes | None:
-    """A bare answer (no sections) with ``rcode`` to the query whose header starts
-    ``data``; None when ``data`` has no header or is not a query."""
-    if len(data) < 12:
-        return None
-    qid, flags = _ID_FLAGS.unpack_from(data)
-    if flags & _QR:
-        return None
-    out = _QR | (flags & _OPCODE) | (flags & 0x0100) | _RA | rcode
-    return _HEADER.pack(qid, out, 0, 0, 0, 0)
-
-
-class _Accepted:
-    """:func:`screen`'s "parse it" answer."""
-
-
-#: Returned by :func:`screen` for a message whose header reads as a query to answer.
-ACCEPTED: Final = _Accepted()
-
-
-def unanswerable(data: bytes) -> bool:
-    """Whether ``data`` is to be dropped unanswered: shorter than a header, or with QR
-    set (a response: answering it could loop)."""
-    return len(data) < 12 or bool(data[2] & 0x80)
-
-
-def screen(data: bytes) -> tuple[bytes | None, int] | _Accepted:
-    """Judge a message by its 12-byte header and its length alone, before any parse.
-
-    :data:`ACCEPTED` when it is a standard query with one question, no answer or
-    authority records, no additional record but an EDNS OPT of at most
-    :data:`MAX_EDNS_OPTIONS` options (its framing walked, not parsed) and at most
-    :data:`MAX_QUERY_BYTES` long. Otherwise ``(reply, rcode)``: a header-only answer
-    (ID, opcode and RD copied, no question echoed, so it is never longer than the query
-    nor than 512 bytes) with NOTIMP for another opcode and FORMERR for anything else;
-    ``reply`` is None (drop) for a message shorter than a header or with QR set (a
-    response: answering it could loop). These are unbound's checks
-    (``worker_check_request``), plus the length and the OPT."""
-    if unanswerable(data):
-        return None, 0
-    _, flags, qd, an, ns, ar = _HEADER.unpack_from(data)
-    if flags & _OPCODE:
-        return _header_reply(data, dns.rcode.NOTIMP), dns.rcode.NOTIMP
-    if len(data) > MAX_QUERY_BYTES or qd != 1 or an or ns or ar > 1:
-        return _header_reply(data, dns.rcode.FORMERR), dns.rcode.FORMERR
-    if ar and not _plain_opt(data):
-        return _header_reply(data, dns.rcode.FORMERR), dns.rcode.FORMERR
-    return ACCEPTED
-
-
-def _plain_opt(data: bytes) -> bool:
-    """Whether the one additional record of the query ``data`` is an EDNS OPT (root
-    owner, type 41) of at most :data:`MAX_EDNS_OPTIONS` well-framed options that ends
-    the message. Anything else would be parsed by dnspython at a cost the length does
-    not bound: a 1 KiB TXT record of empty strings took it 20 ms, 300 empty options 8."""
-    n, i = len(data), 12
-    while True:  # the question's name
-        if i >= n:
-            return False
-        length = data[i]
-        if length == 0:
-            i += 1
-            break
-        if length >= 0xC0:  # a compression pointer ends it
-            i += 2
-            break
-        if length > 63:
-            return False
-        i += length + 1
-    i += 4  # type, class
-    if i + 11 > n or data[i] != 0 or data[i + 1] != 0 or data[i + 2] != _OPT:
-        return False
-    j = i + 11
-    if j + ((data[i + 9] << 8) | data[i + 10]) != n:
-        return False
-    count = 0
-    while j < n:
-        count += 1
-        if count > MAX_EDNS_OPTIONS or j + 4 > n:
-            return False
-        j += 4 + ((data[j + 2] << 8) | data[j + 3])
-    return j == n
-
-
-class _Throttle:
-    """True at most once per ``interval`` seconds: for log lines a client can cause."""
-
-    __slots__ = ("_interval", "_next", "skipped")
-
-    def __init__(self, interval: float) -> None:
-        self._interval = interval
-        self._next = 0.0
-        #: Calls answered False since the last True.
-        self.skipped = 0
-
-    def ready(self) -> bool:
-        now = time.monotonic()
-        if now < self._next:
-            self.skipped += 1
-            return False
-        self._next = now + self._interval
-        return True
-
-
-class ClientRateLimit:
-    """A token bucket per source address, as unbound's ``ip-ratelimit``: ``rate`` queries
-    a second from one address, with a burst of :data:`RATE_BURST_SECONDS` of them; None
-    lets every query through. At most ``max_sources`` addresses are followed, the least
-    recently seen forgotten first (a forgotten one starts again with a full bucket).
-
-    Used from the server's loop only; :meth:`configure` may be called from any thread
-    (a reload): the new rate applies from the next query."""
-
-    def __init__(
-        self,
-        rate: int | None,
-        *,
-        max_sources: int = MAX_RATE_SOURCES,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._clock = clock
-        self._max_sources = max_sources
-        #: source -> [tokens, when they were counted]; least recently seen first.
-        self._buckets: OrderedDict[str, list[float]] = OrderedDict()
-        self._limits: tuple[float, float] | None = None
-        self.configure(rate)
-
-    @property
-    def rate(self) -> int | None:
-        """Queries a second from one source, or None (no limit)."""
-        limits = self._limits
-        return None if limits is None else int(limits[0])
-
-    def configure(self, rate: int | None) -> None:
-        """Set the rate (None: no limit)."""
-        self._limits = None if rate is None else (float(rate), float(rate * RATE_BURST_SECONDS))
-
-    def allow(self, source: str, cost: float = 1.0) -> bool:
-        """Take ``cost`` queries of ``source``'s rate; False when its bucket holds less
-        (drop the query; nothing is taken)."""
-        limits = self._limits
-        if limits is None:
-            return True
-        rate, burst = limits
-        now = self._clock()
-        buckets = self._buckets
-        bucket = buckets.get(source)
-        if bucket is None:
-            if len(buckets) >= self._max_sources:
-                buckets.popitem(last=False)
-            bucket = buckets[source] = [burst, now]
-        else:
-            buckets.move_to_end(source)
-        tokens = min(burst, bucket[0] + (now - bucket[1]) * rate)
-        bucket[1] = now
-        if tokens < cost:
-            bucket[0] = tokens
-            return False
-        bucket[0] = tokens - cost
-        return True
-
-    def __len__(self) -> int:
-        return len(self._buckets)
-
-
-def _plain_options(data: bytes, start: int) -> bool:
-    """Whether the OPT record's options from ``start`` to the end of ``data`` are
-    whole, at most :data:`MAX_EDNS_OPTIONS`, and without padding (see _fast_key)."""
-    j, end, options = start, len(data), 0
-    while j < end:
-        options += 1
-        if j + 4 > end or options > MAX_EDNS_OPTIONS:
-            return False
-        code = (data[j] << 8) | data[j + 1]
-        olen = (data[j + 2] << 8) | data[j + 3]
-        if code == _PADDING:
-            return False
-        j += 4 + olen
-    return j == end
-
-
-def _fast_key(data: bytes, tcp: bool) -> tuple[bytes, int, int] | None:
-    """``(key, end of question, size limit)`` for a plain query the wire cache can
-    answer: QR clear, opcode QUERY, one question with an uncompressed name, no answer
-    or authority records, and at most one additional record which is an EDNS(0) OPT
-    without padding, of at most :data:`MAX_EDNS_OPTIONS` options (so :func:`screen`
-    accepts what this takes). None otherwise (the full path decides)."""
-    n = len(data)
-    if n < 17:
-        return None
-    _, flags, qd, an, ns, ar = _HEADER.unpack_from(data)
-    if flags & 0xF800 or qd != 1 or an or ns or ar > 1:
-        return None
-    i = 12
-    while True:
-        if i >= n:
-            return None
-        length = data[i]
-        if length == 0:
-            break
-        if length > 63:
-            return None
-        i += length + 1
-    qend = i + 5
-    if qend > n:
-        return None
-    if not ar:
-        if qend != n:
-            return None
-        # Label lengths are below 0x41, so lower() changes only the labels' letters.
-        return data[12:i].lower() + data[i:qend], qend, 65535 if tcp else 512
-    # One OPT: root name, type 41, class = payload, TTL = ext-rcode, version, flags.
-    if n < qend + 11 or data[qend] != 0 or data[qend + 1] != 0 or data[qend + 2] != _OPT:
-        return None
-    payload = (data[qend + 3] << 8) | data[qend + 4]
-    rdlen = (data[qend + 9] << 8) | data[qend + 10]
-    if data[qend + 6] != 0 or qend + 11 + rdlen != n or not _plain_options(data, qend + 11):
-        return None
-    limit = 65535 if tcp else max(512, payload)
-    return data[12:i].lower() + data[i:qend] + b"E", qend, limit
 
 
 class DnsResponder:
@@ -1046,61 +724,3 @@ class DnsServer:
             self._tcp_clients,
             allow=lambda cost: allow(source, cost),
         )
-
-
-async def serve_tcp_client(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    responder: DnsResponder,
-    clients: set[asyncio.Task[Any]],
-    *,
-    allow: Callable[[float], bool] | None = None,
-) -> None:
-    """Serve one TCP client's queries (two-byte length prefix, RFC 1035 4.2.2) until it
-    closes, sends a query the responder drops, a message longer than
-    :data:`MAX_QUERY_BYTES` (answered FORMERR from its header, unparsed) or one
-    ``allow(cost)`` refuses (its rate limit, as :class:`DnsServer` charges it over UDP:
-    dropped, counted), or is idle :data:`TCP_IDLE_SECONDS`.
-
-    ``clients`` holds the serving tasks of one server (at most :data:`MAX_TCP_CLIENTS`;
-    a client past that is closed at once), so its owner can cancel them when it stops.
-    Counted in ``responder.counters``. Used by :class:`DnsServer` and by the TUN's DNS
-    hijack (:mod:`spliceway.tun.dns_hijack`)."""
-    counters = responder.counters
-    counters.tcp_connections += 1
-    task = asyncio.current_task()
-    if task is None or len(clients) >= MAX_TCP_CLIENTS:
-        counters.tcp_refused += 1
-        writer.close()
-        return
-    clients.add(task)
-    try:
-        while True:
-            async with asyncio.timeout(TCP_IDLE_SECONDS):
-                size = int.from_bytes(await reader.readexactly(2), "big")
-                # Read whole even when too long (at most 64 KiB, copied, never parsed):
-                # closing on unread bytes would reset the connection under the answer.
-                data = await reader.readexactly(size)
-            counters.queries += 1
-            counters.tcp_queries += 1
-            if allow is not None and not allow(1):
-                counters.rate_limited += 1
-                return
-            out: bytes | _Slow | None = responder.quick(data, True)
-            if isinstance(out, _Slow):
-                costly = allow is not None and not unanswerable(data)
-                if costly and allow is not None and not allow(PARSED_QUERY_COST - 1):
-                    counters.rate_limited += 1
-                    return
-                out = await responder.respond(data, True)
-            if out is None:
-                return  # dropped: nothing sensible follows on this stream
-            writer.write(len(out).to_bytes(2, "big") + out)
-            await writer.drain()
-            if size > MAX_QUERY_BYTES:
-                return  # a client that sends such messages is not worth keeping
-    except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError):
-        pass
-    finally:
-        clients.discard(task)
-        writer.close()

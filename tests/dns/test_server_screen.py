@@ -12,11 +12,11 @@ import dns.message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spliceway.dns.ratelimit import RATE_BURST_SECONDS
 from spliceway.dns.resolver import Answer
 from spliceway.dns.server import (
     ACCEPTED,
     MAX_QUERY_BYTES,
-    RATE_BURST_SECONDS,
     SLOW,
     ClientRateLimit,
     DnsResponder,
