@@ -109,6 +109,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "spliceway/connector/intake.py": "tests/connector/test_openflows.py",
     "spliceway/connector/jetstream.py": "tests/integration/test_nats_sink.py",
     "spliceway/connector/ledger.py": "tests/connector/test_outbox.py",
+    # The outbox's segment log and its recovery scan, split out of outbox.py.
+    "spliceway/connector/segment_log.py": "tests/connector/test_outbox.py",
     "spliceway/connector/service.py": "tests/integration/test_sinks.py",
     "spliceway/connector/signing.py": "tests/integration/test_webhook_signing.py",
     # DNS: the resolver and service against real DNS servers through the engine.
