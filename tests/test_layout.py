@@ -66,6 +66,9 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "spliceway/app/engine.py": "tests/integration/test_lifecycle.py",
     "spliceway/engine/assembly.py": "tests/integration/test_lifecycle.py",
     "spliceway/engine/core.py": "tests/integration/test_lifecycle.py",
+    # The core's mixins, split out of core.py: the TUN's wiring and the live counters.
+    "spliceway/engine/tun_wiring.py": "tests/integration/test_tun_engine.py",
+    "spliceway/engine/stats.py": "tests/api/test_metrics.py",
     "spliceway/engine/runtime.py": "tests/integration/test_lifecycle.py",
     "spliceway/engine/reconcile.py": "tests/integration/test_reload.py",
     "spliceway/engine/route_publish.py": "tests/integration/test_process_lookup.py",
