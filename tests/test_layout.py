@@ -70,6 +70,9 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "spliceway/app/engine.py": "tests/integration/test_lifecycle.py",
     "spliceway/engine/assembly.py": "tests/integration/test_lifecycle.py",
     "spliceway/engine/core.py": "tests/integration/test_lifecycle.py",
+    # The core's mixins, split out of core.py: the TUN's wiring and the live counters.
+    "spliceway/engine/tun_wiring.py": "tests/integration/test_tun_engine.py",
+    "spliceway/engine/stats.py": "tests/api/test_metrics.py",
     "spliceway/engine/runtime.py": "tests/integration/test_lifecycle.py",
     "spliceway/engine/reconcile.py": "tests/integration/test_reload.py",
     # Actors: driven by real flows through a running engine.
@@ -112,6 +115,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "spliceway/connector/intake.py": "tests/connector/test_openflows.py",
     "spliceway/connector/jetstream.py": "tests/integration/test_nats_sink.py",
     "spliceway/connector/ledger.py": "tests/connector/test_outbox.py",
+    # The outbox's segment log and its recovery scan, split out of outbox.py.
+    "spliceway/connector/segment_log.py": "tests/connector/test_outbox.py",
     "spliceway/connector/service.py": "tests/integration/test_sinks.py",
     "spliceway/connector/signing.py": "tests/integration/test_webhook_signing.py",
     # DNS: the resolver and service against real DNS servers through the engine.

@@ -2,6 +2,8 @@
 whole on reload.
 
 - ``core``           ``EngineCore``: the running engine's state and its start/stop order
+- ``tun_wiring``     the core's TUN wiring (a mixin): the TUN service's parts and teardown
+- ``stats``          the core's live counters (a mixin): stats resource, traffic, UDP drops
 - ``generation``     ``Generation``: what a reload replaces, frozen, published by one assignment
 - ``components``     the ports through which the core starts actors, sinks and the TUN
 - ``assembly``       the routing parts built from a configuration

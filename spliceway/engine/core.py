@@ -11,6 +11,8 @@ address (all or nothing), dispatcher, relay bridge, ``engine.started``, the DNS
 server, supervisor (listeners, sampler), the TUN of ``runtime.tun``.
 Stop reverses it, and every flow still open completes with exactly one
 ``flow.completed`` before ``engine.stopped``, which the sinks still take in.
+Two mixins carry parts of it: the TUN's wiring (tun_wiring.py) and the live counters
+the stats resource and the metrics read (stats.py).
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from spliceway.engine.components import ActorPort, BridgePort, LoopPort, TunPort
 from spliceway.engine.generation import ActiveInbound, Generation, InboundSpec, build_generation
 from spliceway.engine.reconcile import Plan, Reconciler
 from spliceway.engine.route_publish import RoutePublisher
-from spliceway.engine.runtime import Counters, FlowEntry, FlowTable, RouteState
+from spliceway.engine.runtime import Counters, FlowTable, RouteState
+from spliceway.engine.stats import UDP_DROP_REASONS, StatsViews
+from spliceway.engine.tun_wiring import TunWiring
 from spliceway.errors import ApiError
 from spliceway.events.log import EventLog, now_ms
 from spliceway.events.logring import LogRing
 from spliceway.flows.hook import WARNING_CODE, FlowHookClient, HookSettings
-from spliceway.flows.inbound import Users
 from spliceway.flows.outbounds import Outbound
 from spliceway.native.conn import AUTH_SCHEMES, ConnRecord, Deferred
 from spliceway.native.udp import UdpRelay
@@ -52,9 +55,6 @@ from spliceway.routing import policy
 from spliceway.routing.process_lookup import LocalAddresses, ProcessLookup
 from spliceway.support.atomic_file import remove_stale_staged
 from spliceway.support.fdlimit import warning_emitter
-from spliceway.support.loop import Dispatcher
-from spliceway.tun.routing import sweep_if_recorded
-from spliceway.tun.service import TunParts
 
 __all__ = [
     "BUILD_ID",
@@ -68,26 +68,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BUILD_ID = f"spliceway-{__version__}"
-#: A TUN inbound's sniffing budget (tun.start has no setting): an inbound's default.
-_TUN_SNIFF_TIMEOUT_MS = 300
 _STOP_GRACE_S = 10.0
 
 
-#: The reasons :meth:`EngineCore.udp_datagram_drops` counts.
-UDP_DROP_REASONS = (
-    "foreign",
-    "fragment",
-    "malformed",
-    "no_dest",
-    "pending",
-    "blocked",
-    "python",
-    "unsolicited",
-    "unmatched_reply",
-)
-
-
-class EngineCore:
+class EngineCore(TunWiring, StatsViews):
     """The engine's shared parts. Thread-safe to read; actors own the mutations.
 
     ``wiring`` builds what the core starts (actors, sinks, TUN);
@@ -675,89 +659,6 @@ class EngineCore:
             watch.close()
         self.process_lookup.close()
 
-    # -- the TUN -----------------------------------------------------------------------
-
-    @staticmethod
-    def _sweep_tun_leftovers() -> None:
-        try:
-            swept = sweep_if_recorded()
-        except Exception as ex:  # no privilege, no netlink: the TUN's own start says so
-            logger.warning("could not remove a crashed engine's TUN routes and rules: %s", ex)
-            return
-        if swept is not None and swept.removed:
-            logger.warning(
-                "removed what a crashed engine's TUN (pid %s) left behind: %s",
-                swept.previous_owner,
-                "; ".join(swept.removed),
-            )
-
-    def _tun_parts(self) -> TunParts:
-        # The TUN service starts after the actors (start builds them first), on the
-        # support.loop Dispatcher the composition root built.
-        assert self._actors is not None
-        assert isinstance(self.dispatcher, Dispatcher)
-
-        def register(slot: int, tag: str) -> InboundSpec:
-            spec = InboundSpec(slot, tag, "tun", True, _TUN_SNIFF_TIMEOUT_MS, Users(None))
-            self.inbound_slots[slot] = spec
-            return spec
-
-        return TunParts(
-            dispatcher=self.dispatcher,
-            start_actor=self._actors.start_tun,
-            register=register,
-            republish=self.republish,
-            inbound_tags=lambda: {ib.tag for ib in self.generation.config.inbounds},
-            idle_timeout_ms=lambda: self.generation.tcp_idle_timeout_ms,
-            network_mtu=lambda: self.generation.config.runtime.network.mtu,
-            end_flows=self._end_flows_of,
-            udp_idle_timeout_s=lambda: (
-                self.generation.config.runtime.udp_upstream_idle_timeout_seconds
-            ),
-            dns_responder=self._dns_responder,
-            start_udp=self._start_tun_udp,
-            warn_fd_exhausted=warning_emitter(self.log),
-        )
-
-    def _dns_responder(self) -> DnsResponder:
-        """The DNS server's responder (one set of counters), else one of the TUN's own."""
-        server = self.dns.server
-        if server is not None:
-            return server.responder
-        if self._tun_responder is None:
-            self._tun_responder = DnsResponder(
-                lambda: self.generation.resolver, lambda: self.dns.pool
-            )
-        return self._tun_responder
-
-    def _start_tun_udp(
-        self, spec: InboundSpec, stack: Any, dns: DnsResponder | None
-    ) -> pykka.ActorRef[Any]:
-        """The actor of a TUN's UDP sessions (on the dispatcher, from the TunActor); the
-        stats sampler ticks it like a SOCKS5 association."""
-        assert self._actors is not None
-        ref = self._actors.start_tun_udp(spec, stack, dns)
-        self.udp_assocs[("tun", spec.tag)] = ref
-        return ref
-
-    def _end_flows_of(self, tag: str) -> None:
-        self.udp_assocs.pop(("tun", tag), None)
-        actors = self._actors
-        assert actors is not None
-        for entry in self.flows.entries():
-            if entry.inbound_tag == tag:
-                with contextlib.suppress(pykka.ActorDeadError):
-                    actors.stop_flow(entry.actor)
-
-    def _stop_tun(self) -> None:
-        """Take a running TUN down (engine stop, or a start undone); never raises."""
-        if self.tun is None:
-            return
-        try:
-            self.tun.stop()
-        except Exception:
-            logger.exception("stopping the TUN failed")
-
     def _bind_all(self) -> list[socket.socket]:
         sockets: list[socket.socket] = []
         try:
@@ -777,70 +678,6 @@ class EngineCore:
             )
         )
         return sockets
-
-    # -- state read by queries --------------------------------------------------------
-
-    def stats_snapshot(self) -> dict[str, Any]:
-        """The stats resource (docs/http-api.md), live."""
-        c = self.counters
-        up, down = c.completed_bytes_up, c.completed_bytes_down
-        live = self.live_traffic()
-        up += sum(flow_up for _entry, flow_up, _down in live)
-        down += sum(flow_down for _entry, _up, flow_down in live)
-        return {
-            "active_sessions": len(self.flows),
-            "total_started": c.total_started,
-            "completed_sessions": c.completed_sessions,
-            "failed_sessions": c.failed_sessions,
-            "blocked_sessions": c.blocked_sessions,
-            "direct_sessions": c.direct_sessions,
-            "chained_sessions": c.chained_sessions,
-            "bytes_up": up,
-            "bytes_down": down,
-            "udp_upstream": self.udp_upstream_counters(),
-        }
-
-    def live_traffic(self) -> list[tuple[FlowEntry, int, int]]:
-        """``(entry, bytes_up, bytes_down)`` of every active flow that has moved or may move
-        bytes, read now (relayed flows from C's counters)."""
-        entries = self.flows.entries()
-        out: list[tuple[FlowEntry, int, int]] = []
-        relayed = [e for e in entries if e.handle is not None and e.base is not None]
-        counters = self.bridge.counters([e.handle for e in relayed if e.handle is not None])
-        for entry, relay in zip(relayed, counters, strict=True):
-            if relay is not None and entry.base is not None:
-                traffic = entry.base.with_relay(relay)
-                out.append((entry, traffic.bytes_up, traffic.bytes_down))
-        for entry in entries:
-            if entry.handle is None:
-                traffic_now = entry.record["traffic"]
-                out.append((entry, traffic_now["bytes_up"], traffic_now["bytes_down"]))
-        return out
-
-    def udp_upstream_counters(self) -> dict[str, int]:
-        """``stats.udp_upstream``: C's upstreams (direct) plus Python's (proxies)."""
-        out = dict(self.counters.udp)
-        relay = getattr(self, "udp", None)
-        if relay is not None:
-            for name, value in relay.stats().udp_upstream().items():
-                out[name] = out.get(name, 0) + value
-        return out
-
-    def udp_datagram_drops(self) -> dict[str, int]:
-        """Datagrams of SOCKS5 UDP associations dropped, by reason: C's (``foreign``: not
-        from the client's address; ``fragment``: FRAG not 0; ``malformed``; ``no_dest``:
-        the destination table full; ``pending``: over the bound while a verdict is
-        awaited; ``blocked``: a refused destination; ``python``: Python's queue full;
-        ``unsolicited``: an upstream reply from an address nothing was sent to) and
-        Python's (``unmatched_reply``: a proxy's reply no destination sent for)."""
-        out = dict.fromkeys(UDP_DROP_REASONS, 0)
-        relay = getattr(self, "udp", None)
-        if relay is not None:
-            stats = relay.stats()
-            for reason in UDP_DROP_REASONS[:-1]:
-                out[reason] = getattr(stats, f"dropped_{reason}")
-        out["unmatched_reply"] = self.counters.udp_unmatched_replies
-        return out
 
     def deferred_flow_id(self, inbound_index: int) -> str:
         """The id of a flow Python starts (``<prefix><inbound>-d<n>``): a connection C
