@@ -9,7 +9,10 @@ relay completion, engine stop).
 
 Where the flow stands and what its end means is :class:`~spliceway.flows.machine.FlowMachine`'s
 (pure, tested without sockets): this actor does the I/O, feeds it the events and records
-the verdict it answers.
+the verdict it answers. What it is given of the engine is :class:`FlowDeps`
+(actors/flow_deps.py); a flow the C connection path runs is recorded by its
+:class:`~spliceway.actors.flow_conn.ConnRecording` half, an absolute-URI request by its
+:class:`~spliceway.actors.http_forward.HttpForwarding` half.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import socket
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from spliceway.actors.dispatcher import LoopActor
+from spliceway.actors.flow_conn import ConnRecording
+from spliceway.actors.flow_deps import FlowDeps as FlowDeps  # where its users import it
 from spliceway.actors.http_forward import HttpForwarding
 from spliceway.actors.messages import (
     CloseFlow,
@@ -64,22 +67,13 @@ from spliceway.flows.machine import (
 )
 from spliceway.flows.outbounds import DialError
 from spliceway.native import conn as connpath
-from spliceway.native.conn import AUTH_SCHEMES
 from spliceway.protocols import NEED_MORE, sniff, socks5
 from spliceway.routing import hostnorm
 from spliceway.routing import rules as routing
 
 if TYPE_CHECKING:
-    from spliceway.actors.dispatcher import Dispatcher
-    from spliceway.dns.fakeip import FakeIpPool
-    from spliceway.dns.resolver import Resolver
-    from spliceway.engine.generation import Generation, InboundSpec
-    from spliceway.engine.route_publish import RoutePublisher
-    from spliceway.engine.runtime import Counters, FlowTable
-    from spliceway.events.log import EventLog
+    from spliceway.engine.generation import InboundSpec
     from spliceway.flows.hook import FlowHookClient
-    from spliceway.routing.policy import PolicyTable
-    from spliceway.routing.process_lookup import ProcessLookup
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +83,6 @@ HANDSHAKE_TIMEOUT = 10.0
 PROCESS_LOOKUP_TIMEOUT = 1.0
 #: What a flow C started keeps for later while its record waits for the process lookup.
 _HELD = (ConnRouted, ConnEnded, ConnTakeOver, RelayFinished)
-#: How a request C forwarded itself ends (actors/http_forward.py records it).
-_FORWARD_ENDS = (connpath.END_FORWARDED, connpath.END_FWD_CLIENT, connpath.END_FWD_TIMEOUT)
 _SNIFF_PEEK = 16 * 1024 + 5
 _SNIFF_RETRY = 0.005
 
@@ -110,95 +102,7 @@ def _sniff_may_reroute(route_state: RouteState, decision: routing.RouteDecision)
     return ruleset.first_domain_rule < bound
 
 
-@dataclass(frozen=True, slots=True)
-class FlowDeps:
-    """What a FlowActor (and a UDP association's actor) may use of the engine, and nothing
-    more: built once per start by the composition root (spliceway.app.compose).
-
-    What a reload or ``mode.set`` replaces is read through ``generation`` (the engine's
-    current :class:`~spliceway.engine.generation.Generation`); a flow reads it on the
-    dispatcher thread, where every generation is published, so two reads between
-    awaits see the same one.
-    """
-
-    bridge: Any
-    counters: Counters
-    dispatcher: Dispatcher
-    #: Every FlowActor alive.
-    flow_actors: set[Any]
-    flows: FlowTable
-    group_actors: dict[str, Any]
-    log: EventLog
-    #: The principal_key C's principal id stands for.
-    principal_key: Callable[[int], str | None]
-    process_lookup: ProcessLookup
-    routes: RoutePublisher
-    #: The engine's current generation.
-    generation: Callable[[], Generation]
-    #: The flow hook's client now (a reload replaces it), None without a hook.
-    hook: Callable[[], FlowHookClient | None]
-    #: The fake-ip pool now (``runtime.dns.answer.type: fake_ip``), else None.
-    fake_ip_pool: Callable[[], FakeIpPool | None]
-    #: A flow id for a flow Python starts on a connection that already had one (the
-    #: next request on a kept-alive http connection): the deferred flows' sequence.
-    new_flow_id: Callable[[int], str]
-    #: Hand a UDP ASSOCIATE's control connection to its association actor.
-    start_association: Callable[..., None]
-
-    def lookup_wanted(self, peer_ip: str) -> bool:
-        """Whether the process behind a flow from ``peer_ip`` is to be looked up now
-        (``runtime.process_lookup`` and the rules of now; a client on this host)."""
-        g = self.generation()
-        return self.process_lookup.wanted(
-            peer_ip,
-            g.config.runtime.process_lookup,
-            g.route_state.ruleset.has_process_conditions,
-        )
-
-    def listener_address(self, index: int) -> tuple[str | None, int]:
-        """The address listener slot ``index`` is bound to; ``(None, 0)`` once it is gone."""
-        for active in self.generation().active_inbounds:
-            if active.spec.index == index:
-                return active.bound
-        return None, 0
-
-    @property
-    def route_state(self) -> RouteState:
-        """The routing inputs now (mode, final, rules)."""
-        return self.generation().route_state
-
-    @property
-    def outbounds(self) -> dict[str, Any]:
-        """The outbounds now, by tag."""
-        return self.generation().outbounds
-
-    @property
-    def policies(self) -> PolicyTable:
-        """The policy table now."""
-        return self.generation().policies
-
-    @property
-    def tcp_idle_timeout_ms(self) -> int:
-        """``runtime.tcp_idle_timeout_seconds`` now, in milliseconds."""
-        return self.generation().tcp_idle_timeout_ms
-
-    @property
-    def flow_hook(self) -> FlowHookClient | None:
-        """The flow hook's client now (a reload replaces it), None without a hook."""
-        return self.hook()
-
-    @property
-    def resolver(self) -> Resolver:
-        """The engine resolver now (``runtime.dns``; a reload replaces it)."""
-        return self.generation().resolver
-
-    @property
-    def fakeip(self) -> FakeIpPool | None:
-        """The fake-ip pool now (``runtime.dns.answer.type: fake_ip``), else None."""
-        return self.fake_ip_pool()
-
-
-class FlowActor(HttpForwarding, LoopActor):
+class FlowActor(HttpForwarding, ConnRecording, LoopActor):
     """One TCP flow through the engine."""
 
     # One per connection: the engine tracks them in ``deps.flow_actors``.
@@ -534,21 +438,6 @@ class FlowActor(HttpForwarding, LoopActor):
         dialed.remote_host = hs.host
         return dialed
 
-    def _c_handshake(
-        self, c: connpath.Deferred | connpath.ConnRecord, host: str, early: bytes = b""
-    ) -> Handshake:
-        """What C's handshake established, as the Python handshake would have."""
-        return Handshake(
-            c.protocol,
-            host,
-            c.port,
-            self.deps.principal_key(c.principal),
-            AUTH_SCHEMES.get(c.auth),
-            c.client_rx,
-            c.client_tx,
-            early=early,
-        )
-
     def _new_state(self, hs: Handshake, started_at: int | None = None) -> records.FlowState:
         """The record of a flow whose handshake completed (at ``started_at``, else now),
         not yet the actor's: :meth:`_start_record` makes it so and announces it. A target
@@ -747,156 +636,6 @@ class FlowActor(HttpForwarding, LoopActor):
             return
         if found is not None:
             state.set_process(found.pid, found.name, found.path)
-
-    async def _start_c_after_lookup(self, rec: connpath.ConnRecord) -> None:
-        """flow.started of a flow C runs, once its process is known; then what C reported
-        meanwhile, in order. C relays the flow all along: only its record waits."""
-        try:
-            state = self._new_state(self._c_handshake(rec, rec.name), rec.at_unix_ms)
-            server = (
-                (rec.name, rec.port)
-                if self.inbound.protocol == "tun"
-                else self.deps.listener_address(rec.inbound)
-            )
-            await self._look_up(state, server)
-        except asyncio.CancelledError:
-            return  # stopped meanwhile: _teardown dropped what was held
-        finally:
-            self.deps.process_lookup.holding -= 1
-        self._task = None
-        self._start_record(state)
-        held, self._held = self._held, None
-        for message in held or ():
-            self.on_receive(message)
-
-    # -- flows the C connection path runs ---------------------------------------------
-
-    def _start_record_c(self, rec: connpath.ConnRecord) -> None:
-        """flow.started from C's STARTED record, with C's timestamp and counts."""
-        self._start_record(self._new_state(self._c_handshake(rec, rec.name), rec.at_unix_ms))
-
-    def _c_route(self, rec: connpath.ConnRecord) -> Any:
-        """Apply the route C took (looked up in the table it used); its outbound."""
-        mirror = self.deps.routes.mirror(rec.epoch)
-        decision = mirror.routes.decision(rec.action, rec.rule, rec.target)
-        chain = mirror.chains[rec.target] if rec.target >= 0 else []
-        outbound = mirror.outbounds.get(chain[-1]) if chain else None
-        self._set_route(decision, chain, outbound)
-        self._c_seen(rec.client_rx, rec.client_tx, rec.name)
-        return outbound
-
-    def _c_seen(self, client_rx: int, client_tx: int, sniffed: str | None) -> None:
-        """What C read from and wrote to the client so far, and the host it sniffed."""
-        s = self.state
-        assert s is not None
-        s.traffic.inbound_rx_bytes = client_rx
-        s.traffic.inbound_tx_bytes = client_tx
-        if sniffed:
-            s.sniffed_host = sniffed
-
-    def _on_c_routed(self, rec: connpath.ConnRecord) -> None:
-        s = self.state
-        if s is None or not self.machine.live:
-            return
-        outbound = self._c_route(rec)
-        if rec.relay_handle == 0:
-            self._on_c_forwarding(rec, outbound)
-            return
-        self._c_flow = None
-        # Only a flow C dialled has outbound counts: the Python path, too, counts a
-        # proxy's handshake once the dial succeeded (its Dialed carries them).
-        t = s.traffic
-        t.outbound_rx_bytes = rec.upstream_rx
-        t.outbound_tx_bytes = rec.upstream_tx
-        t.bytes_up += rec.early
-        t.bytes_down += rec.late
-        if outbound.protocol == "direct":
-            s.resolved_ip = rec.resolved_ip
-            s.remote_host, s.remote_port = s.target_host, s.target_port
-        else:
-            s.remote_host, s.remote_port = outbound.server, outbound.port
-        self._base = s.traffic.copy(sealed=False)
-        self.handle = rec.relay_handle
-        self.machine.handle(Relaying())
-        s.state = "active"
-        if outbound.chained:
-            self.deps.counters.chained_sessions += 1
-        else:
-            self.deps.counters.direct_sessions += 1
-        self._publish("flow.routed", records.lifecycle_payload, occurred=rec.at_unix_ms)
-        if self.machine.close_requested:
-            # The close reached C after it had handed the flow to the relay.
-            self.deps.bridge.request_close(rec.relay_handle)
-
-    def _dropped(self, message: Any) -> None:
-        """A connection handed over after the actor stopped is closed, not leaked."""
-        if isinstance(message, ConnTakeOver):
-            os.close(message.deferred.fd)
-            if message.deferred.ufd >= 0:
-                os.close(message.deferred.ufd)
-
-    def _take_over(self, d: connpath.Deferred) -> None:
-        """C answered and sniffed this flow, then found a route only Python can take (an
-        opaque rule, a DNS miss, an outbound it does not dial): carry on from there."""
-        self._c_flow = None
-        s = self.state
-        client = socket.socket(fileno=d.fd)
-        if d.stage == connpath.FORWARD:
-            self._take_over_forward(d, client)
-            return
-        if s is None or not self.machine.live:
-            client.close()
-            return
-        self._c_seen(d.client_rx, d.client_tx, d.sniffed)
-        if self.machine.close_requested:
-            # The close reached C after it had handed the connection over.
-            client.close()
-            self._end(Closed(self._dialled()))
-            self._finish()
-            return
-        self.client = client
-        hs = self._c_handshake(d, d.host, d.raw)
-        self._task = self.dispatcher.spawn(self._establish(self._route_and_dial(hs, True)))
-
-    def _on_c_ended(self, rec: connpath.ConnRecord) -> None:
-        s = self.state
-        if s is None or not self.machine.live:
-            return
-        # Closed while C sniffed before routing, when the Python path has applied no
-        # route yet.
-        sniffing_first = rec.end == connpath.END_CLOSED and rec.detail == 1
-        if rec.action > 0 and not sniffing_first:
-            outbound = self._c_route(rec)
-        else:
-            outbound = None
-            self._c_seen(rec.client_rx, rec.client_tx, rec.name)
-        self._c_flow = None
-        if rec.end in _FORWARD_ENDS:
-            self._on_c_forwarded(rec)
-            self._finish()
-            return
-        if rec.end == connpath.END_BLOCKED:
-            self._end(Blocked())
-        elif rec.end == connpath.END_CLOSED:
-            # Dialled and told the tunnel is open (C was still sniffing): as the
-            # Python path, that flow was relayed.
-            self._end(Closed(self._dialled() or rec.dialled))
-        elif rec.end in (connpath.END_CLIENT, connpath.END_INTERNAL) or outbound is None:
-            failure = records.Failure(
-                "internal", "internal_error", f"client socket error: {os.strerror(rec.err)}"
-            )
-            self._end(Failed(failure))
-        else:
-            ex = connpath.dial_error(rec, outbound, s.target_host, s.target_port, rec.message)
-            if ex.member_down:
-                self._report_member_down(s.selection_chain, ex.message)
-            remote = (
-                {"host": s.target_host, "port": s.target_port}
-                if ex.remote is None
-                else {"host": ex.remote}
-            )
-            self._end(Failed(records.Failure(ex.stage, ex.code, ex.message, remote)))
-        self._finish()
 
     # -- after the hand-off ----------------------------------------------------------
 

@@ -78,7 +78,10 @@ COVERED_ELSEWHERE: dict[str, str] = {
     # Actors: driven by real flows through a running engine.
     "spliceway/actors/bridge.py": "tests/csrc/test_relay_aead.py",
     "spliceway/actors/flow.py": "tests/integration/test_inbounds.py",
+    "spliceway/actors/flow_conn.py": "tests/integration/test_conn_fastpath.py",
+    "spliceway/actors/flow_deps.py": "tests/integration/test_inbounds.py",
     "spliceway/actors/http_forward.py": "tests/integration/test_http_keepalive.py",
+    "spliceway/actors/http_upstream.py": "tests/integration/test_http_keepalive.py",
     "spliceway/actors/listener.py": "tests/integration/test_conn_fastpath.py",
     "spliceway/actors/messages.py": "tests/integration/test_lifecycle.py",
     "spliceway/actors/policy.py": "tests/integration/test_policy_groups.py",

@@ -334,7 +334,7 @@ def c_response(buf: bytes, head_request: bool, close: bool, cap: int = _WIRE_CAP
 
 
 def py_response(buf: bytes, head_request: bool, close: bool):
-    """What actors/http_forward.py's _download makes of ``buf`` for a bodiless HTTP/1.1
+    """What actors/http_upstream.py's _download makes of ``buf`` for a bodiless HTTP/1.1
     request whose client keeps its connection unless ``close``."""
     try:
         response = http.parse_response_head(buf)
