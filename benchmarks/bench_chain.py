@@ -146,9 +146,7 @@ class Engine:
         return f"{self.name}: spliceway exited with status {code}: {why}"
 
     def stop(self) -> dict:
-        info = self.m.stop(10)
-        info.update(self.m.stderr_report())
-        return info
+        return self.m.finish()
 
 
 def v2ray_cmd(cfg: Path) -> list[str]:

@@ -74,7 +74,7 @@ sys.path.insert(0, str(BENCH))
 import bench_control  # noqa: E402
 import run_e2e as e2e  # noqa: E402  (shared tooling: build, tinyserver, engine launch, /proc)
 from bench_control import API, f1, header, ok  # noqa: E402
-from run_e2e import BUILD, log  # noqa: E402
+from run_e2e import log  # noqa: E402
 
 TARGET_EVENTS_PER_S = 3000.0  # per sink, draining the outbox
 TARGET_DROP_PCT = 10.0
@@ -92,13 +92,7 @@ POLL_S = 0.25
 
 def build_hookserver(cc: str) -> Path:
     """benchmarks/build/hookserver from hookserver.c (``cc -O2``), rebuilt when older."""
-    src, exe = BENCH / "hookserver.c", BUILD / "hookserver"
-    BUILD.mkdir(exist_ok=True)
-    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
-        cmd = [cc, "-O2", "-Wall", "-Wextra", "-o", str(exe), str(src)]
-        log("build: " + " ".join(cmd))
-        subprocess.run(cmd, check=True)
-    return exe
+    return e2e.build_tool(cc, "hookserver")
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
