@@ -1222,16 +1222,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where the outboxes go (default: the run's temporary directory)",
     )
     ap.add_argument("--keep-outbox", action="store_true")
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 40 s, quick 10 s")
-    ap.add_argument(
-        "--retries",
-        type=int,
-        help="conn/s runs disturbed by other processes that may be repeated (default 4, quick 1)",
+    e2e.add_quiet_options(
+        ap,
+        budget_help="default 40 s, quick 10 s",
+        retries_help="conn/s runs disturbed by other processes that may be repeated "
+        "(default 4, quick 1)",
     )
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
     a = ap.parse_args(argv)
     q = a.quick
     a.only = {x.strip() for x in a.only.split(",") if x.strip()}

@@ -461,12 +461,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--probe-count", type=int, default=200)
     ap.add_argument("--warm-seconds", type=float, help="unrecorded run per proxy and window")
     ap.add_argument("--time-budget", type=float, help="seconds for the runs (default 480)")
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 60, quick 10")
-    ap.add_argument("--retries", type=int, help="disturbed runs repeated (default 8, quick 2)")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
+    e2e.add_quiet_options(
+        ap,
+        budget_help="default 60, quick 10",
+        retries_help="disturbed runs repeated (default 8, quick 2)",
+    )
     a = ap.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (1 if q else 3)

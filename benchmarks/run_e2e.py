@@ -478,6 +478,27 @@ def add_run_options(
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
 
 
+def add_quiet_options(
+    ap: argparse.ArgumentParser,
+    *,
+    wait: float | None = 8.0,
+    wait_help: str | None = None,
+    budget: float | None = None,
+    budget_help: str | None = None,
+    retries_help: str | None = None,
+) -> None:
+    """The options of a benchmark that waits for a quiet machine and repeats disturbed
+    runs: ``--quiet-wait``, ``--quiet-threshold``, ``--quiet-budget``, ``--retries``
+    (when ``retries_help`` says what it counts), then ``--cc`` and ``--out``."""
+    ap.add_argument("--quiet-wait", type=float, default=wait, help=wait_help)
+    ap.add_argument("--quiet-threshold", type=float, default=0.10)
+    ap.add_argument("--quiet-budget", type=float, default=budget, help=budget_help)
+    if retries_help is not None:
+        ap.add_argument("--retries", type=int, help=retries_help)
+    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    ap.add_argument("--out", type=Path, default=RESULTS)
+
+
 def flow_medians(runs: list[dict], *extra: str) -> dict[str, float]:
     """Medians over the loadgen rate runs of one variant and concurrency (and over
     each ``extra`` key, when the runs carry it)."""

@@ -541,14 +541,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds for the rate/bulk phases; later repetitions are left out once spent "
         "(default 480, quick 110)",
     )
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 60, quick 10")
-    ap.add_argument("--retries", type=int, help="disturbed runs repeated (default 8, quick 2)")
     ap.add_argument("--server-threads", type=int, default=2)
     ap.add_argument("--loadgen-threads", type=int, default=2)
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
+    e2e.add_quiet_options(
+        ap,
+        budget_help="default 60, quick 10",
+        retries_help="disturbed runs repeated (default 8, quick 2)",
+    )
     a = ap.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (1 if q else 3)
