@@ -111,15 +111,18 @@ def origin() -> Iterator[tuple[str, int]]:
         yield address
 
 
-@pytest.fixture
-def make_engine() -> Iterator[Callable[..., Any]]:
-    """Start engines from config dicts; every one is stopped after the test."""
+def engines_started(prepare: Callable[[Any], None] | None = None) -> Iterator[Callable[..., Any]]:
+    """The body of an engine fixture: yields a starter of engines from config dicts
+    (``base_config()`` by default; ``prepare`` sees each before it starts); after the
+    test every one is stopped and must have left no flow actor."""
     from spliceway import Engine
 
     engines: list[Any] = []
 
     def _make(config: dict[str, Any] | None = None) -> Any:
         engine = Engine(config if config is not None else base_config())
+        if prepare is not None:
+            prepare(engine)
         engine.start()
         engines.append(engine)
         return engine
@@ -130,6 +133,12 @@ def make_engine() -> Iterator[Callable[..., Any]]:
     # Flow actors are not in pykka's registry (see _no_leftover_actors): the engine's own set.
     for engine in engines:
         assert not engine._core.flow_actors, f"flow actors left: {engine._core.flow_actors}"
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Any]]:
+    """Start engines from config dicts; every one is stopped after the test."""
+    yield from engines_started()
 
 
 @pytest.fixture(autouse=True)

@@ -32,6 +32,7 @@ import pytest
 from spliceway.native.tun import TunFlow, TunStack
 from spliceway.tun import packet as P
 from tests.helpers.netns_tun import TunNetns, unavailable
+from tests.helpers.servers import LoopbackServer
 
 _WHY = unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
@@ -94,23 +95,16 @@ class Relay:
             t.join(5)
 
 
-class Server:
+class Server(LoopbackServer):
     """A TCP server on loopback here: ``echo`` (back what it reads) or ``http``."""
 
     def __init__(self, kind: str) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
         self.kind = kind
         self.received: list[bytes] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+    def handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._one, args=(conn,), daemon=True).start()
 
     def _one(self, conn: socket.socket) -> None:
         with conn:
@@ -125,9 +119,6 @@ class Server:
             body = b"hello through the tun\n"
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                          % len(body) + body)  # fmt: skip
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture
