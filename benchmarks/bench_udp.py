@@ -70,32 +70,17 @@ def _dante_udp(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
     """peers.py's dante config with UDP ASSOCIATE and its replies allowed (as
     tests/helpers/upstreams.py's ``dante()``)."""
 
-    def write(home: Path, port: int) -> tuple[list[str], str]:
-        text = "\n".join(
-            [
-                "logoutput: stderr",
-                "errorlog: stderr",
-                f"internal: 127.0.0.1 port = {port}",
-                "external: 127.0.0.1",
-                "clientmethod: none",
-                "socksmethod: none",
-                "user.privileged: root",
-                "user.unprivileged: nobody",
-                "client pass { from: 127.0.0.0/8 to: 0.0.0.0/0 log: error }",
-                # (dante's parser wants a "command:" list on a line of its own)
-                "socks pass {",
-                "  from: 127.0.0.0/8 to: 127.0.0.0/8",
-                "  command: connect udpassociate udpreply",
-                "  log: error",
-                "}",
-                "",
-            ]
-        )
-        cfg = home / "danted.conf"
-        cfg.write_text(text)
-        return [binary, "-f", str(cfg), "-p", str(home / "danted.pid"), "-N", "1"], text
-
-    return write
+    # (dante's parser wants a "command:" list on a line of its own)
+    return peers._dante(
+        binary,
+        (
+            "socks pass {",
+            "  from: 127.0.0.0/8 to: 127.0.0.0/8",
+            "  command: connect udpassociate udpreply",
+            "  log: error",
+            "}",
+        ),
+    )
 
 
 def _v2ray_udp(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
@@ -246,24 +231,9 @@ def interleaved(r: UdpRunner, window: int, paths: list[str]) -> dict[str, list[d
     """--reps runs of ``window`` through every path in run_peers.interleaved's order
     (repetition k starts at path k, odd repetitions backwards); later repetitions are left
     out once --time-budget is spent."""
-    runs: dict[str, list[dict]] = {p: [] for p in paths}
-    reps = r.args.reps
-    for rep in range(reps):
-        if rep > 0 and time.monotonic() > r.deadline:
-            r.cut += len(paths) * (reps - rep)
-            log(f"  time budget spent: {reps - rep} repetition(s) of window {window} left out")
-            break
-        k = rep % len(paths)
-        order = paths[k:] + paths[:k]
-        if rep % 2:
-            order = order[::-1]
-        for path in order:
-            if not r.usable(path):
-                continue
-            for res in r.retries.runs(lambda path=path: r.udp_run(path, window)):
-                runs[path].append(res)
-                log(describe(path, res))
-    return runs
+    return run_peers.interleave(
+        r, f"window {window}", paths, lambda path: r.udp_run(path, window), describe
+    )
 
 
 def summarise(rs: list[dict], clean_only: bool) -> dict | None:

@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -437,7 +437,12 @@ def _mihomo(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
     return write
 
 
-def _dante(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
+def _dante(
+    binary: str,
+    socks_pass: Sequence[str] = ("socks pass { from: 127.0.0.0/8 to: 0.0.0.0/0 log: error }",),
+) -> Callable[[Path, int], tuple[list[str], str]]:
+    """dante's config writer; ``socks_pass`` the lines of its ``socks pass`` rule."""
+
     def write(home: Path, port: int) -> tuple[list[str], str]:
         # No authentication, connections out from 127.0.0.1, errors only in the log.
         text = "\n".join(
@@ -451,7 +456,7 @@ def _dante(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
                 "user.privileged: root",
                 "user.unprivileged: nobody",
                 "client pass { from: 127.0.0.0/8 to: 0.0.0.0/0 log: error }",
-                "socks pass { from: 127.0.0.0/8 to: 0.0.0.0/0 log: error }",
+                *socks_pass,
                 "",
             ]
         )

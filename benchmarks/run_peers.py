@@ -130,16 +130,23 @@ def describe(case: str, path: str, res: dict) -> str:
     )
 
 
-def interleaved(r: PeerRunner, case: str, paths: list[str]) -> dict[str, list[dict]]:
-    """``--reps`` runs of ``case`` through every path; repetition k starts at path k and
-    odd repetitions go backwards, so no path always runs first or right after another;
-    later repetitions are cut once --time-budget is spent."""
+def interleave(
+    r: PeerRunner,
+    what: str,
+    paths: list[str],
+    one: Callable[[str], dict],
+    note: Callable[[str, dict], str],
+) -> dict[str, list[dict]]:
+    """``--reps`` runs (``one(path)``, each logged as ``note(path, result)``) through
+    every path; repetition k starts at path k and odd repetitions go backwards, so no path
+    always runs first or right after another; later repetitions of ``what`` are cut once
+    --time-budget is spent."""
     runs: dict[str, list[dict]] = {p: [] for p in paths}
     reps = r.args.reps
     for rep in range(reps):
         if rep > 0 and time.monotonic() > r.deadline:
             r.cut += len(paths) * (reps - rep)
-            log(f"  time budget spent: {reps - rep} repetition(s) of {case} left out")
+            log(f"  time budget spent: {reps - rep} repetition(s) of {what} left out")
             break
         k = rep % len(paths)
         order = paths[k:] + paths[:k]
@@ -148,10 +155,17 @@ def interleaved(r: PeerRunner, case: str, paths: list[str]) -> dict[str, list[di
         for path in order:
             if not r.usable(path):
                 continue
-            for res in r.retries.runs(lambda path=path: r.one(path, case)):
+            for res in r.retries.runs(lambda path=path: one(path)):
                 runs[path].append(res)
-                log(describe(case, path, res))
+                log(note(path, res))
     return runs
+
+
+def interleaved(r: PeerRunner, case: str, paths: list[str]) -> dict[str, list[dict]]:
+    """``--reps`` runs of ``case`` through every path, in ``interleave``'s order."""
+    return interleave(
+        r, case, paths, lambda path: r.one(path, case), lambda path, res: describe(case, path, res)
+    )
 
 
 def summarise(case: str, rs: list[dict], clean_only: bool) -> dict | None:
