@@ -32,6 +32,17 @@ def python_json(script: str) -> Any:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def events_over_ipc(sock_path: str | os.PathLike[str]) -> subprocess.Popen[str]:
+    """``spliceway --ipc SOCK events --types policy.selected``, its stdout and stderr
+    piped as text."""
+    return subprocess.Popen(
+        [*SPLICEWAY, "--ipc", os.fspath(sock_path), "events", "--types", "policy.selected"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float = 20) -> re.Match[str]:
     """Read ``proc``'s text stderr until a line matches ``pattern``; fail at EOF or ``timeout``."""
     deadline = time.monotonic() + timeout
