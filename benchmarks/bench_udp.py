@@ -87,28 +87,9 @@ def _v2ray_udp(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
     """peers.py's v2ray config with the socks inbound's UDP on; ``ip`` is the address its
     UDP ASSOCIATE reply names (the relay socket listens there)."""
 
-    def write(home: Path, port: int) -> tuple[list[str], str]:
-        import bench_chain
-
-        config = {
-            "log": {"loglevel": "none", "access": "none", "error": "none"},
-            "inbounds": [
-                {
-                    "tag": "socks-in",
-                    "listen": "127.0.0.1",
-                    "port": port,
-                    "protocol": "socks",
-                    "settings": {"auth": "noauth", "udp": True, "ip": "127.0.0.1"},
-                }
-            ],
-            "outbounds": [{"tag": "direct", "protocol": "freedom", "settings": {}}],
-        }
-        cfg = home / "v2ray.json"
-        cfg.write_text(json.dumps(config, indent=1))
-        cmd = bench_chain.v2ray_cmd(cfg)
-        return [binary, *cmd[1:]], json.dumps(config)
-
-    return write
+    return peers._v2ray(
+        binary, {"auth": "noauth", "udp": True, "ip": "127.0.0.1"}, prompt_close=False
+    )
 
 
 # sing-box's socks inbound and mihomo's socks-port relay UDP ASSOCIATE as peers.py configures

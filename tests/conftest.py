@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +149,19 @@ def _no_leftover_actors() -> Iterator[None]:
     leftover = pykka.ActorRegistry.get_all()
     pykka.ActorRegistry.stop_all(timeout=5)
     assert not leftover, f"actors left running: {leftover}"
+
+
+@contextmanager
+def spliceway_logs_at(level: int) -> Iterator[None]:
+    """Let the ``spliceway`` records of ``level`` and above through, as ``spliceway run``
+    does at that level: pytest leaves Python's default (warnings only) on the loggers."""
+    logger = logging.getLogger("spliceway")
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def wait_until(

@@ -28,7 +28,7 @@ from tests.conftest import base_config, engines_started, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.flows import completed, flow_events
 from tests.helpers.servers import EchoServer, LoopbackServer
-from tests.helpers.socks import recv_exact
+from tests.helpers.socks import recv_exact, recv_to_eof
 from tests.helpers.upstreams import black_hole, microsocks, refused_port, tinyproxy
 
 #: No stats sampling during a test: throughput stays 0 and no flow.updated interleaves,
@@ -99,14 +99,6 @@ def py_deferred(n: int = 1, **more: int) -> dict[str, int]:
 
 
 # -- clients ---------------------------------------------------------------------------
-
-
-def recv_to_eof(sock: socket.socket) -> bytes:
-    data = b""
-    with contextlib.suppress(ConnectionResetError):
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data
 
 
 def s5_request(host: str, port: int) -> bytes:

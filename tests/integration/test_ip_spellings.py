@@ -29,7 +29,7 @@ from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.flows import completed
 from tests.helpers.servers import LoopbackServer
-from tests.helpers.socks import recv_exact
+from tests.helpers.socks import recv_exact, recv_to_eof
 from tests.helpers.spellings import LOOPBACK_SPELLINGS
 
 RULE = {"ip_cidr": ["127.0.0.0/8"], "action": "block"}
@@ -107,14 +107,6 @@ def watching(**kw: Any) -> Iterator[Watch]:
         w.close()
 
 
-def _read_all(sock: socket.socket) -> bytes:
-    data = b""
-    with contextlib.suppress(ConnectionResetError):
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data
-
-
 def socks5(engine: Engine, host: str, port: int) -> tuple[socket.socket, bytes]:
     """A SOCKS5 CONNECT naming ``host`` as a domain (ATYP 3); the socket and the reply."""
     sock = socket.create_connection(engine.listen_address("socks-in"), timeout=10)
@@ -147,7 +139,7 @@ def forward(engine: Engine, host: str, port: int) -> bytes:
         sock.sendall(
             f"GET http://{where}/x HTTP/1.1\r\nHost: {where}\r\nConnection: close\r\n\r\n".encode()
         )
-        return _read_all(sock)
+        return recv_to_eof(sock)
 
 
 def blocked_via(kind: str, engine: Engine, host: str, port: int) -> None:
@@ -156,7 +148,7 @@ def blocked_via(kind: str, engine: Engine, host: str, port: int) -> None:
         sock, reply = socks5(engine, host, port)
         with sock:
             assert reply == b"\x05\x02\x00\x01" + bytes(6), (host, reply)  # not allowed
-            assert _read_all(sock) == b""
+            assert recv_to_eof(sock) == b""
     elif kind == "connect":
         sock, head = connect(engine, host, port)
         with sock:
@@ -234,7 +226,7 @@ def test_domains_resolving_into_the_network_are_blocked_and_others_relay(engines
                     sock.sendall(PAYLOAD)
                     assert recv_exact(sock, len(PAYLOAD)) == PAYLOAD
                     sock.shutdown(socket.SHUT_WR)
-                    assert _read_all(sock) == b""
+                    assert recv_to_eof(sock) == b""
                 n += 1
                 record = _completed_after(engine, n)
                 assert record["result"] == {"outcome": "direct_relayed"}, (path, host)
