@@ -140,25 +140,32 @@ def client(ns: TunNetns, version: int, kind: int = socket.SOCK_STREAM) -> socket
         return socket.socket(socket.AF_INET if version == 4 else socket.AF_INET6, kind)
 
 
+def _echoed(ns: TunNetns, v: int, size: int) -> socket.socket:
+    """A client in ``ns`` connected to TARGET[v]:8443 that sent ``size`` random bytes
+    while reading them back (both ways at once), the two equal by hash."""
+    c = client(ns, v)
+    c.settimeout(20)
+    c.connect((TARGET[v], 8443))
+    data = os.urandom(size)
+    got = bytearray()
+    sender = threading.Thread(target=c.sendall, args=(data,))
+    sender.start()
+    while len(got) < len(data):
+        chunk = c.recv(1 << 20)
+        assert chunk
+        got += chunk
+    sender.join()
+    assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+    return c
+
+
 def _echo_through(ns: TunNetns, stack: TunStack, v: int, size: int) -> Relay:
     """``size`` random bytes to an echo server through the stack and back, both ways at
     once, compared by hash; returns the relay (its flows)."""
     echo = Server("echo")
     relay = Relay(stack, lambda flow: ("127.0.0.1", echo.port))
     try:
-        c = client(ns, v)
-        c.settimeout(20)
-        c.connect((TARGET[v], 8443))
-        data = os.urandom(size)
-        got = bytearray()
-        sender = threading.Thread(target=c.sendall, args=(data,))
-        sender.start()
-        while len(got) < len(data):
-            chunk = c.recv(1 << 20)
-            assert chunk
-            got += chunk
-        sender.join()
-        assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+        c = _echoed(ns, v, size)
         c.close()
     finally:
         relay.close()
@@ -172,19 +179,7 @@ def test_tcp_through_the_stack_is_byte_exact(ns: TunNetns, v: int) -> None:
     echo = Server("echo")
     relay = Relay(stack, lambda flow: ("127.0.0.1", echo.port))
     try:
-        c = client(ns, v)
-        c.settimeout(20)
-        c.connect((TARGET[v], 8443))
-        data = os.urandom(4 << 20)
-        got = bytearray()
-        sender = threading.Thread(target=c.sendall, args=(data,))
-        sender.start()
-        while len(got) < len(data):
-            chunk = c.recv(1 << 20)
-            assert chunk
-            got += chunk
-        sender.join()
-        assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+        c = _echoed(ns, v, 4 << 20)
         (flow,) = relay.flows
         assert (str(flow.dst), flow.dport) == (TARGET[v], 8443)
         assert (flow.src, flow.sport) == (ipaddress.ip_address(c.getsockname()[0]),
