@@ -146,9 +146,7 @@ class Engine:
         return f"{self.name}: spliceway exited with status {code}: {why}"
 
     def stop(self) -> dict:
-        info = self.m.stop(10)
-        info.update(self.m.stderr_report())
-        return info
+        return self.m.finish()
 
 
 def v2ray_cmd(cfg: Path) -> list[str]:
@@ -687,17 +685,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--loadgen-threads", type=int, default=2)
     ap.add_argument("--server-threads", type=int, default=2)
-    ap.add_argument(
-        "--quiet-wait",
-        type=float,
-        help="before each run wait up to this long for other processes to calm down "
+    e2e.add_quiet_options(
+        ap,
+        wait=None,
+        wait_help="before each run wait up to this long for other processes to calm down "
         "(0 = never, the default: disturbed runs are detected and repeated instead)",
+        budget=20.0,
+        retries_help="disturbed runs repeated (default 6, quick 2)",
     )
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, default=20.0)
-    ap.add_argument("--retries", type=int, help="disturbed runs repeated (default 6, quick 2)")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
     a = ap.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (2 if q else 3)

@@ -74,7 +74,7 @@ sys.path.insert(0, str(BENCH))
 import bench_control  # noqa: E402
 import run_e2e as e2e  # noqa: E402  (shared tooling: build, tinyserver, engine launch, /proc)
 from bench_control import API, f1, header, ok  # noqa: E402
-from run_e2e import BUILD, log  # noqa: E402
+from run_e2e import log  # noqa: E402
 
 TARGET_EVENTS_PER_S = 3000.0  # per sink, draining the outbox
 TARGET_DROP_PCT = 10.0
@@ -92,13 +92,7 @@ POLL_S = 0.25
 
 def build_hookserver(cc: str) -> Path:
     """benchmarks/build/hookserver from hookserver.c (``cc -O2``), rebuilt when older."""
-    src, exe = BENCH / "hookserver.c", BUILD / "hookserver"
-    BUILD.mkdir(exist_ok=True)
-    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
-        cmd = [cc, "-O2", "-Wall", "-Wextra", "-o", str(exe), str(src)]
-        log("build: " + " ".join(cmd))
-        subprocess.run(cmd, check=True)
-    return exe
+    return e2e.build_tool(cc, "hookserver")
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -1228,16 +1222,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where the outboxes go (default: the run's temporary directory)",
     )
     ap.add_argument("--keep-outbox", action="store_true")
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 40 s, quick 10 s")
-    ap.add_argument(
-        "--retries",
-        type=int,
-        help="conn/s runs disturbed by other processes that may be repeated (default 4, quick 1)",
+    e2e.add_quiet_options(
+        ap,
+        budget_help="default 40 s, quick 10 s",
+        retries_help="conn/s runs disturbed by other processes that may be repeated "
+        "(default 4, quick 1)",
     )
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
     a = ap.parse_args(argv)
     q = a.quick
     a.only = {x.strip() for x in a.only.split(",") if x.strip()}

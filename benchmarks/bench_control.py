@@ -1053,11 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-threads", type=int, default=2)
     ap.add_argument("--ring", type=int, default=8192, help="runtime.event_ring_capacity")
     ap.add_argument("--only", default="sse,load,closed", help="comma list of sse,load,closed")
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 40 s, quick 15 s")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
+    e2e.add_quiet_options(ap, budget_help="default 40 s, quick 15 s")
     args = ap.parse_args(argv)
     q = args.quick
     args.sse_seconds = args.sse_seconds or (4.0 if q else 10.0)

@@ -229,12 +229,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tick-ms", type=int, default=100, help="hookserver's stats interval")
     ap.add_argument("--loadgen-threads", type=int, default=2)
     ap.add_argument("--server-threads", type=int, default=2)
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 40 s, quick 10 s")
-    ap.add_argument("--retries", type=int, help="disturbed runs repeated (default 5, quick 2)")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
+    e2e.add_quiet_options(
+        ap,
+        budget_help="default 40 s, quick 10 s",
+        retries_help="disturbed runs repeated (default 5, quick 2)",
+    )
     a = ap.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (3 if q else 5)

@@ -71,11 +71,7 @@ DNS_RE = re.compile(r"DNS server listening on ([0-9.]+):(\d+)")
 
 def build_dnsload(cc: str) -> Path:
     """benchmarks/build/dnsload, rebuilt when its source is newer."""
-    src, exe = e2e.BENCH / "dnsload.c", e2e.BUILD / "dnsload"
-    e2e.BUILD.mkdir(exist_ok=True)
-    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
-        subprocess.run([cc, "-O2", "-Wall", "-Wextra", "-o", str(exe), str(src)], check=True)
-    return exe
+    return e2e.build_tool(cc, "dnsload")
 
 
 class Server:
@@ -120,18 +116,15 @@ class Server:
         self.m, self.launch = e2e.start_spliceway(
             cfg, tmp / f"{variant}.json", out / f"{variant}.log"
         )
-        match = self.m.wait_for(DNS_RE, 30)
-        if match is None or not self.m.alive():
-            self.m.abort(f"{variant}: spliceway did not report its DNS server")
-        self.port = int(match.group(2))
+        self.port = self.m.reported_port(
+            DNS_RE, f"{variant}: spliceway did not report its DNS server"
+        )
 
     def cpu(self) -> float:
         return e2e.proc_cpu_s(self.m.pid)
 
     def stop(self) -> dict[str, Any]:
-        info = self.m.stop(10)
-        info.update(self.m.stderr_report())
-        return info
+        return self.m.finish()
 
 
 def load(exe: Path, server: Server, inflight: int, seconds: float, warmup: float) -> dict:
@@ -286,11 +279,9 @@ def flows_report(out: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 run of 2 s per case")
-    ap.add_argument("--reps", type=int, default=3, help="runs per server and inflight")
-    ap.add_argument("--seconds", type=float, default=3.0, help="length of one run")
-    ap.add_argument("--inflight", default="1,16,64", help="queries in flight, comma separated")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    e2e.add_run_options(
+        ap, reps=3, per="server and inflight", spread=("--inflight", "1,16,64", "queries in flight")
+    )
     ap.add_argument(
         "--flows", action="store_true", help="flows and DNS on one engine, per server loop"
     )
@@ -356,13 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "dnsmasq": dnsmasq_version[0] if dnsmasq_version else "?",
         "launch": servers["spliceway"].launch if "spliceway" in servers else None,
-        "git": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=e2e.ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip(),
+        "git": e2e.git_head(),
     }
     text = report(results)
     print(text)

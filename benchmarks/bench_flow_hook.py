@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,11 +67,7 @@ def engine_config(variant: str, hook_path: Path) -> dict[str, Any]:
 
 def build_hook(cc: str) -> Path:
     """benchmarks/build/flowhook_fast, rebuilt when its source is newer."""
-    src, exe = e2e.BENCH / "flowhook_fast.c", e2e.BUILD / "flowhook_fast"
-    e2e.BUILD.mkdir(exist_ok=True)
-    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
-        subprocess.run([cc, "-O2", "-Wall", "-Wextra", "-o", str(exe), str(src)], check=True)
-    return exe
+    return e2e.build_tool(cc, "flowhook_fast")
 
 
 class Hook:
@@ -94,26 +89,8 @@ class Hook:
         return json.loads(out.strip().splitlines()[-1])
 
 
-class Engine:
-    """One engine as its own process, and its socks5 port."""
-
-    def __init__(self, variant: str, config: dict[str, Any], tmp: Path, out: Path) -> None:
-        self.variant = variant
-        self.m, self.launch = e2e.start_spliceway(
-            config, tmp / f"{variant}.json", out / f"{variant}.log"
-        )
-        match = self.m.wait_for(e2e.LISTEN_RE, 30)
-        if match is None or not self.m.alive():
-            self.m.abort(f"{variant}: spliceway did not report its socks5 port")
-        self.port = int(match.group(2))
-
-    def cpu(self) -> float:
-        return e2e.proc_cpu_s(self.m.pid)
-
-    def stop(self) -> dict[str, Any]:
-        info = self.m.stop(10)
-        info.update(self.m.stderr_report())
-        return info
+#: One engine as its own process, and its socks5 port.
+Engine = e2e.EngineProcess
 
 
 def rate(
@@ -150,17 +127,7 @@ def measure(
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Medians over runs of one variant and concurrency."""
-    med = statistics.median
-    out = {
-        "conn_per_s": med(r["conn_per_s"] for r in runs),
-        "p50_us": med(r["lat_us"]["p50"] for r in runs),
-        "p99_us": med(r["lat_us"]["p99"] for r in runs),
-        "engine_cpu_us": med(r["engine_cpu_us"] for r in runs),
-        "runs": len(runs),
-    }
-    if runs and "hook_cpu_us" in runs[0]:
-        out["hook_cpu_us"] = med(r["hook_cpu_us"] for r in runs)
-    return out
+    return e2e.flow_medians(runs, "hook_cpu_us")
 
 
 def report(results: dict[str, Any]) -> str:
@@ -199,11 +166,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 run of 2 s per case")
-    ap.add_argument("--reps", type=int, default=5, help="runs per variant and concurrency")
-    ap.add_argument("--seconds", type=float, default=3.0, help="length of one run")
-    ap.add_argument("--conc", default="1,16", help="connections in flight, comma separated")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    e2e.add_run_options(ap, reps=5)
     a = ap.parse_args(argv)
     if a.quick:
         a.reps, a.seconds = 1, 2.0
@@ -267,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "loadavg_end": os.getloadavg(),
         "launch": next(iter(engines.values())).launch if engines else None,
-        "git": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=e2e.ROOT
-        ).stdout.strip(),
+        "git": e2e.git_head(),
     }
     path = e2e.RESULTS / f"{stamp}-flow-hook.json"
     path.write_text(json.dumps(results, indent=1, default=str))

@@ -693,12 +693,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--scrape-interval", type=float, default=1.0)
     ap.add_argument("--loadgen-threads", type=int, default=2)
     ap.add_argument("--server-threads", type=int, default=2)
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 40 s, quick 10 s")
-    ap.add_argument("--retries", type=int, help="disturbed runs repeated (default 4, quick 1)")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
+    e2e.add_quiet_options(
+        ap,
+        budget_help="default 40 s, quick 10 s",
+        retries_help="disturbed runs repeated (default 4, quick 1)",
+    )
     a = ap.parse_args(argv)
     q = a.quick
     a.only = {x.strip() for x in a.only.split(",") if x.strip()}

@@ -181,26 +181,8 @@ def engine_config(variant: str, server_port: int) -> dict[str, Any]:
     return cfg
 
 
-class Engine:
-    """One engine as its own process, and its socks5 port."""
-
-    def __init__(self, variant: str, config: dict[str, Any], tmp: Path, out: Path) -> None:
-        self.variant = variant
-        self.m, self.launch = e2e.start_spliceway(
-            config, tmp / f"{variant}.json", out / f"{variant}.log"
-        )
-        match = self.m.wait_for(e2e.LISTEN_RE, 30)
-        if match is None or not self.m.alive():
-            self.m.abort(f"{variant}: spliceway did not report its socks5 port")
-        self.port = int(match.group(2))
-
-    def cpu(self) -> float:
-        return e2e.proc_cpu_s(self.m.pid)
-
-    def stop(self) -> dict[str, Any]:
-        info = self.m.stop(10)
-        info.update(self.m.stderr_report())
-        return info
+#: One engine as its own process, and its socks5 port.
+Engine = e2e.EngineProcess
 
 
 def run(loadgen: Path, target: int, engine: Engine, conc: int, seconds: float) -> dict:
@@ -215,14 +197,7 @@ def run(loadgen: Path, target: int, engine: Engine, conc: int, seconds: float) -
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Medians over the runs of one variant and concurrency."""
-    med = statistics.median
-    return {
-        "conn_per_s": med(r["conn_per_s"] for r in runs),
-        "p50_us": med(r["lat_us"]["p50"] for r in runs),
-        "p99_us": med(r["lat_us"]["p99"] for r in runs),
-        "engine_cpu_us": med(r["engine_cpu_us"] for r in runs),
-        "runs": len(runs),
-    }
+    return e2e.flow_medians(runs)
 
 
 def report(results: dict[str, Any]) -> str:
@@ -272,11 +247,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 run of 2 s per case")
-    ap.add_argument("--reps", type=int, default=3, help="runs per variant and concurrency")
-    ap.add_argument("--seconds", type=float, default=3.0, help="length of one run")
-    ap.add_argument("--conc", default="1,16", help="connections in flight, comma separated")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    e2e.add_run_options(ap, reps=3)
     a = ap.parse_args(argv)
     if a.quick:
         a.reps, a.seconds = 1, 2.0
@@ -326,9 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "kernel": platform.release(),
         "loadavg_end": os.getloadavg(),
-        "git": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=e2e.ROOT
-        ).stdout.strip(),
+        "git": e2e.git_head(),
     }
     path = e2e.RESULTS / f"{stamp}-process-lookup.json"
     path.write_text(json.dumps(results, indent=1, default=str))

@@ -70,60 +70,26 @@ def _dante_udp(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
     """peers.py's dante config with UDP ASSOCIATE and its replies allowed (as
     tests/helpers/upstreams.py's ``dante()``)."""
 
-    def write(home: Path, port: int) -> tuple[list[str], str]:
-        text = "\n".join(
-            [
-                "logoutput: stderr",
-                "errorlog: stderr",
-                f"internal: 127.0.0.1 port = {port}",
-                "external: 127.0.0.1",
-                "clientmethod: none",
-                "socksmethod: none",
-                "user.privileged: root",
-                "user.unprivileged: nobody",
-                "client pass { from: 127.0.0.0/8 to: 0.0.0.0/0 log: error }",
-                # (dante's parser wants a "command:" list on a line of its own)
-                "socks pass {",
-                "  from: 127.0.0.0/8 to: 127.0.0.0/8",
-                "  command: connect udpassociate udpreply",
-                "  log: error",
-                "}",
-                "",
-            ]
-        )
-        cfg = home / "danted.conf"
-        cfg.write_text(text)
-        return [binary, "-f", str(cfg), "-p", str(home / "danted.pid"), "-N", "1"], text
-
-    return write
+    # (dante's parser wants a "command:" list on a line of its own)
+    return peers._dante(
+        binary,
+        (
+            "socks pass {",
+            "  from: 127.0.0.0/8 to: 127.0.0.0/8",
+            "  command: connect udpassociate udpreply",
+            "  log: error",
+            "}",
+        ),
+    )
 
 
 def _v2ray_udp(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
     """peers.py's v2ray config with the socks inbound's UDP on; ``ip`` is the address its
     UDP ASSOCIATE reply names (the relay socket listens there)."""
 
-    def write(home: Path, port: int) -> tuple[list[str], str]:
-        import bench_chain
-
-        config = {
-            "log": {"loglevel": "none", "access": "none", "error": "none"},
-            "inbounds": [
-                {
-                    "tag": "socks-in",
-                    "listen": "127.0.0.1",
-                    "port": port,
-                    "protocol": "socks",
-                    "settings": {"auth": "noauth", "udp": True, "ip": "127.0.0.1"},
-                }
-            ],
-            "outbounds": [{"tag": "direct", "protocol": "freedom", "settings": {}}],
-        }
-        cfg = home / "v2ray.json"
-        cfg.write_text(json.dumps(config, indent=1))
-        cmd = bench_chain.v2ray_cmd(cfg)
-        return [binary, *cmd[1:]], json.dumps(config)
-
-    return write
+    return peers._v2ray(
+        binary, {"auth": "noauth", "udp": True, "ip": "127.0.0.1"}, prompt_close=False
+    )
 
 
 # sing-box's socks inbound and mihomo's socks-port relay UDP ASSOCIATE as peers.py configures
@@ -246,24 +212,9 @@ def interleaved(r: UdpRunner, window: int, paths: list[str]) -> dict[str, list[d
     """--reps runs of ``window`` through every path in run_peers.interleaved's order
     (repetition k starts at path k, odd repetitions backwards); later repetitions are left
     out once --time-budget is spent."""
-    runs: dict[str, list[dict]] = {p: [] for p in paths}
-    reps = r.args.reps
-    for rep in range(reps):
-        if rep > 0 and time.monotonic() > r.deadline:
-            r.cut += len(paths) * (reps - rep)
-            log(f"  time budget spent: {reps - rep} repetition(s) of window {window} left out")
-            break
-        k = rep % len(paths)
-        order = paths[k:] + paths[:k]
-        if rep % 2:
-            order = order[::-1]
-        for path in order:
-            if not r.usable(path):
-                continue
-            for res in r.retries.runs(lambda path=path: r.udp_run(path, window)):
-                runs[path].append(res)
-                log(describe(path, res))
-    return runs
+    return run_peers.interleave(
+        r, f"window {window}", paths, lambda path: r.udp_run(path, window), describe
+    )
 
 
 def summarise(rs: list[dict], clean_only: bool) -> dict | None:
@@ -461,12 +412,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--probe-count", type=int, default=200)
     ap.add_argument("--warm-seconds", type=float, help="unrecorded run per proxy and window")
     ap.add_argument("--time-budget", type=float, help="seconds for the runs (default 480)")
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 60, quick 10")
-    ap.add_argument("--retries", type=int, help="disturbed runs repeated (default 8, quick 2)")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
+    e2e.add_quiet_options(
+        ap,
+        budget_help="default 60, quick 10",
+        retries_help="disturbed runs repeated (default 8, quick 2)",
+    )
     a = ap.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (1 if q else 3)

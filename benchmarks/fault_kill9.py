@@ -75,6 +75,9 @@ import run_e2e as e2e  # noqa: E402  (shared tooling: engine launch command, pre
 from bench_control import CONTROL_RE, control_api  # noqa: E402
 from run_e2e import RESULTS, ROOT, log  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from tests.helpers.socks import recv_exact  # noqa: E402
+
 EVENTS = ["flow.started", "flow.routed", "flow.completed", "engine.started"]
 DAMAGE_RE = re.compile(r"sink (\S+): outbox recovered with damage")
 FLAG_RE = re.compile(r"\b(ERROR|CRITICAL|Traceback)\b")
@@ -295,24 +298,14 @@ class TargetServer:
         self._thread.join(5)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
-        data += chunk
-    return data
-
-
 def one_flow(socks_port: int, target_port: int) -> None:
     """One short connection through the socks5 inbound: handshake, request, read to EOF."""
     with socket.create_connection(("127.0.0.1", socks_port), timeout=2) as s:
         s.sendall(b"\x05\x01\x00")
-        if _recv_exact(s, 2) != b"\x05\x00":
+        if recv_exact(s, 2) != b"\x05\x00":
             raise ConnectionError("socks5 method refused")
         s.sendall(b"\x05\x01\x00\x01" + socket.inet_aton("127.0.0.1") + target_port.to_bytes(2))
-        reply = _recv_exact(s, 10)
+        reply = recv_exact(s, 10)
         if reply[1] != 0:
             raise ConnectionError(f"socks5 reply {reply[1]}")
         s.sendall(b"ping\n")

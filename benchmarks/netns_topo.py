@@ -36,6 +36,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from spliceway.support.atomic_file import pid_alive
+
 PREFIX = "swb"
 HOST_IP = "10.200.0.1"
 INET_IP = "10.200.0.2"
@@ -80,16 +82,6 @@ def unavailable() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def ns_pids(name: str) -> list[int]:
     """The pids of the processes running inside namespace ``name``."""
     out = ip("netns", "pids", name, check=False).stdout.split()
@@ -112,7 +104,7 @@ def sweep_stale() -> list[str]:
     for line in ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = _NAME_RE.fullmatch(name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             delete_netns(name)
             removed.append(name)
     return removed

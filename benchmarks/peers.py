@@ -34,9 +34,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -354,11 +355,16 @@ def _microsocks(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
     return write
 
 
-def _v2ray(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
+def _v2ray(
+    binary: str, socks: dict[str, Any] | None = None, *, prompt_close: bool = True
+) -> Callable[[Path, int], tuple[list[str], str]]:
+    """v2ray's config writer: a socks inbound (``socks`` its settings; no UDP unless
+    they say so) and a direct outbound."""
+
     def write(home: Path, port: int) -> tuple[list[str], str]:
         import bench_chain
 
-        config = {
+        config: dict[str, Any] = {
             "log": {"loglevel": "none", "access": "none", "error": "none"},
             "inbounds": [
                 {
@@ -366,15 +372,16 @@ def _v2ray(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
                     "listen": "127.0.0.1",
                     "port": port,
                     "protocol": "socks",
-                    "settings": {"auth": "noauth", "udp": False},
+                    "settings": socks or {"auth": "noauth", "udp": False},
                 }
             ],
             "outbounds": [{"tag": "direct", "protocol": "freedom", "settings": {}}],
+        }
+        if prompt_close:
             # v2ray's default level-0 policy holds a connection 1 s (uplinkOnly) after the
             # server has closed: a client waiting for the close would wait 1 s more (see
             # bench_chain.py); 0 closes once the server's side is done, like the others.
-            "policy": {"levels": {"0": {"uplinkOnly": 0}}},
-        }
+            config["policy"] = {"levels": {"0": {"uplinkOnly": 0}}}
         cfg = home / "v2ray.json"
         cfg.write_text(json.dumps(config, indent=1))
         cmd = bench_chain.v2ray_cmd(cfg)
@@ -437,7 +444,12 @@ def _mihomo(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
     return write
 
 
-def _dante(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
+def _dante(
+    binary: str,
+    socks_pass: Sequence[str] = ("socks pass { from: 127.0.0.0/8 to: 0.0.0.0/0 log: error }",),
+) -> Callable[[Path, int], tuple[list[str], str]]:
+    """dante's config writer; ``socks_pass`` the lines of its ``socks pass`` rule."""
+
     def write(home: Path, port: int) -> tuple[list[str], str]:
         # No authentication, connections out from 127.0.0.1, errors only in the log.
         text = "\n".join(
@@ -451,7 +463,7 @@ def _dante(binary: str) -> Callable[[Path, int], tuple[list[str], str]]:
                 "user.privileged: root",
                 "user.unprivileged: nobody",
                 "client pass { from: 127.0.0.0/8 to: 0.0.0.0/0 log: error }",
-                "socks pass { from: 127.0.0.0/8 to: 0.0.0.0/0 log: error }",
+                *socks_pass,
                 "",
             ]
         )

@@ -93,18 +93,20 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- building
 
 
-def build_tools(cc: str, names: Iterable[str] = ("loadgen", "tinyserver")) -> dict[str, Path]:
-    """``cc -O2`` each benchmarks/<name>.c into build/<name> when the source is newer."""
+def build_tool(cc: str, name: str, flags: Iterable[str] = ()) -> Path:
+    """``cc -O2 [flags]`` benchmarks/<name>.c into build/<name> when the source is newer."""
     BUILD.mkdir(exist_ok=True)
-    out = {}
-    for name in names:
-        src, exe = BENCH / f"{name}.c", BUILD / name
-        if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
-            cmd = [cc, "-O2", "-pthread", "-Wall", "-Wextra", "-o", str(exe), str(src)]
-            log("build: " + " ".join(cmd))
-            subprocess.run(cmd, check=True)
-        out[name] = exe
-    return out
+    src, exe = BENCH / f"{name}.c", BUILD / name
+    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+        cmd = [cc, "-O2", *flags, "-Wall", "-Wextra", "-o", str(exe), str(src)]
+        log("build: " + " ".join(cmd))
+        subprocess.run(cmd, check=True)
+    return exe
+
+
+def build_tools(cc: str, names: Iterable[str] = ("loadgen", "tinyserver")) -> dict[str, Path]:
+    """``cc -O2 -pthread`` each benchmarks/<name>.c into build/<name> when the source is newer."""
+    return {name: build_tool(cc, name, ("-pthread",)) for name in names}
 
 
 # --------------------------------------------------------------------------- processes
@@ -364,6 +366,20 @@ class Managed:
             "exceptions": dict(self.exceptions.most_common(10)),
         }
 
+    def reported_port(self, pattern: re.Pattern, problem: str, timeout: float = 30) -> int:
+        """The port (second group) of the first stderr line ``pattern`` matches; the
+        benchmark exits with ``problem`` when none comes in ``timeout`` s or the child died."""
+        m = self.wait_for(pattern, timeout)
+        if m is None or not self.alive():
+            self.abort(problem)
+        return int(m.group(2))
+
+    def finish(self) -> dict:
+        """Stop it (10 s grace): the exit, and what its stderr held."""
+        info = self.stop(10)
+        info.update(self.stderr_report())
+        return info
+
 
 class Server:
     """tinyserver with its rate, bulk and idle listeners."""
@@ -445,6 +461,87 @@ def start_spliceway(
     return m, launch
 
 
+def add_run_options(
+    ap: argparse.ArgumentParser,
+    reps: int,
+    per: str = "variant and concurrency",
+    spread: tuple[str, str, str] = ("--conc", "1,16", "connections in flight"),
+) -> None:
+    """The options of a repeated, alternated benchmark: ``--quick``, ``--reps``,
+    ``--seconds``, the comma-separated ``spread`` option (name, default, what it
+    counts) and ``--cc``."""
+    ap.add_argument("--quick", action="store_true", help="1 run of 2 s per case")
+    ap.add_argument("--reps", type=int, default=reps, help=f"runs per {per}")
+    ap.add_argument("--seconds", type=float, default=3.0, help="length of one run")
+    flag, default, what = spread
+    ap.add_argument(flag, default=default, help=f"{what}, comma separated")
+    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+
+
+def add_quiet_options(
+    ap: argparse.ArgumentParser,
+    *,
+    wait: float | None = 8.0,
+    wait_help: str | None = None,
+    budget: float | None = None,
+    budget_help: str | None = None,
+    retries_help: str | None = None,
+) -> None:
+    """The options of a benchmark that waits for a quiet machine and repeats disturbed
+    runs: ``--quiet-wait``, ``--quiet-threshold``, ``--quiet-budget``, ``--retries``
+    (when ``retries_help`` says what it counts), then ``--cc`` and ``--out``."""
+    ap.add_argument("--quiet-wait", type=float, default=wait, help=wait_help)
+    ap.add_argument("--quiet-threshold", type=float, default=0.10)
+    ap.add_argument("--quiet-budget", type=float, default=budget, help=budget_help)
+    if retries_help is not None:
+        ap.add_argument("--retries", type=int, help=retries_help)
+    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    ap.add_argument("--out", type=Path, default=RESULTS)
+
+
+def flow_medians(runs: list[dict], *extra: str) -> dict[str, float]:
+    """Medians over the loadgen rate runs of one variant and concurrency (and over
+    each ``extra`` key, when the runs carry it)."""
+    med = statistics.median
+    out = {
+        "conn_per_s": med(r["conn_per_s"] for r in runs),
+        "p50_us": med(r["lat_us"]["p50"] for r in runs),
+        "p99_us": med(r["lat_us"]["p99"] for r in runs),
+        "engine_cpu_us": med(r["engine_cpu_us"] for r in runs),
+        "runs": len(runs),
+    }
+    for key in extra:
+        if runs and key in runs[0]:
+            out[key] = med(r[key] for r in runs)
+    return out
+
+
+class EngineProcess:
+    """One engine as its own process (``<variant>.json``, ``<variant>.log``), and the
+    port it reports (its socks5 inbound's unless ``pattern`` names another)."""
+
+    def __init__(
+        self,
+        variant: str,
+        config: dict,
+        tmp: Path,
+        out: Path,
+        pattern: re.Pattern = LISTEN_RE,
+        what: str = "its socks5 port",
+    ) -> None:
+        self.variant = variant
+        self.m, self.launch = start_spliceway(
+            config, tmp / f"{variant}.json", out / f"{variant}.log"
+        )
+        self.port = self.m.reported_port(pattern, f"{variant}: spliceway did not report {what}")
+
+    def cpu(self) -> float:
+        return proc_cpu_s(self.m.pid)
+
+    def stop(self) -> dict:
+        return self.m.finish()
+
+
 class Proxy:
     """The proxy under test, started as its own process."""
 
@@ -454,10 +551,7 @@ class Proxy:
             self.m, self.launch = start_spliceway(
                 SPLICEWAY_CONFIG, tmp / "spliceway.json", log_path, taskset_prefix(pin)
             )
-            m = self.m.wait_for(LISTEN_RE, 30)
-            if m is None or not self.m.alive():
-                self.m.abort("spliceway did not report its socks5 port")
-            self.port = int(m.group(2))
+            self.port = self.m.reported_port(LISTEN_RE, "spliceway did not report its socks5 port")
         else:
             port = free_port()
             if kind == "microsocks":
@@ -1218,11 +1312,16 @@ def collect_notes(res: dict) -> list[str]:
     return notes
 
 
+def git_head() -> str:
+    """The tree's short HEAD commit (empty outside a checkout)."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+
+
 def git_info() -> str:
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
+        head = git_head()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
             cwd=ROOT,

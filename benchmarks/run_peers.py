@@ -130,16 +130,23 @@ def describe(case: str, path: str, res: dict) -> str:
     )
 
 
-def interleaved(r: PeerRunner, case: str, paths: list[str]) -> dict[str, list[dict]]:
-    """``--reps`` runs of ``case`` through every path; repetition k starts at path k and
-    odd repetitions go backwards, so no path always runs first or right after another;
-    later repetitions are cut once --time-budget is spent."""
+def interleave(
+    r: PeerRunner,
+    what: str,
+    paths: list[str],
+    one: Callable[[str], dict],
+    note: Callable[[str, dict], str],
+) -> dict[str, list[dict]]:
+    """``--reps`` runs (``one(path)``, each logged as ``note(path, result)``) through
+    every path; repetition k starts at path k and odd repetitions go backwards, so no path
+    always runs first or right after another; later repetitions of ``what`` are cut once
+    --time-budget is spent."""
     runs: dict[str, list[dict]] = {p: [] for p in paths}
     reps = r.args.reps
     for rep in range(reps):
         if rep > 0 and time.monotonic() > r.deadline:
             r.cut += len(paths) * (reps - rep)
-            log(f"  time budget spent: {reps - rep} repetition(s) of {case} left out")
+            log(f"  time budget spent: {reps - rep} repetition(s) of {what} left out")
             break
         k = rep % len(paths)
         order = paths[k:] + paths[:k]
@@ -148,10 +155,17 @@ def interleaved(r: PeerRunner, case: str, paths: list[str]) -> dict[str, list[di
         for path in order:
             if not r.usable(path):
                 continue
-            for res in r.retries.runs(lambda path=path: r.one(path, case)):
+            for res in r.retries.runs(lambda path=path: one(path)):
                 runs[path].append(res)
-                log(describe(case, path, res))
+                log(note(path, res))
     return runs
+
+
+def interleaved(r: PeerRunner, case: str, paths: list[str]) -> dict[str, list[dict]]:
+    """``--reps`` runs of ``case`` through every path, in ``interleave``'s order."""
+    return interleave(
+        r, case, paths, lambda path: r.one(path, case), lambda path, res: describe(case, path, res)
+    )
 
 
 def summarise(case: str, rs: list[dict], clean_only: bool) -> dict | None:
@@ -541,14 +555,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds for the rate/bulk phases; later repetitions are left out once spent "
         "(default 480, quick 110)",
     )
-    ap.add_argument("--quiet-wait", type=float, default=8.0)
-    ap.add_argument("--quiet-threshold", type=float, default=0.10)
-    ap.add_argument("--quiet-budget", type=float, help="default 60, quick 10")
-    ap.add_argument("--retries", type=int, help="disturbed runs repeated (default 8, quick 2)")
     ap.add_argument("--server-threads", type=int, default=2)
     ap.add_argument("--loadgen-threads", type=int, default=2)
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
-    ap.add_argument("--out", type=Path, default=e2e.RESULTS)
+    e2e.add_quiet_options(
+        ap,
+        budget_help="default 60, quick 10",
+        retries_help="disturbed runs repeated (default 8, quick 2)",
+    )
     a = ap.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (1 if q else 3)

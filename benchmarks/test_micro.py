@@ -21,6 +21,7 @@ from spliceway.flows import records
 from spliceway.flows.records import FlowState
 from spliceway.protocols import http, sniff, socks5
 from spliceway.routing.rules import FlowFacts, compile_rules, decide
+from tests.helpers.flows import flow_state
 
 pytest.importorskip("pytest_benchmark")
 
@@ -147,16 +148,9 @@ def test_route_rules_final(benchmark, n, facts):
 
 
 def _completed_flow(outcome: str) -> FlowState:
-    state = FlowState(
+    state = flow_state(
         flow_id="3f2a9c1e-0-17",
-        inbound_tag="mixed-in",
-        inbound_protocol="mixed",
-        source_ip="127.0.0.1",
         source_port=53422,
-        started_at_unix_ms=1_000,
-        mode="rule",
-        target_host="example.com",
-        target_port=443,
         outbound_tag="hop-a",
         ended_at_unix_ms=1_012,
         outcome=outcome,

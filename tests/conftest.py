@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,15 +113,18 @@ def origin() -> Iterator[tuple[str, int]]:
         yield address
 
 
-@pytest.fixture
-def make_engine() -> Iterator[Callable[..., Any]]:
-    """Start engines from config dicts; every one is stopped after the test."""
+def engines_started(prepare: Callable[[Any], None] | None = None) -> Iterator[Callable[..., Any]]:
+    """The body of an engine fixture: yields a starter of engines from config dicts
+    (``base_config()`` by default; ``prepare`` sees each before it starts); after the
+    test every one is stopped and must have left no flow actor."""
     from spliceway import Engine
 
     engines: list[Any] = []
 
     def _make(config: dict[str, Any] | None = None) -> Any:
         engine = Engine(config if config is not None else base_config())
+        if prepare is not None:
+            prepare(engine)
         engine.start()
         engines.append(engine)
         return engine
@@ -132,12 +137,31 @@ def make_engine() -> Iterator[Callable[..., Any]]:
         assert not engine._core.flow_actors, f"flow actors left: {engine._core.flow_actors}"
 
 
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Any]]:
+    """Start engines from config dicts; every one is stopped after the test."""
+    yield from engines_started()
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_actors() -> Iterator[None]:
     yield
     leftover = pykka.ActorRegistry.get_all()
     pykka.ActorRegistry.stop_all(timeout=5)
     assert not leftover, f"actors left running: {leftover}"
+
+
+@contextmanager
+def spliceway_logs_at(level: int) -> Iterator[None]:
+    """Let the ``spliceway`` records of ``level`` and above through, as ``spliceway run``
+    does at that level: pytest leaves Python's default (warnings only) on the loggers."""
+    logger = logging.getLogger("spliceway")
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def wait_until(

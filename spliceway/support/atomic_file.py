@@ -168,7 +168,7 @@ def remove_stale_staged(path: str) -> list[str]:
     removed = []
     for name in names:
         match = pattern.fullmatch(name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -182,7 +182,7 @@ def remove_stale_staged(path: str) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether ``pid`` is another live process (one of another user's counts as live)."""
     if pid <= 0 or pid == os.getpid():
         return False

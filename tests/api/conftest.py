@@ -6,6 +6,7 @@ import copy
 import http.client
 import json
 import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,15 @@ RELAXED = Limits(queries_per_second=100000.0, commands_per_second=100000.0, sse_
 
 #: What a local caller sends with a command body.
 JSON_BODY = {"Content-Type": "application/json"}
+
+
+def get_result(base_url: str, path: str, timeout: float) -> dict[str, Any]:
+    """The ``result`` of a successful GET of ``path`` from the control API."""
+    with urllib.request.urlopen(base_url + path, timeout=timeout) as resp:
+        body = json.loads(resp.read())
+    assert body["ok"], body
+    result: dict[str, Any] = body["result"]
+    return result
 
 
 def local_client(app: ControlApp) -> falcon.testing.TestClient:

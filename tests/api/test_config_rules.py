@@ -4,12 +4,10 @@
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from tests.api.conftest import control_config
+from tests.api.conftest import control_config, get_result
 from tests.conftest import wait_until
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import recv_exact, socks5_connect
@@ -18,11 +16,7 @@ TIMEOUT = 10.0
 
 
 def get(base_url: str, path: str) -> dict[str, Any]:
-    with urllib.request.urlopen(base_url + path, timeout=TIMEOUT) as resp:
-        body = json.loads(resp.read())
-    assert body["ok"], body
-    result: dict[str, Any] = body["result"]
-    return result
+    return get_result(base_url, path, TIMEOUT)
 
 
 def test_config_lists_rules_as_flows_name_them(make_engine: Callable[..., Any]) -> None:

@@ -7,8 +7,6 @@ import json
 import logging
 import random
 import socket
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -28,12 +26,12 @@ from spliceway.api.grpc_service import struct_to_dict
 from spliceway.errors import HTTP_STATUS, ApiError
 from tests.conftest import base_config, wait_until
 from tests.events.test_catalogue import check_event
+from tests.helpers.program import python_json
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import socks5_connect
 
 ADMIN_ENV, READ_ENV = "SPLICEWAY_TEST_GRPC_ADMIN", "SPLICEWAY_TEST_GRPC_READ"
 ADMIN, READER = "grpc-admin-key", "grpc-read-key"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def grpc_config(**overrides: Any) -> dict[str, Any]:
@@ -460,16 +458,7 @@ def test_grpc_enabled_without_the_extra_is_feature_disabled():
         print(json.dumps({"refused": refused, "caps": caps}))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = python_json(script)
     code, field, message = result["refused"]
     assert (code, field) == ("feature_disabled", "api.grpc.enabled")
     assert "spliceway[grpc]" in message

@@ -34,11 +34,8 @@ def _config(path: Path) -> dict[str, Any]:
 
 @pytest.fixture
 def engine(sock_path: Path) -> Iterator[Engine]:
-    eng = Engine(_config(sock_path)).start()
-    try:
+    with Engine(_config(sock_path)) as eng:
         yield eng
-    finally:
-        eng.stop()
 
 
 class Client:

@@ -14,7 +14,7 @@ import pytest
 
 from spliceway.events.logring import LOG_RING_CAPACITY, MESSAGE_MAX_CHARS, ROOT_LOGGER
 from tests.api.conftest import control_config
-from tests.conftest import wait_until
+from tests.conftest import spliceway_logs_at, wait_until
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import refused_port
 
@@ -23,15 +23,9 @@ TIMEOUT = 10.0
 
 @pytest.fixture(autouse=True)
 def _spliceway_at_debug() -> Iterator[None]:
-    """Let every ``spliceway`` record through, as ``spliceway run`` at ``debug`` does:
-    pytest leaves Python's default (warnings only) on the loggers."""
-    logger = logging.getLogger(ROOT_LOGGER)
-    previous = logger.level
-    logger.setLevel(logging.DEBUG)
-    try:
+    """Let every ``spliceway`` record through, as ``spliceway run`` at ``debug`` does."""
+    with spliceway_logs_at(logging.DEBUG):
         yield
-    finally:
-        logger.setLevel(previous)
 
 
 def get(base_url: str, path: str, key: str | None = None) -> tuple[int, dict[str, Any]]:

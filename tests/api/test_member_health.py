@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from tests.api.conftest import JSON_BODY, control_config
+from tests.api.conftest import JSON_BODY, control_config, get_result
 from tests.conftest import wait_until
 from tests.helpers.servers import http_origin
 from tests.helpers.upstreams import refused_port
@@ -37,11 +37,7 @@ def health_config(origin_port: int, dead_port: int) -> dict[str, Any]:
 
 
 def get(base_url: str, path: str) -> dict[str, Any]:
-    with urllib.request.urlopen(base_url + path, timeout=TIMEOUT) as resp:
-        body = json.loads(resp.read())
-    assert body["ok"], body
-    result: dict[str, Any] = body["result"]
-    return result
+    return get_result(base_url, path, TIMEOUT)
 
 
 def command(base_url: str, method: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -18,23 +18,20 @@ from spliceway.events.log import EventLog
 from spliceway.flows import records
 from tests.connector.test_outbox import fill_disk
 from tests.events.test_catalogue import check_event
+from tests.helpers.flows import flow_state
 from tests.helpers.sinks import jsonl, sink_config
 
 LOG = EventLog(1000)
 
 
 def _state(flow_id: str) -> records.FlowState:
-    state = records.FlowState(
+    state = flow_state(
         flow_id=flow_id,
         inbound_tag="socks-in",
         inbound_protocol="socks5",
-        source_ip="127.0.0.1",
         source_port=40000,
-        started_at_unix_ms=1_000,
-        mode="rule",
         state="opening",
         target_host="example.test",
-        target_port=443,
         last_activity_at_unix_ms=1_000,
     )
     state.revision = 1

@@ -38,22 +38,14 @@ import sys
 
 import cffi
 import pytest
-from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
+from hypothesis import currently_in_test_context, event, given
 from hypothesis import strategies as st
 
 from spliceway import _relay
 from spliceway.protocols import NEED_MORE, ProtocolError, http, sniff, socks5
-from tests.helpers.examples import examples as budget
+from tests.helpers.examples import diff_settings as _settings
 
 ffi, lib = _relay.ffi, _relay.lib
-
-
-def _settings(examples: int) -> settings:
-    return settings(
-        max_examples=budget(examples),
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 def note(label: str) -> None:

@@ -27,23 +27,15 @@ import random
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from spliceway import _relay
 from spliceway.tun import packet as P
 from tests.csrc.test_parse_diff import exact, note
-from tests.helpers.examples import examples as budget
+from tests.helpers.examples import diff_settings as _settings
 
 ffi, lib = _relay.ffi, _relay.lib
-
-
-def _settings(examples: int) -> settings:
-    return settings(
-        max_examples=budget(examples),
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 # -- the C side ----------------------------------------------------------------------------

@@ -19,23 +19,15 @@ from __future__ import annotations
 
 import ipaddress
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from spliceway import _relay
 from spliceway.protocols import ProtocolError, socks5
 from tests.csrc.test_parse_diff import exact, note
-from tests.helpers.examples import examples as budget
+from tests.helpers.examples import diff_settings as _settings
 
 ffi, lib = _relay.ffi, _relay.lib
-
-
-def _settings(examples: int) -> settings:
-    return settings(
-        max_examples=budget(examples),
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 def c_udp(buf: bytes):

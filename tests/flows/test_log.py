@@ -9,19 +9,11 @@ import pytest
 from spliceway.flows import log as flowlog
 from spliceway.flows import records
 from spliceway.flows.records import Failure, FlowState
+from tests.helpers.flows import flow_state
 
 
 def completed(**changes) -> FlowState:
-    state = FlowState(
-        flow_id="ab12-7",
-        inbound_tag="mixed-in",
-        inbound_protocol="mixed",
-        source_ip="127.0.0.1",
-        source_port=50000,
-        started_at_unix_ms=1_000,
-        mode="rule",
-        target_host="example.com",
-        target_port=443,
+    state = flow_state(
         outbound_tag="direct",
         ended_at_unix_ms=1_012,
         outcome=records.DIRECT_RELAYED,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from hypothesis import HealthCheck, settings
+
 _PROFILES = {"": "ci", "ci": "ci", "full": "full", "deep": "deep"}
 
 
@@ -38,6 +40,17 @@ def examples(written: int) -> int:
     if budget == "full":
         return written
     return max(min(written, 30), written // 4)
+
+
+def diff_settings(written: int) -> settings:
+    """The ``settings`` of a differential (C against Python) property test whose
+    full-strength count is ``written``: budgeted examples, no deadline (a C call under
+    a sanitizer or a loaded machine is slow, not wrong), large inputs allowed."""
+    return settings(
+        max_examples=examples(written),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 #: True when the run asked for the deep budget (tests that scale more than examples).

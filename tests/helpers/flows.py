@@ -5,7 +5,27 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
+from spliceway.flows.records import FlowState
 from tests.conftest import base_config
+
+#: The fields of ``flow_state()``'s flow unless it is told others.
+_FLOW = {
+    "flow_id": "ab12-7",
+    "inbound_tag": "mixed-in",
+    "inbound_protocol": "mixed",
+    "source_ip": "127.0.0.1",
+    "source_port": 50000,
+    "started_at_unix_ms": 1_000,
+    "mode": "rule",
+    "target_host": "example.com",
+    "target_port": 443,
+}
+
+
+def flow_state(**fields: Any) -> FlowState:
+    """A rule-mode flow from 127.0.0.1 to example.com:443 that started at 1,000 ms, its
+    ``fields`` (any of FlowState's) told otherwise."""
+    return FlowState(**(_FLOW | fields))
 
 
 def curl(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:

@@ -43,6 +43,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spliceway.support.atomic_file import pid_alive
+
 PREFIX = "swt"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,16 +86,6 @@ def netns_unavailable() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _delete_netns(name: str) -> None:
     """Kill every process inside ``name``, then delete it (its veth ends go with it)."""
     pids = _ip("netns", "pids", name, check=False).stdout.split()
@@ -109,7 +101,7 @@ def sweep_leftovers() -> list[str]:
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = re.fullmatch(rf"{PREFIX}(\d+)(?:n\d+-\w+|probe)", name)
-        if m and (int(m.group(1)) != os.getpid()) and not _pid_alive(int(m.group(1))):
+        if m and (int(m.group(1)) != os.getpid()) and not pid_alive(int(m.group(1))):
             _delete_netns(name)
             removed.append(name)
     return removed

@@ -73,6 +73,19 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
+@contextmanager
+def entered(name: str) -> Iterator[None]:
+    """The calling thread inside namespace ``name`` for the ``with`` body (threads it
+    starts there stay there)."""
+    with open("/proc/thread-self/ns/net", "rb") as home:
+        with open(f"/run/netns/{name}", "rb") as ns:
+            _setns(ns.fileno())
+        try:
+            yield
+        finally:
+            _setns(home.fileno())
+
+
 class TunNetns:
     """A namespace (``lo`` up) in which :meth:`open_tun` makes TUN devices."""
 
@@ -97,16 +110,9 @@ class TunNetns:
     def sysctl(self, key: str, value: str) -> None:
         self.run("sysctl", "-q", "-w", f"{key}={value}")
 
-    @contextmanager
-    def entered(self) -> Iterator[None]:
+    def entered(self) -> contextlib.AbstractContextManager[None]:
         """The calling thread inside the namespace for the ``with`` body."""
-        with open("/proc/thread-self/ns/net", "rb") as home:
-            with open(f"/run/netns/{self.name}", "rb") as ns:
-                _setns(ns.fileno())
-            try:
-                yield
-            finally:
-                _setns(home.fileno())
+        return entered(self.name)
 
     def open_tun(
         self, dev: str, addresses: Sequence[str], routes: Sequence[str] = (), mtu: int = 1500,

@@ -7,12 +7,23 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
 from tests.conftest import base_config
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def command_request(base_url: str, method: str, params: dict[str, Any]) -> urllib.request.Request:
+    """The control API's POST of command ``method`` with ``params``."""
+    return urllib.request.Request(
+        f"{base_url}/api/v1/commands",
+        data=json.dumps({"method": method, "params": params}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
 
 
 def socks_and_keyless_api_config() -> dict[str, Any]:

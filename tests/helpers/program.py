@@ -14,6 +14,33 @@ from pathlib import Path
 from typing import Any
 
 SPLICEWAY = [sys.executable, "-m", "spliceway"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def python_json(script: str) -> Any:
+    """Run ``script`` in a fresh interpreter at the repository root (nothing imported
+    yet); the JSON of the last line it printed."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def events_over_ipc(sock_path: str | os.PathLike[str]) -> subprocess.Popen[str]:
+    """``spliceway --ipc SOCK events --types policy.selected``, its stdout and stderr
+    piped as text."""
+    return subprocess.Popen(
+        [*SPLICEWAY, "--ipc", os.fspath(sock_path), "events", "--types", "policy.selected"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float = 20) -> re.Match[str]:

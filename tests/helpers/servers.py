@@ -81,17 +81,21 @@ def http_origin() -> Iterator[tuple[str, int]]:
 
 
 class LoopbackServer:
-    """A TCP listener on 127.0.0.1 whose accept loop runs in a daemon thread.
+    """A TCP listener on 127.0.0.1 (``::1`` for ``AF_INET6``) whose accept loop runs in
+    a daemon thread.
 
     Subclasses set their own state, then call ``super().__init__()`` and get every
     accepted connection in :meth:`handle`. ``close()`` (or leaving a ``with`` block)
     stops accepting; connections already accepted stay open.
     """
 
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, family: int = socket.AF_INET) -> None:
+        host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+        self.sock = socket.create_server((host, 0), family=family)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
-        threading.Thread(target=self._serve, daemon=True).start()
+        #: The accept loop (joinable once ``close()`` has refused further connections).
+        self.accepting = threading.Thread(target=self._serve, daemon=True)
+        self.accepting.start()
 
     @property
     def port(self) -> int:

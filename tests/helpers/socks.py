@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 
@@ -22,6 +23,15 @@ def recv_all(sock: socket.socket) -> bytes:
     data = b""
     while chunk := sock.recv(65536):
         data += chunk
+    return data
+
+
+def recv_to_eof(sock: socket.socket) -> bytes:
+    """What ``sock`` receives until the peer closes it or resets it."""
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            data += chunk
     return data
 
 

@@ -310,9 +310,7 @@ def test_oversized_declared_body_is_413_before_it_is_sent(
     # With Expect: 100-continue the client is told 413 instead of "continue".
     sock = socket.create_connection(address, timeout=5)
     sockets.append(sock)
-    sock.sendall(
-        f"{head}Expect: 100-continue\r\nContent-Length: {1 << 30}\r\n\r\n".encode()
-    )
+    sock.sendall(f"{head}Expect: 100-continue\r\nContent-Length: {1 << 30}\r\n\r\n".encode())
     status, _, _ = _read_response(sock, 2)
     assert status == 413
 
@@ -430,6 +428,13 @@ def _keyless_engine_process(tmp_path: Path) -> EngineProcess:
     return EngineProcess(cfg, tmp_path, "engine")
 
 
+def _api_address(engine: EngineProcess) -> tuple[str, int]:
+    """Where the started engine's control API listens."""
+    url = urllib.parse.urlsplit(engine.base_url)
+    assert url.hostname is not None and url.port is not None
+    return url.hostname, url.port
+
+
 def test_api_out_of_descriptors_backs_off_and_serves_open_connections(
     tmp_path: Path, sockets: list[socket.socket]
 ) -> None:
@@ -440,10 +445,8 @@ def test_api_out_of_descriptors_backs_off_and_serves_open_connections(
     engine = _keyless_engine_process(tmp_path)
     try:
         engine.wait_started()
-        url = urllib.parse.urlsplit(engine.base_url)
-        assert url.hostname is not None and url.port is not None
-        address = (url.hostname, url.port)
-        host = {"Host": f"127.0.0.1:{url.port}"}
+        address = _api_address(engine)
+        host = {"Host": f"127.0.0.1:{address[1]}"}
         kept = http.client.HTTPConnection(*address, timeout=5)
         kept.request("GET", "/api/v1/health", headers=host)
         assert kept.getresponse().read()
@@ -497,10 +500,8 @@ def test_a_new_api_connection_is_served_on_the_reserve_descriptor(tmp_path: Path
     engine = _keyless_engine_process(tmp_path)
     try:
         engine.wait_started()
-        url = urllib.parse.urlsplit(engine.base_url)
-        assert url.hostname is not None and url.port is not None
-        address = (url.hostname, url.port)
-        head = f"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1:{url.port}\r\n"
+        address = _api_address(engine)
+        head = f"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1:{address[1]}\r\n"
         hard = resource.prlimit(engine.pid, resource.RLIMIT_NOFILE)[1]
         # No descriptor left: the lowest free number is the limit.
         in_use = len(os.listdir(f"/proc/{engine.pid}/fd"))

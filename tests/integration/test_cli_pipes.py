@@ -18,7 +18,7 @@ import pytest
 
 from spliceway import Engine
 from tests.conftest import base_config
-from tests.helpers.program import SPLICEWAY
+from tests.helpers.program import SPLICEWAY, events_over_ipc
 
 F_SETPIPE_SZ = 1031
 SMALL_PIPE = 4096
@@ -101,12 +101,7 @@ def test_events_into_a_closed_pipe_ends_quietly_with_141(engine, sock_path):
 
 
 def test_sigint_during_events_ends_quietly_with_130(engine, sock_path):
-    proc = subprocess.Popen(
-        [*SPLICEWAY, "--ipc", str(sock_path), "events", "--types", "policy.selected"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = events_over_ipc(sock_path)
     try:
         # The subscription is in place once an event comes through it.
         deadline = time.monotonic() + 20

@@ -16,7 +16,7 @@ import pytest
 
 from spliceway import Engine
 from tests.conftest import base_config, wait_until
-from tests.helpers.program import SPLICEWAY
+from tests.helpers.program import SPLICEWAY, events_over_ipc
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import socks5_connect
 
@@ -30,11 +30,8 @@ def _config(path: Path) -> dict[str, Any]:
 
 @pytest.fixture
 def engine(sock_path: Path) -> Iterator[Engine]:
-    eng = Engine(_config(sock_path)).start()
-    try:
+    with Engine(_config(sock_path)) as eng:
         yield eng
-    finally:
-        eng.stop()
 
 
 def cli(path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -118,12 +115,7 @@ def test_json_of_policies_select_and_mode_is_the_result_over_spliceway_ipc(engin
 
 def test_events_prints_one_envelope_per_line_until_the_engine_stops(sock_path):
     eng = Engine(_config(sock_path)).start()
-    proc = subprocess.Popen(
-        [*SPLICEWAY, "--ipc", str(sock_path), "events", "--types", "policy.selected"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = events_over_ipc(sock_path)
     try:
         # Subscribed once the engine holds its subscription: then select.
         wait_until(lambda: any(c._sub for c in list(eng._transports.ipc._conns)), what="subscribed")

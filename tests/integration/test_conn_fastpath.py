@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 
 from spliceway import ApiError, Engine
-from tests.conftest import base_config, wait_until
+from tests.conftest import base_config, engines_started, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.flows import completed, flow_events
 from tests.helpers.servers import EchoServer, LoopbackServer
-from tests.helpers.socks import recv_exact
+from tests.helpers.socks import recv_exact, recv_to_eof
 from tests.helpers.upstreams import black_hole, microsocks, refused_port, tinyproxy
 
 #: No stats sampling during a test: throughput stays 0 and no flow.updated interleaves,
@@ -58,20 +58,11 @@ def config(**overrides: Any) -> dict[str, Any]:
 def python_engine() -> Iterator[Callable[[dict[str, Any]], Engine]]:
     """Engines that never install a C route table: C defers every flow after its handshake
     (route_publish: "Until a table is installed C defers every flow to Python")."""
-    engines: list[Engine] = []
 
-    def _make(cfg: dict[str, Any]) -> Engine:
-        engine = Engine(cfg)
+    def never_publish(engine: Engine) -> None:
         engine._core.routes.publish = lambda: None  # type: ignore[method-assign]
-        engine.start()
-        engines.append(engine)
-        return engine
 
-    yield _make
-    for engine in engines:
-        engine.stop()
-    for engine in engines:
-        assert not engine._core.flow_actors, f"flow actors left: {engine._core.flow_actors}"
+    yield from engines_started(never_publish)
 
 
 def cstats(engine: Engine) -> dict[str, int]:
@@ -108,14 +99,6 @@ def py_deferred(n: int = 1, **more: int) -> dict[str, int]:
 
 
 # -- clients ---------------------------------------------------------------------------
-
-
-def recv_to_eof(sock: socket.socket) -> bytes:
-    data = b""
-    with contextlib.suppress(ConnectionResetError):
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data
 
 
 def s5_request(host: str, port: int) -> bytes:

@@ -24,6 +24,7 @@ from typing import Any
 from tests.api.test_openapi import validate_component
 from tests.conftest import wait_until
 from tests.events.test_catalogue import check_event
+from tests.helpers.proc import command_request
 from tests.helpers.receiver import Receiver, Reply
 from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import EngineProcess, jsonl, sink_config, webhook
@@ -68,12 +69,7 @@ def _dead_pid() -> int:
 
 
 def _command(engine: EngineProcess, method: str, params: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        f"{engine.base_url}/api/v1/commands",
-        data=json.dumps({"method": method, "params": params}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    request = command_request(engine.base_url, method, params)
     with urllib.request.urlopen(request, timeout=20) as answer:
         return json.loads(answer.read())
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.api.conftest import control_config
-from tests.conftest import wait_until
+from tests.conftest import spliceway_logs_at, wait_until
 from tests.helpers.servers import EchoServer, http_origin
 from tests.helpers.socks import recv_exact, socks5_connect
 
@@ -592,13 +592,8 @@ def spliceway_info_logs() -> Iterator[None]:
     """Let the engine's info lines through, as ``spliceway run`` does at ``info``."""
     import logging
 
-    logger = logging.getLogger("spliceway")
-    previous = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with spliceway_logs_at(logging.INFO):
         yield
-    finally:
-        logger.setLevel(previous)
 
 
 def rows_shown(driver: WebDriver) -> list[str]:

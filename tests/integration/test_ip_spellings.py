@@ -28,7 +28,8 @@ from spliceway import Engine
 from tests.conftest import base_config, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.flows import completed
-from tests.helpers.socks import recv_exact
+from tests.helpers.servers import LoopbackServer
+from tests.helpers.socks import recv_exact, recv_to_eof
 from tests.helpers.spellings import LOOPBACK_SPELLINGS
 
 RULE = {"ip_cidr": ["127.0.0.0/8"], "action": "block"}
@@ -68,31 +69,20 @@ def engines() -> Iterator[Callable[[dict[str, Any]], dict[str, Engine]]]:
         assert not engine._core.flow_actors
 
 
-class Watch:
+class Watch(LoopbackServer):
     """A listener that must never be dialled: it counts what it accepts."""
 
     def __init__(self, family: int = socket.AF_INET, echo: bool = False) -> None:
-        host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.bind((host, 0))
-        self.sock.listen(64)
-        self.port: int = self.sock.getsockname()[1]
         self.accepted = 0
         self.echo = echo
         self._conns: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(family)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            self._conns.append(conn)
-            if self.echo:
-                threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+    def handle(self, conn: socket.socket) -> None:
+        self.accepted += 1
+        self._conns.append(conn)
+        if self.echo:
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     @staticmethod
     def _echo(conn: socket.socket) -> None:
@@ -102,10 +92,8 @@ class Watch:
             conn.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self._thread.join(5)
+        super().close()
+        self.accepting.join(5)
         for c in self._conns:
             c.close()
 
@@ -117,14 +105,6 @@ def watching(**kw: Any) -> Iterator[Watch]:
         yield w
     finally:
         w.close()
-
-
-def _read_all(sock: socket.socket) -> bytes:
-    data = b""
-    with contextlib.suppress(ConnectionResetError):
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data
 
 
 def socks5(engine: Engine, host: str, port: int) -> tuple[socket.socket, bytes]:
@@ -159,7 +139,7 @@ def forward(engine: Engine, host: str, port: int) -> bytes:
         sock.sendall(
             f"GET http://{where}/x HTTP/1.1\r\nHost: {where}\r\nConnection: close\r\n\r\n".encode()
         )
-        return _read_all(sock)
+        return recv_to_eof(sock)
 
 
 def blocked_via(kind: str, engine: Engine, host: str, port: int) -> None:
@@ -168,7 +148,7 @@ def blocked_via(kind: str, engine: Engine, host: str, port: int) -> None:
         sock, reply = socks5(engine, host, port)
         with sock:
             assert reply == b"\x05\x02\x00\x01" + bytes(6), (host, reply)  # not allowed
-            assert _read_all(sock) == b""
+            assert recv_to_eof(sock) == b""
     elif kind == "connect":
         sock, head = connect(engine, host, port)
         with sock:
@@ -219,9 +199,11 @@ def test_every_spelling_of_127_0_0_1_is_blocked_by_its_ip_rule(engines, kind):
 @pytest.mark.parametrize("kind", ["socks5", "connect"])
 def test_domains_resolving_into_the_network_are_blocked_and_others_relay(engines, kind):
     zone = {"inside.test": ["127.0.0.1"], "outside.test": ["::1"]}
-    with dns_server(zone) as dns, watching() as target, watching(
-        family=socket.AF_INET6, echo=True
-    ) as echo:
+    with (
+        dns_server(zone) as dns,
+        watching() as target,
+        watching(family=socket.AF_INET6, echo=True) as echo,
+    ):
         pair = engines(config(runtime={"dns": {"servers": [dns.udp_url]}}))
         for path, engine in pair.items():
             n = 0
@@ -244,7 +226,7 @@ def test_domains_resolving_into_the_network_are_blocked_and_others_relay(engines
                     sock.sendall(PAYLOAD)
                     assert recv_exact(sock, len(PAYLOAD)) == PAYLOAD
                     sock.shutdown(socket.SHUT_WR)
-                    assert _read_all(sock) == b""
+                    assert recv_to_eof(sock) == b""
                 n += 1
                 record = _completed_after(engine, n)
                 assert record["result"] == {"outcome": "direct_relayed"}, (path, host)

@@ -64,22 +64,22 @@ def test_http_outbound_through_tinyproxy(make_engine, origin, tmp_path, auth):
     assert engine.query("stats")["chained_sessions"] == 1
 
 
+def _failed_via_socks5(make_engine, origin, port: int, **outbound) -> dict:
+    """The completed event of a request to ``origin`` through a socks5 outbound at
+    ``port`` (with ``outbound``'s settings) that fails."""
+    engine = engine_via(
+        make_engine,
+        {"tag": "up", "protocol": "socks5", "server": "127.0.0.1", "port": port, **outbound},
+    )
+    result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
+    assert result.returncode != 0
+    (done,) = completed(engine)
+    return done
+
+
 def test_socks5_outbound_with_wrong_password_fails_the_flow(make_engine, origin):
     with microsocks(("u1", "p1")) as port:
-        engine = engine_via(
-            make_engine,
-            {
-                "tag": "up",
-                "protocol": "socks5",
-                "server": "127.0.0.1",
-                "port": port,
-                "username": "u1",
-                "password": "bad",
-            },
-        )
-        result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
-        assert result.returncode != 0
-        (done,) = completed(engine)
+        done = _failed_via_socks5(make_engine, origin, port, username="u1", password="bad")
     failure = done["payload"]["record"]["result"]["failure"]
     assert done["payload"]["record"]["result"]["outcome"] == "failed"
     assert failure["code"] == "auth_failed"
@@ -100,19 +100,7 @@ def test_http_outbound_rejected_connect_fails_the_flow(make_engine, origin, tmp_
 
 def test_unreachable_upstream_times_out_as_configured(make_engine, origin):
     with black_hole() as port:
-        engine = engine_via(
-            make_engine,
-            {
-                "tag": "up",
-                "protocol": "socks5",
-                "server": "127.0.0.1",
-                "port": port,
-                "connect_timeout_ms": 300,
-            },
-        )
-        result = socks_curl(engine, f"http://127.0.0.1:{origin[1]}/")
-        assert result.returncode != 0
-        (done,) = completed(engine)
+        done = _failed_via_socks5(make_engine, origin, port, connect_timeout_ms=300)
     record = done["payload"]["record"]
     assert record["result"]["failure"]["code"] == "connect_timeout"
     assert record["timing"]["duration_ms"] < 3000

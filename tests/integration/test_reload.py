@@ -28,6 +28,7 @@ from spliceway.api.openapi import command_component, openapi_document
 from spliceway.errors import ApiError
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import STATUS_ONLY, proxy_curl, socks_curl
+from tests.helpers.proc import command_request
 from tests.helpers.program import SPLICEWAY, environ_without
 from tests.helpers.servers import EchoServer
 from tests.helpers.sinks import jsonl
@@ -331,12 +332,7 @@ def test_config_apply_over_http_persists_and_refuses_an_api_control_change(
 
 
 def _post_command(engine: Engine, method: str, params: dict[str, Any]) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        f"{engine.control_url}/api/v1/commands",
-        data=json.dumps({"method": method, "params": params}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    request = command_request(engine.control_url, method, params)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())

@@ -32,6 +32,7 @@ import pytest
 from spliceway.native.tun import TunFlow, TunStack
 from spliceway.tun import packet as P
 from tests.helpers.netns_tun import TunNetns, unavailable
+from tests.helpers.servers import LoopbackServer
 
 _WHY = unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
@@ -94,23 +95,16 @@ class Relay:
             t.join(5)
 
 
-class Server:
+class Server(LoopbackServer):
     """A TCP server on loopback here: ``echo`` (back what it reads) or ``http``."""
 
     def __init__(self, kind: str) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
         self.kind = kind
         self.received: list[bytes] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+    def handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._one, args=(conn,), daemon=True).start()
 
     def _one(self, conn: socket.socket) -> None:
         with conn:
@@ -125,9 +119,6 @@ class Server:
             body = b"hello through the tun\n"
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                          % len(body) + body)  # fmt: skip
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture
@@ -149,25 +140,32 @@ def client(ns: TunNetns, version: int, kind: int = socket.SOCK_STREAM) -> socket
         return socket.socket(socket.AF_INET if version == 4 else socket.AF_INET6, kind)
 
 
+def _echoed(ns: TunNetns, v: int, size: int) -> socket.socket:
+    """A client in ``ns`` connected to TARGET[v]:8443 that sent ``size`` random bytes
+    while reading them back (both ways at once), the two equal by hash."""
+    c = client(ns, v)
+    c.settimeout(20)
+    c.connect((TARGET[v], 8443))
+    data = os.urandom(size)
+    got = bytearray()
+    sender = threading.Thread(target=c.sendall, args=(data,))
+    sender.start()
+    while len(got) < len(data):
+        chunk = c.recv(1 << 20)
+        assert chunk
+        got += chunk
+    sender.join()
+    assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+    return c
+
+
 def _echo_through(ns: TunNetns, stack: TunStack, v: int, size: int) -> Relay:
     """``size`` random bytes to an echo server through the stack and back, both ways at
     once, compared by hash; returns the relay (its flows)."""
     echo = Server("echo")
     relay = Relay(stack, lambda flow: ("127.0.0.1", echo.port))
     try:
-        c = client(ns, v)
-        c.settimeout(20)
-        c.connect((TARGET[v], 8443))
-        data = os.urandom(size)
-        got = bytearray()
-        sender = threading.Thread(target=c.sendall, args=(data,))
-        sender.start()
-        while len(got) < len(data):
-            chunk = c.recv(1 << 20)
-            assert chunk
-            got += chunk
-        sender.join()
-        assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+        c = _echoed(ns, v, size)
         c.close()
     finally:
         relay.close()
@@ -181,19 +179,7 @@ def test_tcp_through_the_stack_is_byte_exact(ns: TunNetns, v: int) -> None:
     echo = Server("echo")
     relay = Relay(stack, lambda flow: ("127.0.0.1", echo.port))
     try:
-        c = client(ns, v)
-        c.settimeout(20)
-        c.connect((TARGET[v], 8443))
-        data = os.urandom(4 << 20)
-        got = bytearray()
-        sender = threading.Thread(target=c.sendall, args=(data,))
-        sender.start()
-        while len(got) < len(data):
-            chunk = c.recv(1 << 20)
-            assert chunk
-            got += chunk
-        sender.join()
-        assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+        c = _echoed(ns, v, 4 << 20)
         (flow,) = relay.flows
         assert (str(flow.dst), flow.dport) == (TARGET[v], 8443)
         assert (flow.src, flow.sport) == (ipaddress.ip_address(c.getsockname()[0]),

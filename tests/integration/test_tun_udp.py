@@ -19,7 +19,6 @@ Skipped, with the reason, only where namespaces or a TUN cannot be made.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import os
 import socket
@@ -52,6 +51,7 @@ from tests.helpers.netns import (
     read_lines,
     topology,
 )
+from tests.helpers.netns_tun import IFF_NO_PI, IFF_TUN, TUNSETIFF, entered
 
 _WHY = netns_unavailable()
 pytestmark = [
@@ -69,28 +69,7 @@ NOWHERE = {4: "203.0.113.99", 6: "2001:db8:100::99"}
 MARK = 0x5701
 TABLE = "2601"
 
-_CLONE_NEWNET = 0x40000000
-_TUNSETIFF = 0x400454CA
-_IFF_TUN_NO_PI = 0x0001 | 0x1000
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-@contextlib.contextmanager
-def entered(ns: str) -> Iterator[None]:
-    """The calling thread inside namespace ``ns`` (threads it starts stay there)."""
-    with open("/proc/thread-self/ns/net", "rb") as home:
-        with open(f"/run/netns/{ns}", "rb") as target:
-            _setns(target.fileno())
-        try:
-            yield
-        finally:
-            _setns(home.fileno())
+_IFF_TUN_NO_PI = IFF_TUN | IFF_NO_PI
 
 
 _ECHO = textwrap.dedent(
@@ -176,7 +155,7 @@ def _open_tun(topo: Topology) -> int:
     with entered(host.name):
         fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
         try:
-            fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", DEV.encode(), _IFF_TUN_NO_PI))
+            fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", DEV.encode(), _IFF_TUN_NO_PI))
         except BaseException:
             os.close(fd)
             raise

@@ -10,6 +10,7 @@ from spliceway.config import Rule, parse_config
 from spliceway.routing import hostnorm
 from spliceway.routing import rules as routing
 from spliceway.routing.rules import FlowFacts, MatchedRule, RouteDecision, compile_rules, decide
+from tests.config.test_config import EXAMPLE
 from tests.helpers.examples import examples
 from tests.helpers.spellings import LOOPBACK_SPELLINGS
 
@@ -252,16 +253,7 @@ def test_rules_from_the_config_example():
     cfg = parse_config(
         {
             "outbounds": [{"tag": "proxy", "protocol": "http", "server": "h", "port": 1}],
-            "rules": [
-                {"domain_suffix": ["example.com"], "outbound": "proxy"},
-                {"domain_keyword": ["ads"], "action": "block"},
-                {
-                    "ip_cidr": ["10.0.0.0/8"],
-                    "port": ["22", "8000-8100"],
-                    "network": "tcp",
-                    "outbound": "direct",
-                },
-            ],
+            "rules": EXAMPLE["rules"],
             "route": {"final": "proxy"},
         }
     )
