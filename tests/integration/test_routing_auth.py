@@ -184,16 +184,20 @@ def test_sniffed_tls_sni_feeds_domain_rules(make_engine):
 
     cfg = base_config(rules=[{"domain_suffix": ["sni-blocked.test"], "action": "block"}])
     engine = make_engine(cfg)
+    # The ClientHello is made before the tunnel opens: loading the CA store can take
+    # longer than the inbound's sniff window on a loaded machine, and the hello must
+    # arrive within it, as a real client's does.
+    ctx = ssl.create_default_context()
+    outgoing = ssl.MemoryBIO()
+    tls = ctx.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname="www.sni-blocked.test")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = outgoing.read()
     listener = socket.create_server(("127.0.0.1", 0))
     try:
         sock = socks5_connect(engine.listen_address("socks-in"), *listener.getsockname()[:2])
-        ctx = ssl.create_default_context()
-        outgoing = ssl.MemoryBIO()
-        tls = ctx.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname="www.sni-blocked.test")
-        with pytest.raises(ssl.SSLWantReadError):
-            tls.do_handshake()
         with sock:
-            sock.sendall(outgoing.read())
+            sock.sendall(hello)
             sock.settimeout(5)
             with contextlib.suppress(ConnectionResetError):
                 assert sock.recv(100) == b""
