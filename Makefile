@@ -1,4 +1,5 @@
-# One task runner: .ci/run calls `make -k checks` and then the README's test command;
+# One task runner: .ci/run calls `make -k checks`, then the README's test command, and a
+# developer runs the same targets.
 # `make help` lists them. PYTHON is the interpreter with the test extra installed
 # (pip install -e '.[test]').
 
