@@ -41,6 +41,13 @@ class ControlPlane(Protocol):
         """The engine's event log: emit, subscribe, encode."""
         ...
 
+    @property
+    def state_dir(self) -> str:
+        """Directory for the engine's small state files that are not configuration (the
+        Clash API's ``/storage``): beside the fake-ip table when it persists, else beside
+        the outbox, else the user's state directory."""
+        ...
+
     def flow_records(self) -> list[dict[str, Any]]:
         """The latest record of every active flow (a subscription's ``flow.snapshot``)."""
         ...

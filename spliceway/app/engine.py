@@ -146,6 +146,11 @@ class Engine:
         return server.bound
 
     @property
+    def clash_url(self) -> str:
+        """Base URL (``http://host:port``) of the running Clash API (``api.clash``)."""
+        return self._transports.clash_url
+
+    @property
     def control_url(self) -> str:
         """Base URL (``http://host:port``) of the running HTTP control API."""
         return self._transports.control_url

@@ -10,12 +10,16 @@ the only caller, so neither the core nor the transports import each other.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from spliceway.api.app import create_app
+from spliceway.api.clash.app import create_clash_app
+from spliceway.api.clash.context import ClashContext
+from spliceway.api.clash.server import ClashServer
 from spliceway.api.auth import KeyTable
 from spliceway.api.grpc_server import GrpcServer, check_grpc
 from spliceway.api.ipc import IpcServer
@@ -53,6 +57,19 @@ class CorePlane:
     def log(self) -> EventLog:
         """The core's event log."""
         return self._core.log
+
+    @property
+    def state_dir(self) -> str:
+        """Beside ``runtime.dns.answer.persist_path``, else ``api.outbox_path``, else
+        ``$XDG_STATE_HOME/spliceway`` (``~/.local/state/spliceway``)."""
+        config = self._core.config
+        persist = getattr(config.runtime.dns.answer, "persist_path", None)
+        if persist:
+            return os.path.dirname(os.path.abspath(persist))
+        if config.api.outbox_path:
+            return os.path.abspath(config.api.outbox_path)
+        base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+        return os.path.join(base, "spliceway")
 
     def flow_records(self) -> list[dict[str, Any]]:
         """The latest record of every active flow."""
@@ -99,6 +116,8 @@ class Transports:
         self._control: ControlServer | None = None
         self._ipc: IpcServer | None = None
         self._grpc: GrpcServer | None = None
+        self._clash_ctx: ClashContext | None = None
+        self._clash: ClashServer | None = None
 
     def prepare(self) -> None:
         """Refuse, with ApiError, a start the transports cannot serve: an unset
@@ -106,6 +125,17 @@ class Transports:
         api = self._plane.api_settings
         self._keys = KeyTable.from_config(api.control) if api.control.enabled else None
         check_grpc(api)
+        clash = api.clash
+        self._clash_ctx = (
+            ClashContext(
+                self._plane,
+                clash,
+                clash.read_secret(),
+                storage_dir=os.path.join(self._plane.state_dir, "clash-storage"),
+            )
+            if clash.enabled
+            else None
+        )
         self._api = api
 
     def start(self) -> None:
@@ -129,6 +159,12 @@ class Transports:
                     # Shares the app's state: its keys, rate limits and stream slots.
                     self._grpc = GrpcServer(app.state, control.listen.address, control.listen.port)
                     self._grpc.start()
+            if self._clash_ctx is not None:
+                ctx = self._clash_ctx
+                listen = api.clash.listen
+                self._clash = ClashServer(create_clash_app(ctx), listen.address, listen.port)
+                ctx.listen = self._clash.bind()
+                self._clash.start()
         except BaseException:
             # The ones started before something after them failed (gRPC's port taken).
             self.stop()
@@ -145,6 +181,9 @@ class Transports:
 
     def stop(self) -> None:
         """End what is left and join the servers' threads (idempotent)."""
+        if self._clash is not None:
+            self._clash.stop()
+            self._clash = None
         if self._grpc is not None:
             self._grpc.stop()
             self._grpc = None
@@ -164,6 +203,13 @@ class Transports:
     def grpc(self) -> GrpcServer | None:
         """The gRPC control API's server while it runs."""
         return self._grpc
+
+    @property
+    def clash_url(self) -> str:
+        """Base URL (``http://host:port``) of the running Clash API."""
+        if self._clash is None:
+            raise not_found("the Clash API is not running")
+        return self._clash.base_url
 
     @property
     def control_url(self) -> str:

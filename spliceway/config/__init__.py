@@ -92,6 +92,7 @@ from spliceway.config.models import Config, resolve_ipc
 from spliceway.config.models_api import (
     Api,
     ApiKeySpec,
+    ClashApi,
     ControlApi,
     Dispatcher,
     FlowHook,
@@ -143,6 +144,7 @@ __all__ = [
     "Api",
     "ApiKeySpec",
     "BlockOutbound",
+    "ClashApi",
     "Config",
     "ControlApi",
     "ControlListen",

@@ -20,7 +20,12 @@ if TYPE_CHECKING:
 
 
 def _unset_variable(name: str, field_path: str) -> Detail:
-    if field_path == "api.control.api_key_env":
+    if field_path == "api.clash.secret_env":
+        remedy = (
+            f'export {name}=<the secret dashboards send>, or set "secret_env": null in '
+            "api.clash for a Clash API without a secret (loopback clients only)"
+        )
+    elif field_path == "api.control.api_key_env":
         remedy = (
             f'export {name}=<the key clients must send>, or set "api_key_env": null in '
             "api.control for a control API without a key (keep it on loopback)"
@@ -53,6 +58,10 @@ def environment_problems(config: Config, environ: Mapping[str, str] | None = Non
     """
     control = config.api.control
     problems = control_environment_problems(control, environ) if control.enabled else []
+    clash = config.api.clash
+    env = os.environ if environ is None else environ
+    if clash.enabled and clash.secret_env is not None and not env.get(clash.secret_env):
+        problems.append(_unset_variable(clash.secret_env, "api.clash.secret_env"))
     return problems + sink_environment_problems(config.api.event_sinks, environ)
 
 

@@ -17,6 +17,8 @@ from spliceway.config.models_inbounds import ControlListen
 from spliceway.config.validators import (
     DEFAULT_API_KEY_ENV,
     EnvName,
+    IpAddr,
+    ListenPort,
     NonEmptyStr,
     NonNegInt,
     Percent,
@@ -118,6 +120,52 @@ class GrpcApi(_Model):
     the `grpc` extra (`pip install 'spliceway[grpc]'`); the engine refuses to start
     otherwise (`invalid_argument`, `feature_disabled`).
     """
+
+
+class ClashListen(_Model):
+    """``api.clash.listen`` (defaults 127.0.0.1:9097)."""
+
+    address: IpAddr = "127.0.0.1"
+    """IP address the Clash API binds (`0.0.0.0` or `::` for every interface), or
+    `localhost`. Keep it on loopback unless `secret_env` is set.
+    """
+    port: ListenPort = 9097
+    """TCP port of the Clash API; `0` lets the operating system choose."""
+
+
+class ClashApi(_Model):
+    """``api.clash``: a listener speaking mihomo's external-controller API (docs/clash-api.md),
+    for the dashboards and tools of the Clash world (zashboard, metacubexd, Yacd)."""
+
+    enabled: SBool = False
+    """Serve the Clash-compatible API on its own port (the control API keeps its own)."""
+    listen: ClashListen = Field(default_factory=ClashListen)
+    """Where the Clash API listens."""
+    secret_env: EnvName | None = None
+    """Environment variable holding the secret clients send as `Authorization: Bearer`
+    (or `?token=` on WebSocket upgrades). While `enabled`, the engine refuses to start when
+    it is unset or empty. `null`: no secret; then only loopback clients with a local `Host`
+    and `Origin` are served, as for a control API without a key.
+    """
+    cors_allow_origins: tuple[NonEmptyStr, ...] = ()
+    """Origins (`scheme://host[:port]`, or `*`) a browser page may call the API from; an
+    empty list allows none but the API's own origin.
+    """
+    external_ui: NonEmptyStr | None = None
+    """Directory of a dashboard's built files (zashboard, metacubexd, Yacd) served at
+    `/ui/` on this listener, or `null` for none.
+    """
+
+    def read_secret(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The secret, or ``None`` when ``secret_env`` is null; ``invalid_argument`` naming
+        the variable when it is unset or empty."""
+        if self.secret_env is None:
+            return None
+        env = os.environ if environ is None else environ
+        value = env.get(self.secret_env)
+        if not value:
+            check_environment_details([_unset_variable(self.secret_env, "api.clash.secret_env")])
+        return value
 
 
 def _check_socket_path(value: str) -> str:
@@ -276,6 +324,10 @@ class Api(_Model):
     """The local control socket (docs/ipc.md)."""
     grpc: GrpcApi = Field(default_factory=GrpcApi)
     """The gRPC control API on the control port + 1 (docs/grpc.md; needs the `grpc` extra)."""
+    clash: ClashApi = Field(default_factory=ClashApi)
+    """A Clash-compatible (mihomo external-controller) API for Clash dashboards and tools
+    (docs/clash-api.md); off by default.
+    """
     event_sinks: tuple[Sink, ...] = ()
     """Where events are delivered, each sink on its own."""
     outbox_path: NonEmptyStr | None = None

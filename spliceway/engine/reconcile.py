@@ -124,6 +124,7 @@ def check_fixed(old: Config, new: Config, outbox_open: bool) -> None:
         ("api.control", old.api.control, new.api.control),
         ("api.ipc", old.api.ipc, new.api.ipc),
         ("api.grpc", old.api.grpc, new.api.grpc),
+        ("api.clash", old.api.clash, new.api.clash),
     ]
     if outbox_open:
         fixed.append(("api.outbox_path", old.api.outbox_path, new.api.outbox_path))
