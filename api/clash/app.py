@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.types import ASGIApp
 
-from spliceway.api.clash import guard, routes, static, streams
+from spliceway.api.clash import guard, routes, static, storage, streams
 from spliceway.api.clash.context import ClashContext
 
 __all__ = ["create_clash_app"]
@@ -19,6 +19,11 @@ def create_clash_app(ctx: ClashContext) -> ASGIApp:
     ``{"message"}`` shape.
     """
     app = Starlette(
-        routes=[*static.ui_routes(ctx), *streams.stream_routes(ctx), *routes.http_routes(ctx)],
+        routes=[
+            *static.ui_routes(ctx),
+            *streams.stream_routes(ctx),
+            *storage.storage_routes(ctx),
+            *routes.http_routes(ctx),
+        ],
     )
     return guard.wrap(app, ctx)
