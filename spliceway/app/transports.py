@@ -17,10 +17,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from spliceway.api.app import create_app
+from spliceway.api.auth import KeyTable
 from spliceway.api.clash.app import create_clash_app
 from spliceway.api.clash.context import ClashContext
 from spliceway.api.clash.server import ClashServer
-from spliceway.api.auth import KeyTable
 from spliceway.api.grpc_server import GrpcServer, check_grpc
 from spliceway.api.ipc import IpcServer
 from spliceway.api.metrics import metrics_registry
