@@ -96,7 +96,8 @@ def mihomo_config(
     ``socks5`` proxy ``s5`` to the microsocks on ``socks_port``, groups ``Proxy`` (select:
     auto, s5, DIRECT) and ``auto`` (url-test over s5 and DIRECT probing the origin's
     ``/generate_204``), rules ``DOMAIN-SUFFIX,example.test`` and ``DST-PORT,<origin
-    port>`` to ``Proxy``, ``MATCH`` to ``DIRECT``. The controller on 127.0.0.1 with an
+    port>`` with ``NETWORK,TCP`` (the fixture's rule has both conditions: mihomo's ``AND``)
+    to ``Proxy``, ``MATCH`` to ``DIRECT``. The controller on 127.0.0.1 with an
     OS-chosen port, ``secret`` when given. With ``nameserver_port``, DNS is enabled in
     fake-ip mode (as the fixture's engine) asking only the UDP server on that loopback
     port, so ``/dns/query`` answers; without it DNS is off. JSON is YAML, so the dict is
@@ -130,7 +131,7 @@ def mihomo_config(
         ],
         "rules": [
             "DOMAIN-SUFFIX,example.test,Proxy",
-            f"DST-PORT,{origin_port},Proxy",
+            f"AND,((DST-PORT,{origin_port}),(NETWORK,TCP)),Proxy",
             "MATCH,DIRECT",
         ],
     }

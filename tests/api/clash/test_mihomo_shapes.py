@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import socket
 import urllib.error
 import urllib.request
@@ -231,6 +232,8 @@ class Side:
                 frame = ws.recv(timeout=10)
         except InvalidStatus as ex:
             return ex.response.status_code, None
+        except TimeoutError:
+            return 101, NotJson(b"(no frame within 10 s)")
         try:
             return 101, json.loads(frame)
         except ValueError:
@@ -289,13 +292,18 @@ class Pair:
         conn.sendall(b"ping")
         assert recv_exact(conn, 4) == b"ping"
 
-    def one_flow(self, side: Side) -> Callable[[], None]:
-        """A trigger: one short flow through ``side`` (something for ``/logs`` to say)."""
+    def log_line(self, side: Side) -> Callable[[], None]:
+        """A trigger of one log line on ``side``: mihomo logs every flow at ``info``, so a
+        short flow; spliceway reports flows as events, not log lines, so a warning on the
+        engine's logger (the in-process engine's log ring takes every ``spliceway.*``
+        record), after the same flow."""
 
         def run() -> None:
             with socks5_connect(("127.0.0.1", side.mixed_port), "127.0.0.1", self.echo_port) as s:
                 s.sendall(b"x")
                 recv_exact(s, 1)
+            if side is self.ours:
+                logging.getLogger("spliceway.tests").warning("a line for /logs")
 
         return run
 
@@ -410,8 +418,8 @@ def test_stream_first_frames_have_mihomo_shapes(pair: Pair) -> None:
     for level in ("info", "debug"):
         ledger.compare(
             f"WS /logs?level={level}",
-            pair.ours.first_frame(f"/logs?level={level}", pair.one_flow(pair.ours)),
-            pair.theirs.first_frame(f"/logs?level={level}", pair.one_flow(pair.theirs)),
+            pair.ours.first_frame(f"/logs?level={level}", pair.log_line(pair.ours)),
+            pair.theirs.first_frame(f"/logs?level={level}", pair.log_line(pair.theirs)),
         )
     ledger.check()
 
