@@ -15,6 +15,7 @@ import dns.flags
 import dns.message
 import dns.name
 import dns.rcode
+import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
@@ -90,14 +91,9 @@ def dns_query_result(resolver: Resolver, name: str, rdtype: str = "A") -> dict[s
         return _failed_query(name, rdtype, str(ex))
     except ValueError as ex:
         raise invalid_argument(str(ex), field_path="params.type") from ex
-    question = message.question[0] if message.question else None
     return {
         "rcode": int(message.rcode()),
-        "question": {
-            "name": question.name.to_text() if question else name,
-            "type": int(question.rdtype) if question else None,
-            "class": int(question.rdclass) if question else 1,
-        },
+        "question": _question(name, rdtype),
         "flags": {k: bool(message.flags & v) for k, v in _FLAGS.items()},
         "answer": _records(message.answer),
         "authority": _records(message.authority),
@@ -105,14 +101,19 @@ def dns_query_result(resolver: Resolver, name: str, rdtype: str = "A") -> dict[s
     }
 
 
+def _question(name: str, rdtype: str) -> dict[str, Any]:
+    # What was asked (validated by the query): a server need not echo its question.
+    return {
+        "name": dns.name.from_text(name).to_text(),
+        "type": int(dns.rdatatype.from_text(rdtype)),
+        "class": int(dns.rdataclass.IN),
+    }
+
+
 def _failed_query(name: str, rdtype: str, error: str) -> dict[str, Any]:
     return {
         "rcode": int(dns.rcode.SERVFAIL),
-        "question": {
-            "name": dns.name.from_text(name).to_text(),
-            "type": int(dns.rdatatype.from_text(rdtype)),
-            "class": 1,
-        },
+        "question": _question(name, rdtype),
         "flags": dict.fromkeys(_FLAGS, False),
         "answer": [],
         "authority": [],

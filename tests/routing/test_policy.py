@@ -342,6 +342,7 @@ def test_effective_chains_of_load_balance_with_all_members_dead_lists_all():
 # -- snapshots ----------------------------------------------------------------------
 
 BASE_KEYS = {
+    "fixed",
     "tag",
     "kind",
     "outbounds",
@@ -545,7 +546,6 @@ def test_parse_probe_url_accepts(url, host, port, target):
 @pytest.mark.parametrize(
     ("url", "why"),
     [
-        ("https://example.com/", "only http://"),
         ("ftp://example.com/", "only http://"),
         ("example.com/path", "only http://"),
         ("//example.com/", "only http://"),
