@@ -203,6 +203,8 @@ def test_selector_select_changes_the_route(make_engine, origin, forwarders):
         "policy_kind": "selector",
         "selected": "b",
         "previous": "a",
+        "action": "select",
+        "fixed": None,
     }
     snap = engine.query("policy", {"policy_tag": "proxy"})
     assert snap["selected"] == "b"
@@ -230,6 +232,7 @@ def test_policy_command_errors(make_engine, origin):
             {"tag": "auto", "kind": "url_test", "outbounds": ["direct", "dead"]},
             {"tag": "fb", "kind": "fallback", "outbounds": ["direct", "dead"]},
             {"tag": "chain", "kind": "relay", "outbounds": ["dead"]},
+            {"tag": "lb", "kind": "load_balance", "outbounds": ["direct", "dead"]},
         ],
         "proxy",
         latency_test_url=probe_url(origin),
@@ -243,12 +246,21 @@ def test_policy_command_errors(make_engine, origin):
     assert (err.code, err.field_path) == ("invalid_argument", "params.target_tag")
     err = api_error(engine, select, {"policy_tag": "proxy", "target_tag": "nope"})
     assert (err.code, err.field_path) == ("invalid_argument", "params.target_tag")
-    err = api_error(engine, select, {"policy_tag": "auto", "target_tag": "direct"})
+    # A url_test or fallback group can be pinned (mihomo's fixed), a load_balance not.
+    err = api_error(engine, select, {"policy_tag": "lb", "target_tag": "direct"})
     assert err.code == "invalid_argument"
     assert err.field_path == "params.policy_tag"
+    err = api_error(engine, select, {"policy_tag": "auto", "target_tag": "proxy"})
+    assert (err.code, err.field_path) == ("invalid_argument", "params.target_tag")
+    for tag in ("proxy", "lb"):
+        err = api_error(engine, "policies.unfix", {"policy_tag": tag})
+        assert (err.code, err.field_path) == ("invalid_argument", "params.policy_tag"), tag
+    for tag in ("chain", "nope"):
+        err = api_error(engine, "policies.unfix", {"policy_tag": tag})
+        assert err.code == "not_found", tag
     err = api_error(engine, select, {"policy_tag": "proxy"})
     assert (err.code, err.field_path) == ("invalid_argument", "params.target_tag")
-    for tag in ("fb", "proxy", "chain", "nope"):
+    for tag in ("fb", "proxy", "chain", "lb", "nope"):
         err = api_error(engine, "policies.probe", {"policy_tag": tag})
         assert err.code == "not_found", tag
     # Nothing failed half way: no selection changed, no event was emitted.
@@ -722,6 +734,8 @@ def test_probe_outbound_and_probe_target(make_engine, origin, forwarders):
         "via": "through_proxy",
         "reachable": True,
         "latency_ms": ok["latency_ms"],
+        "status": ok["status"],
+        "timed_out": False,
     }
     assert 0 < ok["latency_ms"] < 5000
     assert fa.connections == before.connections + 1  # really through the upstream
@@ -737,7 +751,7 @@ def test_probe_outbound_and_probe_target(make_engine, origin, forwarders):
     assert "refused" in down["error"].lower()
 
     for bad in (
-        "https://127.0.0.1/",
+        "ftp://127.0.0.1/",
         "http:///x",
         "http://exämple.test/",
         "http://h/a b",
