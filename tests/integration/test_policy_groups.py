@@ -371,6 +371,97 @@ def test_url_test_fails_over_after_a_manual_probe(make_engine, origin, forwarder
     went_through(fb, before, record)
 
 
+def test_url_test_pin_routes_flows_and_unfix_returns_to_the_fastest(
+    make_engine, origin, forwarders
+):
+    """policies.select on a url_test group pins the member (mihomo's fixed): flows take
+    it while it is healthy; a dead pinned member gives way and takes over again once it
+    is healthy; policies.unfix drops the pin. Each change is one policy.selected."""
+    fa, fb = forwarders
+    engine = group_engine(
+        make_engine,
+        [socks_out("a", fa.port), socks_out("b", fb.port)],
+        [
+            {
+                "tag": "auto",
+                "kind": "url_test",
+                "outbounds": ["a", "b"],
+                "url": probe_url(origin),
+                "tolerance_ms": 10000,
+            }
+        ],
+        "auto",
+    )
+    wait_round(engine, "auto", "startup")
+    assert engine.query("policy", {"policy_tag": "auto"})["fixed"] is None
+
+    answer = engine.execute("policies.select", {"policy_tag": "auto", "target_tag": "b"})
+    assert answer == {"policy_tag": "auto", "selected": "b", "fixed": "b"}
+    snap = engine.query("policy", {"policy_tag": "auto"})
+    assert (snap["selected"], snap["fixed"]) == ("b", "b")
+    (pin,) = events(engine, "policy.selected", "auto")
+    assert pin["payload"] == {
+        "policy_tag": "auto",
+        "policy_kind": "url_test",
+        "selected": "b",
+        "previous": "a",
+        "action": "fix",
+        "fixed": "b",
+    }
+    before = counts(fb)
+    record = fetch(engine, origin)
+    assert record["route"]["selection_chain"] == ["auto", "b"]
+    went_through(fb, before, record)
+    # Probe rounds do not move a healthy pin (tolerance or not).
+    mark = last_sequence(engine)
+    engine.execute("policies.probe", {"policy_tag": "auto"})
+    assert wait_round(engine, "auto", "manual", after=mark)["selected"] == "b"
+
+    # The pinned member's upstream goes away: the group uses a, the pin stays.
+    fb.close()
+    mark = last_sequence(engine)
+    engine.execute("policies.probe", {"policy_tag": "auto"})
+    assert wait_round(engine, "auto", "manual", after=mark)["selected"] == "a"
+    snap = engine.query("policy", {"policy_tag": "auto"})
+    assert (snap["selected"], snap["fixed"]) == ("a", "b")
+
+    answer = engine.execute("policies.unfix", {"policy_tag": "auto"})
+    assert answer == {"policy_tag": "auto", "selected": "a", "fixed": None, "previous_fixed": "b"}
+    unpin = events(engine, "policy.selected", "auto")[-1]["payload"]
+    assert (unpin["action"], unpin["fixed"], unpin["selected"]) == ("unfix", None, "a")
+    assert engine.query("policy", {"policy_tag": "auto"})["fixed"] is None
+    # Unfixing an unpinned group is no error and emits nothing.
+    count = len(events(engine, "policy.selected", "auto"))
+    again = engine.execute("policies.unfix", {"policy_tag": "auto"})
+    assert again["previous_fixed"] is None
+    assert len(events(engine, "policy.selected", "auto")) == count
+
+
+def test_fallback_pin_is_dropped_when_found_dead(make_engine, origin, forwarders):
+    fa, fb = forwarders
+    engine = group_engine(
+        make_engine,
+        [socks_out("a", fa.port), socks_out("b", fb.port)],
+        [{"tag": "fb", "kind": "fallback", "outbounds": ["a", "b"], "url": probe_url(origin)}],
+        "fb",
+    )
+    wait_round(engine, "fb", "startup")
+    engine.execute("policies.select", {"policy_tag": "fb", "target_tag": "b"})
+    snap = engine.query("policy", {"policy_tag": "fb"})
+    assert (snap["selected"], snap["fixed"]) == ("b", "b")
+    before = counts(fb)
+    went_through(fb, before, fetch(engine, origin))
+
+    fb.close()
+    mark = last_sequence(engine)
+    # fallback rounds start on a dial failure too: a flow through b fails and b is
+    # marked down at once, which drops the pin (fallback.go findAliveProxy).
+    fetch(engine, origin, ok=False)
+    wait_round(engine, "fb", "dial_failure", after=mark)
+    snap = engine.query("policy", {"policy_tag": "fb"})
+    assert (snap["selected"], snap["fixed"]) == ("a", None)
+
+
 def test_policies_probe_is_refused_while_a_round_runs(make_engine, origin):
     with SilentServer() as silent:
         engine = group_engine(
