@@ -101,9 +101,21 @@ class LogRing(logging.Handler):
         else the configured one."""
         configured = self._threshold()
         override = self._override
-        if override is not None and override[1] == configured:
+        if override is None:
+            return configured
+        if override[1] == configured:
             return override[0]
+        # The configuration changed its level since: it wins, and the logger gets its own
+        # level back (noticed at the first read after the change: a config command reads
+        # it at once, a SIGHUP reload at the next record or query).
+        self._override = None
+        self._restore_logger()
         return configured
+
+    def _restore_logger(self) -> None:
+        if self._logger_level is not None:
+            logging.getLogger(ROOT_LOGGER).setLevel(self._logger_level)
+            self._logger_level = None
 
     def set_log_level(self, level: str) -> None:
         """Keep records at or above ``level`` (a ``runtime.log_level`` value) from now on,
@@ -144,9 +156,7 @@ class LogRing(logging.Handler):
         attached, self._attached = self._attached, None
         if attached is not None:
             attached.removeHandler(self)
-        if self._logger_level is not None:
-            logging.getLogger(ROOT_LOGGER).setLevel(self._logger_level)
-            self._logger_level = None
+        self._restore_logger()
 
     def snapshot(
         self, since: int | None = None, level: str | None = None, limit: int | None = None
