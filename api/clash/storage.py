@@ -34,7 +34,14 @@ from spliceway.api.clash.context import ClashContext
 from spliceway.api.clash.guard import MAX_BODY_BYTES, error_response
 from spliceway.support.atomic_file import pid_alive, replace_file
 
-__all__ = ["MAX_DOCUMENTS", "DocumentStore", "storage_routes"]
+__all__ = [
+    "BODY_INVALID",
+    "MAX_DOCUMENTS",
+    "DocumentStore",
+    "StoreFull",
+    "key_problem",
+    "storage_routes",
+]
 
 logger = logging.getLogger(__name__)
 
