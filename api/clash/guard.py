@@ -24,11 +24,12 @@ alike, decides in mihomo's order before any route runs:
    large"}`` on the head; a chunked body is read here, at most 1 MiB of it, before the
    route runs (413 past that), so no route ever reads or acts on more.
 
-Refusals close the connection. An exception escaping a route is logged with its
-traceback and answered 500 ``{"message": "internal error"}`` when nothing was sent
-yet; it never reaches the server's thread. :func:`exception_handlers` gives the
-Starlette app mihomo's error shape for its own answers (404, 405) and for an
-:class:`~spliceway.errors.ApiError` a route lets through.
+Refusals close the connection. A WebSocket upgrade no route takes is answered 404
+``{"message": "Resource not found"}``, as a plain request is. An exception escaping a
+route is logged with its traceback and answered 500 ``{"message": "internal error"}``
+when nothing was sent yet; it never reaches the server's thread.
+:func:`exception_handlers` gives the Starlette app mihomo's error shape for its own
+answers (404, 405) and for an :class:`~spliceway.errors.ApiError` a route lets through.
 """
 
 from __future__ import annotations
@@ -274,6 +275,13 @@ class _Guard:
                     out = MutableHeaders(scope=message)
                     out["Access-Control-Allow-Origin"] = cors["Access-Control-Allow-Origin"]
                     out.add_vary_header("Origin")
+            elif kind == "websocket.close" and not started and "route" not in scope:
+                # Starlette's router closes an upgrade no route matched (a "403" to the
+                # client); a missing stream is a 404 as a missing page is. A route's own
+                # close before accepting (scope["route"] set) is left as it is.
+                started = True
+                await _deny(scope, send, 404, NOT_FOUND, cors)
+                return
             elif kind in ("websocket.accept", "websocket.close"):
                 started = True
             await send(message)
@@ -317,8 +325,10 @@ async def _bounded_body(scope: Scope, receive: Receive, headers: Headers) -> Rec
     """
     declared = headers.get("content-length")
     if declared is not None:
-        # The server refused a malformed Content-Length already; digits are left.
-        return None if int(declared) > MAX_BODY_BYTES else receive
+        # The HTTP parser has refused a malformed length already; should one get through,
+        # it is not trusted to be small.
+        length = int(declared) if declared.strip().isdigit() else MAX_BODY_BYTES + 1
+        return None if length > MAX_BODY_BYTES else receive
     if "chunked" not in headers.get("transfer-encoding", "").lower():
         return receive
     chunks: list[bytes] = []

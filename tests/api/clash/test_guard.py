@@ -527,6 +527,19 @@ def test_unknown_route_and_wrong_method(clash: ClashEngine) -> None:
     assert set(answer[1]["allow"].split(", ")) == {"GET", "HEAD", "PUT", "DELETE"}
 
 
+def test_websocket_to_no_route_is_404(
+    clash: ClashEngine, serve_guarded: Callable[..., str]
+) -> None:
+    for url in (clash.url, serve_guarded()):
+        # /storage/k is a plain route: it takes no upgrade either.
+        for path in ("/no-such-stream", "/storage/k"):
+            with pytest.raises(InvalidStatus) as info:
+                connect(ws_url(url, path), open_timeout=5)
+            response = info.value.response
+            assert response.status_code == 404, (url, path)
+            assert json.loads(response.body or b"") == {"message": "Resource not found"}
+
+
 def test_api_error_from_a_route_is_mihomo_shaped(serve_guarded: Callable[..., str]) -> None:
     url = serve_guarded()
     assert message_of(request(url, "GET", "/refuse"), 404) == "no proxy named x"
