@@ -24,7 +24,9 @@ alike, decides in mihomo's order before any route runs:
    large"}`` on the head; a chunked body is read here, at most 1 MiB of it, before the
    route runs (413 past that), so no route ever reads or acts on more.
 
-Refusals close the connection. A WebSocket upgrade no route takes is answered 404
+Refusals do not close the connection: a client still sending its body would get a
+reset that loses the answer, while uvicorn, once the answer is out, reads and drops the
+rest of a body no route took. A WebSocket upgrade no route takes is answered 404
 ``{"message": "Resource not found"}``, as a plain request is. An exception escaping a
 route is logged with its traceback and answered 500 ``{"message": "internal error"}``
 when nothing was sent yet; it never reaches the server's thread.
@@ -305,10 +307,10 @@ async def _no_receive() -> Message:
 async def _deny(
     scope: Scope, send: Send, status: int, message: str, cors: Mapping[str, str]
 ) -> None:
-    """Answer ``{"message"}`` with ``status`` and close the connection; on a WebSocket
-    scope, as the HTTP answer to the upgrade (or, on a server without that extension,
-    a close before accepting, which clients see as 403)."""
-    response = error_response(status, message, {**cors, "Connection": "close"})
+    """Answer ``{"message"}`` with ``status``; on a WebSocket scope, as the HTTP answer
+    to the upgrade (or, on a server without that extension, a close before accepting,
+    which clients see as 403)."""
+    response = error_response(status, message, cors)
     if scope["type"] == "websocket" and "websocket.http.response" not in scope.get(
         "extensions", {}
     ):
