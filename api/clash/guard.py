@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 from urllib.parse import parse_qsl
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from starlette.websockets import WebSocketDisconnect
+from starlette.types import ASGIApp, ExceptionHandler, Message, Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.utils import ClientDisconnected
 
 from spliceway.api.browser import KeylessRules, foreign_refusal, is_same_origin
@@ -76,6 +76,8 @@ _ALLOW_METHODS = "GET, POST, PUT, PATCH, DELETE"
 _ALLOW_HEADERS = "Content-Type, Authorization"
 _MAX_AGE = "300"
 _ORIGINS_SETTING = "api.clash.cors_allow_origins"
+#: Set in a WebSocket scope once the socket is accepted: error handlers then close it.
+_ACCEPTED = "spliceway.clash.accepted"
 #: Disconnections are the client's doing, not a fault of the route: no traceback.
 _GONE = (ClientDisconnect, WebSocketDisconnect, ClientDisconnected)
 
@@ -92,7 +94,7 @@ def error_response(
     return JSONResponse({"message": message}, status_code=status, headers=headers)
 
 
-def exception_handlers() -> dict[Any, Callable[[Request, Exception], Awaitable[Response]]]:
+def exception_handlers() -> dict[Any, ExceptionHandler]:
     """Starlette ``exception_handlers`` giving every answer of the app mihomo's shape:
 
     - its router's and ``StaticFiles``' 404 and 405 (``{"message": "Resource not found"}``,
@@ -101,15 +103,30 @@ def exception_handlers() -> dict[Any, Callable[[Request, Exception], Awaitable[R
     - an :class:`~spliceway.errors.ApiError` a route lets through: its HTTP status
       (``invalid_argument`` 400, ``not_found`` 404, ...) and its message;
     - any other exception: 500 ``{"message": "internal error"}`` (the guard logs it).
+
+    On a WebSocket these answer the upgrade when raised before it is accepted; after, the
+    socket is closed with code 1011 and the message as its reason.
     """
+    # One handler serves both kinds of connection; Starlette types them apart.
     return {
-        HTTPException: _on_http_exception,
-        ApiError: _on_api_error,
-        Exception: _on_exception,
+        HTTPException: cast(ExceptionHandler, _on_http_exception),
+        ApiError: cast(ExceptionHandler, _on_api_error),
+        Exception: cast(ExceptionHandler, _on_exception),
     }
 
 
-async def _on_http_exception(request: Request, exc: Exception) -> Response:
+async def _answer(
+    conn: HTTPConnection, status: int, message: str, headers: Mapping[str, str] | None = None
+) -> Response | None:
+    """The error answer for ``conn``; None when it is an open WebSocket, which an HTTP
+    answer can no longer reach: it is closed (1011) with the message as its reason."""
+    if isinstance(conn, WebSocket) and conn.scope.get(_ACCEPTED):
+        await _close_socket(conn.send, message)
+        return None
+    return error_response(status, message, headers)
+
+
+async def _on_http_exception(conn: HTTPConnection, exc: Exception) -> Response | None:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         message = NOT_FOUND
@@ -117,17 +134,23 @@ async def _on_http_exception(request: Request, exc: Exception) -> Response:
         message = METHOD_NOT_ALLOWED
     else:
         message = exc.detail
-    return error_response(exc.status_code, message, exc.headers)
+    return await _answer(conn, exc.status_code, message, exc.headers)
 
 
-async def _on_api_error(request: Request, exc: Exception) -> Response:
+async def _on_api_error(conn: HTTPConnection, exc: Exception) -> Response | None:
     assert isinstance(exc, ApiError)
-    return error_response(exc.http_status, exc.message)
+    return await _answer(conn, exc.http_status, exc.message)
 
 
-async def _on_exception(request: Request, exc: Exception) -> Response:
+async def _on_exception(conn: HTTPConnection, exc: Exception) -> Response | None:
     # Logged by the guard, which sees the exception Starlette re-raises after this answer.
     return error_response(500, INTERNAL_ERROR)
+
+
+async def _close_socket(send: Send, message: str) -> None:
+    # A close frame's reason holds 123 bytes at most.
+    reason = message.encode("utf-8")[:123].decode("utf-8", "ignore")
+    await send({"type": "websocket.close", "code": 1011, "reason": reason})
 
 
 def _is_ui(path: str) -> bool:
@@ -266,10 +289,10 @@ class _Guard:
         await Response(status_code=204, headers=answer)(scope, _no_receive, send)
 
     async def _run(self, scope: Scope, receive: Receive, send: Send, cors: dict[str, str]) -> None:
-        started = False
+        started = closed = False
 
         async def guarded_send(message: Message) -> None:
-            nonlocal started
+            nonlocal started, closed
             kind = message["type"]
             if kind in ("http.response.start", "websocket.http.response.start"):
                 started = True
@@ -284,8 +307,11 @@ class _Guard:
                 started = True
                 await _deny(scope, send, 404, NOT_FOUND, cors)
                 return
-            elif kind in ("websocket.accept", "websocket.close"):
+            elif kind == "websocket.accept":
                 started = True
+                scope[_ACCEPTED] = True
+            elif kind == "websocket.close":
+                started = closed = True
             await send(message)
 
         try:
@@ -298,6 +324,9 @@ class _Guard:
             )
             if not started:
                 await _deny(scope, send, 500, INTERNAL_ERROR, cors)
+            elif scope.get(_ACCEPTED) and not closed:
+                # Returning would drop the connection without a close frame (1006).
+                await _close_socket(send, INTERNAL_ERROR)
 
 
 async def _no_receive() -> Message:

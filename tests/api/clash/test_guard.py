@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosedError, InvalidStatus
 from websockets.sync.client import connect
 from websockets.typing import Origin
 
@@ -138,6 +138,18 @@ async def _ws_boom(ws: WebSocket) -> None:
     raise RuntimeError("a stream that fails before accepting")
 
 
+async def _ws_refuse(ws: WebSocket) -> None:
+    raise ApiError("invalid_argument", "unknown level x")
+
+
+async def _ws_late(ws: WebSocket) -> None:
+    await ws.accept()
+    await ws.send_text("first")
+    if ws.query_params.get("boom"):
+        raise RuntimeError("a stream that fails while open")
+    raise ApiError("not_found", "the flow went away")
+
+
 @pytest.fixture
 def serve_guarded(clash: ClashEngine, tmp_path: Path) -> Iterator[Callable[..., str]]:
     """Serve the guard around a test app (``/echo`` WebSocket, ``/boom``, ``/refuse``,
@@ -155,6 +167,8 @@ def serve_guarded(clash: ClashEngine, tmp_path: Path) -> Iterator[Callable[..., 
             routes=[
                 WebSocketRoute("/echo", _echo),
                 WebSocketRoute("/ws-boom", _ws_boom),
+                WebSocketRoute("/ws-refuse", _ws_refuse),
+                WebSocketRoute("/ws-late", _ws_late),
                 Route("/boom", _boom),
                 Route("/refuse", _refuse),
                 Route("/length", _length, methods=["POST", "PUT"]),
@@ -583,6 +597,23 @@ def test_exception_in_a_route_is_500_and_logged(
     with connect(ws_url(url, "/echo"), open_timeout=5) as ws:
         ws.send("still")
         assert ws.recv(timeout=5) == "still"
+
+
+def test_errors_on_a_websocket(serve_guarded: Callable[..., str]) -> None:
+    url = serve_guarded()
+    # Before accepting: the upgrade's HTTP answer, as for a plain request.
+    with pytest.raises(InvalidStatus) as info:
+        connect(ws_url(url, "/ws-refuse"), open_timeout=5)
+    assert info.value.response.status_code == 400
+    assert json.loads(info.value.response.body or b"") == {"message": "unknown level x"}
+    # Once open: a close frame, 1011, saying why (never a dropped connection, 1006).
+    for path, reason in (("/ws-late", "the flow went away"), ("/ws-late?boom=1", "internal error")):
+        with connect(ws_url(url, path), open_timeout=5) as ws:
+            assert ws.recv(timeout=5) == "first"
+            with pytest.raises(ConnectionClosedError) as closed:
+                ws.recv(timeout=5)
+        assert closed.value.rcvd is not None
+        assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1011, reason)
 
 
 def test_concurrent_refusals_do_not_disturb_served_clients(
