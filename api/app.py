@@ -113,6 +113,7 @@ def caller_capabilities(plane: ControlPlane, principal: Principal) -> dict[str, 
         # A running engine's is decided (config.resolve_ipc): never None here.
         ipc_enabled=bool(api.ipc.enabled),
         grpc_enabled=api.grpc.enabled,
+        clash_enabled=api.clash.enabled,
     )
 
 
