@@ -108,6 +108,10 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "spliceway/api/limits.py": "tests/unit/test_api_parts.py",
     "spliceway/api/grpc_server.py": "tests/api/test_grpc.py",
     "spliceway/api/grpc_service.py": "tests/api/test_grpc.py",
+    # The Clash API's wiring: a dataclass and the app's assembly, exercised by every
+    # request of tests/api/clash (the listener's own tests start real engines).
+    "spliceway/api/clash/context.py": "tests/api/clash/test_server.py",
+    "spliceway/api/clash/app.py": "tests/api/clash/test_server.py",
     "spliceway/events/logring.py": "tests/api/test_logs.py",
     # The CLI: run as the real program.
     "spliceway/cli/main.py": "tests/integration/test_cli.py",
