@@ -440,7 +440,10 @@ class _Routes:
         if kind == _GLOBAL_KIND:
             members = mapping.global_members(config)
         else:
-            members = list(self._group(config, name).get("outbounds", []))
+            group = self._group(config, name)
+            members = list(group.get("outbounds", []))
+            # Without a url, a probing group's members are tested through its own URL.
+            url = url or str(group.get("url") or "")
         delays: dict[str, int] = {}
         if timeout_ms > 0 and members:
             workers = min(GROUP_DELAY_CONCURRENCY, len(members))
@@ -522,6 +525,10 @@ def _document(payload: str) -> Any:
         except ImportError:
             raise _Answer(400, "payload is not JSON (YAML needs PyYAML)") from None
         try:
+            # An alias repeats a subtree without its bytes: a small payload could stand
+            # for a document too large to validate. Configurations do not need them.
+            if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(payload)):
+                raise _Answer(400, "payload uses YAML aliases: write the document out")
             document = yaml.safe_load(payload)
         except yaml.YAMLError as ex:
             raise _Answer(400, f"payload is neither JSON nor YAML: {ex}") from None

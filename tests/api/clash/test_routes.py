@@ -9,6 +9,7 @@ in a tree without them."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -23,6 +24,7 @@ import dns.message
 import dns.query
 import dns.rdatatype
 import pytest
+import yaml
 
 import spliceway
 from spliceway import Engine
@@ -118,6 +120,22 @@ def test_hello_version_and_providers(clash: ClashEngine) -> None:
     assert call(clash.url + "/providers/proxies/p/s5") == not_found
     assert call(clash.url + "/providers/proxies/p", "PUT") == not_found
     assert call(clash.url + "/providers/rules/r", "PUT") == not_found
+
+
+def test_hello_sends_a_browser_to_the_dashboard(
+    make_clash: Callable[..., ClashEngine], tmp_path: Path
+) -> None:
+    clash = make_clash(external_ui=str(tmp_path))
+    host, port = clash.url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        connection.request("GET", "/", headers={"Accept": "text/html,*/*"})
+        response = connection.getresponse()
+        response.read()
+        assert (response.status, response.getheader("Location")) == (307, "/ui/")
+    finally:
+        connection.close()
+    assert call(clash.url + "/") == (200, {"hello": "clash"})
 
 
 @pytest.mark.parametrize(
@@ -372,6 +390,10 @@ def test_put_configs_payload(clash: ClashEngine, tmp_path: Path) -> None:
     assert call(clash.url + "/configs", "PUT", {"payload": json.dumps(document)}) == (204, None)
     assert clash.engine.query("config")["final"] == "s5"
     assert call(clash.url + "/rules")[1]["rules"][-1]["proxy"] == "s5"
+    # YAML too (JSON is YAML; block style here).
+    document["route"] = {"final": "Proxy"}
+    assert call(clash.url + "/configs", "PUT", {"payload": yaml.safe_dump(document)}) == (204, None)
+    assert clash.engine.query("config")["final"] == "Proxy"
 
 
 @pytest.mark.parametrize(
@@ -383,6 +405,8 @@ def test_put_configs_payload(clash: ClashEngine, tmp_path: Path) -> None:
         ({"payload": "mixed-port: 7890\nproxies: []\n"}, "Clash configuration"),
         ({"payload": "[1, 2]"}, "not a configuration document"),
         ({"payload": '{"route": {"final": "nowhere"}}'}, ""),
+        ({"payload": "route: &r {final: nowhere}\nx: *r\n"}, "aliases"),
+        ({"payload": "route: [unclosed\n"}, "neither JSON nor YAML"),
     ],
 )
 def test_put_configs_refusals_change_nothing(clash: ClashEngine, body: Any, says: str) -> None:
@@ -480,6 +504,9 @@ def test_group_delay(make_clash: Callable[..., ClashEngine], silent: SilentPeer)
     status, body = call(f"{clash.url}/group/auto/delay?timeout=5000&url={origin_url}")
     assert status == 200 and set(body) == {"s5", "direct"}
     assert all(isinstance(v, int) and v >= 1 for v in body.values())
+    # Without a url, the group's own URL (the origin).
+    status, body = call(f"{clash.url}/group/auto/delay?timeout=5000")
+    assert status == 200 and set(body) == {"s5", "direct"}
     # Failed members are left out.
     status, body = call(f"{clash.url}/group/with-block/delay?timeout=5000&url={origin_url}")
     assert status == 200 and set(body) == {"s5", "direct"}
