@@ -1,11 +1,6 @@
 """The Clash API's plain HTTP routes (api/clash/routes.py) against a real engine: every
 route, the GLOBAL selector, and bad input answered with mihomo's status and
-``{"message"}``, nothing changed.
-
-Tests marked ``needs_commands`` use the engine helper's commands (``policies.unfix``,
-``log.set_level``, ``diagnostics.dns_query``, ``dns.cache_flush``, and
-``diagnostics.probe_outbound``'s ``timeout_ms``); they skip, naming what is missing,
-in a tree without them."""
+``{"message"}``, nothing changed."""
 
 from __future__ import annotations
 
@@ -28,21 +23,10 @@ import yaml
 
 import spliceway
 from spliceway import Engine
-from spliceway.control.commands import COMMANDS, ProbeOutboundParams
 from tests.api.clash.conftest import ClashEngine, call, clash_config
 from tests.conftest import wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.servers import LoopbackServer
-
-
-def needs_commands(*methods: str, probe_timeout: bool = False) -> pytest.MarkDecorator:
-    """Skip while the engine helper's ``methods`` (and ``timeout_ms``) are not in the tree."""
-    missing = [m for m in methods if m not in COMMANDS]
-    if probe_timeout and "timeout_ms" not in ProbeOutboundParams.model_fields:
-        missing.append("diagnostics.probe_outbound timeout_ms")
-    return pytest.mark.skipif(
-        bool(missing), reason=f"needs the engine helper's {', '.join(missing)} (h/engine)"
-    )
 
 
 def _events(clash: ClashEngine, kind: str) -> list[dict[str, Any]]:
@@ -291,7 +275,6 @@ def test_global_mode_defaults_to_final(clash: ClashEngine) -> None:
     assert clash.engine.query("runtime")["stats"] is not None
 
 
-@needs_commands("policies.unfix")
 def test_pin_and_unfix_url_test(clash: ClashEngine) -> None:
     _probed(clash)
     assert call(clash.url + "/proxies/auto", "PUT", {"name": "direct"}) == (204, None)
@@ -370,7 +353,6 @@ def test_patch_bad_input_changes_nothing(clash: ClashEngine, body: Any) -> None:
     assert clash.engine.query("runtime")["log_level"] == "info"
 
 
-@needs_commands("log.set_level")
 def test_patch_log_level(clash: ClashEngine) -> None:
     for given, engine_level, shown in (
         ("warning", "warn", "warning"),
@@ -443,7 +425,6 @@ def test_put_configs_reloads_the_source_file(
 # -- delay tests ------------------------------------------------------------------------
 
 
-@needs_commands(probe_timeout=True)
 def test_proxy_delay(clash: ClashEngine, silent: SilentPeer) -> None:
     origin_url = f"http://127.0.0.1:{clash.origin[1]}/generate_204"
     status, body = call(f"{clash.url}/proxies/s5/delay?timeout=5000&url={quote(origin_url)}")
@@ -485,13 +466,11 @@ def test_proxy_delay(clash: ClashEngine, silent: SilentPeer) -> None:
         "?timeout=1000&url=ftp://x/",
     ],
 )
-@needs_commands(probe_timeout=True)
 def test_proxy_delay_bad_parameters(clash: ClashEngine, query: str) -> None:
     status, body = call(f"{clash.url}/proxies/s5/delay{query}")
     assert status == 400 and set(body) == {"message"}
 
 
-@needs_commands("policies.unfix", probe_timeout=True)
 def test_group_delay(make_clash: Callable[..., ClashEngine], silent: SilentPeer) -> None:
     def prepare(cfg: dict[str, Any]) -> None:
         cfg["outbound_groups"].append(
@@ -564,7 +543,6 @@ def test_rules(clash: ClashEngine) -> None:
     )
 
 
-@needs_commands("diagnostics.dns_query")
 def test_dns_query(make_clash: Callable[..., ClashEngine]) -> None:
     with dns_server({"a.test": ["192.0.2.1", "2001:db8::1"]}) as server:
 
@@ -593,7 +571,6 @@ def test_dns_query(make_clash: Callable[..., ClashEngine]) -> None:
         assert status == 500 and set(body) == {"message"}
 
 
-@needs_commands("dns.cache_flush")
 def test_cache_flushes(make_clash: Callable[..., ClashEngine]) -> None:
     with dns_server({"a.test": ["192.0.2.1"]}) as server:
 
@@ -620,8 +597,6 @@ def test_cache_flushes(make_clash: Callable[..., ClashEngine]) -> None:
 def test_blocking_routes_leave_the_loop_free(clash: ClashEngine, silent: SilentPeer) -> None:
     """A route that blocks (a delay test) runs in the thread pool: other requests are
     answered meanwhile."""
-    if "timeout_ms" not in ProbeOutboundParams.model_fields:
-        pytest.skip("needs the engine helper's diagnostics.probe_outbound timeout_ms")
     silent_url = quote(f"http://127.0.0.1:{silent.port}/")
     slow: list[Any] = []
     worker = threading.Thread(
