@@ -97,23 +97,33 @@ _RING_LEVELS: dict[str, tuple[int, str, str]] = {
 _HUBS: weakref.WeakSet[StreamHub] = weakref.WeakSet()
 
 
-@dataclass(frozen=True, slots=True)
 class Frame:
     """One JSON object as sent: ``data`` (with mihomo's trailing newline) for chunked
-    HTTP, ``text`` (the same characters) for a WebSocket text frame."""
+    HTTP, :attr:`text` (the same characters) for a WebSocket text frame, decoded on
+    first use and then shared (a snapshot of 10,000 flows is megabytes)."""
 
-    data: bytes
-    text: str
+    __slots__ = ("_text", "data")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._text: str | None = None
+
+    @property
+    def text(self) -> str:
+        """``data`` as text (JSON is UTF-8)."""
+        if self._text is None:
+            self._text = self.data.decode()
+        return self._text
 
     @classmethod
     def of(cls, data: bytes) -> Frame:
         """The frame of one encoded JSON line."""
-        return cls(data, data.decode())
+        return cls(data)
 
     @classmethod
     def json(cls, obj: Any) -> Frame:
         """The frame of ``obj``, encoded once."""
-        return cls.of(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
+        return cls(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -607,6 +617,15 @@ async def _send_lines(send: Send, sub: Subscriber) -> None:
             return
 
 
+def _ndjson_start() -> dict[str, Any]:
+    # A new header list each time: middleware (CORS) may add to it in place.
+    return {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [(b"content-type", b"application/json")],
+    }
+
+
 class LineStream:
     """A stream as chunked newline-delimited JSON (``GET`` without an upgrade)."""
 
@@ -624,16 +643,15 @@ class LineStream:
         if self.hub.stopped:
             await _message(503, _STOPPING)(scope, receive, send)
             return
+        if scope["method"] == "HEAD":
+            # The headers of the stream, without a stream that would never end.
+            await send(_ndjson_start())
+            await send({"type": "http.response.body", "body": b""})
+            return
         sub = self.hub.subscribe(spec)
         try:
             await self.hub.ready(sub)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
+            await send(_ndjson_start())
             receiver = asyncio.ensure_future(_until_disconnect(receive, "http.disconnect"))
             done = await _first_done(
                 receiver,

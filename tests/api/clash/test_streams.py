@@ -182,6 +182,8 @@ def test_chunked_http_variants_are_newline_delimited_json(clash: ClashEngine) ->
         for line in lines:
             assert line.endswith(b"\n")
             assert list(json.loads(line)) == first_keys
+    # HEAD gets the stream's headers, not a stream that never ends.
+    assert call(clash.url + "/traffic", "HEAD") == (200, None)
     # A plain GET of /connections is one snapshot, as mihomo's.
     status, snap = call(clash.url + "/connections?interval=100")
     assert status == 200 and list(snap) == [
