@@ -303,17 +303,23 @@ class SnapshotBuilder:
         self._listeners: dict[str, tuple[str, int]] = {}
         self._up = 0
         self._down = 0
+        self._totals_at = -1e9
         self._built_at = 0.0
         self._last = b""
         self.last_build_seconds = 0.0
 
-    def totals(self) -> tuple[int, int]:
-        """``(uploadTotal, downloadTotal)``: the engine's lifetime payload bytes, live,
-        held so that they never go backwards."""
+    def totals(self, max_age: float = 0.0) -> tuple[int, int]:
+        """``(uploadTotal, downloadTotal)``: the engine's lifetime payload bytes, held so
+        that they never go backwards; read now, or the last reading if it is younger
+        than ``max_age`` seconds (the ``stats`` query reads every open flow's counters)."""
+        with self._lock:
+            if max_age and time.monotonic() - self._totals_at < max_age:
+                return self._up, self._down
         stats = self._plane.run_query("stats")
         with self._lock:
             self._up = max(self._up, int(stats["bytes_up"]))
             self._down = max(self._down, int(stats["bytes_down"]))
+            self._totals_at = time.monotonic()
             return self._up, self._down
 
     def encode(
@@ -369,14 +375,16 @@ class SnapshotBuilder:
         counts = b',"upload":%d,"download":%d' % (traffic["bytes_up"], traffic["bytes_down"])
         return _Encoded(record, head + counts + tail, key, head, tail)
 
-    def build(self, max_age: float = 0.0) -> bytes:
+    def build(self, max_age: float = 0.0, totals_max_age: float = 0.0) -> bytes:
         """A snapshot of now, or the last one if it is younger than ``max_age`` seconds
-        (two intervals that tick together, or a subscriber joining, share one build)."""
+        (two intervals that tick together share one build); its totals may be as old as
+        ``totals_max_age`` (a stream's ticks: the flows' own counters are as old as the
+        engine's last sample anyway)."""
         with self._lock:
             if max_age and self._last and time.monotonic() - self._built_at < max_age:
                 return self._last
         listeners = listener_map(self._plane)
-        totals = self.totals()
+        totals = self.totals(totals_max_age)
         with self._lock:
             started = time.perf_counter()
             data = self.encode(self._plane.flow_records(), listeners, totals, rss_bytes())

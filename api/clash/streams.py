@@ -59,6 +59,8 @@ INTERVAL_MIN_MS = 100
 INTERVAL_MAX_MS = 60_000
 #: ``/traffic`` and ``/memory`` tick once a second, as mihomo's.
 TICK_S = 1.0
+#: How old the totals of a ``/connections`` tick may be.
+TOTALS_MAX_AGE_S = 1.0
 #: How often the engine's log ring is read for ``/logs``.
 LOG_POLL_S = 0.2
 #: How often the hub checks that the engine still runs (while any stream is open).
@@ -202,8 +204,10 @@ class ConnectionsProducer(Producer):
         self._max_age = min(0.05, interval_s / 2)
 
     async def produce(self) -> list[Any]:
-        """One snapshot."""
-        return [Frame.of(await run_in_threadpool(self._builder.build, self._max_age))]
+        """One snapshot (its totals read at most once a second: ``/traffic`` reads them
+        too, and each reading walks every open flow's counters)."""
+        data = await run_in_threadpool(self._builder.build, self._max_age, TOTALS_MAX_AGE_S)
+        return [Frame.of(data)]
 
 
 class TrafficProducer(Producer):
