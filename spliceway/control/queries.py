@@ -246,6 +246,7 @@ def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
         api_enabled=api.control.enabled,
         ipc_enabled=bool(api.ipc.enabled),
         grpc_enabled=api.grpc.enabled,
+        clash_enabled=api.clash.enabled,
     )
 
 
