@@ -111,7 +111,7 @@ def client_main(argv: list[str]) -> int:
         arrived = False
         try:
             # No frame size limit: a browser has none, and 10,000 flows are megabytes.
-            with connect(ws_base + path, max_size=None, open_timeout=30) as ws:
+            with connect(ws_base + path, max_size=None, open_timeout=30, close_timeout=1) as ws:
                 while not stop.is_set():
                     try:
                         data = ws.recv(timeout=0.5, decode=False)
