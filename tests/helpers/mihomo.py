@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import platform
 import re
 import resource
@@ -219,6 +220,7 @@ def running_mihomo(
     binary: Path | None = None,
     timeout: float = 20.0,
     nofile: int | None = None,
+    loopback_detector: bool = False,
 ) -> Iterator[Mihomo]:
     """Run mihomo (``-d home -f home/config.yaml``) on ``config`` until the block ends.
 
@@ -226,6 +228,12 @@ def running_mihomo(
     for ``GET /version`` to answer 200; raises :class:`MihomoError` with its log
     otherwise. Stopped by its pid (SIGTERM, then SIGKILL) on the way out. ``nofile``
     raises its ``RLIMIT_NOFILE`` soft limit (benchmarks with many flows).
+
+    mihomo's loopback detector is off unless ``loopback_detector``: it refuses a client
+    whose address equals the local address of one of mihomo's own earlier outgoing
+    connections, taking it for a loop, and with client, mihomo and server all on
+    127.0.0.1 and ephemeral ports reused that hits ordinary connections (benchmarks/
+    peers.py saw 1-5 % of them), which would make flows fail at random.
     """
     exe = binary or mihomo_binary()
     if exe is None:
@@ -233,12 +241,16 @@ def running_mihomo(
     home.mkdir(parents=True, exist_ok=True)
     cfg_path = home / "config.yaml"
     cfg_path.write_text(json.dumps(config, indent=1))
+    env = dict(os.environ)
+    if not loopback_detector:
+        env["DISABLE_LOOPBACK_DETECTOR"] = "1"
     proc = subprocess.Popen(
         [str(exe), "-d", str(home), "-f", str(cfg_path)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=env,
         preexec_fn=lambda: _child_setup(nofile),
     )
     lines: list[str] = []
