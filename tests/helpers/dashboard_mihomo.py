@@ -45,10 +45,12 @@ def mihomo_config(
     proxy_port: int,
     external_ui: Path | None = None,
     secret: str = "",
+    nameserver: str | None = None,
 ) -> dict[str, Any]:
     """A mihomo config equivalent to the Clash fixture's engine: ``Proxy`` (select over
     ``auto``, ``s5``, ``DIRECT``), ``auto`` (url-test over ``s5`` and ``DIRECT`` probing
-    ``probe_url``); TCP to ``proxy_port`` goes to ``Proxy``, everything else ``DIRECT``."""
+    ``probe_url``); TCP to ``proxy_port`` goes to ``Proxy``, everything else ``DIRECT``;
+    with ``nameserver`` (``udp://127.0.0.1:<port>``), its resolver asks only that."""
     cfg: dict[str, Any] = {
         "mixed-port": mixed_port,
         "allow-lan": False,
@@ -79,6 +81,8 @@ def mihomo_config(
     }
     if external_ui is not None:
         cfg["external-ui"] = str(external_ui)
+    if nameserver is not None:
+        cfg["dns"] = {"enable": True, "ipv6": False, "nameserver": [nameserver]}
     return cfg
 
 
@@ -105,6 +109,7 @@ def running_mihomo(
     proxy_port: int,
     external_ui: Path | None = None,
     secret: str = "",
+    nameserver: str | None = None,
     timeout: float = 30,
 ) -> Iterator[Mihomo]:
     """mihomo on free loopback ports with :func:`mihomo_config`, its home in ``home``;
@@ -119,6 +124,7 @@ def running_mihomo(
         proxy_port=proxy_port,
         external_ui=external_ui,
         secret=secret,
+        nameserver=nameserver,
     )
     config = home / "config.yaml"
     config.write_text(json.dumps(cfg))  # JSON is YAML
