@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from spliceway.actors.dispatcher import LoopActor
-from spliceway.control.messages import ProbeNow, SelectMember
+from spliceway.control.messages import ProbeNow, SelectMember, UnfixMember
 from spliceway.errors import invalid_argument
 from spliceway.events.log import now_ms
 from spliceway.flows.probe import ProbeResult, probe
@@ -99,6 +99,8 @@ class PolicyGroupActor(LoopActor):
         """Handle selection, probe requests and dial-failure reports."""
         if isinstance(message, SelectMember):
             return self._select(message.target)
+        if isinstance(message, UnfixMember):
+            return self._unfix()
         if isinstance(message, ProbeNow):
             return self._start_round(message.trigger)
         if isinstance(message, MemberFailed):
@@ -109,29 +111,76 @@ class PolicyGroupActor(LoopActor):
 
     def _select(self, target: str) -> dict[str, Any]:
         view = self.view
-        if view.kind != "selector":
+        if view.kind != "selector" and view.kind not in policy.PINNABLE_KINDS:
             raise invalid_argument(
-                f"policy {self.tag!r} is a {view.kind} group; only a selector can be selected",
+                f"policy {self.tag!r} is a {view.kind} group; only a selector can be "
+                "selected and only a url_test or fallback group pinned",
                 field_path="params.policy_tag",
             )
         if target not in view.members:
             raise invalid_argument(
-                f"{target!r} is not a member of selector {self.tag!r} "
+                f"{target!r} is not a member of {view.kind} {self.tag!r} "
                 f"(members: {', '.join(view.members)})",
                 field_path="params.target_tag",
             )
         previous = view.selected
-        self.ports.policies().publish(dataclasses.replace(view, selected=target))
+        if view.kind == "selector":
+            updated = dataclasses.replace(view, selected=target)
+            action = "select"
+        else:
+            updated = policy.pinned(view, target)
+            action = "fix"
+        self.ports.policies().publish(updated)
+        self._emit_selected(view, updated, action, previous)
+        if action == "fix" and not view.health[target].healthy:
+            # fallback.go Set: a pinned member not known alive is tested at once, so the
+            # pin takes effect (or, for fallback, is dropped) without waiting a round.
+            self._start_round("manual")
+        result: dict[str, Any] = {"policy_tag": self.tag, "selected": updated.selected}
+        if action == "fix":
+            result["fixed"] = target
+        return result
+
+    def _unfix(self) -> dict[str, Any]:
+        view = self.view
+        if view.kind not in policy.PINNABLE_KINDS:
+            raise invalid_argument(
+                f"policy {self.tag!r} is a {view.kind} group; only a url_test or fallback "
+                "group has a pin to drop",
+                field_path="params.policy_tag",
+            )
+        previous_fixed = view.fixed
+        if previous_fixed is not None:
+            updated = policy.pinned(view, None)
+            self.ports.policies().publish(updated)
+            self._emit_selected(view, updated, "unfix", view.selected)
+        else:
+            updated = view
+        return {
+            "policy_tag": self.tag,
+            "selected": updated.selected,
+            "fixed": None,
+            "previous_fixed": previous_fixed,
+        }
+
+    def _emit_selected(
+        self,
+        before: policy.GroupView,
+        after: policy.GroupView,
+        action: str,
+        previous: str | None,
+    ) -> None:
         self.ports.log.emit(
             "policy.selected",
             {
                 "policy_tag": self.tag,
-                "policy_kind": view.kind,
-                "selected": target,
+                "policy_kind": before.kind,
+                "selected": after.selected,
                 "previous": previous,
+                "action": action,
+                "fixed": after.fixed,
             },
         )
-        return {"policy_tag": self.tag, "selected": target}
 
     # -- health ---------------------------------------------------------------------
 

@@ -9,9 +9,10 @@ and rate-limits every request before routing; one error handler turns every
 failure, Falcon's own routing errors included, into the envelope and the
 status of ``spliceway.errors``.
 
-Browser protection (the gate; see docs/security.md). With no key configured
-anyone who can reach the port may call the API, so a web page must not be
-able to act through a visitor's browser. Every request, preflights included,
+Browser protection (the gate; the rules are :mod:`spliceway.api.browser`'s, shared
+with the Clash API; see docs/security.md). With no key configured anyone who can
+reach the port may call the API, so a web page must not be able to act through a
+visitor's browser. Every request, preflights included,
 is then refused with 403 ``permission_denied`` when
 - its ``Host`` names neither the listen address nor a loopback name
   (``localhost``, ``*.localhost``, 127.0.0.0/8, ``[::1]``; any IP literal when
@@ -34,9 +35,7 @@ is 400 ``invalid_argument`` naming it; blank values are kept, not dropped.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +44,7 @@ import falcon
 import orjson
 
 from spliceway.api.auth import KeyTable, Principal
+from spliceway.api.browser import KeylessRules, foreign_refusal
 from spliceway.api.http_guard import UNSENT_BYTES_KEY, source_key
 from spliceway.api.limits import FailureLimiter, Limits, RateLimited, Slots, TokenBucket
 from spliceway.api.metrics import MetricsResource
@@ -71,14 +71,6 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 _ALLOW_HEADERS = "Authorization, X-Service-Api-Key, Content-Type, Last-Event-ID"
 _COMMAND_KEYS = frozenset({"id", "method", "params"})
 _STREAM_PARAMS = ("types", "since")
-#: ``host[:port]`` as a Host header carries it: a DNS name or IPv4 literal, or a
-#: bracketed IPv6 literal; an ASCII decimal port.
-_HOST_RE = re.compile(
-    r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9][A-Za-z0-9.-]*))(?::(?P<port>[0-9]{1,5}))?"
-)
-_SAME_SITE = frozenset({"same-origin", "none"})
-_CONFIGURE_KEY = "configure a key (api.control.api_key_env or api.control.keys) to allow"
-_SEE = "see docs/security.md"
 
 
 def envelope_ok(result: Any, request_id: Any = None) -> bytes:
@@ -121,6 +113,7 @@ def caller_capabilities(plane: ControlPlane, principal: Principal) -> dict[str, 
         # A running engine's is decided (config.resolve_ipc): never None here.
         ipc_enabled=bool(api.ipc.enabled),
         grpc_enabled=api.grpc.enabled,
+        clash_enabled=api.clash.enabled,
     )
 
 
@@ -200,34 +193,12 @@ def _principal(req: falcon.Request) -> Principal:
     return principal
 
 
-def _host_refusal(host: str, listen: tuple[str | None, int]) -> str | None:
-    """Why ``host`` (a Host header) is not this API's own, or None when it is."""
-    bound_address, bound_port = listen
-    match = _HOST_RE.fullmatch(host)
-    if match is None:
-        return "is not a valid host[:port]"
-    port = int(match["port"]) if match["port"] else 80
-    name = (match["v6"] or match["name"]).lower()
-    if port != bound_port:
-        return f"names port {port}, but this API listens on port {bound_port}"
-    if match["name"] is not None and (name == "localhost" or name.endswith(".localhost")):
-        return None
-    try:
-        ip = ipaddress.ip_address(name)
-    except ValueError:
-        return (
-            "is not a loopback name (a foreign name that resolves to this machine is "
-            "how DNS rebinding reaches it)"
-        )
-    if match["v6"] is not None and ip.version != 6:
-        return "is not a valid host[:port]"
-    if ip.is_loopback:
-        return None
-    if bound_address is not None:
-        bound = ipaddress.ip_address(bound_address)
-        if bound.is_unspecified or ip == bound:
-            return None
-    return "is neither this API's listen address nor a loopback address"
+#: How the control API words a keyless refusal (the rules: ``api.browser``).
+_KEYLESS = KeylessRules(
+    subject="a control API without a key",
+    remedy="configure a key (api.control.api_key_env or api.control.keys) to allow",
+    see="docs/security.md",
+)
 
 
 def _refuse_foreign(req: falcon.Request, listen: tuple[str, int] | None) -> None:
@@ -236,35 +207,15 @@ def _refuse_foreign(req: falcon.Request, listen: tuple[str, int] | None) -> None
         listen_or_env: tuple[str | None, int] = (None, int(req.env.get("SERVER_PORT") or 80))
     else:
         listen_or_env = listen
-    host = req.get_header("Host")
-    if host is not None:
-        problem = _host_refusal(host, listen_or_env)
-        if problem is not None:
-            raise ApiError(
-                "permission_denied",
-                f"request refused: Host {host} {problem}; a control API without a key "
-                "answers only requests addressed to localhost, a loopback address or its "
-                f"listen address, on its port; {_CONFIGURE_KEY} other hosts ({_SEE})",
-            )
-    origin = req.get_header("Origin")
-    if origin is not None:
-        own = f"http://{host}" if host is not None else None
-        if own is None or origin.lower() != own.lower():
-            this = f" ({own})" if own is not None else ""
-            raise ApiError(
-                "permission_denied",
-                f"cross-origin request refused: Origin {origin} is not this API's origin{this}; "
-                "a control API without a key accepts only same-origin requests; "
-                f"{_CONFIGURE_KEY} cross-origin callers ({_SEE})",
-            )
-    site = req.get_header("Sec-Fetch-Site")
-    if site is not None and site.strip().lower() not in _SAME_SITE:
-        raise ApiError(
-            "permission_denied",
-            f"cross-site request refused: Sec-Fetch-Site is {site}; a control API without "
-            f"a key accepts only same-origin requests; {_CONFIGURE_KEY} cross-site callers "
-            f"({_SEE})",
-        )
+    problem = foreign_refusal(
+        _KEYLESS,
+        listen_or_env,
+        req.get_header("Host"),
+        req.get_header("Origin"),
+        req.get_header("Sec-Fetch-Site"),
+    )
+    if problem is not None:
+        raise ApiError("permission_denied", problem)
 
 
 def _require_json(req: falcon.Request) -> None:

@@ -185,6 +185,12 @@ def _group_fields() -> dict[str, Schema]:
         "kind": enum(["selector", "url_test", "fallback", "relay", "load_balance"]),
         "outbounds": STRINGS,
         "selected": nullable(STR),
+        "fixed": nullable(
+            string(
+                description="The pinned member of a url_test or fallback group "
+                "(`policies.select`, mihomo's `fixed`); null when none, and for other kinds."
+            )
+        ),
         "latency_ms": nullable(LATENCY_MS),
         "last_checked_unix_ms": nullable(UNIX_MS),
         "effective_chains": chains,
@@ -200,8 +206,9 @@ def _group_fields() -> dict[str, Schema]:
                     "checked_by": nullable(STR),
                 },
                 description="What the engine knows of one member now: the newest check of "
-                "it by any probing group (`checked_by`), whichever group lists it; all null "
-                "until some group has checked it.",
+                "it by any probing group (`checked_by`) or by `diagnostics.probe_outbound` "
+                "(`checked_by` null), whichever group lists it; all null until something "
+                "has checked it.",
             ),
             description="Every member, in order, with its engine-wide latest health "
             "(`url_test_members` keeps this group's own view, which its selection follows).",
@@ -479,6 +486,28 @@ def _apply_result() -> Schema:
     )
 
 
+_LOG_LEVEL = enum(["trace", "debug", "info", "warn", "error"])
+
+
+def _dns_query_result() -> Schema:
+    record = obj(
+        {"name": STR, "type": COUNT, "ttl": COUNT, "data": STR},
+        description="One record: owner name (with its final dot), numeric type, TTL and "
+        "the data in zone-file text.",
+    )
+    return obj(
+        {
+            "rcode": COUNT,
+            "question": obj({"name": STR, "type": COUNT, "class": COUNT}),
+            "flags": obj({"tc": BOOL, "rd": BOOL, "ra": BOOL, "ad": BOOL, "cd": BOOL}),
+            "answer": array(record),
+            "authority": array(record),
+            "additional": array(record),
+        },
+        {"error": STR},
+    )
+
+
 def command_results() -> dict[str, Schema]:
     """The result schema of each command, by method."""
     accepted = obj({"accepted": BOOL})
@@ -537,7 +566,18 @@ def command_results() -> dict[str, Schema]:
                 ),
             ]
         },
-        "policies.select": obj({"policy_tag": STR, "selected": STR}),
+        "policies.select": obj(
+            {"policy_tag": STR, "selected": STR},
+            {"fixed": string(description="The pinned member (url_test and fallback groups).")},
+        ),
+        "policies.unfix": obj(
+            {
+                "policy_tag": STR,
+                "selected": nullable(STR),
+                "fixed": {"type": "null"},
+                "previous_fixed": nullable(STR),
+            }
+        ),
         "policies.probe": obj({"policy_tag": STR, "probe_triggered": BOOL}),
         "config.apply": _apply_result(),
         "config.apply_runtime": _apply_result(),
@@ -550,9 +590,14 @@ def command_results() -> dict[str, Schema]:
                 "via": const("through_proxy"),
                 "reachable": BOOL,
                 "latency_ms": nullable(LATENCY_MS),
+                "status": nullable(integer(100, 999)),
+                "timed_out": BOOL,
             },
             {"error": STR},
         ),
+        "diagnostics.dns_query": _dns_query_result(),
+        "dns.cache_flush": obj({"flushed": COUNT}),
+        "log.set_level": obj({"level": _LOG_LEVEL, "previous": _LOG_LEVEL}),
         "diagnostics.fakeip_lookup": {
             "oneOf": [
                 obj(

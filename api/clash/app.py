@@ -25,5 +25,6 @@ def create_clash_app(ctx: ClashContext) -> ASGIApp:
             *storage.storage_routes(ctx),
             *routes.http_routes(ctx),
         ],
+        exception_handlers=guard.exception_handlers(),
     )
     return guard.wrap(app, ctx)

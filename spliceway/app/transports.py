@@ -21,6 +21,7 @@ from spliceway.api.auth import KeyTable
 from spliceway.api.clash.app import create_clash_app
 from spliceway.api.clash.context import ClashContext
 from spliceway.api.clash.server import ClashServer
+from spliceway.api.clash.static import check_external_ui
 from spliceway.api.grpc_server import GrpcServer, check_grpc
 from spliceway.api.ipc import IpcServer
 from spliceway.api.metrics import metrics_registry
@@ -126,6 +127,7 @@ class Transports:
         self._keys = KeyTable.from_config(api.control) if api.control.enabled else None
         check_grpc(api)
         clash = api.clash
+        check_external_ui(clash)
         self._clash_ctx = (
             ClashContext(
                 self._plane,

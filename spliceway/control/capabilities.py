@@ -254,6 +254,7 @@ def capabilities(
     api_enabled: bool = True,
     ipc_enabled: bool = True,
     grpc_enabled: bool = False,
+    clash_enabled: bool = False,
 ) -> dict[str, Any]:
     """The capabilities resource for a caller holding ``permissions``.
 
@@ -283,6 +284,8 @@ def capabilities(
             {"kind": "embedded", "enabled": True},
             {"kind": "ipc", "enabled": ipc_enabled},
             {"kind": "grpc", "enabled": grpc and grpc_enabled},
+            # The Clash-compatible API (api.clash, docs/clash-api.md).
+            {"kind": "clash", "enabled": clash_enabled},
         ],
         "sinks": [
             {"kind": "webhook", "enabled": True},

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from spliceway import config as config_module
 from spliceway import dns
 from spliceway.control import diagnostics
-from spliceway.control.messages import CloseFlow, ProbeNow, SelectMember
+from spliceway.control.messages import CloseFlow, ProbeNow, SelectMember, UnfixMember
 from spliceway.errors import ApiError, invalid_argument, not_found
 from spliceway.routing import hostnorm, policy
 from spliceway.routing import rules as routing
@@ -117,6 +117,13 @@ class PolicyTagParams(_Params):
     """Tag of a `url_test` group."""
 
 
+class PolicyUnfixParams(_Params):
+    """``policies.unfix``."""
+
+    policy_tag: str
+    """Tag of a `url_test` or `fallback` group."""
+
+
 class TargetTagParams(_Params):
     """``diagnostics.probe_target``."""
 
@@ -130,8 +137,13 @@ class ProbeOutboundParams(_Params):
     target_tag: str
     """Tag of an outbound or group (a group is probed through its current choice)."""
     url: str | None = None
-    """Plain `http://` URL to probe; `runtime.latency_test_url` wins when it is configured
-    (a url given then is still checked). The result's `url` is the URL probed."""
+    """`http://` or `https://` URL to probe; `runtime.latency_test_url` wins when it is
+    configured (a url given then is still checked). The result's `url` is the URL probed."""
+    timeout_ms: int = Field(default=5000, ge=1, le=32767)
+    """Budget of the whole probe (dial, TLS, request, status line), in milliseconds."""
+    expected_status: str | None = None
+    """Statuses that count as success, in mihomo's syntax: `200`, `200/204`, `200-299`,
+    ranges separated by `/` or `,`; `*`, empty or null: any status."""
 
 
 class HostnameParams(_Params):
@@ -139,6 +151,22 @@ class HostnameParams(_Params):
 
     hostname: str = Field(min_length=1)
     """Name to resolve through `runtime.dns` (cached answers are used, new ones cached)."""
+
+
+class DnsQueryParams(_Params):
+    """``diagnostics.dns_query``."""
+
+    name: str = Field(min_length=1)
+    """Name to query (a trailing dot does not matter)."""
+    type: str = "A"
+    """Record type, any dnspython rdtype name (`A`, `AAAA`, `MX`, `TXT`, `HTTPS`, ...)."""
+
+
+class LogLevelParams(_Params):
+    """``log.set_level``."""
+
+    level: Literal["trace", "debug", "info", "warn", "error"]
+    """The lowest level logged and kept in the log ring from now on."""
 
 
 class DnsCacheParams(_Params):
@@ -265,11 +293,14 @@ def _config_validate(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
 
 
 def _config_apply(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
-    return _logged(core.reconciler.apply(p.config, persist=True, trigger="config.apply"))
+    result = core.reconciler.apply(p.config, persist=True, trigger="config.apply")
+    core.logs.log_level  # noqa: B018 -- a new runtime.log_level ends log.set_level's now
+    return _logged(result)
 
 
 def _config_apply_runtime(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
     result = core.reconciler.apply(p.config, persist=False, trigger="config.apply_runtime")
+    core.logs.log_level  # noqa: B018 -- a new runtime.log_level ends log.set_level's now
     return _logged(result, "config.apply_runtime")
 
 
@@ -340,7 +371,9 @@ def _probe_target(core: EngineCore, p: TargetTagParams) -> dict[str, Any]:
 
 
 def _probe_outbound(core: EngineCore, p: ProbeOutboundParams) -> dict[str, Any]:
-    return diagnostics.probe_outbound(core, p.target_tag, p.url)
+    return diagnostics.probe_outbound(
+        core, p.target_tag, p.url, timeout_ms=p.timeout_ms, expected_status=p.expected_status
+    )
 
 
 def _group_actor(core: EngineCore, tag: str, kinds: Iterable[str]) -> pykka.ActorRef[Any]:
@@ -363,6 +396,17 @@ def _policies_select(core: EngineCore, p: PolicySelectParams) -> dict[str, Any]:
     return result
 
 
+def _policies_unfix(core: EngineCore, p: PolicyUnfixParams) -> dict[str, Any]:
+    actor = _group_actor(core, p.policy_tag, policy.POLICY_KINDS)
+    try:
+        result: dict[str, Any] = cast(
+            "dict[str, Any]", actor.ask(UnfixMember(), timeout=_ASK_TIMEOUT)
+        )
+    except pykka.ActorDeadError as ex:
+        raise ApiError("conflict", "the engine is stopping") from ex
+    return result
+
+
 def _policies_probe(core: EngineCore, p: PolicyTagParams) -> dict[str, Any]:
     actor = _group_actor(core, p.policy_tag, ("url_test",))
     try:
@@ -374,6 +418,25 @@ def _policies_probe(core: EngineCore, p: PolicyTagParams) -> dict[str, Any]:
 
 def _dns_lookup(core: EngineCore, p: HostnameParams) -> dict[str, Any]:
     return dns.dns_lookup_result(core.resolver, p.hostname)
+
+
+def _dns_query(core: EngineCore, p: DnsQueryParams) -> dict[str, Any]:
+    return dns.dns_query_result(core.resolver, p.name, p.type)
+
+
+def _dns_cache_flush(core: EngineCore, p: NoParams) -> dict[str, Any]:
+    flushed = core.resolver.cache_flush()
+    # C's connection path keeps copies of the resolver's answers (EngineCore.dns_answer):
+    # a flush that left them would keep dialing the old addresses.
+    core.bridge.conn.dns_flush()
+    return {"flushed": flushed}
+
+
+def _log_set_level(core: EngineCore, p: LogLevelParams) -> dict[str, Any]:
+    previous = core.logs.log_level
+    core.logs.set_log_level(p.level)
+    logger.info("log level set to %s (was %s)", p.level, previous)
+    return {"level": p.level, "previous": previous}
 
 
 def _dns_cache(core: EngineCore, p: DnsCacheParams) -> dict[str, Any]:
@@ -522,17 +585,41 @@ COMMANDS: dict[str, Command] = {
             "control",
             PolicySelectParams,
             _policies_select,
-            summary="Choose the member a `selector` group gives new flows; emits "
-            "`policy.selected`. Lasts until the engine stops.",
+            summary="Choose the member a `selector` group gives new flows, or pin a member of "
+            "a `url_test` or `fallback` group (mihomo's `fixed`: flows take it while it is "
+            "healthy); emits `policy.selected`. Lasts until the engine stops.",
             errors=(
                 (
                     "not_found",
                     "No selector, url_test, fallback or load_balance group has this `policy_tag`.",
                 ),
-                ("invalid_argument", "`params.policy_tag`: the group is not a selector."),
+                (
+                    "invalid_argument",
+                    "`params.policy_tag`: the group is a `load_balance` group.",
+                ),
                 ("invalid_argument", "`params.target_tag`: not a member of the group."),
             ),
             example={"policy_tag": "proxy", "target_tag": "auto"},
+        ),
+        Command(
+            "policies.unfix",
+            "control",
+            PolicyUnfixParams,
+            _policies_unfix,
+            summary="Drop the pin of a `url_test` or `fallback` group (`fixed` becomes null): "
+            "it chooses by its own rule again; emits `policy.selected` (`action: unfix`) "
+            "when a pin was dropped.",
+            errors=(
+                (
+                    "not_found",
+                    "No selector, url_test, fallback or load_balance group has this `policy_tag`.",
+                ),
+                (
+                    "invalid_argument",
+                    "`params.policy_tag`: the group is not a `url_test` or `fallback` group.",
+                ),
+            ),
+            example={"policy_tag": "auto"},
         ),
         Command(
             "policies.probe",
@@ -607,13 +694,19 @@ COMMANDS: dict[str, Command] = {
             "admin",
             ProbeOutboundParams,
             _probe_outbound,
-            summary="Time one `HEAD` request through an outbound or group (5 s); a failed "
-            "probe is a result, not an error.",
+            summary="Time one `HEAD` request through an outbound or group (dial start to the "
+            "first byte of the answer, within `timeout_ms`) and read its status; a failed "
+            "probe, or a status outside `expected_status`, is a result with `error`, not an "
+            "error. The result is recorded as the target's latest health.",
             errors=(
                 ("not_found", "No outbound or group has this `target_tag`."),
-                ("invalid_argument", "`params.url`: not a plain `http://` URL with a host."),
+                (
+                    "invalid_argument",
+                    "`params.url`: not an `http://` or `https://` URL with a host; "
+                    "`params.expected_status`: not a status range list.",
+                ),
             ),
-            example={"target_tag": "proxy"},
+            example={"target_tag": "proxy", "timeout_ms": 5000, "expected_status": "204"},
         ),
         Command(
             "diagnostics.dns_lookup",
@@ -624,6 +717,38 @@ COMMANDS: dict[str, Command] = {
             "is a result with `error`.",
             errors=(("invalid_argument", "`params.hostname`: not a valid host name."),),
             example={"hostname": "example.com"},
+        ),
+        Command(
+            "diagnostics.dns_query",
+            "admin",
+            DnsQueryParams,
+            _dns_query,
+            summary="Ask the engine's DNS servers (`runtime.dns.servers`, in order, without the "
+            "cache) for one record type of a name and return the answer message's sections; "
+            "when every server failed the result has `error` (rcode 2, SERVFAIL).",
+            errors=(
+                ("invalid_argument", "`params.name`: not a valid name; `params.type`: unknown."),
+            ),
+            example={"name": "example.com", "type": "AAAA"},
+        ),
+        Command(
+            "dns.cache_flush",
+            "control",
+            NoParams,
+            _dns_cache_flush,
+            summary="Empty the resolver's answer cache (and the C connection path's copy); "
+            "`flushed` is the number of entries removed. Fake-ip mappings stay "
+            "(`fakeip.clear`).",
+        ),
+        Command(
+            "log.set_level",
+            "config",
+            LogLevelParams,
+            _log_set_level,
+            summary="Set the lowest level the `spliceway` loggers log and the log ring keeps, "
+            "from now until the engine stops or a configuration changes "
+            "`runtime.log_level`; the `runtime` query shows it as `log_level`.",
+            example={"level": "debug"},
         ),
         Command(
             "diagnostics.dns_cache",

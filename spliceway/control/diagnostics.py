@@ -9,8 +9,12 @@ server is a result (``reachable: false`` with ``error``), never an error; only
 an unknown tag is. Groups and relays have no fixed server.
 
 ``probe_outbound`` is one latency probe *through* an outbound or group (its
-current choice): HEAD for an ``http://`` URL, first byte, 5 s. The URL, first
-that applies:
+current choice): HEAD for an ``http://`` or ``https://`` URL (TLS verified against
+the system store), latency to the first byte of the answer, its status read and
+checked against ``expected_status`` (mihomo's range syntax), within ``timeout_ms``
+(5 s by default). Its result is recorded as the target's latest health
+(``PolicyTable.record_probe``), so ``member_health`` and a Clash dashboard's next
+``GET /proxies`` show it with its time. The URL, first that applies:
 1. ``runtime.latency_test_url`` when configured (it always wins);
 2. the command's ``url``;
 3. when ``target_tag`` is a url_test, fallback or load_balance group, the
@@ -29,6 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spliceway.errors import invalid_argument, not_found
+from spliceway.events.log import now_ms
 from spliceway.flows.outbounds import DialError, open_tcp
 from spliceway.flows.probe import probe
 from spliceway.routing import policy
@@ -97,14 +102,25 @@ def _group_probe_url(core: EngineCore, target_tag: str) -> str | None:
     return own
 
 
-def probe_outbound(core: EngineCore, target_tag: str, url: str | None) -> dict[str, Any]:
-    """The ``diagnostics.probe_outbound`` result; blocks up to the 5 s probe budget."""
+def probe_outbound(
+    core: EngineCore,
+    target_tag: str,
+    url: str | None,
+    *,
+    timeout_ms: int = int(policy.PROBE_TIMEOUT_S * 1000),
+    expected_status: str | None = None,
+) -> dict[str, Any]:
+    """The ``diagnostics.probe_outbound`` result; blocks up to ``timeout_ms``."""
     _known(core, target_tag)
     if url is not None:
         try:
             policy.parse_probe_url(url)
         except ValueError as ex:
             raise invalid_argument(f"url: {ex}", "params.url") from ex
+    try:
+        expected = policy.parse_expected_status(expected_status)
+    except ValueError as ex:
+        raise invalid_argument(f"expected_status: {ex}", "params.expected_status") from ex
     chosen = (
         core.config.runtime.latency_test_url
         or url
@@ -114,8 +130,13 @@ def probe_outbound(core: EngineCore, target_tag: str, url: str | None) -> dict[s
     parsed = policy.parse_probe_url(chosen)
     loop = core.dispatcher.loop
     outbound = core.leaf_outbound(target_tag)
-    result = asyncio.run_coroutine_threadsafe(probe(loop, outbound, parsed), loop).result(
-        policy.PROBE_TIMEOUT_S + 1.0
+    timeout = timeout_ms / 1000
+    result = asyncio.run_coroutine_threadsafe(
+        probe(loop, outbound, parsed, timeout, expected), loop
+    ).result(timeout + 1.0)
+    core.policies.record_probe(
+        target_tag,
+        policy.MemberHealth(result.reachable, result.latency_ms, now_ms(), result.error),
     )
     answer: dict[str, Any] = {
         "target_tag": target_tag,
@@ -123,6 +144,8 @@ def probe_outbound(core: EngineCore, target_tag: str, url: str | None) -> dict[s
         "via": "through_proxy",
         "reachable": result.reachable,
         "latency_ms": result.latency_ms,
+        "status": result.status,
+        "timed_out": result.timed_out,
     }
     if result.error is not None:
         answer["error"] = result.error

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["CloseFlow", "ProbeNow", "SelectMember"]
+__all__ = ["CloseFlow", "ProbeNow", "SelectMember", "UnfixMember"]
 
 
 class CloseFlow(NamedTuple):
@@ -20,9 +20,14 @@ class CloseFlow(NamedTuple):
 
 
 class SelectMember(NamedTuple):
-    """``policies.select``: use ``target`` (a direct member of this selector)."""
+    """``policies.select``: use ``target`` (a direct member of this selector), or pin it
+    (a url_test or fallback group: mihomo's ``fixed``)."""
 
     target: str
+
+
+class UnfixMember(NamedTuple):
+    """``policies.unfix``: drop a url_test or fallback group's pin."""
 
 
 class ProbeNow(NamedTuple):

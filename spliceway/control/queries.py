@@ -91,7 +91,8 @@ def _runtime(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "stats": core.stats_snapshot(),
         "udp_upstream_idle_timeout_seconds": rt.udp_upstream_idle_timeout_seconds,
-        "log_level": rt.log_level,
+        # log.set_level's level while it holds, else runtime.log_level.
+        "log_level": core.logs.log_level,
         "log_files": list(rt.log_files),
         "pid": os.getpid(),
         "started_at_unix_ms": core.started_at_unix_ms,
@@ -245,6 +246,7 @@ def _capabilities(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
         api_enabled=api.control.enabled,
         ipc_enabled=bool(api.ipc.enabled),
         grpc_enabled=api.grpc.enabled,
+        clash_enabled=api.clash.enabled,
     )
 
 

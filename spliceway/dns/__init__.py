@@ -17,6 +17,7 @@ from spliceway.dns.cache import AnswerCache, CacheEntry
 from spliceway.dns.diagnostics import (
     dns_cache_result,
     dns_lookup_result,
+    dns_query_result,
     fakeip_clear_result,
     fakeip_lookup_result,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "Resolver",
     "dns_cache_result",
     "dns_lookup_result",
+    "dns_query_result",
     "fakeip_clear_result",
     "fakeip_lookup_result",
     "normalize_hostname",

@@ -113,10 +113,13 @@ class AnswerCache:
                 out.append(_entry(key, self._entries[key], now))
             return out
 
-    def clear(self) -> None:
-        """Drop every entry."""
+    def clear(self) -> int:
+        """Drop every entry; the number of live (unexpired) ones dropped."""
         with self._lock:
+            self._purge(self._clock())
+            count = len(self._entries)
             self._entries.clear()
+            return count
 
     def __len__(self) -> int:
         """The number of live (unexpired) entries."""

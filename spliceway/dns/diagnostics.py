@@ -11,11 +11,29 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+
 from spliceway.dns.fakeip import FakeIpPool, domain_key
 from spliceway.dns.resolver import InvalidHostname, ResolveError, Resolver, normalize_hostname
 from spliceway.errors import ApiError, invalid_argument
 
-__all__ = ["dns_cache_result", "dns_lookup_result", "fakeip_clear_result", "fakeip_lookup_result"]
+__all__ = [
+    "dns_cache_result",
+    "dns_lookup_result",
+    "dns_query_result",
+    "fakeip_clear_result",
+    "fakeip_lookup_result",
+]
+
+#: The header flags a ``diagnostics.dns_query`` result reports, as mihomo's ``/dns/query``.
+_FLAGS = {"tc": dns.flags.TC, "rd": dns.flags.RD, "ra": dns.flags.RA, "ad": dns.flags.AD,
+          "cd": dns.flags.CD}  # fmt: skip
 
 
 def dns_lookup_result(resolver: Resolver, hostname: Any) -> dict[str, Any]:
@@ -39,6 +57,69 @@ def dns_lookup_result(resolver: Resolver, hostname: Any) -> dict[str, Any]:
     if not addresses:
         result["error"] = f"{hostname} has no address (NXDOMAIN or no A/AAAA records)"
     return result
+
+
+def _records(section: list[dns.rrset.RRset]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": rrset.name.to_text(),
+            "type": int(rrset.rdtype),
+            "ttl": rrset.ttl,
+            "data": rdata.to_text(),
+        }
+        for rrset in section
+        for rdata in rrset
+    ]
+
+
+def dns_query_result(resolver: Resolver, name: str, rdtype: str = "A") -> dict[str, Any]:
+    """``diagnostics.dns_query``: the sections of the first server's answer message,
+    ``{rcode, question: {name, type, class}, flags: {tc, rd, ra, ad, cd}, answer,
+    authority, additional}`` with records as ``{name, type, ttl, data}`` (names with
+    their final dot, types and classes as numbers, ``data`` in zone-file text).
+
+    NXDOMAIN is an answer (rcode 3, empty sections but the authority's SOA). When every
+    server failed the result has rcode 2 (SERVFAIL), empty sections and ``error``.
+    ``invalid_argument`` for a malformed ``params.name`` or an unknown ``params.type``.
+    Blocks the calling thread (up to 5 s).
+    """
+    try:
+        message = resolver.query(name, rdtype)
+    except InvalidHostname as ex:
+        raise invalid_argument(str(ex), field_path="params.name") from ex
+    except ResolveError as ex:
+        return _failed_query(name, rdtype, str(ex))
+    except ValueError as ex:
+        raise invalid_argument(str(ex), field_path="params.type") from ex
+    return {
+        "rcode": int(message.rcode()),
+        "question": _question(name, rdtype),
+        "flags": {k: bool(message.flags & v) for k, v in _FLAGS.items()},
+        "answer": _records(message.answer),
+        "authority": _records(message.authority),
+        "additional": _records(message.additional),
+    }
+
+
+def _question(name: str, rdtype: str) -> dict[str, Any]:
+    # What was asked (validated by the query): a server need not echo its question.
+    return {
+        "name": dns.name.from_text(name).to_text(),
+        "type": int(dns.rdatatype.from_text(rdtype)),
+        "class": int(dns.rdataclass.IN),
+    }
+
+
+def _failed_query(name: str, rdtype: str, error: str) -> dict[str, Any]:
+    return {
+        "rcode": int(dns.rcode.SERVFAIL),
+        "question": _question(name, rdtype),
+        "flags": dict.fromkeys(_FLAGS, False),
+        "answer": [],
+        "authority": [],
+        "additional": [],
+        "error": error,
+    }
 
 
 def dns_cache_result(resolver: Resolver, domain: Any = None, limit: Any = 256) -> dict[str, Any]:

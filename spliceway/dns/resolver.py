@@ -42,7 +42,9 @@ from typing import Any, NamedTuple
 
 import dns.asyncresolver
 import dns.exception
+import dns.message
 import dns.name
+import dns.rdatatype
 import dns.resolver
 
 from spliceway.config import DnsSettings, parse_dns_server
@@ -167,6 +169,14 @@ class _SystemServer:
             return self._negative(ex)
         return self._answer(infos)
 
+    def query(self, qname: dns.name.Name, rdtype: dns.rdatatype.RdataType, timeout: float) -> Any:
+        """The answer message for one record type: getaddrinfo knows only addresses, so
+        this asks the name servers of ``/etc/resolv.conf`` (what getaddrinfo's DNS step
+        asks) with dnspython."""
+        resolver = dns.resolver.Resolver(configure=True)
+        resolver.cache = None
+        return _message(resolver, qname, rdtype, timeout, tcp=False)
+
     @staticmethod
     def _negative(ex: socket.gaierror) -> _Answer:
         if ex.errno in _GAI_NEGATIVE:
@@ -223,6 +233,10 @@ class _Do53Server:
         )
         return self._combine(list(results))
 
+    def query(self, qname: dns.name.Name, rdtype: dns.rdatatype.RdataType, timeout: float) -> Any:
+        """The answer message of this server for one record type (``diagnostics.dns_query``)."""
+        return _message(self._sync, qname, rdtype, timeout, tcp=self.tcp)
+
     def _query_args(self, timeout: float) -> dict[str, Any]:
         return {"lifetime": timeout, "tcp": self.tcp, "search": False,
                 "raise_on_no_answer": False}  # fmt: skip
@@ -247,6 +261,26 @@ class _Do53Server:
             if isinstance(r, BaseException):
                 raise r
         return _Answer([], 0)
+
+
+def _message(
+    resolver: dns.resolver.Resolver,
+    qname: dns.name.Name,
+    rdtype: dns.rdatatype.RdataType,
+    timeout: float,
+    *,
+    tcp: bool,
+) -> dns.message.Message:
+    """The server's whole answer message, NXDOMAIN and empty answers included (they are
+    answers); SERVFAIL, REFUSED and timeouts raise as server failures."""
+    try:
+        answer = resolver.resolve(
+            qname, rdtype, lifetime=timeout, tcp=tcp, search=False, raise_on_no_answer=False
+        )
+    except dns.resolver.NXDOMAIN as ex:
+        return ex.response(qname)
+    assert answer.response is not None
+    return answer.response
 
 
 _Server = _SystemServer | _Do53Server
@@ -348,6 +382,33 @@ class Resolver:
             return Answer(tuple(addresses), int(ttl))
         raise self._failed(name, failures)
 
+    def query(self, name: str, rdtype: str, timeout: float = 5.0) -> dns.message.Message:
+        """Ask the servers in order, bypassing the cache, for ``rdtype`` records of
+        ``name``; the first answer message (NOERROR or NXDOMAIN) wins. Raises
+        ``ValueError`` for a malformed name or an unknown type and :class:`ResolveError`
+        when every server failed. Blocks the calling thread."""
+        try:
+            qname = dns.name.from_text(name)
+        except dns.exception.DNSException as ex:
+            raise InvalidHostname(f"invalid name {name!r}: {ex}") from ex
+        try:
+            qtype = dns.rdatatype.from_text(rdtype)
+        except dns.exception.DNSException as ex:
+            raise ValueError(f"unknown record type {rdtype!r}") from ex
+        if dns.rdatatype.is_metatype(qtype):
+            raise ValueError(f"{rdtype!r} is a meta type, not a record type")
+        deadline = time.monotonic() + timeout
+        failures: list[str] = []
+        for i, server in enumerate(self._servers):
+            budget = self._budget(deadline, i)
+            if budget is None:
+                break
+            try:
+                return server.query(qname, qtype, budget)
+            except _SERVER_ERRORS as ex:
+                failures.append(f"{server.label}: {_reason(ex)}")
+        raise self._failed(qname.to_text(omit_final_dot=True), failures)
+
     @property
     def upstreams(self) -> list[tuple[str, str, int]]:
         """The ``udp://`` / ``tcp://`` servers as ``(kind, ip, port)``, in order (where the
@@ -400,6 +461,10 @@ class Resolver:
     def cache_entries(self, limit: int | None = None) -> list[CacheEntry]:
         """Live cache entries, most recently used first, at most ``limit``."""
         return [] if self.cache is None else self.cache.entries(limit)
+
+    def cache_flush(self) -> int:
+        """Empty the cache; the number of live entries it held (0 without a cache)."""
+        return 0 if self.cache is None else self.cache.clear()
 
     def cache_count(self) -> int:
         """The number of live cache entries (0 without a cache)."""

@@ -375,14 +375,27 @@ _EVENTS: tuple[EventType, ...] = (
     ),
     EventType(
         "policy.selected",
-        "The `policies.select` command changed a selector group's member.",
-        "Once per successful `policies.select`.",
+        "The `policies.select` command changed a selector group's member or pinned a "
+        "member of a url_test or fallback group, or `policies.unfix` dropped a pin.",
+        "Once per successful `policies.select`, and per `policies.unfix` that dropped a pin.",
         True,
         (
             _f("policy_tag", "string", "The group's tag."),
-            _f("policy_kind", "string", "`selector`."),
-            _f("selected", "string", "The member now selected."),
-            _f("previous", "string or null", "The member selected before."),
+            _f("policy_kind", "string", "`selector`, `url_test` or `fallback`."),
+            _f(
+                "selected",
+                "string",
+                "The member the group gives new flows now (for a pin: the pinned member "
+                "if it is healthy, else the group's own choice).",
+            ),
+            _f("previous", "string or null", "The member the group gave new flows before."),
+            _f(
+                "action",
+                "string",
+                "`select` (a selector's member), `fix` (a url_test or fallback group "
+                "pinned, mihomo's `fixed`) or `unfix` (its pin dropped).",
+            ),
+            _f("fixed", "string or null", "The group's pin now; null for a selector."),
         ),
     ),
     EventType(

@@ -87,10 +87,51 @@ class LogRing(logging.Handler):
         self._seq = 0
         self._ring_lock = threading.Lock()
         self._attached: logging.Logger | None = None
+        #: ``log.set_level``'s level and the configured level it replaced: it holds while
+        #: the configuration still says that level, so a reload that changes
+        #: ``runtime.log_level`` wins (as a restart would).
+        self._override: tuple[str, str] | None = None
+        #: The ``spliceway`` logger's own level before the first ``set_log_level``, restored on
+        #: ``detach``: the logger is process-wide and outlives this engine.
+        self._logger_level: int | None = None
+
+    @property
+    def log_level(self) -> str:
+        """The level in force: ``set_log_level``'s while the configured level is unchanged,
+        else the configured one."""
+        configured = self._threshold()
+        override = self._override
+        if override is None:
+            return configured
+        if override[1] == configured:
+            return override[0]
+        # The configuration changed its level since: it wins, and the logger gets its own
+        # level back (noticed at the first read after the change: a config command reads
+        # it at once, a SIGHUP reload at the next record or query).
+        self._override = None
+        self._restore_logger()
+        return configured
+
+    def _restore_logger(self) -> None:
+        if self._logger_level is not None:
+            logging.getLogger(ROOT_LOGGER).setLevel(self._logger_level)
+            self._logger_level = None
+
+    def set_log_level(self, level: str) -> None:
+        """Keep records at or above ``level`` (a ``runtime.log_level`` value) from now on,
+        and let the ``spliceway`` loggers create them: a host at Python's default
+        (warnings only) would otherwise never hand a debug record to the ring."""
+        if level not in LEVELS:
+            raise ValueError(f"unknown log level {level!r}")
+        self._override = (level, self._threshold())
+        root = logging.getLogger(ROOT_LOGGER)
+        if self._logger_level is None:
+            self._logger_level = root.level
+        root.setLevel(LEVELS[level])
 
     def emit(self, record: logging.LogRecord) -> None:
         """Keep ``record`` if it is at or above the threshold (never logs itself)."""
-        if record.levelno < LEVELS.get(self._threshold(), logging.INFO):
+        if record.levelno < LEVELS.get(self.log_level, logging.INFO):
             return
         # Formatted outside the lock: a slow __str__ of an argument holds up no one else.
         fields = {
@@ -115,6 +156,7 @@ class LogRing(logging.Handler):
         attached, self._attached = self._attached, None
         if attached is not None:
             attached.removeHandler(self)
+        self._restore_logger()
 
     def snapshot(
         self, since: int | None = None, level: str | None = None, limit: int | None = None

@@ -18,6 +18,11 @@ Decisions where the spec leaves room:
 - load_balance spreads over healthy members (all members when none is healthy).
   ``consistent_hashing`` (by target host) and ``sticky_sessions`` (by source IP)
   use rendezvous hashing, so a member going down moves only its own share.
+- A url_test or fallback group may be pinned to a member (``policies.select``,
+  mihomo's ``fixed``), as mihomo's ``urltest.go`` ``fast()`` and ``fallback.go``
+  ``findAliveProxy()`` do: url_test takes the pinned member while it is healthy and
+  keeps the pin while it is not (its own choice applies meanwhile); fallback takes it
+  while it is healthy and drops the pin once it is found unhealthy.
 - A relay group is a leaf: its hops are the flow's ``path.relay_chain``.
 - ``effective_chains`` stop at a nested load_balance group (its own snapshot
   lists its chains): which member a flow gets depends on the flow.
@@ -37,6 +42,44 @@ from typing import Any
 # that validates with it; the groups, probes and diagnostics name it from here.
 from spliceway.support.probe_url import ProbeUrl as ProbeUrl
 from spliceway.support.probe_url import parse_probe_url as parse_probe_url
+
+#: Statuses a probe accepts, as inclusive ``(low, high)`` ranges; empty: any status.
+StatusRanges = tuple[tuple[int, int], ...]
+#: mihomo's limit on the number of ranges (common/utils/ranges.go).
+_MAX_STATUS_RANGES = 28
+
+
+def parse_expected_status(text: str | None) -> StatusRanges:
+    """Parse mihomo's expected-status syntax (``200``, ``200/204``, ``200-299``, ranges
+    separated by ``/`` or ``,``; ``*``, empty or None: any status). ValueError when
+    malformed."""
+    text = (text or "").strip()
+    if not text or text == "*":
+        return ()
+    parts = text.replace(",", "/").split("/")
+    if len(parts) > _MAX_STATUS_RANGES:
+        raise ValueError(f"at most {_MAX_STATUS_RANGES} ranges")
+    ranges: list[tuple[int, int]] = []
+    for part in parts:
+        if not part:
+            continue  # as mihomo: "200//204" is "200/204"
+        bounds = part.split("-")
+        if len(bounds) > 2:
+            raise ValueError(f"{part!r} is not a status or a range")
+        try:
+            low, high = (int(b.strip("[ ]"), 10) for b in (bounds[0], bounds[-1]))
+        except ValueError:
+            raise ValueError(f"{part!r} is not a status or a range") from None
+        if not (0 <= low <= high <= 65535):
+            raise ValueError(f"{part!r} is not a status or an ascending range")
+        ranges.append((low, high))
+    return tuple(ranges)
+
+
+def status_allowed(ranges: StatusRanges, status: int) -> bool:
+    """Whether ``status`` is in ``ranges`` (any status when there are none)."""
+    return not ranges or any(low <= status <= high for low, high in ranges)
+
 
 #: Used when neither the group, ``runtime.latency_test_url`` nor the command names a URL.
 DEFAULT_PROBE_URL = "http://www.gstatic.com/generate_204"
@@ -74,6 +117,8 @@ class GroupView:
     interval_seconds: int | None = None
     tolerance_ms: int | None = None
     strategy: str | None = None
+    #: The pinned member of a url_test or fallback group (mihomo's ``fixed``), or None.
+    fixed: str | None = None
 
     @property
     def probing(self) -> bool:
@@ -111,9 +156,21 @@ def probe_url_for(spec_url: str | None, latency_test_url: str | None) -> str:
     return spec_url or latency_test_url or DEFAULT_PROBE_URL
 
 
+#: Kinds whose member can be pinned (``policies.select``, ``policies.unfix``).
+PINNABLE_KINDS = frozenset({"url_test", "fallback"})
+
+
+def pinned(view: GroupView, fixed: str | None) -> GroupView:
+    """``view`` with its pin set to ``fixed`` (None: unpinned), reselected."""
+    return _reselected(replace(view, fixed=fixed), {})
+
+
 def choose(view: GroupView, current: str | None) -> str | None:
-    """The member a url_test or fallback group uses now (None for other kinds)."""
+    """The member a url_test or fallback group uses now (None for other kinds): its
+    healthy pinned member, else its kind's own choice."""
     members, health = view.members, view.health
+    if view.fixed is not None and view.fixed in health and health[view.fixed].healthy:
+        return view.fixed
     if view.kind == "fallback":
         return next((m for m in members if health[m].healthy), members[0])
     if view.kind != "url_test":
@@ -147,7 +204,12 @@ def _reselected(view: GroupView, updates: Mapping[str, MemberHealth], **changes:
     health = dict(view.health)
     health.update(updates)
     updated = replace(view, health=MappingProxyType(health), **changes)
-    if view.kind in ("url_test", "fallback"):
+    fixed = updated.fixed
+    found_dead = fixed is not None and fixed in updates and not health[fixed].healthy
+    if view.kind == "fallback" and found_dead:
+        # fallback.go findAliveProxy: a pinned member found dead loses its pin.
+        updated = replace(updated, fixed=None)
+    if view.kind in PINNABLE_KINDS:
         return replace(updated, selected=choose(updated, view.selected))
     return updated
 
@@ -173,6 +235,9 @@ class PolicyTable:
         self._views: dict[str, GroupView] = {v.tag: v for v in views}
         self._round_robin = {v.tag: itertools.count() for v in views}
         self._lock = threading.Lock()
+        #: The latest ``diagnostics.probe_outbound`` result of each tag (an outbound or a
+        #: group), beside what the groups' own rounds found.
+        self._probed: dict[str, MemberHealth] = {}
         #: Called after every publish (the engine recompiles the C route table).
         self._on_publish = on_publish
 
@@ -233,11 +298,21 @@ class PolicyTable:
             return self.latency_ms(view.selected)
         return view.health[view.selected].latency_ms if view.probing else None
 
-    def latest_health(self) -> dict[str, tuple[MemberHealth, str]]:
-        """Per member tag, the newest health any probing group recorded for it (a probe
-        round or a dial failure) and that group's tag; members no group has checked yet
-        are absent. A tie goes to the group listed first."""
-        latest: dict[str, tuple[MemberHealth, str]] = {}
+    def record_probe(self, tag: str, health: MemberHealth) -> None:
+        """Keep a ``diagnostics.probe_outbound`` result as ``tag``'s latest health (a
+        dashboard's delay test shows in the next read), unless something newer is known.
+        It informs readers only: a group's selection follows its own rounds."""
+        with self._lock:
+            probed = dict(self._probed)
+            probed[tag] = health
+            self._probed = probed
+
+    def latest_health(self) -> dict[str, tuple[MemberHealth, str | None]]:
+        """Per tag, the newest health recorded for it: by any probing group (a probe
+        round or a dial failure; with that group's tag) or by ``record_probe`` (with
+        None). Tags nothing has checked yet are absent. A tie goes to the group listed
+        first, then to the groups over ``record_probe``."""
+        latest: dict[str, tuple[MemberHealth, str | None]] = {}
         for view in self._views.values():
             if not view.probing:
                 continue
@@ -248,6 +323,11 @@ class PolicyTable:
                 known = latest.get(member)
                 if known is None or checked > (known[0].last_checked_unix_ms or 0):
                     latest[member] = (health, view.tag)
+        for tag, health in self._probed.items():
+            known = latest.get(tag)
+            checked = health.last_checked_unix_ms or 0
+            if known is None or checked > (known[0].last_checked_unix_ms or 0):
+                latest[tag] = (health, None)
         return latest
 
     def snapshot(self, tag: str) -> dict[str, Any]:
@@ -289,6 +369,7 @@ class PolicyTable:
             "kind": view.kind,
             "outbounds": list(view.members),
             "selected": view.selected,
+            "fixed": view.fixed,
             "latency_ms": self.latency_ms(tag),
             "last_checked_unix_ms": view.last_checked_unix_ms,
             "effective_chains": self.effective_chains(tag),

@@ -1,4 +1,4 @@
-"""Probe URLs: the plain ``http://`` URL a health probe sends HEAD to, parsed.
+"""Probe URLs: the ``http://`` or ``https://`` URL a health probe sends HEAD to, parsed.
 
 Pure (no sockets): the configuration validates group and ``runtime.latency_test_url``
 URLs with :func:`parse_probe_url`, and the probes (:mod:`spliceway.flows.probe`) send
@@ -13,17 +13,19 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class ProbeUrl:
-    """A parsed ``http://`` probe URL."""
+    """A parsed ``http://`` or ``https://`` probe URL."""
 
     url: str
     host: str
     port: int
     target: str = field(default="/")
+    #: ``https://``: the probe runs TLS over the dialed connection.
+    tls: bool = False
 
     def head_request(self) -> bytes:
         """The HEAD request a probe sends (the connection closes after the answer)."""
         host = self.host if ":" not in self.host else f"[{self.host}]"
-        if self.port != 80:
+        if self.port != (443 if self.tls else 80):
             host = f"{host}:{self.port}"
         return (
             f"HEAD {self.target} HTTP/1.1\r\nHost: {host}\r\n"
@@ -32,14 +34,15 @@ class ProbeUrl:
 
 
 def parse_probe_url(url: str) -> ProbeUrl:
-    """Parse a probe URL; only plain ``http://`` with a host is accepted (ValueError)."""
+    """Parse a probe URL; ``http://`` or ``https://`` with a host (else ValueError)."""
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
     except ValueError as ex:
         raise ValueError(f"not a valid URL: {ex}") from ex
-    if parts.scheme.lower() != "http":
-        raise ValueError("only http:// URLs can be probed")
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ValueError("only http:// and https:// URLs can be probed")
     if not parts.hostname:
         raise ValueError("the URL has no host")
     if any(c in url for c in "\r\n \t"):
@@ -53,4 +56,6 @@ def parse_probe_url(url: str) -> ProbeUrl:
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
-    return ProbeUrl(url, parts.hostname, 80 if port is None else port, target)
+    tls = scheme == "https"
+    default_port = 443 if tls else 80
+    return ProbeUrl(url, parts.hostname, default_port if port is None else port, target, tls)

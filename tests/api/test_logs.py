@@ -185,3 +185,45 @@ def test_logs_need_the_read_permission(
     status, body = get(engine.control_url, "/api/v1/logs", "logs-config-key")
     assert (status, body["error"]["code"]) == (403, "permission_denied")
     assert "records" in logs(engine.control_url, "", "logs-read-key")
+
+
+def test_log_set_level_moves_the_floor_until_the_configuration_changes(
+    make_engine: Callable[..., Any],
+) -> None:
+    """log.set_level (mihomo's PATCH /configs log-level): the ring's floor and the
+    ``spliceway`` logger's level at once, shown by the runtime query; a configuration
+    that changes runtime.log_level wins, as a restart would; stopping gives the logger
+    back its own level."""
+    cfg = control_config()
+    cfg["runtime"]["log_level"] = "warn"
+    root = logging.getLogger(ROOT_LOGGER)
+    own_level = root.level
+    engine = make_engine(cfg)
+    log = logging.getLogger("spliceway.test_logs")
+    assert engine.query("runtime")["log_level"] == "warn"
+
+    answer = engine.execute("log.set_level", {"level": "debug"})
+    assert answer == {"level": "debug", "previous": "warn"}
+    assert engine.query("runtime")["log_level"] == "debug"
+    assert root.level == logging.DEBUG
+    log.debug("set-level debug")
+    assert [r["level"] for r in mine(logs(engine.control_url), "set-level")] == ["debug"]
+
+    engine.execute("log.set_level", {"level": "error"})
+    log.warning("set-level warn")
+    assert [r["message"] for r in mine(logs(engine.control_url), "set-level")] == [
+        "set-level debug"
+    ]
+    with pytest.raises(Exception, match=r"params\.level") as info:
+        engine.execute("log.set_level", {"level": "verbose"})
+    assert info.value.code == "invalid_argument"  # type: ignore[attr-defined]
+
+    # A configuration naming another level wins.
+    cfg["runtime"]["log_level"] = "info"
+    engine.execute("config.apply_runtime", {"config": cfg})
+    assert engine.query("runtime")["log_level"] == "info"
+    log.info("set-level info")
+    assert mine(logs(engine.control_url), "set-level info")
+
+    engine.stop()
+    assert root.level == own_level

@@ -52,6 +52,7 @@ VALID_PARAMS: dict[str, dict[str, Any]] = {
     "diagnostics.trace_route": {"target": "x.blocked.test", "port": 443},
     "policies.select": {"policy_tag": "proxy", "target_tag": "direct"},
     "policies.probe": {"policy_tag": "auto"},
+    "policies.unfix": {"policy_tag": "auto"},
     "config.apply": {"config": base_config()},
     "config.apply_runtime": {"config": base_config()},
     "tun.start": {"addr": "198.18.0.1", "tag": "tun-in"},
@@ -59,7 +60,10 @@ VALID_PARAMS: dict[str, dict[str, Any]] = {
     "diagnostics.probe_target": {"target_tag": "direct"},
     "diagnostics.probe_outbound": {"target_tag": "direct"},
     "diagnostics.dns_lookup": {"hostname": "www.example.test"},
+    "diagnostics.dns_query": {"name": "www.example.test", "type": "A"},
     "diagnostics.dns_cache": {},
+    "dns.cache_flush": {},
+    "log.set_level": {"level": "info"},
     "diagnostics.fakeip_lookup": {"domain": "example.com"},
     "fakeip.clear": {},
 }

@@ -596,10 +596,10 @@ INVALID = [
         ["outbound_groups[0].outbounds[0]"],
     ),
     (
-        "probe url that is not plain http",
+        "probe url that is not http or https",
         {
             "outbound_groups": [
-                {"tag": "a", "kind": "url_test", "outbounds": ["direct"], "url": "https://x/"},
+                {"tag": "a", "kind": "url_test", "outbounds": ["direct"], "url": "ws://x/"},
                 {"tag": "b", "kind": "load_balance", "outbounds": ["direct"], "url": "http://x/ y"},
             ],
         },
@@ -683,14 +683,14 @@ INVALID = [
         ["outbound_groups[0].outbounds[0]"],
     ),
     (
-        "url_test url must be http",
+        "url_test url must be http or https",
         {
             "outbound_groups": [
                 {
                     "tag": "u",
                     "kind": "url_test",
                     "outbounds": ["direct"],
-                    "url": "https://example.com/",
+                    "url": "gopher://example.com/",
                 }
             ]
         },

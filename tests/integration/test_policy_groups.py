@@ -203,6 +203,8 @@ def test_selector_select_changes_the_route(make_engine, origin, forwarders):
         "policy_kind": "selector",
         "selected": "b",
         "previous": "a",
+        "action": "select",
+        "fixed": None,
     }
     snap = engine.query("policy", {"policy_tag": "proxy"})
     assert snap["selected"] == "b"
@@ -230,6 +232,7 @@ def test_policy_command_errors(make_engine, origin):
             {"tag": "auto", "kind": "url_test", "outbounds": ["direct", "dead"]},
             {"tag": "fb", "kind": "fallback", "outbounds": ["direct", "dead"]},
             {"tag": "chain", "kind": "relay", "outbounds": ["dead"]},
+            {"tag": "lb", "kind": "load_balance", "outbounds": ["direct", "dead"]},
         ],
         "proxy",
         latency_test_url=probe_url(origin),
@@ -243,12 +246,21 @@ def test_policy_command_errors(make_engine, origin):
     assert (err.code, err.field_path) == ("invalid_argument", "params.target_tag")
     err = api_error(engine, select, {"policy_tag": "proxy", "target_tag": "nope"})
     assert (err.code, err.field_path) == ("invalid_argument", "params.target_tag")
-    err = api_error(engine, select, {"policy_tag": "auto", "target_tag": "direct"})
+    # A url_test or fallback group can be pinned (mihomo's fixed), a load_balance not.
+    err = api_error(engine, select, {"policy_tag": "lb", "target_tag": "direct"})
     assert err.code == "invalid_argument"
     assert err.field_path == "params.policy_tag"
+    err = api_error(engine, select, {"policy_tag": "auto", "target_tag": "proxy"})
+    assert (err.code, err.field_path) == ("invalid_argument", "params.target_tag")
+    for tag in ("proxy", "lb"):
+        err = api_error(engine, "policies.unfix", {"policy_tag": tag})
+        assert (err.code, err.field_path) == ("invalid_argument", "params.policy_tag"), tag
+    for tag in ("chain", "nope"):
+        err = api_error(engine, "policies.unfix", {"policy_tag": tag})
+        assert err.code == "not_found", tag
     err = api_error(engine, select, {"policy_tag": "proxy"})
     assert (err.code, err.field_path) == ("invalid_argument", "params.target_tag")
-    for tag in ("fb", "proxy", "chain", "nope"):
+    for tag in ("fb", "proxy", "chain", "lb", "nope"):
         err = api_error(engine, "policies.probe", {"policy_tag": tag})
         assert err.code == "not_found", tag
     # Nothing failed half way: no selection changed, no event was emitted.
@@ -357,6 +369,97 @@ def test_url_test_fails_over_after_a_manual_probe(make_engine, origin, forwarder
     record = fetch(engine, origin)
     assert record["route"]["selection_chain"] == ["auto", "b"]
     went_through(fb, before, record)
+
+
+def test_url_test_pin_routes_flows_and_unfix_returns_to_the_fastest(
+    make_engine, origin, forwarders
+):
+    """policies.select on a url_test group pins the member (mihomo's fixed): flows take
+    it while it is healthy; a dead pinned member gives way and takes over again once it
+    is healthy; policies.unfix drops the pin. Each change is one policy.selected."""
+    fa, fb = forwarders
+    engine = group_engine(
+        make_engine,
+        [socks_out("a", fa.port), socks_out("b", fb.port)],
+        [
+            {
+                "tag": "auto",
+                "kind": "url_test",
+                "outbounds": ["a", "b"],
+                "url": probe_url(origin),
+                "tolerance_ms": 10000,
+            }
+        ],
+        "auto",
+    )
+    wait_round(engine, "auto", "startup")
+    assert engine.query("policy", {"policy_tag": "auto"})["fixed"] is None
+
+    answer = engine.execute("policies.select", {"policy_tag": "auto", "target_tag": "b"})
+    assert answer == {"policy_tag": "auto", "selected": "b", "fixed": "b"}
+    snap = engine.query("policy", {"policy_tag": "auto"})
+    assert (snap["selected"], snap["fixed"]) == ("b", "b")
+    (pin,) = events(engine, "policy.selected", "auto")
+    assert pin["payload"] == {
+        "policy_tag": "auto",
+        "policy_kind": "url_test",
+        "selected": "b",
+        "previous": "a",
+        "action": "fix",
+        "fixed": "b",
+    }
+    before = counts(fb)
+    record = fetch(engine, origin)
+    assert record["route"]["selection_chain"] == ["auto", "b"]
+    went_through(fb, before, record)
+    # Probe rounds do not move a healthy pin (tolerance or not).
+    mark = last_sequence(engine)
+    engine.execute("policies.probe", {"policy_tag": "auto"})
+    assert wait_round(engine, "auto", "manual", after=mark)["selected"] == "b"
+
+    # The pinned member's upstream goes away: the group uses a, the pin stays.
+    fb.close()
+    mark = last_sequence(engine)
+    engine.execute("policies.probe", {"policy_tag": "auto"})
+    assert wait_round(engine, "auto", "manual", after=mark)["selected"] == "a"
+    snap = engine.query("policy", {"policy_tag": "auto"})
+    assert (snap["selected"], snap["fixed"]) == ("a", "b")
+
+    answer = engine.execute("policies.unfix", {"policy_tag": "auto"})
+    assert answer == {"policy_tag": "auto", "selected": "a", "fixed": None, "previous_fixed": "b"}
+    unpin = events(engine, "policy.selected", "auto")[-1]["payload"]
+    assert (unpin["action"], unpin["fixed"], unpin["selected"]) == ("unfix", None, "a")
+    assert engine.query("policy", {"policy_tag": "auto"})["fixed"] is None
+    # Unfixing an unpinned group is no error and emits nothing.
+    count = len(events(engine, "policy.selected", "auto"))
+    again = engine.execute("policies.unfix", {"policy_tag": "auto"})
+    assert again["previous_fixed"] is None
+    assert len(events(engine, "policy.selected", "auto")) == count
+
+
+def test_fallback_pin_is_dropped_when_found_dead(make_engine, origin, forwarders):
+    fa, fb = forwarders
+    engine = group_engine(
+        make_engine,
+        [socks_out("a", fa.port), socks_out("b", fb.port)],
+        [{"tag": "fb", "kind": "fallback", "outbounds": ["a", "b"], "url": probe_url(origin)}],
+        "fb",
+    )
+    wait_round(engine, "fb", "startup")
+    engine.execute("policies.select", {"policy_tag": "fb", "target_tag": "b"})
+    snap = engine.query("policy", {"policy_tag": "fb"})
+    assert (snap["selected"], snap["fixed"]) == ("b", "b")
+    before = counts(fb)
+    went_through(fb, before, fetch(engine, origin))
+
+    fb.close()
+    mark = last_sequence(engine)
+    # fallback rounds start on a dial failure too: a flow through b fails and b is
+    # marked down at once, which drops the pin (fallback.go findAliveProxy).
+    fetch(engine, origin, ok=False)
+    wait_round(engine, "fb", "dial_failure", after=mark)
+    snap = engine.query("policy", {"policy_tag": "fb"})
+    assert (snap["selected"], snap["fixed"]) == ("a", None)
 
 
 def test_policies_probe_is_refused_while_a_round_runs(make_engine, origin):
@@ -722,6 +825,8 @@ def test_probe_outbound_and_probe_target(make_engine, origin, forwarders):
         "via": "through_proxy",
         "reachable": True,
         "latency_ms": ok["latency_ms"],
+        "status": ok["status"],
+        "timed_out": False,
     }
     assert 0 < ok["latency_ms"] < 5000
     assert fa.connections == before.connections + 1  # really through the upstream
@@ -737,7 +842,7 @@ def test_probe_outbound_and_probe_target(make_engine, origin, forwarders):
     assert "refused" in down["error"].lower()
 
     for bad in (
-        "https://127.0.0.1/",
+        "ftp://127.0.0.1/",
         "http:///x",
         "http://exämple.test/",
         "http://h/a b",

@@ -18,8 +18,11 @@ from spliceway.routing.policy import (
     choose,
     initial_view,
     mark_down,
+    parse_expected_status,
     parse_probe_url,
+    pinned,
     probe_url_for,
+    status_allowed,
     with_health,
 )
 
@@ -168,6 +171,118 @@ def test_with_health_leaves_selector_and_load_balance_selection_alone():
     assert with_health(sel, {"b": DEAD}, 1).selected == "b"
     lb = view("load_balance", ["a", "b"])
     assert with_health(lb, {"a": DEAD}, 1).selected is None
+
+
+# -- pins (mihomo's fixed) -------------------------------------------------------------
+
+
+def test_url_test_pin_wins_while_healthy_whatever_the_latency():
+    v = pinned(url_test({"a": up(10), "b": up(900), "c": up(20)}), "b")
+    assert (v.fixed, v.selected) == ("b", "b")
+    # A new round that finds it slower still keeps it.
+    v = with_health(v, {"a": up(1), "b": up(2000)}, 5)
+    assert (v.fixed, v.selected) == ("b", "b")
+
+
+def test_url_test_pin_dead_falls_back_to_its_own_choice_and_keeps_the_pin():
+    v = pinned(url_test({"a": up(10), "b": up(20), "c": up(30)}), "c")
+    v = mark_down(v, "c", "refused", 7)
+    assert (v.fixed, v.selected) == ("c", "a")
+    v = with_health(v, {"a": up(10), "b": up(20), "c": up(30)}, 8)  # it recovers
+    assert (v.fixed, v.selected) == ("c", "c")
+
+
+def test_url_test_pin_on_a_dead_member_takes_effect_when_it_recovers():
+    v = pinned(url_test({"a": up(10), "b": DEAD}), "b")
+    assert (v.fixed, v.selected) == ("b", "a")
+    v = with_health(v, {"b": up(50)}, 3)
+    assert v.selected == "b"
+
+
+def test_fallback_pin_wins_while_healthy_and_is_dropped_when_found_dead():
+    v = pinned(view("fallback", ["a", "b", "c"]), "c")
+    assert (v.fixed, v.selected) == ("c", "c")
+    v = with_health(v, {"a": up(1), "b": up(1), "c": up(1)}, 2)
+    assert v.selected == "c"
+    v = with_health(v, {"c": DEAD}, 3)
+    assert (v.fixed, v.selected) == (None, "a")
+    v = with_health(v, {"c": up(1)}, 4)  # recovering does not bring the pin back
+    assert (v.fixed, v.selected) == (None, "a")
+
+
+def test_fallback_pin_on_a_dead_member_waits_for_the_next_check():
+    v = pinned(view("fallback", ["a", "b"], {"b": DEAD}), "b")
+    assert (v.fixed, v.selected) == ("b", "a")  # kept until a check finds it dead again
+    assert with_health(v, {"b": up(3)}, 2).selected == "b"
+    assert with_health(v, {"b": DEAD}, 2).fixed is None
+
+
+def test_unpinning_returns_to_the_kinds_rule():
+    v = pinned(url_test({"a": up(10), "b": up(900)}), "b")
+    assert pinned(v, None).selected == "a"
+    f = pinned(view("fallback", ["a", "b"]), "b")
+    assert (pinned(f, None).fixed, pinned(f, None).selected) == (None, "a")
+
+
+def test_snapshot_reports_the_pin():
+    table = PolicyTable([pinned(url_test({"a": up(1), "b": up(2)}, members=("a", "b")), "b")])
+    snap = table.snapshot("url_test")
+    assert (snap["fixed"], snap["selected"]) == ("b", "b")
+
+
+# -- probe results and expected statuses ------------------------------------------------
+
+
+def test_record_probe_is_the_latest_health_when_newest():
+    table = PolicyTable([view("fallback", ["a", "b"], {"a": MemberHealth(True, 5, 100, None)})])
+    table.record_probe("a", MemberHealth(False, None, 50, "older"))
+    assert table.latest_health()["a"] == (MemberHealth(True, 5, 100, None), "fallback")
+    table.record_probe("a", MemberHealth(False, None, 200, "newer"))
+    table.record_probe("lonely", MemberHealth(True, 9, 1, None))
+    latest = table.latest_health()
+    assert latest["a"] == (MemberHealth(False, None, 200, "newer"), None)
+    assert latest["lonely"] == (MemberHealth(True, 9, 1, None), None)
+    # A group's own view, and so its choice, is untouched.
+    assert table.snapshot("fallback")["url_test_members"][0]["healthy"] is True
+
+
+@pytest.mark.parametrize(
+    ("text", "ranges"),
+    [
+        (None, ()),
+        ("", ()),
+        (" * ", ()),
+        ("204", ((204, 204),)),
+        ("200/204", ((200, 200), (204, 204))),
+        ("200,204", ((200, 200), (204, 204))),
+        ("200-299", ((200, 299),)),
+        ("200/204/401-429/501-503", ((200, 200), (204, 204), (401, 429), (501, 503))),
+        ("200//204/", ((200, 200), (204, 204))),
+    ],
+)
+def test_parse_expected_status(text, ranges):
+    assert parse_expected_status(text) == ranges
+
+
+@pytest.mark.parametrize(
+    "text", ["x", "200-", "-200", "1-2-3", "300-200", "2OO", "/".join(["1"] * 29)]
+)
+def test_parse_expected_status_rejects(text):
+    with pytest.raises(ValueError, match="range"):
+        parse_expected_status(text)
+
+
+def test_status_allowed():
+    assert status_allowed((), 599)
+    assert status_allowed(((200, 299),), 204) and not status_allowed(((200, 299),), 300)
+
+
+def test_https_probe_url():
+    u = parse_probe_url("https://www.gstatic.com/generate_204")
+    assert (u.host, u.port, u.target, u.tls) == ("www.gstatic.com", 443, "/generate_204", True)
+    assert b"Host: www.gstatic.com\r\n" in u.head_request()
+    assert b"Host: h:8443\r\n" in parse_probe_url("https://h:8443/").head_request()
+    assert parse_probe_url("http://h/").tls is False
 
 
 def test_mark_down_is_immediate_and_forgets_latency():
@@ -342,6 +457,7 @@ def test_effective_chains_of_load_balance_with_all_members_dead_lists_all():
 # -- snapshots ----------------------------------------------------------------------
 
 BASE_KEYS = {
+    "fixed",
     "tag",
     "kind",
     "outbounds",
@@ -545,7 +661,6 @@ def test_parse_probe_url_accepts(url, host, port, target):
 @pytest.mark.parametrize(
     ("url", "why"),
     [
-        ("https://example.com/", "only http://"),
         ("ftp://example.com/", "only http://"),
         ("example.com/path", "only http://"),
         ("//example.com/", "only http://"),

@@ -32,3 +32,8 @@ def test_taken_port_is_a_conflict_and_nothing_runs(
             make_engine(cfg)
     assert info.value.code == "conflict"
     assert info.value.field_path == "api.clash.listen"
+
+
+def test_capabilities_list_the_clash_adapter(clash: ClashEngine) -> None:
+    adapters = clash.engine.query("capabilities")["adapters"]
+    assert {"kind": "clash", "enabled": True} in adapters
