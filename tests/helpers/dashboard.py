@@ -141,13 +141,13 @@ def extract_zashboard(dest: Path) -> Path:
     return dest
 
 
-def seed_settings(speedtest_url: str) -> dict[str, str]:
+def seed_settings(speedtest_url: str | None = None) -> dict[str, str]:
     """zashboard settings (its localStorage keys) a test sets before the page starts.
 
     - English labels, whatever the machine's locale;
     - no checks against the outside world: core upgrade, IP check, connectivity check
       (the machine may have no network, and they are not what is tested);
-    - the latency test URL: a local origin instead of gstatic.com;
+    - the latency test URL (when given): a local origin instead of gstatic.com;
     - zashboard's own release check, which runs on every start and cannot be turned
       off, answered from its cache as "this is the latest release", so that it makes
       no request to api.github.com (whose failure would be an uncaught error).
@@ -158,18 +158,20 @@ def seed_settings(speedtest_url: str) -> dict[str, str]:
         "version": zashboard_version(),
         "data": {"tag_name": f"v{zashboard_version()}"},
     }
-    return {
+    settings = {
         "config/language": "en-US",
         "config/check-upgrade-core": "false",
         "config/auto-upgrade": "false",
         "config/auto-upgrade-core": "false",
         "config/auto-ip-check": "false",
         "config/auto-connection-check": "false",
-        "config/speedtest-url": speedtest_url,
         "cache/https://api.github.com/repos/Zephyruso/zashboard/releases/latest": json.dumps(
             release_check
         ),
     }
+    if speedtest_url is not None:
+        settings["config/speedtest-url"] = speedtest_url
+    return settings
 
 
 @contextmanager

@@ -81,7 +81,7 @@ def engine_for_client(
     def prepare(cfg: dict[str, Any]) -> None:
         cfg["runtime"]["dns"]["servers"] = [zone.udp_url]
         cfg["runtime"]["dns"]["listen"] = {"address": "127.0.0.1", "port": 0}
-        cfg["rules"].insert(0, {"port": [str(echo.port)], "network": "tcp", "outbound": "Proxy"})
+        cfg["rules"].insert(0, {"port": [str(echo.port)], "outbound": "Proxy"})
 
     return make_clash(prepare=prepare)
 

@@ -147,9 +147,7 @@ def test_zashboard_drives_spliceway(
         delay_url, delay_hits = url_for("/zashboard-delay")
 
         def route_echo_to_proxy(cfg: dict[str, Any]) -> None:
-            cfg["rules"].insert(
-                0, {"port": [str(echo.port)], "network": "tcp", "outbound": "Proxy"}
-            )
+            cfg["rules"].insert(0, {"port": [str(echo.port)], "outbound": "Proxy"})
 
         clash = make_clash(prepare=route_echo_to_proxy, external_ui=str(zashboard_ui))
         engine = clash.engine
@@ -291,4 +289,37 @@ def test_zashboard_drives_mihomo(
         )
         z.wait("the page showing Global", lambda: z.mode() == "Global")
 
+        assert z.console_errors(EXPECTED_CONSOLE) == []
+
+
+def test_zashboard_with_a_secret(
+    make_clash: Callable[..., ClashEngine],
+    zashboard_ui: Path,
+    page: Callable[[str], Zashboard],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a secret, the page logs in with it (``&secret=`` in its URL): its requests
+    carry ``Authorization: Bearer`` and its WebSockets ``?token=``, which the live
+    connections list needs."""
+    monkeypatch.setenv("SW_TEST_ZASHBOARD_SECRET", "zashboard-s3cret")
+    with EchoServer() as echo:
+        clash = make_clash(
+            prepare=lambda cfg: cfg["rules"].insert(
+                0, {"port": [str(echo.port)], "outbound": "Proxy"}
+            ),
+            external_ui=str(zashboard_ui),
+            secret_env="SW_TEST_ZASHBOARD_SECRET",
+        )
+        port = int(clash.url.rsplit(":", 1)[1])
+        z = page(f"{clash.url}/ui/")
+        z.login("127.0.0.1", port, secret="zashboard-s3cret", settings=seed_settings())
+        z.wait(
+            "the groups rendered",
+            lambda: sorted(z.group_names()) == ["GLOBAL", "Proxy", "auto"],
+        )
+        sock = held_flow(clash.engine.listen_address("mixed-in"), echo)
+        leaf = flow_to(clash.engine, echo.port)["path"]["outbound"]["tag"]
+        z.goto("connections")
+        connection_listed(z, echo.port, ["Proxy", "auto", leaf])
+        sock.close()
         assert z.console_errors(EXPECTED_CONSOLE) == []
