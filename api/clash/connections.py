@@ -1,0 +1,452 @@
+"""Flows as mihomo's connections: ``GET``/``DELETE /connections`` and the snapshot the
+``/connections`` WebSocket sends (mihomo's ``tunnel/statistic`` ``Snapshot``).
+
+Each active flow's latest record (``ControlPlane.flow_records``) becomes one
+``TrackerInfo``: ``id`` is the flow id (stable for the flow's life, so a dashboard that
+diffs snapshots sees one connection grow and then vanish), ``upload``/``download`` its
+payload bytes as of the record's last sample (``runtime.stats_interval_ms``), ``chains``
+the selection chain leaf first as mihomo's ``Chain`` is, ``rule``/``rulePayload`` the
+matched rule in mihomo's words (:func:`rule_type_and_payload`).
+
+Cost: a snapshot is built once per tick and shared by every subscriber (see
+:mod:`.streams`). Records are immutable once published (each revision is a new dict),
+so :class:`SnapshotBuilder` keeps each flow's encoded ``TrackerInfo`` until its record
+object changes: an idle flow costs an identity check and a join per tick, and only the
+flows whose counters moved are mapped and encoded again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from spliceway.api.clash.context import ClashContext
+from spliceway.api.plane import ControlPlane
+from spliceway.errors import ApiError
+
+__all__ = [
+    "INBOUND_TYPES",
+    "SnapshotBuilder",
+    "close_all_flows",
+    "close_flow",
+    "connection_routes",
+    "rss_bytes",
+    "rule_type_and_payload",
+    "tracker_info",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Inbound protocol -> mihomo's ``metadata.type`` (``constant.Type``). A mixed inbound's
+#: record does not say which protocol its client spoke, so it keeps a name of its own.
+INBOUND_TYPES: dict[str, str] = {
+    "socks5": "Socks5",
+    "http": "HTTP",
+    "mixed": "Mixed",
+    "tun": "Tun",
+}
+
+#: Condition key -> mihomo ``RuleType.String()``. Keys spliceway may grow (geo data,
+#: rule sets, process paths) are listed with the name mihomo gives the same rule.
+RULE_TYPES: dict[str, str] = {
+    "domain": "Domain",
+    "domain_suffix": "DomainSuffix",
+    "domain_keyword": "DomainKeyword",
+    "domain_regex": "DomainRegex",
+    "ip_cidr": "IPCIDR",
+    "source_ip_cidr": "SrcIPCIDR",
+    "port": "DstPort",
+    "source_port": "SrcPort",
+    "network": "Network",
+    "inbound_tag": "InName",
+    "principal_key": "InUser",
+    "process_name": "ProcessName",
+    "process_path": "ProcessPath",
+    "geoip": "GeoIP",
+    "source_geoip": "SrcGeoIP",
+    "geosite": "GeoSite",
+    "rule_set": "RuleSet",
+}
+
+#: mihomo rules that take several values in one payload, ``/``-separated
+#: (``DST-PORT,80/443/8000-9000``, ``IN-NAME,a/b``, ``IN-USER,u1/u2``).
+_SLASH_LISTS = frozenset({"DstPort", "SrcPort", "InName", "InUser"})
+#: A condition whose items are alternatives of one regex: ``a|b`` as one regex matches
+#: what the list matches, so its text is one payload as written.
+_ONE_ITEM = frozenset({"domain_regex"})
+#: ``key=`` starts each condition of the text; a value never contains ``,key=``.
+_CONDITION_START = re.compile(r",(?=[a-z][a-z0-9_]*=)")
+
+#: mihomo's ``TrackerInfo`` and ``Metadata`` keys that spliceway has no value for: the
+#: constant part of every connection's metadata.
+_NO_GEO: dict[str, Any] = {
+    "sourceGeoIP": None,
+    "destinationGeoIP": None,
+    "sourceIPASN": "",
+    "destinationIPASN": "",
+}
+
+#: Flows closed at once by ``DELETE /connections`` (each close is one actor ask).
+CLOSE_WORKERS = 8
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _camel(key: str) -> str:
+    return "".join(part.capitalize() for part in key.split("_"))
+
+
+def _one_rule(key: str, raw: str) -> tuple[str, str]:
+    """``(type, payload)`` of one ``key=value`` condition; several items become one
+    ``/`` list where mihomo takes one, else an ``OR`` of single rules."""
+    rule_type = RULE_TYPES.get(key) or _camel(key)
+    items = [raw] if key in _ONE_ITEM else raw.split("|")
+    if rule_type in _SLASH_LISTS:
+        return rule_type, "/".join(items)
+    if len(items) == 1:
+        return rule_type, items[0]
+    return "OR", "(" + " || ".join(f"({rule_type},{item})" for item in items) + ")"
+
+
+@functools.lru_cache(maxsize=4096)
+def rule_type_and_payload(condition: str) -> tuple[str, str]:
+    """mihomo's ``(rule, rulePayload)`` for a rule's condition text
+    (``matched_rule.condition``, the ``config`` query's ``rules[].condition``).
+
+    ``domain_suffix=example.com`` -> ``("DomainSuffix", "example.com")``; several
+    conditions -> ``AND`` with mihomo's logic payload, ``((DomainSuffix,a) && (DstPort,443))``;
+    a list -> ``OR`` (``((Domain,a) || (Domain,b))``) or, for ports, inbound names and
+    users, one ``/`` list as mihomo writes them; ``""`` (no condition: the final route)
+    -> ``("Match", "")``. Pure.
+    """
+    if not condition:
+        return "Match", ""
+    parts: list[tuple[str, str]] = []
+    for chunk in _CONDITION_START.split(condition):
+        key, sep, raw = chunk.partition("=")
+        if not sep:
+            # Not spliceway's key=value text: shown as it is rather than dropped.
+            return "Unknown", condition
+        parts.append(_one_rule(key, raw))
+    if len(parts) == 1:
+        return parts[0]
+    return "AND", "(" + " && ".join(f"({t},{p})" for t, p in parts) + ")"
+
+
+def _flow_rule(route: Mapping[str, Any]) -> tuple[str, str]:
+    """``(rule, rulePayload)``: mihomo's tracker has no rule in modes global and direct
+    (both ``""``) and the final ``MATCH`` rule when no rule matched in mode rule."""
+    if route.get("mode") != "rule":
+        return "", ""
+    matched = route.get("matched_rule")
+    return rule_type_and_payload(matched["condition"] if matched else "")
+
+
+def _chains(record: Mapping[str, Any]) -> list[str]:
+    """Leaf first, the route's target last (mihomo's ``Chain``); mode global's flows are
+    ``GLOBAL``'s, as mihomo dials them through its ``GLOBAL`` selector."""
+    route = record["route"]
+    walked = route.get("selection_chain") or ()
+    chain = list(reversed(walked))
+    if not chain:
+        outbound = record["path"].get("outbound")
+        if outbound is not None:
+            chain = [outbound["tag"]]
+        elif route.get("target"):
+            chain = [route["target"]]
+    if route.get("mode") == "global":
+        chain.append("GLOBAL")
+    return chain
+
+
+def _is_address(host: str) -> bool:
+    # inet_pton, not ipaddress: this runs for every new flow of a snapshot, and most
+    # targets are names starting with a letter, which need no parse at all.
+    if not host or not (host[0].isdigit() or ":" in host):
+        return False
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.inet_pton(family, host)
+    except OSError:
+        return False
+    return True
+
+
+def _rfc3339(unix_ms: int) -> str:
+    seconds, millis = divmod(unix_ms, 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+
+
+def tracker_info(
+    record: Mapping[str, Any], listeners: Mapping[str, tuple[str, int]]
+) -> dict[str, Any]:
+    """mihomo's ``TrackerInfo`` for one FlowRecord, keys in mihomo's order.
+
+    ``listeners`` maps an inbound tag to its bound ``(address, port)`` (``inboundIP``,
+    ``inboundPort``). Pure.
+    """
+    target, source, path = record["target"], record["source"], record["path"]
+    inbound = record["inbound"]
+    host = target["host"]
+    if _is_address(host):
+        name, destination_ip = "", host
+    else:
+        name, destination_ip = host, target.get("resolved_ip", "")
+    outbound = path.get("outbound")
+    remote = path.get("remote")
+    if outbound is not None and outbound["protocol"] == "direct" and "resolved_ip" in target:
+        remote_destination = target["resolved_ip"]
+    elif remote is not None and _is_address(remote["host"]):
+        remote_destination = remote["host"]
+    else:
+        remote_destination = destination_ip
+    listen_ip, listen_port = listeners.get(inbound["tag"], ("", 0))
+    chains = _chains(record)
+    rule, payload = _flow_rule(record["route"])
+    traffic = record["traffic"]
+    return {
+        "id": record["flow_id"],
+        "metadata": {
+            "network": record["network"],
+            "type": INBOUND_TYPES.get(inbound["protocol"]) or _camel(inbound["protocol"]),
+            "sourceIP": source["ip"],
+            "destinationIP": destination_ip,
+            **_NO_GEO,
+            "sourcePort": str(source["port"]),
+            "destinationPort": str(target["port"]),
+            "inboundIP": listen_ip,
+            "inboundPort": str(listen_port) if listen_port else "",
+            "inboundName": inbound["tag"],
+            # The principal is in flow.started's auth, not in the record (see the docs).
+            "inboundUser": "",
+            "rematchName": "",
+            "host": name,
+            "dnsMode": "normal",
+            "uid": 0,
+            "process": source.get("process_name", ""),
+            "processPath": source.get("process_path", ""),
+            "specialProxy": "",
+            "specialRules": "",
+            "remoteDestination": remote_destination,
+            "dscp": 0,
+            "sniffHost": target.get("sniffed_host", ""),
+        },
+        "upload": traffic["bytes_up"],
+        "download": traffic["bytes_down"],
+        "start": _rfc3339(record["timing"]["started_at_unix_ms"]),
+        "chains": chains,
+        "providerChains": [""] * len(chains),
+        "rule": rule,
+        "rulePayload": payload,
+    }
+
+
+def rss_bytes() -> int:
+    """This process's resident set size in bytes (0 where ``/proc`` cannot tell)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def listener_map(plane: ControlPlane) -> dict[str, tuple[str, int]]:
+    """Inbound tag -> bound ``(address, port)``, from the ``config`` query."""
+    listeners = plane.run_query("config").get("listeners") or ()
+    return {item["tag"]: (item["listen_address"], item["listen_port"]) for item in listeners}
+
+
+#: TrackerInfo's keys after ``upload`` and ``download``, in mihomo's order.
+_TAIL_KEYS = ("start", "chains", "providerChains", "rule", "rulePayload")
+
+
+@dataclass(slots=True)
+class _Encoded:
+    """One flow's encoded TrackerInfo: ``data``, made from ``record``; ``head`` (``id``
+    and ``metadata``) and ``tail`` (from ``start``) depend only on ``key``, the
+    record's target, route and path."""
+
+    record: Mapping[str, Any]
+    data: bytes
+    key: tuple[Any, ...]
+    head: bytes
+    tail: bytes
+
+
+class SnapshotBuilder:
+    """Builds mihomo's connections snapshot from a running engine, as JSON bytes.
+
+    Blocking (queries and mapping): call it from a worker thread, never the event loop.
+    Thread-safe: one lock around a build, so two intervals ticking together share one.
+    """
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self._plane = plane
+        self._lock = threading.Lock()
+        #: flow_id -> its encoded TrackerInfo and what it was made from.
+        self._cache: dict[str, _Encoded] = {}
+        self._listeners: dict[str, tuple[str, int]] = {}
+        self._up = 0
+        self._down = 0
+        self._totals_at = -1e9
+        self._built_at = 0.0
+        self._last = b""
+        self.last_build_seconds = 0.0
+
+    def totals(self, max_age: float = 0.0) -> tuple[int, int]:
+        """``(uploadTotal, downloadTotal)``: the engine's lifetime payload bytes, held so
+        that they never go backwards; read now, or the last reading if it is younger
+        than ``max_age`` seconds (the ``stats`` query reads every open flow's counters)."""
+        with self._lock:
+            if max_age and time.monotonic() - self._totals_at < max_age:
+                return self._up, self._down
+        stats = self._plane.run_query("stats")
+        with self._lock:
+            self._up = max(self._up, int(stats["bytes_up"]))
+            self._down = max(self._down, int(stats["bytes_down"]))
+            self._totals_at = time.monotonic()
+            return self._up, self._down
+
+    def encode(
+        self,
+        records: Iterable[Mapping[str, Any]],
+        listeners: Mapping[str, tuple[str, int]],
+        totals: tuple[int, int],
+        memory: int,
+    ) -> bytes:
+        """The snapshot of ``records`` (active ones only, as mihomo lists connections
+        once dialled) as one JSON line.
+
+        A flow whose record object is the one of the last build reuses its bytes; one
+        whose record changed only in its counters (a traffic sample: ``target``,
+        ``route`` and ``path`` equal) reuses the encoded rest around new numbers; only
+        a flow new or re-routed is mapped again.
+        """
+        if listeners != self._listeners:
+            self._listeners = dict(listeners)
+            self._cache = {}
+        old = self._cache
+        cache: dict[str, _Encoded] = {}
+        parts: list[bytes] = []
+        for record in records:
+            if record["state"] != "active":
+                continue
+            flow_id = record["flow_id"]
+            hit = old.get(flow_id)
+            if hit is None or hit.record is not record:
+                hit = self._encode_one(record, hit)
+            cache[flow_id] = hit
+            parts.append(hit.data)
+        self._cache = cache
+        connections = b"[" + b",".join(parts) + b"]" if parts else b"null"
+        up, down = totals
+        return b'{"downloadTotal":%d,"uploadTotal":%d,"connections":%s,"memory":%d}\n' % (
+            down,
+            up,
+            connections,
+            memory,
+        )
+
+    def _encode_one(self, record: Mapping[str, Any], old: _Encoded | None) -> _Encoded:
+        key = (record["target"], record["route"], record["path"])
+        if old is not None and old.key == key:
+            head, tail = old.head, old.tail
+        else:
+            info = tracker_info(record, self._listeners)
+            head = orjson.dumps({"id": info["id"], "metadata": info["metadata"]})[:-1]
+            rest = {k: info[k] for k in _TAIL_KEYS}
+            tail = b"," + orjson.dumps(rest)[1:]
+        traffic = record["traffic"]
+        counts = b',"upload":%d,"download":%d' % (traffic["bytes_up"], traffic["bytes_down"])
+        return _Encoded(record, head + counts + tail, key, head, tail)
+
+    def build(self, max_age: float = 0.0, totals_max_age: float = 0.0) -> bytes:
+        """A snapshot of now, or the last one if it is younger than ``max_age`` seconds
+        (two intervals that tick together share one build); its totals may be as old as
+        ``totals_max_age`` (a stream's ticks: the flows' own counters are as old as the
+        engine's last sample anyway)."""
+        with self._lock:
+            if max_age and self._last and time.monotonic() - self._built_at < max_age:
+                return self._last
+        listeners = listener_map(self._plane)
+        totals = self.totals(totals_max_age)
+        with self._lock:
+            started = time.perf_counter()
+            data = self.encode(self._plane.flow_records(), listeners, totals, rss_bytes())
+            self.last_build_seconds = time.perf_counter() - started
+            self._built_at = time.monotonic()
+            self._last = data
+            return data
+
+
+def close_flow(plane: ControlPlane, flow_id: str) -> bool:
+    """Close one flow through ``flows.close`` (so it emits what any transport's close
+    does); False when it was not open (mihomo answers 204 all the same)."""
+    try:
+        plane.execute("flows.close", {"flow_id": flow_id}, transport="clash")
+    except ApiError as ex:
+        if ex.code == "not_found":
+            return False
+        raise
+    return True
+
+
+def close_all_flows(plane: ControlPlane, flow_ids: Sequence[str]) -> int:
+    """Close every flow of ``flow_ids``, :data:`CLOSE_WORKERS` at a time (each close
+    waits for its flow's actor); returns how many were open. Blocking."""
+    if not flow_ids:
+        return 0
+    with ThreadPoolExecutor(CLOSE_WORKERS, thread_name_prefix="clash-close") as pool:
+        return sum(pool.map(lambda flow_id: close_flow(plane, flow_id), flow_ids))
+
+
+def _error(ex: ApiError) -> Response:
+    return JSONResponse({"message": ex.message}, status_code=ex.http_status)
+
+
+def connection_routes(ctx: ClashContext, builder: SnapshotBuilder) -> list[BaseRoute]:
+    """``GET /connections`` (one snapshot; the WebSocket is :mod:`.streams`'),
+    ``DELETE /connections`` and ``DELETE /connections/{id}``."""
+    plane = ctx.plane
+
+    async def snapshot(request: Request) -> Response:
+        # mihomo ignores ``interval`` without an upgrade: a plain GET is one snapshot.
+        data = await run_in_threadpool(builder.build)
+        return Response(data, media_type="application/json")
+
+    async def close_all(request: Request) -> Response:
+        ids = [r["flow_id"] for r in await run_in_threadpool(plane.flow_records)]
+        try:
+            await run_in_threadpool(close_all_flows, plane, ids)
+        except ApiError as ex:
+            return _error(ex)
+        return Response(status_code=204)
+
+    async def close_one(request: Request) -> Response:
+        try:
+            await run_in_threadpool(close_flow, plane, request.path_params["id"])
+        except ApiError as ex:
+            if ex.code != "invalid_argument":
+                return _error(ex)
+        return Response(status_code=204)
+
+    return [
+        Route("/connections", snapshot, methods=["GET"]),
+        Route("/connections", close_all, methods=["DELETE"]),
+        Route("/connections/{id:path}", close_one, methods=["DELETE"]),
+    ]

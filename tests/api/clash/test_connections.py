@@ -1,0 +1,448 @@
+"""Flows as mihomo's connections: the rule mapping, TrackerInfo, the snapshot's encoding
+and its cost, and ``GET``/``DELETE /connections`` against a real engine."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from spliceway.api.clash.connections import (
+    SnapshotBuilder,
+    rule_type_and_payload,
+    tracker_info,
+)
+from spliceway.config import Rule
+from spliceway.routing.rules import compile_rules
+from tests.api.clash.conftest import ClashEngine, call
+from tests.conftest import wait_until
+from tests.helpers.flows import flow_state
+from tests.helpers.servers import EchoServer
+from tests.helpers.socks import recv_exact, socks5_connect
+
+#: mihomo 1.19's TrackerInfo and Metadata keys, in its order (its binary's
+#: ``GET /connections``, read for this file).
+TRACKER_KEYS = [
+    "id",
+    "metadata",
+    "upload",
+    "download",
+    "start",
+    "chains",
+    "providerChains",
+    "rule",
+    "rulePayload",
+]
+METADATA_KEYS = [
+    "network",
+    "type",
+    "sourceIP",
+    "destinationIP",
+    "sourceGeoIP",
+    "destinationGeoIP",
+    "sourceIPASN",
+    "destinationIPASN",
+    "sourcePort",
+    "destinationPort",
+    "inboundIP",
+    "inboundPort",
+    "inboundName",
+    "inboundUser",
+    "rematchName",
+    "host",
+    "dnsMode",
+    "uid",
+    "process",
+    "processPath",
+    "specialProxy",
+    "specialRules",
+    "remoteDestination",
+    "dscp",
+    "sniffHost",
+]
+LISTENERS = {"mixed-in": ("127.0.0.1", 7000)}
+
+
+def condition_of(**rule: Any) -> str:
+    """The ``matched_rule.condition`` text the engine writes for ``rule``."""
+    compiled = compile_rules([Rule(outbound="direct", **rule)])
+    matched = compiled.rules[0].decision.matched_rule
+    assert matched is not None
+    return matched.condition
+
+
+# -- rule_type_and_payload -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [
+        ({"domain": ["a.example"]}, ("Domain", "a.example")),
+        ({"domain_suffix": ["example.com"]}, ("DomainSuffix", "example.com")),
+        ({"domain_keyword": ["goog"]}, ("DomainKeyword", "goog")),
+        ({"domain_regex": [r"^ads?\."]}, ("DomainRegex", r"^ads?\.")),
+        ({"ip_cidr": ["10.0.0.0/8"]}, ("IPCIDR", "10.0.0.0/8")),
+        ({"source_ip_cidr": ["192.168.1.0/24"]}, ("SrcIPCIDR", "192.168.1.0/24")),
+        ({"port": ["443"]}, ("DstPort", "443")),
+        ({"port": ["80", "443", "8000-8100"]}, ("DstPort", "80/443/8000-8100")),
+        ({"source_port": ["5000-6000"]}, ("SrcPort", "5000-6000")),
+        ({"network": "udp"}, ("Network", "udp")),
+        ({"inbound_tag": ["mixed-in", "socks-in"]}, ("InName", "mixed-in/socks-in")),
+        ({"principal_key": ["alice"]}, ("InUser", "alice")),
+        ({"process_name": ["curl"]}, ("ProcessName", "curl")),
+        (
+            {"domain_suffix": ["a.example", "b.example"]},
+            ("OR", "((DomainSuffix,a.example) || (DomainSuffix,b.example))"),
+        ),
+        (
+            {"domain_suffix": ["example.test"], "port": ["443"], "network": "tcp"},
+            ("AND", "((DomainSuffix,example.test) && (DstPort,443) && (Network,tcp))"),
+        ),
+        (
+            {"domain": ["a.test", "b.test"], "port": ["80", "443"]},
+            ("AND", "((OR,((Domain,a.test) || (Domain,b.test))) && (DstPort,80/443))"),
+        ),
+        # A regex list is one alternation (the same matches), and commas or bars inside
+        # a regex are not condition or item separators.
+        ({"domain_regex": ["^a{1,3}$", "b|c"]}, ("DomainRegex", "^a{1,3}$|b|c")),
+        (
+            {"domain_regex": ["^x{1,2}"], "port": ["443"]},
+            ("AND", "((DomainRegex,^x{1,2}) && (DstPort,443))"),
+        ),
+    ],
+)
+def test_rule_type_and_payload_of_the_engines_condition_text(
+    rule: dict[str, Any], expected: tuple[str, str]
+) -> None:
+    assert rule_type_and_payload(condition_of(**rule)) == expected
+
+
+def test_no_condition_is_mihomos_final_match_rule() -> None:
+    assert rule_type_and_payload("") == ("Match", "")
+
+
+def test_conditions_spliceway_may_grow_keep_mihomos_names() -> None:
+    assert rule_type_and_payload("geoip=cn") == ("GeoIP", "cn")
+    assert rule_type_and_payload("geosite=google") == ("GeoSite", "google")
+    assert rule_type_and_payload("rule_set=ads,network=tcp") == (
+        "AND",
+        "((RuleSet,ads) && (Network,tcp))",
+    )
+    assert rule_type_and_payload("some_new_key=x") == ("SomeNewKey", "x")
+
+
+def test_text_that_is_not_key_value_is_shown_as_it_is() -> None:
+    assert rule_type_and_payload("garbage") == ("Unknown", "garbage")
+
+
+# -- tracker_info --------------------------------------------------------------------
+
+
+def proxied_record(**fields: Any) -> dict[str, Any]:
+    """An active rule-mode flow through Proxy -> auto -> s5, as FlowState renders it."""
+    base: dict[str, Any] = {
+        "state": "active",
+        "route_action": "route",
+        "route_target": "Proxy",
+        "selection_chain": ["Proxy", "auto", "s5"],
+        "outbound_tag": "s5",
+        "outbound_protocol": "socks5",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1080,
+        "matched_rule": {"index": 0, "condition": "domain_suffix=example.com"},
+    }
+    return dict(flow_state(**(base | fields)).render())
+
+
+def test_tracker_info_has_mihomos_keys_in_its_order_with_its_types() -> None:
+    info = tracker_info(proxied_record(), LISTENERS)
+    assert list(info) == TRACKER_KEYS
+    assert list(info["metadata"]) == METADATA_KEYS
+    meta = info["metadata"]
+    # mihomo writes ports as strings ("for compatibility").
+    assert (meta["sourcePort"], meta["destinationPort"], meta["inboundPort"]) == (
+        "50000",
+        "443",
+        "7000",
+    )
+    assert meta["sourceGeoIP"] is None and meta["destinationGeoIP"] is None
+    assert (meta["uid"], meta["dscp"]) == (0, 0)
+    assert info["id"] == "ab12-7"
+    assert info["start"] == "1970-01-01T00:00:01.000Z"
+
+
+def test_chains_are_leaf_first_and_the_rule_is_mihomos() -> None:
+    info = tracker_info(proxied_record(), LISTENERS)
+    assert info["chains"] == ["s5", "auto", "Proxy"]
+    assert info["providerChains"] == ["", "", ""]
+    assert (info["rule"], info["rulePayload"]) == ("DomainSuffix", "example.com")
+    meta = info["metadata"]
+    assert meta["host"] == "example.com" and meta["destinationIP"] == ""
+    assert meta["remoteDestination"] == "127.0.0.1"  # the proxy the engine dialled
+    assert (meta["type"], meta["inboundName"], meta["inboundIP"]) == (
+        "Mixed",
+        "mixed-in",
+        "127.0.0.1",
+    )
+
+
+def test_the_final_route_is_match_and_modes_global_and_direct_have_no_rule() -> None:
+    final = tracker_info(proxied_record(matched_rule=None), LISTENERS)
+    assert (final["rule"], final["rulePayload"]) == ("Match", "")
+    direct = tracker_info(
+        proxied_record(
+            mode="direct",
+            matched_rule=None,
+            route_target="direct",
+            selection_chain=["direct"],
+            outbound_tag="direct",
+            outbound_protocol="direct",
+            resolved_ip="93.184.216.34",
+        ),
+        LISTENERS,
+    )
+    assert (direct["rule"], direct["rulePayload"], direct["chains"]) == ("", "", ["direct"])
+    assert direct["metadata"]["destinationIP"] == "93.184.216.34"
+    assert direct["metadata"]["remoteDestination"] == "93.184.216.34"
+    # mihomo dials mode global's flows through its GLOBAL selector: the outermost link.
+    global_ = tracker_info(proxied_record(mode="global", matched_rule=None), LISTENERS)
+    assert global_["chains"] == ["s5", "auto", "Proxy", "GLOBAL"]
+    assert (global_["rule"], global_["rulePayload"]) == ("", "")
+
+
+def test_an_address_target_has_no_host_and_sniffing_and_process_show() -> None:
+    info = tracker_info(
+        proxied_record(
+            target_host="2001:db8::1",
+            sniffed_host="www.example.org",
+            process_id=42,
+            process_name="curl",
+            process_path="/usr/bin/curl",
+            inbound_tag="socks-in",
+            inbound_protocol="socks5",
+        ),
+        LISTENERS,
+    )
+    meta = info["metadata"]
+    assert (meta["host"], meta["destinationIP"], meta["sniffHost"]) == (
+        "",
+        "2001:db8::1",
+        "www.example.org",
+    )
+    assert (meta["process"], meta["processPath"]) == ("curl", "/usr/bin/curl")
+    # An inbound the listener map does not know (it stopped): no address to show.
+    assert (meta["type"], meta["inboundIP"], meta["inboundPort"]) == ("Socks5", "", "")
+
+
+# -- the snapshot's encoding -------------------------------------------------------------
+
+
+def records(count: int, **fields: Any) -> list[dict[str, Any]]:
+    """``count`` distinct active flows."""
+    out = []
+    for i in range(count):
+        record = proxied_record(flow_id=f"f-{i}", target_host=f"h{i}.example.com", **fields)
+        out.append(record)
+    return out
+
+
+def test_snapshot_lists_active_flows_and_null_when_there_are_none() -> None:
+    builder = SnapshotBuilder(None)  # type: ignore[arg-type]
+    empty = json.loads(builder.encode([], LISTENERS, (5, 7), 123))
+    assert empty == {"downloadTotal": 7, "uploadTotal": 5, "connections": None, "memory": 123}
+    opening = proxied_record(state="opening", flow_id="o")
+    data = builder.encode([*records(2), opening], LISTENERS, (5, 7), 123)
+    assert data.endswith(b"\n")
+    snap = json.loads(data)
+    assert list(snap) == ["downloadTotal", "uploadTotal", "connections", "memory"]
+    assert [c["id"] for c in snap["connections"]] == ["f-0", "f-1"]
+    assert snap["connections"][0] == tracker_info(records(1)[0], LISTENERS)
+
+
+def test_an_unchanged_record_reuses_its_bytes_and_a_sample_only_its_text() -> None:
+    builder = SnapshotBuilder(None)  # type: ignore[arg-type]
+    first = records(1)
+    builder.encode(first, LISTENERS, (0, 0), 0)
+    encoded = builder._cache["f-0"]
+    builder.encode(first, LISTENERS, (0, 0), 0)
+    assert builder._cache["f-0"] is encoded  # the same record object: nothing redone
+    sampled = proxied_record(flow_id="f-0", target_host="h0.example.com", revision=9)
+    sampled["traffic"] = dict(sampled["traffic"], bytes_up=1234, bytes_down=56789)
+    snap = json.loads(builder.encode([sampled], LISTENERS, (0, 0), 0))
+    again = builder._cache["f-0"]
+    assert again.head is encoded.head and again.tail is encoded.tail
+    assert (snap["connections"][0]["upload"], snap["connections"][0]["download"]) == (
+        1234,
+        56789,
+    )
+    assert snap["connections"][0] == tracker_info(sampled, LISTENERS)
+    # A re-routed flow (another chain) is mapped again.
+    rerouted = proxied_record(
+        flow_id="f-0", target_host="h0.example.com", selection_chain=["Proxy", "s5"]
+    )
+    snap = json.loads(builder.encode([rerouted], LISTENERS, (0, 0), 0))
+    assert snap["connections"][0]["chains"] == ["s5", "Proxy"]
+
+
+def test_ten_thousand_flows_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    """The GIL-holding part of a tick with 10,000 open flows: the first build maps every
+    flow; then an idle tick reuses every flow's bytes, and a tick in which every flow's
+    counters moved reuses the text around new numbers. Budgets are loose (a loaded CI
+    machine); the numbers go to the output for the record."""
+    builder = SnapshotBuilder(None)  # type: ignore[arg-type]
+    flows = records(10_000)
+    moved = []
+    for record in flows:
+        again = dict(record)
+        again["target"] = dict(record["target"])
+        again["route"] = dict(record["route"])
+        again["path"] = dict(record["path"])
+        again["traffic"] = dict(record["traffic"], bytes_up=10, bytes_down=20)
+        moved.append(again)
+    timings: dict[str, float] = {}
+    for name, batch in (("first", flows), ("idle", flows), ("moved", moved)):
+        started = time.perf_counter()
+        data = builder.encode(batch, LISTENERS, (0, 0), 0)
+        timings[name] = time.perf_counter() - started
+    snap = orjson.loads(data)
+    assert len(snap["connections"]) == 10_000
+    assert snap["connections"][-1]["download"] == 20
+    with capsys.disabled():
+        print(
+            "\n10,000 flows: "
+            + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items())
+            + f", {len(data) / 1e6:.1f} MB per snapshot"
+        )
+    assert timings["first"] < 5.0
+    assert timings["idle"] < 0.5
+    assert timings["moved"] < 2.0
+
+
+# -- against a real engine -----------------------------------------------------------
+
+
+@pytest.fixture
+def echo() -> Iterator[EchoServer]:
+    """A loopback echo server."""
+    with EchoServer() as server:
+        yield server
+
+
+@pytest.fixture
+def routed(make_clash: Callable[..., ClashEngine], echo: EchoServer) -> ClashEngine:
+    """The shared engine plus a rule sending ``localhost:<echo>`` to ``Proxy``."""
+
+    def prepare(cfg: dict[str, Any]) -> None:
+        cfg["rules"].insert(
+            0, {"domain_suffix": ["localhost"], "port": [str(echo.port)], "outbound": "Proxy"}
+        )
+
+    return make_clash(prepare)
+
+
+def open_flow(clash: ClashEngine, echo: EchoServer, payload: bytes = b"ping") -> socket.socket:
+    """A SOCKS5 tunnel through the mixed inbound to the echo server, ``payload`` echoed."""
+    sock = socks5_connect(clash.engine.listen_address("mixed-in"), "localhost", echo.port)
+    sock.sendall(payload)
+    assert recv_exact(sock, len(payload)) == payload
+    return sock
+
+
+def active_ids(clash: ClashEngine) -> set[str]:
+    return {r["flow_id"] for r in clash.engine.query("flows")["active_flows"]}
+
+
+def completed_reasons(clash: ClashEngine) -> dict[str, str | None]:
+    """flow_id -> close reason of every flow.completed in the event ring."""
+    events = clash.engine.query("events", {"types": "flow.completed"})["events"]
+    return {
+        e["payload"]["flow_id"]: e["payload"]["record"]["result"].get("close_reason")
+        for e in events
+    }
+
+
+def test_get_connections_is_one_snapshot_of_the_live_flows(
+    routed: ClashEngine, echo: EchoServer
+) -> None:
+    with open_flow(routed, echo, b"x" * 1000) as sock:
+        (flow_id,) = active_ids(routed)
+        record = routed.engine.query("flow", {"flow_id": flow_id})
+
+        def snapshot_counts() -> Any:
+            status, snap = call(routed.url + "/connections")
+            assert status == 200
+            conns = snap["connections"] or []
+            ok = conns and (conns[0]["upload"], conns[0]["download"]) == (1000, 1000)
+            return snap if ok else None
+
+        snap = wait_until(snapshot_counts, what="1000 bytes each way in the snapshot")
+        assert list(snap) == ["downloadTotal", "uploadTotal", "connections", "memory"]
+        (conn,) = snap["connections"]
+        assert conn["id"] == flow_id
+        assert conn["chains"] == list(reversed(record["route"]["selection_chain"]))
+        assert conn["chains"][-1] == "Proxy" and conn["chains"][0] in ("s5", "direct")
+        assert (conn["rule"], conn["rulePayload"]) == (
+            "AND",
+            f"((DomainSuffix,localhost) && (DstPort,{echo.port}))",
+        )
+        meta = conn["metadata"]
+        assert (meta["host"], meta["destinationPort"], meta["inboundName"]) == (
+            "localhost",
+            str(echo.port),
+            "mixed-in",
+        )
+        mixed = routed.engine.listen_address("mixed-in")
+        assert (meta["inboundIP"], meta["inboundPort"]) == (mixed[0], str(mixed[1]))
+        assert (meta["sourceIP"], meta["sourcePort"]) == (
+            "127.0.0.1",
+            str(sock.getsockname()[1]),
+        )
+        assert snap["uploadTotal"] >= 1000 and snap["downloadTotal"] >= 1000
+        assert snap["memory"] > 0
+
+
+def test_delete_one_connection_closes_that_flow_through_flows_close(
+    routed: ClashEngine, echo: EchoServer
+) -> None:
+    with open_flow(routed, echo) as first, open_flow(routed, echo) as second:
+        ids = active_ids(routed)
+        victim = routed.engine.query("flows")["active_flows"][0]["flow_id"]
+        status, body = call(routed.url + f"/connections/{victim}", "DELETE")
+        assert (status, body) == (204, None)
+        wait_until(lambda: victim in completed_reasons(routed), what="the flow completes")
+        assert completed_reasons(routed)[victim] == "manual"
+        assert active_ids(routed) == ids - {victim}
+        # Its client sees the tunnel end; the other flow still echoes.
+        ended = {first, second}
+        for sock in ended:
+            sock.settimeout(5)
+        survivors = []
+        for sock in ended:
+            sock.sendall(b"?")
+            try:
+                got = sock.recv(1)
+            except (ConnectionResetError, TimeoutError):
+                got = b""
+            survivors.append(got == b"?")
+        assert sorted(survivors) == [False, True]
+
+
+def test_delete_an_unknown_connection_is_204_as_mihomo(clash: ClashEngine) -> None:
+    assert call(clash.url + "/connections/no-such-flow", "DELETE") == (204, None)
+
+
+def test_delete_all_connections_closes_every_flow(routed: ClashEngine, echo: EchoServer) -> None:
+    with open_flow(routed, echo), open_flow(routed, echo), open_flow(routed, echo):
+        ids = active_ids(routed)
+        assert len(ids) == 3
+        assert call(routed.url + "/connections", "DELETE") == (204, None)
+        wait_until(lambda: ids <= set(completed_reasons(routed)), what="every flow completes")
+        assert {completed_reasons(routed)[i] for i in ids} == {"manual"}
+        assert active_ids(routed) == set()
+        status, snap = call(routed.url + "/connections")
+        assert (status, snap["connections"]) == (200, None)
