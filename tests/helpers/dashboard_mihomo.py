@@ -96,7 +96,7 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path, timeout
             return
         except OSError:
             time.sleep(0.02)
-    raise RuntimeError(f"mihomo's controller not listening on {port}: {log.read_text()[-2000:]}")
+    raise RuntimeError(f"mihomo not listening on {port}: {log.read_text()[-2000:]}")
 
 
 @contextmanager
@@ -139,7 +139,11 @@ def running_mihomo(
             env={"PATH": "/usr/bin:/bin", "HOME": str(home), **env},
         )
     try:
+        # The controller listens before the config is applied (its /configs answers
+        # mixed-port 0 and "DNS section is disabled" meanwhile); the mixed listener
+        # comes after the DNS, so both listening means the config is in force.
         _wait_listening(controller, proc, log, timeout)
+        _wait_listening(mixed, proc, log, timeout)
         yield Mihomo(f"http://127.0.0.1:{controller}", mixed, proc.pid)
     finally:
         proc.terminate()

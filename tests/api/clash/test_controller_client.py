@@ -293,13 +293,50 @@ def test_delay_of_a_proxy_and_of_a_group(engine_for_client: ClashEngine) -> None
 
         one, group, s5 = using(clash.url, job)
     assert set(one) == {"delay"} and isinstance(one["delay"], int) and one["delay"] >= 0
-    # A group's delay test probes its members with the group's own URL (mihomo's
-    # URLTest ignores the url given), so only the proxy's test reached this origin.
-    assert hits() == 1
     assert set(group) == {"s5", "direct"}
     assert all(isinstance(v, int) and v >= 0 for v in group.values())
     # The result lands in the node's history, under the URL tested.
     assert s5["extra"][url]["history"][-1]["delay"] == one["delay"]
+    # The group's test ends in a probe round of the group (its events, as any
+    # transport's policies.probe), so that it chooses by the new results.
+    wait_until(
+        lambda: any(
+            e["payload"]["policy_tag"] == "auto" and e["payload"]["trigger"] == "manual"
+            for e in clash.engine.query("events", {"types": "policy.probe.completed"})["events"]
+        ),
+        TIMEOUT,
+        "a manual probe round of auto",
+    )
+    # A url_test group's delay test probes its members with the group's own URL
+    # (mihomo's URLTest.URLTest ignores the url given), so only the proxy's test
+    # reached this origin.
+    assert hits() == 1
+
+
+def test_pin_and_unpin_a_url_test_group(engine_for_client: ClashEngine) -> None:
+    clash = engine_for_client
+
+    async def pin(api: ClashAPI) -> Any:
+        answer = await api.async_request("PUT", "proxies/auto", json_data={"name": "direct"})
+        return answer, await api.async_request("GET", "proxies/auto")
+
+    answer, pinned = using(clash.url, pin)
+    assert answer == {}
+    assert (pinned["now"], pinned["fixed"]) == ("direct", "direct")
+    assert policy(clash.engine, "auto")["fixed"] == "direct"
+    assert policy(clash.engine, "auto")["selected"] == "direct"
+
+    async def unpin(api: ClashAPI) -> Any:
+        answer = await api.async_request("DELETE", "proxies/auto")
+        return answer, await api.async_request("GET", "proxies/auto")
+
+    answer, unpinned = using(clash.url, unpin)
+    assert answer == {}
+    assert unpinned["fixed"] == ""
+    assert policy(clash.engine, "auto")["fixed"] is None
+    # A selector has no pin to drop: mihomo's 400.
+    with pytest.raises(APIClientError, match="status 400"):
+        using(clash.url, lambda api: api.async_request("DELETE", "proxies/Proxy"))
 
 
 # -- connections -----------------------------------------------------------------------
