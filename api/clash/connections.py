@@ -17,10 +17,8 @@ flows whose counters moved are mapped and encoded again.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -36,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from spliceway.api.clash.context import ClashContext
+from spliceway.api.clash.mapping import camel_case, rule_type_and_payload
 from spliceway.api.plane import ControlPlane
 from spliceway.errors import ApiError
 
@@ -46,7 +45,6 @@ __all__ = [
     "close_flow",
     "connection_routes",
     "rss_bytes",
-    "rule_type_and_payload",
     "tracker_info",
 ]
 
@@ -61,37 +59,6 @@ INBOUND_TYPES: dict[str, str] = {
     "tun": "Tun",
 }
 
-#: Condition key -> mihomo ``RuleType.String()``. Keys spliceway may grow (geo data,
-#: rule sets, process paths) are listed with the name mihomo gives the same rule.
-RULE_TYPES: dict[str, str] = {
-    "domain": "Domain",
-    "domain_suffix": "DomainSuffix",
-    "domain_keyword": "DomainKeyword",
-    "domain_regex": "DomainRegex",
-    "ip_cidr": "IPCIDR",
-    "source_ip_cidr": "SrcIPCIDR",
-    "port": "DstPort",
-    "source_port": "SrcPort",
-    "network": "Network",
-    "inbound_tag": "InName",
-    "principal_key": "InUser",
-    "process_name": "ProcessName",
-    "process_path": "ProcessPath",
-    "geoip": "GeoIP",
-    "source_geoip": "SrcGeoIP",
-    "geosite": "GeoSite",
-    "rule_set": "RuleSet",
-}
-
-#: mihomo rules that take several values in one payload, ``/``-separated
-#: (``DST-PORT,80/443/8000-9000``, ``IN-NAME,a/b``, ``IN-USER,u1/u2``).
-_SLASH_LISTS = frozenset({"DstPort", "SrcPort", "InName", "InUser"})
-#: A condition whose items are alternatives of one regex: ``a|b`` as one regex matches
-#: what the list matches, so its text is one payload as written.
-_ONE_ITEM = frozenset({"domain_regex"})
-#: ``key=`` starts each condition of the text; a value never contains ``,key=``.
-_CONDITION_START = re.compile(r",(?=[a-z][a-z0-9_]*=)")
-
 #: mihomo's ``TrackerInfo`` and ``Metadata`` keys that spliceway has no value for: the
 #: constant part of every connection's metadata.
 _NO_GEO: dict[str, Any] = {
@@ -105,47 +72,6 @@ _NO_GEO: dict[str, Any] = {
 CLOSE_WORKERS = 8
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _camel(key: str) -> str:
-    return "".join(part.capitalize() for part in key.split("_"))
-
-
-def _one_rule(key: str, raw: str) -> tuple[str, str]:
-    """``(type, payload)`` of one ``key=value`` condition; several items become one
-    ``/`` list where mihomo takes one, else an ``OR`` of single rules."""
-    rule_type = RULE_TYPES.get(key) or _camel(key)
-    items = [raw] if key in _ONE_ITEM else raw.split("|")
-    if rule_type in _SLASH_LISTS:
-        return rule_type, "/".join(items)
-    if len(items) == 1:
-        return rule_type, items[0]
-    return "OR", "(" + " || ".join(f"({rule_type},{item})" for item in items) + ")"
-
-
-@functools.lru_cache(maxsize=4096)
-def rule_type_and_payload(condition: str) -> tuple[str, str]:
-    """mihomo's ``(rule, rulePayload)`` for a rule's condition text
-    (``matched_rule.condition``, the ``config`` query's ``rules[].condition``).
-
-    ``domain_suffix=example.com`` -> ``("DomainSuffix", "example.com")``; several
-    conditions -> ``AND`` with mihomo's logic payload, ``((DomainSuffix,a) && (DstPort,443))``;
-    a list -> ``OR`` (``((Domain,a) || (Domain,b))``) or, for ports, inbound names and
-    users, one ``/`` list as mihomo writes them; ``""`` (no condition: the final route)
-    -> ``("Match", "")``. Pure.
-    """
-    if not condition:
-        return "Match", ""
-    parts: list[tuple[str, str]] = []
-    for chunk in _CONDITION_START.split(condition):
-        key, sep, raw = chunk.partition("=")
-        if not sep:
-            # Not spliceway's key=value text: shown as it is rather than dropped.
-            return "Unknown", condition
-        parts.append(_one_rule(key, raw))
-    if len(parts) == 1:
-        return parts[0]
-    return "AND", "(" + " && ".join(f"({t},{p})" for t, p in parts) + ")"
 
 
 def _flow_rule(route: Mapping[str, Any]) -> tuple[str, str]:
@@ -223,7 +149,7 @@ def tracker_info(
         "id": record["flow_id"],
         "metadata": {
             "network": record["network"],
-            "type": INBOUND_TYPES.get(inbound["protocol"]) or _camel(inbound["protocol"]),
+            "type": INBOUND_TYPES.get(inbound["protocol"]) or camel_case(inbound["protocol"]),
             "sourceIP": source["ip"],
             "destinationIP": destination_ip,
             **_NO_GEO,

@@ -12,11 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
-from spliceway.api.clash.connections import (
-    SnapshotBuilder,
-    rule_type_and_payload,
-    tracker_info,
-)
+from spliceway.api.clash.connections import SnapshotBuilder, tracker_info
+from spliceway.api.clash.mapping import rule_type_and_payload
 from spliceway.config import Rule
 from spliceway.routing.rules import compile_rules
 from tests.api.clash.conftest import ClashEngine, call
