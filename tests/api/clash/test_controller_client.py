@@ -164,6 +164,9 @@ def test_version_and_capabilities(engine_for_client: ClashEngine) -> None:
     version, report, endpoints = using(engine_for_client.url, job)
     assert version.meta == "Meta Core"
     assert version.version.startswith("spliceway")
+    # "sing-box" in the version string: a core without mihomo's upgrade, restart and
+    # storage channels, to the client as to the dashboards.
+    assert version.model == "sing-box"
     problems = {k: (v.status_code, repr(v.error)) for k, v in report.outcomes.items() if v.error}
     assert dict(report) == EXPECTED_CAPABILITIES, problems
     # The POST-only routes answer its GET probe with 405, as mihomo's router does.
