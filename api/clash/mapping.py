@@ -230,12 +230,16 @@ def _histories(
                 per_url.setdefault(health["member_tag"], {})[url] = seen
     history: dict[str, list[Observation]] = {name: [seen] for name, seen in latest.items()}
     for name, seen_list in local.items():
-        if name in history or not seen_list:
+        if not seen_list:
             continue
-        history[name] = list(seen_list)
+        if name not in history:
+            history[name] = list(seen_list)
+        # mihomo keeps every delay test under its URL too (``extra[url]``), where
+        # zashboard's independent latency and metacubexd read a node's latency.
+        urls = per_url.setdefault(name, {})
         for seen in seen_list:
-            if seen.url:
-                per_url.setdefault(name, {})[seen.url] = seen
+            if seen.url and (seen.url not in urls or seen.time_ms >= urls[seen.url].time_ms):
+                urls[seen.url] = seen
     return history, per_url
 
 
