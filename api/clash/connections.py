@@ -6,7 +6,10 @@ Each active flow's latest record (``ControlPlane.flow_records``) becomes one
 diffs snapshots sees one connection grow and then vanish), ``upload``/``download`` its
 payload bytes as of the record's last sample (``runtime.stats_interval_ms``), ``chains``
 the selection chain leaf first as mihomo's ``Chain`` is, ``rule``/``rulePayload`` the
-matched rule in mihomo's words (:func:`rule_type_and_payload`).
+matched rule in mihomo's words (:func:`rule_type_and_payload`), ``metadata.type`` what
+the client spoke (``inbound.client_protocol``: ``HTTPS`` for a ``CONNECT``, ``HTTP`` for a
+forwarded request, on a mixed inbound too), ``dnsMode`` ``fake-ip`` for a target mapped
+back from a fake-ip address (``target.fake_ip``), ``inboundUser`` the flow's principal.
 
 Cost: a snapshot is built once per tick and shared by every subscriber (see
 :mod:`.streams`). Records are immutable once published (each revision is a new dict),
