@@ -6,7 +6,10 @@ Each active flow's latest record (``ControlPlane.flow_records``) becomes one
 diffs snapshots sees one connection grow and then vanish), ``upload``/``download`` its
 payload bytes as of the record's last sample (``runtime.stats_interval_ms``), ``chains``
 the selection chain leaf first as mihomo's ``Chain`` is, ``rule``/``rulePayload`` the
-matched rule in mihomo's words (:func:`rule_type_and_payload`).
+matched rule in mihomo's words (:func:`rule_type_and_payload`), ``metadata.type`` what
+the client spoke (``inbound.client_protocol``: ``HTTPS`` for a ``CONNECT``, ``HTTP`` for a
+forwarded request, on a mixed inbound too), ``dnsMode`` ``fake-ip`` for a target mapped
+back from a fake-ip address (``target.fake_ip``), ``inboundUser`` the flow's principal.
 
 Cost: a snapshot is built once per tick and shared by every subscriber (see
 :mod:`.streams`). Records are immutable once published (each revision is a new dict),
@@ -39,6 +42,7 @@ from spliceway.api.plane import ControlPlane
 from spliceway.errors import ApiError
 
 __all__ = [
+    "CLIENT_TYPES",
     "INBOUND_TYPES",
     "SnapshotBuilder",
     "close_all_flows",
@@ -50,8 +54,18 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Inbound protocol -> mihomo's ``metadata.type`` (``constant.Type``). A mixed inbound's
-#: record does not say which protocol its client spoke, so it keeps a name of its own.
+#: What the client spoke (the record's ``inbound.client_protocol``) -> mihomo's
+#: ``metadata.type`` (``constant.Type``): its http listener says ``HTTPS`` for a
+#: ``CONNECT`` tunnel and ``HTTP`` for a request it forwards, on a mixed one too.
+CLIENT_TYPES: dict[str, str] = {
+    "socks5": "Socks5",
+    "http": "HTTP",
+    "http_connect": "HTTPS",
+    "tun": "Tun",
+}
+
+#: Inbound protocol -> ``metadata.type``, for a record without ``client_protocol`` (one
+#: an older version wrote): a mixed inbound's then keeps a name of its own.
 INBOUND_TYPES: dict[str, str] = {
     "socks5": "Socks5",
     "http": "HTTP",
@@ -113,6 +127,13 @@ def _is_address(host: str) -> bool:
     return True
 
 
+def _client_type(inbound: Mapping[str, Any]) -> str:
+    spoken = inbound.get("client_protocol")
+    if spoken is not None:
+        return CLIENT_TYPES.get(spoken) or camel_case(spoken)
+    return INBOUND_TYPES.get(inbound["protocol"]) or camel_case(inbound["protocol"])
+
+
 def _rfc3339(unix_ms: int) -> str:
     seconds, millis = divmod(unix_ms, 1000)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
@@ -149,7 +170,7 @@ def tracker_info(
         "id": record["flow_id"],
         "metadata": {
             "network": record["network"],
-            "type": INBOUND_TYPES.get(inbound["protocol"]) or camel_case(inbound["protocol"]),
+            "type": _client_type(inbound),
             "sourceIP": source["ip"],
             "destinationIP": destination_ip,
             **_NO_GEO,
@@ -158,11 +179,12 @@ def tracker_info(
             "inboundIP": listen_ip,
             "inboundPort": str(listen_port) if listen_port else "",
             "inboundName": inbound["tag"],
-            # The principal is in flow.started's auth, not in the record (see the docs).
-            "inboundUser": "",
+            # mihomo's is the user name; the principal is the flow's identity here (the
+            # user's principal_key, or the flow hook's).
+            "inboundUser": record.get("principal_key", ""),
             "rematchName": "",
             "host": name,
-            "dnsMode": "normal",
+            "dnsMode": "fake-ip" if "fake_ip" in target else "normal",
             "uid": 0,
             "process": source.get("process_name", ""),
             "processPath": source.get("process_path", ""),
@@ -205,7 +227,7 @@ _TAIL_KEYS = ("start", "chains", "providerChains", "rule", "rulePayload")
 class _Encoded:
     """One flow's encoded TrackerInfo: ``data``, made from ``record``; ``head`` (``id``
     and ``metadata``) and ``tail`` (from ``start``) depend only on ``key``, the
-    record's target, route and path."""
+    record's target, route and path (its inbound, source and principal never change)."""
 
     record: Mapping[str, Any]
     data: bytes
