@@ -445,6 +445,7 @@ class FlowActor(HttpForwarding, ConnRecording, LoopActor):
         # Every spelling of an address is that address, from here on: routed, dialled and
         # recorded so (spliceway.routing.hostnorm; C's handshakes did the same already).
         hs.host = hostnorm.canonical_host(hs.host)
+        fake_ip: str | None = None
         pool = self.deps.fakeip
         if pool is not None:
             # A fake-ip address stands for the domain the client resolved: the flow is
@@ -452,7 +453,7 @@ class FlowActor(HttpForwarding, ConnRecording, LoopActor):
             # every such flow to Python (route_publish), so this is the one place.
             domain = pool.domain_of(hs.host)
             if domain is not None:
-                hs.host = domain
+                fake_ip, hs.host = hs.host, domain
         started = now_ms() if started_at is None else started_at
         state = records.FlowState(
             flow_id=self.flow_id,
@@ -462,8 +463,10 @@ class FlowActor(HttpForwarding, ConnRecording, LoopActor):
             source_port=self.peer[1],
             started_at_unix_ms=started,
             mode=self.deps.route_state.mode,
+            client_protocol=hs.client_protocol,
             target_host=hs.host,
             target_port=hs.port,
+            fake_ip=fake_ip,
             principal_key=hs.principal_key,
             auth_scheme=hs.auth_scheme,
             last_activity_at_unix_ms=started,

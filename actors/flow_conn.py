@@ -76,8 +76,9 @@ class ConnRecording:
         self, c: connpath.Deferred | connpath.ConnRecord, host: str, early: bytes = b""
     ) -> Handshake:
         """What C's handshake established, as the Python handshake would have."""
+        forward = c.protocol == "http_forward"
         return Handshake(
-            c.protocol,
+            "http" if forward else c.protocol,
             host,
             c.port,
             self.deps.principal_key(c.principal),
@@ -85,6 +86,7 @@ class ConnRecording:
             c.client_rx,
             c.client_tx,
             early=early,
+            forward=forward,
         )
 
     async def _start_c_after_lookup(self, rec: connpath.ConnRecord) -> None:

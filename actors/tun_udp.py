@@ -97,6 +97,7 @@ _QUEUE_PACKETS = 64
 _QUEUE_BYTES = 256 * 1024
 _FORMERR = 1
 
+
 @dataclass(slots=True, eq=False)
 class TunUdpCounters:
     """What the actor did since it started (ints; any thread may read them).
@@ -479,12 +480,13 @@ class TunUdpActor(LoopActor):
         source = (str(record.src), record.sport)
         key = (str(record.dst), record.dport)
         target = key
+        fake_ip: str | None = None
         pool = deps.fakeip
         if pool is not None:
             # A fake-ip address stands for the domain the client resolved (as for TCP).
             domain = pool.domain_of(key[0])
             if domain is not None:
-                target = (domain, key[1])
+                target, fake_ip = (domain, key[1]), key[0]
         state = records.FlowState(
             flow_id=f"{self.id_prefix}u{self._n}",
             inbound_tag=self.inbound.tag,
@@ -494,8 +496,10 @@ class TunUdpActor(LoopActor):
             started_at_unix_ms=record.at_unix_ms,
             mode=deps.route_state.mode,
             network="udp",
+            client_protocol="tun",
             target_host=target[0],
             target_port=target[1],
+            fake_ip=fake_ip,
             last_activity_at_unix_ms=record.at_unix_ms,
         )
         state.traffic.packets_up = 0

@@ -297,12 +297,13 @@ class UdpAssociationActor(LoopActor):
         key = (new.host, new.port)
         # Every spelling of an address is that address (as for TCP; replies keep the key).
         target = (hostnorm.canonical_host(new.host), new.port)
+        fake_ip: str | None = None
         pool = deps.fakeip
         if pool is not None:
             # A fake-ip address stands for the domain the client resolved (as for TCP).
             domain = pool.domain_of(target[0])
             if domain is not None:
-                target = (domain, new.port)
+                target, fake_ip = (domain, new.port), target[0]
         state = records.FlowState(
             flow_id=f"{self.id_prefix}u{self._n}",
             inbound_tag=self.inbound.tag,
@@ -312,8 +313,10 @@ class UdpAssociationActor(LoopActor):
             started_at_unix_ms=new.at_unix_ms,
             mode=deps.route_state.mode,
             network="udp",
+            client_protocol="socks5",  # an association is SOCKS5's UDP ASSOCIATE
             target_host=target[0],
             target_port=target[1],
+            fake_ip=fake_ip,
             principal_key=self.principal_key,
             auth_scheme=self.auth_scheme,
             last_activity_at_unix_ms=new.at_unix_ms,

@@ -134,7 +134,8 @@ typedef struct sw_conn_record {
     uint16_t port;            /* target port */
     uint16_t source_port;
     uint16_t resolved_port;   /* ROUTED: port connected to */
-    uint8_t protocol;         /* the handshake spoken: 1 socks5, 2 http, 3 tun */
+    uint8_t protocol;         /* the handshake spoken: 1 socks5, 2 http (CONNECT), 3 tun,
+                                 4 http (an absolute-URI request C forwards) */
     uint8_t auth;             /* enum sw_conn_auth */
     uint8_t source_family;    /* 4 or 6 */
     uint8_t resolved_family;  /* ROUTED: 4, 6, or 0 */

@@ -96,7 +96,7 @@ sw_conn_record *record_begin(struct cconn *c, uint32_t kind)
     r->late = c->late;
     r->port = c->port;
     r->source_port = c->src_port;
-    r->protocol = c->proto;
+    r->protocol = c->fwd ? 4 : c->proto; /* 4: a request C forwards (sw_conn_record) */
     r->auth = c->auth;
     r->source_family = c->src_family;
     r->replied = c->replied;

@@ -6,7 +6,10 @@ Each active flow's latest record (``ControlPlane.flow_records``) becomes one
 diffs snapshots sees one connection grow and then vanish), ``upload``/``download`` its
 payload bytes as of the record's last sample (``runtime.stats_interval_ms``), ``chains``
 the selection chain leaf first as mihomo's ``Chain`` is, ``rule``/``rulePayload`` the
-matched rule in mihomo's words (:func:`rule_type_and_payload`).
+matched rule in mihomo's words (:func:`rule_type_and_payload`), ``metadata.type`` what
+the client spoke (``inbound.client_protocol``: ``HTTPS`` for a ``CONNECT``, ``HTTP`` for a
+forwarded request, on a mixed inbound too), ``dnsMode`` ``fake-ip`` for a target mapped
+back from a fake-ip address (``target.fake_ip``), ``inboundUser`` the flow's principal.
 
 Cost: a snapshot is built once per tick and shared by every subscriber (see
 :mod:`.streams`). Records are immutable once published (each revision is a new dict),
@@ -17,10 +20,8 @@ flows whose counters moved are mapped and encoded again.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -36,61 +37,41 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from spliceway.api.clash.context import ClashContext
+from spliceway.api.clash.mapping import camel_case, rule_type_and_payload
 from spliceway.api.plane import ControlPlane
 from spliceway.errors import ApiError
 
 __all__ = [
+    "CLIENT_TYPES",
     "INBOUND_TYPES",
     "SnapshotBuilder",
     "close_all_flows",
     "close_flow",
     "connection_routes",
     "rss_bytes",
-    "rule_type_and_payload",
     "tracker_info",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Inbound protocol -> mihomo's ``metadata.type`` (``constant.Type``). A mixed inbound's
-#: record does not say which protocol its client spoke, so it keeps a name of its own.
+#: What the client spoke (the record's ``inbound.client_protocol``) -> mihomo's
+#: ``metadata.type`` (``constant.Type``): its http listener says ``HTTPS`` for a
+#: ``CONNECT`` tunnel and ``HTTP`` for a request it forwards, on a mixed one too.
+CLIENT_TYPES: dict[str, str] = {
+    "socks5": "Socks5",
+    "http": "HTTP",
+    "http_connect": "HTTPS",
+    "tun": "Tun",
+}
+
+#: Inbound protocol -> ``metadata.type``, for a record without ``client_protocol`` (one
+#: an older version wrote): a mixed inbound's then keeps a name of its own.
 INBOUND_TYPES: dict[str, str] = {
     "socks5": "Socks5",
     "http": "HTTP",
     "mixed": "Mixed",
     "tun": "Tun",
 }
-
-#: Condition key -> mihomo ``RuleType.String()``. Keys spliceway may grow (geo data,
-#: rule sets, process paths) are listed with the name mihomo gives the same rule.
-RULE_TYPES: dict[str, str] = {
-    "domain": "Domain",
-    "domain_suffix": "DomainSuffix",
-    "domain_keyword": "DomainKeyword",
-    "domain_regex": "DomainRegex",
-    "ip_cidr": "IPCIDR",
-    "source_ip_cidr": "SrcIPCIDR",
-    "port": "DstPort",
-    "source_port": "SrcPort",
-    "network": "Network",
-    "inbound_tag": "InName",
-    "principal_key": "InUser",
-    "process_name": "ProcessName",
-    "process_path": "ProcessPath",
-    "geoip": "GeoIP",
-    "source_geoip": "SrcGeoIP",
-    "geosite": "GeoSite",
-    "rule_set": "RuleSet",
-}
-
-#: mihomo rules that take several values in one payload, ``/``-separated
-#: (``DST-PORT,80/443/8000-9000``, ``IN-NAME,a/b``, ``IN-USER,u1/u2``).
-_SLASH_LISTS = frozenset({"DstPort", "SrcPort", "InName", "InUser"})
-#: A condition whose items are alternatives of one regex: ``a|b`` as one regex matches
-#: what the list matches, so its text is one payload as written.
-_ONE_ITEM = frozenset({"domain_regex"})
-#: ``key=`` starts each condition of the text; a value never contains ``,key=``.
-_CONDITION_START = re.compile(r",(?=[a-z][a-z0-9_]*=)")
 
 #: mihomo's ``TrackerInfo`` and ``Metadata`` keys that spliceway has no value for: the
 #: constant part of every connection's metadata.
@@ -105,47 +86,6 @@ _NO_GEO: dict[str, Any] = {
 CLOSE_WORKERS = 8
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _camel(key: str) -> str:
-    return "".join(part.capitalize() for part in key.split("_"))
-
-
-def _one_rule(key: str, raw: str) -> tuple[str, str]:
-    """``(type, payload)`` of one ``key=value`` condition; several items become one
-    ``/`` list where mihomo takes one, else an ``OR`` of single rules."""
-    rule_type = RULE_TYPES.get(key) or _camel(key)
-    items = [raw] if key in _ONE_ITEM else raw.split("|")
-    if rule_type in _SLASH_LISTS:
-        return rule_type, "/".join(items)
-    if len(items) == 1:
-        return rule_type, items[0]
-    return "OR", "(" + " || ".join(f"({rule_type},{item})" for item in items) + ")"
-
-
-@functools.lru_cache(maxsize=4096)
-def rule_type_and_payload(condition: str) -> tuple[str, str]:
-    """mihomo's ``(rule, rulePayload)`` for a rule's condition text
-    (``matched_rule.condition``, the ``config`` query's ``rules[].condition``).
-
-    ``domain_suffix=example.com`` -> ``("DomainSuffix", "example.com")``; several
-    conditions -> ``AND`` with mihomo's logic payload, ``((DomainSuffix,a) && (DstPort,443))``;
-    a list -> ``OR`` (``((Domain,a) || (Domain,b))``) or, for ports, inbound names and
-    users, one ``/`` list as mihomo writes them; ``""`` (no condition: the final route)
-    -> ``("Match", "")``. Pure.
-    """
-    if not condition:
-        return "Match", ""
-    parts: list[tuple[str, str]] = []
-    for chunk in _CONDITION_START.split(condition):
-        key, sep, raw = chunk.partition("=")
-        if not sep:
-            # Not spliceway's key=value text: shown as it is rather than dropped.
-            return "Unknown", condition
-        parts.append(_one_rule(key, raw))
-    if len(parts) == 1:
-        return parts[0]
-    return "AND", "(" + " && ".join(f"({t},{p})" for t, p in parts) + ")"
 
 
 def _flow_rule(route: Mapping[str, Any]) -> tuple[str, str]:
@@ -187,6 +127,13 @@ def _is_address(host: str) -> bool:
     return True
 
 
+def _client_type(inbound: Mapping[str, Any]) -> str:
+    spoken = inbound.get("client_protocol")
+    if spoken is not None:
+        return CLIENT_TYPES.get(spoken) or camel_case(spoken)
+    return INBOUND_TYPES.get(inbound["protocol"]) or camel_case(inbound["protocol"])
+
+
 def _rfc3339(unix_ms: int) -> str:
     seconds, millis = divmod(unix_ms, 1000)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
@@ -223,7 +170,7 @@ def tracker_info(
         "id": record["flow_id"],
         "metadata": {
             "network": record["network"],
-            "type": INBOUND_TYPES.get(inbound["protocol"]) or _camel(inbound["protocol"]),
+            "type": _client_type(inbound),
             "sourceIP": source["ip"],
             "destinationIP": destination_ip,
             **_NO_GEO,
@@ -232,11 +179,12 @@ def tracker_info(
             "inboundIP": listen_ip,
             "inboundPort": str(listen_port) if listen_port else "",
             "inboundName": inbound["tag"],
-            # The principal is in flow.started's auth, not in the record (see the docs).
-            "inboundUser": "",
+            # mihomo's is the user name; the principal is the flow's identity here (the
+            # user's principal_key, or the flow hook's).
+            "inboundUser": record.get("principal_key", ""),
             "rematchName": "",
             "host": name,
-            "dnsMode": "normal",
+            "dnsMode": "fake-ip" if "fake_ip" in target else "normal",
             "uid": 0,
             "process": source.get("process_name", ""),
             "processPath": source.get("process_path", ""),
@@ -279,7 +227,7 @@ _TAIL_KEYS = ("start", "chains", "providerChains", "rule", "rulePayload")
 class _Encoded:
     """One flow's encoded TrackerInfo: ``data``, made from ``record``; ``head`` (``id``
     and ``metadata``) and ``tail`` (from ``start``) depend only on ``key``, the
-    record's target, route and path."""
+    record's target, route and path (its inbound, source and principal never change)."""
 
     record: Mapping[str, Any]
     data: bytes

@@ -24,6 +24,7 @@ Decisions, where mihomo's world and spliceway's differ:
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -229,12 +230,16 @@ def _histories(
                 per_url.setdefault(health["member_tag"], {})[url] = seen
     history: dict[str, list[Observation]] = {name: [seen] for name, seen in latest.items()}
     for name, seen_list in local.items():
-        if name in history or not seen_list:
+        if not seen_list:
             continue
-        history[name] = list(seen_list)
+        if name not in history:
+            history[name] = list(seen_list)
+        # mihomo keeps every delay test under its URL too (``extra[url]``), where
+        # zashboard's independent latency and metacubexd read a node's latency.
+        urls = per_url.setdefault(name, {})
         for seen in seen_list:
-            if seen.url:
-                per_url.setdefault(name, {})[seen.url] = seen
+            if seen.url and (seen.url not in urls or seen.time_ms >= urls[seen.url].time_ms):
+                urls[seen.url] = seen
     return history, per_url
 
 
@@ -496,50 +501,54 @@ _RULE_TYPES: Mapping[str, str] = {
     "geosite": "GeoSite",
 }
 
-#: Conditions whose list mihomo takes in one payload, ``/``-separated.
-_SLASH_LISTS = frozenset({"port", "source_port", "inbound_tag", "principal_key"})
+#: mihomo rules that take several values in one payload, ``/``-separated
+#: (``DST-PORT,80/443/8000-9000``, ``IN-NAME,a/b``, ``IN-USER,u1/u2``).
+_SLASH_LISTS = frozenset({"DstPort", "SrcPort", "InName", "InUser"})
 
 #: Conditions whose items are never split: ``|`` is part of a regular expression, and a
 #: list of them matches exactly as their alternation does.
 _WHOLE = frozenset({"domain_regex"})
 
-#: A ``,`` that starts the next ``key=`` of a condition text.
-_NEXT_KEY = re.compile(r",(?=(?:{})=)".format("|".join(sorted(_RULE_TYPES, key=len, reverse=True))))
+#: ``key=`` starts each condition of the text; a value never contains ``,key=``.
+_CONDITION_START = re.compile(r",(?=[a-z][a-z0-9_]*=)")
 
 
-def _conditions(text: str) -> list[tuple[str, list[str]]]:
-    """A ``matched_rule.condition`` text (``key=item|item,key=item``) as ``(key, items)``
-    pairs; a part without a known key is kept whole under its own name."""
-    out: list[tuple[str, list[str]]] = []
-    for part in _NEXT_KEY.split(text):
-        key, sep, value = part.partition("=")
-        if not sep:
-            out.append((part, []))
-        elif key in _WHOLE:
-            out.append((key, [value]))
-        else:
-            out.append((key, value.split("|")))
-    return out
+def camel_case(key: str) -> str:
+    """``snake_case`` as mihomo's type names write it (``rule_set`` → ``RuleSet``)."""
+    return "".join(part.capitalize() for part in key.split("_"))
 
 
-def _one(key: str, items: list[str]) -> tuple[str, str]:
-    """One condition as mihomo's ``(type, payload)``."""
-    type_ = _RULE_TYPES.get(key, key)
-    if len(items) <= 1 or key in _SLASH_LISTS:
-        return type_, "/".join(items)
-    return "OR", "(" + " || ".join(f"({type_},{item})" for item in items) + ")"
+def _one_rule(key: str, raw: str) -> tuple[str, str]:
+    """``(type, payload)`` of one ``key=value`` condition; several items become one
+    ``/`` list where mihomo takes one, else an ``OR`` of single rules. A key mihomo has
+    no name for keeps its own, in mihomo's CamelCase."""
+    rule_type = _RULE_TYPES.get(key) or camel_case(key)
+    items = [raw] if key in _WHOLE else raw.split("|")
+    if rule_type in _SLASH_LISTS:
+        return rule_type, "/".join(items)
+    if len(items) == 1:
+        return rule_type, items[0]
+    return "OR", "(" + " || ".join(f"({rule_type},{item})" for item in items) + ")"
 
 
+@functools.lru_cache(maxsize=4096)
 def rule_type_and_payload(condition: str) -> tuple[str, str]:
-    """A spliceway rule's condition text (``matched_rule.condition``) as mihomo's rule
-    ``type`` and ``payload``: one condition is its RuleType (``domain_suffix`` →
-    ``DomainSuffix``...); several are ``AND`` with mihomo's payload syntax
-    (``((DstPort,443) && (Network,tcp))``); a list mihomo cannot hold in one payload is
-    an ``OR`` of one sub-rule per item. Empty text (no rule: ``route.final``, or mode
-    global or direct) is ``("Match", "")``."""
+    """A spliceway rule's condition text (``matched_rule.condition``, the ``config``
+    query's ``rules[].condition``) as mihomo's rule ``type`` and ``payload``: one
+    condition is its RuleType (``domain_suffix`` → ``DomainSuffix``...); several are
+    ``AND`` with mihomo's payload syntax (``((DstPort,443) && (Network,tcp))``); a list
+    mihomo cannot hold in one payload is an ``OR`` of one sub-rule per item. Empty text
+    (no rule: ``route.final``) is ``("Match", "")``; text that is not ``key=value`` is
+    ``("Unknown", text)``, shown rather than dropped. Pure; cached, because every
+    connection of a snapshot asks."""
     if not condition:
         return "Match", ""
-    parts = [_one(key, items) for key, items in _conditions(condition)]
+    parts: list[tuple[str, str]] = []
+    for chunk in _CONDITION_START.split(condition):
+        key, sep, raw = chunk.partition("=")
+        if not sep:
+            return "Unknown", condition
+        parts.append(_one_rule(key, raw))
     if len(parts) == 1:
         return parts[0]
     return "AND", "(" + " && ".join(f"({t},{p})" for t, p in parts) + ")"

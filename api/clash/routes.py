@@ -442,8 +442,10 @@ class _Routes:
         else:
             group = self._group(config, name)
             members = list(group.get("outbounds", []))
-            # Without a url, a probing group's members are tested through its own URL.
-            url = url or str(group.get("url") or "")
+            own = str(group.get("url") or "")
+            # mihomo's URLTest group always tests through its own testUrl, whatever the
+            # request's url; other groups use the request's, or without one their own.
+            url = own if kind == "url_test" and own else (url or own)
         delays: dict[str, int] = {}
         if timeout_ms > 0 and members:
             workers = min(GROUP_DELAY_CONCURRENCY, len(members))

@@ -24,6 +24,28 @@ __all__ = ["ClashServer"]
 
 logger = logging.getLogger(__name__)
 
+#: uvicorn's log lines that are not errors here: the first follows every WebSocket
+#: upgrade the guard or a stream answers with an HTTP refusal (401, 403, 400) through
+#: the ``websocket.http.response`` extension, which uvicorn's sans-I/O implementation
+#: misreports; the second follows a chunked stream whose slow reader was dropped.
+_EXPECTED_UVICORN_ERRORS = frozenset(
+    {
+        "ASGI callable returned without completing handshake.",
+        "ASGI callable returned without completing response.",
+    }
+)
+
+
+class _ExpectedErrors(logging.Filter):
+    """Drops :data:`_EXPECTED_UVICORN_ERRORS` from ``uvicorn.error``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in _EXPECTED_UVICORN_ERRORS
+
+
+_FILTER = _ExpectedErrors()
+logging.getLogger("uvicorn.error").addFilter(_FILTER)
+
 _START_S = 10.0
 _JOIN_S = 10.0
 

@@ -56,6 +56,14 @@ class Handshake:
     #: the connection becomes the association's control line.
     udp: bool = False
 
+    @property
+    def client_protocol(self) -> str:
+        """What the client spoke, as its record's ``inbound.client_protocol`` says:
+        ``socks5``, ``http`` (forwarded), ``http_connect`` or ``tun``."""
+        if self.protocol == "http":
+            return "http" if self.forward else "http_connect"
+        return self.protocol
+
     def success_reply(self) -> bytes:
         """Bytes telling the client its tunnel is open (none for a TUN's: the kernel's
         handshake already told it)."""

@@ -138,12 +138,18 @@ class FlowState:
     started_at_unix_ms: int
     mode: str
     network: str = "tcp"
+    #: What the client spoke (``inbound.client_protocol``): ``socks5``, ``http``
+    #: (forwarded), ``http_connect`` or ``tun``; None only in a state rebuilt from a
+    #: record an older version wrote.
+    client_protocol: str | None = None
     revision: int = 0
     state: str = "opening"
     target_host: str = ""
     target_port: int = 0
     resolved_ip: str | None = None
     sniffed_host: str | None = None
+    #: The fake-ip address the client dialled, when ``target_host`` is its mapped name.
+    fake_ip: str | None = None
     principal_key: str | None = None
     auth_scheme: str | None = None
     #: The local client process (``runtime.process_lookup``), when one was found.
@@ -186,6 +192,8 @@ class FlowState:
             target["resolved_ip"] = self.resolved_ip
         if self.sniffed_host is not None:
             target["sniffed_host"] = self.sniffed_host
+        if self.fake_ip is not None:
+            target["fake_ip"] = self.fake_ip
         timing: Timing = {
             "started_at_unix_ms": self.started_at_unix_ms,
             "last_activity_at_unix_ms": self.last_activity_at_unix_ms,
@@ -214,10 +222,10 @@ class FlowState:
                 source["process_name"] = self.process_name
             if self.process_path is not None:
                 source["process_path"] = self.process_path
-            fixed = self._fixed = (
-                {"tag": self.inbound_tag, "protocol": self.inbound_protocol},
-                source,
-            )
+            inbound: Inbound = {"tag": self.inbound_tag, "protocol": self.inbound_protocol}
+            if self.client_protocol is not None:
+                inbound["client_protocol"] = self.client_protocol  # type: ignore[typeddict-item]
+            fixed = self._fixed = (inbound, source)
         record: dict[str, Any] = {
             "flow_id": self.flow_id,
             "revision": self.revision,
@@ -242,6 +250,8 @@ class FlowState:
             },
             "timing": timing,
         }
+        if self.principal_key is not None:
+            record["principal_key"] = self.principal_key
         if self.labels is not None:
             record["labels"] = self.labels
         if self.state == "completed":
@@ -328,7 +338,8 @@ def updated_payload(state: FlowState, record: FlowRecord) -> dict[str, Any]:
 
 def state_from_record(record: FlowRecord, auth_scheme: str | None = None) -> FlowState:
     """The FlowState a FlowRecord (``render``'s output, as events carry it) was rendered
-    from, as far as the record tells (``auth_scheme`` and ``principal_key`` are not in it)."""
+    from, as far as the record tells (``auth_scheme`` is not in it, nor ``principal_key``
+    in a record an older version wrote)."""
     inbound, source, target = record["inbound"], record["source"], record["target"]
     route, path, timing = record["route"], record["path"], record["timing"]
     t, throughput = record["traffic"], record["throughput"]
@@ -342,12 +353,15 @@ def state_from_record(record: FlowRecord, auth_scheme: str | None = None) -> Flo
         started_at_unix_ms=timing["started_at_unix_ms"],
         mode=route["mode"],
         network=record["network"],
+        client_protocol=inbound.get("client_protocol"),
         revision=record["revision"],
         state=record["state"],
         target_host=target["host"],
         target_port=target["port"],
         resolved_ip=target.get("resolved_ip"),
         sniffed_host=target.get("sniffed_host"),
+        fake_ip=target.get("fake_ip"),
+        principal_key=record.get("principal_key"),
         auth_scheme=auth_scheme,
         process_id=source.get("process_id"),
         process_name=source.get("process_name"),
@@ -422,6 +436,7 @@ def crashed_completion(envelopes: list[dict[str, Any]]) -> Completion:
     state = state_from_record(record, auth["scheme"] if auth else None)
     if auth is not None and auth.get("principal_key"):
         principal_key = auth["principal_key"]
+    principal_key = principal_key or state.principal_key
     state.principal_key = principal_key
     state.revision += 1
     state.state = "completed"
@@ -434,6 +449,4 @@ def crashed_completion(envelopes: list[dict[str, Any]]) -> Completion:
     state.ended_at_unix_ms = ended
     state.outcome = ENGINE_CRASHED
     state.failure = ENGINE_CRASHED_FAILURE
-    return Completion(
-        lifecycle_payload(state, state.render()), principal_key, labels, ended, state
-    )
+    return Completion(lifecycle_payload(state, state.render()), principal_key, labels, ended, state)

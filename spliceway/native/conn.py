@@ -70,7 +70,9 @@ _PROTOCOLS = {
     "http": int(lib.SW_IN_HTTP),
     "mixed": int(lib.SW_IN_MIXED),
 }
-_SPOKEN = {1: "socks5", 2: "http", 3: "tun"}
+#: sw_conn_record.protocol / sw_deferred.protocol -> the handshake spoken ("http_forward":
+#: an absolute-URI request C forwards itself, only in records).
+_SPOKEN = {1: "socks5", 2: "http", 3: "tun", 4: "http_forward"}
 #: Records copied per C call; a drain loops until the rings are empty.
 _BATCH = 256
 
@@ -121,6 +123,8 @@ class ConnRecord:
     port: int
     source_port: int
     resolved_port: int
+    #: The handshake spoken: ``socks5``, ``http`` (CONNECT), ``tun``, or ``http_forward``
+    #: (an absolute-URI request C forwards itself).
     protocol: str
     auth: int
     source_ip: str | None

@@ -20,6 +20,7 @@ UnixMs = Annotated[int, Field(ge=0), UNIX_MS_MARK]
 NonEmpty = Annotated[str, Field(min_length=1)]
 
 FlowStateName = Literal["opening", "active", "completed"]
+ClientProtocol = Literal["socks5", "http", "http_connect", "tun"]
 Network = Literal["tcp", "udp"]
 ModeKind = Literal["rule", "global", "direct"]
 RouteAction = Literal["pending", "route", "block"]
@@ -41,6 +42,18 @@ class Inbound(TypedDict):
     tag: Annotated[str, Field(description="Its tag.")]
     protocol: Annotated[
         str, Field(description="Its protocol: `socks5`, `http`, `mixed`, or `tun`.")
+    ]
+    client_protocol: NotRequired[
+        Annotated[
+            ClientProtocol,
+            Field(
+                description="What the client spoke, whatever the inbound offers (a `mixed` "
+                "one both): `socks5` (CONNECT, and each destination of a UDP association), "
+                "`http` (an absolute-URI request forwarded), `http_connect` (an HTTP "
+                "`CONNECT` tunnel) or `tun`. Present in every record this build writes; "
+                "absent from records written before it (a sink's older lines)."
+            ),
+        ]
     ]
 
 
@@ -103,6 +116,16 @@ class Target(TypedDict):
             Field(
                 description="TLS SNI or HTTP Host seen in the client's first bytes; present "
                 "when sniffing found one."
+            ),
+        ]
+    ]
+    fake_ip: NotRequired[
+        Annotated[
+            str,
+            Field(
+                description="The fake-ip address the client dialled (`runtime.dns.answer` "
+                "`fake_ip`), which the engine mapped back to the name in `host`; present "
+                "only then."
             ),
         ]
     ]
@@ -302,6 +325,16 @@ class FlowRecord(TypedDict):
                 }
             },
         ),
+    ]
+    principal_key: NotRequired[
+        Annotated[
+            NonEmpty,
+            Field(
+                description="The flow's principal (as the envelope's `principal_key`): the "
+                "authenticated user's key (`inbounds[].users`), or the one the flow hook "
+                "gave (`api.flow_hook`); present only when it has one."
+            ),
+        ]
     ]
     labels: NotRequired[
         Annotated[

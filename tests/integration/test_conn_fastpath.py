@@ -351,6 +351,8 @@ def test_relayed_flow_in_c_equals_the_python_path(make_engine, python_engine, ki
         assert c["inbound"] == {
             "tag": inbound_tag,
             "protocol": {"socks-in": "socks5", "http-in": "http", "mixed-in": "mixed"}[inbound_tag],
+            # What the client spoke, on a mixed inbound too.
+            "client_protocol": "http_connect" if "http" in kind else "socks5",
         }
         assert c["target"] == {"host": host, "port": port, "resolved_ip": "127.0.0.1"}
         assert c["route"] == {

@@ -212,6 +212,7 @@ def test_two_keep_alive_requests_are_two_flows_with_exact_bytes(make_engine, h11
     for record, request, answer in exchanges:
         t = record["traffic"]
         assert record["result"]["outcome"] == "direct_relayed"
+        assert record["inbound"]["client_protocol"] == "http"
         assert t["inbound_rx_bytes"] == len(request)
         assert t["bytes_down"] == t["inbound_tx_bytes"] == len(answer)
         assert t["outbound_tx_bytes"] == t["bytes_up"]
@@ -642,6 +643,12 @@ def test_c_forwards_plain_requests_and_python_takes_over_the_rest(make_engine, h
     for record, (request, answer) in zip(records, exchanges, strict=True):
         t = record["traffic"]
         assert record["result"]["outcome"] == "direct_relayed", record
+        # Forwarded, whether C or Python (or C, then Python) served it.
+        assert record["inbound"] == {
+            "tag": "http-in",
+            "protocol": "http",
+            "client_protocol": "http",
+        }
         assert t["inbound_rx_bytes"] == len(request)
         assert t["bytes_down"] == t["inbound_tx_bytes"] == len(answer)
         assert t["outbound_tx_bytes"] == t["bytes_up"]

@@ -22,7 +22,11 @@ def test_curl_socks5_hostname_counts_every_byte(make_engine, origin):
     assert record["state"] == "completed"
     assert record["result"]["outcome"] == "direct_relayed"
     assert "close_reason" not in record["result"]
-    assert record["inbound"] == {"tag": "socks-in", "protocol": "socks5"}
+    assert record["inbound"] == {
+        "tag": "socks-in",
+        "protocol": "socks5",
+        "client_protocol": "socks5",
+    }
     assert record["target"]["host"] == "127.0.0.1"
     assert record["target"]["port"] == origin[1]
     assert record["traffic"]["bytes_up"] == size_request
@@ -73,7 +77,12 @@ def test_curl_http_forward_proxy(make_engine, origin, inbound):
     assert body == f"127.0.0.1:{origin[1]}"
     (done,) = completed(engine)
     record = done["payload"]["record"]
-    assert record["inbound"] == {"tag": inbound, "protocol": inbound.removesuffix("-in")}
+    # A forwarded request is `http` on a mixed inbound too (a CONNECT is `http_connect`).
+    assert record["inbound"] == {
+        "tag": inbound,
+        "protocol": inbound.removesuffix("-in"),
+        "client_protocol": "http",
+    }
     assert record["result"]["outcome"] == "direct_relayed"
     assert record["traffic"]["bytes_down"] == size_header + size_download
 

@@ -153,7 +153,7 @@ def test_a_large_transfer_is_one_flow_with_its_real_destination(
         result = _client(topo, target, port, size)
         assert result["same"] and result["n"] == size
         (record,) = engine.completed()
-        assert record["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+        assert record["inbound"] == {"tag": "tun-in", "protocol": "tun", "client_protocol": "tun"}
         assert record["network"] == "tcp"
         assert (record["target"]["host"], record["target"]["port"]) == (target, port)
         assert [record["source"]["ip"], record["source"]["port"]] == result["local"]
@@ -251,7 +251,7 @@ def test_tun_start_and_stop_leave_the_namespace_as_it_was(topo: Topology, tmp_pa
         assert wait_until(lambda: len(engine.query("flows")["active_flows"]) == 1)
         assert engine.command("tun.stop", {}) == {"accepted": True}
         ended = engine.completed(2)[1]
-        assert ended["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+        assert ended["inbound"] == {"tag": "tun-in", "protocol": "tun", "client_protocol": "tun"}
         assert engine.query("flows")["active_flows"] == []
         assert topo.host.snapshot() == before
         assert engine.query("tun_status") == {
@@ -285,7 +285,7 @@ def test_a_configured_tun_refuses_the_commands_and_follows_config_apply(
         assert engine.query("tun_status")["tag"] == "tun-b"
         assert _client(topo, SERVER_IP, port, 1000)["same"]
         (record,) = engine.completed()
-        assert record["inbound"] == {"tag": "tun-b", "protocol": "tun"}
+        assert record["inbound"] == {"tag": "tun-b", "protocol": "tun", "client_protocol": "tun"}
     finally:
         engine.stop()
     assert topo.host.snapshot() == before
@@ -394,7 +394,7 @@ def test_fake_ip_flows_carry_their_domain_and_obey_domain_rules(
         assert good["result"]["outcome"] == "direct_relayed"
         assert good["target"]["port"] == port
         assert good["target"]["resolved_ip"] == SERVER_IP  # dialled by its real address
-        assert good["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+        assert good["inbound"] == {"tag": "tun-in", "protocol": "tun", "client_protocol": "tun"}
         blocked = records["blocked.example.test"]
         assert blocked["result"]["outcome"] == "blocked"
         assert blocked["route"]["matched_rule"]["index"] == 0
@@ -424,7 +424,7 @@ def test_udp_round_trips_through_the_tun(topo: Topology, tmp_path: Path) -> None
         assert result["ok"] == 4
         flows = engine.query("flows")["active_flows"]
         (flow,) = [f for f in flows if f["network"] == "udp"]
-        assert flow["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+        assert flow["inbound"] == {"tag": "tun-in", "protocol": "tun", "client_protocol": "tun"}
         assert (flow["target"]["host"], flow["target"]["port"]) == (SERVER_IP, port)
         assert [flow["source"]["ip"], flow["source"]["port"]] == result["local"]
         engine.command("flows.close", {"flow_id": flow["flow_id"]})

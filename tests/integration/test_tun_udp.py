@@ -219,13 +219,13 @@ def test_direct_round_trips_are_exact_and_recorded(make_tun, v: int) -> None:
     payloads = [b"x", b"", os.urandom(1200), os.urandom(37)]
     _echo_round_trips(c, (SERVER[v], port), payloads)
     (active,) = tun.engine.query("flows")["active_flows"]
-    assert active["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+    assert active["inbound"] == {"tag": "tun-in", "protocol": "tun", "client_protocol": "tun"}
     assert active["state"] == "active" and active["network"] == "udp"
     (started,) = tun.wait_events("flow.started", 1)
     source = {"ip": CLIENT_IP[v], "port": c.getsockname()[1]}
     assert started["record"]["source"] == source
     assert started["record"]["target"] == {"host": SERVER[v], "port": port}
-    assert started["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+    assert started["inbound"] == {"tag": "tun-in", "protocol": "tun", "client_protocol": "tun"}
     (routed,) = tun.wait_events("flow.routed", 1)
     assert routed["record"]["path"]["outbound"] == {"tag": "direct", "protocol": "direct"}
     # The actor stops (as with the TUN): an ordinary end, with every count.
@@ -233,7 +233,7 @@ def test_direct_round_trips_are_exact_and_recorded(make_tun, v: int) -> None:
     tun.actor.stop(timeout=10)
     (done,) = tun.wait_events("flow.completed", 1)
     record = done["record"]
-    assert record["inbound"] == {"tag": "tun-in", "protocol": "tun"}
+    assert record["inbound"] == {"tag": "tun-in", "protocol": "tun", "client_protocol": "tun"}
     assert record["source"] == source and record["network"] == "udp"
     assert record["target"] == {"host": SERVER[v], "port": port, "resolved_ip": SERVER[v]}
     assert record["result"] == {"outcome": "direct_relayed"}
@@ -363,7 +363,8 @@ def test_a_fake_ip_destination_is_its_domain(make_tun) -> None:
     fake = tun.core.dns.pool.lookup("blocked.test")
     tun.client(4).sendto(b"x", (fake, 7))
     (done,) = tun.wait_events("flow.completed", 1)
-    assert done["record"]["target"] == {"host": "blocked.test", "port": 7}
+    # The name is the target; the address the client dialled is kept beside it.
+    assert done["record"]["target"] == {"host": "blocked.test", "port": 7, "fake_ip": fake}
     assert done["record"]["result"]["outcome"] == "blocked"
 
 

@@ -213,7 +213,12 @@ def test_a_datagram_to_a_fake_ip_goes_by_its_domain(make_engine) -> None:
     with Association(engine.listen_address("socks-in")) as assoc:
         assoc.send(fake, 7, b"x")
         (record,) = completed(engine, 1)
-    assert record["target"]["host"] == "echo.test"
+    assert record["target"] == {"host": "echo.test", "port": 7, "fake_ip": fake}
+    assert record["inbound"] == {
+        "tag": "socks-in",
+        "protocol": "socks5",
+        "client_protocol": "socks5",
+    }
     assert record["result"]["outcome"] == "blocked"
 
 

@@ -11,7 +11,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from spliceway.api.openapi import openapi_document
 from spliceway.events.catalogue import FLOW_RECORD_FIELDS
-from spliceway.flows.records import Failure, FlowState, Traffic
+from spliceway.flows.records import Failure, FlowState, Traffic, state_from_record
 from spliceway.shapes.flow import FlowRecord
 from spliceway.shapes.schema import catalogue_rows
 
@@ -35,6 +35,9 @@ def _relayed() -> FlowState:
     s.target_host, s.target_port = "example.com", 443
     s.resolved_ip, s.sniffed_host = "93.184.216.34", "example.com"
     s.labels = {"team": "a"}
+    # An HTTP CONNECT on a mixed inbound, to a fake-ip address mapped back, by alice.
+    s.client_protocol, s.fake_ip, s.principal_key = "http_connect", "198.18.0.5", "alice"
+    s._fixed = None  # as set_process does: the inbound object changes
     s.route_action, s.route_target = "route", "proxy"
     s.matched_rule = {"index": 0, "condition": "domain_suffix=example.com"}
     s.selection_chain = ["proxy", "direct"]
@@ -60,6 +63,40 @@ def test_render_is_a_flow_record(make: Any) -> None:
     record = make().render()
     assert _ADAPTER.validate_python(record, strict=True) == record
     jsonschema.validate(record, _SCHEMA, cls=jsonschema.Draft202012Validator)
+
+
+def test_the_clients_protocol_fake_ip_and_principal_are_in_the_record_only_when_known() -> None:
+    opening = _opening().render()
+    assert opening["inbound"] == {"tag": "mixed-in", "protocol": "mixed"}
+    assert "fake_ip" not in opening["target"]
+    assert "principal_key" not in opening
+    relayed = _relayed().render()
+    assert relayed["inbound"] == {
+        "tag": "mixed-in",
+        "protocol": "mixed",
+        "client_protocol": "http_connect",
+    }
+    assert relayed["target"]["fake_ip"] == "198.18.0.5"
+    assert relayed["target"]["host"] == "example.com"
+    assert relayed["principal_key"] == "alice"
+
+
+@pytest.mark.parametrize("make", [_opening, _relayed])
+def test_state_from_record_keeps_the_clients_protocol_fake_ip_and_principal(make: Any) -> None:
+    record = make().render()
+    assert state_from_record(record).render() == record
+
+
+@pytest.mark.parametrize("spoken", ["socks5", "http", "http_connect", "tun"])
+def test_each_client_protocol_is_one_the_schema_allows(spoken: str) -> None:
+    s = _relayed()
+    s.client_protocol, s._fixed = spoken, None
+    record = s.render()
+    assert _ADAPTER.validate_python(record, strict=True) == record
+    jsonschema.validate(record, _SCHEMA, cls=jsonschema.Draft202012Validator)
+    s.client_protocol, s._fixed = "mixed", None  # an inbound's protocol, not a client's
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(s.render(), _SCHEMA, cls=jsonschema.Draft202012Validator)
 
 
 def test_the_schema_refuses_what_the_model_does_not_declare() -> None:

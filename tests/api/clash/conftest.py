@@ -73,7 +73,7 @@ class ClashEngine:
     @property
     def mixed_port(self) -> int:
         """Port of the ``mixed-in`` inbound (HTTP and SOCKS5 clients)."""
-        return int(self.engine.query("config")["listeners"][2]["listen_port"])
+        return int(self.engine.listen_address("mixed-in")[1])
 
 
 def call(

@@ -3,8 +3,11 @@ and its cost, and ``GET``/``DELETE /connections`` against a real engine."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,17 +15,14 @@ from typing import Any
 import orjson
 import pytest
 
-from spliceway.api.clash.connections import (
-    SnapshotBuilder,
-    rule_type_and_payload,
-    tracker_info,
-)
+from spliceway.api.clash.connections import SnapshotBuilder, tracker_info
+from spliceway.api.clash.mapping import rule_type_and_payload
 from spliceway.config import Rule
 from spliceway.routing.rules import compile_rules
 from tests.api.clash.conftest import ClashEngine, call
 from tests.conftest import wait_until
 from tests.helpers.flows import flow_state
-from tests.helpers.servers import EchoServer
+from tests.helpers.servers import EchoServer, LoopbackServer
 from tests.helpers.socks import recv_exact, socks5_connect
 
 #: mihomo 1.19's TrackerInfo and Metadata keys, in its order (its binary's
@@ -184,11 +184,36 @@ def test_chains_are_leaf_first_and_the_rule_is_mihomos() -> None:
     meta = info["metadata"]
     assert meta["host"] == "example.com" and meta["destinationIP"] == ""
     assert meta["remoteDestination"] == "127.0.0.1"  # the proxy the engine dialled
+    # A record without inbound.client_protocol (an older version's) keeps the inbound's.
     assert (meta["type"], meta["inboundName"], meta["inboundIP"]) == (
         "Mixed",
         "mixed-in",
         "127.0.0.1",
     )
+    assert (meta["dnsMode"], meta["inboundUser"]) == ("normal", "")
+
+
+@pytest.mark.parametrize(
+    ("spoken", "mihomo"),
+    [("socks5", "Socks5"), ("http", "HTTP"), ("http_connect", "HTTPS"), ("tun", "Tun")],
+)
+def test_the_type_is_what_the_client_spoke_in_mihomos_words(spoken: str, mihomo: str) -> None:
+    # mihomo's http listener: HTTPS for a CONNECT tunnel, HTTP for a request it forwards.
+    meta = tracker_info(proxied_record(client_protocol=spoken), LISTENERS)["metadata"]
+    assert meta["type"] == mihomo
+
+
+def test_a_fake_ip_target_is_its_name_in_dns_mode_fake_ip_and_the_principal_is_the_user() -> None:
+    meta = tracker_info(proxied_record(fake_ip="198.18.0.7", principal_key="alice"), LISTENERS)[
+        "metadata"
+    ]
+    # As mihomo: the name the fake address stood for, no destination address of its own.
+    assert (meta["host"], meta["destinationIP"], meta["dnsMode"]) == (
+        "example.com",
+        "",
+        "fake-ip",
+    )
+    assert meta["inboundUser"] == "alice"
 
 
 def test_the_final_route_is_match_and_modes_global_and_direct_have_no_rule() -> None:
@@ -446,3 +471,184 @@ def test_delete_all_connections_closes_every_flow(routed: ClashEngine, echo: Ech
         assert active_ids(routed) == set()
         status, snap = call(routed.url + "/connections")
         assert (status, snap["connections"]) == (200, None)
+
+
+# -- what the client spoke, fake-ip and the principal, on real flows ---------------------
+
+
+class HoldingOrigin(LoopbackServer):
+    """An HTTP origin that reads each request head and answers only when told: a
+    forwarded request stays an active flow until :meth:`answer`."""
+
+    def __init__(self) -> None:
+        self.heads: list[bytes] = []
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._read_head, args=(conn,), daemon=True).start()
+
+    def _read_head(self, conn: socket.socket) -> None:
+        head = b""
+        with contextlib.suppress(OSError):
+            while b"\r\n\r\n" not in head and (data := conn.recv(4096)):
+                head += data
+        with self.lock:
+            self.heads.append(head)
+            self.conns.append(conn)
+
+    def answer(self) -> None:
+        """Answer every request received (``ok``, then close)."""
+        with self.lock:
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                conn.close()
+            self.conns.clear()
+
+
+def http_connect(
+    proxy: tuple[str, int], host: str, port: int, auth: tuple[str, str] | None = None
+) -> socket.socket:
+    """An HTTP ``CONNECT`` tunnel through ``proxy``, its ``200`` read."""
+    sock = socket.create_connection(proxy, timeout=10)
+    lines = [f"CONNECT {host}:{port} HTTP/1.1", f"Host: {host}:{port}"]
+    if auth is not None:
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        lines.append(f"Proxy-Authorization: Basic {token}")
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        data = sock.recv(1)
+        assert data, f"the proxy closed after {head!r}"
+        head += data
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    return sock
+
+
+def echoes(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(payload)
+    assert recv_exact(sock, len(payload)) == payload
+
+
+def connections_by_port(clash: ClashEngine, count: int) -> dict[int, dict[str, Any]]:
+    """The snapshot's connections by client port, once it lists ``count`` of them."""
+
+    def listed() -> list[dict[str, Any]] | None:
+        status, snap = call(clash.url + "/connections")
+        assert status == 200
+        conns = snap["connections"] or []
+        return conns if len(conns) == count else None
+
+    conns = wait_until(listed, what=f"{count} connections listed")
+    return {int(c["metadata"]["sourcePort"]): c for c in conns}
+
+
+def records_by_port(clash: ClashEngine) -> dict[int, dict[str, Any]]:
+    """The active flows' records (``GET /api/v1/flows``) by client port."""
+    return {r["source"]["port"]: r for r in clash.engine.query("flows")["active_flows"]}
+
+
+def test_one_mixed_inbound_shows_socks5_http_and_https_as_its_clients_spoke(
+    routed: ClashEngine, echo: EchoServer
+) -> None:
+    mixed = routed.engine.listen_address("mixed-in")
+    with (
+        HoldingOrigin() as origin,
+        open_flow(routed, echo) as socks,
+        http_connect(mixed, "localhost", echo.port) as tunnel,
+        socket.create_connection(mixed, timeout=10) as plain,
+    ):
+        echoes(tunnel, b"through CONNECT")
+        # A plain request to a port no rule names goes direct, forwarded (by C's loop):
+        # its flow is active until the origin answers.
+        target = f"127.0.0.1:{origin.port}"
+        plain.sendall(f"GET http://{target}/held HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        wait_until(lambda: origin.heads, what="the origin has the request")
+        conns = connections_by_port(routed, 3)
+        ports = {
+            "socks": socks.getsockname()[1],
+            "tunnel": tunnel.getsockname()[1],
+            "plain": plain.getsockname()[1],
+        }
+        types = {name: conns[port]["metadata"]["type"] for name, port in ports.items()}
+        assert types == {"socks": "Socks5", "tunnel": "HTTPS", "plain": "HTTP"}
+        assert {c["metadata"]["inboundName"] for c in conns.values()} == {"mixed-in"}
+        assert conns[ports["plain"]]["metadata"]["host"] == ""
+        assert conns[ports["plain"]]["metadata"]["destinationIP"] == "127.0.0.1"
+        # The records say it first, as every transport sees them.
+        records = records_by_port(routed)
+        spoken = {name: records[port]["inbound"] for name, port in ports.items()}
+        assert spoken == {
+            "socks": {"tag": "mixed-in", "protocol": "mixed", "client_protocol": "socks5"},
+            "tunnel": {"tag": "mixed-in", "protocol": "mixed", "client_protocol": "http_connect"},
+            "plain": {"tag": "mixed-in", "protocol": "mixed", "client_protocol": "http"},
+        }
+        for record in records.values():
+            assert "fake_ip" not in record["target"] and "principal_key" not in record
+            assert conns[record["source"]["port"]]["metadata"]["dnsMode"] == "normal"
+        origin.answer()
+        answer = b""
+        while not answer.endswith(b"ok"):
+            data = plain.recv(4096)
+            assert data, answer
+            answer += data
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+def test_a_flow_to_a_fake_ip_address_shows_its_name_and_dns_mode_fake_ip(
+    routed: ClashEngine, echo: EchoServer
+) -> None:
+    # The address the engine's DNS would answer for the name (runtime.dns fake_ip).
+    fake = routed.engine.core.dns.pool.lookup("localhost")
+    mixed = routed.engine.listen_address("mixed-in")
+    with socks5_connect(mixed, fake, echo.port) as sock:
+        echoes(sock, b"by its fake address")
+        (conn,) = connections_by_port(routed, 1).values()
+        meta = conn["metadata"]
+        assert (meta["host"], meta["dnsMode"], meta["destinationPort"]) == (
+            "localhost",
+            "fake-ip",
+            str(echo.port),
+        )
+        # Routed by its name, as mihomo's fake-ip does: the localhost rule matched.
+        assert (conn["rule"], conn["rulePayload"]) == (
+            "AND",
+            f"((DomainSuffix,localhost) && (DstPort,{echo.port}))",
+        )
+        (record,) = routed.engine.query("flows")["active_flows"]
+        assert record["target"]["host"] == "localhost"
+        assert record["target"]["fake_ip"] == fake
+        assert record["target"]["port"] == echo.port
+
+
+def test_an_authenticated_flow_shows_its_principal_as_the_inbound_user(
+    make_clash: Callable[..., ClashEngine], echo: EchoServer
+) -> None:
+    users = [{"username": "alice", "password": "s3cret", "principal_key": "p-alice"}]
+
+    def prepare(cfg: dict[str, Any]) -> None:
+        cfg["inbounds"][2]["users"] = users
+
+    clash = make_clash(prepare)
+    mixed = clash.engine.listen_address("mixed-in")
+    auth = ("alice", "s3cret")
+    with (
+        socks5_connect(mixed, "127.0.0.1", echo.port, auth=auth) as socks,
+        http_connect(mixed, "127.0.0.1", echo.port, auth=auth) as tunnel,
+    ):
+        echoes(socks, b"as alice")
+        echoes(tunnel, b"as alice again")
+        conns = connections_by_port(clash, 2)
+        meta = {port: c["metadata"] for port, c in conns.items()}
+        by_client = {
+            "socks": meta[socks.getsockname()[1]],
+            "tunnel": meta[tunnel.getsockname()[1]],
+        }
+        assert {k: (m["type"], m["inboundUser"]) for k, m in by_client.items()} == {
+            "socks": ("Socks5", "p-alice"),
+            "tunnel": ("HTTPS", "p-alice"),
+        }
+        records = records_by_port(clash)
+        assert {r["principal_key"] for r in records.values()} == {"p-alice"}

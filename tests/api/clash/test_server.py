@@ -3,6 +3,7 @@ the engine."""
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from spliceway.errors import ApiError
-from tests.api.clash.conftest import ClashEngine, clash_config
+from tests.api.clash.conftest import ClashEngine, call, clash_config
 
 
 def test_listens_on_its_own_port(clash: ClashEngine) -> None:
@@ -37,3 +38,30 @@ def test_taken_port_is_a_conflict_and_nothing_runs(
 def test_capabilities_list_the_clash_adapter(clash: ClashEngine) -> None:
     adapters = clash.engine.query("capabilities")["adapters"]
     assert {"kind": "clash", "enabled": True} in adapters
+
+
+def test_refused_upgrades_log_no_uvicorn_error(
+    make_clash: Callable[..., ClashEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A WebSocket upgrade refused with an HTTP answer is a refusal, not a server error:
+    uvicorn's misleading ERROR line for it is filtered."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    monkeypatch.setenv("SW_CLASH_SECRET", "s3cret")
+    engine = make_clash(secret_env="SW_CLASH_SECRET")
+    with caplog.at_level(logging.ERROR, logger="uvicorn.error"):
+        with pytest.raises(InvalidStatus) as info:
+            connect(engine.url.replace("http://", "ws://") + "/traffic?token=wrong", open_timeout=5)
+        assert info.value.response.status_code == 401
+        # uvicorn logs the line after the answer is sent: a request after it on the same
+        # server is served only once that task ran on the one event loop.
+        assert call(engine.url + "/version", headers={"Authorization": "Bearer s3cret"})[0] == 200
+    assert [r.getMessage() for r in caplog.records if r.name == "uvicorn.error"] == []
+
+
+def test_mixed_port_fixture(clash: ClashEngine) -> None:
+    with socket.create_connection(("127.0.0.1", clash.mixed_port), timeout=5):
+        pass

@@ -237,13 +237,23 @@ def probed(make_clash: Callable[..., ClashEngine]) -> Iterator[tuple[ClashEngine
 def probe_round(clash: ClashEngine) -> None:
     """One probe round of ``auto``, to its end."""
     since = clash.engine.query("events", {"limit": 1})["latest_sequence"]
-    assert clash.engine.execute("policies.probe", {"policy_tag": "auto"})["probe_triggered"]
+    # A round already running (the start's first, on a loaded machine) refuses a second:
+    # ask again until this one is ours.
+    wait_until(
+        lambda: clash.engine.execute("policies.probe", {"policy_tag": "auto"})["probe_triggered"],
+        15,
+        "a probe round of auto to start",
+    )
 
     def done() -> bool:
         events = clash.engine.query("events", {"types": "policy.probe.completed", "since": since})[
             "events"
         ]
-        return any(e["payload"].get("policy_tag") == "auto" for e in events)
+        # trigger manual: the start's own round (trigger startup) may end after `since`.
+        return any(
+            e["payload"].get("policy_tag") == "auto" and e["payload"].get("trigger") == "manual"
+            for e in events
+        )
 
     wait_until(done, 15, "auto's probe round")
 
