@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import itertools
 import json
 import os
@@ -346,6 +347,7 @@ class Bench:
 
     @staticmethod
     def release(p: subprocess.Popen) -> dict:
+        assert p.stdin is not None
         with contextlib.suppress(OSError):
             p.stdin.write("\n")
             p.stdin.flush()
@@ -391,6 +393,7 @@ class Bench:
 
     @staticmethod
     def stop_client(p: subprocess.Popen) -> dict:
+        assert p.stdin is not None
         with contextlib.suppress(OSError):
             p.stdin.write("\n")
             p.stdin.flush()
@@ -407,7 +410,11 @@ class Bench:
         assert self.server is not None
         m0, k0, o0 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu()
         c0, w0, t0 = self.server.cpu(), time.time(), time.monotonic()
-        result = run() if run is not None else time.sleep(secs)
+        result = None
+        if run is not None:
+            result = run()
+        else:
+            time.sleep(secs)
         wall = time.monotonic() - t0
         c1, w1 = self.server.cpu(), time.time()
         m1, k1, o1 = e2e.machine_cpu()[0], e2e.kernel_threads_cpu(), self.our_cpu()
@@ -533,7 +540,7 @@ class Bench:
             runs: list[dict] = []
             for rep in range(a.reps):
                 for kind in ("none", "attached") if rep % 2 == 0 else ("attached", "none"):
-                    for r in self.retries.runs(lambda kind=kind: self.rate_run(kind)):
+                    for r in self.retries.runs(functools.partial(self.rate_run, kind)):
                         runs.append(r)
                         log(describe(srv.name, r))
             out["rate_runs"] = runs
@@ -862,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append(("spliceway", own))  # and as many as it fits
             for name, flows in cases:
                 label = f"{name} @{flows:,}"
-                res["cases"][label] = on(name, label, tmp, lambda f=flows: bench.measure(f))
+                res["cases"][label] = on(name, label, tmp, functools.partial(bench.measure, flows))
     finally:
         bench.kids.reap()
         if bench.tiny is not None:
