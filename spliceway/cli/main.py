@@ -311,6 +311,8 @@ def _run_until_signal(config: Any, config_path: str | None, log: logging.Logger)
     running = engine.core.config
     if running.api.control.enabled:
         log.info("control API listening on %s/api/v1/", engine.control_url)
+    if running.api.clash.enabled:
+        log.info("Clash API listening on %s", engine.clash_url)
     if running.api.ipc.enabled:
         log.info("IPC socket listening on %s", running.api.ipc.resolved_path())
     while (signum := signal.sigwait(_CONTROL_SIGNALS)) == signal.SIGHUP:

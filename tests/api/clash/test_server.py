@@ -3,15 +3,19 @@ the engine."""
 
 from __future__ import annotations
 
+import json
 import logging
+import signal
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from spliceway.errors import ApiError
 from tests.api.clash.conftest import ClashEngine, call, clash_config
+from tests.helpers.program import running, wait_for_line
 
 
 def test_listens_on_its_own_port(clash: ClashEngine) -> None:
@@ -65,3 +69,17 @@ def test_refused_upgrades_log_no_uvicorn_error(
 def test_mixed_port_fixture(clash: ClashEngine) -> None:
     with socket.create_connection(("127.0.0.1", clash.mixed_port), timeout=5):
         pass
+
+
+def test_spliceway_run_logs_the_clash_url(
+    origin: tuple[str, int], socks_upstream: int, tmp_path: Path
+) -> None:
+    """``spliceway run`` says where the Clash API listens (port 0 resolved), as it does
+    for the control API, and the URL answers."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(clash_config(origin, socks_upstream, tmp_path)))
+    with running(path) as proc:
+        url = wait_for_line(proc, r"Clash API listening on (http://\S+)", timeout=30).group(1)
+        assert call(url + "/version")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
