@@ -399,6 +399,11 @@ def _ports(listeners: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+#: mihomo 1.19's tuning knobs of its own TUN stacks (batched reads, per-channel workers):
+#: spliceway's TUN has neither, so they are off.
+_TUN_STACK_KNOBS: Mapping[str, Any] = {"recvmsgx": False, "processors-per-channel": 0}
+
+
 def _tun(status: Mapping[str, Any]) -> dict[str, Any]:
     """mihomo's ``tun`` object from the ``tun_status`` query."""
     if not status.get("running"):
@@ -412,6 +417,7 @@ def _tun(status: Mapping[str, Any]) -> dict[str, Any]:
             "inet4-address": [],
             "inet6-address": [],
             "file-descriptor": 0,
+            **_TUN_STACK_KNOBS,
         }
     addresses = [str(a) for a in status.get("addresses") or [status.get("addr")] if a]
     return {
@@ -428,6 +434,7 @@ def _tun(status: Mapping[str, Any]) -> dict[str, Any]:
         "mtu": int(status.get("mtu") or 0),
         "strict-route": bool(status.get("strict_route")),
         "file-descriptor": 0,
+        **_TUN_STACK_KNOBS,
     }
 
 
@@ -442,7 +449,14 @@ def general(
     out.update(
         {
             "tun": _tun(tun_status),
-            "tuic-server": {"enable": False, "listen": "", "certificate": "", "private-key": ""},
+            "tuic-server": {
+                "enable": False,
+                "listen": "",
+                "certificate": "",
+                "private-key": "",
+                "ech-key": "",
+                "mux-option": {"brutal": {"enabled": False}},
+            },
             "ss-config": "",
             "vmess-config": "",
             # Credentials stay in the configuration: never listed here.

@@ -146,11 +146,6 @@ _NO_EMPTY_FALLBACK = (
     "a spliceway group always has members, so it has no emptyFallback (mihomo's member "
     "for an empty group)"
 )
-_NEWER_KEY = (
-    "GAP, not a decision: a key of mihomo 1.19's General that spliceway's /configs does "
-    "not carry yet (no dashboard reads it); add it with a neutral value and drop this line"
-)
-
 ALLOWED: dict[tuple[str, str], str] = {
     # Identity: sing-box's answer, so zashboard and metacubexd see a core without an
     # upgrade channel, and Yacd (meta + premium) hides mihomo-only controls.
@@ -163,10 +158,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     "runtime.process_lookup",
     ("GET /configs", "tun.inet6-address: only here"): "mihomo omits an empty inet6-address "
     "(omitempty); spliceway always lists its TUN's IPv6 prefixes, [] when none",
-    ("GET /configs", "tuic-server.ech-key: only in mihomo"): _NEWER_KEY,
-    ("GET /configs", "tuic-server.mux-option: only in mihomo"): _NEWER_KEY,
-    ("GET /configs", "tun.processors-per-channel: only in mihomo"): _NEWER_KEY,
-    ("GET /configs", "tun.recvmsgx: only in mihomo"): _NEWER_KEY,
     # Proxies: names, and no empty-group fallback.
     **{
         ("GET /proxies", f"proxies.{name}: only in mihomo"): _TAGS
