@@ -108,6 +108,11 @@ class ClashServer:
             access_log=False,
             ws="websockets-sansio",
             ws_max_size=1 << 20,
+            # No permessage-deflate, as mihomo: compressing a /connections frame of 10,000
+            # flows (5.8 MB) costs 50-100 ms of CPU on the event loop per subscriber and
+            # frame (each connection compresses with a context of its own); sent plain it
+            # is one copy (docs/clash-api.md, "Cost").
+            ws_per_message_deflate=False,
             # The app's streams send pings of their own cadence; uvicorn's keepalive
             # pings also find a dashboard that went away without closing.
             ws_ping_interval=20.0,

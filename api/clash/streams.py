@@ -211,33 +211,52 @@ class ConnectionsProducer(Producer):
 
 
 class TrafficProducer(Producer):
-    """``{"up", "down", "upTotal", "downTotal"}``: bytes per second since the last tick
-    and the engine's lifetime totals (payload bytes of every flow, live)."""
+    """``{"up", "down", "upTotal", "downTotal"}``: the engine's lifetime totals (payload
+    bytes of every flow) and bytes per second since the last tick's totals.
+
+    The totals are the engine's newest ``stats.sampled`` when it is fresh (its sampler
+    reads every open flow's counters anyway; reading them again here would hold the GIL
+    for tens of milliseconds at 10,000 flows), the rates measured between the samples'
+    own times; a tick with no new sample repeats the last rate (mihomo's ``/traffic``
+    reports its last measured second too). Without a fresh sample the totals are read
+    now and measured against the last tick's."""
 
     def __init__(self, builder: SnapshotBuilder) -> None:
         self._builder = builder
-        self._last: tuple[float, int, int] | None = None
+        #: ``(time, upTotal, downTotal, sampled)`` of the last tick: ``time`` is the
+        #: sample's (ms) when ``sampled``, else ``time.monotonic()``.
+        self._last: tuple[float, int, int, bool] | None = None
+        self._rate = (0, 0)
 
     async def prime(self) -> None:
         """The totals the first tick's rates are measured from."""
         up, down = await run_in_threadpool(self._builder.totals)
-        self._last = (time.monotonic(), up, down)
+        self._last = (time.monotonic(), up, down, False)
 
     async def produce(self) -> list[Any]:
         """One sample."""
-        up, down = await run_in_threadpool(self._builder.totals)
-        now = time.monotonic()
-        last_at, last_up, last_down = self._last or (now, up, down)
-        self._last = (now, up, down)
-        elapsed = max(now - last_at, 1e-3)
+        sampled = await run_in_threadpool(self._builder.sample)
+        last = self._last
+        if sampled is not None:
+            at_ms, up, down = sampled
+            now, elapsed = float(at_ms), None
+            if last is not None and last[3]:
+                elapsed = (at_ms - last[0]) / 1000 if at_ms > last[0] else 0.0
+            is_sample = True
+        else:
+            up, down = await run_in_threadpool(self._builder.totals)
+            now = time.monotonic()
+            elapsed = now - last[0] if last is not None and not last[3] else None
+            is_sample = False
+        if last is not None and elapsed != 0.0:
+            # A first tick of a kind (sampled after measured, or the reverse) has no
+            # interval of its own: a second's worth.
+            span = max(elapsed if elapsed is not None else 1.0, 1e-3)
+            self._rate = (round((up - last[1]) / span), round((down - last[2]) / span))
+        self._last = (now, up, down, is_sample)
         return [
             Frame.json(
-                {
-                    "up": round((up - last_up) / elapsed),
-                    "down": round((down - last_down) / elapsed),
-                    "upTotal": up,
-                    "downTotal": down,
-                }
+                {"up": self._rate[0], "down": self._rate[1], "upTotal": up, "downTotal": down}
             )
         ]
 
@@ -428,9 +447,12 @@ class StreamHub:
             del self._topics[topic.key]
             if topic.task is not None:
                 topic.task.cancel()
-        if not self._topics and self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
+        if not self._topics:
+            if self._watcher is not None:
+                self._watcher.cancel()
+                self._watcher = None
+            # Off the loop: a build in a worker thread may hold the builder's lock.
+            asyncio.get_running_loop().run_in_executor(None, self.builder.release)
 
     def end_all(self, reason: str) -> None:
         """End every open stream."""

@@ -391,6 +391,34 @@ def completed_reasons(clash: ClashEngine) -> dict[str, str | None]:
     }
 
 
+def test_an_unchanged_flow_table_reuses_the_encoded_connections_whole() -> None:
+    builder = SnapshotBuilder(None)  # type: ignore[arg-type]
+    table = records(3)
+    first = builder.encode(list(table), LISTENERS, (1, 2), 3)
+    connections = builder._connections
+    # The same record objects (a new list, as flow_records returns): only the header moves.
+    again = builder.encode(list(table), LISTENERS, (10, 20), 30)
+    assert builder._connections is connections
+    assert json.loads(again) == dict(json.loads(first), uploadTotal=10, downloadTotal=20, memory=30)
+    # One flow gone: the list is encoded again, without it.
+    fewer = json.loads(builder.encode(table[1:], LISTENERS, (10, 20), 30))
+    assert [c["id"] for c in fewer["connections"]] == ["f-1", "f-2"]
+    assert builder._connections is not connections
+
+
+def test_live_totals_are_what_live_traffic_sums_to(routed: ClashEngine, echo: EchoServer) -> None:
+    core = routed.engine._core
+    with open_flow(routed, echo, b"y" * 3000):
+        live = core.live_traffic()
+        assert len(live) == 1 and live[0][1:] == (3000, 3000)
+        up, down = core.live_totals()
+        assert (up, down) == (sum(e[1] for e in live), sum(e[2] for e in live))
+        stats = routed.engine.query("stats")
+        counters = core.counters
+        assert stats["bytes_up"] == counters.completed_bytes_up + 3000
+        assert stats["bytes_down"] == counters.completed_bytes_down + 3000
+
+
 def test_get_connections_is_one_snapshot_of_the_live_flows(
     routed: ClashEngine, echo: EchoServer
 ) -> None:

@@ -162,6 +162,41 @@ def test_traffic_totals_grow_by_the_exact_bytes_moved(
         assert 0 < sum(f["up"] for f in seen) <= 7000 * 1.2
 
 
+def sample_feeds(clash: ClashEngine) -> int:
+    """The engine log's subscriptions that follow ``stats.sampled`` alone (the hub's)."""
+    subs = clash.engine._core.log._subs
+    return sum(1 for sub in subs if sub.types == frozenset({"stats.sampled"}))
+
+
+def test_traffic_reads_the_engines_samples_and_lets_go_of_them(clash: ClashEngine) -> None:
+    hub = find_hub(int(clash.url.rsplit(":", 1)[1]))
+    assert hub is not None
+    with ws(clash, "/traffic") as conn:
+        frames = [json.loads(conn.recv(timeout=5)) for _ in range(3)]
+        assert sample_feeds(clash) == 1
+        sample = hub.builder.sample()
+        assert sample is not None
+        # The totals are a stats.sampled event's, exactly.
+        events = clash.engine.query("events", {"types": "stats.sampled"})["events"]
+        sampled = {
+            (e["occurred_at_unix_ms"], e["payload"]["bytes_up"], e["payload"]["bytes_down"])
+            for e in events
+        }
+        assert sample in sampled
+        assert all(list(f) == ["up", "down", "upTotal", "downTotal"] for f in frames)
+    wait_until(lambda: hub_counts(clash) == IDLE, 5, "the stream is gone")
+    wait_until(lambda: sample_feeds(clash) == 0, 5, "the samples' feed is closed")
+
+
+def test_websockets_are_not_compressed(clash: ClashEngine) -> None:
+    # The client offers permessage-deflate (websockets does by default); mihomo declines
+    # it, and so does this listener (a 10,000-flow frame is megabytes to compress).
+    with ws(clash, "/memory") as conn:
+        assert conn.response is not None
+        assert "Sec-WebSocket-Extensions" not in conn.response.headers
+        assert json.loads(conn.recv(timeout=5)) == {"inuse": 0, "oslimit": 0}
+
+
 def test_memory_starts_at_zero_then_reports_rss(clash: ClashEngine) -> None:
     with ws(clash, "/memory") as conn:
         assert json.loads(conn.recv(timeout=5)) == {"inuse": 0, "oslimit": 0}
