@@ -19,6 +19,7 @@ graceful-shutdown window.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -182,17 +183,17 @@ class Subscriber:
             self.ended.set()
 
 
-class Producer:
+class Producer(abc.ABC):
     """What a topic sends: :meth:`prime` once before its first subscriber is told the
     stream is open, :meth:`produce` at each tick (both may block the calling thread's
     event loop for no longer than an await: blocking work goes to a worker thread)."""
 
-    async def prime(self) -> None:
+    async def prime(self) -> None:  # noqa: B027 - optional hook, most streams need none
         """Read the starting point (a baseline), if the stream needs one."""
 
+    @abc.abstractmethod
     async def produce(self) -> list[Any]:
         """This tick's items (frames, or log lines each subscriber selects from)."""
-        raise NotImplementedError
 
 
 class ConnectionsProducer(Producer):
