@@ -49,7 +49,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import run_e2e as e2e  # noqa: E402  (shared tooling: build, tinyserver, engine launch, /proc)
-from run_e2e import ROOT, log  # noqa: E402
+from run_e2e import log  # noqa: E402
 
 API = "/api/v1"
 STREAM_PATH = f"{API}/events/stream"
@@ -283,23 +283,6 @@ def stats_client_main(argv: list[str]) -> int:
 # =========================================================================== runner side
 
 
-class Children:
-    """Every helper process started by the runner, stopped by pid in ``finally``."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, preexec_fn=e2e.preexec, cwd=ROOT, **kw)
-        self.procs.append(p)
-        return p
-
-    def reap(self) -> None:
-        for p in self.procs:
-            e2e.stop_child(p)
-        self.procs = [p for p in self.procs if p.poll() is None]
-
-
 def control_api() -> dict:
     """``api.control`` on 127.0.0.1 with an OS-chosen port (read from the log), no key."""
     return {"enabled": True, "listen": {"address": "127.0.0.1", "port": 0}, "api_key_env": None}
@@ -375,7 +358,7 @@ class Bench:
         self.args = args
         self.tools = tools
         self.tmp = tmp
-        self.kids = Children()
+        self.kids = e2e.Children()
         self.server: e2e.Server | None = None
         self.engine: Engine | None = None
         self.quiet = e2e.QuietWait(args, self.our_cpu)

@@ -172,23 +172,6 @@ def fd_cap(limit: int, fds_per_flow: float) -> int:
     return max(0, (limit - FD_BASE - per * (HOLD_INFLIGHT + RATE_CONC)) // per)
 
 
-class Children:
-    """Helper processes (loadgen, the client), stopped by pid in ``finally``."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, preexec_fn=e2e.preexec, cwd=ROOT, **kw)
-        self.procs.append(p)
-        return p
-
-    def reap(self) -> None:
-        for p in self.procs:
-            e2e.stop_child(p)
-        self.procs = [p for p in self.procs if p.poll() is None]
-
-
 class Server:
     """One server under test: its pid, mixed inbound and Clash controller."""
 
@@ -300,7 +283,7 @@ class Bench:
     def __init__(self, a: argparse.Namespace, tools: dict[str, Path]) -> None:
         self.a = a
         self.tools = tools
-        self.kids = Children()
+        self.kids = e2e.Children()
         self.tiny: e2e.Server | None = None
         self.server: Server | None = None
         self.quiet = e2e.QuietWait(a, self.our_cpu)
@@ -347,15 +330,7 @@ class Bench:
 
     @staticmethod
     def release(p: subprocess.Popen) -> dict:
-        assert p.stdin is not None
-        with contextlib.suppress(OSError):
-            p.stdin.write("\n")
-            p.stdin.flush()
-        try:
-            rest, _ = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            e2e.stop_child(p)
-            return {}
+        rest = e2e.end_child(p, 60)
         lines = rest.strip().splitlines() if rest else []
         return json.loads(lines[-1]) if lines else {}
 
@@ -393,14 +368,8 @@ class Bench:
 
     @staticmethod
     def stop_client(p: subprocess.Popen) -> dict:
-        assert p.stdin is not None
-        with contextlib.suppress(OSError):
-            p.stdin.write("\n")
-            p.stdin.flush()
-        try:
-            out, _ = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            e2e.stop_child(p)
+        out = e2e.end_child(p, 60)
+        if out is None:
             return {"frames": {}, "errors": {"client": "did not stop"}}
         return json.loads(out.strip().splitlines()[-1])
 

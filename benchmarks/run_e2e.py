@@ -262,6 +262,24 @@ def stop_child(proc: subprocess.Popen, grace: float = 5.0) -> bool:
     return False
 
 
+class Children:
+    """Helper processes a runner starts (:func:`preexec`, in the repository's root),
+    stopped by pid in its ``finally``."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, preexec_fn=preexec, cwd=ROOT, **kw)
+        self.procs.append(p)
+        return p
+
+    def reap(self) -> None:
+        for p in self.procs:
+            stop_child(p)
+        self.procs = [p for p in self.procs if p.poll() is None]
+
+
 class Managed:
     """A child process whose stderr is drained by a thread (kept for the report)."""
 
@@ -875,6 +893,22 @@ def read_json_line(proc: subprocess.Popen, timeout: float) -> dict | None:
     """The JSON object on one line of a child's stdout within ``timeout`` (else None)."""
     line = read_line(proc, timeout)
     return json.loads(line) if line else None
+
+
+def end_child(proc: subprocess.Popen, timeout: float) -> str | None:
+    """Ask a child that waits for a line on its (text) stdin to finish, and wait for it:
+    the rest of its stdout, or None when it did not end within ``timeout`` (then it is
+    stopped by pid)."""
+    assert proc.stdin is not None
+    with contextlib.suppress(OSError):  # it may have ended already
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_child(proc)
+        return None
+    return out
 
 
 def median(values: list[float]) -> float:
