@@ -127,6 +127,33 @@ class LoopbackServer:
         self.close()
 
 
+def read_head(conn: socket.socket) -> bytes:
+    """What ``conn`` sends up to the blank line ending an HTTP head (and whatever came
+    with it), or less when it closes first: callers check for ``\\r\\n\\r\\n``."""
+    head = b""
+    while b"\r\n\r\n" not in head and (chunk := conn.recv(4096)):
+        head += chunk
+    return head
+
+
+class SilentPeer(LoopbackServer):
+    """A TCP server that accepts, keeps every connection open and never answers (a
+    proxy that hangs its handshake, a probe that times out, a dial that must not
+    happen); ``conns`` holds them in the order they came, closed by :meth:`close`."""
+
+    def __init__(self) -> None:
+        self.conns: list[socket.socket] = []
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        self.conns.append(conn)
+
+    def close(self) -> None:
+        super().close()
+        for conn in self.conns:
+            conn.close()
+
+
 class CountingPeer(LoopbackServer):
     """A TCP server: counts every byte a client sends until EOF, then sends ``reply_bytes``.
 

@@ -27,7 +27,7 @@ from spliceway import ApiError, Engine
 from tests.conftest import base_config, engines_started, wait_until
 from tests.helpers.dnsserver import dns_server
 from tests.helpers.flows import completed, flow_events
-from tests.helpers.servers import EchoServer, LoopbackServer
+from tests.helpers.servers import EchoServer, LoopbackServer, SilentPeer, read_head
 from tests.helpers.socks import recv_exact, recv_to_eof
 from tests.helpers.upstreams import black_hole, microsocks, refused_port, tinyproxy
 
@@ -291,22 +291,6 @@ def check_timing(record: dict[str, Any]) -> None:
     assert 0 <= timing["duration_ms"] < 10_000
 
 
-class Listener(LoopbackServer):
-    """Counts connections it accepts and keeps them open (a dial that must not happen)."""
-
-    def __init__(self) -> None:
-        self.conns: list[socket.socket] = []
-        super().__init__()
-
-    def handle(self, conn: socket.socket) -> None:
-        self.conns.append(conn)
-
-    def close(self) -> None:
-        super().close()
-        for c in self.conns:
-            c.close()
-
-
 # -- 1 and 2: relayed flows ----------------------------------------------------------------
 
 
@@ -483,7 +467,7 @@ def test_sniff_before_routing_in_c_blocks_by_the_sniffed_host(make_engine, pytho
     first, host_name = SNIFFED[sniffed]
     cfg = config(rules=[{"domain_suffix": ["sniffed.test"], "action": "block"}])
     events = {}
-    with Listener() as target:
+    with SilentPeer() as target:
         for path, engine in (("c", make_engine(cfg)), ("py", python_engine(cfg))):
             tunnel, reply = socks5_open(engine.listen_address("socks-in"), *target.address)
             with tunnel:
@@ -594,7 +578,7 @@ def test_rule_matched_route_in_c_records_the_rule(make_engine, python_engine):
 @pytest.mark.parametrize("kind", ["socks5", "http", "mixed-socks5", "mixed-http"])
 @pytest.mark.parametrize("rule", ["ip_cidr", "port"])
 def test_rule_block_in_c_answers_refusal_and_never_dials(make_engine, python_engine, kind, rule):
-    with Listener() as target:
+    with SilentPeer() as target:
         host, port = target.address
         condition = {"ip_cidr": {"ip_cidr": ["127.0.0.0/8"]}, "port": {"port": [str(port)]}}
         cfg = config(rules=[{**condition[rule], "action": "block"}])
@@ -887,7 +871,7 @@ def test_flows_close_while_c_sniffs_after_the_reply(make_engine, python_engine):
     """C dialled, answered success and waits for the client's first bytes to sniff: the flow
     is C's (started, neither routed nor ended) until flows.close ends it."""
     events = {}
-    with Listener() as target:
+    with SilentPeer() as target:
         for n, (path, engine) in enumerate(
             (("c", make_engine(sniffing_config())), ("py", python_engine(sniffing_config()))),
             start=1,
@@ -991,7 +975,7 @@ def test_flows_close_while_c_dials(make_engine, python_engine):
 def test_closed_in_the_upstream_handshake_counts_as_the_python_path(make_engine, python_engine):
     """flows.close while the upstream SOCKS5 proxy has the greeting and stays silent."""
     events = {}
-    with Listener() as silent:
+    with SilentPeer() as silent:
         cfg = upstream_config(silent.port, None)
         for n, (path, engine) in enumerate(
             (("c", make_engine(cfg)), ("py", python_engine(cfg))), start=1
@@ -1016,7 +1000,7 @@ def test_closed_in_the_upstream_handshake_counts_as_the_python_path(make_engine,
 def test_flows_close_while_c_sniffs_before_routing(make_engine, python_engine):
     cfg = sniffing_config(rules=[{"domain_suffix": ["sniffed.test"], "action": "block"}])
     events = {}
-    with Listener() as target:
+    with SilentPeer() as target:
         for path, engine in (("py", python_engine(cfg)), ("c", make_engine(cfg))):
             tunnel, reply = socks5_open(engine.listen_address("socks-in"), *target.address)
             with tunnel:
@@ -1210,7 +1194,7 @@ def test_engine_stop_completes_every_flow_c_holds_exactly_once(make_engine, pyth
     # A target port only a rule uses: it sends the flow to "silent", a socks5 "proxy"
     # that accepts and never answers.
     via_silent = refused_port()
-    with black_hole() as hole, EchoServer() as echo, Listener() as quiet, Listener() as silent:
+    with black_hole() as hole, EchoServer() as echo, SilentPeer() as quiet, SilentPeer() as silent:
         cfg = sniffing_config(
             outbounds=[
                 {"tag": "direct", "protocol": "direct"},
@@ -1326,7 +1310,7 @@ def test_engine_stop_completes_every_flow_c_holds_exactly_once(make_engine, pyth
 
 def test_engine_stop_while_c_sniffs_before_routing_completes_the_flow(make_engine, python_engine):
     cfg = sniffing_config(rules=[{"domain_suffix": ["sniffed.test"], "action": "block"}])
-    with Listener() as target:
+    with SilentPeer() as target:
         for path, engine in (("py", python_engine(cfg)), ("c", make_engine(cfg))):
             tunnel, reply = socks5_open(engine.listen_address("socks-in"), *target.address)
             with tunnel:
@@ -1408,12 +1392,9 @@ class ScriptedProxy(LoopbackServer):
     def _serve_one(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
             conn.settimeout(10)
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
+            head = read_head(conn)
+            if b"\r\n\r\n" not in head:
+                return
             self.requests.append(head)
             conn.sendall(self.answer)
             while self.echo and (data := conn.recv(65536)):

@@ -9,7 +9,6 @@ upstream process keeps serving the other members.
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -27,7 +26,7 @@ from spliceway.routing.policy import GroupView, MemberHealth, PolicyTable
 from tests.api.conftest import control_config
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import STATUS_ONLY, socks_curl, socks_fetch
-from tests.helpers.servers import LoopbackServer
+from tests.helpers.servers import SilentPeer
 from tests.helpers.socks import socks5_connect
 from tests.helpers.upstreams import CountingForwarder, microsocks, refused_port, tinyproxy
 
@@ -56,22 +55,6 @@ def forwarders(socks_ports) -> Iterator[tuple[CountingForwarder, CountingForward
         CountingForwarder(("127.0.0.1", socks_ports[1])) as b,
     ):
         yield a, b
-
-
-class SilentServer(LoopbackServer):
-    """Accepts connections and never answers (a proxy that hangs its handshake)."""
-
-    def __init__(self) -> None:
-        self.held: list[socket.socket] = []
-        super().__init__()
-
-    def handle(self, conn: socket.socket) -> None:
-        self.held.append(conn)
-
-    def close(self) -> None:
-        super().close()
-        for conn in self.held:
-            conn.close()
 
 
 @dataclass
@@ -110,6 +93,19 @@ def group_engine(
     )
     cfg["runtime"].update(runtime)
     return make_engine(cfg)
+
+
+def pair_engine(make_engine, origin, forwarders, tag: str, kind: str, **group: Any) -> Any:
+    """An engine whose final route is the probed group ``tag`` of ``kind`` over ``a``
+    and ``b`` (socks5 through the two ``forwarders``), probing ``origin`` (``group``:
+    more of the group's settings)."""
+    fa, fb = forwarders
+    return group_engine(
+        make_engine,
+        [socks_out("a", fa.port), socks_out("b", fb.port)],
+        [{"tag": tag, "kind": kind, "outbounds": ["a", "b"], "url": probe_url(origin), **group}],
+        tag,
+    )
 
 
 def events(engine, event_type: str, tag: str | None = None) -> list[dict[str, Any]]:
@@ -316,20 +312,7 @@ def test_selector_selects_a_nested_group_without_expanding_it(make_engine, origi
 
 def test_url_test_fails_over_after_a_manual_probe(make_engine, origin, forwarders):
     fa, fb = forwarders
-    engine = group_engine(
-        make_engine,
-        [socks_out("a", fa.port), socks_out("b", fb.port)],
-        [
-            {
-                "tag": "auto",
-                "kind": "url_test",
-                "outbounds": ["a", "b"],
-                "url": probe_url(origin),
-                "tolerance_ms": 10000,
-            }
-        ],
-        "auto",
-    )
+    engine = pair_engine(make_engine, origin, forwarders, "auto", "url_test", tolerance_ms=10000)
     startup = wait_round(engine, "auto", "startup")
     assert startup["url"] == probe_url(origin)
     assert startup["selected"] == "a"
@@ -377,21 +360,8 @@ def test_url_test_pin_routes_flows_and_unfix_returns_to_the_fastest(
     """policies.select on a url_test group pins the member (mihomo's fixed): flows take
     it while it is healthy; a dead pinned member gives way and takes over again once it
     is healthy; policies.unfix drops the pin. Each change is one policy.selected."""
-    fa, fb = forwarders
-    engine = group_engine(
-        make_engine,
-        [socks_out("a", fa.port), socks_out("b", fb.port)],
-        [
-            {
-                "tag": "auto",
-                "kind": "url_test",
-                "outbounds": ["a", "b"],
-                "url": probe_url(origin),
-                "tolerance_ms": 10000,
-            }
-        ],
-        "auto",
-    )
+    fb = forwarders[1]
+    engine = pair_engine(make_engine, origin, forwarders, "auto", "url_test", tolerance_ms=10000)
     wait_round(engine, "auto", "startup")
     assert engine.query("policy", {"policy_tag": "auto"})["fixed"] is None
 
@@ -438,13 +408,8 @@ def test_url_test_pin_routes_flows_and_unfix_returns_to_the_fastest(
 
 
 def test_fallback_pin_is_dropped_when_found_dead(make_engine, origin, forwarders):
-    fa, fb = forwarders
-    engine = group_engine(
-        make_engine,
-        [socks_out("a", fa.port), socks_out("b", fb.port)],
-        [{"tag": "fb", "kind": "fallback", "outbounds": ["a", "b"], "url": probe_url(origin)}],
-        "fb",
-    )
+    fb = forwarders[1]
+    engine = pair_engine(make_engine, origin, forwarders, "fb", "fallback")
     wait_round(engine, "fb", "startup")
     engine.execute("policies.select", {"policy_tag": "fb", "target_tag": "b"})
     snap = engine.query("policy", {"policy_tag": "fb"})
@@ -463,7 +428,7 @@ def test_fallback_pin_is_dropped_when_found_dead(make_engine, origin, forwarders
 
 
 def test_policies_probe_is_refused_while_a_round_runs(make_engine, origin):
-    with SilentServer() as silent:
+    with SilentPeer() as silent:
         engine = group_engine(
             make_engine,
             # The slow member's handshake hangs until its connect timeout ends the round.
@@ -500,7 +465,7 @@ def test_policies_probe_is_refused_while_a_round_runs(make_engine, origin):
 
 
 def test_engine_stops_promptly_during_a_probe_round(make_engine, origin):
-    with SilentServer() as silent:
+    with SilentPeer() as silent:
         engine = group_engine(
             make_engine,
             [socks_out("slow", silent.address[1])],  # would hang the round for 5 s
@@ -514,7 +479,7 @@ def test_engine_stops_promptly_during_a_probe_round(make_engine, origin):
             ],
             "auto",
         )
-        wait_until(lambda: silent.held)  # the round is under way
+        wait_until(lambda: silent.conns)  # the round is under way
         started = time.monotonic()
         engine.stop()
         assert time.monotonic() - started < 2
@@ -550,7 +515,7 @@ def test_url_test_probes_again_every_interval(make_engine, origin):
 
 def test_fallback_moves_on_after_a_dial_failure(make_engine, origin, forwarders):
     fa, fb = forwarders
-    with SilentServer() as silent:
+    with SilentPeer() as silent:
         engine = group_engine(
             make_engine,
             [
@@ -689,12 +654,7 @@ def test_relay_with_a_dead_hop_is_a_dead_fallback_member(make_engine, origin, so
 
 def test_load_balance_round_robin_alternates(make_engine, origin, forwarders):
     fa, fb = forwarders
-    engine = group_engine(
-        make_engine,
-        [socks_out("a", fa.port), socks_out("b", fb.port)],
-        [{"tag": "lb", "kind": "load_balance", "outbounds": ["a", "b"], "url": probe_url(origin)}],
-        "lb",
-    )
+    engine = pair_engine(make_engine, origin, forwarders, "lb", "load_balance")
     wait_round(engine, "lb", "startup")
     start = counts(fa), counts(fb)
     tags = []

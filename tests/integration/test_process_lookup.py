@@ -20,6 +20,7 @@ import pytest
 from spliceway.routing.process_lookup import LocalAddresses, is_loopback
 from tests.conftest import base_config, wait_until
 from tests.helpers.flows import STATUS_ONLY, completed
+from tests.helpers.servers import read_head
 
 CURL = shutil.which("curl")
 pytestmark = pytest.mark.skipif(CURL is None, reason="curl is not installed")
@@ -154,12 +155,8 @@ class HeldOrigin:
     def _serve(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                data += chunk
+            if b"\r\n\r\n" not in read_head(conn):
+                return
             self.release.wait(20)
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
 

@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -22,7 +22,7 @@ from spliceway.routing.rules import compile_rules
 from tests.api.clash.conftest import ClashEngine, call
 from tests.conftest import wait_until
 from tests.helpers.flows import flow_state
-from tests.helpers.servers import EchoServer, LoopbackServer
+from tests.helpers.servers import EchoServer, LoopbackServer, read_head
 from tests.helpers.socks import recv_exact, socks5_connect
 
 #: mihomo 1.19's TrackerInfo and Metadata keys, in its order (its binary's
@@ -352,13 +352,6 @@ def test_ten_thousand_flows_cost(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.fixture
-def echo() -> Iterator[EchoServer]:
-    """A loopback echo server."""
-    with EchoServer() as server:
-        yield server
-
-
-@pytest.fixture
 def routed(make_clash: Callable[..., ClashEngine], echo: EchoServer) -> ClashEngine:
     """The shared engine plus a rule sending ``localhost:<echo>`` to ``Proxy``."""
 
@@ -520,8 +513,7 @@ class HoldingOrigin(LoopbackServer):
     def _read_head(self, conn: socket.socket) -> None:
         head = b""
         with contextlib.suppress(OSError):
-            while b"\r\n\r\n" not in head and (data := conn.recv(4096)):
-                head += data
+            head = read_head(conn)
         with self.lock:
             self.heads.append(head)
             self.conns.append(conn)

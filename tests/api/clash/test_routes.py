@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -26,7 +25,7 @@ from spliceway import Engine
 from tests.api.clash.conftest import ClashEngine, call, clash_config
 from tests.conftest import wait_until
 from tests.helpers.dnsserver import dns_server
-from tests.helpers.servers import LoopbackServer
+from tests.helpers.servers import SilentPeer
 
 
 def _events(clash: ClashEngine, kind: str) -> list[dict[str, Any]]:
@@ -49,22 +48,6 @@ def _probed(clash: ClashEngine) -> None:
         return all(m["last_checked_unix_ms"] for m in members)
 
     wait_until(done, what="auto's first probe round")
-
-
-class SilentPeer(LoopbackServer):
-    """A TCP server that accepts, holds every connection and never answers."""
-
-    def __init__(self) -> None:
-        self.held: list[socket.socket] = []
-        super().__init__()
-
-    def handle(self, conn: socket.socket) -> None:
-        self.held.append(conn)
-
-    def close(self) -> None:
-        super().close()
-        for conn in self.held:
-            conn.close()
 
 
 @pytest.fixture
@@ -604,7 +587,7 @@ def test_blocking_routes_leave_the_loop_free(clash: ClashEngine, silent: SilentP
         )
     )
     worker.start()
-    wait_until(lambda: silent.held, what="the probe's connection")
+    wait_until(lambda: silent.conns, what="the probe's connection")
     assert call(clash.url + "/version")[0] == 200
     assert not slow  # the delay test is still waiting for its answer
     worker.join(10)

@@ -24,11 +24,11 @@ from websockets.sync.client import ClientConnection, connect
 
 from spliceway.api.clash.streams import SEND_TIMEOUT_S, find_hub
 from tests.api.clash.conftest import ClashEngine, call
-from tests.api.clash.test_connections import active_ids, echo, open_flow, routed
+from tests.api.clash.test_connections import active_ids, open_flow, routed
 from tests.conftest import spliceway_logs_at, wait_until
-from tests.helpers.servers import EchoServer, LoopbackServer
+from tests.helpers.servers import EchoServer, LoopbackServer, read_head
 
-__all__ = ["echo", "routed"]  # fixtures shared with test_connections
+__all__ = ["routed"]  # a fixture shared with test_connections
 
 
 def ws(clash: ClashEngine, path: str) -> ClientConnection:
@@ -246,12 +246,8 @@ class ProbeTarget(LoopbackServer):
     def _answer(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
             conn.settimeout(5)
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
+            if b"\r\n\r\n" not in read_head(conn):
+                return
             if self.healthy:
                 conn.sendall(b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n")
 
