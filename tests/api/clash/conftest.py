@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import base_config
+from tests.helpers.servers import EchoServer
 from tests.helpers.upstreams import microsocks
 
 
@@ -98,6 +99,13 @@ def call(
         raw = ex.read()
         status = ex.code
     return status, (json.loads(raw) if raw else None)
+
+
+@pytest.fixture
+def echo() -> Iterator[EchoServer]:
+    """A loopback echo server."""
+    with EchoServer() as server:
+        yield server
 
 
 @pytest.fixture

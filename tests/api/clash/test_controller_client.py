@@ -66,12 +66,6 @@ def zone() -> Iterator[DnsServer]:
 
 
 @pytest.fixture
-def echo() -> Iterator[EchoServer]:
-    with EchoServer() as server:
-        yield server
-
-
-@pytest.fixture
 def engine_for_client(
     make_clash: Callable[..., ClashEngine], zone: DnsServer, echo: EchoServer
 ) -> ClashEngine:

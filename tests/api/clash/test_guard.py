@@ -272,6 +272,18 @@ def test_keyless_own_origin_websocket_is_accepted(serve_guarded: Callable[..., s
         assert ws.recv(timeout=5) == "ping"
 
 
+def preflight(base_url: str, origin: str, **extra: str) -> Answer:
+    """A browser's CORS preflight from ``origin`` for a ``PUT`` to ``/storage/k`` with a
+    token and a body (``extra``: more headers)."""
+    headers = {
+        "Origin": origin,
+        "Access-Control-Request-Method": "PUT",
+        "Access-Control-Request-Headers": "authorization,content-type",
+        **extra,
+    }
+    return request(base_url, "OPTIONS", "/storage/k", headers=headers)
+
+
 def test_keyless_configured_origin_is_allowed_cross_site(
     make_clash: Callable[..., ClashEngine],
 ) -> None:
@@ -281,51 +293,21 @@ def test_keyless_configured_origin_is_allowed_cross_site(
     )
     assert (status, raw) == (200, b"null")
     assert headers["access-control-allow-origin"] == BOARD
-    preflight = request(
-        clash.url,
-        "OPTIONS",
-        "/storage/k",
-        headers={
-            "Origin": BOARD,
-            "Access-Control-Request-Method": "PUT",
-            "Sec-Fetch-Site": "cross-site",
-        },
-    )
-    assert preflight[0] == 204
+    assert preflight(clash.url, BOARD, **{"Sec-Fetch-Site": "cross-site"})[0] == 204
     # Another origin is still refused, and so is the configured one on a foreign Host.
     message_of(request(clash.url, "GET", "/storage/k", headers={"Origin": EVIL}), 403)
-    answer = request(
-        clash.url,
-        "OPTIONS",
-        "/storage/k",
-        headers={
-            "Origin": BOARD,
-            "Access-Control-Request-Method": "PUT",
-            "Host": f"rebind.example:{port_of(clash.url)}",
-        },
-    )
+    answer = preflight(clash.url, BOARD, Host=f"rebind.example:{port_of(clash.url)}")
     assert "Host rebind.example" in message_of(answer, 403)
 
 
 # -- CORS: preflights before the secret ----------------------------------------------------
 
 
-def preflight_headers(origin: str, **extra: str) -> dict[str, str]:
-    return {
-        "Origin": origin,
-        "Access-Control-Request-Method": "PUT",
-        "Access-Control-Request-Headers": "authorization,content-type",
-        **extra,
-    }
-
-
 def test_preflight_from_an_allowed_origin_needs_no_secret(
     with_secret: Callable[..., ClashEngine],
 ) -> None:
     clash = with_secret(cors_allow_origins=[BOARD])
-    status, headers, raw = request(
-        clash.url, "OPTIONS", "/storage/k", headers=preflight_headers(BOARD)
-    )
+    status, headers, raw = preflight(clash.url, BOARD)
     assert (status, raw) == (204, b"")
     assert headers["access-control-allow-origin"] == BOARD
     assert headers["vary"] == "Origin"
@@ -334,12 +316,7 @@ def test_preflight_from_an_allowed_origin_needs_no_secret(
     assert headers["access-control-max-age"] == "300"
     assert "access-control-allow-private-network" not in headers
     # Chrome's Private Network Access: a public page asking for a loopback API.
-    answer = request(
-        clash.url,
-        "OPTIONS",
-        "/storage/k",
-        headers=preflight_headers(BOARD, **{"Access-Control-Request-Private-Network": "true"}),
-    )
+    answer = preflight(clash.url, BOARD, **{"Access-Control-Request-Private-Network": "true"})
     assert answer[0] == 204
     assert answer[1]["access-control-allow-private-network"] == "true"
 
@@ -348,7 +325,7 @@ def test_preflight_from_a_foreign_origin_is_refused(
     with_secret: Callable[..., ClashEngine],
 ) -> None:
     clash = with_secret(cors_allow_origins=[BOARD])
-    answer = request(clash.url, "OPTIONS", "/storage/k", headers=preflight_headers(EVIL))
+    answer = preflight(clash.url, EVIL)
     message = message_of(answer, 403)
     assert message.startswith(f"CORS preflight refused: Origin {EVIL}")
     assert "access-control-allow-origin" not in answer[1]
@@ -357,7 +334,7 @@ def test_preflight_from_a_foreign_origin_is_refused(
 
 def test_star_allows_every_origin(with_secret: Callable[..., ClashEngine]) -> None:
     clash = with_secret(cors_allow_origins=["*"])
-    answer = request(clash.url, "OPTIONS", "/storage/k", headers=preflight_headers(EVIL))
+    answer = preflight(clash.url, EVIL)
     assert answer[0] == 204
     assert answer[1]["access-control-allow-origin"] == EVIL
 
