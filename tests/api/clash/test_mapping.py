@@ -327,4 +327,6 @@ def test_general_tun_when_running() -> None:
         "mtu": 1500,
         "strict-route": True,
         "file-descriptor": 0,
+        "recvmsgx": False,
+        "processors-per-channel": 0,
     }
