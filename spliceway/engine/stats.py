@@ -9,6 +9,7 @@ checker.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from spliceway.engine.components import BridgePort
@@ -58,42 +59,31 @@ class StatsViews:
         }
 
     def live_totals(self) -> tuple[int, int]:
-        """``(bytes_up, bytes_down)`` summed over every active flow, read now: what
-        :meth:`live_traffic` sums to, without a ``Traffic`` per flow (the sampler reads
-        this every ``runtime.stats_interval_ms`` with thousands of flows open)."""
-        entries = self.flows.entries()
-        relayed = [e for e in entries if e.handle is not None and e.base is not None]
-        counters = self.bridge.counters([e.handle for e in relayed if e.handle is not None])
+        """``(bytes_up, bytes_down)`` summed over every active flow, read now (the sampler
+        reads this every ``runtime.stats_interval_ms`` with thousands of flows open)."""
         up = down = 0
-        for entry, relay in zip(relayed, counters, strict=True):
-            base = entry.base
-            if relay is not None and base is not None:
-                # Traffic.with_relay's bytes_up and bytes_down.
-                up += base.bytes_up + (relay.client_rx if base.sealed else relay.upstream_tx)
-                down += base.bytes_down + relay.client_tx
-        for entry in entries:
-            if entry.handle is None:
-                traffic = entry.record["traffic"]
-                up += traffic["bytes_up"]
-                down += traffic["bytes_down"]
+        for _entry, flow_up, flow_down in self._live_bytes():
+            up += flow_up
+            down += flow_down
         return up, down
 
     def live_traffic(self) -> list[tuple[FlowEntry, int, int]]:
         """``(entry, bytes_up, bytes_down)`` of every active flow that has moved or may move
         bytes, read now (relayed flows from C's counters)."""
+        return list(self._live_bytes())
+
+    def _live_bytes(self) -> Iterator[tuple[FlowEntry, int, int]]:
         entries = self.flows.entries()
-        out: list[tuple[FlowEntry, int, int]] = []
         relayed = [e for e in entries if e.handle is not None and e.base is not None]
         counters = self.bridge.counters([e.handle for e in relayed if e.handle is not None])
         for entry, relay in zip(relayed, counters, strict=True):
             if relay is not None and entry.base is not None:
-                traffic = entry.base.with_relay(relay)
-                out.append((entry, traffic.bytes_up, traffic.bytes_down))
+                # Payload bytes only: no Traffic object per flow.
+                yield (entry, *entry.base.payload_with_relay(relay))
         for entry in entries:
             if entry.handle is None:
                 traffic_now = entry.record["traffic"]
-                out.append((entry, traffic_now["bytes_up"], traffic_now["bytes_down"]))
-        return out
+                yield entry, traffic_now["bytes_up"], traffic_now["bytes_down"]
 
     def udp_upstream_counters(self) -> dict[str, int]:
         """``stats.udp_upstream``: C's upstreams (direct) plus Python's (proxies)."""

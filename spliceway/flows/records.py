@@ -74,14 +74,23 @@ class Traffic:
         The client socket is the inbound boundary and the upstream socket the
         outbound one; relayed user bytes are what the relay wrote to each side.
         """
+        bytes_up, bytes_down = self.payload_with_relay(c)
         return Traffic(
-            bytes_up=self.bytes_up + (c.client_rx if self.sealed else c.upstream_tx),
-            bytes_down=self.bytes_down + c.client_tx,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
             inbound_rx_bytes=self.inbound_rx_bytes + c.client_rx,
             inbound_tx_bytes=self.inbound_tx_bytes + c.client_tx,
             outbound_rx_bytes=self.outbound_rx_bytes + c.upstream_rx,
             outbound_tx_bytes=self.outbound_tx_bytes + c.upstream_tx,
             sealed=self.sealed,
+        )
+
+    def payload_with_relay(self, c: Any) -> tuple[int, int]:
+        """``(bytes_up, bytes_down)`` of :meth:`with_relay`, without building it (the stats
+        views sum these over every open flow)."""
+        return (
+            self.bytes_up + (c.client_rx if self.sealed else c.upstream_tx),
+            self.bytes_down + c.client_tx,
         )
 
     def to_dict(self) -> TrafficCounts:
