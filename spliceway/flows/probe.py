@@ -156,13 +156,11 @@ async def probe(
     """Probe ``url`` through ``outbound`` within ``timeout`` seconds (on ``loop``); a
     status outside ``expected`` (empty: any) fails the probe."""
     started = loop.time()
-    first_byte_at: list[float] = []
-    status: int | None = None
     try:
         async with asyncio.timeout(timeout):
             dialed = await outbound.dial(loop, url.host, url.port)
             try:
-                status = await _status(loop, dialed, url, lambda: first_byte_at.append(loop.time()))
+                status, first_byte_at = await _status(loop, dialed, url)
             finally:
                 with contextlib.suppress(OSError):
                     dialed.sock.close()
@@ -176,7 +174,7 @@ async def probe(
         return ProbeResult(None, str(ex))
     except OSError as ex:
         return ProbeResult(None, os.strerror(ex.errno) if ex.errno else str(ex))
-    latency = round((first_byte_at[0] - started) * 1000, 3)
+    latency = round((first_byte_at - started) * 1000, 3)
     if expected and (status is None or not status_allowed(expected, status)):
         got = "an answer that is not HTTP" if status is None else f"status {status}"
         # A failed probe has no latency, whatever failed (as mihomo's delay 0).
@@ -185,13 +183,10 @@ async def probe(
 
 
 async def _status(
-    loop: asyncio.AbstractEventLoop,
-    dialed: Dialed,
-    url: ProbeUrl,
-    on_first_byte: Callable[[], None],
-) -> int | None:
-    """Send the request and read the answer up to its status line: its status, or None
-    when the answer is not HTTP (``on_first_byte`` is called when its first byte came)."""
+    loop: asyncio.AbstractEventLoop, dialed: Dialed, url: ProbeUrl
+) -> tuple[int | None, float]:
+    """Send the request and read the answer up to its status line: its status (None when
+    the answer is not HTTP) and the loop time its first byte came."""
     channel = _Channel(loop, dialed)
     stream: _Channel | _Tls = channel
     if url.tls:
@@ -199,13 +194,14 @@ async def _status(
         await tls.handshake()
         stream = tls
     await stream.send(url.head_request())
-    return await _read_status(stream.recv, on_first_byte)
+    return await _read_status(stream.recv, loop.time)
 
 
 async def _read_status(
-    recv: Callable[[], Awaitable[bytes]], on_first_byte: Callable[[], None]
-) -> int | None:
+    recv: Callable[[], Awaitable[bytes]], clock: Callable[[], float]
+) -> tuple[int | None, float]:
     head = b""
+    first_byte_at = 0.0
     while b"\n" not in head and len(head) < STATUS_LINE_MAX:
         data = await recv()
         if not data:
@@ -213,7 +209,7 @@ async def _read_status(
                 raise ProtocolError("connection closed before the first byte of the answer")
             break
         if not head:
-            on_first_byte()
+            first_byte_at = clock()
         head += data
     match = _STATUS_LINE.match(head)
-    return int(match.group(1)) if match else None
+    return (int(match.group(1)) if match else None), first_byte_at
