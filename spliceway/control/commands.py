@@ -294,13 +294,11 @@ def _config_validate(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
 
 def _config_apply(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
     result = core.reconciler.apply(p.config, persist=True, trigger="config.apply")
-    core.logs.log_level  # noqa: B018 -- a new runtime.log_level ends log.set_level's now
     return _logged(result)
 
 
 def _config_apply_runtime(core: EngineCore, p: ConfigParams) -> dict[str, Any]:
     result = core.reconciler.apply(p.config, persist=False, trigger="config.apply_runtime")
-    core.logs.log_level  # noqa: B018 -- a new runtime.log_level ends log.set_level's now
     return _logged(result, "config.apply_runtime")
 
 

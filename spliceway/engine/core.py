@@ -248,6 +248,7 @@ class EngineCore(TunWiring, StatsViews):
     def _publish_generation(self, g: Generation) -> None:
         """Make ``g`` the current generation: the one place that assigns it."""
         self.generation = g
+        self.logs.configuration_changed()
 
     def install(self, plan: Plan) -> Generation:
         """Publish the generation of a prepared reload (dispatcher thread, before the new

@@ -97,20 +97,22 @@ class LogRing(logging.Handler):
 
     @property
     def log_level(self) -> str:
-        """The level in force: ``set_log_level``'s while the configured level is unchanged,
-        else the configured one."""
+        """The level in force: ``set_log_level``'s while the configured level is the one it
+        replaced, else the configured one."""
         configured = self._threshold()
         override = self._override
-        if override is None:
-            return configured
-        if override[1] == configured:
+        if override is not None and override[1] == configured:
             return override[0]
-        # The configuration changed its level since: it wins, and the logger gets its own
-        # level back (noticed at the first read after the change: a config command reads
-        # it at once, a SIGHUP reload at the next record or query).
-        self._override = None
-        self._restore_logger()
         return configured
+
+    def configuration_changed(self) -> None:
+        """Called whenever a new configuration is in force: one whose ``runtime.log_level``
+        differs from the level ``set_log_level`` replaced ends the override (the
+        configuration wins, as after a restart), and the logger gets its own level back."""
+        override = self._override
+        if override is not None and override[1] != self._threshold():
+            self._override = None
+            self._restore_logger()
 
     def _restore_logger(self) -> None:
         if self._logger_level is not None:
