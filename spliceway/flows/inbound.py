@@ -20,6 +20,7 @@ from typing import Any
 
 from spliceway.protocols import NEED_MORE, ProtocolError, http_message, socks5
 from spliceway.protocols import http as http_proto
+from spliceway.shapes.flow import ClientProtocol
 
 _READ_CHUNK = 16 * 1024
 _BASIC_REALM = (("Proxy-Authenticate", 'Basic realm="spliceway"'),)
@@ -57,12 +58,12 @@ class Handshake:
     udp: bool = False
 
     @property
-    def client_protocol(self) -> str:
+    def client_protocol(self) -> ClientProtocol:
         """What the client spoke, as its record's ``inbound.client_protocol`` says:
         ``socks5``, ``http`` (forwarded), ``http_connect`` or ``tun``."""
         if self.protocol == "http":
             return "http" if self.forward else "http_connect"
-        return self.protocol
+        return "socks5" if self.protocol == "socks5" else "tun"
 
     def success_reply(self) -> bytes:
         """Bytes telling the client its tunnel is open (none for a TUN's: the kernel's

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from spliceway.shapes.flow import (
+        ClientProtocol,
         FailureDoc,
         FlowRecord,
         Inbound,
@@ -150,7 +151,7 @@ class FlowState:
     #: What the client spoke (``inbound.client_protocol``): ``socks5``, ``http``
     #: (forwarded), ``http_connect`` or ``tun``; None only in a state rebuilt from a
     #: record an older version wrote.
-    client_protocol: str | None = None
+    client_protocol: ClientProtocol | None = None
     revision: int = 0
     state: str = "opening"
     target_host: str = ""
@@ -233,7 +234,7 @@ class FlowState:
                 source["process_path"] = self.process_path
             inbound: Inbound = {"tag": self.inbound_tag, "protocol": self.inbound_protocol}
             if self.client_protocol is not None:
-                inbound["client_protocol"] = self.client_protocol  # type: ignore[typeddict-item]
+                inbound["client_protocol"] = self.client_protocol
             fixed = self._fixed = (inbound, source)
         record: dict[str, Any] = {
             "flow_id": self.flow_id,
