@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from spliceway.api.clash.context import ClashContext
-from spliceway.api.clash.mapping import camel_case, rule_type_and_payload
+from spliceway.api.clash.mapping import GLOBAL, camel_case, rfc3339, rule_type_and_payload
 from spliceway.api.plane import ControlPlane
 from spliceway.errors import ApiError
 from spliceway.events.log import Subscription
@@ -112,7 +112,7 @@ def _chains(record: Mapping[str, Any]) -> list[str]:
         elif route.get("target"):
             chain = [route["target"]]
     if route.get("mode") == "global":
-        chain.append("GLOBAL")
+        chain.append(GLOBAL)
     return chain
 
 
@@ -134,11 +134,6 @@ def _client_type(inbound: Mapping[str, Any]) -> str:
     if spoken is not None:
         return CLIENT_TYPES.get(spoken) or camel_case(spoken)
     return INBOUND_TYPES.get(inbound["protocol"]) or camel_case(inbound["protocol"])
-
-
-def _rfc3339(unix_ms: int) -> str:
-    seconds, millis = divmod(unix_ms, 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 def tracker_info(
@@ -198,7 +193,7 @@ def tracker_info(
         },
         "upload": traffic["bytes_up"],
         "download": traffic["bytes_down"],
-        "start": _rfc3339(record["timing"]["started_at_unix_ms"]),
+        "start": rfc3339(record["timing"]["started_at_unix_ms"]),
         "chains": chains,
         "providerChains": [""] * len(chains),
         "rule": rule,
