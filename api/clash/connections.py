@@ -34,11 +34,11 @@ from typing import Any
 import orjson
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from spliceway.api.clash.context import ClashContext
-from spliceway.api.clash.mapping import camel_case, rule_type_and_payload
+from spliceway.api.clash.mapping import GLOBAL, camel_case, rfc3339, rule_type_and_payload
 from spliceway.api.plane import ControlPlane
 from spliceway.errors import ApiError
 from spliceway.events.log import Subscription
@@ -112,7 +112,7 @@ def _chains(record: Mapping[str, Any]) -> list[str]:
         elif route.get("target"):
             chain = [route["target"]]
     if route.get("mode") == "global":
-        chain.append("GLOBAL")
+        chain.append(GLOBAL)
     return chain
 
 
@@ -134,11 +134,6 @@ def _client_type(inbound: Mapping[str, Any]) -> str:
     if spoken is not None:
         return CLIENT_TYPES.get(spoken) or camel_case(spoken)
     return INBOUND_TYPES.get(inbound["protocol"]) or camel_case(inbound["protocol"])
-
-
-def _rfc3339(unix_ms: int) -> str:
-    seconds, millis = divmod(unix_ms, 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 def tracker_info(
@@ -198,7 +193,7 @@ def tracker_info(
         },
         "upload": traffic["bytes_up"],
         "download": traffic["bytes_down"],
-        "start": _rfc3339(record["timing"]["started_at_unix_ms"]),
+        "start": rfc3339(record["timing"]["started_at_unix_ms"]),
         "chains": chains,
         "providerChains": [""] * len(chains),
         "rule": rule,
@@ -266,7 +261,6 @@ class SnapshotBuilder:
         self._totals_at = -1e9
         self._built_at = 0.0
         self._last = b""
-        self.last_build_seconds = 0.0
         #: The engine's ``stats.sampled`` feed while streams want totals.
         self._samples: Subscription | None = None
         #: ``(occurred_at_unix_ms, bytes_up, bytes_down)`` of the newest one.
@@ -415,9 +409,7 @@ class SnapshotBuilder:
         listeners = listener_map(self._plane)
         totals = self.totals(totals_max_age)
         with self._lock:
-            started = time.perf_counter()
             data = self.encode(self._plane.flow_records(), listeners, totals, rss_bytes())
-            self.last_build_seconds = time.perf_counter() - started
             self._built_at = time.monotonic()
             self._last = data
             return data
@@ -444,13 +436,11 @@ def close_all_flows(plane: ControlPlane, flow_ids: Sequence[str]) -> int:
         return sum(pool.map(lambda flow_id: close_flow(plane, flow_id), flow_ids))
 
 
-def _error(ex: ApiError) -> Response:
-    return JSONResponse({"message": ex.message}, status_code=ex.http_status)
-
-
 def connection_routes(ctx: ClashContext, builder: SnapshotBuilder) -> list[BaseRoute]:
     """``GET /connections`` (one snapshot; the WebSocket is :mod:`.streams`'),
-    ``DELETE /connections`` and ``DELETE /connections/{id}``."""
+    ``DELETE /connections`` and ``DELETE /connections/{id}``. An engine error is left
+    to the app's handler (:func:`.guard.exception_handlers`), which answers it in
+    mihomo's shape."""
     plane = ctx.plane
 
     async def snapshot(request: Request) -> Response:
@@ -460,18 +450,16 @@ def connection_routes(ctx: ClashContext, builder: SnapshotBuilder) -> list[BaseR
 
     async def close_all(request: Request) -> Response:
         ids = [r["flow_id"] for r in await run_in_threadpool(plane.flow_records)]
-        try:
-            await run_in_threadpool(close_all_flows, plane, ids)
-        except ApiError as ex:
-            return _error(ex)
+        await run_in_threadpool(close_all_flows, plane, ids)
         return Response(status_code=204)
 
     async def close_one(request: Request) -> Response:
         try:
             await run_in_threadpool(close_flow, plane, request.path_params["id"])
         except ApiError as ex:
+            # mihomo answers 204 for any id it has no connection for, malformed ones too.
             if ex.code != "invalid_argument":
-                return _error(ex)
+                raise
         return Response(status_code=204)
 
     return [

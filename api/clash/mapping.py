@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "MODES",
     "PROXY_TYPES",
     "Observation",
+    "camel_case",
     "clash_log_level",
     "delay_of",
     "dns_answer",
@@ -126,8 +127,9 @@ _ID_NAMESPACE = uuid.UUID("5d0e4f7a-2b57-4c52-9a55-6c6173686170")
 
 def rfc3339(unix_ms: int) -> str:
     """``unix_ms`` as RFC 3339 in UTC with milliseconds (``2026-01-01T00:00:00.123Z``)."""
-    moment = datetime.fromtimestamp(unix_ms / 1000, tz=UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    # strftime, not datetime: every new connection of a snapshot formats its start.
+    seconds, millis = divmod(unix_ms, 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 def delay_of(latency_ms: float | None) -> int:

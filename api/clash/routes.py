@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -39,6 +40,7 @@ from starlette.routing import BaseRoute, Route
 from spliceway import __version__
 from spliceway.api.clash import mapping
 from spliceway.api.clash.context import ClashContext
+from spliceway.api.clash.guard import NOT_FOUND
 from spliceway.api.clash.mapping import GLOBAL, Observation
 from spliceway.config import read_config_document
 from spliceway.errors import ApiError
@@ -54,7 +56,6 @@ _HISTORY = 10
 _TIMEOUT_MAX_MS = 32767
 
 BODY_INVALID = "Body invalid"
-NOT_FOUND = "Resource not found"
 TIMEOUT = "Timeout"
 DELAY_FAILED = "An error occurred in the delay test"
 ALL_TIMEOUT = "get delay: all proxies timeout"
@@ -74,19 +75,6 @@ _CLASH_KEYS = frozenset(
 )  # fmt: skip
 
 
-class _Answer(Exception):
-    """A route's early answer: mihomo's ``{"message"}`` with ``status``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _message(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"message": message}, status_code=status)
-
-
 def _no_content() -> Response:
     return Response(status_code=204)
 
@@ -96,16 +84,13 @@ _Handler = Callable[[Request, bytes | None], Response]
 
 def _endpoint(handler: _Handler) -> Callable[[Request], Awaitable[Response]]:
     """An async endpoint that reads the body (the guard bounds it) and runs ``handler``
-    in the thread pool, answering its early exits and engine errors in mihomo's shape."""
+    in the thread pool. A handler's early answer is an ``HTTPException`` (status and
+    message); it and an engine error are answered in mihomo's shape by the app's
+    handlers (:func:`.guard.exception_handlers`)."""
 
     async def endpoint(request: Request) -> Response:
         body = await request.body() if request.method in ("PUT", "PATCH", "POST") else None
-        try:
-            return await run_in_threadpool(handler, request, body)
-        except _Answer as ex:
-            return _message(ex.status, ex.message)
-        except ApiError as ex:
-            return _message(ex.http_status, ex.message)
+        return await run_in_threadpool(handler, request, body)
 
     return endpoint
 
@@ -115,9 +100,9 @@ def _json_object(body: bytes | None) -> dict[str, Any]:
     try:
         data = json.loads(body or b"")
     except (ValueError, UnicodeDecodeError):
-        raise _Answer(400, BODY_INVALID) from None
+        raise HTTPException(400, BODY_INVALID) from None
     if not isinstance(data, dict):
-        raise _Answer(400, BODY_INVALID)
+        raise HTTPException(400, BODY_INVALID)
     return data
 
 
@@ -125,10 +110,10 @@ def _go_int(text: str | None, bits: int) -> int:
     """``strconv.ParseInt(text, 10, bits)`` as mihomo's delay routes parse ``timeout``:
     a missing, malformed or out-of-range value is 400 ``Body invalid``."""
     if text is None or not _GO_INT.fullmatch(text):
-        raise _Answer(400, BODY_INVALID)
+        raise HTTPException(400, BODY_INVALID)
     value = int(text)
     if not -(1 << (bits - 1)) <= value < (1 << (bits - 1)):
-        raise _Answer(400, BODY_INVALID)
+        raise HTTPException(400, BODY_INVALID)
     return value
 
 
@@ -197,8 +182,8 @@ class _Routes:
     def _group(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
         for group in config.get("outbound_groups") or []:
             if group["tag"] == name:
-                return dict(group)
-        raise _Answer(404, NOT_FOUND)
+                return group
+        raise HTTPException(404, NOT_FOUND)
 
     # -- / and /version ------------------------------------------------------------------
 
@@ -232,12 +217,14 @@ class _Routes:
         mode = data.pop("mode", None)
         if mode is not None:
             if not isinstance(mode, str) or mode.lower() not in mapping.MODES:
-                raise _Answer(400, f"mode must be one of {', '.join(mapping.MODES)}")
+                raise HTTPException(400, f"mode must be one of {', '.join(mapping.MODES)}")
             mode = mode.lower()
         level = data.pop("log-level", None)
         if level is not None:
             if not isinstance(level, str) or level.lower() not in mapping.LOG_LEVELS:
-                raise _Answer(400, f"log-level must be one of {', '.join(mapping.LOG_LEVELS)}")
+                raise HTTPException(
+                    400, f"log-level must be one of {', '.join(mapping.LOG_LEVELS)}"
+                )
             level = mapping.LOG_LEVELS[level.lower()]
         config = self._query("config")
         if data:
@@ -246,7 +233,7 @@ class _Routes:
             current = self._general(config)
             refused = [k for k, v in data.items() if k not in current or not _same(v, current[k])]
             if refused:
-                raise _Answer(
+                raise HTTPException(
                     400,
                     f"spliceway cannot change {', '.join(refused)} over the Clash API (its "
                     "inbounds, TUN and resolver come from its configuration: change them "
@@ -277,7 +264,7 @@ class _Routes:
         data = _json_object(body)
         path, payload = data.get("path", ""), data.get("payload", "")
         if not isinstance(path, str) or not isinstance(payload, str):
-            raise _Answer(400, BODY_INVALID)
+            raise HTTPException(400, BODY_INVALID)
         document = _document(payload) if payload else self._source_document(path)
         # Not written to the source file: mihomo loads a payload for this run only, and a
         # reloaded file is the source already.
@@ -288,20 +275,22 @@ class _Routes:
         """The running configuration's own file, read again (mihomo's reload)."""
         source = self._query("runtime").get("config_path")
         if not source:
-            raise _Answer(
+            raise HTTPException(
                 400,
                 "the engine was started without a configuration file: send a spliceway "
                 "configuration in payload",
             )
         if path:
             if not os.path.isabs(path):
-                raise _Answer(400, "path is not a absolute path")
+                raise HTTPException(400, "path is not a absolute path")
             if os.path.realpath(path) != os.path.realpath(source):
-                raise _Answer(400, f"spliceway reloads only its own configuration file ({source})")
+                raise HTTPException(
+                    400, f"spliceway reloads only its own configuration file ({source})"
+                )
         try:
             return read_config_document(source)
         except ApiError as ex:
-            raise _Answer(400, ex.message) from ex
+            raise HTTPException(400, ex.message) from ex
 
     # -- /proxies and /group -------------------------------------------------------------
 
@@ -315,12 +304,12 @@ class _Routes:
         if len(parts) == 2 and parts[1] == "delay" and request.method == "GET":
             return self._proxy_delay(request, parts[0])
         if len(parts) != 1 or not parts[0]:
-            raise _Answer(404, NOT_FOUND)
+            raise HTTPException(404, NOT_FOUND)
         name = parts[0]
         config = self._query("config")
         kind = self._kind(config, name)
         if kind is None:
-            raise _Answer(404, NOT_FOUND)
+            raise HTTPException(404, NOT_FOUND)
         if request.method == "GET":
             return JSONResponse(self._proxies(config)[name])
         if request.method == "PUT":
@@ -333,25 +322,27 @@ class _Routes:
         data = _json_object(body)
         member = data.get("name")
         if not isinstance(member, str):
-            raise _Answer(400, BODY_INVALID)
+            raise HTTPException(400, BODY_INVALID)
         if kind == _GLOBAL_KIND:
-            if member not in mapping.global_members(config):
-                raise _Answer(400, f"Selector update error: {member!r} is not a member of {name}")
+            members = mapping.global_members(config)
+        elif kind in _SELECTABLE:
+            members = list(self._group(config, name).get("outbounds", []))
+        else:
+            raise HTTPException(400, MUST_BE_SELECTOR)
+        if member not in members:
+            raise HTTPException(400, f"Selector update error: {member!r} is not a member of {name}")
+        if kind == _GLOBAL_KIND:
             with self.ctx.lock:
                 if (config.get("mode") or {}).get("kind") == "global":
                     self._execute("mode.set", {"mode": "global", "outbound": member})
                 self.ctx.global_choice = member
-            return _no_content()
-        if kind not in _SELECTABLE:
-            raise _Answer(400, MUST_BE_SELECTOR)
-        if member not in self._group(config, name).get("outbounds", []):
-            raise _Answer(400, f"Selector update error: {member!r} is not a member of {name}")
-        self._execute("policies.select", {"policy_tag": name, "target_tag": member})
+        else:
+            self._execute("policies.select", {"policy_tag": name, "target_tag": member})
         return _no_content()
 
     def _unfix(self, name: str, kind: str) -> Response:
         if kind not in _PINNABLE:
-            raise _Answer(400, f"{name} is not a URLTest or Fallback group: it has no pin")
+            raise HTTPException(400, f"{name} is not a URLTest or Fallback group: it has no pin")
         self._execute("policies.unfix", {"policy_tag": name})
         return _no_content()
 
@@ -390,11 +381,11 @@ class _Routes:
         config = self._query("config")
         kind = self._kind(config, name)
         if kind is None:
-            raise _Answer(404, NOT_FOUND)
+            raise HTTPException(404, NOT_FOUND)
         query = request.query_params
         timeout_ms = _go_int(query.get("timeout"), 16)
         if timeout_ms <= 0:
-            raise _Answer(504, TIMEOUT)
+            raise HTTPException(504, TIMEOUT)
         target = name
         if kind == _GLOBAL_KIND:
             target = mapping.global_now(config, self.ctx.global_choice)
@@ -403,9 +394,9 @@ class _Routes:
         )
         delay = self._record(name, result)
         if timed_out:
-            raise _Answer(504, TIMEOUT)
+            raise HTTPException(504, TIMEOUT)
         if not delay:
-            raise _Answer(503, DELAY_FAILED)
+            raise HTTPException(503, DELAY_FAILED)
         return JSONResponse({"delay": delay})
 
     def list_groups(self, request: Request, body: bytes | None) -> Response:
@@ -421,12 +412,12 @@ class _Routes:
         if parts == [""]:
             return self.list_groups(request, body)
         if len(parts) > 2 or (len(parts) == 2 and parts[1] != "delay") or not parts[0]:
-            raise _Answer(404, NOT_FOUND)
+            raise HTTPException(404, NOT_FOUND)
         name = parts[0]
         config = self._query("config")
         kind = self._kind(config, name)
         if kind is None or kind == _OUTBOUND_KIND:
-            raise _Answer(404, NOT_FOUND)
+            raise HTTPException(404, NOT_FOUND)
         if len(parts) == 1:
             return JSONResponse(self._proxies(config)[name])
         return self._group_delay(request, config, name, kind)
@@ -467,7 +458,7 @@ class _Routes:
             # The engine's delay tests inform readers only; a round makes the group choose.
             self._execute("policies.probe", {"policy_tag": name})
         if not delays:
-            raise _Answer(504, ALL_TIMEOUT)
+            raise HTTPException(504, ALL_TIMEOUT)
         return JSONResponse(delays)
 
     # -- /rules, /providers --------------------------------------------------------------
@@ -480,7 +471,7 @@ class _Routes:
         return JSONResponse({"providers": {}})
 
     def no_provider(self, request: Request, body: bytes | None) -> Response:
-        raise _Answer(404, NOT_FOUND)
+        raise HTTPException(404, NOT_FOUND)
 
     # -- /dns, /cache --------------------------------------------------------------------
 
@@ -491,11 +482,11 @@ class _Routes:
             result = self._execute("diagnostics.dns_query", params)
         except ApiError as ex:
             if ex.code in ("unsupported", "feature_disabled"):
-                raise _Answer(500, ex.message) from ex  # mihomo: "DNS section is disabled"
+                raise HTTPException(500, ex.message) from ex  # mihomo: "DNS section is disabled"
             raise
         if result.get("error"):
             # Every server failed: mihomo answers its exchange error with 500.
-            raise _Answer(500, str(result["error"]))
+            raise HTTPException(500, str(result["error"]))
         return JSONResponse(mapping.dns_answer(result))
 
     def flush_fakeip(self, request: Request, body: bytes | None) -> Response:
@@ -525,20 +516,20 @@ def _document(payload: str) -> Any:
         try:
             import yaml
         except ImportError:
-            raise _Answer(400, "payload is not JSON (YAML needs PyYAML)") from None
+            raise HTTPException(400, "payload is not JSON (YAML needs PyYAML)") from None
         try:
             # An alias repeats a subtree without its bytes: a small payload could stand
             # for a document too large to validate. Configurations do not need them.
             if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(payload)):
-                raise _Answer(400, "payload uses YAML aliases: write the document out")
+                raise HTTPException(400, "payload uses YAML aliases: write the document out")
             document = yaml.safe_load(payload)
         except yaml.YAMLError as ex:
-            raise _Answer(400, f"payload is neither JSON nor YAML: {ex}") from None
+            raise HTTPException(400, f"payload is neither JSON nor YAML: {ex}") from None
     if not isinstance(document, dict):
-        raise _Answer(400, "payload is not a configuration document (an object)")
+        raise HTTPException(400, "payload is not a configuration document (an object)")
     clash = sorted(_CLASH_KEYS.intersection(document))
     if clash:
-        raise _Answer(
+        raise HTTPException(
             400,
             f"payload is a Clash configuration ({', '.join(clash)}): spliceway runs its own "
             "configuration format; it cannot load Clash YAML yet",
@@ -550,7 +541,7 @@ def _refusal(message: str) -> _Handler:
     """A route mihomo has and spliceway refuses: 501 with why (never a fake success)."""
 
     def refuse(request: Request, body: bytes | None) -> Response:
-        raise _Answer(501, message)
+        raise HTTPException(501, message)
 
     return refuse
 
@@ -590,7 +581,7 @@ def http_routes(ctx: ClashContext) -> list[BaseRoute]:
     def route(path: str, handler: _Handler, *methods: str) -> Route:
         return Route(path, _endpoint(handler), methods=list(methods))
 
-    routes = [
+    routes: list[BaseRoute] = [
         route("/", api.hello, "GET"),
         route("/version", api.version, "GET"),
         route("/configs", api.configs, "GET", "PUT", "PATCH"),
@@ -608,4 +599,4 @@ def http_routes(ctx: ClashContext) -> list[BaseRoute]:
         route("/cache/dns/flush", api.flush_dns, "POST"),
     ]
     routes.extend(route(path, _refusal(message), method) for path, method, message in _REFUSALS)
-    return list(routes)
+    return routes
