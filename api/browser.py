@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = [
-    "SAME_SITE",
     "KeylessRules",
     "foreign_refusal",
     "host_refusal",
@@ -44,7 +43,7 @@ _HOST_RE = re.compile(
 )
 #: The ``Sec-Fetch-Site`` values of a request a page of the API's own origin (or the
 #: user, typing the address) sent.
-SAME_SITE = frozenset({"same-origin", "none"})
+_SAME_SITE = frozenset({"same-origin", "none"})
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 
 
@@ -159,7 +158,7 @@ def foreign_refusal(
                 f"{own}{listed}; {rules.subject} accepts only same-origin requests; "
                 f"{rules.remedy} cross-origin callers (see {rules.see})"
             )
-    if site is not None and site.strip().lower() not in SAME_SITE:
+    if site is not None and site.strip().lower() not in _SAME_SITE:
         return (
             f"cross-site request refused: Sec-Fetch-Site is {site}; {rules.subject} accepts "
             f"only same-origin requests; {rules.remedy} cross-site callers (see {rules.see})"

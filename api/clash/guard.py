@@ -52,6 +52,7 @@ from uvicorn.protocols.utils import ClientDisconnected
 
 from spliceway.api.browser import KeylessRules, foreign_refusal, is_same_origin
 from spliceway.api.clash.context import ClashContext
+from spliceway.api.clash.static import UI_PATH
 from spliceway.errors import ApiError
 
 __all__ = [
@@ -154,11 +155,7 @@ async def _close_socket(send: Send, message: str) -> None:
 
 
 def _is_ui(path: str) -> bool:
-    return path == "/ui" or path.startswith("/ui/")
-
-
-def _equal(given: bytes, secret: bytes) -> bool:
-    return hmac.compare_digest(given, secret)
+    return path == UI_PATH or path.startswith(UI_PATH + "/")
 
 
 def _ws_token(scope: Scope) -> bytes:
@@ -229,28 +226,32 @@ class _Guard:
         server = scope.get("server") or (None, 80)
         return None, int(server[1] or 80)
 
+    def _foreign(self, scope: Scope, headers: Headers) -> str | None:
+        """Why the keyless rules refuse this request, or None."""
+        return foreign_refusal(
+            self._rules,
+            self._listen(scope),
+            headers.get("host"),
+            headers.get("origin"),
+            headers.get("sec-fetch-site"),
+        )
+
     def _refusal(self, scope: Scope, headers: Headers) -> tuple[int, str] | None:
         """``(status, message)`` of a request that must not reach a route, or None."""
         secret = self._secret
         if secret is None:
-            problem = foreign_refusal(
-                self._rules,
-                self._listen(scope),
-                headers.get("host"),
-                headers.get("origin"),
-                headers.get("sec-fetch-site"),
-            )
+            problem = self._foreign(scope, headers)
             return None if problem is None else (403, problem)
         if self._ui and _is_ui(scope["path"]):
             return None
         if scope["type"] == "websocket":
             token = _ws_token(scope)
             if token:
-                return None if _equal(token, secret) else (401, UNAUTHORIZED)
+                return None if hmac.compare_digest(token, secret) else (401, UNAUTHORIZED)
         # Latin-1 gives back the header's bytes as sent: the secret is compared as bytes.
         raw = headers.get("authorization", "").encode("latin-1")
         scheme, space, token = raw.partition(b" ")
-        if scheme != b"Bearer" or not space or not _equal(token, secret):
+        if scheme != b"Bearer" or not space or not hmac.compare_digest(token, secret):
             return 401, UNAUTHORIZED
         return None
 
@@ -258,13 +259,7 @@ class _Guard:
         self, scope: Scope, send: Send, headers: Headers, origin: str, cors: dict[str, str]
     ) -> None:
         if self._secret is None:
-            problem = foreign_refusal(
-                self._rules,
-                self._listen(scope),
-                headers.get("host"),
-                origin,
-                headers.get("sec-fetch-site"),
-            )
+            problem = self._foreign(scope, headers)
             if problem is not None:
                 await _deny(scope, send, 403, problem, cors)
                 return
@@ -339,13 +334,12 @@ async def _deny(
     """Answer ``{"message"}`` with ``status``; on a WebSocket scope, as the HTTP answer
     to the upgrade (or, on a server without that extension, a close before accepting,
     which clients see as 403)."""
-    response = error_response(status, message, cors)
     if scope["type"] == "websocket" and "websocket.http.response" not in scope.get(
         "extensions", {}
     ):
         await send({"type": "websocket.close", "code": 1008})
         return
-    await response(scope, _no_receive, send)
+    await error_response(status, message, cors)(scope, _no_receive, send)
 
 
 async def _bounded_body(scope: Scope, receive: Receive, headers: Headers) -> Receive | None:

@@ -31,7 +31,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from spliceway.api.clash.context import ClashContext
-from spliceway.api.clash.guard import MAX_BODY_BYTES, error_response
+from spliceway.api.clash.guard import error_response
 from spliceway.support.atomic_file import pid_alive, replace_file
 
 __all__ = [
@@ -154,10 +154,8 @@ def storage_routes(ctx: ClashContext) -> list[BaseRoute]:
 
 
 async def _put(request: Request, store: DocumentStore, key: str) -> Response:
+    # The guard has refused a body over MAX_BODY_BYTES before the route runs.
     body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        # The guard refuses these first; this holds should the app be served without it.
-        return error_response(413, "payload exceeds 1MB limit")
     try:
         orjson.loads(body)
     except orjson.JSONDecodeError:

@@ -25,20 +25,21 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from spliceway.api.clash.connections import SnapshotBuilder, connection_routes, rss_bytes
 from spliceway.api.clash.context import ClashContext
+from spliceway.api.clash.guard import error_response
 
 __all__ = [
     "INTERVAL_DEFAULT_MS",
@@ -119,11 +120,6 @@ class Frame:
         return self._text
 
     @classmethod
-    def of(cls, data: bytes) -> Frame:
-        """The frame of one encoded JSON line."""
-        return cls(data)
-
-    @classmethod
     def json(cls, obj: Any) -> Frame:
         """The frame of ``obj``, encoded once."""
         return cls(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
@@ -176,6 +172,18 @@ class Subscriber:
         except asyncio.QueueFull:
             self.end("slow")
 
+    def take(self, items: list[Any]) -> None:
+        """Offer the frames this subscriber selects from ``items``."""
+        for item in items:
+            frame = self.select(item)
+            if frame is not None:
+                self.offer(frame)
+
+    async def ready(self) -> None:
+        """Wait until the topic has its starting point, so nothing logged after the
+        client is told the stream is open is missed."""
+        await self.topic.primed.wait()
+
     def end(self, reason: str) -> None:
         """End the stream (the endpoint closes its socket)."""
         if not self.ended.is_set():
@@ -208,7 +216,7 @@ class ConnectionsProducer(Producer):
         """One snapshot (its totals read at most once a second: ``/traffic`` reads them
         too, and each reading walks every open flow's counters)."""
         data = await run_in_threadpool(self._builder.build, self._max_age, TOTALS_MAX_AGE_S)
-        return [Frame.of(data)]
+        return [Frame(data)]
 
 
 class TrafficProducer(Producer):
@@ -300,23 +308,10 @@ class LogsProducer(Producer):
 class Topic:
     """One stream's ticking task and its subscribers."""
 
-    def __init__(
-        self,
-        hub: StreamHub,
-        key: tuple[Any, ...],
-        producer: Producer,
-        interval_s: float,
-        *,
-        first_tick_s: float = 0.0,
-        replay: bool = False,
-    ) -> None:
-        self.hub = hub
-        self.key = key
+    def __init__(self, spec: StreamSpec, producer: Producer) -> None:
+        self.spec = spec
+        self.key = spec.key
         self.producer = producer
-        self.interval_s = interval_s
-        self.first_tick_s = first_tick_s
-        #: A new subscriber gets the last tick's frames at once (``/connections``).
-        self.replay = replay
         self.subscribers: set[Subscriber] = set()
         self.latest: list[Any] = []
         self.task: asyncio.Task[None] | None = None
@@ -336,7 +331,7 @@ class Topic:
             logger.exception("the Clash API's %s stream could not start", self.key[0])
         finally:
             self.primed.set()
-        next_at = loop.time() + self.first_tick_s
+        next_at = loop.time() + self.spec.first_tick_s
         while True:
             delay = next_at - loop.time()
             if delay > 0:
@@ -349,19 +344,16 @@ class Topic:
             if items:
                 self.latest = items
                 self.deliver(items)
-            next_at += self.interval_s
+            next_at += self.spec.interval_s
             if next_at < loop.time():
                 # A tick took longer than the interval: the next one waits a whole
                 # interval rather than running back to back.
-                next_at = loop.time() + self.interval_s
+                next_at = loop.time() + self.spec.interval_s
 
     def deliver(self, items: list[Any]) -> None:
         """Offer this tick's items to every subscriber (never waits)."""
         for sub in list(self.subscribers):
-            for item in items:
-                frame = sub.select(item)
-                if frame is not None:
-                    sub.offer(frame)
+            sub.take(items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +366,7 @@ class StreamSpec:
     select: Select = _as_frame
     first: Frame | None = None
     first_tick_s: float = 0.0
+    #: A new subscriber gets the last tick's frames at once (``/connections``).
     replay: bool = False
 
 
@@ -404,40 +397,24 @@ class StreamHub:
         }
 
     def subscribe(self, spec: StreamSpec) -> Subscriber:
-        """Join ``spec``'s topic, starting it if needed (await :meth:`ready` before
-        telling the client the stream is open; :meth:`unsubscribe` in any case)."""
+        """Join ``spec``'s topic, starting it if needed (await :meth:`Subscriber.ready`
+        before telling the client the stream is open; :meth:`unsubscribe` in any case)."""
         topic = self._topics.get(spec.key)
         if topic is None:
-            topic = Topic(
-                self,
-                spec.key,
-                spec.make(self),
-                spec.interval_s,
-                first_tick_s=spec.first_tick_s,
-                replay=spec.replay,
-            )
+            topic = Topic(spec, spec.make(self))
             self._topics[spec.key] = topic
             topic.start()
         sub = Subscriber(topic, spec.select)
         if spec.first is not None:
             sub.offer(spec.first)
-        if topic.replay:
-            for item in topic.latest:
-                frame = sub.select(item)
-                if frame is not None:
-                    sub.offer(frame)
+        if spec.replay:
+            sub.take(topic.latest)
         topic.subscribers.add(sub)
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(
                 self._watch(), name="clash-stream-watch"
             )
         return sub
-
-    @staticmethod
-    async def ready(sub: Subscriber) -> None:
-        """Wait until ``sub``'s topic has its starting point, so nothing logged after
-        the client is told the stream is open is missed."""
-        await sub.topic.primed.wait()
 
     def unsubscribe(self, sub: Subscriber) -> None:
         """Leave; the topic's task ends with its last subscriber, the watcher with the
@@ -545,11 +522,21 @@ def logs_spec(query: dict[str, str]) -> StreamSpec:
 Parse = Callable[[dict[str, str]], StreamSpec]
 
 
-def _message(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"message": message}, status_code=status)
-
-
 _STOPPING = "the engine is not running"
+
+
+def _spec_or_refusal(
+    hub: StreamHub, parse: Parse, query: Mapping[str, str]
+) -> StreamSpec | Response:
+    """What the request subscribes to, or the answer refusing it: 400 for a wrong
+    parameter, 503 when the engine is not running."""
+    try:
+        spec = parse(dict(query))
+    except BadRequest as ex:
+        return error_response(400, str(ex))
+    if hub.stopped:
+        return error_response(503, _STOPPING)
+    return spec
 
 
 # -- serving -----------------------------------------------------------------------
@@ -573,45 +560,59 @@ async def _first_done(*tasks: asyncio.Future[Any]) -> set[asyncio.Future[Any]]:
     return done
 
 
-async def _send_ws(websocket: WebSocket, sub: Subscriber) -> None:
+async def _pump(
+    sub: Subscriber,
+    send: Send,
+    message_of: Callable[[Frame], Message],
+    gone: tuple[type[BaseException], ...],
+) -> None:
+    """Send ``sub``'s frames until the connection is ``gone`` or one is not written
+    within :data:`SEND_TIMEOUT_S` (the subscriber is then ended as slow)."""
     while True:
         frame = await sub.queue.get()
         try:
-            await asyncio.wait_for(
-                websocket.send({"type": "websocket.send", "text": frame.text}), SEND_TIMEOUT_S
-            )
+            await asyncio.wait_for(send(message_of(frame)), SEND_TIMEOUT_S)
         except TimeoutError:
             sub.end("slow")
             return
-        except (OSError, WebSocketDisconnect, RuntimeError):
+        except gone:
             return
+
+
+async def _stream(
+    sub: Subscriber, receive: Receive, disconnect: str, pump: Awaitable[None]
+) -> bool:
+    """Run ``pump`` until it, the client or the subscriber ends; True when the client
+    went away (or uvicorn shut the connection down)."""
+    receiver = asyncio.ensure_future(_until_disconnect(receive, disconnect))
+    done = await _first_done(
+        receiver, asyncio.ensure_future(pump), asyncio.ensure_future(sub.ended.wait())
+    )
+    return receiver in done
+
+
+def _ws_text(frame: Frame) -> Message:
+    return {"type": "websocket.send", "text": frame.text}
+
+
+def _http_chunk(frame: Frame) -> Message:
+    return {"type": "http.response.body", "body": frame.data, "more_body": True}
 
 
 async def serve_websocket(websocket: WebSocket, hub: StreamHub, parse: Parse) -> None:
     """One WebSocket stream: refused with 400 before the upgrade when a parameter is
     wrong, then frames until the client, the hub or a slow read ends it."""
-    try:
-        spec = parse(dict(websocket.query_params))
-    except BadRequest as ex:
-        await _deny(websocket, _message(400, str(ex)))
-        return
-    if hub.stopped:
-        await _deny(websocket, _message(503, _STOPPING))
+    spec = _spec_or_refusal(hub, parse, websocket.query_params)
+    if isinstance(spec, Response):
+        await _deny(websocket, spec)
         return
     sub = hub.subscribe(spec)
     try:
-        await hub.ready(sub)
+        await sub.ready()
         await websocket.accept()
-        receiver = asyncio.ensure_future(
-            _until_disconnect(websocket.receive, "websocket.disconnect")
-        )
-        done = await _first_done(
-            receiver,
-            asyncio.ensure_future(_send_ws(websocket, sub)),
-            asyncio.ensure_future(sub.ended.wait()),
-        )
-        if receiver in done:
-            return  # the client went away (or uvicorn shut the connection down)
+        pump = _pump(sub, websocket.send, _ws_text, (OSError, WebSocketDisconnect, RuntimeError))
+        if await _stream(sub, websocket.receive, "websocket.disconnect", pump):
+            return
         code = 1001 if sub.reason == "stopping" else 1008
         with contextlib.suppress(Exception):
             await asyncio.wait_for(websocket.close(code), CLOSE_TIMEOUT_S)
@@ -621,27 +622,12 @@ async def serve_websocket(websocket: WebSocket, hub: StreamHub, parse: Parse) ->
         hub.unsubscribe(sub)
 
 
-async def _deny(websocket: WebSocket, response: JSONResponse) -> None:
+async def _deny(websocket: WebSocket, response: Response) -> None:
     try:
         await websocket.send_denial_response(response)
     except RuntimeError:
         # A server without the denial extension: the handshake is refused (403).
         await websocket.close(1008)
-
-
-async def _send_lines(send: Send, sub: Subscriber) -> None:
-    while True:
-        frame = await sub.queue.get()
-        try:
-            await asyncio.wait_for(
-                send({"type": "http.response.body", "body": frame.data, "more_body": True}),
-                SEND_TIMEOUT_S,
-            )
-        except TimeoutError:
-            sub.end("slow")
-            return
-        except OSError:
-            return
 
 
 def _ndjson_start() -> dict[str, Any]:
@@ -662,13 +648,9 @@ class LineStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one request."""
-        try:
-            spec = self.parse(dict(Request(scope).query_params))
-        except BadRequest as ex:
-            await _message(400, str(ex))(scope, receive, send)
-            return
-        if self.hub.stopped:
-            await _message(503, _STOPPING)(scope, receive, send)
+        spec = _spec_or_refusal(self.hub, self.parse, Request(scope).query_params)
+        if isinstance(spec, Response):
+            await spec(scope, receive, send)
             return
         if scope["method"] == "HEAD":
             # The headers of the stream, without a stream that would never end.
@@ -677,15 +659,11 @@ class LineStream:
             return
         sub = self.hub.subscribe(spec)
         try:
-            await self.hub.ready(sub)
+            await sub.ready()
             await send(_ndjson_start())
-            receiver = asyncio.ensure_future(_until_disconnect(receive, "http.disconnect"))
-            done = await _first_done(
-                receiver,
-                asyncio.ensure_future(_send_lines(send, sub)),
-                asyncio.ensure_future(sub.ended.wait()),
-            )
-            if receiver in done:
+            if await _stream(
+                sub, receive, "http.disconnect", _pump(sub, send, _http_chunk, (OSError,))
+            ):
                 return
             # The last chunk; a reader that stopped reading will not take it either,
             # and then uvicorn closes the connection when this returns.
