@@ -15,6 +15,7 @@ from spliceway.config.models_outbounds import (
     Outbound,
     OutboundGroup,
 )
+from spliceway.config.models_providers import Providers
 from spliceway.config.models_route import Mode, Route, Rule
 from spliceway.config.models_runtime import Runtime
 from spliceway.config.validators import BUILTIN_DIRECT, _Model
@@ -41,6 +42,8 @@ class Config(_Model):
     """Routing rules, tried in order in mode `rule`; the first match wins."""
     route: Route = Field(default_factory=Route)
     """What happens to flows no rule matches."""
+    providers: Providers = Field(default_factory=Providers)
+    """Proxy providers (subscriptions) and rule providers (rule sets)."""
     runtime: Runtime = Field(default_factory=Runtime)
     """Logging, timeouts, sampling, the event ring and DNS."""
     api: Api = Field(default_factory=Api)

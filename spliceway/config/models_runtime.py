@@ -134,6 +134,23 @@ class TunSettings(_Model):
     """Answer DNS queries sent through the device."""
 
 
+class GeoData(_Model):
+    """``runtime.geodata``: the databases behind ``geoip``, ``source_geoip`` and ``geosite``."""
+
+    geoip_path: NonEmptyStr | None = None
+    """MaxMind-format database (`.mmdb`, a country or an ASN database) read by `geoip` and
+    `source_geoip` rules; `null`: such rules are a configuration error."""
+    geosite_path: NonEmptyStr | None = None
+    """v2fly `geosite.dat` (a protobuf list of domain lists) read by `geosite` rules; `null`:
+    such rules are a configuration error."""
+    geoip_url: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    """URL `providers.update` downloads `geoip_path` from (through the built-in `direct`
+    outbound). Nothing is downloaded unless this is set."""
+    geosite_url: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    """URL `providers.update` downloads `geosite_path` from (through the built-in `direct`
+    outbound). Nothing is downloaded unless this is set."""
+
+
 class Runtime(_Model):
     """``runtime``."""
 
@@ -191,3 +208,9 @@ class Runtime(_Model):
     """A TUN inbound started with the engine and managed by configuration (`tun.start` and
     `tun.stop` then answer `conflict`); `null`: none (the commands may start one).
     See docs/tun.md."""
+    providers_cache_dir: NonEmptyStr | None = None
+    """Directory holding the last good copy of every fetched provider (so the engine starts
+    offline); `null`: a `providers/` directory beside `api.outbox_path`, else
+    `$XDG_STATE_HOME/spliceway/providers`."""
+    geodata: GeoData = Field(default_factory=GeoData)
+    """GeoIP and GeoSite databases."""
