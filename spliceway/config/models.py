@@ -95,6 +95,4 @@ def resolve_ipc(config: Config, unset_default: bool) -> Config:
     if ipc.enabled is not None:
         return config
     decided = ipc.model_copy(update={"enabled": ipc.serves(unset_default)})
-    return config.model_copy(
-        update={"api": config.api.model_copy(update={"ipc": decided})}
-    )
+    return config.model_copy(update={"api": config.api.model_copy(update={"ipc": decided})})

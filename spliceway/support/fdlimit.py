@@ -74,9 +74,7 @@ def raise_nofile_limit() -> tuple[int, int]:
     target = hard
     if hard == resource.RLIM_INFINITY:
         target = _nr_open()
-    if target != resource.RLIM_INFINITY and (
-        soft == resource.RLIM_INFINITY or soft >= target
-    ):
+    if target != resource.RLIM_INFINITY and (soft == resource.RLIM_INFINITY or soft >= target):
         return nofile_limits()
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

@@ -76,9 +76,7 @@ EDITS = [
         ("dns", "runtime"),
         id="dns",
     ),
-    pytest.param(
-        {"api__flow_hook": {"path": "/run/hook.sock"}}, ("flow_hook",), id="flow-hook"
-    ),
+    pytest.param({"api__flow_hook": {"path": "/run/hook.sock"}}, ("flow_hook",), id="flow-hook"),
     pytest.param(
         {"api__event_sinks": [{"type": "jsonl", "tag": "j", "path": "/tmp/events.jsonl"}]},
         ("event_dispatcher",),
