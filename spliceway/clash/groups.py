@@ -156,8 +156,11 @@ def convert_proxies(raw: Any, state: ImportState) -> dict[str, Converted]:
             kind = "a built-in" if existing.kind == "builtin" else "another proxy"
             if isinstance(result, Skipped):
                 state.report.add(
-                    "skipped", path, name, f"{result.type} proxy", f"{result.reason}; "
-                    f"its name is also {kind}'s"
+                    "skipped",
+                    path,
+                    name,
+                    f"{result.type} proxy",
+                    f"{result.reason}; its name is also {kind}'s",
                 )
                 continue
             tag = state.names.free_tag(name)
@@ -196,8 +199,10 @@ def convert_proxies(raw: Any, state: ImportState) -> dict[str, Converted]:
 
 def _report_changes(path: str, name: str, result: Converted, state: ImportState) -> None:
     for change in result.changes:
-        kind = "skipped" if change.why.startswith("unknown key") else "changed"
-        state.report.add(kind, f"{path}.{change.key}", name, change.key, change.why)
+        if change.why.startswith("unknown key"):
+            state.report.add("skipped", f"{path}.{change.key}", name, change.key, change.why)
+        else:
+            state.report.add("changed", f"{path}.{change.key}", name, change.key, change.why)
 
 
 def build_dialer_chains(
@@ -242,7 +247,9 @@ def build_dialer_chains(
             f"proxies[{i}].dialer-proxy",
         )
         if result.dialer_proxy == "DIRECT":
-            state.report.add("converted", path, name, "no chain", "dialer-proxy DIRECT is a direct dial")
+            state.report.add(
+                "converted", path, name, "no chain", "dialer-proxy DIRECT is a direct dial"
+            )
             continue
         hops = chain(name, ())
         if isinstance(hops, str):
@@ -473,8 +480,7 @@ def _provider_for_group(
         f"{g.path}.filter",
         g.name,
         f"provider copy {variant!r} of {name!r} with the group's filters",
-        "spliceway filters a provider, not a group's view of it: the copy is fetched on "
-        "its own",
+        "spliceway filters a provider, not a group's view of it: the copy is fetched on its own",
     )
     return variant
 
@@ -553,14 +559,8 @@ def _interval(g: _Group, state: ImportState) -> int:
 def _finish(g: _Group, state: ImportState) -> dict[str, Any]:
     """The spliceway group entry of ``g``."""
     kind = _GROUP_KINDS.get(g.ctype)
-    real = [t for t in g.members if t not in ("direct", BLOCK_TAG)]
-    if not g.broken and g.had_real and not real and not g.providers:
-        lost = ", ".join(repr(n) for n in g.lost) or "none"
-        g.broken = f"it lost every proxy and group it had ({lost})"
-    if kind is None and not g.broken:
-        g.broken = f"unsupported group type {g.ctype!r} (mihomo refuses it too)"
-    if kind == "relay" and not g.broken:
-        g.broken = _relay_problem(g, state)
+    if not g.broken:
+        g.broken = _why_broken(g, kind, state)
     if g.broken:
         block = state.names.block()
         members = [block, *[m for m in g.members if m != block]]
@@ -587,52 +587,9 @@ def _finish(g: _Group, state: ImportState) -> dict[str, Any]:
             out["url"] = url
         out["interval_seconds"] = _interval(g, state)
     if kind == "url_test":
-        tolerance = lookup(g.raw, "tolerance", dashes=False)
-        if tolerance is MISSING:
-            out["tolerance_ms"] = 0
-        elif isinstance(tolerance, int) and not isinstance(tolerance, bool):
-            out["tolerance_ms"] = max(0, min(tolerance, 65535))
-        else:
-            out["tolerance_ms"] = 0
-            state.report.add(
-                "changed",
-                f"{g.path}.tolerance",
-                g.name,
-                "tolerance 0",
-                f"{tolerance!r} is not an integer: mihomo ignores it too",
-            )
+        out["tolerance_ms"] = _tolerance(g, state)
     if kind == "load_balance":
-        strategy = lookup(g.raw, "strategy", dashes=False)
-        text = strategy if isinstance(strategy, str) else "consistent-hashing"
-        mapped = _STRATEGIES.get(text)
-        if mapped is None:
-            state.report.add(
-                "changed",
-                f"{g.path}.strategy",
-                g.name,
-                "strategy round_robin",
-                f"unknown strategy {text!r} (mihomo refuses it)",
-            )
-            mapped = "round_robin"
-        elif mapped == "consistent_hashing":
-            state.report.add(
-                "changed",
-                f"{g.path}.strategy",
-                g.name,
-                "consistent_hashing by target host",
-                "mihomo hashes the destination's registered domain (eTLD+1), spliceway the "
-                "whole host name",
-            )
-        elif mapped == "sticky_sessions":
-            state.report.add(
-                "changed",
-                f"{g.path}.strategy",
-                g.name,
-                "sticky_sessions by source IP",
-                "mihomo keys on source and destination (10-minute cache), spliceway on the "
-                "client's address",
-            )
-        out["strategy"] = mapped
+        out["strategy"] = _strategy(g, state)
     state.report.add(
         "converted",
         g.path,
@@ -640,6 +597,71 @@ def _finish(g: _Group, state: ImportState) -> dict[str, Any]:
         f"{g.ctype} group → {kind} {g.tag!r}",
     )
     return out
+
+
+def _why_broken(g: _Group, kind: str | None, state: ImportState) -> str:
+    """Why ``g`` must refuse traffic (empty: it need not)."""
+    real = [t for t in g.members if t not in ("direct", BLOCK_TAG)]
+    if g.had_real and not real and not g.providers:
+        lost = ", ".join(repr(n) for n in g.lost) or "none"
+        return f"it lost every proxy and group it had ({lost})"
+    if kind is None:
+        return f"unsupported group type {g.ctype!r} (mihomo refuses it too)"
+    if kind == "relay":
+        return _relay_problem(g, state)
+    return ""
+
+
+def _tolerance(g: _Group, state: ImportState) -> int:
+    """``tolerance`` as mihomo reads it: only an integer counts (default 0)."""
+    tolerance = lookup(g.raw, "tolerance", dashes=False)
+    if tolerance is MISSING:
+        return 0
+    if isinstance(tolerance, int) and not isinstance(tolerance, bool):
+        return max(0, min(tolerance, 65535))
+    state.report.add(
+        "changed",
+        f"{g.path}.tolerance",
+        g.name,
+        "tolerance 0",
+        f"{tolerance!r} is not an integer: mihomo ignores it too",
+    )
+    return 0
+
+
+def _strategy(g: _Group, state: ImportState) -> str:
+    """A load-balance group's ``strategy`` (mihomo's default: consistent-hashing)."""
+    strategy = lookup(g.raw, "strategy", dashes=False)
+    text = strategy if isinstance(strategy, str) else "consistent-hashing"
+    mapped = _STRATEGIES.get(text)
+    if mapped is None:
+        state.report.add(
+            "changed",
+            f"{g.path}.strategy",
+            g.name,
+            "strategy round_robin",
+            f"unknown strategy {text!r} (mihomo refuses it)",
+        )
+        return "round_robin"
+    if mapped == "consistent_hashing":
+        state.report.add(
+            "changed",
+            f"{g.path}.strategy",
+            g.name,
+            "consistent_hashing by target host",
+            "mihomo hashes the destination's registered domain (eTLD+1), spliceway the "
+            "whole host name",
+        )
+    elif mapped == "sticky_sessions":
+        state.report.add(
+            "changed",
+            f"{g.path}.strategy",
+            g.name,
+            "sticky_sessions by source IP",
+            "mihomo keys on source and destination (10-minute cache), spliceway on the "
+            "client's address",
+        )
+    return mapped
 
 
 def _relay_problem(g: _Group, state: ImportState) -> str:
@@ -677,8 +699,8 @@ def convert_groups(raw: Any, state: ImportState, providers: set[str]) -> None:
         if not isinstance(name, str) or not name:
             state.report.add("skipped", path, "", "group", "missing name (mihomo refuses it)")
             continue
-        ctype = item.get("type") if isinstance(item.get("type"), str) else ""
-        ctype = str(lookup(item, "type", dashes=False)) if not ctype else ctype
+        raw_type = lookup(item, "type", dashes=False)
+        ctype = raw_type if isinstance(raw_type, str) else ""
         g = _Group(i, name, ctype, item)
         if state.names.defined(name) or name in groups:
             g.tag = state.names.free_tag(name)

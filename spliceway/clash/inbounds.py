@@ -148,9 +148,7 @@ def _global_users(doc: Mapping[str, Any], state: ImportState, index: InboundInde
         items.append((path, user, password))
     users = _users(items, state, index)
     if users:
-        state.report.add(
-            "converted", "authentication", "", f"{len(users)} users on every inbound"
-        )
+        state.report.add("converted", "authentication", "", f"{len(users)} users on every inbound")
     skip = doc.get("skip-auth-prefixes")
     if skip:
         state.report.add(
@@ -185,6 +183,39 @@ def _record(
         index.by_type.setdefault(kind, []).append(tag)
     if protocol == "mixed":
         index.has_mixed = True
+
+
+def _listener_options(
+    item: Mapping[Any, Any],
+    path: str,
+    name: str,
+    protocol: str,
+    inbound: dict[str, Any],
+    state: ImportState,
+    index: InboundIndex,
+    global_users: list[Any],
+) -> None:
+    """A listener's ``users`` (absent: the global ones; empty: none) and ``udp``."""
+    raw_users = lookup(item, "users")
+    if raw_users is MISSING:
+        if global_users:
+            inbound["users"] = global_users
+    elif isinstance(raw_users, list):
+        items = [
+            (f"{path}.users[{j}]", lookup(u, "username"), lookup(u, "password"))
+            for j, u in enumerate(raw_users)
+            if isinstance(u, Mapping)
+        ]
+        users = _users(items, state, index)
+        if users:
+            inbound["users"] = users
+    if protocol != "http":
+        udp = lookup(item, "udp")
+        try:
+            if udp is not MISSING and not weak_bool(udp, "udp"):
+                inbound["udp"] = False
+        except WeakTypeError as ex:
+            state.report.add("skipped", f"{path}.udp", name, "udp", str(ex))
 
 
 def _listener(
@@ -242,26 +273,7 @@ def _listener(
         "protocol": protocol,
         "listen": {"address": address, "port": port},
     }
-    raw_users = lookup(item, "users")
-    if raw_users is MISSING:
-        if global_users:
-            inbound["users"] = global_users
-    elif isinstance(raw_users, list):
-        items = [
-            (f"{path}.users[{j}]", lookup(u, "username"), lookup(u, "password"))
-            for j, u in enumerate(raw_users)
-            if isinstance(u, Mapping)
-        ]
-        users = _users(items, state, index)
-        if users:
-            inbound["users"] = users
-    if protocol != "http":
-        udp = lookup(item, "udp")
-        try:
-            if udp is not MISSING and not weak_bool(udp, "udp"):
-                inbound["udp"] = False
-        except WeakTypeError as ex:
-            state.report.add("skipped", f"{path}.udp", name, "udp", str(ex))
+    _listener_options(item, path, name, protocol, inbound, state, index, global_users)
     if lookup(item, "rule") is not MISSING:
         state.report.add(
             "skipped",
@@ -279,9 +291,7 @@ def _listener(
         )
     index.by_name[name] = tag
     _record(index, tag, port, types, protocol)
-    state.report.add(
-        "converted", path, name, f"{protocol} inbound {tag!r} on {address}:{port}"
-    )
+    state.report.add("converted", path, name, f"{protocol} inbound {tag!r} on {address}:{port}")
     return inbound
 
 

@@ -66,7 +66,17 @@ _HEALTH_NOT_CARRIED = {
     "expected-status": "spliceway's probes accept any HTTP answer",
 }
 _OVERRIDE_KEYS = ("additional-prefix", "additional-suffix")
-_RULE_KEYS = ("type", "behavior", "format", "url", "path", "proxy", "interval", "size-limit", "payload")
+_RULE_KEYS = (
+    "type",
+    "behavior",
+    "format",
+    "url",
+    "path",
+    "proxy",
+    "interval",
+    "size-limit",
+    "payload",
+)
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -104,7 +114,9 @@ def _source(
         url = lookup(raw, "url", dashes=False)
         url = "" if url is MISSING else weak_str(url, "url")
         if not re.match(r"^https?://", url):
-            state.report.add("skipped", path, name, f"{kind} provider", f"url {url!r} is not http(s)")
+            state.report.add(
+                "skipped", path, name, f"{kind} provider", f"url {url!r} is not http(s)"
+            )
             return None
         if lookup(raw, "path", dashes=False) is not MISSING:
             state.report.add(
@@ -128,7 +140,9 @@ def _source(
     if ptype == "inline":
         payload = lookup(raw, "payload", dashes=False)
         if not isinstance(payload, list):
-            state.report.add("skipped", path, name, f"{kind} provider", "inline without a payload list")
+            state.report.add(
+                "skipped", path, name, f"{kind} provider", "inline without a payload list"
+            )
             return None
         document = {"proxies": payload} if kind == "proxy" else {"payload": payload}
         written = _write_inline(state, "proxies" if kind == "proxy" else "rules", name, document)
@@ -141,7 +155,11 @@ def _source(
         )
         return {"path": written}
     state.report.add(
-        "skipped", path, name, f"{kind} provider", f"unsupported vehicle type: {ptype} (mihomo refuses it)"
+        "skipped",
+        path,
+        name,
+        f"{kind} provider",
+        f"unsupported vehicle type: {ptype} (mihomo refuses it)",
     )
     return None
 
@@ -171,7 +189,9 @@ def _interval(raw: Mapping[Any, Any], path: str, name: str, state: ImportState) 
     return interval
 
 
-def _common(raw: Mapping[Any, Any], path: str, name: str, state: ImportState, spec: dict[str, Any]) -> None:
+def _common(
+    raw: Mapping[Any, Any], path: str, name: str, state: ImportState, spec: dict[str, Any]
+) -> None:
     interval = _interval(raw, path, name, state)
     if interval is not None:
         spec["interval_seconds"] = interval
@@ -222,7 +242,9 @@ def _health(raw: Any, path: str, name: str, state: ImportState) -> dict[str, Any
         if lookup(raw, key, dashes=False) is not MISSING:
             state.report.add("skipped", f"{path}.{key}", name, key, why)
     for key in unknown_keys(raw, (*_HEALTH_KEYS, *_HEALTH_NOT_CARRIED), dashes=False):
-        state.report.add("skipped", f"{path}.{key}", name, key, "unknown key (mihomo ignores it too)")
+        state.report.add(
+            "skipped", f"{path}.{key}", name, key, "unknown key (mihomo ignores it too)"
+        )
     return out
 
 
@@ -263,7 +285,9 @@ def _one_proxy_provider(name: str, raw: Any, state: ImportState) -> dict[str, An
             spec["filter"] = filters
     text = lookup(raw, "exclude-filter", dashes=False)
     if text is not MISSING:
-        excludes = _regex_list(weak_str(text, "exclude-filter"), "exclude-filter", path, name, state)
+        excludes = _regex_list(
+            weak_str(text, "exclude-filter"), "exclude-filter", path, name, state
+        )
         if excludes:
             spec["exclude_filter"] = excludes
     health = _health(lookup(raw, "health-check", dashes=False), f"{path}.health-check", name, state)
@@ -276,7 +300,9 @@ def _one_proxy_provider(name: str, raw: Any, state: ImportState) -> dict[str, An
         if lookup(raw, key, dashes=False) is not MISSING:
             state.report.add("skipped", f"{path}.{key}", name, key, why)
     for key in unknown_keys(raw, (*_PROXY_KEYS, *_PROXY_NOT_CARRIED), dashes=False):
-        state.report.add("skipped", f"{path}.{key}", name, key, "unknown key (mihomo ignores it too)")
+        state.report.add(
+            "skipped", f"{path}.{key}", name, key, "unknown key (mihomo ignores it too)"
+        )
     return spec
 
 
@@ -310,16 +336,24 @@ def _one_rule_provider(name: str, raw: Any, state: ImportState) -> dict[str, Any
     behavior = "" if behavior is MISSING else weak_str(behavior, "behavior")
     if behavior not in ("domain", "ipcidr", "classical"):
         state.report.add(
-            "skipped", path, name, "rule provider", f"behavior {behavior!r} is not domain, ipcidr or classical"
+            "skipped",
+            path,
+            name,
+            "rule provider",
+            f"behavior {behavior!r} is not domain, ipcidr or classical",
         )
         return None
     fmt = lookup(raw, "format", dashes=False)
     fmt = "yaml" if fmt is MISSING or fmt == "" else weak_str(fmt, "format")
     if fmt not in ("yaml", "text", "mrs"):
-        state.report.add("skipped", path, name, "rule provider", f"format {fmt!r} is not yaml, text or mrs")
+        state.report.add(
+            "skipped", path, name, "rule provider", f"format {fmt!r} is not yaml, text or mrs"
+        )
         return None
     if fmt == "mrs" and behavior == "classical":
-        state.report.add("skipped", path, name, "rule provider", "mrs holds domain or ipcidr sets only")
+        state.report.add(
+            "skipped", path, name, "rule provider", "mrs holds domain or ipcidr sets only"
+        )
         return None
     spec = _source(raw, path, name, "rule", state)
     if spec is None:
@@ -368,6 +402,7 @@ def finish_providers(state: ImportState) -> None:
             pending = spec.pop("_via", None)
             if pending is None:
                 continue
-            via = resolve_via(*pending, state)
+            text, path, name = pending
+            via = resolve_via(text, path, name, state)
             if via is not None:
                 spec["via"] = via

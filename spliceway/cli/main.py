@@ -7,9 +7,12 @@ keeping the running configuration when that fails),
 ``validate [--json] FILE`` (offline, the environment variables the file names
 included; exit 0, or 1 with one line per problem, or one JSON object with ``code``,
 ``message`` and ``details``), ``config-schema`` (the configuration's JSON Schema),
-``connector state [--json] FILE`` (reads the outbox the file names; while an engine
-holds it, asks that engine over IPC), ``connector dead-letters [--json] FILE`` (the
-outbox read while the engine is stopped; exit 1 with the error code when it cannot)
+``import clash SOURCE [-o FILE] [--report [--json]]`` (a Clash/mihomo configuration
+or share-link list, file or URL, converted and validated; exit 0, or 1 when nothing
+usable came out: docs/clash-import.md), ``connector state [--json] FILE`` (reads the
+outbox the file names; while an engine holds it, asks that engine over IPC),
+``connector dead-letters [--json] FILE`` (the outbox read while the engine is stopped;
+exit 1 with the error code when it cannot)
 and ``build-info [--json]``; ``status``, ``flows``, ``policies``, ``select``, ``mode``,
 ``reload`` and ``events`` talk to a running engine over its IPC socket (``--ipc PATH``,
 ``$SPLICEWAY_IPC``, else the default; exit 1 with ``spliceway: <code>: <message>``
@@ -142,6 +145,27 @@ def _parser() -> argparse.ArgumentParser:
         "connector",
         help="inspect the event sinks' outbox (offline, or over IPC from the engine holding it)",
     )
+    imports = sub.add_parser(
+        "import",
+        help="convert another proxy's configuration into a spliceway one",
+    )
+    kinds = imports.add_subparsers(dest="import_kind", required=True)
+    clash = kinds.add_parser(
+        "clash",
+        help="a Clash/mihomo configuration or share-link subscription (file or URL)",
+        description="Convert SOURCE (a mihomo/Clash YAML configuration or a share-link "
+        "list; a file or an http(s) URL) into a spliceway configuration, validated before "
+        "it is written. Exit 0 when a valid configuration was written (even with skipped "
+        "items), 1 when nothing usable came out. See docs/clash-import.md.",
+    )
+    clash.add_argument("source", help="file or http(s):// URL")
+    clash.add_argument(
+        "-o", "--output", help="write here (YAML for .yaml/.yml, else JSON); default stdout"
+    )
+    clash.add_argument(
+        "--report", action="store_true", help="list everything converted, changed or skipped"
+    )
+    clash.add_argument("--json", action="store_true", help="the report as JSON (on stderr)")
     what = connector.add_subparsers(dest="connector_command", required=True)
     for name, text in (
         ("state", "each sink's pending events, dead letters and storage state"),
@@ -540,6 +564,10 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return cmd_connector(args.connector_command, args.file, args.json, args.ipc)
     if args.command == "build-info":
         return cmd_build_info(args.json)
+    if args.command == "import":
+        from spliceway.cli.import_clash import cmd_import_clash
+
+        return cmd_import_clash(args.source, args.output, args.report, args.json)
     from spliceway.cli import remote
 
     if args.command == "status":
