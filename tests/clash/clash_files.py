@@ -1,3 +1,4 @@
+# ruff: noqa: E501, RUF001 (the files are written as subscriptions write them: long flow lines, full-width punctuation in names)
 """Realistic Clash/mihomo files for the importer's tests, written the way people's files are.
 
 - :func:`subconverter_file`: what subconverter emits for an airport subscription with an

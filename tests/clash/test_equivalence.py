@@ -192,9 +192,7 @@ def compare(
             dst = f"{host}:{port}"
             carried[dst] = tunnel(spliceway_mixed, host, port)
             tunnel(("127.0.0.1", m.mixed_port), host, port)
-        wait_until(
-            lambda: all(d in flows.records for d in carried), 20, "spliceway's flow records"
-        )
+        wait_until(lambda: all(d in flows.records for d in carried), 20, "spliceway's flow records")
         try:
             wait_until(
                 lambda: all(d in mihomo_choices(m) for d in carried), 20, "mihomo's log lines"
