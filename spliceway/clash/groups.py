@@ -262,14 +262,18 @@ def build_dialer_chains(
             )
             continue
         chains[name] = hops
-    # Rename each chained proxy's outbound and put a relay under its name.
+    # Rename each chained proxy's outbound and put a relay under its name; a hop that is
+    # itself chained is its renamed outbound (the relay dials the whole chain).
+    inner: dict[str, str] = {}
+    for name in chains:
+        info = state.names.get(name)
+        assert info is not None
+        inner[info.tag] = state.names.free_tag(f"{info.tag} (last hop)")
+        by_tag[info.tag]["tag"] = inner[info.tag]
     for name, hops in chains.items():
         info = state.names.get(name)
         assert info is not None
-        inner = state.names.free_tag(f"{info.tag} (last hop)")
-        outbound = by_tag[info.tag]
-        outbound["tag"] = inner
-        final = [inner if h == info.tag else h for h in hops]
+        final = [inner.get(h, h) for h in hops]
         state.groups.append({"tag": info.tag, "kind": "relay", "outbounds": final})
         info.protocol = "relay"
         state.report.add(
