@@ -205,39 +205,48 @@ def _report_changes(path: str, name: str, result: Converted, state: ImportState)
             state.report.add("changed", f"{path}.{change.key}", name, change.key, change.why)
 
 
+def _chain(
+    name: str,
+    seen: tuple[str, ...],
+    carried: dict[str, Converted],
+    group_names: set[str],
+    chains: dict[str, list[str]],
+    by_tag: dict[str, dict[str, Any]],
+    state: ImportState,
+) -> list[str] | str:
+    """The hops (outbound tags) that reach proxy ``name``, or why there are none."""
+    if name in chains:
+        return chains[name]
+    result = carried.get(name)
+    if result is None:
+        return f"{name!r} is not a carried proxy"
+    info = state.names.get(name)
+    assert info is not None
+    tag = info.tag
+    if result.dialer_proxy is None or result.dialer_proxy == "DIRECT":
+        return [tag]
+    dialer = result.dialer_proxy
+    if dialer in seen:
+        return "the dialer-proxy chain loops"
+    if dialer in group_names:
+        return f"dialer-proxy {dialer!r} is a group; spliceway's relay chains proxies only"
+    before = _chain(dialer, (*seen, name), carried, group_names, chains, by_tag, state)
+    if isinstance(before, str):
+        return before
+    protocols = [by_tag[t]["protocol"] for t in before]
+    if any(p not in _RELAY_HOPS for p in protocols):
+        return "only socks5 and http proxies can be hops of a spliceway relay before the last"
+    if result.outbound["protocol"] not in _RELAY_LAST:
+        return f"a {result.outbound['protocol']} outbound cannot end a spliceway relay"
+    return [*before, tag]
+
+
 def build_dialer_chains(
     carried: dict[str, Converted], group_names: set[str], state: ImportState
 ) -> None:
     """Proxies with ``dialer-proxy``: relay groups where spliceway can chain the hops."""
     chains: dict[str, list[str]] = {}
     by_tag = {ob["tag"]: ob for ob in state.outbounds}
-
-    def chain(name: str, seen: tuple[str, ...]) -> list[str] | str:
-        """The hops (outbound tags) that reach proxy ``name``, or why there are none."""
-        if name in chains:
-            return chains[name]
-        result = carried.get(name)
-        if result is None:
-            return f"{name!r} is not a carried proxy"
-        info = state.names.get(name)
-        assert info is not None
-        tag = info.tag
-        if result.dialer_proxy is None or result.dialer_proxy == "DIRECT":
-            return [tag]
-        dialer = result.dialer_proxy
-        if dialer in seen:
-            return "the dialer-proxy chain loops"
-        if dialer in group_names:
-            return f"dialer-proxy {dialer!r} is a group; spliceway's relay chains proxies only"
-        before = chain(dialer, (*seen, name))
-        if isinstance(before, str):
-            return before
-        protocols = [by_tag[t]["protocol"] for t in before]
-        if any(p not in _RELAY_HOPS for p in protocols):
-            return "only socks5 and http proxies can be hops of a spliceway relay before the last"
-        if result.outbound["protocol"] not in _RELAY_LAST:
-            return f"a {result.outbound['protocol']} outbound cannot end a spliceway relay"
-        return [*before, tag]
 
     for i, (name, result) in enumerate(carried.items()):
         if result.dialer_proxy is None:
@@ -251,7 +260,7 @@ def build_dialer_chains(
                 "converted", path, name, "no chain", "dialer-proxy DIRECT is a direct dial"
             )
             continue
-        hops = chain(name, ())
+        hops = _chain(name, (), carried, group_names, chains, by_tag, state)
         if isinstance(hops, str):
             state.report.add(
                 "changed",
