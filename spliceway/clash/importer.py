@@ -405,10 +405,21 @@ def _controller(doc: Mapping[str, Any], state: ImportState) -> dict[str, Any] | 
         )
     ui = doc.get("external-ui")
     if ui:
-        clash["external_ui"] = state.resolve(str(ui))
-        state.report.add(
-            "converted", "external-ui", str(ui), f"api.clash.external_ui {clash['external_ui']}"
-        )
+        directory = state.resolve(str(ui))
+        if os.path.isdir(directory):
+            clash["external_ui"] = directory
+            state.report.add(
+                "converted", "external-ui", str(ui), f"api.clash.external_ui {directory}"
+            )
+        else:
+            state.report.add(
+                "skipped",
+                "external-ui",
+                str(ui),
+                "dashboard directory",
+                f"{directory} is not a directory (mihomo would download a dashboard there; "
+                "spliceway serves only one that exists)",
+            )
     cors = doc.get("external-controller-cors")
     origins = cors.get("allow-origins") if isinstance(cors, Mapping) else None
     if isinstance(origins, list) and all(isinstance(o, str) and o for o in origins):

@@ -643,6 +643,7 @@ external-ui: ui
 external-controller-cors: {allow-origins: ["https://metacubex.github.io"]}
 """
     )
+    (tmp_path / "ui").mkdir()
     result = _doc(text, tmp_path)
     clash = result.config["api"]["clash"]
     assert clash == {
@@ -653,6 +654,10 @@ external-controller-cors: {allow-origins: ["https://metacubex.github.io"]}
         "cors_allow_origins": ["https://metacubex.github.io"],
     }
     assert '"no"' not in json.dumps(result.config["api"])
+    (tmp_path / "ui").rmdir()
+    result = _doc(text, tmp_path)
+    assert "external_ui" not in result.config["api"]["clash"]
+    assert "external-ui" in {i.path for i in result.report.skipped}
 
 
 def test_geodata_paths_found_in_home(tmp_path: Path) -> None:
