@@ -45,6 +45,7 @@ from spliceway.clash.weak import (
     weak_str,
     weak_str_list,
 )
+from spliceway.config.models_outbounds import SelectorGroup
 from spliceway.support.probe_url import parse_probe_url
 
 __all__ = [
@@ -102,6 +103,8 @@ _GROUP_NOT_CARRIED = {
 _RELAY_HOPS = frozenset({"socks5", "http"})
 _RELAY_LAST = frozenset({"socks5", "http", "shadowsocks"})
 _LEADING_FLAGS = re.compile(r"^\(\?([aiLmsux]+)\)")
+#: Whether this build's groups list providers (``providers`` beside ``outbounds``).
+GROUPS_TAKE_PROVIDERS = "providers" in SelectorGroup.model_fields
 
 
 def split_filter(text: str) -> list[str]:
@@ -391,6 +394,17 @@ def _resolve_members(
             continue
         _add_member(g, member, groups, state)
     for pname in use:
+        if not GROUPS_TAKE_PROVIDERS:
+            state.report.add(
+                "skipped",
+                f"{g.path}.use",
+                g.name,
+                f"provider {pname!r}",
+                "groups of this build cannot list providers",
+            )
+            g.lost.append(pname)
+            g.had_real = True
+            continue
         if pname not in providers:
             state.report.add(
                 "skipped",
@@ -618,6 +632,8 @@ def _why_broken(g: _Group, kind: str | None, state: ImportState) -> str:
     if g.had_real and not real and not g.providers:
         lost = ", ".join(repr(n) for n in g.lost) or "none"
         return f"it lost every proxy and group it had ({lost})"
+    if not g.members and not g.providers:
+        return "no member is left (PASS, or members every filter excluded)"
     if kind is None:
         return f"unsupported group type {g.ctype!r} (mihomo refuses it too)"
     if kind == "relay":

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from spliceway.clash.importer import (
     SECRET_ENV,
@@ -786,3 +788,111 @@ def test_garbage_never_crashes(doc: dict[str, Any], tmp_path: Path) -> None:
     result = import_document(doc, home=str(tmp_path), files_dir=str(tmp_path))
     parse_config(result.config)
     assert result.report.skipped or result.report.changed
+
+
+# ---------------------------------------------------------------------------
+# Any document of mihomo's vocabulary: a valid configuration, never a crash
+# ---------------------------------------------------------------------------
+
+_NAMES = st.sampled_from(["a", "b", "c", "g", "h", "direct", "REJECT", "GLOBAL", "🚀 节点"])
+_MEMBERS = st.sampled_from(
+    ["a", "b", "c", "g", "h", "DIRECT", "REJECT", "REJECT-DROP", "PASS", "zz", "🚀 节点"]
+)
+_PROXY = st.fixed_dictionaries(
+    {
+        "name": _NAMES,
+        "type": st.sampled_from(["ss", "socks5", "http", "vmess", "direct", "reject", "ssr"]),
+        "server": st.sampled_from(["127.0.0.1", "", "h.example"]),
+        "port": st.sampled_from([1, "2", 0, 70000, True, "0x50"]),
+        "cipher": st.sampled_from(["aes-128-gcm", "chacha20-ietf-poly1305", "rc4-md5"]),
+        "password": st.sampled_from(["p", "", 123]),
+    },
+    optional={
+        "dialer-proxy": _MEMBERS,
+        "plugin": st.just("obfs"),
+        "udp": st.sampled_from([True, "true", 0]),
+        "username": st.sampled_from(["u", ""]),
+    },
+)
+_GROUP = st.fixed_dictionaries(
+    {
+        "name": _NAMES,
+        "type": st.sampled_from(["select", "url-test", "fallback", "load-balance", "relay", "x"]),
+    },
+    optional={
+        "proxies": st.lists(_MEMBERS, max_size=5),
+        "use": st.lists(st.sampled_from(["p", "q"]), max_size=2),
+        "filter": st.sampled_from(["a", "(?<n>x)", "b`c"]),
+        "exclude-filter": st.sampled_from(["a", "^b$"]),
+        "exclude-type": st.sampled_from(["Socks5", "Http|Selector"]),
+        "include-all": st.booleans(),
+        "include-all-proxies": st.booleans(),
+        "tolerance": st.sampled_from([50, "50", -1]),
+        "interval": st.sampled_from([0, 60, "x"]),
+        "strategy": st.sampled_from(["round-robin", "sticky-sessions", "nope"]),
+    },
+)
+_RULE = st.sampled_from(
+    [
+        "MATCH,g",
+        "MATCH,GLOBAL",
+        "DOMAIN,x.example,a",
+        "DOMAIN-SUFFIX,y.example,PASS",
+        "IP-CIDR,10.0.0.0/8,h,no-resolve",
+        "AND,((DOMAIN,a.example),(NETWORK,UDP)),b",
+        "RULE-SET,p,a",
+        "IN-PORT,7890,g",
+        "GEOIP,CN,DIRECT",
+        "SRC-IP-SUFFIX,1.2.3.4/24,REJECT",
+        "nonsense",
+    ]
+)
+_DOC = st.fixed_dictionaries(
+    {},
+    optional={
+        "mixed-port": st.sampled_from([7890, 0, "7891", -1]),
+        "allow-lan": st.booleans(),
+        "mode": st.sampled_from(["rule", "Global", "DIRECT", "script"]),
+        "proxies": st.lists(_PROXY, max_size=6),
+        "proxy-groups": st.lists(_GROUP, max_size=6),
+        "rules": st.lists(_RULE, max_size=8),
+        "proxy-providers": st.dictionaries(
+            st.sampled_from(["p", "q"]),
+            st.sampled_from(
+                [
+                    {"type": "http", "url": "https://s.example/x"},
+                    {"type": "file", "path": "p.yaml"},
+                    {},
+                ]
+            ),
+            max_size=2,
+        ),
+        "rule-providers": st.dictionaries(
+            st.sampled_from(["p", "r"]),
+            st.sampled_from(
+                [
+                    {"type": "http", "behavior": "domain", "url": "https://r.example/x"},
+                    {"type": "x"},
+                ]
+            ),
+            max_size=2,
+        ),
+        "dns": st.sampled_from(
+            [
+                {"enable": True, "nameserver": ["1.1.1.1", "https://d.example/dns-query"]},
+                {"enable": "yes"},
+            ]
+        ),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_DOC)
+def test_any_document_validates_or_is_refused(doc: dict[str, Any]) -> None:
+    if not doc:
+        with pytest.raises(ClashImportError, match="not a Clash configuration"):
+            import_document(doc, home="/nonexistent", files_dir="/nonexistent/files")
+        return
+    result = import_document(doc, home="/nonexistent", files_dir="/nonexistent/files")
+    parse_config(result.config)

@@ -6,6 +6,8 @@ import base64
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spliceway.clash.links import decode_base64, decode_body, looks_like_links, parse_links
 from spliceway.clash.proxies import Converted, Skipped, convert_proxy
@@ -225,3 +227,19 @@ def test_decode_helpers() -> None:
     assert decode_body("plain text") == ("plain text", False)
     # base64 of bytes that are not text: kept as it came.
     assert decode_body(base64.b64encode(b"\xff\xfe")) == ("//4=", False)
+
+
+_LINKISH = st.text(
+    alphabet=st.sampled_from(list("ss://vmess:/@#?&=;%+-_.[]:0123456789abcXYZ \n\r")), max_size=200
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.one_of(st.binary(max_size=300), _LINKISH))
+def test_any_body_is_read_or_reported_never_raised(body: bytes | str) -> None:
+    result = parse_links(body)
+    for proxy in result.proxies:
+        assert proxy["name"] and proxy["type"]
+        convert_proxy(proxy)  # never raises either
+    names = [p["name"] for p in result.proxies]
+    assert len(names) == len(set(names))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spliceway.clash.yaml12 import Duplicate, YamlError, go_parse_int, load, load_document
 
@@ -251,3 +254,16 @@ def test_emoji_and_cjk_names() -> None:
 )
 def test_go_parse_int(text: str, value: int | None) -> None:
     assert go_parse_int(text) == value
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.one_of(
+        st.binary(max_size=200),
+        st.text(alphabet=st.sampled_from(list("ab:- \n[]{}&*<!|>'\"#,0x1.~")), max_size=200),
+    )
+)
+def test_any_input_loads_or_raises_yaml_error(text: bytes | str) -> None:
+    # Any other exception fails the test: bad input is a YamlError with a message.
+    with contextlib.suppress(YamlError):
+        load(text)
