@@ -8,9 +8,11 @@ typing: ``port: "443"`` is 443; keys case-insensitive, ``_`` as ``-``) and retur
 What is carried: ``ss`` with the AEAD ciphers spliceway's ``shadowsocks`` outbound has
 (``aes-128-gcm``, ``aes-256-gcm``, ``chacha20-ietf-poly1305``) and no plugin; ``socks5``
 and ``http`` without TLS (and with TLS once their outbounds take ``tls``); ``direct``
-and ``reject`` proxies (as ``direct`` and ``block`` outbounds). Every other type, cipher
-or plugin is skipped with the reason. Settings spliceway has no equivalent for (``udp``
-off, ``ip-version``, ``interface-name``, ``routing-mark``, ``tfo``, ``mptcp``, ``smux``,
+and ``reject`` proxies (as ``direct`` and ``block`` outbounds); ``vless``, ``vmess``,
+``trojan`` and ``hysteria2`` with the field names of decisions §10 (sing-box's) once this
+build's outbound model has the protocol (until then they are skipped, saying so). Every
+other type, cipher or plugin is skipped with the reason. Settings spliceway has no
+equivalent for (``udp`` off, ``ip-version``, ``interface-name``, ``routing-mark``, ``tfo``, ``mptcp``, ``smux``,
 ``udp-over-tcp``, HTTP ``headers``) are reported as :class:`Change`; ``dialer-proxy`` is
 returned for the importer to build a chain from.
 """
@@ -30,6 +32,7 @@ from spliceway.clash.weak import (
     weak_int,
     weak_str,
 )
+from spliceway.clash.yaml12 import go_parse_int
 from spliceway.config import validate_document
 from spliceway.config.models_outbounds import AnyOutbound
 
@@ -318,6 +321,248 @@ _CONVERTERS: dict[str, Callable[[Mapping[Any, Any], str, list[Change]], dict[str
 }
 
 
+# ---------------------------------------------------------------------------
+# The protocols of decisions §10 (vless, vmess, trojan, hysteria2): carried with
+# sing-box's field names as soon as this build's outbound model has the protocol.
+# ---------------------------------------------------------------------------
+
+_VMESS_SECURITY = {"auto", "aes-128-gcm", "chacha20-poly1305", "none"}
+
+
+def _tls_block(mapping: Mapping[Any, Any], sni_key: str, changes: list[Change]) -> dict[str, Any]:
+    """The ``tls`` entry of a TLS-based proxy (``servername``/``sni``, ``alpn``,
+    ``skip-cert-verify``, a pinned certificate ``fingerprint``)."""
+    tls: dict[str, Any] = {"enabled": True}
+    name = _opt_str(mapping, sni_key)
+    if name:
+        tls["server_name"] = name
+    if _opt_bool(mapping, "skip-cert-verify"):
+        tls["insecure"] = True
+    alpn = _field(mapping, "alpn")
+    if isinstance(alpn, list) and alpn:
+        tls["alpn"] = [weak_str(a, "alpn") for a in alpn]
+    pinned = _opt_str(mapping, "fingerprint")
+    if pinned:
+        tls["pinned_sha256"] = pinned.replace(":", "").lower()
+    if _opt_str(mapping, "client-fingerprint"):
+        changes.append(
+            Change("client-fingerprint", "the TLS ClientHello is OpenSSL's, not a uTLS imitation")
+        )
+    return tls
+
+
+def _transport(mapping: Mapping[Any, Any]) -> dict[str, Any] | None:
+    """``network`` as a ``transport`` entry (None: plain TCP); other networks skip."""
+    network = _opt_str(mapping, "network").lower() or "tcp"
+    if network == "tcp":
+        return None
+    if network != "ws":
+        raise _Skip(f"network {network!r} is not a transport spliceway has (tcp and ws)")
+    opts = _field(mapping, "ws-opts")
+    opts = opts if isinstance(opts, Mapping) else {}
+    out: dict[str, Any] = {"type": "ws", "path": _opt_str(opts, "path") or "/"}
+    headers = _field(opts, "headers")
+    if isinstance(headers, Mapping):
+        host = headers.get("Host") or headers.get("host")
+        if host:
+            out["host"] = weak_str(host, "Host")
+        extra = {
+            str(k): weak_str(v, str(k)) for k, v in headers.items() if str(k).lower() != "host"
+        }
+        if extra:
+            out["headers"] = extra
+    early = _field(opts, "max-early-data")
+    if early is not MISSING and weak_int(early, "max-early-data") > 0:
+        out["max_early_data"] = weak_int(early, "max-early-data")
+    return out
+
+
+def _vless(mapping: Mapping[Any, Any], name: str, changes: list[Change]) -> dict[str, Any]:
+    server, port = _server_port(mapping)
+    out: dict[str, Any] = {
+        "tag": name,
+        "protocol": "vless",
+        "server": server,
+        "port": port,
+        "uuid": _req_str(mapping, "uuid"),
+    }
+    flow = _opt_str(mapping, "flow")
+    if flow not in ("", "xtls-rprx-vision"):
+        raise _Skip(f"flow {flow!r} is not supported (only xtls-rprx-vision)")
+    out["flow"] = flow
+    reality = _field(mapping, "reality-opts")
+    if _opt_bool(mapping, "tls") or isinstance(reality, Mapping):
+        out["tls"] = _tls_block(mapping, "servername", changes)
+    if isinstance(reality, Mapping):
+        out["reality"] = {
+            "enabled": True,
+            "public_key": _req_str(reality, "public-key"),
+            "short_id": _opt_str(reality, "short-id"),
+            "fingerprint": _opt_str(mapping, "client-fingerprint") or "chrome",
+        }
+    transport = _transport(mapping)
+    if transport is not None:
+        out["transport"] = transport
+    _basic_changes(mapping, changes, udp_carried=False)
+    return out
+
+
+def _vmess(mapping: Mapping[Any, Any], name: str, changes: list[Change]) -> dict[str, Any]:
+    server, port = _server_port(mapping)
+    alter = _field(mapping, "alterId")
+    if alter is not MISSING and weak_int(alter, "alterId") != 0:
+        raise _Skip("alterId other than 0 (legacy VMess MD5 authentication) is not supported")
+    security = _opt_str(mapping, "cipher") or "auto"
+    if security == "zero":
+        security = "none"
+    if security not in _VMESS_SECURITY:
+        raise _Skip(f"cipher {security!r} is not supported")
+    out: dict[str, Any] = {
+        "tag": name,
+        "protocol": "vmess",
+        "server": server,
+        "port": port,
+        "uuid": _req_str(mapping, "uuid"),
+        "security": security,
+        "alter_id": 0,
+    }
+    if _opt_bool(mapping, "global-padding"):
+        out["global_padding"] = True
+    if _opt_bool(mapping, "authenticated-length"):
+        out["authenticated_length"] = True
+    if _opt_bool(mapping, "tls"):
+        out["tls"] = _tls_block(mapping, "servername", changes)
+    transport = _transport(mapping)
+    if transport is not None:
+        out["transport"] = transport
+    _basic_changes(mapping, changes, udp_carried=False)
+    return out
+
+
+def _trojan(mapping: Mapping[Any, Any], name: str, changes: list[Change]) -> dict[str, Any]:
+    server, port = _server_port(mapping)
+    if isinstance(_field(mapping, "reality-opts"), Mapping):
+        raise _Skip("trojan over REALITY is not supported")
+    out: dict[str, Any] = {
+        "tag": name,
+        "protocol": "trojan",
+        "server": server,
+        "port": port,
+        "password": _req_str(mapping, "password"),
+        "tls": _tls_block(mapping, "sni", changes),
+    }
+    transport = _transport(mapping)
+    if transport is not None:
+        out["transport"] = transport
+    _basic_changes(mapping, changes, udp_carried=False)
+    return out
+
+
+def _mbps(value: Any, key: str) -> int:
+    """Hysteria's bandwidth (``100``, ``"100 Mbps"``, ``"1 Gbps"``) in Mbit/s."""
+    text = weak_str(value, key).strip().lower().replace(" ", "")
+    scale = 1
+    for suffix, factor in (("gbps", 1000), ("mbps", 1), ("kbps", 0)):
+        if text.endswith(suffix):
+            text, scale = text[: -len(suffix)], factor
+            break
+    number = go_parse_int(text)
+    if number is None or number < 0:
+        raise _Skip(f"{key} {value!r} is not a bandwidth")
+    return number * scale
+
+
+def _hysteria2(mapping: Mapping[Any, Any], name: str, changes: list[Change]) -> dict[str, Any]:
+    server, port = _server_port(mapping)
+    out: dict[str, Any] = {
+        "tag": name,
+        "protocol": "hysteria2",
+        "server": server,
+        "port": port,
+        "password": _req_str(mapping, "password"),
+        "tls": _tls_block(mapping, "sni", changes),
+    }
+    obfs = _opt_str(mapping, "obfs")
+    if obfs:
+        if obfs != "salamander":
+            raise _Skip(f"obfs {obfs!r} is not supported (salamander only)")
+        out["obfs"] = {"type": "salamander", "password": _req_str(mapping, "obfs-password")}
+    for key, entry in (("up", "up_mbps"), ("down", "down_mbps")):
+        value = _field(mapping, key)
+        if value is not MISSING and value != "":
+            out[entry] = _mbps(value, key)
+    if _opt_str(mapping, "ports"):
+        changes.append(Change("ports", "port hopping is not used: only `port` is dialled"))
+    _basic_changes(mapping, changes, udp_carried=False)
+    return out
+
+
+#: Clash type -> (spliceway protocol, converter): used when the build has the protocol.
+_MODERN: dict[str, tuple[str, Callable[[Mapping[Any, Any], str, list[Change]], dict[str, Any]]]] = {
+    "vless": ("vless", _vless),
+    "vmess": ("vmess", _vmess),
+    "trojan": ("trojan", _trojan),
+    "hysteria2": ("hysteria2", _hysteria2),
+}
+_MODERN_KEYS: dict[str, tuple[str, ...]] = {
+    "vless": (
+        "uuid",
+        "flow",
+        "tls",
+        "servername",
+        "skip-cert-verify",
+        "alpn",
+        "fingerprint",
+        "client-fingerprint",
+        "reality-opts",
+        "network",
+        "ws-opts",
+        "encryption",
+        "packet-encoding",
+        "xudp",
+    ),
+    "vmess": (
+        "uuid",
+        "alterId",
+        "cipher",
+        "tls",
+        "servername",
+        "skip-cert-verify",
+        "alpn",
+        "fingerprint",
+        "client-fingerprint",
+        "network",
+        "ws-opts",
+        "global-padding",
+        "authenticated-length",
+        "packet-encoding",
+        "xudp",
+    ),
+    "trojan": (
+        "password",
+        "sni",
+        "skip-cert-verify",
+        "alpn",
+        "fingerprint",
+        "client-fingerprint",
+        "network",
+        "ws-opts",
+    ),
+    "hysteria2": (
+        "password",
+        "sni",
+        "skip-cert-verify",
+        "alpn",
+        "fingerprint",
+        "obfs",
+        "obfs-password",
+        "up",
+        "down",
+        "ports",
+    ),
+}
+
+
 def _validated(outbound: dict[str, Any]) -> str | None:
     """Why spliceway refuses ``outbound`` on its own (``None``: it validates)."""
     # Under a neutral tag: the name is the importer's to fit among the others.
@@ -349,9 +594,13 @@ def convert_proxy(mapping: Any) -> Converted | Skipped:
         return Skipped(
             name, ptype, "key 'name' missing" if name_value is MISSING else "name is empty"
         )
-    if ptype in _NOT_CARRIED:
+    modern = _MODERN.get(ptype)
+    if modern is not None and modern[0] in _PROTOCOLS:
+        converter: Any = modern[1]
+    elif ptype in _NOT_CARRIED:
         return Skipped(name, ptype, _NOT_CARRIED[ptype])
-    converter = _CONVERTERS.get(ptype)
+    else:
+        converter = _CONVERTERS.get(ptype)
     if converter is None:
         return Skipped(name, ptype, f"unsupported proxy type: {ptype} (mihomo refuses it too)")
     changes: list[Change] = []
@@ -363,6 +612,6 @@ def convert_proxy(mapping: Any) -> Converted | Skipped:
     refused = _validated(outbound)
     if refused is not None:
         return Skipped(name, ptype, f"not a valid spliceway outbound: {refused}")
-    for key in unknown_keys(mapping, _BASIC_KEYS + _KEYS[ptype]):
+    for key in unknown_keys(mapping, _BASIC_KEYS + _KEYS.get(ptype, _MODERN_KEYS.get(ptype, ()))):
         changes.append(Change(key, "unknown key, ignored (mihomo ignores it too)"))
     return Converted(name, ptype, outbound, tuple(changes), dialer)
