@@ -12,8 +12,9 @@ and ``reject`` proxies (as ``direct`` and ``block`` outbounds); ``vless``, ``vme
 ``trojan`` and ``hysteria2`` with the field names of decisions §10 (sing-box's) once this
 build's outbound model has the protocol (until then they are skipped, saying so). Every
 other type, cipher or plugin is skipped with the reason. Settings spliceway has no
-equivalent for (``udp`` off, ``ip-version``, ``interface-name``, ``routing-mark``, ``tfo``, ``mptcp``, ``smux``,
-``udp-over-tcp``, HTTP ``headers``) are reported as :class:`Change`; ``dialer-proxy`` is
+equivalent for (``udp`` off, ``ip-version``, ``interface-name``, ``routing-mark``,
+``tfo``, ``mptcp``, ``smux``, ``udp-over-tcp``, HTTP ``headers``) are reported as
+:class:`Change`; ``dialer-proxy`` is
 returned for the importer to build a chain from.
 """
 
