@@ -143,6 +143,8 @@ _HANDLED = frozenset(
     }
 )
 _LEGACY = {"Proxy": "proxies", "Proxy Group": "proxy-groups", "Rule": "rules"}
+#: Keys that make a document more than a list of proxies (a subscription's body).
+_MORE_THAN_PROXIES = (_HANDLED | set(_NOT_CARRIED)) - {"proxies"}
 _LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
 _PROCESS_MODES = {"off": "off", "strict": "auto", "always": "always"}
 _MMDB_NAMES = ("Country.mmdb", "geoip.db", "geoip.metadb")
@@ -867,6 +869,13 @@ def import_document(doc: Any, *, home: str, files_dir: str) -> ImportResult:
     known = _HANDLED | set(_NOT_CARRIED) | set(_LEGACY)
     if not any(isinstance(k, str) and k in known for k in doc):
         raise ClashImportError("not a Clash configuration: it has none of mihomo's keys")
+    if isinstance(doc.get("proxies"), list) and not (set(doc) & _MORE_THAN_PROXIES):
+        # A subscription of proxies alone (a provider's body): usable as a selector.
+        report = Report()
+        for key in doc:
+            if key != "proxies":
+                report.add("skipped", str(key), "", str(key), "unknown key (mihomo ignores it)")
+        return _proxy_list(doc["proxies"], report, "proxy", "Proxy", "clash")
     state = ImportState(home=os.path.abspath(home), files_dir=os.path.abspath(files_dir))
     _top_level(doc, state)
     inbounds, index, routes = convert_inbounds(doc, state)
@@ -927,13 +936,27 @@ def import_links(data: str | bytes, *, selector: str = "Proxy") -> ImportResult:
     report = Report()
     for skipped in links.skipped:
         report.add("skipped", f"line {skipped.line}", skipped.scheme, "share link", skipped.reason)
+    if not links.proxies:
+        raise ClashImportError("nothing usable: no share link was found")
+    return _proxy_list(links.proxies, report, "share link", selector, "links")
+
+
+def _proxy_list(
+    proxies: list[Any],
+    report: Report,
+    label: str,
+    selector: str,
+    source: Literal["clash", "links"],
+) -> ImportResult:
+    """Clash proxy mappings alone (a subscription) as a configuration (see
+    :func:`import_links`)."""
     outbounds: list[dict[str, Any]] = []
     taken = {"direct", selector}
-    for i, proxy in enumerate(links.proxies):
+    for i, proxy in enumerate(proxies):
         result = convert_proxy(proxy)
-        path = f"link {i + 1}"
+        path = f"link {i + 1}" if source == "links" else f"proxies[{i}]"
         if not isinstance(result, Converted):
-            report.add("skipped", path, result.name, f"{result.type} link", result.reason)
+            report.add("skipped", path, result.name, f"{result.type} {label}", result.reason)
             continue
         tag = result.name
         n = 1
@@ -947,13 +970,12 @@ def import_links(data: str | bytes, *, selector: str = "Proxy") -> ImportResult:
             "converted",
             path,
             result.name,
-            f"{result.type} link → {outbound['protocol']} outbound {tag!r}",
+            f"{result.type} {label} → {outbound['protocol']} outbound {tag!r}",
         )
         for change in result.changes:
             report.add("changed", f"{path}.{change.key}", result.name, change.key, change.why)
     if not outbounds:
-        why = "no share link could be carried" if links.proxies else "no share link was found"
-        raise ClashImportError(f"nothing usable: {why}")
+        raise ClashImportError(f"nothing usable: no {label} could be carried")
     config: dict[str, Any] = {
         "inbounds": [
             {
@@ -969,11 +991,12 @@ def import_links(data: str | bytes, *, selector: str = "Proxy") -> ImportResult:
         "route": {"final": selector},
         "api": {"control": {"enabled": False}},
     }
+    what = "a share-link list" if source == "links" else "a list of proxies alone"
     report.note(
-        f"a share-link list: selector {selector!r} over its {len(outbounds)} outbounds, a mixed "
+        f"{what}: selector {selector!r} over its {len(outbounds)} outbounds, a mixed "
         "inbound on 127.0.0.1:7890, everything routed to the selector"
     )
-    return ImportResult(_validated(config), report, {}, "links")
+    return ImportResult(_validated(config), report, {}, source)
 
 
 def import_text(data: str | bytes, *, home: str, files_dir: str) -> ImportResult:

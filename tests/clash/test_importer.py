@@ -4,6 +4,7 @@ their reports out."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import json
 import time
@@ -741,6 +742,18 @@ def test_share_link_list_becomes_a_selector(tmp_path: Path) -> None:
         import_links("vmess://" + base64.b64encode(b'{"ps": "x"}').decode())
 
 
+def test_proxies_alone_become_a_selector(tmp_path: Path) -> None:
+    text = "proxies:\n  - {name: s, type: socks5, server: 127.0.0.1, port: 1080}\n"
+    text += "  - {name: v, type: vmess, server: h, port: 1, uuid: u}\n"
+    result = _import(text + "subscription-info: x\n", tmp_path)
+    assert result.config["outbound_groups"] == [
+        {"tag": "Proxy", "kind": "selector", "outbounds": ["s"]}
+    ]
+    assert {i.path for i in result.report.skipped} == {"proxies[1]", "subscription-info"}
+    with pytest.raises(ClashImportError, match="no proxy could be carried"):
+        _import("proxies:\n  - {name: v, type: vmess, server: h, port: 1, uuid: u}\n", tmp_path)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -893,6 +906,11 @@ def test_any_document_validates_or_is_refused(doc: dict[str, Any]) -> None:
     if not doc:
         with pytest.raises(ClashImportError, match="not a Clash configuration"):
             import_document(doc, home="/nonexistent", files_dir="/nonexistent/files")
+        return
+    if set(doc) == {"proxies"}:
+        # A list of proxies alone: a selector over them, or nothing usable at all.
+        with contextlib.suppress(ClashImportError):
+            parse_config(import_document(doc, home="/x", files_dir="/x").config)
         return
     result = import_document(doc, home="/nonexistent", files_dir="/nonexistent/files")
     parse_config(result.config)
