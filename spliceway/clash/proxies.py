@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from pydantic import TypeAdapter, ValidationError
+
 from spliceway.clash.weak import (
     MISSING,
     WeakTypeError,
@@ -34,8 +36,7 @@ from spliceway.clash.weak import (
     weak_str,
 )
 from spliceway.clash.yaml12 import go_parse_int
-from spliceway.config import validate_document
-from spliceway.config.models_outbounds import AnyOutbound
+from spliceway.config.models_outbounds import AnyOutbound, Outbound
 
 __all__ = [
     "SUPPORTED_SS_CIPHERS",
@@ -564,16 +565,21 @@ _MODERN_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+_OUTBOUND: TypeAdapter[AnyOutbound] = TypeAdapter(Outbound)
+
+
 def _validated(outbound: dict[str, Any]) -> str | None:
-    """Why spliceway refuses ``outbound`` on its own (``None``: it validates)."""
-    # Under a neutral tag: the name is the importer's to fit among the others.
-    details = validate_document({"outbounds": [{**outbound, "tag": "proxy"}]})
-    if not details:
-        return None
-    return "; ".join(
-        f"{d.field_path.removeprefix('outbounds[0].')}: {d.message}" if d.field_path else d.message
-        for d in details
-    )
+    """Why spliceway refuses ``outbound`` on its own (``None``: it validates): the
+    outbound model's checks, without the document's (the name is the importer's to fit
+    among the others)."""
+    try:
+        _OUTBOUND.validate_python(outbound)
+    except ValidationError as ex:
+        return "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'][1:]) or 'outbound'}: {err['msg']}"
+            for err in ex.errors(include_url=False)
+        )
+    return None
 
 
 def convert_proxy(mapping: Any) -> Converted | Skipped:
