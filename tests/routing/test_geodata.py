@@ -22,5 +22,5 @@ def test_country_networks_merged(tmp_path: Path) -> None:
 
 
 def test_missing_file_names_the_path(tmp_path: Path) -> None:
-    with pytest.raises(geodata.GeoDataError, match="nope.mmdb"):
+    with pytest.raises(geodata.GeoDataError, match=r"nope\.mmdb"):
         geodata.GeoIp.open(str(tmp_path / "nope.mmdb"))

@@ -36,5 +36,5 @@ def test_garbage_is_an_error() -> None:
 
 def test_parse_cidr() -> None:
     assert parse_cidr("10.1.2.3/8") == (4, 0x0A000000, 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a network"):
         parse_cidr("10.1/8")
