@@ -18,6 +18,12 @@ that refuses; nothing reaches the network.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmdb_writer import MMDBWriter
+from netaddr import IPSet
+
+from spliceway.routing import geodata
 
 #: Targets the generated rules cycle through.
 GENERATED_TARGETS = ("🎯 全球直连", "🛑 全球拦截", "🚀 节点选择", "🐟 漏网之鱼", "Ⓜ️ 微软服务")
@@ -131,6 +137,7 @@ def subconverter_file(
     listener: bool = False,
     extra_head_rules: tuple[str, ...] = (),
     geoip: bool = True,
+    extra_yaml: str = "",
 ) -> tuple[str, Generated]:
     """A subconverter-style file (see the module) and its generated rules."""
     gen = generated_rules(rule_count)
@@ -184,7 +191,7 @@ rules:
         rules.append("GEOIP,CN,🎯 全球直连")
     rules.append("MATCH,🐟 漏网之鱼")
     text += "".join(f"  - {line}\n" for line in rules)
-    return text, gen
+    return text + extra_yaml, gen
 
 
 def provider_file(up: Upstreams, provider_path: str, rules_path: str) -> str:
@@ -321,3 +328,23 @@ proxy-groups:
   - MATCH,Proxy
 """
     )
+
+
+def write_geodata(home: Path) -> None:
+    """mihomo's geodata files in its home: ``Country.mmdb`` (127.200.0.0/16 is CN) and
+    ``GeoSite.dat`` (list ``testsite``: the domain ``geosite.example`` and subdomains)."""
+    home.mkdir(parents=True, exist_ok=True)
+    writer = MMDBWriter(ip_version=6, ipv4_compatible=True, database_type="GeoLite2-Country")
+    writer.insert_network(IPSet(["127.200.0.0/16"]), {"country": {"iso_code": "CN"}})
+    writer.insert_network(IPSet(["127.199.0.0/16"]), {"country": {"iso_code": "US"}})
+    writer.to_db_file(str(home / "Country.mmdb"))
+    sites = geodata.GeoSiteListMessage()
+    entry = sites.entry.add(country_code="TESTSITE")
+    entry.domain.add(type=2, value="geosite.example")
+    # mihomo checks a GeoSite.dat by loading its `cn` list (and downloads one without).
+    sites.entry.add(country_code="CN").domain.add(type=2, value="cn.example")
+    (home / "GeoSite.dat").write_bytes(sites.SerializeToString())
+    rulesets = home / "ruleset"
+    rulesets.mkdir(exist_ok=True)
+    (rulesets / "blocked.txt").write_text("# a domain set\n+.ruleset.example\nexact.example\n")
+    (rulesets / "ips.txt").write_text("127.201.0.0/16\n")

@@ -14,10 +14,12 @@ given) answers with 127.0.0.1. For each destination it compares what mihomo logg
 error`` when the dial failed) with the flow record spliceway wrote
 (``route.selection_chain``: the rule's target first, the outbound last).
 
-Rule types left out of the comparison (present in the files, matching no destination):
-``GEOIP`` (needs a GeoIP database: mihomo would download one), ``RULE-SET`` and
-``GEOSITE`` (the engine's rule-set wiring is the rules helper's, not yet on main), and
-the types spliceway does not evaluate (``SRC-IP-SUFFIX``, reported as skipped).
+``GEOIP``, ``GEOSITE`` and ``RULE-SET`` (a ``domain`` and an ``ipcidr`` set) are in the
+comparison: the test writes a MaxMind ``Country.mmdb`` (mmdb-writer), a v2fly
+``GeoSite.dat`` (protobuf) and the rule-set files into mihomo's home directory, which is
+the home the importer resolves their paths against. Left out: the types spliceway does
+not evaluate (``SRC-IP-SUFFIX``, present in the file, reported as skipped, matching no
+destination).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tests.clash.clash_files import (
     Upstreams,
     mixed_file,
     subconverter_file,
+    write_geodata,
 )
 from tests.conftest import wait_until
 from tests.helpers.dnsserver import DnsServer
@@ -160,6 +163,13 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         yield Lab(up, echo, dns, tmp_path)
 
 
+RULE_PROVIDERS = """\
+rule-providers:
+  blocked: {type: file, behavior: domain, format: text, path: ./ruleset/blocked.txt}
+  ips: {type: file, behavior: ipcidr, format: text, path: ./ruleset/ips.txt}
+"""
+
+
 def _spliceway_config(text: str, home: Path) -> dict[str, Any]:
     result = import_text(text.encode(), home=str(home), files_dir=str(home / "files"))
     config = result.config
@@ -180,7 +190,8 @@ def compare(
     chose and whether spliceway's tunnel carried the message."""
     home = lab.tmp / "mihomo"
     home.mkdir(exist_ok=True)
-    config = _spliceway_config(text, lab.tmp)
+    # Paths in the file resolve against mihomo's home, for both engines.
+    config = _spliceway_config(text, home)
     engine = make_engine(config)
     flows = FlowLog(engine)
     spliceway_mixed = engine.listen_address("mixed-in")
@@ -245,19 +256,24 @@ def _probed(m: Mihomo, group: str, member: str) -> bool:
 def test_subconverter_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any]) -> None:
     up = lab.up
     echo = lab.echo
+    write_geodata(lab.tmp / "mihomo")
     text, gen = subconverter_file(
         up,
         rule_count=2000,
         dns_port=lab.dns.port,
         ports=False,
         listener=True,
-        geoip=False,
+        geoip=True,
         extra_head_rules=(
             f"DST-PORT,{echo['jp'].address[1]},🇯🇵 日本节点",
             f"DST-PORT,{echo['sg'].address[1]},🇸🇬 狮城节点",
             f"DST-PORT,{echo['us'].address[1]},🇺🇸 美国节点",
             f"AND,((DST-PORT,{echo['and'].address[1]}),(NETWORK,TCP)),🇭🇰 香港 01",
+            "GEOSITE,testsite,🛑 全球拦截",
+            "RULE-SET,blocked,🛑 全球拦截",
+            "RULE-SET,ips,🎯 全球直连,no-resolve",
         ),
+        extra_yaml=RULE_PROVIDERS,
     )
     plain = echo["plain"].address[1]
     direct_names: list[str] = []
@@ -271,7 +287,15 @@ def test_subconverter_file_routes_as_mihomo(lab: Lab, make_engine: Callable[...,
         ("localhost", plain),
         ("127.0.0.2", plain),
         ("127.0.0.1", plain),  # no rule: MATCH
+        ("www.geosite.example", plain),  # GEOSITE
+        ("a.ruleset.example", plain),  # RULE-SET (domain)
+        ("exact.example", plain),
+        ("127.201.0.9", plain),  # RULE-SET (ipcidr)
+        ("127.200.0.9", plain),  # GEOIP,CN
+        ("geo.example", plain),  # GEOIP,CN after resolving the name
+        ("127.199.0.9", plain),  # GEOIP says US: MATCH
     ]
+    lab.dns.zone["geo.example"] = ["127.200.0.9"]
     # Generated rules: a few of each kind for the targets that do not need an upstream to
     # resolve a made-up name (direct ones resolve through the lab's DNS server).
     for target in ("🎯 全球直连", "🛑 全球拦截", "Ⓜ️ 微软服务"):

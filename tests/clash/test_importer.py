@@ -34,6 +34,7 @@ from tests.clash.clash_files import (
     provider_body,
     provider_file,
     subconverter_file,
+    write_geodata,
 )
 
 UP = Upstreams(socks=1080, ss=8388, http=3128, refused=9, origin=8080)
@@ -156,9 +157,10 @@ def test_subconverter_file(tmp_path: Path) -> None:
 def test_subconverter_file_starts_an_engine(
     tmp_path: Path, make_engine: Callable[..., Any]
 ) -> None:
-    # GEOIP is left out: the engine's route tables learn geoip from the cnative helper.
-    text, _ = subconverter_file(UP, rule_count=3000, geoip=False)
+    write_geodata(tmp_path)  # the Country.mmdb GEOIP,CN reads, in mihomo's home
+    text, _ = subconverter_file(UP, rule_count=3000)
     config = copy.deepcopy(_import(text, tmp_path).config)
+    assert config["runtime"]["geodata"] == {"geoip_path": str(tmp_path / "Country.mmdb")}
     for inbound in config["inbounds"]:
         inbound["listen"] = {"address": "127.0.0.1", "port": 0}
     config["runtime"]["dns"]["listen"]["port"] = 0
