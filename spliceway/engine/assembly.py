@@ -17,7 +17,13 @@ from typing import Any
 from spliceway.config import BUILTIN_DIRECT, Config
 from spliceway.dns import Resolver
 from spliceway.engine.runtime import RouteState
-from spliceway.flows.outbounds import DirectOutbound, Outbound, build_outbound, build_relay
+from spliceway.flows.outbounds import (
+    DirectOutbound,
+    NoMemberOutbound,
+    Outbound,
+    build_outbound,
+    build_relay,
+)
 from spliceway.routing import policy
 from spliceway.routing import rules as routing
 
@@ -79,9 +85,12 @@ def build_routing(
     for spec in config.outbounds:
         specs[spec.tag] = spec
         outbounds[spec.tag] = reusable(spec.tag, spec) or build_outbound(spec, resolver)
+    for group in config.outbound_groups:
+        if not group.outbounds:  # its proxy providers gave it no member (yet)
+            outbounds[group.tag] = NoMemberOutbound(group.tag)
     # A relay group is a leaf outbound whose hops are other outbounds.
     for group in config.outbound_groups:
-        if group.kind != "relay":
+        if group.kind != "relay" or not group.outbounds:
             continue
         specs[group.tag] = group
         hops = [outbounds[m] for m in group.outbounds]
@@ -106,7 +115,8 @@ def build_routing(
             views.append(live)
             kept.add(group.tag)
         else:
-            views.append(policy.initial_view(group, url))
+            before = previous.group_specs.get(group.tag) if previous is not None else None
+            views.append(policy.next_view(before, group, url, live))
 
     return RoutingParts(
         resolver=resolver,

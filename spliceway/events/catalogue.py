@@ -117,6 +117,8 @@ FAILURE_STAGES: dict[str, str] = {
     "relay": "After the relay started: the upstream connection broke.",
     "internal": "An unexpected error inside the engine.",
     "hook": "The flow hook (`api.flow_hook`), asked before routing.",
+    "route": "Routing: the flow's group has no member (`no_member`), or its outbound does "
+    "not relay UDP (`udp_unsupported`).",
 }
 
 #: ``result.failure.code`` values.
@@ -138,6 +140,11 @@ FAILURE_CODES: dict[str, str] = {
     "engine_crashed": "The engine was killed or crashed while the flow was open; it was "
     "completed at the next start (outcome `engine_crashed`).",
     "hook_denied": "The flow hook denied the flow (outcome `blocked`; its route stays `pending`).",
+    "no_member": "The flow was routed to a group with no member: every member comes from proxy "
+    "providers that have given it none yet (never fetched, offline, empty or filtered out). "
+    "The flow fails rather than going anywhere else; SOCKS5 clients get reply 1, HTTP "
+    "clients status 503.",
+    "udp_unsupported": "The UDP flow's outbound does not relay UDP in this build.",
 }
 
 #: Codes of ``engine.warning`` this build emits.
