@@ -155,7 +155,7 @@ class ProviderRefresherActor(pykka.ThreadingActor):
         return self._round(targets, "manual")
 
     def _start_round(self) -> list[dict[str, Any]]:
-        targets = [
+        targets: list[tuple[Kind, str]] = [
             (s.kind, s.name)
             for s in self.ports.providers.states()
             if s.kind != "geodata" and s.url is not None and not s.has_copy and s.last_error is None

@@ -23,9 +23,6 @@ ones, a subscription that does so is taken to be broken.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -188,44 +185,20 @@ def _clash(text: str) -> ProxyContent:
     return _from_clash(proxies, "clash")
 
 
-_BASE64_TEXT = re.compile(r"[A-Za-z0-9+/=_\-\s]+")
-
-
-def _decoded_links(text: str) -> str:
-    """The link list itself: base64 (standard or URL-safe, padded or not) decoded when the
-    whole text is base64, else the text."""
-    stripped = text.strip()
-    if not stripped or "://" in stripped or not _BASE64_TEXT.fullmatch(stripped):
-        return text
-    compact = re.sub(r"\s+", "", stripped)
-    compact += "=" * (-len(compact) % 4)
-    try:
-        raw = base64.b64decode(compact.replace("-", "+").replace("_", "/"), validate=True)
-        return raw.decode("utf-8-sig")
-    except (binascii.Error, ValueError):
-        return text
-
-
 def _links(text: str) -> ProxyContent:
-    decoded = _decoded_links(text)
-    parsed = clash_links.parse_links(decoded)
-    proxies = [link.proxy for link in parsed.links]
-    content_lines = [line for line in decoded.splitlines() if line.strip()]
-    if not proxies:
+    parsed = clash_links.parse_links(text)
+    if not parsed.proxies:
         if _looks_like_html(text):
             raise BodyError("an HTML page, not a subscription")
-        if parsed.failures:
-            first = parsed.failures[0]
+        if parsed.skipped:
+            first = parsed.skipped[0]
             raise BodyError(
-                f"no share link could be read ({len(parsed.failures)} lines refused; "
+                f"no share link could be read ({len(parsed.skipped)} lines refused; "
                 f"line {first.line}: {first.reason})"
             )
-        raise BodyError("no share link in it" if content_lines else "empty")
-    content = _from_clash(proxies, "links")
-    skipped = [
-        SkippedProxy(f.name or "", f.scheme or "", f"line {f.line}: {f.reason}")
-        for f in parsed.failures
-    ]
+        raise BodyError("no share link in it")
+    content = _from_clash(parsed.proxies, "links")
+    skipped = [SkippedProxy("", f.scheme, f"line {f.line}: {f.reason}") for f in parsed.skipped]
     return ProxyContent("links", content.entries, (*content.skipped, *skipped), content.changes)
 
 
