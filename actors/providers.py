@@ -143,15 +143,11 @@ class ProviderRefresherActor(pykka.ThreadingActor):
         return [result_item(outcome, state) for outcome, state in done]
 
     def _update(self, message: UpdateProviders) -> list[dict[str, Any]]:
-        states = self.ports.providers.states()
-        if message.name is None:
-            targets = [(s.kind, s.name) for s in states]
-        else:
-            targets = [
-                (s.kind, s.name)
-                for s in states
-                if s.name == message.name and s.kind in message.kinds
-            ]
+        targets = [
+            (s.kind, s.name)
+            for s in self.ports.providers.states()
+            if s.kind in message.kinds and message.name in (None, s.name)
+        ]
         return self._round(targets, "manual")
 
     def _start_round(self) -> list[dict[str, Any]]:

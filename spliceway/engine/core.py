@@ -125,6 +125,7 @@ class EngineCore(TunWiring, StatsViews):
             (),
             self.republish,
             merged.origins,
+            merged.members,
         )
         #: Every listener slot's spec, also of listeners a reload stopped (their last
         #: flows' records still name the slot), until the slot is used again.
@@ -279,6 +280,7 @@ class EngineCore(TunWiring, StatsViews):
             tuple(ActiveInbound(spec, bound) for spec, bound in plan.listeners.active),
             self.republish,
             plan.origins,
+            plan.provider_members,
         )
         if new.api.flow_hook != previous.config.api.flow_hook:
             # Before the publish below: the table defers the new hook's inbounds.

@@ -94,6 +94,9 @@ class Generation:
     #: The proxy provider each outbound merged from one came from, by tag (the others
     #: are the configuration's own).
     origins: Mapping[str, str] = field(default_factory=dict)
+    #: What each proxy provider gave the configuration (``providers.materialise``'s
+    #: ``ProviderMembers``), by name.
+    provider_members: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def resolver(self) -> Resolver:
@@ -122,12 +125,13 @@ def build_generation(
     active_inbounds: tuple[ActiveInbound, ...],
     on_publish: Callable[[], None] | None,
     origins: Mapping[str, str] | None = None,
+    provider_members: Mapping[str, Any] | None = None,
 ) -> Generation:
     """The generation of ``config`` built from its routing ``parts``: the one way to make one.
 
     ``on_publish`` is the policy table's publish callback (the engine recompiles the C
     route table after every group change). ``origins``: the proxy provider of each
-    outbound merged from one.
+    outbound merged from one; ``provider_members``: what each proxy provider gave.
     """
     return Generation(
         serial=serial,
@@ -138,4 +142,5 @@ def build_generation(
         tcp_idle_timeout_ms=int(config.runtime.tcp_idle_timeout_seconds * 1000),
         active_inbounds=active_inbounds,
         origins=origins or {},
+        provider_members=provider_members or {},
     )

@@ -112,6 +112,8 @@ class Plan:
     dns: DnsPlan | None = None
     #: The proxy provider each outbound merged from one came from, by tag.
     origins: Mapping[str, str] = field(default_factory=dict)
+    #: What each proxy provider gave the configuration, by name.
+    provider_members: Mapping[str, Any] = field(default_factory=dict)
 
     def discard(self) -> None:
         """Close and drop what was prepared (the apply did not go through)."""
@@ -226,7 +228,7 @@ class Reconciler:
         check_fixed(old, new, core.connector.store is not None)
         check_environment(new)
         plan = self._prepare_or_refuse(old, new)
-        plan.origins = merged.origins
+        plan.origins, plan.provider_members = merged.origins, merged.members
         if force and "routing" not in plan.changed:
             plan.changed.append("routing")  # a rule set or geodata file was replaced
         staged: StagedFile | None = None

@@ -290,7 +290,7 @@ def _number(value: str) -> int | None:
 
 def parse_userinfo(header: str) -> SubscriptionInfo:
     """``upload=1; download=2; total=3; expire=4`` read as mihomo does: case and spaces
-    ignored, unknown keys and unreadable values skipped."""
+    ignored, unknown keys and unreadable values skipped (and a negative value is 0)."""
     values: dict[str, int] = {}
     for part in header.lower().replace(" ", "").split(";"):
         key, sep, raw = part.partition("=")
@@ -298,5 +298,5 @@ def parse_userinfo(header: str) -> SubscriptionInfo:
             continue
         number = _number(raw)
         if number is not None:
-            values[key] = number
+            values[key] = max(0, number)
     return SubscriptionInfo(**values)
