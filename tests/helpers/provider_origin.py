@@ -82,13 +82,13 @@ class ProviderOrigin(LoopbackServer):
             head = read_head(conn)
             with self._lock:
                 self.heads.append(head)
-            path = head.split(b" ", 2)[1].decode()
+            path = head.split(b" ", 2)[1].decode().split("?")[0]
             answer = self._next(path)
             if answer is None:
                 answer = Answer(b"not found", 404)
             self._send(conn, answer)
-        except (OSError, IndexError):
-            pass
+        except (OSError, IndexError, ValueError):
+            pass  # not a request (a TLS client on the plain server, a closed socket)
         finally:
             if conn not in self._stalled:
                 with contextlib.suppress(OSError):
