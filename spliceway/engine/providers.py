@@ -530,14 +530,14 @@ class Providers:
         except BodyError as ex:
             return self._fail(state, str(ex))
         checked.headers = headers
+        at = now_ms() if state.url is not None else _mtime_ms(state.path)
         try:
             if state.url is not None:
-                self._write(state, checked)
+                self._write(state, checked, at)
         except OSError as ex:
             return self._fail(
                 state, f"cannot write the cached copy {state.path}: {ex.strerror or ex}"
             )
-        at = now_ms() if state.url is not None else _mtime_ms(state.path)
         info = headers.get("subscription-userinfo")
         with self._lock:
             live = self._states.get((kind, name))
@@ -576,7 +576,7 @@ class Providers:
                 raise BodyError(f"its outbounds do not fit the configuration: {ex}") from None
         return checked
 
-    def _write(self, state: ProviderState, checked: _Checked) -> None:
+    def _write(self, state: ProviderState, checked: _Checked, at: int) -> None:
         """Replace the cached copy (and its metadata) atomically; a geodata file is opened
         by its reader first, from a temporary file beside it."""
         os.makedirs(os.path.dirname(state.path), exist_ok=True)
@@ -587,7 +587,7 @@ class Providers:
         headers = checked.headers
         meta = {
             "url": state.url,
-            "fetched_at_unix_ms": now_ms(),
+            "fetched_at_unix_ms": at,
             "sha256": checked.sha256,
             "size": len(checked.body),
             "etag": headers.get("etag"),

@@ -36,6 +36,8 @@ class Answer:
     #: ``reset``: close with RST before answering; ``stall``: send the head, then nothing;
     #: ``stream``: send the body chunked (no Content-Length).
     mode: str = ""
+    #: Answer only once this is set (a test holds a refresh mid-way).
+    gate: threading.Event | None = None
 
 
 class ProviderOrigin(LoopbackServer):
@@ -95,6 +97,8 @@ class ProviderOrigin(LoopbackServer):
                     conn.close()
 
     def _send(self, conn: socket.socket, answer: Answer) -> None:
+        if answer.gate is not None:
+            answer.gate.wait(30)
         if answer.mode == "reset":
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return
