@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
+import maxminddb
 import orjson
 
 from spliceway.config import Config
@@ -523,6 +524,8 @@ class Providers:
                 return self._unchanged(state, headers)
             body = got.body
         sha = _sha(body)
+        if state.kind == "geodata" and state.sha256 is None:
+            state.sha256 = _file_sha(state.path)  # not hashed at start: it may be large
         if state.has_copy and sha == state.sha256:
             return self._unchanged(state, headers)
         try:
@@ -534,6 +537,8 @@ class Providers:
         try:
             if state.url is not None:
                 self._write(state, checked, at)
+        except BodyError as ex:  # a geodata file its reader refused
+            return self._fail(state, str(ex))
         except OSError as ex:
             return self._fail(
                 state, f"cannot write the cached copy {state.path}: {ex.strerror or ex}"
@@ -713,24 +718,59 @@ def counts(state: ProviderState) -> dict[str, int | None]:
     return {}
 
 
-def install_geodata(name: str, path: str, body: bytes) -> None:
-    """Replace geodata file ``path`` (``geoip`` or ``geosite``) with ``body`` once its
-    reader opened it whole from a temporary file beside it; BodyError when it cannot."""
+def check_geodata(name: str, path: str) -> None:
+    """Read geodata file ``path`` whole as ``name`` (``geoip``: a MaxMind database;
+    ``geosite``: a v2fly ``geosite.dat``) with routing's readers, without their cache (a
+    staged file is read once); BodyError saying why it is not one."""
     from spliceway.routing import geodata
 
+    try:
+        if name == "geoip":
+            reader = maxminddb.open_database(path, maxminddb.MODE_MMAP)
+            try:
+                db = geodata.GeoIp(path, reader)
+                db.lookup("1.1.1.1")
+                if db.ip_version == 6:
+                    db.lookup("2001:4860:4860::8888")
+            finally:
+                reader.close()
+            return
+        message = geodata.GeoSiteListMessage()
+        with open(path, "rb") as f:
+            message.ParseFromString(f.read())
+        entries = {e.country_code.lower(): e for e in message.entry if e.country_code}
+        if not entries:
+            raise BodyError("no list in it")
+        site = geodata.GeoSite(path, entries)
+        for list_name in site.names():
+            site.domains(list_name)
+    except BodyError as ex:
+        raise BodyError(f"not a usable {name} database: {ex}") from None
+    except Exception as ex:  # every reader's own error: the file is not one
+        raise BodyError(f"not a usable {name} database: {type(ex).__name__}: {ex}") from None
+
+
+def install_geodata(name: str, path: str, body: bytes) -> None:
+    """Replace geodata file ``path`` with ``body`` once it was read whole from a temporary
+    file beside it (:func:`check_geodata`); BodyError when it cannot be."""
     staged = StagedFile.write(path, body)
     try:
-        try:
-            if name == "geoip":
-                geodata.GeoIp.open(staged.staged_path).close()
-            else:
-                geodata.GeoSite.open(staged.staged_path)
-        except Exception as ex:
-            raise BodyError(f"not a usable {name} database: {ex}") from None
+        check_geodata(name, staged.staged_path)
         staged.commit(strict=True)
     except BaseException:
         staged.discard()
         raise
+
+
+def _file_sha(path: str) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def _mtime_ms(path: str) -> int:

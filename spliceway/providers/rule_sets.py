@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spliceway.providers.subscription import BodyError
+from spliceway.routing.ruleset import RuleSetError, parse_rule_set
 
 __all__ = ["RuleSetCounts", "check"]
 
@@ -26,8 +27,6 @@ class RuleSetCounts:
 def check(body: bytes, behavior: str, fmt: str) -> RuleSetCounts:
     """``body`` read as a rule set of ``behavior`` in ``fmt``; BodyError (the reader's
     message) when it yields nothing usable."""
-    from spliceway.routing.ruleset import RuleSetError, parse_rule_set
-
     try:
         data = parse_rule_set(body, behavior, fmt)  # type: ignore[arg-type]
     except RuleSetError as ex:
