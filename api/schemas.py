@@ -268,6 +268,12 @@ def _provider() -> Schema:
             "rules": nullable(COUNT),
             "skipped": nullable(COUNT),
             "skipped_proxies": array(skipped),
+            "health_check": nullable(
+                obj(
+                    {"enabled": BOOL, "url": STR, "interval_seconds": integer(1)},
+                    description="A proxy provider's `health_check`, its URL resolved.",
+                )
+            ),
             "subscription_info": nullable(
                 obj(
                     {"upload": COUNT, "download": COUNT, "total": COUNT, "expire": COUNT},

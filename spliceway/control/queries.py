@@ -30,6 +30,7 @@ from spliceway.engine.providers import origin_of
 from spliceway.errors import invalid_argument, not_found
 from spliceway.events.log import normalize_types, parse_types
 from spliceway.events.logring import LEVELS, LOGS_LIMIT_MAX
+from spliceway.routing import policy
 from spliceway.routing.policy import POLICY_KINDS
 from spliceway.support import fdlimit
 
@@ -261,7 +262,20 @@ def _policy(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
 SKIPPED_LISTED = 100
 
 
-def _provider_status(state: ProviderState, g: Generation) -> dict[str, Any]:
+def _health_check(core: EngineCore, name: str) -> dict[str, Any] | None:
+    """A proxy provider's ``health_check``, its URL resolved as a group's is."""
+    spec = core.source_config.providers.proxies.get(name)
+    if spec is None:
+        return None
+    check = spec.health_check
+    return {
+        "enabled": check.enabled,
+        "url": policy.probe_url_for(check.url, core.config.runtime.latency_test_url),
+        "interval_seconds": check.interval_seconds,
+    }
+
+
+def _provider_status(core: EngineCore, state: ProviderState, g: Generation) -> dict[str, Any]:
     out: dict[str, Any] = {
         "name": state.name,
         "kind": state.kind,
@@ -298,6 +312,7 @@ def _provider_status(state: ProviderState, g: Generation) -> dict[str, Any]:
                     for p in skipped[:SKIPPED_LISTED]
                 ],
                 "subscription_info": info.to_dict() if info is not None else None,
+                "health_check": _health_check(core, state.name),
             }
         )
     elif state.kind == "rules":
@@ -314,7 +329,7 @@ def _provider_status(state: ProviderState, g: Generation) -> dict[str, Any]:
 
 def _providers(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     g = core.generation
-    return {"providers": [_provider_status(s, g) for s in core.providers.states()]}
+    return {"providers": [_provider_status(core, s, g) for s in core.providers.states()]}
 
 
 def _sinks(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
