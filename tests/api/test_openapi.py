@@ -898,7 +898,8 @@ def test_an_oversized_command_body_is_a_documented_413(base_url) -> None:
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(
             f"POST {V1}/commands HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {16 * 1024 * 1024 + 1}\r\n\r\n".encode()
+            f"Content-Type: application/json\r\nContent-Length: {16 * 1024 * 1024 + 1}\r\n\r\n"
+            .encode()
         )
         raw = b""
         while chunk := sock.recv(65536):
