@@ -56,6 +56,14 @@ class _Replan:
     """The providers changed (an apply): plan again."""
 
 
+def check_due_at(state: ProviderState, last_ms: int) -> int | None:
+    """When a proxy provider's next health check is due: ``health_check.interval_seconds``
+    after the last one (or the refresher's start); None without an enabled check."""
+    if state.health_check is None:
+        return None
+    return last_ms + state.health_check[1] * 1000
+
+
 class StartRound:
     """At start: fetch every URL provider that has no copy yet (the engine waits for this
     round a short while, so a reachable subscription is in the first routes)."""
@@ -97,6 +105,9 @@ class ProviderRefresherActor(pykka.ThreadingActor):
         self._started_ms = int(time.time() * 1000)
         self._timer: threading.Timer | None = None
         self._plan: dict[tuple[Kind, str], int] = {}
+        #: When each proxy provider's health check last ran (the start until it has).
+        self._checked: dict[str, int] = {}
+        self._checks: dict[str, int] = {}
 
     def on_start(self) -> None:
         """Follow the applies that change the providers (the first plan is made by
@@ -161,6 +172,13 @@ class ProviderRefresherActor(pykka.ThreadingActor):
     def _run_due(self) -> None:
         now = int(time.time() * 1000)
         due = [key for key, at in self._plan.items() if at <= now]
+        checks = [name for name, at in self._checks.items() if at <= now]
+        for name in checks:
+            try:
+                self.ports.providers.health_check(self.ports.refresh, name)
+            except Exception:  # a bug of ours must not end the refresher
+                logger.exception("the health check of provider %s failed", name)
+            self._checked[name] = int(time.time() * 1000)
         self._round(due, "scheduled")
 
     # -- the plan ----------------------------------------------------------------------
@@ -174,12 +192,19 @@ class ProviderRefresherActor(pykka.ThreadingActor):
             if at is not None:
                 plan[(state.kind, state.name)] = at
         self._plan = plan
+        checks: dict[str, int] = {}
+        for state in providers.states():
+            check = check_due_at(state, self._checked.get(state.name, self._started_ms))
+            if state.kind == "proxies" and check is not None:
+                checks[state.name] = check
+        self._checks = checks
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not plan:
+        times = [*plan.values(), *checks.values()]
+        if not times:
             return
-        delay = max(0.0, (min(plan.values()) - time.time() * 1000) / 1000)
+        delay = max(0.0, (min(times) - time.time() * 1000) / 1000)
         ref = self.actor_ref
 
         def tick() -> None:

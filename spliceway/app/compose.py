@@ -167,6 +167,10 @@ class StartedActors:
                 loop=lambda: self._dispatcher.loop,
                 outbound=core.leaf_outbound,
                 reload=lambda force: core.reconciler.refresh(force=force),
+                members=lambda name: [
+                    tag for tag, origin in core.generation.origins.items() if origin == name
+                ],
+                record=lambda tag, health: core.generation.policies.record_probe(tag, health),
             ),
             source=lambda: core.source_config,
         )

@@ -44,6 +44,7 @@ from spliceway.config.provider_paths import provider_content_path
 from spliceway.engine.provider_fetch import FetchError, fetch
 from spliceway.errors import ApiError
 from spliceway.events.log import now_ms
+from spliceway.flows.probe import probe
 from spliceway.providers import rule_sets
 from spliceway.providers.materialise import Materialised, materialise
 from spliceway.providers.subscription import (
@@ -53,6 +54,7 @@ from spliceway.providers.subscription import (
     parse_proxy_body,
     parse_userinfo,
 )
+from spliceway.routing.policy import PROBE_TIMEOUT_S, MemberHealth, parse_probe_url, probe_url_for
 from spliceway.support.atomic_file import StagedFile, replace_file
 
 if TYPE_CHECKING:
@@ -107,6 +109,8 @@ class ProviderState:
     size_limit: int
     format: str | None = None
     behavior: str | None = None
+    #: A proxy provider's ``health_check``: ``(url, interval_seconds)`` when enabled.
+    health_check: tuple[str, int] | None = None
     #: A proxy provider's last good content (None: none yet).
     content: ProxyContent | None = None
     #: A rule provider's entries in its last good copy (None: not counted yet).
@@ -172,6 +176,10 @@ class RefreshPorts:
     #: Apply the running configuration again with the providers' new content
     #: (``force``: even when the merged configuration is unchanged, as for rule sets).
     reload: Callable[[bool], Any]
+    #: The tags a proxy provider gives the running configuration.
+    members: Callable[[str], list[str]] = lambda name: []
+    #: Record a probe's result as an outbound's latest health (the policy table's).
+    record: Callable[[str, MemberHealth], None] = lambda tag, health: None
 
 
 @dataclass(slots=True)
@@ -196,6 +204,14 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def _sha(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
+
+
+def _health_check(config: Config, spec: Any) -> tuple[str, int] | None:
+    check = getattr(spec, "health_check", None)
+    if check is None or not check.enabled:
+        return None
+    url = probe_url_for(check.url, config.runtime.latency_test_url)
+    return url, check.interval_seconds
 
 
 def _identity(kind: Kind, spec: Any) -> tuple[Any, ...]:
@@ -254,15 +270,11 @@ class Providers:
                 current = self._states.get(key)
             fresh = self._new_state(config, kind, name, spec)
             if current is not None and current.identity == fresh.identity:
-                if (current.interval_seconds, current.via, current.size_limit) != (
-                    fresh.interval_seconds,
-                    fresh.via,
-                    fresh.size_limit,
-                ):
+                settings = ("interval_seconds", "via", "size_limit", "health_check")
+                if any(getattr(current, k) != getattr(fresh, k) for k in settings):
                     with self._lock:
-                        current.interval_seconds = fresh.interval_seconds
-                        current.via = fresh.via
-                        current.size_limit = fresh.size_limit
+                        for k in settings:
+                            setattr(current, k, getattr(fresh, k))
                     changed = True
                 continue
             self._load(fresh)
@@ -290,6 +302,7 @@ class Providers:
             size_limit=spec.size_limit_bytes,
             format=spec.format,
             behavior=getattr(spec, "behavior", None),
+            health_check=_health_check(config, spec),
         )
 
     def _load(self, state: ProviderState) -> None:
@@ -668,6 +681,35 @@ class Providers:
                 for o in outcomes
             ]
         return outcomes
+
+    # -- health checks -----------------------------------------------------------------
+
+    def health_check(self, ports: RefreshPorts, name: str) -> int:
+        """Probe every outbound proxy provider ``name`` gives the running configuration
+        through its ``health_check.url`` (all at once, each within the probes' budget),
+        each result recorded as the outbound's latest health; how many were probed."""
+        state = self.state("proxies", name)
+        if state is None or state.health_check is None:
+            return 0
+        url = parse_probe_url(state.health_check[0])
+        tags = ports.members(name)
+        loop = ports.loop()
+        running = []
+        for tag in tags:
+            try:
+                outbound = ports.outbound(tag)
+            except Exception:  # gone with a reload meanwhile
+                continue
+            coro = probe(loop, outbound, url, PROBE_TIMEOUT_S)
+            running.append((tag, asyncio.run_coroutine_threadsafe(coro, loop)))
+        for tag, future in running:
+            try:
+                result = future.result(PROBE_TIMEOUT_S + 1)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                continue
+            health = MemberHealth(result.reachable, result.latency_ms, now_ms(), result.error)
+            ports.record(tag, health)
+        return len(running)
 
     # -- events ------------------------------------------------------------------------
 

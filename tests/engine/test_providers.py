@@ -511,3 +511,30 @@ def test_providers_update_names_and_kinds(make_engine, origin, nodes, tmp_path) 
         engine.execute("providers.update", {"name": ""})
     assert bad.value.code == "invalid_argument" and bad.value.field_path == "params.name"
     assert [r["name"] for r in update(engine, name="sub", kind="proxies")] == ["sub"]
+
+
+def test_a_health_check_records_each_members_health(
+    make_engine, origin, nodes, target, tmp_path
+) -> None:
+    origin.serve("/sub", Answer(clash(nodes, "n1", "n2")))
+    nodes["n2"].close()  # refuses: its check fails
+    check = {"enabled": True, "url": f"http://127.0.0.1:{target[1]}/", "interval_seconds": 1}
+    engine = make_engine(
+        provider_config(origin.url("/sub"), tmp_path / "cache", health_check=check)
+    )
+    assert status(engine)["health_check"] == {
+        "enabled": True,
+        "url": check["url"],
+        "interval_seconds": 1,
+    }
+
+    def checked() -> dict[str, Any]:
+        view = engine.query("policy", {"policy_tag": "proxy"})
+        found = {m["member_tag"]: m for m in view["member_health"] if m["healthy"] is not None}
+        return found if len(found) == 2 else {}
+
+    found = wait_until(checked, timeout=10, what="the provider's health check")
+    assert found["n1"]["healthy"] is True and found["n1"]["latency_ms"] is not None
+    assert found["n2"]["healthy"] is False and found["n2"]["last_error"]
+    assert found["n1"]["checked_by"] is None  # not a group's round
+    assert nodes["n1"].connections >= 1
