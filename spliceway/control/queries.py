@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 from spliceway.control.capabilities import capabilities
 from spliceway.control.commands import PERMISSIONS
-from spliceway.engine.providers import origin_of
 from spliceway.errors import invalid_argument, not_found
 from spliceway.events.log import normalize_types, parse_types
 from spliceway.events.logring import LEVELS, LOGS_LIMIT_MAX
+from spliceway.providers.subscription import origin_of
 from spliceway.routing import policy
 from spliceway.routing.policy import POLICY_KINDS
 from spliceway.support import fdlimit

@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit
 
 import maxminddb
 import orjson
@@ -51,6 +50,7 @@ from spliceway.providers.subscription import (
     BodyError,
     ProxyContent,
     SubscriptionInfo,
+    origin_of,
     parse_proxy_body,
     parse_userinfo,
 )
@@ -76,22 +76,6 @@ RETRY_S = 60
 META_SUFFIX = ".meta.json"
 #: The geodata entries: ``runtime.geodata``'s (path, url) field names.
 GEODATA = {"geoip": ("geoip_path", "geoip_url"), "geosite": ("geosite_path", "geosite_url")}
-
-
-def origin_of(url: str | None) -> str | None:
-    """``scheme://host[:port]`` of ``url``: what may be shown of it (the rest may hold a
-    token)."""
-    if url is None:
-        return None
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ""
-    return f"{parts.scheme}://{host}{port}"
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from spliceway.clash import links as clash_links
 from spliceway.clash import proxies as clash_proxies
@@ -40,6 +41,7 @@ __all__ = [
     "SkippedProxy",
     "SubscriptionInfo",
     "detect_format",
+    "origin_of",
     "parse_proxy_body",
     "parse_userinfo",
 ]
@@ -300,3 +302,19 @@ def parse_userinfo(header: str) -> SubscriptionInfo:
         if number is not None:
             values[key] = max(0, number)
     return SubscriptionInfo(**values)
+
+
+def origin_of(url: str | None) -> str | None:
+    """``scheme://host[:port]`` of ``url``: what may be shown of it (the rest may hold a
+    token)."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ""
+    return f"{parts.scheme}://{host}{port}"
