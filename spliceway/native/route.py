@@ -68,6 +68,7 @@ _DOMAIN_KINDS = {
     "domain_keyword": lib.SW_DOMAIN_KEYWORD,
 }
 _OPAQUE_KEYS = ("domain_regex",)
+_NEW_KEYS = frozenset({"geosite", "geoip", "ip_asn", "source_geoip", "source_ip_asn", "rule_set"})
 #: ``runtime.process_lookup`` -> ``sw_process_mode``.
 PROCESS_MODES: dict[str, int] = {
     "off": lib.SW_PROCESS_OFF,
@@ -314,6 +315,21 @@ def _cond_ids(
         check(add(table, index, i), f"sw_table_cond_{key}")
 
 
+def _not_compiled_yet(rule: Rule) -> bool:
+    """Issue 29's rule kinds (rule sets, geo, logical, invert, no_resolve), until the C
+    table compiles them: opaque, so reaching such a rule defers to Python."""
+    return bool(
+        rule.is_logical or rule.invert or rule.no_resolve or _NEW_KEYS & rule.conditions().keys()
+    )
+
+
+def _compile_opaque(table: Any, index: int, rule: Rule, target: int) -> None:
+    """Rule ``index``: its action, and opaque (C defers to Python on reaching it)."""
+    action = lib.SW_ROUTE_BLOCK if rule.action == "block" else lib.SW_ROUTE_ROUTE
+    check(lib.sw_table_rule(table, index, action, target), "sw_table_rule")
+    check(lib.sw_table_cond_opaque(table, index), "sw_table_cond_opaque")
+
+
 def _compile_rule(
     table: Any,
     index: int,
@@ -464,7 +480,10 @@ def compile_route_table(
     check(rc, "sw_table_set_mode")
     for i, rule in enumerate(rules):
         target = index[rule.outbound] if rule.action == "route" and rule.outbound else -1
-        _compile_rule(table, i, rule, target, inbounds, principals)
+        if _not_compiled_yet(rule):
+            _compile_opaque(table, i, rule, target)
+        else:
+            _compile_rule(table, i, rule, target, inbounds, principals)
     for slot in deferred_inbounds:
         check(lib.sw_table_defer_inbound(table, slot), "sw_table_defer_inbound")
     for cidr in deferred_cidrs:

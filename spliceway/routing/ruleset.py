@@ -6,8 +6,9 @@ Pure: bytes in, :class:`RuleSetData` out, no I/O. The engine reads the provider'
 
 Formats (``format``): ``text`` is one entry per line (``#`` and ``//`` start a comment
 line, blank lines are skipped, each line is trimmed); ``yaml`` is a document with a
-``payload:`` list (mihomo also reads ``rules:``), read as YAML 1.2 reads it (``no`` and
-``on`` stay strings); ``mrs`` (mihomo's binary format) is refused with a clear message.
+``payload:`` list (mihomo also reads ``rules:``), read as mihomo's YAML reader reads it
+(:mod:`spliceway.clash.yaml12`: ``no`` and ``on`` stay strings); ``mrs`` (mihomo's
+binary format) is refused with a clear message.
 
 Behaviours, as mihomo reads them (``rules/provider/*_strategy.go``,
 ``component/trie/domain.go``):
@@ -40,10 +41,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-import yaml
 from pydantic import ValidationError
 
-from spliceway.clash import rule_lines
+from spliceway.clash import rule_lines, yaml12
 from spliceway.config import SubRule
 from spliceway.config.validators import ADDRESS_CONDITION_KEYS
 
@@ -271,20 +271,6 @@ def _unique_cidrs(items: Iterable[Cidr]) -> tuple[Cidr, ...]:
 # ---------------------------------------------------------------------------
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader whose booleans are YAML 1.2's (``true``/``false`` only): ``no``, ``on``
-    and ``yes`` stay strings, as mihomo (a YAML 1.2 reader) sees them."""
-
-
-_Yaml12Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-
-
 def _looks_binary(body: bytes) -> bool:
     head = body[:4096]
     if b"\x00" in head:
@@ -312,11 +298,9 @@ def _text_lines(text: str) -> Iterator[str]:
 
 def _yaml_items(text: str) -> list[str]:
     try:
-        doc = yaml.load(text, Loader=_Yaml12Loader)
-    except yaml.YAMLError as ex:
-        mark = getattr(ex, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise RuleSetError(f"not a YAML document{where}: {getattr(ex, 'problem', ex)}") from None
+        doc = yaml12.load_document(text, duplicates="report").document
+    except yaml12.YamlError as ex:
+        raise RuleSetError(f"not a YAML document: {ex}") from None
     if not isinstance(doc, dict):
         raise RuleSetError("a yaml rule set is a mapping with a `payload:` list")
     payload = doc.get("payload", doc.get("rules"))
