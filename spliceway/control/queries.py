@@ -316,12 +316,20 @@ def _provider_status(core: EngineCore, state: ProviderState, g: Generation) -> d
             }
         )
     elif state.kind == "rules":
+        rules, skipped_rules = state.rule_count, state.rule_skipped
+        # What routing read from the file when it built the running tables (a path
+        # provider is not counted at start but there).
+        loaded = g.parts.rule_set_status.get(state.name)
+        if loaded is not None and loaded.error is None and rules is None:
+            rules, skipped_rules = loaded.count, loaded.skipped
+        if loaded is not None and loaded.error is not None and state.last_error is None:
+            out["last_error"] = loaded.error
         out.update(
             {
                 "format": state.format,
                 "behavior": state.behavior,
-                "rules": state.rule_count,
-                "skipped": state.rule_skipped,
+                "rules": rules,
+                "skipped": skipped_rules,
             }
         )
     return out

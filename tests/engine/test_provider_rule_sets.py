@@ -143,3 +143,52 @@ def test_without_urls_nothing_is_downloaded(make_engine, tmp_path) -> None:
     engine = make_engine(config)
     assert engine.query("providers")["providers"] == []
     assert update(engine) == []
+
+
+def test_a_refreshed_rule_set_routes_new_flows_at_once(make_engine, origin, tmp_path) -> None:
+    origin.serve("/ads.txt", Answer(b"+.ads.example\n"))
+    config = base_config(
+        providers={
+            "rules": {
+                "ads": {"url": origin.url("/ads.txt"), "behavior": "domain", "format": "text"}
+            }
+        },
+        rules=[{"rule_set": ["ads"], "action": "block"}],
+        runtime={"providers_cache_dir": str(tmp_path / "cache")},
+    )
+    engine = make_engine(config)
+
+    def action(host: str) -> str:
+        trace = engine.execute("diagnostics.trace_route", {"target": host, "port": 443})
+        return "block" if "block" in trace["route_action"] else "final"
+
+    assert action("x.ads.example") == "block"
+    assert action("x.other.example") == "final"
+    origin.serve("/ads.txt", Answer(b"+.other.example\n"))
+    assert update(engine, name="ads")[0]["outcome"] == "updated"
+    assert action("x.ads.example") == "final"
+    assert action("x.other.example") == "block"
+    # A bad body keeps routing by the last good set.
+    origin.serve("/ads.txt", Answer(b"<html>error</html>"))
+    assert update(engine, name="ads")[0]["outcome"] == "failed"
+    assert action("x.other.example") == "block"
+
+
+def test_a_path_rule_provider_is_counted_from_the_running_tables(make_engine, tmp_path) -> None:
+    listed = tmp_path / "list.txt"
+    listed.write_text("a.example\nb.example\nbad entry\n")
+    config = base_config(
+        providers={
+            "rules": {"mine": {"path": str(listed), "behavior": "domain", "format": "text"}}
+        },
+        rules=[{"rule_set": ["mine"], "action": "block"}],
+    )
+    engine = make_engine(config)
+    state = status(engine, "mine", "rules")
+    assert (state["rules"], state["skipped"], state["last_error"]) == (2, 1, None)
+    listed.write_text("<html>oops</html>")
+    (result,) = update(engine, name="mine")
+    assert result["outcome"] == "failed" and "HTML" in result["error"]
+    listed.unlink()
+    (result,) = update(engine, name="mine")
+    assert result["outcome"] == "failed" and "No such file" in result["error"]
