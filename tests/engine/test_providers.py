@@ -538,3 +538,83 @@ def test_a_health_check_records_each_members_health(
     assert found["n2"]["healthy"] is False and found["n2"]["last_error"]
     assert found["n1"]["checked_by"] is None  # not a group's round
     assert nodes["n1"].connections >= 1
+
+
+# -- the CLI over IPC, and the source file --------------------------------------------------
+
+
+def test_the_cli_shows_and_updates_providers(nodes, tmp_path, sock_path) -> None:
+    import subprocess
+
+    from spliceway import Engine
+    from tests.helpers.program import SPLICEWAY
+
+    body = tmp_path / "nodes.yaml"
+    body.write_bytes(clash(nodes, "n1", extra=VMESS))
+    config = provider_config("", tmp_path / "cache")
+    config["providers"]["proxies"]["sub"] = {"path": str(body)}
+    config["api"]["ipc"] = {"enabled": True, "path": str(sock_path)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [*SPLICEWAY, "--ipc", str(sock_path), *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+    with Engine(config):
+        table = cli("providers")
+        assert table.returncode == 0, table.stderr
+        header, row = table.stdout.splitlines()
+        assert header.split() == [
+            "PROVIDER",
+            "KIND",
+            "SOURCE",
+            "UPDATED",
+            "NEXT",
+            "HOLDS",
+            "SKIPPED",
+            "ERROR",
+        ]
+        assert row.split()[:3] == ["sub", "proxies", str(body)]
+        assert "1 outbounds, 1 members" in row
+        doc = json.loads(cli("providers", "--json").stdout)
+        assert doc["providers"][0]["members"] == ["n1"]
+        body.write_bytes(clash(nodes, "n1", "n2"))
+        updated = cli("providers", "update", "sub")
+        assert updated.returncode == 0, updated.stderr
+        assert updated.stdout.splitlines()[1].split() == ["sub", "proxies", "updated", "-"]
+        result = json.loads(cli("providers", "update", "--json").stdout)
+        assert result == {
+            "results": [
+                {
+                    "name": "sub",
+                    "kind": "proxies",
+                    "outcome": "unchanged",
+                    "error": None,
+                    "updated_at_unix_ms": result["results"][0]["updated_at_unix_ms"],
+                    "outbounds": 2,
+                    "skipped": 0,
+                }
+            ]
+        }
+        missing = cli("providers", "update", "nope")
+        assert missing.returncode == 1
+        assert missing.stderr.startswith("spliceway: not_found: no provider is named 'nope'")
+
+
+def test_the_source_file_never_holds_provider_outbounds(origin, nodes, tmp_path) -> None:
+    from spliceway import Engine
+
+    origin.serve("/sub", Answer(clash(nodes, "n1")))
+    doc = provider_config(origin.url("/sub"), tmp_path / "cache")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    with Engine.from_file(str(path)) as engine:
+        assert members(engine) == ["n1"]
+        doc["runtime"]["stats_interval_ms"] = 300
+        engine.execute("config.apply", {"config": doc})
+        written = json.loads(path.read_text())
+        assert [o["tag"] for o in written["outbounds"]] == ["direct", "block"]
+        assert written["outbound_groups"][0].get("outbounds", []) == []
+        assert members(engine) == ["n1"]
+        # The config summary (the running, merged configuration) has them.
+        tags = [o["tag"] for o in engine.query("config")["outbounds"]]
+        assert "n1" in tags
