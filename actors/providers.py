@@ -165,7 +165,7 @@ class ProviderRefresherActor(pykka.ThreadingActor):
         targets: list[tuple[Kind, str]] = [
             (s.kind, s.name)
             for s in self.ports.providers.states()
-            if s.kind != "geodata" and s.url is not None and not s.has_copy and s.last_error is None
+            if s.kind != "geodata" and s.url is not None and not s.has_copy
         ]
         return self._round(targets, "startup")
 

@@ -685,12 +685,21 @@ class Providers:
             except Exception:  # gone with a reload meanwhile
                 continue
             coro = probe(loop, outbound, url, PROBE_TIMEOUT_S)
-            running.append((tag, asyncio.run_coroutine_threadsafe(coro, loop)))
+            with self._lock:
+                if self._closed:
+                    coro.close()
+                    break
+                future = asyncio.run_coroutine_threadsafe(coro, loop)
+                self._inflight.add(future)
+            running.append((tag, future))
         for tag, future in running:
             try:
                 result = future.result(PROBE_TIMEOUT_S + 1)
             except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
                 continue
+            finally:
+                with self._lock:
+                    self._inflight.discard(future)
             health = MemberHealth(result.reachable, result.latency_ms, now_ms(), result.error)
             ports.record(tag, health)
         return len(running)

@@ -618,3 +618,24 @@ def test_the_source_file_never_holds_provider_outbounds(origin, nodes, tmp_path)
         # The config summary (the running, merged configuration) has them.
         tags = [o["tag"] for o in engine.query("config")["outbounds"]]
         assert "n1" in tags
+
+
+def test_a_base64_share_link_subscription(make_engine, origin, nodes, target, tmp_path) -> None:
+    import base64
+
+    links = "\n".join(
+        [
+            f"socks5://127.0.0.1:{nodes['n1'].port}#HK%201",
+            f"socks5://127.0.0.1:{nodes['n2'].port}#JP%201",
+            "vmess://not-even-json",
+        ]
+    )
+    origin.serve("/sub", Answer(base64.b64encode(links.encode())))
+    config = provider_config(origin.url("/sub"), tmp_path / "cache", filter=["^JP"])
+    engine = make_engine(config)
+    assert members(engine) == ["JP 1"]
+    state = status(engine)
+    assert state["format"] == "links" and state["outbounds"] == 2 and state["filtered_out"] == 1
+    assert [p["type"] for p in state["skipped_proxies"]] == ["vmess"]
+    assert fetch_through(engine, target) == "200"
+    assert (nodes["n1"].connections, nodes["n2"].connections) == (0, 1)
