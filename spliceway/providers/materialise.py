@@ -13,9 +13,10 @@ Decisions (mihomo's semantics where it has one, ``adapter/outboundgroup/parser.g
 - A group's members are its inline ``outbounds`` first, then each provider's outbounds
   in the order the group lists the providers, each provider's in the order of its body.
 - ``filter`` keeps an outbound whose name one of the expressions matches (searched,
-  Python ``re``), ``exclude_filter`` then drops one any of its expressions matches;
-  both look at the name as the body gives it, before ``override``'s prefix and suffix
-  (as mihomo filters before it renames).
+  Python ``re``), in mihomo's order: the first expression's matches in body order, then
+  the next one's; ``exclude_filter`` drops one any of its expressions matches. Both look
+  at the name as the body gives it, before ``override``'s prefix and suffix (as mihomo
+  filters before it renames).
 - An outbound's tag is ``name_prefix + name + name_suffix``. A tag already taken (by an
   inline outbound or group, the built-in ``direct``, or an earlier provider's outbound)
   becomes ``<tag> (<provider>)``, then ``<tag> (<provider>) #2``, ``#3``...: the same
@@ -75,15 +76,21 @@ def _matches(patterns: tuple[str, ...] | None, name: str) -> bool:
 def _kept(
     spec: ProxyProvider, entries: tuple[ProxyEntry, ...]
 ) -> tuple[list[ProxyEntry], list[str]]:
+    """The entries ``filter`` keeps and ``exclude_filter`` leaves, in mihomo's order: the
+    first expression's matches in body order, then the next one's (each entry once)."""
+    candidates = [e for e in entries if not _matches(spec.exclude_filter, e.name)]
     kept: list[ProxyEntry] = []
-    dropped: list[str] = []
-    for entry in entries:
-        chosen = spec.filter is None or _matches(spec.filter, entry.name)
-        if chosen and not _matches(spec.exclude_filter, entry.name):
-            kept.append(entry)
-        else:
-            dropped.append(entry.name)
-    return kept, dropped
+    if spec.filter is None:
+        kept = candidates
+    else:
+        seen: set[str] = set()
+        for pattern in spec.filter:
+            for entry in candidates:
+                if entry.name not in seen and re.search(pattern, entry.name):
+                    seen.add(entry.name)
+                    kept.append(entry)
+    chosen = {e.name for e in kept}
+    return kept, [e.name for e in entries if e.name not in chosen]
 
 
 def _free_tag(wanted: str, provider: str, taken: set[str]) -> str:

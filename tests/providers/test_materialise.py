@@ -89,9 +89,14 @@ def test_filter_then_exclude_filter_on_the_name_before_the_override() -> None:
             }
         }
     )
-    names = ("HK 1", "HK slow", "US 1", "Japan 2", "xHK")
+    names = ("Japan 2", "HK 1", "HK slow", "US 1", "xHK", "HK 3")
     merged = materialise(config, {"a": _content(*names)})
-    assert merged.config.find_group("auto").outbounds == ("[a] HK 1 *", "[a] Japan 2 *")
+    # mihomo's order: every match of the first expression, then the second's.
+    assert merged.config.find_group("auto").outbounds == (
+        "[a] HK 1 *",
+        "[a] HK 3 *",
+        "[a] Japan 2 *",
+    )
     assert merged.members["a"].filtered_out == ("HK slow", "US 1", "xHK")
 
 
