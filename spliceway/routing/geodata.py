@@ -36,7 +36,7 @@ import maxminddb
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-from spliceway.routing.ruleset import MAX_REASONS, Cidr, RuleSetData
+from spliceway.routing.ruleset import MAX_REASONS, Cidr, RuleSetData, range_to_cidrs
 
 __all__ = [
     "GeoDataError",
@@ -87,18 +87,6 @@ _GEOSITE_CACHE: dict[str, tuple[tuple[str, int, int, int], GeoSite]] = {}
 # ---------------------------------------------------------------------------
 # CIDR helpers
 # ---------------------------------------------------------------------------
-
-
-def range_to_cidrs(version: int, first: int, last: int) -> Iterator[Cidr]:
-    """The fewest CIDRs covering ``first..last`` (inclusive), in order."""
-    width = 32 if version == 4 else 128
-    while first <= last:
-        # The largest block aligned at ``first`` that does not pass ``last``.
-        size_bits = (first & -first).bit_length() - 1 if first else width
-        while size_bits > 0 and first + (1 << size_bits) - 1 > last:
-            size_bits -= 1
-        yield version, first, width - size_bits
-        first += 1 << size_bits
 
 
 def _merge(version: int, nets: list[int]) -> tuple[Cidr, ...]:
