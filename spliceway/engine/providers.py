@@ -359,9 +359,24 @@ class Providers:
 
     def materialise(self, config: Config) -> Materialised:
         """``config`` with its proxy providers' current content merged in (tracking its
-        providers first); see :mod:`spliceway.providers.materialise`."""
+        providers first); see :mod:`spliceway.providers.materialise`.
+
+        Every body was tried against the configuration before it was taken, so the merge
+        validates; should it not (a bug), the configuration is merged without any
+        provider's content, each provider's status says why, and the document itself
+        still applies."""
         self.sync(config)
-        return materialise(config, self.contents())
+        try:
+            return materialise(config, self.contents())
+        except ApiError as ex:
+            logger.error("merging the proxy providers' content failed: %s", ex.message)
+            at = now_ms()
+            with self._lock:
+                for (kind, _), state in self._states.items():
+                    if kind == "proxies" and state.content is not None:
+                        state.last_error = f"its content does not fit the configuration: {ex}"
+                        state.last_error_at_ms = at
+            return materialise(config, {})
 
     def state(self, kind: Kind, name: str) -> ProviderState | None:
         """A copy of one provider's state (None: not configured)."""
