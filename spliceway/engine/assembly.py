@@ -31,7 +31,13 @@ from spliceway.config.validators import GEOIP_BUILTIN_CODES
 from spliceway.dns import Resolver
 from spliceway.engine.runtime import RouteState
 from spliceway.errors import ApiError
-from spliceway.flows.outbounds import DirectOutbound, Outbound, build_outbound, build_relay
+from spliceway.flows.outbounds import (
+    DirectOutbound,
+    NoMemberOutbound,
+    Outbound,
+    build_outbound,
+    build_relay,
+)
 from spliceway.routing import policy
 from spliceway.routing import rules as routing
 from spliceway.routing.geodata import GeoDatabases, GeoDataError, GeoIp, GeoSite
@@ -116,9 +122,12 @@ def build_routing(
     for spec in config.outbounds:
         specs[spec.tag] = spec
         outbounds[spec.tag] = reusable(spec.tag, spec) or build_outbound(spec, resolver)
+    for group in config.outbound_groups:
+        if not group.outbounds:  # its proxy providers gave it no member (yet)
+            outbounds[group.tag] = NoMemberOutbound(group.tag)
     # A relay group is a leaf outbound whose hops are other outbounds.
     for group in config.outbound_groups:
-        if group.kind != "relay":
+        if group.kind != "relay" or not group.outbounds:
             continue
         specs[group.tag] = group
         hops = [outbounds[m] for m in group.outbounds]
@@ -143,7 +152,8 @@ def build_routing(
             views.append(live)
             kept.add(group.tag)
         else:
-            views.append(policy.initial_view(group, url))
+            before = previous.group_specs.get(group.tag) if previous is not None else None
+            views.append(policy.next_view(before, group, url, live))
 
     rule_sets, status = load_rule_sets(config)
     geo = load_geodata(config, rule_sets)
