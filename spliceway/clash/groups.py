@@ -502,6 +502,7 @@ def _provider_for_group(
         n += 1
         variant = f"{name} · {g.name} ({n})"
     state.proxy_providers[variant] = spec
+    state.copies.setdefault(name, []).append(variant)
     state.report.add(
         "changed",
         f"{g.path}.filter",
@@ -767,6 +768,24 @@ def convert_groups(raw: Any, state: ImportState, providers: set[str]) -> None:
         except WeakTypeError as ex:
             g.broken = str(ex)
             state.groups.append(_finish(g, state))
+    _drop_unused_originals(state)
+
+
+def _drop_unused_originals(state: ImportState) -> None:
+    """A provider that groups use only through filtered copies is dropped: its outbounds
+    would otherwise sit beside the copies' under renamed tags (``HK 01 (airport · HK)``)."""
+    used = {p for g in state.groups for p in g.get("providers", ())}
+    for name in list(state.proxy_providers):
+        copies = [c for c in state.copies.get(name, ()) if c in used]
+        if name not in used and copies:
+            del state.proxy_providers[name]
+            state.report.add(
+                "changed",
+                f"proxy-providers.{name}",
+                name,
+                f"read as its filtered copies {copies}",
+                "every group that uses it filters it",
+            )
 
 
 def ensure_global(state: ImportState) -> str:

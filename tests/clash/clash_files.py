@@ -269,6 +269,67 @@ rules:
 """
 
 
+def provider_style_file(up: Upstreams, *, web: int, dns_port: int, ports: dict[str, int]) -> str:
+    """The provider style for the comparison with mihomo: every provider local (a file in
+    mihomo's home, an HTTP server on ``web``, inline ones), groups over them with
+    ``filter``/``exclude-filter``, ``RULE-SET`` rules; DNS from the lab's server."""
+    probe = f"http://127.0.0.1:{up.origin}/generate_204"
+    server = f"udp://127.0.0.1:{dns_port}"
+    return f"""\
+allow-lan: false
+bind-address: 127.0.0.1
+mode: rule
+log-level: info
+ipv6: false
+external-controller: 127.0.0.1:0
+geo-auto-update: false
+find-process-mode: off
+profile: {{store-selected: false, store-fake-ip: false}}
+listeners:
+  - {{name: mixed-in, type: mixed, listen: 127.0.0.1, port: 0}}
+dns: {{enable: true, ipv6: false, enhanced-mode: redir-host, default-nameserver: ['{server}'], nameserver: ['{server}']}}
+proxy-providers:
+  airport:
+    type: file
+    path: ./proxy_providers/airport.yaml
+    health-check: {{enable: true, url: "{probe}", interval: 600}}
+  backup:
+    type: http
+    url: http://127.0.0.1:{web}/backup.yaml
+    path: ./proxy_providers/backup.yaml
+    interval: 3600
+  pinned:
+    type: inline
+    payload:
+      - {{name: pinned-s5, type: socks5, server: 127.0.0.1, port: {up.socks}}}
+rule-providers:
+  reject: {{type: http, behavior: domain, format: text, url: "http://127.0.0.1:{web}/reject.txt", path: ./ruleset/reject.txt, interval: 86400}}
+  lan: {{type: file, behavior: ipcidr, format: text, path: ./ruleset/lan.txt}}
+  apps:
+    type: inline
+    behavior: classical
+    payload: ["DOMAIN-SUFFIX,app.example", "DST-PORT,{ports["pinned"]}"]
+proxies:
+  - {{name: home-socks, type: socks5, server: 127.0.0.1, port: {up.socks}}}
+proxy-groups:
+  - {{name: HK, type: fallback, use: [airport], filter: "港|HK", exclude-filter: "(?i)expire|剩余", url: "{probe}", interval: 300}}
+  - {{name: JP, type: select, use: [airport, backup], filter: "JP|日本"}}
+  - {{name: Backup, type: select, use: [backup]}}
+  - {{name: Pinned, type: select, use: [pinned]}}
+  - {{name: US, type: select, use: [airport], filter: "US"}}
+  - {{name: Final, type: select, proxies: [HK, home-socks, DIRECT]}}
+rules:
+  - RULE-SET,reject,REJECT
+  - RULE-SET,lan,DIRECT,no-resolve
+  - RULE-SET,apps,Pinned
+  - DOMAIN,vm,HK
+  - DOMAIN,runsc,JP
+  - DOMAIN,localhost,Backup
+  - DST-PORT,{ports["us"]},US
+  - MATCH,Final
+"""
+
+
 def provider_body(up: Upstreams) -> str:
     """What the ``airport`` provider file holds: a Clash document with ``proxies:``."""
     return f"""proxies:

@@ -25,12 +25,13 @@ destination).
 from __future__ import annotations
 
 import contextlib
+import http.server
 import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -40,6 +41,8 @@ from tests.clash.clash_files import (
     GENERATED_TARGETS,
     Upstreams,
     mixed_file,
+    provider_body,
+    provider_style_file,
     subconverter_file,
     write_geodata,
 )
@@ -147,7 +150,9 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         ss = stack.enter_context(ss_server(SS_METHOD, SS_PASSWORD))
         http = stack.enter_context(tinyproxy(tmp_path))
         origin = stack.enter_context(http_origin())
-        echo = {n: stack.enter_context(EchoServer()) for n in ("plain", "jp", "sg", "us", "and")}
+        echo = {
+            n: stack.enter_context(EchoServer()) for n in ("plain", "jp", "sg", "us", "and", "warm")
+        }
         zone: dict[str, list[str]] = {}
         dns = DnsServer(zone)
         stack.callback(dns.close)
@@ -172,6 +177,9 @@ rule-providers:
 
 def _spliceway_config(text: str, home: Path) -> dict[str, Any]:
     result = import_text(text.encode(), home=str(home), files_dir=str(home / "files"))
+    for path, content in result.files.items():  # inline providers, as the CLI writes them
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(content)
     config = result.config
     # The test's own knobs: no IPC socket of the user's, fast stats.
     config["api"]["ipc"] = {"enabled": False}
@@ -198,6 +206,18 @@ def compare(
     with running_mihomo(load(text), home) as m:
         if mihomo_groups_ready is not None:
             wait_until(lambda: mihomo_groups_ready(m), 20, "mihomo's groups probed")
+        # mihomo drops outside connections until its providers are initialised: a warm-up
+        # flow it logs shows it routes.
+        warm = ("127.0.0.1", lab.echo["warm"].address[1])
+        wait_until(
+            lambda: (
+                tunnel(("127.0.0.1", m.mixed_port), *warm)
+                and f"{warm[0]}:{warm[1]}" in mihomo_choices(m)
+            ),
+            20,
+            "mihomo routing",
+            interval=0.2,
+        )
         carried: dict[str, bool] = {}
         for host, port in destinations:
             dst = f"{host}:{port}"
@@ -358,4 +378,142 @@ def test_mixed_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any]) 
         f"localhost:{plain}": True,
         f"127.0.0.1:{plain}": True,
         f"127.0.0.1:{chained}": True,
+    }
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+    """Serves ``bodies`` (path -> bytes) on loopback: the providers' subscription server."""
+
+    bodies: ClassVar[dict[str, bytes]] = {}
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = self.bodies.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+
+@contextlib.contextmanager
+def subscription_server(bodies: dict[str, bytes]) -> Iterator[int]:
+    _Files.bodies = bodies
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _mihomo_rule_sets_loaded(m: Mihomo, names: tuple[str, ...]) -> bool:
+    """Whether mihomo loaded these rule providers (it drops outside connections until its
+    providers are initialised)."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{m.url}/providers/rules", timeout=2) as resp:
+            doc = json.loads(resp.read())
+    except OSError:
+        return False
+    providers = doc.get("providers", {})
+    return all(providers.get(n, {}).get("ruleCount", 0) > 0 for n in names)
+
+
+def _spliceway_has_members(engine: Any, groups: tuple[str, ...]) -> bool:
+    policies = {p["tag"]: p for p in engine.query("policies")["policies"]}
+    return all(policies.get(g, {}).get("member_health") for g in groups)
+
+
+def test_provider_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any]) -> None:
+    home = lab.tmp / "mihomo"
+    (home / "proxy_providers").mkdir(parents=True)
+    (home / "ruleset").mkdir()
+    (home / "proxy_providers" / "airport.yaml").write_text(provider_body(lab.up))
+    (home / "ruleset" / "lan.txt").write_text("127.202.0.0/16\n")
+    backup = f"proxies:\n  - {{name: B1, type: socks5, server: 127.0.0.1, port: {lab.up.socks}}}\n"
+    plain = lab.echo["plain"].address[1]
+    ports = {"pinned": lab.echo["and"].address[1], "us": lab.echo["us"].address[1]}
+    bodies = {"/backup.yaml": backup.encode(), "/reject.txt": b"+.rejected.example\n"}
+    destinations = [
+        ("ads.rejected.example", plain),  # RULE-SET over HTTP
+        ("127.202.0.9", plain),  # RULE-SET from a file
+        ("127.0.0.1", ports["pinned"]),  # inline classical RULE-SET: the inline provider
+        ("vm", plain),  # HK: a filtered fallback over the file provider
+        ("runsc", plain),  # JP: filtered over two providers
+        ("localhost", plain),  # Backup: the HTTP provider
+        ("127.0.0.1", ports["us"]),  # US: its only proxy is a vmess spliceway skips
+        ("127.0.0.1", plain),  # MATCH
+    ]
+    with subscription_server(bodies) as web:
+        text = provider_style_file(lab.up, web=web, dns_port=lab.dns.port, ports=ports)
+        config = _spliceway_config(text, home)
+        config["runtime"]["providers_cache_dir"] = str(lab.tmp / "cache")
+        engine = make_engine(config)
+        try:
+            wait_until(
+                lambda: _spliceway_has_members(engine, ("HK", "JP", "Backup", "Pinned")),
+                20,
+                "spliceway's provider groups filled",
+            )
+        except AssertionError:
+            status = [(p["name"], p["last_error"]) for p in engine.query("providers")["providers"]]
+            raise AssertionError(f"provider groups not filled: {status}") from None
+        flows = FlowLog(engine)
+        with running_mihomo(load(text), home) as m:
+            wait_until(lambda: _probed(m, "Backup", "B1"), 20, "mihomo's HTTP provider")
+            wait_until(
+                lambda: _mihomo_rule_sets_loaded(m, ("reject", "lan", "apps")),
+                20,
+                "mihomo's rule providers",
+            )
+            # Its tunnel opens once every provider is in: a warm-up flow shows it has.
+            warm = ("127.0.0.1", lab.echo["warm"].address[1])
+            wait_until(
+                lambda: (
+                    tunnel(("127.0.0.1", m.mixed_port), *warm)
+                    and f"{warm[0]}:{warm[1]}" in mihomo_choices(m)
+                ),
+                20,
+                "mihomo routing",
+                interval=0.2,
+            )
+            wait_until(lambda: _probed(m, "HK", "🇭🇰 HK 01"), 20, "mihomo's fallback probed")
+            carried = {}
+            for host, port in destinations:
+                carried[f"{host}:{port}"] = tunnel(engine.listen_address("mixed-in"), host, port)
+                tunnel(("127.0.0.1", m.mixed_port), host, port)
+            wait_until(lambda: all(d in flows.records for d in carried), 20, "flow records")
+            try:
+                wait_until(
+                    lambda: all(d in mihomo_choices(m) for d in carried), 20, "mihomo's logs"
+                )
+            except AssertionError:
+                missing = [d for d in carried if d not in mihomo_choices(m)]
+                raise AssertionError(
+                    f"mihomo logged nothing for {missing}:\n{m.log_tail(30)}"
+                ) from None
+            theirs = mihomo_choices(m)
+    ours = {d: flows.choice(d) for d in carried}
+    us = f"127.0.0.1:{ports['us']}"
+    # US lost its only proxy: mihomo dials the vmess (and fails), spliceway's group has no
+    # member (the flow fails with no_member): the same target, neither carries a byte.
+    assert ours[us] is not None and ours[us].target == theirs[us].target == "US"
+    del ours[us]
+    assert_same(theirs, ours)
+    assert carried == {
+        f"ads.rejected.example:{plain}": False,
+        f"127.202.0.9:{plain}": False,
+        f"127.0.0.1:{ports['pinned']}": True,
+        f"vm:{plain}": True,
+        f"runsc:{plain}": True,
+        f"localhost:{plain}": True,
+        us: False,
+        f"127.0.0.1:{plain}": True,
     }

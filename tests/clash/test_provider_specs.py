@@ -20,7 +20,12 @@ def _state(tmp_path: Path) -> ImportState:
 
 
 def _validate(state: ImportState) -> None:
-    parse_config({"providers": {"proxies": state.proxy_providers, "rules": state.rule_providers}})
+    parse_config(
+        {
+            "outbounds": [{"tag": "hop", "protocol": "socks5", "server": "127.0.0.1", "port": 1}],
+            "providers": {"proxies": state.proxy_providers, "rules": state.rule_providers},
+        }
+    )
 
 
 def test_proxy_providers(tmp_path: Path) -> None:
