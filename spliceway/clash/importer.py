@@ -746,6 +746,28 @@ def _find_home_file(home: str, names: tuple[str, ...], default: str) -> str:
     return os.path.join(home, default)
 
 
+def _report_geox(
+    urls: Mapping[Any, Any], need_ip: bool, need_site: bool, state: ImportState
+) -> None:
+    """What becomes of each ``geox-url`` entry."""
+    for key, url in urls.items():
+        path = f"geox-url.{key}"
+        if key == "mmdb" and need_ip:
+            state.report.add("converted", path, str(url), "runtime.geodata.geoip_url")
+        elif key == "geosite" and need_site:
+            state.report.add("converted", path, str(url), "runtime.geodata.geosite_url")
+        elif key in ("mmdb", "geosite"):
+            state.report.add("skipped", path, str(url), "download URL", "no rule reads it")
+        elif key == "geoip":
+            why = "spliceway reads a MaxMind .mmdb for GEOIP, not GeoIP.dat"
+            state.report.add("skipped", path, str(url), "download URL", why)
+        elif key == "asn":
+            why = "spliceway downloads no ASN database: put it at runtime.geodata.asn_path"
+            state.report.add("skipped", path, str(url), "download URL", why)
+        else:
+            state.report.add("skipped", path, str(url), "download URL", "unknown key")
+
+
 def _geodata(
     doc: Mapping[str, Any], state: ImportState, rules: list[dict[str, Any]], runtime: dict[str, Any]
 ) -> None:
@@ -757,9 +779,11 @@ def _geodata(
     need_ip = bool(keys & {"geoip", "source_geoip"})
     need_asn = bool(keys & {"ip_asn", "source_ip_asn"})
     need_site = "geosite" in keys
+    raw_urls = doc.get("geox-url")
+    urls: Mapping[Any, Any] = raw_urls if isinstance(raw_urls, Mapping) else {}
+    _report_geox(urls, need_ip, need_site, state)
     if not (need_ip or need_asn or need_site):
         return
-    urls = doc.get("geox-url") if isinstance(doc.get("geox-url"), Mapping) else {}
     geo: dict[str, Any] = {}
     if need_ip:
         if doc.get("geodata-mode") is True:
@@ -775,9 +799,9 @@ def _geodata(
         geo["asn_path"] = _find_home_file(state.home, ("ASN.mmdb",), "ASN.mmdb")
     if need_site:
         geo["geosite_path"] = _find_home_file(state.home, ("GeoSite.dat",), "GeoSite.dat")
-    if need_ip and isinstance(urls, Mapping) and urls.get("mmdb"):
+    if need_ip and urls.get("mmdb"):
         geo["geoip_url"] = str(urls["mmdb"])
-    if need_site and isinstance(urls, Mapping) and urls.get("geosite"):
+    if need_site and urls.get("geosite"):
         geo["geosite_url"] = str(urls["geosite"])
     runtime["geodata"] = geo
     for key in ("geoip_path", "asn_path", "geosite_path"):

@@ -670,7 +670,11 @@ def test_geodata_paths_found_in_home(tmp_path: Path) -> None:
     text = (
         BASE
         + """\
-geox-url: {mmdb: "https://example.net/Country.mmdb", geosite: "https://example.net/GeoSite.dat"}
+geox-url:
+  mmdb: "https://example.net/Country.mmdb"
+  geosite: "https://example.net/GeoSite.dat"
+  geoip: "https://example.net/GeoIP.dat"
+  asn: "https://example.net/ASN.mmdb"
 rules:
   - GEOIP,CN,DIRECT
   - GEOSITE,google,a
@@ -686,6 +690,9 @@ rules:
         "geosite_url": "https://example.net/GeoSite.dat",
     }
     parse_config(result.config)
+    skipped = {i.path for i in result.report.skipped}
+    assert {"geox-url.geoip", "geox-url.asn"} <= skipped
+    assert {"geox-url.mmdb", "geox-url.geosite"} <= {i.path for i in result.report.converted}
 
 
 def test_dialer_proxy_variants(tmp_path: Path) -> None:
