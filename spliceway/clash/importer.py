@@ -408,7 +408,16 @@ def _controller(doc: Mapping[str, Any], state: ImportState) -> dict[str, Any] | 
     ui = doc.get("external-ui")
     if ui:
         directory = state.resolve(str(ui))
-        if os.path.isdir(directory):
+        if not state.inside_home(directory):
+            state.report.add(
+                "skipped",
+                "external-ui",
+                str(ui),
+                "dashboard directory",
+                f"{directory} is outside mihomo's home (mihomo refuses it too unless "
+                "SAFE_PATHS lists it): set api.clash.external_ui yourself",
+            )
+        elif os.path.isdir(directory):
             clash["external_ui"] = directory
             state.report.add(
                 "converted", "external-ui", str(ui), f"api.clash.external_ui {directory}"
@@ -893,6 +902,10 @@ def import_document(doc: Any, *, home: str, files_dir: str) -> ImportResult:
     known = _HANDLED | set(_NOT_CARRIED) | set(_LEGACY)
     if not any(isinstance(k, str) and k in known for k in doc):
         raise ClashImportError("not a Clash configuration: it has none of mihomo's keys")
+    if {"inbounds", "outbounds", "outbound_groups"} & set(doc):
+        raise ClashImportError(
+            "this is a spliceway configuration (it has inbounds/outbounds), not a Clash one"
+        )
     if isinstance(doc.get("proxies"), list) and not (set(doc) & _MORE_THAN_PROXIES):
         # A subscription of proxies alone (a provider's body): usable as a selector.
         report = Report()

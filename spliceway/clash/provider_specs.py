@@ -133,6 +133,16 @@ def _source(
             state.report.add("skipped", path, name, f"{kind} provider", "key 'path' missing")
             return None
         resolved = state.resolve(weak_str(file, "path"))
+        if not state.inside_home(resolved):
+            state.report.add(
+                "skipped",
+                f"{path}.path",
+                name,
+                f"{kind} provider",
+                f"{resolved} is outside mihomo's home {state.home} (mihomo refuses it too "
+                "unless SAFE_PATHS lists it): write it into spliceway's providers yourself",
+            )
+            return None
         state.report.add(
             "converted", f"{path}.path", name, f"reads {resolved}", "resolved against mihomo's home"
         )

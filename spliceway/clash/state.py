@@ -146,3 +146,10 @@ class ImportState:
         """``path`` as mihomo resolves it: relative to its home directory."""
         expanded = os.path.expanduser(path)
         return os.path.normpath(os.path.join(self.home, expanded))
+
+    def inside_home(self, resolved: str) -> bool:
+        """Whether ``resolved`` is under mihomo's home: mihomo refuses a provider or
+        dashboard path elsewhere (unless the user lists it in ``SAFE_PATHS``), so a
+        subscription cannot make the engine read an arbitrary file."""
+        home = os.path.normpath(self.home)
+        return os.path.commonpath([home, resolved]) == home

@@ -663,6 +663,9 @@ external-controller-cors: {allow-origins: ["https://metacubex.github.io"]}
     result = _doc(text, tmp_path)
     assert "external_ui" not in result.config["api"]["clash"]
     assert "external-ui" in {i.path for i in result.report.skipped}
+    result = _doc(text.replace("external-ui: ui", "external-ui: /usr/share"), tmp_path)
+    assert "external_ui" not in result.config["api"]["clash"]
+    assert "outside mihomo's home" in {i.path: i.why for i in result.report.skipped}["external-ui"]
 
 
 def test_geodata_paths_found_in_home(tmp_path: Path) -> None:
@@ -774,6 +777,7 @@ def test_proxies_alone_become_a_selector(tmp_path: Path) -> None:
         ("mode: rule\nmode: global\n", "already defined"),
         ("<html><body>502 Bad Gateway</body></html>", "not a Clash configuration"),
         ("\x00\x01\x02", "not"),
+        ("inbounds: []\nrules: []\n", "spliceway configuration"),
     ],
 )
 def test_nothing_usable(text: str, message: str, tmp_path: Path) -> None:

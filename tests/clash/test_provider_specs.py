@@ -55,7 +55,9 @@ def test_proxy_providers(tmp_path: Path) -> None:
                 "type": "inline",
                 "payload": [{"name": "x", "type": "socks5", "server": "h", "port": 1}],
             },
-            "bad-regex": {"type": "file", "path": "/x", "filter": "(?<name>hk)"},
+            "bad-regex": {"type": "file", "path": "x.yaml", "filter": "(?<name>hk)"},
+            "outside": {"type": "file", "path": "/etc/passwd"},
+            "escaping": {"type": "file", "path": "../../up.yaml"},
             "nowhere": {"type": "http", "url": "ftp://x"},
             "odd": {"type": "carrier-pigeon"},
             "via-unknown": {"type": "http", "url": "http://h/s", "proxy": "ghost"},
@@ -93,7 +95,10 @@ def test_proxy_providers(tmp_path: Path) -> None:
         "proxy-providers.sub.override.tfo",
         "proxy-providers.nowhere",
         "proxy-providers.odd",
+        "proxy-providers.outside.path",
+        "proxy-providers.escaping.path",
     } <= skipped
+    assert "outside" not in state.proxy_providers and "escaping" not in state.proxy_providers
 
 
 def test_rule_providers(tmp_path: Path) -> None:

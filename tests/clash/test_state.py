@@ -35,3 +35,6 @@ def test_paths_resolve_against_mihomos_home(tmp_path: Path) -> None:
     assert state.resolve("./providers/a.yaml") == str(tmp_path / "providers" / "a.yaml")
     assert state.resolve("/etc/x") == "/etc/x"
     assert state.resolve("../up.yaml") == str(tmp_path.parent / "up.yaml")
+    assert state.inside_home(state.resolve("./a/b.yaml"))
+    assert not state.inside_home(state.resolve("../up.yaml"))
+    assert not state.inside_home("/etc/passwd")
