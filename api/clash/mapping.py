@@ -620,7 +620,13 @@ _RULE_TYPES: Mapping[str, str] = {
     "geoip": "GeoIP",
     "source_geoip": "SrcGeoIP",
     "geosite": "GeoSite",
+    "ip_asn": "IPASN",
+    "source_ip_asn": "SrcIPASN",
 }
+
+#: Flags in a rule's condition text that change how it matches, not what it names:
+#: mihomo shows them as rule parameters, never in the payload.
+_FLAGS = frozenset({"no_resolve", "rule_set_ip_cidr_match_source"})
 
 #: mihomo rules that take several values in one payload, ``/``-separated
 #: (``DST-PORT,80/443/8000-9000``, ``IN-NAME,a/b``, ``IN-USER,u1/u2``).
@@ -658,21 +664,63 @@ def rule_type_and_payload(condition: str) -> tuple[str, str]:
     query's ``rules[].condition``) as mihomo's rule ``type`` and ``payload``: one
     condition is its RuleType (``domain_suffix`` → ``DomainSuffix``...); several are
     ``AND`` with mihomo's payload syntax (``((DstPort,443) && (Network,tcp))``); a list
-    mihomo cannot hold in one payload is an ``OR`` of one sub-rule per item. Empty text
-    (no rule: ``route.final``) is ``("Match", "")``; text that is not ``key=value`` is
-    ``("Unknown", text)``, shown rather than dropped. Pure; cached, because every
-    connection of a snapshot asks."""
+    mihomo cannot hold in one payload is an ``OR`` of one sub-rule per item. A logical
+    rule (``logical(and: ...)``) is ``AND``/``OR`` over its parts and an inverted one
+    (``not(...)``) ``NOT`` with mihomo's ``(!(Type,payload))``. Flags (``no_resolve``)
+    are parameters in mihomo, never payload. Empty text (no rule: ``route.final``) is
+    ``("Match", "")``; text that is not ``key=value`` is ``("Unknown", text)``, shown
+    rather than dropped. Pure; cached, because every connection of a snapshot asks."""
     if not condition:
         return "Match", ""
+    if condition.startswith("not(") and condition.endswith(")"):
+        inner_type, inner_payload = rule_type_and_payload(condition[4:-1])
+        return "NOT", f"(!({inner_type},{inner_payload}))"
+    if condition.startswith("logical(") and condition.endswith(")"):
+        mode, sep, body = condition[8:-1].partition(": ")
+        if sep and mode in ("and", "or"):
+            subs = [rule_type_and_payload(part) for part in _top_level_parts(body)]
+            joiner = " && " if mode == "and" else " || "
+            return mode.upper(), "(" + joiner.join(f"({t},{p})" for t, p in subs) + ")"
+        return "Unknown", condition
     parts: list[tuple[str, str]] = []
     for chunk in _CONDITION_START.split(condition):
+        if chunk in _FLAGS:
+            continue
         key, sep, raw = chunk.partition("=")
         if not sep:
             return "Unknown", condition
+        for flag in _FLAGS:
+            raw = raw.removesuffix("," + flag)
         parts.append(_one_rule(key, raw))
+    if not parts:
+        return "Unknown", condition
     if len(parts) == 1:
         return parts[0]
     return "AND", "(" + " && ".join(f"({t},{p})" for t, p in parts) + ")"
+
+
+def _top_level_parts(body: str) -> list[str]:
+    """The ``; ``-separated parts of a logical rule's text, not splitting inside a nested
+    ``logical(...)`` or ``not(...)``."""
+    parts: list[str] = []
+    depth = start = 0
+    i = 0
+    while i < len(body):
+        if body.startswith(("logical(", "not("), i):
+            depth += 1
+            i = body.index("(", i) + 1
+            continue
+        char = body[i]
+        if char == ")" and depth:
+            depth -= 1
+        elif depth == 0 and body.startswith("; ", i):
+            parts.append(body[start:i])
+            start = i + 2
+            i += 2
+            continue
+        i += 1
+    parts.append(body[start:])
+    return parts
 
 
 def rules(config: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -305,8 +305,12 @@ class Reconciler:
         try:
             return self._prepare(old, new)
         except ApiError as ex:
+            # A problem of the document found only while building (a rule needing a
+            # geodata file that is missing or damaged) is the caller's to fix: keep its
+            # code. Anything else here (a port taken meanwhile) is the engine's.
+            code = "invalid_argument" if ex.code == "invalid_argument" else "internal"
             raise ApiError(
-                "internal",
+                code,
                 f"{ex.message}; nothing was applied: the previous configuration is running",
                 field_path=ex.field_path and f"config.{ex.field_path}",
             ) from ex

@@ -160,8 +160,11 @@ def test_missing_database_refuses_the_config_and_keeps_the_engine(
     engine = make_engine(config)
     broken = copy.deepcopy(config)
     broken["runtime"]["geodata"]["geoip_path"] = str(files["mmdb"].with_name("gone.mmdb"))
-    with pytest.raises(ApiError, match=r"gone\.mmdb"):
+    with pytest.raises(ApiError, match=r"gone\.mmdb") as refused:
         engine.execute("config.apply", {"config": broken})
+    # The document's problem, not the engine's: the code says so (HTTP 400, not 500).
+    assert refused.value.code == "invalid_argument"
+    assert refused.value.field_path == "config.runtime.geodata.geoip_path"
     corrupt = files["mmdb"].with_name("corrupt.mmdb")
     corrupt.write_bytes(b"not a database" * 100)
     broken["runtime"]["geodata"]["geoip_path"] = str(corrupt)

@@ -81,6 +81,52 @@ def test_rule_type_and_payload_of_compiled_rules(
         assert (type_, payload) == expected
 
 
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [
+        ({"ip_cidr": "1.0.0.0/8", "no_resolve": True}, ("IPCIDR", "1.0.0.0/8")),
+        ({"domain": "baidu.com", "invert": True}, ("NOT", "(!(Domain,baidu.com))")),
+        (
+            {
+                "type": "logical",
+                "mode": "or",
+                "rules": [
+                    {"domain": "a.com"},
+                    {"port": "53", "invert": True},
+                    {
+                        "type": "logical",
+                        "mode": "and",
+                        "rules": [{"network": "udp"}, {"port": 443}],
+                    },
+                ],
+            },
+            (
+                "OR",
+                "((Domain,a.com) || (NOT,(!(DstPort,53)))"
+                " || (AND,((Network,udp) && (DstPort,443))))",
+            ),
+        ),
+    ],
+)
+def test_logical_inverted_and_flagged_rules_as_mihomo_prints_them(
+    rule: dict[str, Any], expected: tuple[str, str]
+) -> None:
+    # mihomo's Logic.Payload: "(!(T,p))" for NOT, "((T,p) && ...)" / " || " for AND / OR;
+    # no-resolve is a parameter, not payload.
+    assert mapping.rule_type_and_payload(_condition(**rule)) == expected
+
+
+def test_rule_set_and_geo_conditions_keep_their_names() -> None:
+    assert mapping.rule_type_and_payload("rule_set=ads") == ("RuleSet", "ads")
+    assert mapping.rule_type_and_payload("rule_set=lan,rule_set_ip_cidr_match_source") == (
+        "RuleSet",
+        "lan",
+    )
+    assert mapping.rule_type_and_payload("geosite=google") == ("GeoSite", "google")
+    assert mapping.rule_type_and_payload("ip_asn=13335") == ("IPASN", "13335")
+    assert mapping.rule_type_and_payload("logical(xor: a=b)") == ("Unknown", "logical(xor: a=b)")
+
+
 def test_no_rule_is_match() -> None:
     assert mapping.rule_type_and_payload("") == ("Match", "")
 
