@@ -1054,6 +1054,7 @@ def test_c_harness(tmp_path, sanitize):
         f"-I{CSRC}",
         str(src),
         str(CSRC / "route.c"),
+        str(CSRC / "route_set.c"),
         str(CSRC / "iplit.c"),
         "-o",
         str(exe),
