@@ -116,13 +116,16 @@ enum {
     K_PROCESS = 1u << 11,
     K_SET = 1u << 12,       /* set conditions (sw_table_cond_sets) */
     K_SETANCHOR = 1u << 13, /* in a walk's `skip` only: the anchor set condition holds */
+    K_SETPOS = 1u << 14,    /* a set condition that is not inverted (one can anchor) */
     K_DOMAIN = K_EXACT | K_SUFFIX | K_KEYWORD,
 };
 
 enum { A_SCAN, A_EXACT, A_SUFFIX, A_KEYWORD, A_NET_DST, A_NET_SRC, A_SET, A_PRINCIPAL, A_INBOUND };
 
-/* Which address a set condition's ip_cidr items look at (a memo row each). */
-enum { V_DST, V_SRC, V_NO_RESOLVE, V_COUNT };
+/* Which address ip_cidr items look at (a memo row each): the target's, the
+ * source's, or the target's unless a domain target's resolved address (a
+ * rule before the first resolving one). */
+enum { V_DST, V_SRC, V_LIT, V_COUNT };
 /* Set results memoised per decide, for the first MEMO_SETS sets of a table. */
 #define MEMO_SETS 128
 
@@ -195,12 +198,14 @@ struct rule {
     uint8_t anchor;
     uint8_t netmask; /* bit 1 << network */
     uint8_t flags;   /* enum sw_rule_flag */
+    uint32_t anchor_cond; /* A_SET: which of its set conditions (in call order) */
     struct slice s[S_COUNT];
 };
 
 /* One set condition: true when any of its sets is. */
 struct setcond {
     uint8_t variant;   /* V_*: the address its ip_cidr items look at */
+    bool invert;
     uint32_t kinds;    /* SK_*: union of its sets' */
     struct slice sets; /* table set ids in t->setids */
 };
@@ -737,7 +742,7 @@ int sw_table_cond_sets(sw_table *t, uint32_t rule, uint32_t flags, sw_set *const
                        uint32_t n)
 {
     struct rule *r = building(t, rule);
-    if (!r || (flags & ~(uint32_t)SW_SETCOND_SOURCE) || (n && !sets))
+    if (!r || (flags & ~(uint32_t)(SW_SETCOND_SOURCE | SW_SETCOND_INVERT)) || (n && !sets))
         return -EINVAL;
     for (uint32_t i = 0; i < n; i++)
         if (!sets[i] || !sw_set_sealed(sets[i]))
@@ -755,14 +760,14 @@ int sw_table_cond_sets(sw_table *t, uint32_t rule, uint32_t flags, sw_set *const
         sw_set_ref(sets[i]);
         *(sw_set **)sw_vec_push(&t->b_setptrs, sizeof(sw_set *)) = sets[i];
     }
-    r->kinds |= K_SET;
+    r->kinds |= K_SET | ((flags & SW_SETCOND_INVERT) ? 0 : K_SETPOS);
     return 0;
 }
 
 int sw_table_rule_flags(sw_table *t, uint32_t rule, uint32_t flags)
 {
     struct rule *r = building(t, rule);
-    if (!r || (flags & ~(uint32_t)(SW_RULE_NO_RESOLVE | SW_RULE_INVERT)))
+    if (!r || (flags & ~(uint32_t)(SW_RULE_NO_RESOLVE | SW_RULE_INVERT | SW_RULE_RESOLVES)))
         return -EINVAL;
     r->flags |= (uint8_t)flags;
     return 0;
@@ -956,8 +961,9 @@ static void sort_vec(struct vec *v, size_t size, int (*cmp)(const void *, const 
 }
 
 /* The most selective indexed condition of a rule.  An inverted rule matches
- * where its conditions fail, so no index can find it; a no_resolve rule's
- * ip_cidr may hide the address the CIDR index looks at. */
+ * where its conditions fail, so no index can find it; a no_resolve rule
+ * before the first resolving one does not see a resolved address, which the
+ * CIDR index looks at. */
 static uint8_t pick_anchor(const struct rule *ru)
 {
     uint32_t k = ru->kinds;
@@ -975,7 +981,7 @@ static uint8_t pick_anchor(const struct rule *ru)
         return A_NET_DST;
     if (k & K_NET_SRC)
         return A_NET_SRC;
-    if (k & K_SET)
+    if (k & K_SETPOS)
         return A_SET;
     if (k & K_PRINCIPAL)
         return A_PRINCIPAL;
@@ -1347,10 +1353,15 @@ static int seal_sets(sw_table *t)
             break;
         }
         uint8_t variant = (b->flags & SW_SETCOND_SOURCE) ? V_SRC
-                          : (ru->flags & SW_RULE_NO_RESOLVE) ? V_NO_RESOLVE
-                                                             : V_DST;
-        *c = (struct setcond){.variant = variant, .sets = {(uint32_t)t->setids.n, b->sets.n}};
-        bool anchor = ru->anchor == A_SET && rs->n == 0;
+                          : b->rule < t->first_net_dst                ? V_LIT
+                                                                      : V_DST;
+        bool invert = (b->flags & SW_SETCOND_INVERT) != 0;
+        *c = (struct setcond){
+            .variant = variant, .invert = invert, .sets = {(uint32_t)t->setids.n, b->sets.n}};
+        /* The first condition that is not inverted anchors an A_SET rule. */
+        bool anchor = ru->anchor == A_SET && !invert && ru->anchor_cond == NONE32;
+        if (anchor)
+            ru->anchor_cond = rs->n;
         rs->n++;
         for (uint32_t k = 0; k < b->sets.n && !rc; k++) {
             sw_set *set = VEC_AT(t->b_setptrs, sw_set *, b->sets.off + k);
@@ -1390,20 +1401,11 @@ static int seal_sets(sw_table *t)
     return rc;
 }
 
-/* Whether rule `ru` looks at the target's address (routing.first_ip_rule):
- * an ip_cidr condition, or a set condition with ip_cidr items on the target;
- * never a no_resolve rule. */
-static bool wants_address(const sw_table *t, const struct rule *ru)
+/* Whether rule `ru` resolves (enum sw_rule_flag). */
+static bool resolves(const struct rule *ru)
 {
-    if (ru->flags & SW_RULE_NO_RESOLVE)
-        return false;
-    if (ru->kinds & K_NET_DST)
-        return true;
-    const struct setcond *c = t->setconds.p;
-    for (uint32_t i = ru->s[S_SETCOND].off; i < ru->s[S_SETCOND].off + ru->s[S_SETCOND].n; i++)
-        if (c[i].variant == V_DST && (c[i].kinds & SK_NET_DST))
-            return true;
-    return false;
+    return (ru->flags & SW_RULE_RESOLVES) ||
+           (!(ru->flags & SW_RULE_NO_RESOLVE) && (ru->kinds & K_NET_DST));
 }
 
 /* Whether a domain name can change rule `ru`'s answer (opaque items count:
@@ -1431,7 +1433,10 @@ int sw_table_seal(sw_table *t)
         if (!ru->action)
             return -EINVAL;
         ru->anchor = pick_anchor(ru);
+        ru->anchor_cond = NONE32;
         t->kinds |= ru->kinds;
+        if (t->first_net_dst == t->nrules && resolves(ru))
+            t->first_net_dst = r;
     }
     /* Bisected by source_local: sorted, duplicates dropped. */
     for (int f = 0; f < 2; f++) {
@@ -1450,8 +1455,6 @@ int sw_table_seal(sw_table *t)
         /* Opaque may be a domain_regex (see sw_table_first_domain_rule). */
         if (t->first_domain == (int32_t)t->nrules && looks_at_names(t, ru))
             t->first_domain = (int32_t)r;
-        if (t->first_net_dst == t->nrules && wants_address(t, ru))
-            t->first_net_dst = r;
     }
     if (!rc)
         rc = seal_rule_nets(t);
@@ -1652,8 +1655,8 @@ static int net_tv(const sw_table *t, const struct rule *ru, int slice4, int fami
     return in_ivals(t->ivals.p, ru->s[slice4 + (family == 6)], ip) ? TV_TRUE : TV_FALSE;
 }
 
-/* The address a rule's ip_cidr conditions look at: none for a domain
- * target's resolved address when the rule is no_resolve. */
+/* The address a rule's ip_cidr conditions look at: a domain target's
+ * resolved address only from the first resolving rule on. */
 static int dst_of(const struct view *v, int variant, u128 *ip)
 {
     if (variant == V_SRC) {
@@ -1661,7 +1664,7 @@ static int dst_of(const struct view *v, int variant, u128 *ip)
         return v->src;
     }
     *ip = v->dst_ip;
-    return variant == V_NO_RESOLVE && v->dst_resolved ? 0 : v->dst;
+    return variant == V_LIT && v->dst_resolved ? 0 : v->dst;
 }
 
 /* Table set `tid` against the flow, for ip_cidr items on `variant`'s address. */
@@ -1686,14 +1689,18 @@ static int setconds_tv(const sw_table *t, const struct view *v, const struct rul
     const struct setcond *c = t->setconds.p;
     const uint32_t *ids = t->setids.p;
     bool unknown = false;
-    uint32_t first = ru->s[S_SETCOND].off + ((skip & K_SETANCHOR) ? 1 : 0);
-    for (uint32_t i = first; i < ru->s[S_SETCOND].off + ru->s[S_SETCOND].n; i++) {
+    uint32_t skipped = (skip & K_SETANCHOR) ? ru->s[S_SETCOND].off + ru->anchor_cond : NONE32;
+    for (uint32_t i = ru->s[S_SETCOND].off; i < ru->s[S_SETCOND].off + ru->s[S_SETCOND].n; i++) {
+        if (i == skipped)
+            continue;
         int tv = TV_FALSE;
         for (uint32_t k = c[i].sets.off; k < c[i].sets.off + c[i].sets.n && tv != TV_TRUE; k++) {
             int one = set_tv(t, v, ids[k], c[i].variant);
             if (one != TV_FALSE)
                 tv = one;
         }
+        if (c[i].invert)
+            tv = tv == TV_TRUE ? TV_FALSE : tv == TV_FALSE ? TV_TRUE : TV_UNKNOWN;
         if (tv == TV_FALSE)
             return TV_FALSE;
         unknown |= tv == TV_UNKNOWN;
@@ -1726,7 +1733,7 @@ static int conds_tv(const sw_table *t, const struct view *v, uint32_t r, uint32_
         return TV_FALSE;
     if (k & K_NET_DST) {
         u128 ip;
-        int family = dst_of(v, (ru->flags & SW_RULE_NO_RESOLVE) ? V_NO_RESOLVE : V_DST, &ip);
+        int family = dst_of(v, r < t->first_net_dst ? V_LIT : V_DST, &ip);
         if ((tv = net_tv(t, ru, S_NET4_DST, family, ip)) == TV_FALSE)
             return TV_FALSE;
         unknown |= tv == TV_UNKNOWN;
@@ -2006,10 +2013,11 @@ int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result 
     } else {
         decide_indexed(t, &v, &b);
     }
-    if (v.name_target && t->first_net_dst < b.rule) {
-        /* An ip_cidr rule ranks before the match: the name's address may
-         * change the route (routing.needs_address).  Python resolves it, or
-         * conn.c passes the address its cache has in resolved_ip. */
+    if (v.name_target && t->first_net_dst <= b.rule && t->first_net_dst < t->nrules) {
+        /* A resolving rule ranks at or before the match (an inverted one can
+         * match a name without its address): the name's address may change
+         * the route (routing.needs_address).  Python resolves it, or conn.c
+         * passes the address its cache has in resolved_ip. */
         out->action = SW_ROUTE_DEFER;
         out->rule = (int32_t)t->first_net_dst;
     } else if (b.rule == t->nrules) {

@@ -13,9 +13,9 @@
  * gives the same rule index / target as routing.decide, or SW_ROUTE_DEFER
  * when the first rule that could match needs a condition C does not check
  * (domain_regex; process_name for a client on this host) or a domain
- * target's address it was not given (an ip_cidr rule ranked before the
- * match: routing.needs_address): tests/csrc/test_route_diff.py holds it to
- * that on random configs x targets.
+ * target's address it was not given (a resolving rule ranked at or before
+ * the match: routing.needs_address): tests/csrc/test_route_diff.py holds it
+ * to that on random configs x targets.
  */
 #ifndef SW_ROUTE_H
 #define SW_ROUTE_H
@@ -256,7 +256,9 @@ int sw_set_has_addr(const sw_set *set, int field, int family, const uint8_t *add
 enum sw_setcond_flag {
     /* The sets' ip_cidr items look at the source address
      * (rule_set_ip_cidr_match_source, source_geoip). */
-    SW_SETCOND_SOURCE = 1
+    SW_SETCOND_SOURCE = 1,
+    /* The condition holds when none of the sets does (unknown stays unknown). */
+    SW_SETCOND_INVERT = 2
 };
 
 /* A condition of `rule` that holds when any of the `n` sealed sets does
@@ -267,14 +269,21 @@ enum sw_setcond_flag {
 int sw_table_cond_sets(sw_table *table, uint32_t rule, uint32_t flags, sw_set *const *sets,
                        uint32_t n);
 
+/* Resolving (routing.first_ip_rule, mihomo's ShouldResolveIP): the first
+ * rule that resolves is sw_table_first_ip_rule.  A domain target reaching it
+ * without an address defers (Python resolves the name); the rules from it on
+ * see resolved_ip, the rules before it only an IP-literal target.  A rule
+ * resolves when it has SW_RULE_RESOLVES, or an ip_cidr condition and not
+ * SW_RULE_NO_RESOLVE (set conditions resolve only by the flag: whether a
+ * set wants the address is the caller's to say). */
 enum sw_rule_flag {
-    /* The rule's ip_cidr conditions (and its sets' ip_cidr items) never make
-     * a domain target wait for its address (sw_table_first_ip_rule skips the
-     * rule), and are false for a domain target (even with resolved_ip). */
+    /* The rule's ip_cidr conditions do not make it resolve. */
     SW_RULE_NO_RESOLVE = 1,
     /* The rule matches when its conditions do not all hold (unknown stays
      * unknown). */
-    SW_RULE_INVERT = 2
+    SW_RULE_INVERT = 2,
+    /* The rule resolves (see above). */
+    SW_RULE_RESOLVES = 4
 };
 
 /* enum sw_rule_flag bits, or-ed in. */
@@ -288,9 +297,10 @@ int sw_table_decide(const sw_table *table, const sw_route_query *query, sw_route
 /* Index of the first rule with a domain condition (nrules when none): a
  * sniffed host can change a decision only if this is below the matched rule. */
 int32_t sw_table_first_domain_rule(const sw_table *table);
-/* Index of the first rule with an ip_cidr condition (nrules when none, 0 for
- * an unsealed table): a domain target's address can change a decision only
- * if this is below the matched rule (routing.RuleSet.first_ip_rule). */
+/* Index of the first rule that resolves (see enum sw_rule_flag; nrules when
+ * none, 0 for an unsealed table): a domain target's address can change a
+ * decision only if this is at or below the matched rule
+ * (routing.RuleSet.first_ip_rule). */
 uint32_t sw_table_first_ip_rule(const sw_table *table);
 
 /* SW_CDEF_END */

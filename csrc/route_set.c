@@ -426,7 +426,8 @@ static int name_add(sw_set *s, const char *str, uint32_t n, uint8_t kind)
     return 0;
 }
 
-/* A pattern whose only '*' is its whole first label: "*." + rest. */
+/* A pattern whose only '*' is its whole first label: "*." + rest (no
+ * leading "."). */
 static bool wild1(const char *p, uint32_t n)
 {
     return n >= 2 && p[0] == '*' && p[1] == '.' && !memchr(p + 2, '*', n - 2);
@@ -703,31 +704,50 @@ int sw_set_seal(sw_set *s)
 
 /* ---- lookups ---------------------------------------------------------------------- */
 
-/* Does wildcard pattern p (lowercase) match host h[0..n), label by label? */
+/* Does wildcard pattern p (lowercase) match host h[0..n)?  Label by label
+ * from the right, a "*" label matching any one non-empty label; a pattern
+ * with a leading "." wants one or more non-empty labels in front of the rest
+ * (routing._wildcard_regex). */
 static bool wild_match(const char *p, const char *h, uint32_t n)
 {
-    size_t pn = strlen(p);
-    size_t i = pn, j = n; /* right to left, one label at a time */
+    bool below = p[0] == '.';
+    if (below)
+        p++;
+    size_t i = strlen(p), j = n; /* ends of the current labels */
+    size_t pi, hj;                /* their starts */
     for (;;) {
-        size_t pi = i, hj = j;
+        pi = i;
+        hj = j;
         while (pi > 0 && p[pi - 1] != '.')
             pi--;
         while (hj > 0 && h[hj - 1] != '.')
             hj--;
-        bool star = i - pi == 1 && p[pi] == '*';
-        if (!star) {
+        if (i - pi == 1 && p[pi] == '*') {
+            if (j == hj)
+                return false;
+        } else {
             if (i - pi != j - hj)
                 return false;
             for (size_t k = 0; k < i - pi; k++)
                 if (sw_lower((unsigned char)h[hj + k]) != (unsigned char)p[pi + k])
                     return false;
         }
-        /* Both at their first label: a match; only one: the label counts differ. */
-        if (pi == 0 || hj == 0)
-            return pi == 0 && hj == 0;
+        if (pi == 0)
+            break;
+        if (hj == 0)
+            return false; /* the host has fewer labels */
         i = pi - 1;
         j = hj - 1;
     }
+    if (!below)
+        return hj == 0;
+    /* h[0..hj-1) must be one or more non-empty labels. */
+    if (hj < 2)
+        return false;
+    for (size_t k = 0; k + 1 < hj; k++)
+        if (h[k] == '.' && (k == 0 || h[k - 1] == '.'))
+            return false;
+    return h[hj - 2] != '.';
 }
 
 /* Whether a domain item matches the name h[0..n) (trailing dot dropped). */
@@ -743,7 +763,8 @@ static bool names_hit(const sw_set *s, const char *h, uint32_t n)
                 const struct nslot *sl = name_find(s, h + i + 1, n - i - 1, hash);
                 if (sl) {
                     uint8_t k = name_kinds(s, sl);
-                    if ((k & (N_SUFFIX | N_SUB)) || ((k & N_WILD1) && i == first))
+                    /* "*." + name: one non-empty label in front. */
+                    if ((k & (N_SUFFIX | N_SUB)) || ((k & N_WILD1) && i == first && i > 0))
                         return true;
                 }
             }
