@@ -116,7 +116,7 @@ from spliceway.config.models_outbounds import (
     Socks5Outbound,
     UrlTestGroup,
 )
-from spliceway.config.models_route import Mode, Route, Rule
+from spliceway.config.models_route import Mode, Route, Rule, SubRule
 from spliceway.config.models_runtime import (
     DnsCache,
     DnsSettings,
@@ -175,6 +175,7 @@ __all__ = [
     "ShadowsocksOutbound",
     "Sink",
     "Socks5Outbound",
+    "SubRule",
     "TunSettings",
     "UrlTestGroup",
     "WebhookSink",

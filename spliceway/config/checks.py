@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from spliceway.config.validators import BUILTIN_DIRECT, CONDITION_KEYS
+from spliceway.config.validators import BUILTIN_DIRECT, CONDITION_KEYS, GEOIP_BUILTIN_CODES
 from spliceway.errors import Detail
 
 
@@ -60,6 +60,8 @@ class _Checker:
         self.targets: set[str] = {BUILTIN_DIRECT}
         self.group_index: dict[str, int] = {}
         self.protocols: dict[str, Any] = {}
+        self.rule_sets: set[str] = set()
+        self.geo_paths: dict[str, str | None] = {}
 
     def add(self, message: str, path: str) -> None:
         self.details.append(Detail(message, path))
@@ -227,10 +229,17 @@ class _Checker:
                 visit(tag)
 
     def check_rules(self) -> None:
+        providers = _sub(_sub(self.doc, "providers"), "rules")
+        geodata = _sub(_sub(self.doc, "runtime"), "geodata")
+        self.rule_sets = set(providers)
+        self.geo_paths = {
+            "geoip": _str(geodata.get("geoip_path")),
+            "asn": _str(geodata.get("asn_path")) or _str(geodata.get("geoip_path")),
+            "geosite": _str(geodata.get("geosite_path")),
+        }
         for i, rule in _items(self.doc, "rules"):
             base = f"rules[{i}]"
-            if not any(rule.get(k) is not None for k in CONDITION_KEYS):
-                self.add("a rule needs at least one condition", base)
+            self.check_rule_body(rule, base)
             action = rule.get("action", "route")
             outbound = rule.get("outbound")
             if action == "route":
@@ -240,9 +249,46 @@ class _Checker:
                     self.ref(outbound, f"{base}.outbound")
             elif action == "block" and outbound is not None:
                 self.add("must not be set when action is 'block'", f"{base}.outbound")
-            for tag, path in _string_items(rule.get("inbound_tag"), f"{base}.inbound_tag"):
-                if tag not in self.inbound_tags:
-                    self.add(f"unknown inbound {tag!r}", path)
+
+    def check_rule_body(self, rule: Mapping[str, Any], base: str) -> None:
+        """What a rule or a logical rule's part matches: its conditions' references, or
+        its parts (recursively)."""
+        if rule.get("type") == "logical":
+            parts = _items(rule, "rules")
+            if not parts:
+                self.add("a logical rule needs at least one rule in `rules`", f"{base}.rules")
+            for j, part in parts:
+                path = f"{base}.rules[{j}]"
+                for key in ("action", "outbound"):
+                    if key in part:
+                        self.add("not allowed in a logical rule's part", f"{path}.{key}")
+                self.check_rule_body(part, path)
+            return
+        if not any(rule.get(k) is not None for k in CONDITION_KEYS):
+            self.add("a rule needs at least one condition", base)
+        for tag, path in _string_items(rule.get("inbound_tag"), f"{base}.inbound_tag"):
+            if tag not in self.inbound_tags:
+                self.add(f"unknown inbound {tag!r}", path)
+        for name, path in _string_items(rule.get("rule_set"), f"{base}.rule_set"):
+            if name not in self.rule_sets:
+                self.add(f"unknown rule provider {name!r} (see providers.rules)", path)
+        self.check_geodata(rule, base)
+
+    def check_geodata(self, rule: Mapping[str, Any], base: str) -> None:
+        """Geo conditions need their database configured (``private``/``lan`` do not)."""
+        for key in ("geoip", "source_geoip"):
+            for code, path in _string_items(rule.get(key), f"{base}.{key}"):
+                if code.lower() not in GEOIP_BUILTIN_CODES and self.geo_paths["geoip"] is None:
+                    self.add(f"needs runtime.geodata.geoip_path (a database for {code!r})", path)
+                    break
+        for key in ("ip_asn", "source_ip_asn"):
+            if rule.get(key) is not None and self.geo_paths["asn"] is None:
+                self.add(
+                    "needs runtime.geodata.asn_path or geoip_path (an ASN database)",
+                    f"{base}.{key}",
+                )
+        if rule.get("geosite") is not None and self.geo_paths["geosite"] is None:
+            self.add("needs runtime.geodata.geosite_path (a geosite.dat)", f"{base}.geosite")
 
     def check_mode_and_route(self) -> None:
         mode = _sub(self.doc, "mode")

@@ -4,21 +4,36 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, model_serializer
+from pydantic import ConfigDict, model_serializer, model_validator
 
 from spliceway.config.validators import (
     BUILTIN_DIRECT,
     CONDITION_KEYS,
+    AsnList,
     CidrList,
     DomainList,
+    GeoCodeList,
+    GeositeList,
     KeywordList,
     NameList,
     PortList,
     RegexList,
+    SBool,
     Tag,
     _Model,
     _rule_schema,
 )
+
+#: Keys of a rule that are neither conditions nor its action: dropped from the dumped
+#: document when they hold their defaults, so a plain rule keeps its old shape.
+_SHAPE_DEFAULTS: dict[str, Any] = {
+    "type": None,
+    "mode": None,
+    "rules": None,
+    "invert": False,
+    "no_resolve": False,
+    "rule_set_ip_cidr_match_source": False,
+}
 
 
 class Mode(_Model):
@@ -36,11 +51,21 @@ class Mode(_Model):
     """
 
 
-class Rule(_Model):
-    """One routing rule: all named conditions must match (a list matches when any item does)."""
+class _RuleBody(_Model):
+    """What a rule matches: conditions (all must match; a list matches when any item
+    does), or a logical combination of other rules."""
 
     model_config = ConfigDict(json_schema_extra=_rule_schema)
 
+    type: Literal["default", "logical"] | None = None
+    """`logical` for a rule made of other rules (`mode` over `rules`); `default` or absent
+    for a rule of conditions."""
+    mode: Literal["and", "or"] | None = None
+    """How a logical rule combines `rules`: `and` (all match) or `or` (any matches);
+    required on a logical rule, not allowed on another."""
+    rules: tuple[SubRule, ...] | None = None
+    """A logical rule's parts: rules without `action` and `outbound` (plain or logical
+    themselves); required and non-empty on a logical rule, not allowed on another."""
     domain: DomainList | None = None
     """Target host names matched exactly (case-insensitive, trailing dot ignored); the sniffed
     host is tried too. A single string or a list.
@@ -84,15 +109,52 @@ class Rule(_Model):
     `runtime.process_lookup` is `auto` or `always`; with `off` such a rule never matches.
     A single string or a list.
     """
-    action: Literal["route", "block"] = "route"
-    """`route` sends a matching flow to `outbound`; `block` refuses it (outcome `blocked`)."""
-    outbound: Tag | None = None
-    """Outbound or group tag for a matching flow; required when `action` is `route`, not
-    allowed when it is `block`.
+    geosite: GeositeList | None = None
+    """Lists of the `runtime.geodata.geosite_path` database (v2fly `geosite.dat`) the target
+    (or sniffed) host is in: `google`, `category-ads-all`, `geolocation-!cn`; `name@attr`
+    keeps only the list's entries carrying attribute `attr` (`google@cn`; several `@`
+    must all hold). Names are case-insensitive. A single string or a list.
     """
+    geoip: GeoCodeList | None = None
+    """Countries of the target's address, by ISO code (`cn`, `us`; case-insensitive) in
+    the `runtime.geodata.geoip_path` database (`country.iso_code`, else
+    `registered_country.iso_code`), read like `ip_cidr` (a domain target is resolved unless
+    `no_resolve`). `private` (or `lan`) needs no database: private, loopback, link-local,
+    multicast and unspecified addresses. A single string or a list.
+    """
+    ip_asn: AsnList | None = None
+    """Autonomous system numbers (`"13335"`, integers accepted) of the target's address in
+    the `runtime.geodata.asn_path` database (else `geoip_path`): its
+    `autonomous_system_number`; read like `ip_cidr`. A single item or a list.
+    """
+    source_geoip: GeoCodeList | None = None
+    """Countries of the client's address, written like `geoip`. A single string or a list."""
+    source_ip_asn: AsnList | None = None
+    """Autonomous system numbers of the client's address, written like `ip_asn`. A single
+    item or a list.
+    """
+    rule_set: NameList | None = None
+    """Names of rule providers (`providers.rules`): matches when any of the sets does. A
+    set matches when one of its entries does: a domain entry by the target (or sniffed)
+    host, a network by the target's address (read like `ip_cidr`), a Clash rule line
+    (`classical`) as a rule of its own. A single string or a list.
+    """
+    rule_set_ip_cidr_match_source: SBool = False
+    """Match the networks of `rule_set`'s sets against the client's address instead of the
+    target's (Clash `RULE-SET,name,target,src`)."""
+    no_resolve: SBool = False
+    """This rule's conditions on the target's address (`ip_cidr`, `geoip`, `ip_asn`, the
+    networks of `rule_set`) never make the engine resolve a domain target (Clash
+    `no-resolve`): they look at the address only when the client sent one, or when an
+    earlier rule already had the name resolved (docs/routing.md).
+    """
+    invert: SBool = False
+    """Match when the conditions (or, on a logical rule, its `mode` over `rules`) do not
+    (Clash `NOT`)."""
 
     def conditions(self) -> dict[str, tuple[str, ...] | str]:
-        """The conditions this rule names, in :data:`CONDITION_KEYS` order."""
+        """The conditions this rule names, in :data:`CONDITION_KEYS` order (none for a
+        logical rule: its parts have them)."""
         out: dict[str, tuple[str, ...] | str] = {}
         for key in CONDITION_KEYS:
             value = getattr(self, key)
@@ -100,14 +162,64 @@ class Rule(_Model):
                 out[key] = value
         return out
 
+    @property
+    def is_logical(self) -> bool:
+        """Whether this is a logical rule (``mode`` over ``rules``)."""
+        return self.type == "logical"
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> Any:
+        if self.type == "logical":
+            if self.mode is None:
+                raise ValueError("a logical rule needs `mode` ('and' or 'or')")
+            named = [k for k in CONDITION_KEYS if getattr(self, k) is not None]
+            if named:
+                raise ValueError(
+                    f"a logical rule takes no conditions of its own ({', '.join(named)}): "
+                    "put them in its `rules`"
+                )
+            if self.no_resolve or self.rule_set_ip_cidr_match_source:
+                raise ValueError(
+                    "`no_resolve` and `rule_set_ip_cidr_match_source` go on the parts of a "
+                    "logical rule"
+                )
+        else:
+            if self.mode is not None or self.rules is not None:
+                raise ValueError("`mode` and `rules` need `type: logical`")
+            if self.rule_set_ip_cidr_match_source and self.rule_set is None:
+                raise ValueError("`rule_set_ip_cidr_match_source` needs `rule_set`")
+        return self
+
     @model_serializer(mode="wrap")
     def _drop_absent(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
         return {
             k: v
             for k, v in data.items()
-            if v is not None or (k not in CONDITION_KEYS and k != "outbound")
+            if not (k in _SHAPE_DEFAULTS and v == _SHAPE_DEFAULTS[k])
+            and (v is not None or (k not in CONDITION_KEYS and k != "outbound"))
         }
+
+
+class SubRule(_RuleBody):
+    """A part of a logical rule: a rule without ``action`` and ``outbound``."""
+
+
+class Rule(_RuleBody):
+    """One routing rule: all named conditions must match (a list matches when any item
+    does), or, with ``type: logical``, its ``rules`` combined by ``mode``."""
+
+    action: Literal["route", "block"] = "route"
+    """`route` sends a matching flow to `outbound`; `block` refuses it (outcome `blocked`)."""
+    outbound: Tag | None = None
+    """Outbound or group tag for a matching flow; required when `action` is `route`, not
+    allowed when it is `block`.
+    """
+
+
+_RuleBody.model_rebuild()
+SubRule.model_rebuild()
+Rule.model_rebuild()
 
 
 class Route(_Model):

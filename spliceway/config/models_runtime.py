@@ -140,6 +140,10 @@ class GeoData(_Model):
     geoip_path: NonEmptyStr | None = None
     """MaxMind-format database (`.mmdb`, a country or an ASN database) read by `geoip` and
     `source_geoip` rules; `null`: such rules are a configuration error."""
+    asn_path: NonEmptyStr | None = None
+    """MaxMind-format ASN database (GeoLite2-ASN and the like: `autonomous_system_number`)
+    read by `ip_asn` and `source_ip_asn` rules; `null`: they read `geoip_path` (a database
+    that carries both)."""
     geosite_path: NonEmptyStr | None = None
     """v2fly `geosite.dat` (a protobuf list of domain lists) read by `geosite` rules; `null`:
     such rules are a configuration error."""

@@ -34,15 +34,29 @@ CONDITION_KEYS: tuple[str, ...] = (
     "domain_suffix",
     "domain_keyword",
     "domain_regex",
+    "geosite",
     "ip_cidr",
+    "geoip",
+    "ip_asn",
     "source_ip_cidr",
+    "source_geoip",
+    "source_ip_asn",
     "port",
     "source_port",
     "network",
     "inbound_tag",
     "principal_key",
     "process_name",
+    "rule_set",
 )
+
+#: Conditions on the target's address: they may need a domain target resolved (unless the
+#: rule says ``no_resolve``).
+ADDRESS_CONDITION_KEYS: frozenset[str] = frozenset({"ip_cidr", "geoip", "ip_asn"})
+
+#: ``geoip`` codes that name built-in ranges rather than database entries (mihomo's
+#: ``GEOIP,LAN``): private, loopback, link-local, multicast and unspecified addresses.
+GEOIP_BUILTIN_CODES: frozenset[str] = frozenset({"private", "lan"})
 
 #: Every event type (valid in a sink's ``events`` filter, with ``"*"``): the catalogue's names.
 EVENT_TYPES: frozenset[str] = frozenset(EVENT_CATALOGUE)
@@ -109,6 +123,34 @@ def _check_regex(value: str) -> str:
         re.compile(value, re.IGNORECASE)
     except re.error as exc:
         raise ValueError(f"invalid regular expression: {exc}") from None
+    return value
+
+
+_GEO_CODE = re.compile(r"[A-Za-z0-9_-]+")
+_GEOSITE_NAME = re.compile(r"[^\s@!][^\s@]*(?:@[^\s@]+)*")
+
+
+def _check_geo_code(value: str) -> str:
+    if not _GEO_CODE.fullmatch(value):
+        raise ValueError(f"{value!r} is not a country code (letters, digits, '-', '_')")
+    return value
+
+
+def _check_asn(value: str) -> str:
+    if not value.isascii() or not value.isdigit() or int(value) > 0xFFFFFFFF:
+        raise ValueError(f"{value!r} is not an AS number (digits, e.g. '13335')")
+    return value
+
+
+def _check_geosite_name(value: str) -> str:
+    if value.startswith("!"):
+        raise ValueError(
+            f"{value!r}: a negated list ('!name') is not supported; use `invert` on the rule"
+        )
+    if not _GEOSITE_NAME.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a geosite list name ('google', 'category-ads-all', 'google@cn')"
+        )
     return value
 
 
@@ -285,6 +327,11 @@ PortList = CondList[
     Annotated[str, BeforeValidator(_port_to_str), Strict(), AfterValidator(_check_port_spec)]
 ]
 NameList = CondList[NonEmptyStr]
+GeoCodeList = CondList[Annotated[str, Strict(), AfterValidator(_check_geo_code)]]
+AsnList = CondList[
+    Annotated[str, BeforeValidator(_port_to_str), Strict(), AfterValidator(_check_asn)]
+]
+GeositeList = CondList[Annotated[str, Strict(), AfterValidator(_check_geosite_name)]]
 
 
 class _Model(BaseModel):
@@ -313,6 +360,8 @@ def _rule_schema(schema: dict[str, Any]) -> None:
         item = many["items"]
         if key in ("port", "source_port"):
             item = {"anyOf": [item, {"type": "integer", "minimum": 0, "maximum": 65535}]}
+        elif key in ("ip_asn", "source_ip_asn"):
+            item = {"anyOf": [item, {"type": "integer", "minimum": 0}]}
         prop["anyOf"] = [item, {"type": "array", "items": item, "minItems": 1}, {"type": "null"}]
 
 

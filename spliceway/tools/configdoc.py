@@ -166,17 +166,24 @@ def _pretty(value: Any, indent: int = 0, used: int = 0, width: int = 88) -> str:
     return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
 
 
-def _walk_models(model: type[BaseModel]) -> Iterator[type[BaseModel]]:
+def _walk_models(
+    model: type[BaseModel], seen: set[type[BaseModel]] | None = None
+) -> Iterator[type[BaseModel]]:
+    # ``seen``: a model may hold itself (a logical rule's ``rules``).
+    seen = set() if seen is None else seen
+    if model in seen:
+        return
+    seen.add(model)
     yield model
     for field in model.model_fields.values():
-        yield from _models_in(field.annotation)
+        yield from _models_in(field.annotation, seen)
 
 
-def _models_in(annotation: Any) -> Iterator[type[BaseModel]]:
+def _models_in(annotation: Any, seen: set[type[BaseModel]]) -> Iterator[type[BaseModel]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        yield from _walk_models(annotation)
+        yield from _walk_models(annotation, seen)
     for arg in typing.get_args(annotation):
-        yield from _models_in(arg)
+        yield from _models_in(arg, seen)
 
 
 def _factory_default(model: type[BaseModel], name: str) -> Any:
@@ -210,15 +217,30 @@ class _ConfigPage:
         )
         return _CONFIG_INTRO.format(notice=NOTICE) + "\n" + body + "\n\n" + tail
 
-    def plan(self, name: str, heading: str, path: str, lead: str = "") -> None:
-        """Add the section of object ``name`` at ``path``, then its sub-objects' sections."""
+    def plan(
+        self,
+        name: str,
+        heading: str,
+        path: str,
+        lead: str = "",
+        ancestors: dict[str, str] | None = None,
+    ) -> None:
+        """Add the section of object ``name`` at ``path``, then its sub-objects' sections.
+
+        ``ancestors``: the sections (by def name) this one is nested in; an object that
+        holds itself (a logical rule's ``rules``) links back to its section instead of
+        nesting forever."""
         schema = self.defs[name]
+        ancestors = {**(ancestors or {}), name: heading}
         children: list[tuple[str, str, str, str]] = []  # def name, heading, path, lead
         rows = []
         for key, prop in schema.get("properties", {}).items():
             key_path = f"{path}.{key}" if path else key
             titles: dict[str, str] = {}
             for child, child_path, child_lead in self.objects_in(prop, key_path):
+                if child in ancestors:
+                    titles[child] = ancestors[child]
+                    continue
                 title = f"`{child_path}`" + (f" — {child_lead}" if child_lead else "")
                 titles[child] = title
                 children.append((child, title, child_path, child_lead))
@@ -233,7 +255,7 @@ class _ConfigPage:
             if child_lead:
                 tag_key, tag_value = child_lead.split(": ", 1)
                 variant_note = f"Keys of `{child_path}` when {tag_key} is {tag_value}."
-            self.plan(child, title, child_path, variant_note)
+            self.plan(child, title, child_path, variant_note, ancestors)
 
     def objects_in(self, prop: Schema, path: str) -> Iterator[tuple[str, str, str]]:
         """``(def name, key path, variant)`` of every object a property holds."""
