@@ -767,7 +767,8 @@ int sw_table_cond_sets(sw_table *t, uint32_t rule, uint32_t flags, sw_set *const
 int sw_table_rule_flags(sw_table *t, uint32_t rule, uint32_t flags)
 {
     struct rule *r = building(t, rule);
-    if (!r || (flags & ~(uint32_t)(SW_RULE_NO_RESOLVE | SW_RULE_INVERT | SW_RULE_RESOLVES)))
+    const uint32_t all = SW_RULE_NO_RESOLVE | SW_RULE_INVERT | SW_RULE_RESOLVES | SW_RULE_GROUPED;
+    if (!r || (flags & ~all) || ((flags & SW_RULE_GROUPED) && rule == 0))
         return -EINVAL;
     r->flags |= (uint8_t)flags;
     return 0;
@@ -1887,13 +1888,15 @@ static void make_view(const sw_table *t, const sw_route_query *q, struct view *v
         add_host(t, v, q->host, q->host_len);
         /* resolved_ip is what the name resolved to, as for no host. */
         v->name_target = !q->resolved_family;
-        v->dst_resolved = q->resolved_family != 0;
         /* fall through */
     case H_NONE:
         if (q->resolved_family) {
             ip_from_bytes(q->resolved_family, q->resolved_ip, &ip);
             v->dst = ip.family;
             v->dst_ip = ip.v;
+            /* Not an address the client sent: rules before the first
+             * resolving one do not see it. */
+            v->dst_resolved = true;
         }
         break;
     case H_IP:
@@ -2013,6 +2016,13 @@ int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result 
     } else {
         decide_indexed(t, &v, &b);
     }
+    /* An unknown alternative of a configured rule: a later one that holds
+     * makes the whole rule hold (its alternatives share the action). */
+    for (uint32_t r = b.rule + 1; b.tv == TV_UNKNOWN && r < t->nrules &&
+                                  (t->rules[r].flags & SW_RULE_GROUPED);
+         r++)
+        if (rule_eval(t, &v, r, 0) == TV_TRUE)
+            b = (struct best){r, TV_TRUE};
     if (v.name_target && t->first_net_dst <= b.rule && t->first_net_dst < t->nrules) {
         /* A resolving rule ranks at or before the match (an inverted one can
          * match a name without its address): the name's address may change

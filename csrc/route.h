@@ -283,7 +283,11 @@ enum sw_rule_flag {
      * unknown). */
     SW_RULE_INVERT = 2,
     /* The rule resolves (see above). */
-    SW_RULE_RESOLVES = 4
+    SW_RULE_RESOLVES = 4,
+    /* The rule and the one before it are alternatives of one configured rule
+     * (same action and target): when the first of a group that is not false
+     * is unknown, a later one that holds decides instead of a deferral. */
+    SW_RULE_GROUPED = 8
 };
 
 /* enum sw_rule_flag bits, or-ed in. */

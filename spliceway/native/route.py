@@ -400,16 +400,6 @@ def _negate_atom(atom: _Atom) -> _Atom:
     return _OPAQUE
 
 
-def _negate(dnf: _Dnf) -> _Dnf:
-    """NOT of a DNF (De Morgan: each term becomes the OR of its negated atoms)."""
-    out: _Dnf = [()]
-    for term in dnf:
-        if not term:
-            return []  # NOT(always)
-        out = _product([out, [(_negate_atom(a),) for a in term]])
-    return out
-
-
 class _RuleCompiler:
     """Turns configured rules into C rules (terms), with the sets they name."""
 
@@ -418,14 +408,15 @@ class _RuleCompiler:
         self.geo = ruleset.geo
 
     def compile(self, rule: Rule) -> tuple[_Dnf, bool]:
-        """The C rules (terms) of ``rule``, and whether they carry SW_RULE_INVERT (a
-        whole inverted rule of one term)."""
+        """The C rules (terms) of ``rule``, and whether they carry SW_RULE_INVERT (an
+        inverted rule of one term: C negates the whole rule, exactly; otherwise the
+        negation is pushed down to the conditions, De Morgan's way)."""
         try:
-            inner = self._dnf(rule, 0, honour_invert=False)
+            inner = self._dnf(rule, 0, neg=False, own_invert=False)
             if rule.invert:
                 if len(inner) == 1:
                     return inner, True
-                inner = _negate(inner)
+                inner = self._dnf(rule, 0, neg=True, own_invert=False)
         except _TooBig:
             # Its own conditions still have to hold (unless inverted): only the rest is
             # left to Python.
@@ -438,25 +429,35 @@ class _RuleCompiler:
         inner.sort(key=lambda t: any(a is _OPAQUE for a in t))
         return inner, False
 
-    def _dnf(self, rule: Rule | SubRule, depth: int, *, honour_invert: bool = True) -> _Dnf:
+    def _dnf(self, rule: Rule | SubRule, depth: int, *, neg: bool, own_invert: bool = True) -> _Dnf:
+        """The DNF of ``rule`` (of its negation with ``neg``; ``own_invert``: counting the
+        rule's own ``invert``), negations pushed down to the conditions."""
         if depth > _MAX_DEPTH:
             return [(_OPAQUE,)]
+        flip = neg != (rule.invert and own_invert)
         if rule.is_logical:
-            parts = [self._dnf(p, depth + 1) for p in rule.rules or ()]
+            parts = [self._dnf(p, depth + 1, neg=flip) for p in rule.rules or ()]
             if not parts:
-                out: _Dnf = []
-            elif rule.mode == "and":
-                out = _product(parts)
-            else:
-                out = [t for p in parts for t in p]
-                if len(out) > MAX_TERMS:
-                    raise _TooBig
-        else:
-            out = [tuple(self._atoms(rule))]
+                return [()] if flip else []  # no parts never holds
+            # NOT(and) is the OR of the negated parts, NOT(or) their AND.
+            if (rule.mode == "and") != flip:
+                return _product(parts)
+            out = [t for p in parts for t in p]
+            if len(out) > MAX_TERMS:
+                raise _TooBig
+            return out
+        atoms = self._atoms(rule)
+        if not flip:
+            out = [tuple(atoms)]
             if rule.rule_set is not None:
-                out = _product([out, self._rule_sets(rule, depth)])
-        if rule.invert and honour_invert:
-            out = _negate(out)
+                out = _product([out, self._rule_sets(rule, depth, neg=False)])
+            return out
+        # NOT(a and b and sets) = NOT a or NOT b or NOT sets.
+        out = [(_negate_atom(a),) for a in atoms]
+        if rule.rule_set is not None:
+            out += self._rule_sets(rule, depth, neg=True)
+        if len(out) > MAX_TERMS:
+            raise _TooBig
         return out
 
     def _atoms(self, rule: Rule | SubRule) -> list[_Atom]:
@@ -478,8 +479,9 @@ class _RuleCompiler:
                 raise ValueError(f"unknown rule condition {key!r}")
         return atoms
 
-    def _rule_sets(self, rule: Rule | SubRule, depth: int) -> _Dnf:
-        """``rule_set``: its sets in one set condition, or one of their other parts."""
+    def _rule_sets(self, rule: Rule | SubRule, depth: int, *, neg: bool) -> _Dnf:
+        """``rule_set`` (negated with ``neg``): its sets in one set condition, or one of
+        their other parts (negated: none of the sets, and no part)."""
         sets: list[CompiledSet] = []
         parts: list[SubRule] = []
         for name in rule.rule_set or ():
@@ -491,9 +493,13 @@ class _RuleCompiler:
             )
             sets += [found.main, *found.extra]
             parts += found.rules
-        out: _Dnf = [(("sets", tuple(sets), 0),)]
+        flags = lib.SW_SETCOND_INVERT if neg else 0
+        head: _Dnf = [(("sets", tuple(sets), flags),)]
+        if neg:
+            return _product([head, *(self._dnf(p, depth + 1, neg=True) for p in parts)])
+        out = head
         for part in parts:
-            out += self._dnf(part, depth + 1)
+            out += self._dnf(part, depth + 1, neg=False)
             if len(out) > MAX_TERMS:
                 raise _TooBig
         return out
@@ -724,9 +730,10 @@ def compile_route_table(
         flags = lib.SW_RULE_RESOLVES if resolving[i] else lib.SW_RULE_NO_RESOLVE
         if invert:
             flags |= lib.SW_RULE_INVERT
-        for term in terms:
+        for k, term in enumerate(terms):
             check(lib.sw_table_rule(table, c, action, target), "sw_table_rule")
-            check(lib.sw_table_rule_flags(table, c, flags), "sw_table_rule_flags")
+            grouped = lib.SW_RULE_GROUPED if k else 0
+            check(lib.sw_table_rule_flags(table, c, flags | grouped), "sw_table_rule_flags")
             _emit_term(table, c, term, inbounds, principals)
             c += 1
     for slot in deferred_inbounds:
