@@ -1328,7 +1328,8 @@ static int seal_sets(sw_table *t)
     t->tsets = malloc((n ? n : 1) * sizeof *t->tsets);
     if (!t->tsets)
         return -ENOMEM;
-    memcpy(t->tsets, t->b_setptrs.p, n * sizeof *t->tsets);
+    if (n)
+        memcpy(t->tsets, t->b_setptrs.p, n * sizeof *t->tsets);
     if (n > 1)
         qsort(t->tsets, n, sizeof *t->tsets, cmp_ptr);
     uint32_t m = 0;
