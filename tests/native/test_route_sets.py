@@ -221,3 +221,16 @@ def test_a_buffer_must_end_in_nul(bad: bytes) -> None:
     rc = lib.sw_set_domains(out[0], lib.SW_SET_EXACT, bad, len(bad))
     assert rc == -22
     lib.sw_set_free(out[0])
+
+
+def test_prepare_sets_builds_ahead() -> None:
+    """native.route.prepare_sets fills the cache compile_route_table then reads."""
+    from spliceway.native.route import prepare_sets
+
+    data = RuleSetData(behavior="domain", exact=frozenset({"ahead.test"}))
+    rules = [Rule.model_validate({"rule_set": "s", "outbound": "p"})]
+    ruleset = routing.compile_rules(rules, rule_sets={"s": data})
+    assert data not in route_sets._RULE_SETS
+    prepare_sets(rules, ruleset)
+    folded = route_sets._RULE_SETS[data][False]
+    assert route_sets.rule_set_parts(data, match_source=False, geo=None).main is folded.main
