@@ -14,8 +14,11 @@
  * Anchors
  *   Each rule is filed under one "anchor", the most selective indexed kind it
  *   has: domain > domain_suffix > domain_keyword > ip_cidr > source_ip_cidr >
- *   principal_key > inbound_tag.  Rules with none of them (port, network,
- *   opaque conditions only, or no condition) form the scan list.  A rule can
+ *   a set condition > principal_key > inbound_tag.  Rules with none of them
+ *   (port, network, opaque conditions only, or no condition) and inverted
+ *   rules (they match where their conditions fail) form the scan list; a
+ *   no_resolve rule never anchors on ip_cidr (before the first resolving rule
+ *   it does not see the resolved address the CIDR index looks at).  A rule can
  *   match only if its anchor condition holds, and every index answers, per
  *   item the flow satisfies, the sorted ids of the rules anchored on that
  *   item.  decide walks each such list in rule order, verifying the rule's
@@ -43,6 +46,15 @@
  *   lengths, each with its sorted networks: the address is masked once per
  *   length and bisected (at most 33 or 129 probes, usually a handful).
  *   principal_key / inbound_tag: sorted distinct values with their rules.
+ *   Set conditions: per distinct (set, which address its networks look at),
+ *   the rules whose first condition that is not inverted names that set,
+ *   ordered by their first rule.  decide evaluates a set (route_set.c: its
+ *   own hashed names, keyword automaton and network intervals; O(host
+ *   length + log networks) whatever its size) only while its first rule
+ *   ranks below the best rule found, last, after the cheaper indexes; a set
+ *   that holds walks its rules with that condition known true, an unknown one
+ *   walks them in full.  Set results are memoised per decide (the first
+ *   MEMO_SETS sets of a table).
  *
  * Three-valued matching, and what defers
  *   A condition is false, true or unknown; a rule is false when one of its
@@ -60,10 +72,17 @@
  *     an address (fullwidth digits are; hostnorm.target_address);
  *   - a host with a '%': ipaddress accepts IPv6 scope ids ("fe80::1%eth0"),
  *     so whether it is an address (ip_cidr) or a name (domain conditions) is
- *     left to Python.
- *   The indexes only know true and false, so a flow with such a host, in a
- *   table that has conditions of the affected kind, is decided by a linear
- *   three-valued scan of the rules instead (rare; still exact).
+ *     left to Python;
+ *   - a set's SW_SET_F_DOMAIN_OPAQUE (regexes: for a flow with a name),
+ *     SW_SET_F_PROCESS (as process conditions) and SW_SET_F_OPAQUE.
+ *   Kleene's logic combines them: a set (an OR) holds when an item does,
+ *   else is unknown when one is; an inverted rule or set condition swaps true
+ *   and false.  The indexes only know true and false, so a flow with such a
+ *   host, in a table that has plain conditions of the affected kind, is
+ *   decided by a linear three-valued scan of the rules instead (rare; still
+ *   exact).  The rules of one SW_RULE_GROUPED run are the alternatives of
+ *   one configured rule: when the first of them that is not false is
+ *   unknown, a later one that holds decides instead.
  *
  * Facts with no value
  *   inbound UINT32_MAX and principal SW_NO_PRINCIPAL mean none: conditions
@@ -72,13 +91,16 @@
  *   An IPv4-mapped IPv6 source is unmapped here too, as routing._parse_ip
  *   does.
  *
- * Domain targets and ip_cidr (routing.needs_address)
- *   ip_cidr looks at the target's address; a domain target has one only when
- *   the query carries resolved_family/resolved_ip (routing.FlowFacts.
- *   resolved_ip: conn.c passes what its DNS cache holds for the name).
- *   Without it, a decision with an ip_cidr rule ranked before the match (or
- *   any, for the final) defers, `rule` naming that first ip_cidr rule: the
- *   address could change it, and Python resolves the name first.
+ * Domain targets and resolving rules (routing.needs_address)
+ *   ip_cidr (and a set's networks) look at the target's address; a domain
+ *   target has one only when the query carries resolved_family/resolved_ip
+ *   (routing.FlowFacts.resolved_ip: conn.c passes what its DNS cache holds
+ *   for the name).  The first rule that resolves (SW_RULE_RESOLVES, or an
+ *   ip_cidr condition without SW_RULE_NO_RESOLVE) is first_net_dst: the
+ *   rules before it see only an address the client sent (V_LIT), the rules
+ *   from it on a resolved one too.  Without the address, a decision at or
+ *   after it (or the final) defers, `rule` naming it: the address could
+ *   change the decision, and Python resolves the name first.
  *
  * IP literals
  *   A target or sniffed host is an address when sw_host_addr (iplit.c, the
