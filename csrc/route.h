@@ -9,13 +9,15 @@
  * number of threads; conn.c publishes it with an atomic pointer swap and frees
  * the old one once every loop has passed a quiescent point.
  *
- * The reference is spliceway/routing/rules.py (decide()).  sw_table_decide either
- * gives the same rule index / target as routing.decide, or SW_ROUTE_DEFER
- * when the first rule that could match needs a condition C does not check
- * (domain_regex; process_name for a client on this host) or a domain
- * target's address it was not given (a resolving rule ranked at or before
- * the match: routing.needs_address): tests/csrc/test_route_diff.py holds it
- * to that on random configs x targets.
+ * The reference is spliceway/routing/rules.py (decide()); the shared sets
+ * (rule sets, GEOIP, GEOSITE) are route_set.c.  sw_table_decide either gives
+ * the rule / target of routing.decide's decision (a configured rule may be
+ * several table rules: spliceway/native/route.py maps them back), or
+ * SW_ROUTE_DEFER when the first rule that could match needs a condition C
+ * does not check (domain_regex; process_name for a client on this host) or a
+ * domain target's address it was not given (a resolving rule ranked at or
+ * before the match: routing.needs_address): tests/csrc/test_route_diff.py
+ * and test_route_sets_diff.py hold it to that on random configs x targets.
  */
 #ifndef SW_ROUTE_H
 #define SW_ROUTE_H
