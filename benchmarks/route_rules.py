@@ -25,9 +25,11 @@ outbound, the rest to the final one; N is 0 (the ``cidrs`` rule alone), 10, 10,0
    first bytes) and mihomo (``socks-port``, the HTTP sniffer on, ``override-destination:
    false``), each with the same files, driven by ``loadgen rate`` at concurrency 64
    (CONNECT 127.0.0.1:<tinyserver>, a 100-byte GET whose Host header names the next of
-   4,096 hosts, half in the set: ``--hosts``), the two alternated ``--reps`` times per
-   size; conn/s, p50/p99 latency, errors, the proxy's RSS after the runs. Both route by
-   the sniffed name and dial the address the client sent.
+   4,096 hosts, half in the set: ``--hosts``). Every size's engine and mihomo are up at
+   once and the ``--reps`` runs interleaved (the size order rotated and the proxy order
+   alternated per repetition), so a machine whose load drifts treats every size and
+   proxy alike; medians of conn/s, p50/p99 latency, errors, the proxy's RSS after the
+   runs. Both route by the sniffed name and dial the address the client sent.
 4. **refresh under load**: the engine with the 300,000-domain set; loadgen runs in
    consecutive 0.5 s windows; during one of them the ``domains`` file is replaced (a
    different 300,000 lines, renamed over it) and ``config.apply`` (over IPC, the rule's
@@ -219,10 +221,6 @@ class Mihomo:
         return self.m.stop(10)
 
 
-def engine_rss(engine: e2e.EngineProcess) -> int:
-    return e2e.proc_rss_kib(engine.m.pid)
-
-
 # --------------------------------------------------------------------------- in-process
 
 
@@ -382,60 +380,72 @@ def summary(runs: list[dict]) -> dict:
     }
 
 
-def load_size(
-    n: int, args: argparse.Namespace, tools: dict[str, Path], server: e2e.Server, tmp: Path,
-    files: dict[str, Path], hosts: Path, mihomo: Path | None,
-) -> dict:  # fmt: skip
-    """Section 3 for one size: spliceway and mihomo alternated."""
+def files_for(data: Path, n: int) -> dict[str, Path]:
+    """Size ``n``'s files: its own domains file, the shared cidrs file."""
+    return {"domains": data / f"domains-{n}.txt", "cidrs": data / "cidrs.txt"}
+
+
+def load_all(
+    args: argparse.Namespace, tools: dict[str, Path], server: e2e.Server, tmp: Path,
+    data: Path, mihomo: Path | None,
+) -> list[dict]:  # fmt: skip
+    """Section 3: every size's engine (and mihomo) up at once, the runs interleaved
+    (size order rotated, proxy order alternated, per repetition), so that a machine
+    whose load drifts treats every size and proxy alike."""
     out = tmp / "results"
     out.mkdir(exist_ok=True)
-    cfg = spliceway_config(n, files, str(tmp / f"ipc-{n}.sock"), tmp)
-    engine = e2e.EngineProcess(f"spliceway-{n}", cfg, tmp, out)
-    peer = None
-    if mihomo is not None:
-        port = e2e.free_port()
-        peer = Mihomo(mihomo, tmp / f"mihomo-{n}", mihomo_config(n, files, port, server.rate),
-                      port, files["cidrs"].parent)  # fmt: skip
-    runs: dict[str, list[dict]] = {"spliceway": [], "mihomo": []}
-    ready = {}
+    proxies: dict[tuple[int, str], Any] = {}
+    hosts: dict[int, Path] = {}
+    ready: dict[str, dict[str, float]] = {}
     try:
-        ready["spliceway"] = wait_ready(tools["loadgen"], server.rate, engine.port, hosts)
-        if peer:
-            ready["mihomo"] = wait_ready(tools["loadgen"], server.rate, peer.port, hosts)
-        # Warm-up: sets loaded, first names resolved, caches filled.
-        rate_run(tools["loadgen"], server.rate, engine.port, hosts, 1.0)
-        if peer:
-            rate_run(tools["loadgen"], server.rate, peer.port, hosts, 1.0)
-        for _ in range(args.reps):
-            e2e.log(f"  {n} domains: spliceway run")
-            runs["spliceway"].append(
-                rate_run(tools["loadgen"], server.rate, engine.port, hosts, args.seconds)
-            )
-            if peer:
-                e2e.log(f"  {n} domains: mihomo run")
-                runs["mihomo"].append(
-                    rate_run(tools["loadgen"], server.rate, peer.port, hosts, args.seconds)
-                )
-        res = {"domains": n, "ready_s": ready, "spliceway": summary(runs["spliceway"])}
-        res["spliceway"]["rss_kib"] = engine_rss(engine)
-        if peer:
-            res["mihomo"] = summary(runs["mihomo"])
-            res["mihomo"]["rss_kib"] = peer.rss()
-        return res
+        for n in args.sizes:
+            hosts[n] = tmp / f"hosts-{n}.txt"
+            write_lines(hosts[n], host_lines(n))
+            cfg = spliceway_config(n, files_for(data, n), str(tmp / f"ipc-{n}.sock"), tmp)
+            proxies[(n, "spliceway")] = e2e.EngineProcess(f"spliceway-{n}", cfg, tmp, out)
+            if mihomo is not None:
+                port = e2e.free_port()
+                text = mihomo_config(n, files_for(data, n), port, server.rate)
+                proxies[(n, "mihomo")] = Mihomo(mihomo, tmp / f"mihomo-{n}", text, port, data)
+        for (n, kind), proc in proxies.items():
+            secs = wait_ready(tools["loadgen"], server.rate, proc.port, hosts[n])
+            ready.setdefault(str(n), {})[kind] = round(secs, 3)
+            rate_run(tools["loadgen"], server.rate, proc.port, hosts[n], 1.0)  # warm-up
+        kinds = ["spliceway", "mihomo"] if mihomo is not None else ["spliceway"]
+        runs: dict[tuple[int, str], list[dict]] = {key: [] for key in proxies}
+        for rep in range(args.reps):
+            k = rep % len(args.sizes)
+            for n in args.sizes[k:] + args.sizes[:k]:
+                for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+                    e2e.log(f"  run {rep + 1}/{args.reps}: {n} domains, {kind}")
+                    port = proxies[(n, kind)].port
+                    runs[(n, kind)].append(
+                        rate_run(tools["loadgen"], server.rate, port, hosts[n], args.seconds)
+                    )
+        results = []
+        for n in args.sizes:
+            res: dict[str, Any] = {"domains": n, "ready_s": ready[str(n)]}
+            for kind in kinds:
+                res[kind] = summary(runs[(n, kind)])
+                proc = proxies[(n, kind)]
+                pid = proc.m.pid if kind == "spliceway" else proc.pid
+                res[kind]["rss_kib"] = e2e.proc_rss_kib(pid)
+            results.append(res)
+        return results
     finally:
-        res_engine = engine.stop()
-        if res_engine.get("exceptions"):
-            e2e.log(f"  engine exceptions: {res_engine['exceptions']}")
-        if peer:
-            peer.stop()
+        for (n, kind), proc in proxies.items():
+            info = proc.stop()
+            if info.get("exceptions"):
+                e2e.log(f"  {kind} {n}: exceptions {info['exceptions']}")
 
 
 def refresh_under_load(
     args: argparse.Namespace, tools: dict[str, Path], server: e2e.Server, tmp: Path,
-    files: dict[str, Path], hosts: Path,
+    data: Path, hosts: Path,
 ) -> dict:  # fmt: skip
     """Section 4: the 300,000-line set replaced and re-read while the load runs."""
     n = max(args.sizes)
+    files = {"domains": data / "domains-refresh.txt", "cidrs": data / "cidrs.txt"}
     write_lines(files["domains"], domain_lines(n))
     ipc_path = str(tmp / "ipc-refresh.sock")
     cfg = spliceway_config(n, files, ipc_path, tmp)
@@ -480,7 +490,6 @@ def refresh_under_load(
         ipc.close()
     finally:
         engine.stop()
-        write_lines(files["domains"], domain_lines(n))
     base = windows[: total // 3]
     before = statistics.median(w["conn_per_s"] for w in base) if base else 0
     return {
@@ -589,27 +598,23 @@ def main() -> int:
         tmp = Path(td)
         data = tmp / "data"
         data.mkdir()
-        files = {"domains": data / "domains.txt", "cidrs": data / "cidrs.txt"}
-        write_lines(files["cidrs"], cidr_lines(CIDRS))
+        write_lines(data / "cidrs.txt", cidr_lines(CIDRS))
         for n in args.sizes:
             e2e.log(f"compile and lookup: {n} domains")
+            files = files_for(data, n)
             write_lines(files["domains"], domain_lines(n) or ["+.never.invalid"])
             res["compile"].append(compile_and_lookup(n, files, host_lines(n), args.quick))
         if not args.no_load:
             tools = e2e.build_tools(args.cc)
             server = e2e.Server(tools["tinyserver"], None, 3600, 2)
             try:
-                for n in args.sizes:
-                    e2e.log(f"conn/s: {n} domains")
-                    write_lines(files["domains"], domain_lines(n) or ["+.never.invalid"])
-                    hosts = tmp / f"hosts-{n}.txt"
-                    write_lines(hosts, host_lines(n))
-                    res["load"].append(load_size(n, args, tools, server, tmp, files, hosts, mihomo))
+                e2e.log("conn/s")
+                res["load"] = load_all(args, tools, server, tmp, data, mihomo)
                 if not args.no_refresh:
                     e2e.log("refresh under load")
                     hosts = tmp / "hosts-refresh.txt"
                     write_lines(hosts, host_lines(max(args.sizes)))
-                    res["refresh"] = refresh_under_load(args, tools, server, tmp, files, hosts)
+                    res["refresh"] = refresh_under_load(args, tools, server, tmp, data, hosts)
             finally:
                 server.stop()
     args.out.mkdir(parents=True, exist_ok=True)
