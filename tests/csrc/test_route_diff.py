@@ -9,7 +9,9 @@ and under process_lookup off), unless a host is one C leaves to Python (non-ASCI
 defers at the first ip_cidr rule when the target is a domain name without a resolved
 address and that rule ranks before the match (routing.needs_address).
 Plus the table's lifecycle and argument checks, and a C harness for the parts
-outside the cdef (target info, mode, concurrent decides).
+outside the cdef (target info, mode, concurrent decides, a set shared by tables freed on
+several threads). Rule sets, GEOIP/GEOSITE, logical rules, invert and no_resolve:
+tests/csrc/test_route_sets_diff.py.
 """
 
 from __future__ import annotations
