@@ -196,7 +196,7 @@ class PolicyGroupActor(LoopActor):
     def _watch_health(self, view: policy.GroupView) -> None:
         """Warn when the group has just lost its last healthy member, note when it has one
         again: once per transition, so a dead upstream does not repeat itself every round."""
-        if view.kind not in _HEALTH_WARNED_KINDS:
+        if view.kind not in _HEALTH_WARNED_KINDS or not view.members:
             return
         healthy = [m for m in view.members if view.health[m].healthy]
         none_healthy = not healthy
@@ -233,7 +233,10 @@ class PolicyGroupActor(LoopActor):
         self._arm_timer()
 
     def _start_round(self, trigger: str) -> bool:
-        if not self.view.probing or (self._round is not None and not self._round.done()):
+        view = self.view
+        busy = self._round is not None and not self._round.done()
+        # A group without members (its providers gave none yet) has nothing to probe.
+        if not view.probing or not view.members or busy:
             return False
         self._round = self.dispatcher.spawn(self._run_round(trigger))
         return True

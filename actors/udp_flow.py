@@ -15,6 +15,7 @@ from spliceway.engine.runtime import FlowEntry
 from spliceway.events.log import now_ms
 from spliceway.flows import log as flowlog
 from spliceway.flows import records
+from spliceway.flows.outbounds import NoMemberOutbound
 from spliceway.routing import rules as routing
 
 if TYPE_CHECKING:
@@ -147,6 +148,8 @@ def route(
         s.outbound_protocol = outbound.protocol
     if decision.action == "block" or outbound is None or outbound.protocol == "block":
         return None, (records.BLOCKED, None)
+    if isinstance(outbound, NoMemberOutbound):
+        return None, (records.FAILED, records.Failure("route", "no_member", outbound.message))
     if outbound.protocol not in UDP_PROTOCOLS:
         failure = records.Failure(
             "route",

@@ -472,6 +472,7 @@ def create_app(
         "stats",
         "flows",
         "policies",
+        "providers",
         "sinks",
         "tun_status",
         "events",

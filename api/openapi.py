@@ -95,8 +95,6 @@ _SSE = "text/event-stream"
 _SCHEMAS = "#/components/schemas/"
 
 
-
-
 def _pascal(method: str) -> str:
     """``diagnostics.trace_route`` -> ``DiagnosticsTraceRoute``."""
     return "".join(part[:1].upper() + part[1:] for part in re.split(r"[._]", method) if part)
@@ -241,7 +239,6 @@ def _ok(result: Schema, description: str) -> Schema:
     }
 
 
-
 def _command_schemas() -> tuple[dict[str, Schema], Schema, Schema]:
     """Components for params, request variants and results; the request and result unions."""
     components: dict[str, Schema] = {}
@@ -278,7 +275,6 @@ def _command_schemas() -> tuple[dict[str, Schema], Schema, Schema]:
     }
     result = {"description": "The result of the command named by method.", "anyOf": result_refs}
     return components, request, result
-
 
 
 # ---------------------------------------------------------------------------
@@ -448,6 +444,13 @@ def _paths(command_result: Schema) -> dict[str, Schema]:
             ref("PolicySnapshot"),
             (404,),
             [_path_param("policy_tag", "A policy group's tag.")],
+        ),
+        "providers": (
+            "listProviders",
+            "Proxy and rule providers and geodata files: source, age, schedule, content.",
+            ref("ProviderList"),
+            (),
+            None,
         ),
         "sinks": ("listSinks", "Event sinks.", ref("SinkList"), (), None),
         "tun_status": ("getTunStatus", "The TUN inbound.", ref("TunStatus"), (), None),

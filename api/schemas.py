@@ -194,6 +194,11 @@ def _group_fields() -> dict[str, Schema]:
         "latency_ms": nullable(LATENCY_MS),
         "last_checked_unix_ms": nullable(UNIX_MS),
         "effective_chains": chains,
+        "providers": array(
+            STR,
+            description="The proxy providers whose outbounds are members after the group's "
+            "own (`outbounds` lists them all; empty when the providers have none yet).",
+        ),
         "url_test_members": array(member),
         "member_health": array(
             obj(
@@ -204,6 +209,13 @@ def _group_fields() -> dict[str, Schema]:
                     "last_checked_unix_ms": nullable(UNIX_MS),
                     "last_error": nullable(STR),
                     "checked_by": nullable(STR),
+                    "provider": nullable(
+                        string(
+                            description="The proxy provider the member came from (one of "
+                            "the group's `providers`); null for a member of its own "
+                            "`outbounds`."
+                        )
+                    ),
                 },
                 description="What the engine knows of one member now: the newest check of "
                 "it by any probing group (`checked_by`) or by `diagnostics.probe_outbound` "
@@ -214,6 +226,64 @@ def _group_fields() -> dict[str, Schema]:
             "(`url_test_members` keeps this group's own view, which its selection follows).",
         ),
     }
+
+
+_PROVIDER_KIND = enum(["proxies", "rules", "geodata"])
+
+
+def _provider() -> Schema:
+    skipped = obj(
+        {"name": STR, "type": STR, "reason": STR},
+        description="A proxy of the body spliceway cannot carry (empty `name` or `type` "
+        "when the body gave none).",
+    )
+    return obj(
+        {
+            "name": STR,
+            "kind": _PROVIDER_KIND,
+            "source": enum(["url", "path"]),
+            "url": nullable(
+                string(description="`scheme://host[:port]` of the URL (the rest may hold a token).")
+            ),
+            "path": string(
+                description="The file the content is read from: its `path`, or the cached copy."
+            ),
+            "interval_seconds": nullable(integer(1)),
+            "via": nullable(STR),
+            "updated_at_unix_ms": nullable(UNIX_MS),
+            "checked_at_unix_ms": nullable(UNIX_MS),
+            "next_update_at_unix_ms": nullable(UNIX_MS),
+            "updating": BOOL,
+            "last_error": nullable(STR),
+            "last_error_at_unix_ms": nullable(UNIX_MS),
+            "sha256": nullable(STR),
+        },
+        {
+            "format": nullable(STR),
+            "behavior": nullable(STR),
+            "outbounds": nullable(COUNT),
+            "members": STRINGS,
+            "filtered_out": COUNT,
+            "renamed": array(obj({"name": STR, "tag": STR})),
+            "rules": nullable(COUNT),
+            "skipped": nullable(COUNT),
+            "skipped_proxies": array(skipped),
+            "health_check": nullable(
+                obj(
+                    {"enabled": BOOL, "url": STR, "interval_seconds": integer(1)},
+                    description="A proxy provider's `health_check`, its URL resolved.",
+                )
+            ),
+            "subscription_info": nullable(
+                obj(
+                    {"upload": COUNT, "download": COUNT, "total": COUNT, "expire": COUNT},
+                    description="The last `subscription-userinfo` header: bytes used and "
+                    "allowed, expiry in UNIX seconds (0: not given).",
+                )
+            ),
+        },
+        description="One provider (or geodata file) and what the engine holds of it.",
+    )
 
 
 def _config_summary() -> Schema:
@@ -246,7 +316,20 @@ def _config_summary() -> Schema:
                 )
             ),
             "outbounds": array(
-                obj({"tag": STR, "protocol": STR, "server": nullable(STR), "port": nullable(PORT)})
+                obj(
+                    {
+                        "tag": STR,
+                        "protocol": STR,
+                        "server": nullable(STR),
+                        "port": nullable(PORT),
+                        "provider": nullable(
+                            string(
+                                description="The proxy provider it came from; null for the "
+                                "configuration's own."
+                            )
+                        ),
+                    }
+                )
             ),
             "outbound_groups": array(ref("PolicySnapshot")),
         },
@@ -597,6 +680,29 @@ def command_results() -> dict[str, Schema]:
         ),
         "diagnostics.dns_query": _dns_query_result(),
         "dns.cache_flush": obj({"flushed": COUNT}),
+        "providers.update": obj(
+            {
+                "results": array(
+                    obj(
+                        {
+                            "name": STR,
+                            "kind": _PROVIDER_KIND,
+                            "outcome": enum(["updated", "unchanged", "failed"]),
+                            "error": nullable(STR),
+                            "updated_at_unix_ms": nullable(UNIX_MS),
+                        },
+                        {
+                            "outbounds": nullable(COUNT),
+                            "rules": nullable(COUNT),
+                            "skipped": nullable(COUNT),
+                        },
+                        description="One provider's refresh: `updated` (new content, in "
+                        "use), `unchanged`, or `failed` (`error`; the last good copy, of "
+                        "`updated_at_unix_ms`, stays).",
+                    )
+                )
+            }
+        ),
         "log.set_level": obj({"level": _LOG_LEVEL, "previous": _LOG_LEVEL}),
         "diagnostics.fakeip_lookup": {
             "oneOf": [
@@ -642,6 +748,8 @@ def resource_schemas() -> dict[str, Schema]:
         "FlowList": obj({"active_flows": array(ref("FlowRecord"))}),
         "PolicySnapshot": policy,
         "PolicyList": obj({"policies": array(ref("PolicySnapshot"))}),
+        "Provider": _provider(),
+        "ProviderList": obj({"providers": array(ref("Provider"))}),
         "Sink": sink(),
         "SinkList": obj({"sinks": array(ref("Sink"))}),
         "TunStatus": _tun_status(),

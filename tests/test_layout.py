@@ -52,7 +52,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "spliceway/config/models_api.py": "tests/config/test_config.py",
     "spliceway/config/models_inbounds.py": "tests/config/test_config.py",
     "spliceway/config/models_outbounds.py": "tests/config/test_config.py",
-    "spliceway/config/models_route.py": "tests/config/test_config.py",
     "spliceway/config/models_runtime.py": "tests/config/test_config.py",
     "spliceway/config/problems.py": "tests/config/test_config.py",
     "spliceway/config/validation.py": "tests/config/test_config.py",

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "DEFAULT_PROVIDER",
     "GLOBAL",
     "GROUP_TYPES",
     "LOG_LEVELS",
@@ -48,7 +49,10 @@ __all__ = [
     "global_now",
     "group_names",
     "proxies",
+    "proxy_provider",
+    "proxy_providers",
     "rfc3339",
+    "rule_providers",
     "rule_type_and_payload",
     "rules",
     "version",
@@ -340,6 +344,7 @@ def proxies(
         # mihomo gives every leaf a random id per start; a name's uuid5 is as unique and
         # stays the same across reloads.
         item["id"] = str(uuid.uuid5(_ID_NAMESPACE, name))
+        item["provider-name"] = str(ob.get("provider") or "")
         out[name] = item
     for name, group in groups.items():
         out[name] = _group_proxy(
@@ -360,6 +365,106 @@ def proxies(
             }
         )
         out[GLOBAL] = item
+    return out
+
+
+# -- /providers -------------------------------------------------------------------------
+
+#: mihomo's zero ``time.Time`` (``updatedAt`` of a provider that has no content, and of
+#: the ``Compatible`` ones, which never have any).
+ZERO_TIME = "0001-01-01T00:00:00Z"
+#: The test URL mihomo gives a group without one of its own.
+MIHOMO_TEST_URL = "https://www.gstatic.com/generate_204"
+#: mihomo's provider of every proxy and group the configuration itself defines.
+DEFAULT_PROVIDER = "default"
+#: A provider health check's budget per member (mihomo's ``health-check.timeout``
+#: default, ``adapter/provider/healthcheck.go``).
+PROVIDER_CHECK_TIMEOUT_MS = 5000
+_BEHAVIORS = {"domain": "Domain", "ipcidr": "IPCIDR", "classical": "Classical"}
+_RULE_FORMATS = {"yaml": "YamlRule", "text": "TextRule", "mrs": "MrsRule"}
+
+
+def _provider_time(unix_ms: int | None) -> str:
+    return rfc3339(unix_ms) if unix_ms is not None else ZERO_TIME
+
+
+def _compatible(name: str, members: Iterable[dict[str, Any]], test_url: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "Proxy",
+        "vehicleType": "Compatible",
+        "proxies": list(members),
+        "testUrl": test_url,
+        "expectedStatus": "*",
+        "updatedAt": ZERO_TIME,
+    }
+
+
+def proxy_provider(state: Mapping[str, Any], everything: Mapping[str, Any]) -> dict[str, Any]:
+    """One proxy provider (an item of the ``providers`` query) as mihomo's provider:
+    its members as ``/proxies`` shows them (``everything``)."""
+    check = state.get("health_check") or {}
+    out: dict[str, Any] = {
+        "name": state["name"],
+        "type": "Proxy",
+        "vehicleType": "HTTP" if state["source"] == "url" else "File",
+        "proxies": [everything[m] for m in state.get("members") or [] if m in everything],
+        "testUrl": str(check.get("url") or MIHOMO_TEST_URL),
+        "expectedStatus": "*",
+        "updatedAt": _provider_time(state.get("updated_at_unix_ms")),
+    }
+    info = state.get("subscription_info")
+    if info is not None:
+        out["subscriptionInfo"] = {
+            "Upload": info["upload"],
+            "Download": info["download"],
+            "Total": info["total"],
+            "Expire": info["expire"],
+        }
+    return out
+
+
+def proxy_providers(
+    config: Mapping[str, Any], states: Iterable[Mapping[str, Any]], everything: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """``GET /providers/proxies``'s ``providers``, by name, as mihomo lists them: a
+    ``Compatible`` provider for each group with members of its own (named after the group),
+    ``default`` with every outbound and group the configuration defines, then every proxy
+    provider (which wins over a ``Compatible`` one of the same name)."""
+    out: dict[str, dict[str, Any]] = {}
+    for group in _groups(config):
+        own = [h["member_tag"] for h in group.get("member_health") or [] if not h.get("provider")]
+        if own:
+            url = str(group.get("url") or MIHOMO_TEST_URL)
+            out[str(group["tag"])] = _compatible(
+                str(group["tag"]), (everything[m] for m in own if m in everything), url
+            )
+    defined = [str(o["tag"]) for o in _outbounds(config) if not o.get("provider")]
+    defined += group_names(config)
+    out[DEFAULT_PROVIDER] = _compatible(
+        DEFAULT_PROVIDER, (everything[m] for m in defined if m in everything), ""
+    )
+    for state in states:
+        if state["kind"] == "proxies":
+            out[str(state["name"])] = proxy_provider(state, everything)
+    return out
+
+
+def rule_providers(states: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``GET /providers/rules``'s ``providers``, by name."""
+    out: dict[str, dict[str, Any]] = {}
+    for state in states:
+        if state["kind"] != "rules":
+            continue
+        out[str(state["name"])] = {
+            "behavior": _BEHAVIORS.get(str(state.get("behavior")), str(state.get("behavior"))),
+            "format": _RULE_FORMATS.get(str(state.get("format")), str(state.get("format"))),
+            "name": state["name"],
+            "ruleCount": state.get("rules") or 0,
+            "type": "Rule",
+            "vehicleType": "HTTP" if state["source"] == "url" else "File",
+            "updatedAt": _provider_time(state.get("updated_at_unix_ms")),
+        }
     return out
 
 

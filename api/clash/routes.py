@@ -466,12 +466,87 @@ class _Routes:
     def rules(self, request: Request, body: bytes | None) -> Response:
         return JSONResponse({"rules": mapping.rules(self._query("config"))})
 
-    def providers(self, request: Request, body: bytes | None) -> Response:
-        # Providers arrive with issue 29; dashboards need the empty map to render.
-        return JSONResponse({"providers": {}})
+    def _proxy_providers(self) -> tuple[Mapping[str, Any], dict[str, dict[str, Any]]]:
+        config = self._query("config")
+        states = self._query("providers")["providers"]
+        return config, mapping.proxy_providers(config, states, self._proxies(config))
 
-    def no_provider(self, request: Request, body: bytes | None) -> Response:
-        raise HTTPException(404, NOT_FOUND)
+    def list_proxy_providers(self, request: Request, body: bytes | None) -> Response:
+        return JSONResponse({"providers": self._proxy_providers()[1]})
+
+    def proxy_provider(self, request: Request, body: bytes | None) -> Response:
+        parts = _segments(request, "/providers/proxies/")
+        if not parts or not parts[0] or len(parts) > 3:
+            raise HTTPException(404, NOT_FOUND)
+        _, providers = self._proxy_providers()
+        provider = providers.get(parts[0])
+        if provider is None:
+            raise HTTPException(404, NOT_FOUND)
+        method = request.method
+        if len(parts) == 1 and method == "GET":
+            return JSONResponse(provider)
+        if len(parts) == 1 and method == "PUT":
+            # A Compatible provider (a group's own members, ``default``) has nothing to
+            # update: mihomo answers 204 too.
+            if provider["vehicleType"] != "Compatible":
+                self._update(parts[0], "proxies")
+            return _no_content()
+        if method != "GET":
+            raise HTTPException(405, "Method Not Allowed")
+        members = [str(p["name"]) for p in provider["proxies"]]
+        if parts[1:] == ["healthcheck"]:
+            self._health_check(members, str(provider.get("testUrl") or ""))
+            return _no_content()
+        if parts[1] not in members or (len(parts) == 3 and parts[2] != "healthcheck"):
+            raise HTTPException(404, NOT_FOUND)
+        if len(parts) == 2:
+            return JSONResponse(next(p for p in provider["proxies"] if p["name"] == parts[1]))
+        return self._proxy_delay(request, parts[1])
+
+    def _update(self, name: str, kind: str) -> None:
+        """``providers.update`` of one provider; 503 with the reason when it failed, as
+        mihomo answers a failed update."""
+        for result in self._execute("providers.update", {"name": name, "kind": kind})["results"]:
+            if result["outcome"] == "failed":
+                raise HTTPException(503, str(result["error"]))
+
+    def _health_check(self, members: list[str], url: str) -> None:
+        """Probe every member now, each's result recorded as its latest health (mihomo's
+        provider health check: 204 once done, whatever the members answered)."""
+        if not members:
+            return
+        timeout_ms = int(mapping.PROVIDER_CHECK_TIMEOUT_MS)
+        workers = min(GROUP_DELAY_CONCURRENCY, len(members))
+        with ThreadPoolExecutor(workers, thread_name_prefix="clash-provider-check") as pool:
+            futures = [pool.submit(self._probe, m, url, timeout_ms, "") for m in members]
+            for member, future in zip(members, futures, strict=True):
+                self._record(member, future.result()[0])
+
+    def list_rule_providers(self, request: Request, body: bytes | None) -> Response:
+        states = self._query("providers")["providers"]
+        return JSONResponse({"providers": mapping.rule_providers(states)})
+
+    def rule_provider(self, request: Request, body: bytes | None) -> Response:
+        parts = _segments(request, "/providers/rules/")
+        states = self._query("providers")["providers"]
+        if len(parts) != 1 or parts[0] not in mapping.rule_providers(states):
+            raise HTTPException(404, NOT_FOUND)
+        self._update(parts[0], "rules")
+        return _no_content()
+
+    def update_geodata(self, request: Request, body: bytes | None) -> Response:
+        states = self._query("providers")["providers"]
+        if not any(s["kind"] == "geodata" for s in states):
+            raise HTTPException(
+                501,
+                "spliceway downloads GeoIP and GeoSite databases only from "
+                "runtime.geodata's geoip_url and geosite_url, and none is configured",
+            )
+        for result in self._execute("providers.update", {"kind": "geodata"})["results"]:
+            if result["outcome"] == "failed":
+                # mihomo: 500 with the error of a failed update.
+                raise HTTPException(500, f"{result['name']}: {result['error']}")
+        return _no_content()
 
     # -- /dns, /cache --------------------------------------------------------------------
 
@@ -564,8 +639,6 @@ _REFUSALS: tuple[tuple[str, str, str], ...] = (
         "spliceway does not download dashboards: api.clash.external_ui serves a directory "
         "you install",
     ),
-    ("/upgrade/geo", "POST", "spliceway has no GeoIP or GeoSite databases to update"),
-    ("/configs/geo", "POST", "spliceway has no GeoIP or GeoSite databases to update"),
     (
         "/rules/disable",
         "PATCH",
@@ -590,10 +663,12 @@ def http_routes(ctx: ClashContext) -> list[BaseRoute]:
         route("/group", api.list_groups, "GET"),
         route("/group/{rest:path}", api.group, "GET"),
         route("/rules", api.rules, "GET"),
-        route("/providers/proxies", api.providers, "GET"),
-        route("/providers/proxies/{rest:path}", api.no_provider, "GET", "PUT"),
-        route("/providers/rules", api.providers, "GET"),
-        route("/providers/rules/{rest:path}", api.no_provider, "PUT"),
+        route("/providers/proxies", api.list_proxy_providers, "GET"),
+        route("/providers/proxies/{rest:path}", api.proxy_provider, "GET", "PUT"),
+        route("/providers/rules", api.list_rule_providers, "GET"),
+        route("/providers/rules/{rest:path}", api.rule_provider, "PUT"),
+        route("/upgrade/geo", api.update_geodata, "POST"),
+        route("/configs/geo", api.update_geodata, "POST"),
         route("/dns/query", api.dns_query, "GET"),
         route("/cache/fakeip/flush", api.flush_fakeip, "POST"),
         route("/cache/dns/flush", api.flush_dns, "POST"),

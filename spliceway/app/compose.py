@@ -11,6 +11,7 @@ implements. Each actor gets a small frozen dependency object with only what it u
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from spliceway.actors.flow import FlowActor, FlowDeps
 from spliceway.actors.listener import ListenerPorts
 from spliceway.actors.messages import StopFlow
 from spliceway.actors.policy import GroupPorts
+from spliceway.actors.providers import ProviderRefresherActor, RefresherPorts, StartRound
 from spliceway.actors.stats import SamplerPorts
 from spliceway.actors.supervisor import EngineSupervisor, SupervisorPorts
 from spliceway.actors.tun import TunActor
@@ -34,6 +36,7 @@ from spliceway.dns.server import DnsResponder
 from spliceway.engine.components import LoopPort
 from spliceway.engine.core import EngineCore
 from spliceway.engine.generation import InboundSpec
+from spliceway.engine.providers import RefreshPorts
 from spliceway.events.log import EventLog
 from spliceway.native.conn import ConnRecord, Deferred
 from spliceway.native.tun import TunStack
@@ -151,6 +154,31 @@ class StartedActors:
             install_dns=core.dns.install,
         )
         return EngineSupervisor.start(ports, sockets)
+
+    def start_provider_refresher(self, wait_s: float) -> pykka.ActorRef[Any]:
+        """Start the providers' refresher and wait at most ``wait_s`` seconds for its first
+        round (the URL providers without a cached copy: fetched now, so a reachable
+        subscription is in the engine's first routes; a slow one is applied when done)."""
+        core = self._core
+        ports = RefresherPorts(
+            providers=core.providers,
+            refresh=RefreshPorts(
+                log=core.log,
+                loop=lambda: self._dispatcher.loop,
+                outbound=core.leaf_outbound,
+                reload=lambda force: core.reconciler.refresh(force=force),
+                members=lambda name: [
+                    tag for tag, origin in core.generation.origins.items() if origin == name
+                ],
+                record=lambda tag, health: core.generation.policies.record_probe(tag, health),
+            ),
+            source=lambda: core.source_config,
+        )
+        ref = ProviderRefresherActor.start(ports)
+        future = ref.ask(StartRound(), block=False)
+        with contextlib.suppress(pykka.Timeout):
+            future.get(timeout=wait_s)
+        return ref
 
     def start_flow(
         self,

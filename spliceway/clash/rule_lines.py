@@ -7,20 +7,16 @@ mihomo does (``config/config.go`` ``parseRules``, ``rules/parser.go`` ``ParseRul
 spliceway rule (a dict as a ``rules[]`` entry is written, without ``action`` and
 ``outbound``) with the target's name, or :class:`Unsupported` saying why it cannot.
 
-Splitting, as mihomo does it:
-
-- A ``rules:`` line is split on ``,`` and every field trimmed; the type is upper-cased.
-  For ``AND``, ``OR``, ``NOT``, ``SUB-RULE``, ``DOMAIN-REGEX`` and
-  ``PROCESS-NAME-REGEX``/``PROCESS-PATH-REGEX`` the last field is the target and
-  everything between is the payload (which may hold commas); otherwise
-  ``TYPE,payload,target[,params...]`` and ``MATCH,target``. Params: ``no-resolve``,
-  ``src`` (``src`` implies ``no-resolve``).
-- A classical rule-set line has no target: ``TYPE,payload[,params...]``, the type as
-  written (mihomo does not upper-case it there, nor trim the fields); ``MATCH``,
-  ``RULE-SET`` and ``SUB-RULE`` are refused there.
-- A logic rule's payload is a list of parenthesised parts, ``((DOMAIN,a.com),(NETWORK,
-  UDP))``; each part is ``TYPE,payload[,params]`` (type as written, params untrimmed,
-  ``MATCH`` and ``SUB-RULE`` refused), or a nested logic rule.
+Splitting, as mihomo (1.19.x, ``rules/common/base.go`` ``ParseRulePayload``) does it,
+the same for a ``rules:`` line, a classical rule-set line and a logic rule's part: split
+on ``,``, every field trimmed of spaces, the type upper-cased. For ``AND``, ``OR``,
+``NOT``, ``SUB-RULE``, ``DOMAIN-REGEX`` and ``PROCESS-NAME-REGEX``/``PROCESS-PATH-REGEX``
+the last field is the target and everything between is the payload (which may hold
+commas); otherwise ``TYPE,payload,target[,params...]`` and ``MATCH,target``; a line
+without a target (a rule set's, a logic part) is ``TYPE,payload[,params...]``. Params:
+``no-resolve``, ``src`` (``src`` implies ``no-resolve``). A logic payload is a list of
+parenthesised parts, ``((DOMAIN,a.com),(NETWORK,UDP))``; ``MATCH`` and ``SUB-RULE`` are
+refused inside one, and ``MATCH``, ``RULE-SET`` and ``SUB-RULE`` in a rule set.
 
 What each type becomes: ``DOMAIN`` ``domain``; ``DOMAIN-SUFFIX`` ``domain_suffix``;
 ``DOMAIN-KEYWORD`` ``domain_keyword`` (lowercased, IDNA as mihomo does);
@@ -192,10 +188,6 @@ class _Refused(Exception):
         super().__init__(reason)
         self.type = type_
         self.reason = reason
-
-
-def _trim_all(items: list[str]) -> list[str]:
-    return [i.strip() for i in items]
 
 
 # ---------------------------------------------------------------------------
@@ -507,12 +499,14 @@ def _one(
     notes: list[str],
 ) -> dict[str, Any]:
     """mihomo's ``ParseRule`` for one (type, payload, params) into a rule dict."""
-    if tp in _LOGIC_TYPES:
+    if tp in _LOGIC_TYPES and payload:
         return _logic(tp, payload, ctx, notes)
     if tp == "":
         raise _Refused(tp, f"missing subsequent parameters: {payload} (mihomo refuses it too)")
     if tp not in KNOWN_TYPES:
         raise _Refused(tp, f"unsupported rule type {tp!r} (mihomo refuses it too)")
+    if payload == "" and tp != "MATCH":
+        raise _Refused(tp, f"missing subsequent parameters: {tp} (mihomo refuses it too)")
     if tp in _NOT_EVALUATED:
         raise _Refused(tp, _NOT_EVALUATED[tp])
     src, no_resolve = _params(params)
@@ -525,27 +519,24 @@ def _one(
 
 
 def _ranges(payload: str, tp: str) -> list[tuple[int, int]]:
-    """Parenthesised ranges by order of their ``(`` (mihomo's ``format``)."""
-    stack: list[tuple[int, int]] = []  # (start, index)
-    found: dict[int, tuple[int, int]] = {}
-    count = 0
+    """Parenthesised ranges, by start (mihomo's ``format``)."""
+    stack: list[int] = []
+    found: list[tuple[int, int]] = []
     for i, ch in enumerate(payload):
         if ch == "(":
-            stack.append((i, count))
-            count += 1
+            stack.append(i)
         elif ch == ")":
             if not stack:
                 raise _Refused(tp, "missing '(' (mihomo refuses it too)")
-            start, index = stack.pop()
-            found[index] = (start, i)
+            found.append((stack.pop(), i))
     if stack:
-        raise _Refused(tp, "missing ')' (mihomo refuses it too)")
-    return [found[i] for i in range(count)]
+        raise _Refused(tp, "format error is missing ) (mihomo refuses it too)")
+    return sorted(found)
 
 
 def _sub_payloads(payload: str, tp: str) -> list[str]:
     """The top-level parts of a logic payload (mihomo's ``parsePayload``)."""
-    if re.search(r"\(.*\)", payload) is None:
+    if not payload.startswith("(") or not payload.endswith(")"):
         raise _Refused(tp, "payload format error (mihomo refuses it too)")
     chosen: list[tuple[int, int]] = []
     for start, end in _ranges(payload, tp):
@@ -558,16 +549,13 @@ def _sub_payloads(payload: str, tp: str) -> list[str]:
 
 
 def _logic_part(text: str, ctx: InboundContext | None, notes: list[str]) -> dict[str, Any]:
-    """mihomo's ``payloadToRule``: the type as written, params not trimmed."""
-    tp, comma, rest = text.partition(",")
-    if not comma:
-        raise _Refused("AND", f"[{text}] format is error (mihomo refuses it too)")
+    """mihomo's ``payloadToRule``: a part without a target."""
+    tp, payload, _, params = _split(text, need_target=False)
     if tp in ("MATCH", "SUB-RULE"):
         raise _Refused(tp, f"{tp} is not allowed in a logic rule (mihomo refuses it too)")
-    if tp in _LOGIC_TYPES:
-        return _logic(tp, rest, ctx, notes)
-    fields = rest.split(",")
-    return _one(tp, fields[0], fields[1:], ctx, notes)
+    if tp == "":
+        raise _Refused("AND", f"[{text}] format is error (mihomo refuses it too)")
+    return _one(tp, payload, params, ctx, notes)
 
 
 def _flatten_and(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -627,36 +615,29 @@ def _logic(tp: str, payload: str, ctx: InboundContext | None, notes: list[str]) 
 # ---------------------------------------------------------------------------
 
 
-def _split_rules_line(line: str) -> tuple[str, str, str, list[str]]:
-    """``(type, payload, target, params)`` as ``parseRules`` splits a ``rules:`` line."""
-    fields = _trim_all(line.split(","))
-    tp = fields[0].upper()
-    n = len(fields)
-    if tp in _SPLIT_TYPES:
-        return tp, ",".join(fields[1 : n - 1]), fields[n - 1], []
-    if n < 2:
-        raise _Refused(tp, "format invalid (mihomo refuses it too)")
-    if n < 4:
-        fields += [""] * (4 - n)
-    if tp == "MATCH":
-        n = 2
-    payload = ""
-    if n >= 3:
-        n = 3
-        payload = fields[1]
-    return tp, payload, fields[n - 1], _trim_all(fields[n:])
-
-
-def _split_set_line(line: str) -> tuple[str, str, list[str]]:
-    """``(type, payload, params)`` as a classical rule set splits a line (``ruleParse``)."""
-    items = line.split(",")
-    if len(items) == 1:
-        return "", items[0], []
-    if len(items) == 2:
-        return items[0], items[1], []
-    if items[0] in _SPLIT_TYPES:
-        return items[0], ",".join(items[1:]), []
-    return items[0], items[1], items[2:]
+def _split(line: str, *, need_target: bool) -> tuple[str, str, str, list[str]]:
+    """``(type, payload, target, params)`` as mihomo's ``ParseRulePayload`` splits it."""
+    items = [item.strip(" ") for item in line.split(",")]
+    tp = items[0].upper()
+    payload = target = ""
+    params: list[str] = []
+    if len(items) > 1:
+        if tp == "MATCH":
+            target = items[1]
+        elif tp in _SPLIT_TYPES:
+            if need_target:
+                target = items[-1]
+                items = items[:-1]
+            payload = ",".join(items[1:])
+        else:
+            payload = items[1]
+            if need_target:
+                if len(items) > 2:
+                    target = items[2]
+                params = items[3:]
+            else:
+                params = items[2:]
+    return tp, payload, target, params
 
 
 def parse_rule_line(
@@ -669,23 +650,16 @@ def parse_rule_line(
     """Read one Clash rule line (see the module).
 
     ``with_target``: a ``rules:`` line (``TYPE,payload,target[,params]``); False: a
-    line without target. ``in_rule_set`` (default: ``not with_target``): read it as a
-    classical rule set does (type as written, ``MATCH``/``RULE-SET``/``SUB-RULE``
-    refused). ``context`` maps inbound-dependent types; without it they are
-    :class:`Unsupported`.
+    line without target. ``in_rule_set`` (default: ``not with_target``): a classical
+    rule set's line (``MATCH``/``RULE-SET``/``SUB-RULE`` refused). ``context`` maps
+    inbound-dependent types; without it they are :class:`Unsupported`.
     """
     if in_rule_set is None:
         in_rule_set = not with_target
-    target: str | None = None
+    tp, payload, target, params = _split(line, need_target=with_target)
     try:
-        if with_target:
-            tp, payload, target, params = _split_rules_line(line)
-        else:
-            tp, payload, params = _split_set_line(line.strip() if in_rule_set else line)
-            if not in_rule_set:
-                tp = tp.strip().upper()
-                payload = payload.strip()
-                params = _trim_all(params)
+        if with_target and target == "":
+            raise _Refused(tp, "format invalid: no target (mihomo refuses it too)")
         if in_rule_set and tp in ("MATCH", "RULE-SET", "SUB-RULE"):
             raise _Refused(
                 tp, f"unsupported rule type on classical rule-set: {tp} (mihomo refuses it too)"
@@ -693,10 +667,10 @@ def parse_rule_line(
         notes: list[str] = []
         rule = _one(tp, payload, params, context, notes)
     except _Refused as ex:
-        return Unsupported(ex.type, ex.reason, line, target)
+        return Unsupported(ex.type, ex.reason, line, target or None)
     if not rule and tp != "MATCH":
-        return Unsupported(tp, "no condition", line, target)
-    return ParsedRule(tp, rule, target, line, tuple(dict.fromkeys(notes)))
+        return Unsupported(tp, "no condition", line, target or None)
+    return ParsedRule(tp, rule, target or None, line, tuple(dict.fromkeys(notes)))
 
 
 def single_item(parsed: ParsedRule) -> tuple[str, str, bool] | None:

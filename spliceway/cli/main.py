@@ -11,7 +11,8 @@ included; exit 0, or 1 with one line per problem, or one JSON object with ``code
 holds it, asks that engine over IPC), ``connector dead-letters [--json] FILE`` (the
 outbox read while the engine is stopped; exit 1 with the error code when it cannot)
 and ``build-info [--json]``; ``status``, ``flows``, ``policies``, ``select``, ``mode``,
-``reload`` and ``events`` talk to a running engine over its IPC socket (``--ipc PATH``,
+``reload``, ``providers [update [NAME]]`` and ``events`` talk to a running engine over its
+IPC socket (``--ipc PATH``,
 ``$SPLICEWAY_IPC``, else the default; exit 1 with ``spliceway: <code>: <message>``
 when the engine refuses, is not there or breaks the connection). Every subcommand
 but ``events`` (JSON lines) prints a table by default and JSON with ``--json``. Exit status 2
@@ -61,9 +62,9 @@ exit status: 0 success; 1 validate or a connector command found problems, or a
              130 interrupted (SIGINT; run stops cleanly with 0 instead); 141 the
              reader of standard output went away (| head)
 output:      a table by default, JSON with --json (events: JSON lines)
-remote:      status, flows, policies, select, mode, reload and events talk to a running
-             engine over its IPC socket (docs/ipc.md); connector state too, while an
-             engine holds the outbox
+remote:      status, flows, policies, select, mode, reload, providers and events talk
+             to a running engine over its IPC socket (docs/ipc.md); connector state
+             too, while an engine holds the outbox
 reference:   docs/running.md, docs/configuration.md and docs/ in the source
              distribution; spliceway config-schema prints the JSON Schema
 """
@@ -129,7 +130,18 @@ def _parser() -> argparse.ArgumentParser:
         "started without a file writes nothing. See docs/reload.md.",
     )
     reload.add_argument("file", help="the whole configuration to run (JSON or YAML)")
-    for remote in (validate, build_info, status, flows, policies, select, mode, reload):
+    providers = sub.add_parser(
+        "providers",
+        help="a running engine's providers (subscriptions, rule sets, geodata) and their "
+        "status; `providers update [NAME]` refreshes them now (providers.update)",
+    )
+    providers_what = providers.add_subparsers(dest="providers_command")
+    update = providers_what.add_parser(
+        "update", help="refresh every provider, or NAME, now and print each result"
+    )
+    update.add_argument("name", nargs="?", help="one provider (default: every one)")
+    remotes = (validate, build_info, status, flows, policies, select, mode, reload, providers)
+    for remote in (*remotes, update):
         remote.add_argument("--json", action="store_true", help="print JSON")
     events = sub.add_parser(
         "events", help="print a running engine's events, one JSON envelope per line"
@@ -554,6 +566,10 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return remote.cmd_mode(args.ipc, args.json, args.mode, args.outbound)
     if args.command == "reload":
         return remote.cmd_reload(args.ipc, args.json, args.file)
+    if args.command == "providers":
+        if args.providers_command == "update":
+            return remote.cmd_providers_update(args.ipc, args.json, args.name)
+        return remote.cmd_providers(args.ipc, args.json)
     types = [t for t in (args.types or "").split(",") if t] or None
     return remote.cmd_events(args.ipc, types)
 

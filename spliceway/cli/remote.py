@@ -157,6 +157,53 @@ def _reload(path: str) -> Callable[[IpcClient], tuple[Any, str]]:
     return run
 
 
+def _ago(now: int, at: int | None) -> str | None:
+    return None if at is None else f"{max(0, now - at) // 1000}s ago"
+
+
+def _in(now: int, at: int | None) -> str | None:
+    return None if at is None else f"in {max(0, at - now) // 1000}s"
+
+
+def _size(state: dict[str, Any]) -> str | None:
+    """What a provider holds: outbounds of a proxy provider (with the group members it
+    gives), entries of a rule set."""
+    if state["kind"] == "proxies" and state.get("outbounds") is not None:
+        return f"{state['outbounds']} outbounds, {len(state['members'])} members"
+    if state["kind"] == "rules" and state.get("rules") is not None:
+        return f"{state['rules']} rules"
+    return None
+
+
+def _providers(client: IpcClient) -> tuple[Any, str]:
+    result = client.query("providers")
+    now = _now_ms()
+    rows = [
+        (
+            s["name"],
+            s["kind"],
+            s["url"] or s["path"],
+            _ago(now, s["updated_at_unix_ms"]),
+            _in(now, s["next_update_at_unix_ms"]),
+            _size(s),
+            s.get("skipped"),
+            s["last_error"],
+        )
+        for s in result["providers"]
+    ]
+    headers = ("PROVIDER", "KIND", "SOURCE", "UPDATED", "NEXT", "HOLDS", "SKIPPED", "ERROR")
+    return result, table(headers, rows)
+
+
+def _providers_update(name: str | None) -> Callable[[IpcClient], tuple[Any, str]]:
+    def run(client: IpcClient) -> tuple[Any, str]:
+        result = client.command("providers.update", {"name": name} if name else {})
+        rows = [(r["name"], r["kind"], r["outcome"], r["error"]) for r in result["results"]]
+        return result, table(("PROVIDER", "KIND", "OUTCOME", "ERROR"), rows)
+
+    return run
+
+
 def _fail(ex: ApiError) -> int:
     where = f" ({ex.field_path})" if ex.field_path else ""
     print(f"spliceway: {ex.code}: {ex.message}{where}", file=sys.stderr)
@@ -166,9 +213,14 @@ def _fail(ex: ApiError) -> int:
     return EXIT_FAILED
 
 
-def _once(ipc: str | None, as_json: bool, fn: Callable[[IpcClient], tuple[Any, str]]) -> int:
+def _once(
+    ipc: str | None,
+    as_json: bool,
+    fn: Callable[[IpcClient], tuple[Any, str]],
+    timeout: float | None = 30.0,
+) -> int:
     try:
-        with IpcClient(socket_path(ipc)) as client:
+        with IpcClient(socket_path(ipc), timeout=timeout) as client:
             result, text = fn(client)
     except ApiError as ex:
         return _fail(ex)
@@ -212,6 +264,17 @@ def cmd_reload(ipc: str | None, as_json: bool, path: str) -> int:
     """``spliceway reload FILE``: config.apply of FILE's document (the engine validates it,
     saves it to its own source file and reconciles)."""
     return _once(ipc, as_json, _reload(path))
+
+
+def cmd_providers(ipc: str | None, as_json: bool) -> int:
+    """``spliceway providers``: every provider's source, age, schedule, size and error."""
+    return _once(ipc, as_json, _providers)
+
+
+def cmd_providers_update(ipc: str | None, as_json: bool, name: str | None) -> int:
+    """``spliceway providers update [NAME]``: providers.update, waiting for its results
+    (downloads have deadlines of their own; the engine answers within 150 s)."""
+    return _once(ipc, as_json, _providers_update(name), timeout=180.0)
 
 
 def cmd_events(ipc: str | None, types: list[str] | None) -> int:

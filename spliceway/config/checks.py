@@ -71,6 +71,7 @@ class _Checker:
         self.check_target_tags()
         self.check_outbounds()
         self.check_groups()
+        self.check_providers()
         self.check_rules()
         self.check_mode_and_route()
         self.check_runtime()
@@ -152,9 +153,16 @@ class _Checker:
     def check_groups(self) -> None:
         edges: dict[str, list[tuple[str, str]]] = {}
         for i, g in _items(self.doc, "outbound_groups"):
-            members = g.get("outbounds")
+            members = g.get("outbounds", ())
             if not isinstance(members, list | tuple):
                 continue  # the schema reports it
+            has_providers = self.check_group_providers(g, i)
+            if not members and not has_providers:
+                self.add(
+                    "a group needs members: `outbounds`, or `providers` whose outbounds "
+                    "become its members",
+                    f"outbound_groups[{i}].outbounds",
+                )
             seen: set[str] = set()
             for member, path in _string_items(members, f"outbound_groups[{i}].outbounds"):
                 if member in seen:
@@ -164,7 +172,15 @@ class _Checker:
             if g.get("kind") == "relay":
                 self.check_relay_hops(members, f"outbound_groups[{i}].outbounds")
             default = _str(g.get("default"))
-            if g.get("kind") == "selector" and default is not None and default not in seen:
+            # With providers the default may name a provider's outbound: known only once
+            # the provider's content is read (a default that is not there selects the
+            # first member).
+            if (
+                g.get("kind") == "selector"
+                and default is not None
+                and default not in seen
+                and not has_providers
+            ):
                 self.add(
                     f"{default!r} is not one of this selector's outbounds",
                     f"outbound_groups[{i}].default",
@@ -177,6 +193,29 @@ class _Checker:
                     if isinstance(m, str) and m in self.group_index
                 ]
         self.check_cycles(edges)
+
+    def check_group_providers(self, group: Mapping[str, Any], index: int) -> bool:
+        """A group's ``providers`` name proxy providers, each once; True when it has any."""
+        names = group.get("providers", ())
+        if not isinstance(names, list | tuple):
+            return False  # the schema reports it
+        known = _sub(_sub(self.doc, "providers"), "proxies")
+        seen: set[str] = set()
+        for name, path in _string_items(names, f"outbound_groups[{index}].providers"):
+            if name in seen:
+                self.add(f"provider {name!r} is listed twice", path)
+            elif name not in known:
+                self.add(f"unknown proxy provider {name!r} (not in providers.proxies)", path)
+            seen.add(name)
+        return bool(names)
+
+    def check_providers(self) -> None:
+        """Every provider's ``via`` names an outbound or a group."""
+        providers = _sub(self.doc, "providers")
+        for kind in ("proxies", "rules"):
+            for name, spec in _sub(providers, kind).items():
+                if isinstance(spec, Mapping):
+                    self.ref(spec.get("via"), f"providers.{kind}.{name}.via")
 
     def check_relay_hops(self, members: list[Any] | tuple[Any, ...], path: str) -> None:
         """Relay hops are proxy outbounds; a shadowsocks hop can only be the last."""

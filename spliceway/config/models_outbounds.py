@@ -115,7 +115,11 @@ AnyOutbound = DirectOutbound | BlockOutbound | Socks5Outbound | HttpOutbound | S
 Outbound = Annotated[AnyOutbound, Field(discriminator="protocol")]
 
 
-Members = Annotated[tuple[Tag, ...], Field(min_length=1)]
+#: Inline members of a group; may be empty when the group lists ``providers`` (a cross-check
+#: says so when it has neither).
+Members = tuple[Tag, ...]
+#: Proxy providers whose outbounds a group takes as members, after its inline ones.
+ProviderMembers = tuple[Tag, ...]
 
 
 class SelectorGroup(_Model):
@@ -127,11 +131,19 @@ class SelectorGroup(_Model):
     """Name of this group, unique among outbounds and groups."""
     kind: Literal["selector"]
     """`selector`: flows take the member chosen by hand (command `policies.select`)."""
-    outbounds: Members
-    """Members: outbound or group tags, each at most once."""
-    default: Tag
-    """Member selected at start; defaults to the first member. A selection made with
-    `policies.select` lasts until the engine stops.
+    outbounds: Members = ()
+    """Members: outbound or group tags, each at most once (may be empty when `providers`
+    gives members)."""
+    providers: ProviderMembers = ()
+    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
+    the inline `outbounds`, provider by provider in this order (each filtered by its
+    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
+    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
+    fails with code `no_member`."""
+    default: Tag | None = None
+    """Member selected at start; defaults to the first member (a provider's outbound, by
+    its tag, when the group has providers). A selection made with `policies.select` lasts
+    while the member exists (also across a provider's refresh) until the engine stops.
     """
 
     @model_validator(mode="before")
@@ -147,8 +159,14 @@ class UrlTestGroup(_Model):
     """Name of this group, unique among outbounds and groups."""
     kind: Literal["url_test"]
     """`url_test`: flows take the healthy member with the lowest probe latency."""
-    outbounds: Members
+    outbounds: Members = ()
     """Members: outbound or group tags, each at most once, probed in every round."""
+    providers: ProviderMembers = ()
+    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
+    the inline `outbounds`, provider by provider in this order (each filtered by its
+    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
+    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
+    fails with code `no_member`."""
     url: ProbeUrl | None = None
     """Plain `http://` URL probed with `HEAD` through each member. `null` uses
     `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
@@ -170,8 +188,14 @@ class FallbackGroup(_Model):
     """Name of this group, unique among outbounds and groups."""
     kind: Literal["fallback"]
     """`fallback`: flows take the first healthy member in list order."""
-    outbounds: Members
+    outbounds: Members = ()
     """Members in order of preference: outbound or group tags, each at most once."""
+    providers: ProviderMembers = ()
+    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
+    the inline `outbounds`, provider by provider in this order (each filtered by its
+    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
+    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
+    fails with code `no_member`."""
     url: ProbeUrl | None = None
     """Plain `http://` URL probed with `HEAD` through each member. `null` uses
     `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
@@ -189,10 +213,16 @@ class RelayGroup(_Model):
     """Name of this group, unique among outbounds and groups."""
     kind: Literal["relay"]
     """`relay`: a chain; each flow is dialled through every member in turn."""
-    outbounds: Members
+    outbounds: Members = ()
     """Hops in dialling order: `socks5`, `http` or `shadowsocks` outbounds (not groups); a
     `shadowsocks` hop can only be the last.
     """
+    providers: ProviderMembers = ()
+    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
+    the inline `outbounds`, provider by provider in this order (each filtered by its
+    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
+    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
+    fails with code `no_member`."""
 
 
 class LoadBalanceGroup(_Model):
@@ -204,8 +234,14 @@ class LoadBalanceGroup(_Model):
     """`load_balance`: flows are spread over the healthy members (over all members when none is
     healthy).
     """
-    outbounds: Members
+    outbounds: Members = ()
     """Members: outbound or group tags, each at most once."""
+    providers: ProviderMembers = ()
+    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
+    the inline `outbounds`, provider by provider in this order (each filtered by its
+    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
+    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
+    fails with code `no_member`."""
     strategy: Literal["round_robin", "consistent_hashing", "sticky_sessions"] = "round_robin"
     """How a member is picked: `round_robin` (in turn), `consistent_hashing` (by target host:
     one host keeps its member) or `sticky_sessions` (by source IP: one client keeps its

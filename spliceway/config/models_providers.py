@@ -40,8 +40,9 @@ class ProviderHealthCheck(_Model):
     """``health_check``: probing a proxy provider's outbounds outside any group."""
 
     enabled: SBool = False
-    """Probe every outbound of the provider on `interval_seconds`; the results feed the
-    groups that use the provider as they feed their own probes."""
+    """Probe every outbound of the provider every `interval_seconds`: each result is the
+    outbound's latest health (the policy views' `member_health`, the Clash API's
+    history); the groups' selection follows their own probe rounds."""
     url: ProbeUrl | None = None
     """URL probed through each outbound. `null` uses `runtime.latency_test_url`, else
     `http://www.gstatic.com/generate_204`."""

@@ -23,7 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from spliceway import config as config_module
 from spliceway import dns
 from spliceway.control import diagnostics
-from spliceway.control.messages import CloseFlow, ProbeNow, SelectMember, UnfixMember
+from spliceway.control.messages import (
+    CloseFlow,
+    ProbeNow,
+    SelectMember,
+    UnfixMember,
+    UpdateProviders,
+)
 from spliceway.errors import ApiError, invalid_argument, not_found
 from spliceway.routing import hostnorm, policy
 from spliceway.routing import rules as routing
@@ -99,6 +105,18 @@ class TraceRouteParams(_Params):
     inbound_tag: str | None = None
     """Route as if the flow arrived on this inbound; null: on none, so rules naming an
     inbound do not match."""
+
+
+class ProvidersUpdateParams(_Params):
+    """``providers.update``."""
+
+    name: str | None = Field(default=None, min_length=1)
+    """A provider's name (under `providers.proxies` or `providers.rules`; `geoip` or
+    `geosite` for the files of `runtime.geodata`); null: every provider, and the geodata
+    files that have a URL."""
+    kind: Literal["proxies", "rules", "geodata"] | None = None
+    """Only the provider of this kind (a proxy and a rule provider may share a name);
+    null: any kind."""
 
 
 class PolicySelectParams(_Params):
@@ -422,6 +440,33 @@ def _dns_query(core: EngineCore, p: DnsQueryParams) -> dict[str, Any]:
     return dns.dns_query_result(core.resolver, p.name, p.type)
 
 
+#: How long ``providers.update`` waits for its round (downloads run at once, each within
+#: its own deadline; then the checks and one reload).
+_PROVIDERS_TIMEOUT = 150.0
+
+
+def _providers_update(core: EngineCore, p: ProvidersUpdateParams) -> dict[str, Any]:
+    kinds = (p.kind,) if p.kind is not None else ("proxies", "rules", "geodata")
+    known = [s for s in core.providers.states() if s.kind in kinds]
+    if p.name is not None and not any(s.name == p.name for s in known):
+        what = f"{p.kind} provider" if p.kind else "provider"
+        raise not_found(f"no {what} is named {p.name!r}")
+    refresher = core.provider_refresher
+    if refresher is None:
+        raise ApiError("conflict", "the engine is not running (it is stopping)")
+    try:
+        results = refresher.ask(UpdateProviders(p.name, kinds), timeout=_PROVIDERS_TIMEOUT)
+    except pykka.ActorDeadError as ex:
+        raise ApiError("conflict", "the engine is stopping") from ex
+    except pykka.Timeout as ex:
+        raise ApiError(
+            "internal",
+            f"the refresh did not end within {_PROVIDERS_TIMEOUT:g} s; it goes on, and "
+            "its events say how it ends",
+        ) from ex
+    return {"results": results}
+
+
 def _dns_cache_flush(core: EngineCore, p: NoParams) -> dict[str, Any]:
     flushed = core.resolver.cache_flush()
     # C's connection path keeps copies of the resolver's answers (EngineCore.dns_answer):
@@ -737,6 +782,26 @@ COMMANDS: dict[str, Command] = {
             summary="Empty the resolver's answer cache (and the C connection path's copy); "
             "`flushed` is the number of entries removed. Fake-ip mappings stay "
             "(`fakeip.clear`).",
+        ),
+        Command(
+            "providers.update",
+            "config",
+            ProvidersUpdateParams,
+            _providers_update,
+            summary="Refresh providers now and wait for the result: fetch each URL provider "
+            "(through its `via`), re-read each `path` provider, and with no `name` also "
+            "download the `runtime.geodata` files that have a URL. Good new content is "
+            "cached and applied as a live reload (`config.changed` with trigger `provider`, "
+            "then `provider.updated`); a failure keeps the last good copy (`provider.failed`). "
+            "One result per provider: `outcome` `updated`, `unchanged` or `failed`.",
+            errors=(
+                ("not_found", "No provider (of `params.kind`) is named `params.name`."),
+                (
+                    "internal",
+                    "The refresh did not end within 150 s (it goes on; its events tell).",
+                ),
+            ),
+            example={"name": "subscription"},
         ),
         Command(
             "log.set_level",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["CloseFlow", "ProbeNow", "SelectMember", "UnfixMember"]
+__all__ = ["CloseFlow", "ProbeNow", "SelectMember", "UnfixMember", "UpdateProviders"]
 
 
 class CloseFlow(NamedTuple):
@@ -34,3 +34,11 @@ class ProbeNow(NamedTuple):
     """Start a probe round unless one is running; answers whether it started."""
 
     trigger: str
+
+
+class UpdateProviders(NamedTuple):
+    """``providers.update``: refresh now the providers named ``name`` of ``kinds`` (every
+    provider and the geodata when ``name`` is None); answers one result per provider."""
+
+    name: str | None = None
+    kinds: tuple[str, ...] = ("proxies", "rules", "geodata")

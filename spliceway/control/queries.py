@@ -29,11 +29,15 @@ from spliceway.control.commands import PERMISSIONS
 from spliceway.errors import invalid_argument, not_found
 from spliceway.events.log import normalize_types, parse_types
 from spliceway.events.logring import LEVELS, LOGS_LIMIT_MAX
+from spliceway.providers.subscription import origin_of
+from spliceway.routing import policy
 from spliceway.routing.policy import POLICY_KINDS
 from spliceway.support import fdlimit
 
 if TYPE_CHECKING:
     from spliceway.engine.core import EngineCore
+    from spliceway.engine.generation import Generation
+    from spliceway.engine.providers import ProviderState
 
 FLOWS_LIMIT_DEFAULT = 100
 FLOWS_LIMIT_MAX = 10000
@@ -157,7 +161,13 @@ def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
         for a in g.active_inbounds
     ]
     outbounds = [
-        {"tag": ob.tag, "protocol": ob.protocol, "server": ob.server, "port": ob.port}
+        {
+            "tag": ob.tag,
+            "protocol": ob.protocol,
+            "server": ob.server,
+            "port": ob.port,
+            "provider": g.origins.get(ob.tag),
+        }
         for ob in g.outbounds.values()
         if ob.tag not in table  # a relay group's outbound is a group
     ]
@@ -181,7 +191,7 @@ def _config(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
         "final": route.final,
         "listeners": listeners,
         "outbounds": outbounds,
-        "outbound_groups": [table.snapshot(v.tag) for v in table.views()],
+        "outbound_groups": [_group_snapshot(g, v.tag) for v in table.views()],
     }
 
 
@@ -220,17 +230,114 @@ def _tun_status(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
     return core.tun.status()
 
 
+def _group_snapshot(g: Generation, tag: str) -> dict[str, Any]:
+    """A group's snapshot with where its members come from: the group's ``providers``, and
+    each ``member_health`` item's ``provider`` (null for a member of its own)."""
+    snap = g.policies.snapshot(tag)
+    group = g.config.find_group(tag)
+    snap["providers"] = list(group.providers) if group is not None else []
+    for item in snap["member_health"]:
+        item["provider"] = g.origins.get(item["member_tag"])
+    return snap
+
+
 def _policies(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
-    table = core.policies
-    return {"policies": [table.snapshot(v.tag) for v in table.views() if v.kind in POLICY_KINDS]}
+    g = core.generation
+    table = g.policies
+    return {
+        "policies": [_group_snapshot(g, v.tag) for v in table.views() if v.kind in POLICY_KINDS]
+    }
 
 
 def _policy(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
+    g = core.generation
     tag = params.get("policy_tag")
-    view = core.policies.get(tag) if isinstance(tag, str) else None
+    view = g.policies.get(tag) if isinstance(tag, str) else None
     if view is None or view.kind not in POLICY_KINDS:
         raise not_found(f"policy {tag!r} does not exist")
-    return core.policies.snapshot(view.tag)
+    return _group_snapshot(g, view.tag)
+
+
+#: Most skipped proxies a provider's status lists (the count is exact).
+SKIPPED_LISTED = 100
+
+
+def _health_check(core: EngineCore, name: str) -> dict[str, Any] | None:
+    """A proxy provider's ``health_check``, its URL resolved as a group's is."""
+    spec = core.source_config.providers.proxies.get(name)
+    if spec is None:
+        return None
+    check = spec.health_check
+    return {
+        "enabled": check.enabled,
+        "url": policy.probe_url_for(check.url, core.config.runtime.latency_test_url),
+        "interval_seconds": check.interval_seconds,
+    }
+
+
+def _provider_status(core: EngineCore, state: ProviderState, g: Generation) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": state.name,
+        "kind": state.kind,
+        "source": state.source,
+        "url": origin_of(state.url),
+        "path": state.path,
+        "interval_seconds": state.interval_seconds,
+        "via": state.via,
+        "updated_at_unix_ms": state.updated_at_ms,
+        "checked_at_unix_ms": state.checked_at_ms,
+        "next_update_at_unix_ms": state.next_update_at_ms,
+        "updating": state.updating,
+        "last_error": state.last_error,
+        "last_error_at_unix_ms": state.last_error_at_ms,
+        "sha256": state.sha256,
+    }
+    if state.kind == "proxies":
+        content = state.content
+        report = g.provider_members.get(state.name)
+        skipped = list(content.skipped) if content is not None else []
+        info = state.userinfo
+        out.update(
+            {
+                "format": content.format if content is not None else state.format,
+                "outbounds": len(content.entries) if content is not None else None,
+                "members": list(report.tags) if report is not None else [],
+                "filtered_out": len(report.filtered_out) if report is not None else 0,
+                "renamed": [
+                    {"name": name, "tag": tag} for name, tag in (report.renamed if report else ())
+                ],
+                "skipped": len(skipped) if content is not None else None,
+                "skipped_proxies": [
+                    {"name": p.name, "type": p.type, "reason": p.reason}
+                    for p in skipped[:SKIPPED_LISTED]
+                ],
+                "subscription_info": info.to_dict() if info is not None else None,
+                "health_check": _health_check(core, state.name),
+            }
+        )
+    elif state.kind == "rules":
+        rules, skipped_rules = state.rule_count, state.rule_skipped
+        # What routing read from the file when it built the running tables (a path
+        # provider is not counted at start but there).
+        loaded = g.parts.rule_set_status.get(state.name)
+        if loaded is not None and loaded.error is None and rules is None:
+            rules, skipped_rules = loaded.count, loaded.skipped
+        if loaded is not None and loaded.error is not None and state.last_error is None:
+            out["last_error"] = loaded.error
+        out.update(
+            {
+                "format": state.format,
+                "behavior": state.behavior,
+                "rules": rules,
+                "skipped": skipped_rules,
+            }
+        )
+    return out
+
+
+def _providers(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
+    g = core.generation
+    return {"providers": [_provider_status(core, s, g) for s in core.providers.states()]}
 
 
 def _sinks(core: EngineCore, params: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +375,7 @@ QUERIES: dict[str, QuerySpec] = {
     "flow": QuerySpec(_flow, ("flow_id",)),
     "policies": QuerySpec(_policies),
     "policy": QuerySpec(_policy, ("policy_tag",)),
+    "providers": QuerySpec(_providers),
     "sinks": QuerySpec(_sinks),
     "tun_status": QuerySpec(_tun_status),
     "events": QuerySpec(_events, ("types", "since", "limit")),

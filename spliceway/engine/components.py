@@ -172,6 +172,11 @@ class ActorPort(Protocol):
         """Start the supervisor (listeners on ``sockets``, groups, the sampler)."""
         ...
 
+    def start_provider_refresher(self, wait_s: float) -> pykka.ActorRef[Any]:
+        """Start the providers' refresher and wait at most ``wait_s`` seconds for its first
+        round (the URL providers without a cached copy)."""
+        ...
+
     def start_flow(
         self,
         inbound: InboundSpec,

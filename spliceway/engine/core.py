@@ -38,6 +38,7 @@ from spliceway.dns.service import FAKEIP_WARNING, DnsService
 from spliceway.engine import assembly
 from spliceway.engine.components import ActorPort, BridgePort, LoopPort, TunPort, Wiring
 from spliceway.engine.generation import ActiveInbound, Generation, InboundSpec, build_generation
+from spliceway.engine.providers import Providers
 from spliceway.engine.reconcile import Plan, Reconciler
 from spliceway.engine.route_publish import RoutePublisher
 from spliceway.engine.runtime import Counters, FlowTable, RouteState
@@ -69,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 BUILD_ID = f"spliceway-{__version__}"
 _STOP_GRACE_S = 10.0
+#: How long start() waits for the first fetch of URL providers that have no cached copy.
+PROVIDER_START_WAIT_S = 3.0
 
 
 class EngineCore(TunWiring, StatsViews):
@@ -104,6 +107,15 @@ class EngineCore(TunWiring, StatsViews):
         self.routes = RoutePublisher(self)
         #: Serials of generations: one per build (and per ``mode.set``).
         self._serials = itertools.count(1)
+        #: Every provider's content and status; their cached copies are read here, so the
+        #: first generation routes through what they last had (module engine.providers).
+        self.providers = Providers()
+        #: The running configuration as written: its groups name providers, which the
+        #: generation's configuration has merged in (the reconciler applies it again when
+        #: a provider's content changes).
+        self.source_config = config
+        merged = self.providers.materialise(config)
+        config = merged.config
         #: What a reload replaces, whole (module spliceway.engine.generation). Readers
         #: take it once; it is written by :meth:`_publish_generation` alone.
         self.generation: Generation = build_generation(
@@ -112,6 +124,8 @@ class EngineCore(TunWiring, StatsViews):
             assembly.build_routing(config, on_answer=self.dns_answer),
             (),
             self.republish,
+            merged.origins,
+            merged.members,
         )
         #: Every listener slot's spec, also of listeners a reload stopped (their last
         #: flows' records still name the slot), until the slot is used again.
@@ -157,6 +171,8 @@ class EngineCore(TunWiring, StatsViews):
         #: The actors' factory of this start (made once the bridge exists).
         self._actors: ActorPort | None = None
         self.supervisor: pykka.ActorRef[Any] | None = None
+        #: The providers' refresher (actors.providers), from the end of start() on.
+        self.provider_refresher: pykka.ActorRef[Any] | None = None
         #: One PolicyGroupActor per group, started by the supervisor.
         self.group_actors: dict[str, pykka.ActorRef[Any]] = {}
         #: The flow hook's client (``api.flow_hook``), on the dispatcher loop; None without
@@ -263,6 +279,8 @@ class EngineCore(TunWiring, StatsViews):
             plan.parts,
             tuple(ActiveInbound(spec, bound) for spec, bound in plan.listeners.active),
             self.republish,
+            plan.origins,
+            plan.provider_members,
         )
         if new.api.flow_hook != previous.config.api.flow_hook:
             # Before the publish below: the table defers the new hook's inbounds.
@@ -372,6 +390,8 @@ class EngineCore(TunWiring, StatsViews):
             self._abort_start(sockets, bridge)
             raise
         self.running = True
+        # Once running: a first fetch applies its content as a reload does.
+        self.provider_refresher = self._actors.start_provider_refresher(PROVIDER_START_WAIT_S)
 
     def stop(self, reason: str | None = None) -> None:
         """Stop accepting, complete every open flow, emit engine.stopped, join threads."""
@@ -381,6 +401,12 @@ class EngineCore(TunWiring, StatsViews):
                 return
             self.running = False
         assert self.supervisor is not None
+        # Downloads in flight end now (they run on the dispatcher, which stops below).
+        self.providers.close()
+        if self.provider_refresher is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                self.provider_refresher.stop(timeout=_STOP_GRACE_S)
+            self.provider_refresher = None
         self._stop_tun()
         with contextlib.suppress(pykka.ActorDeadError):
             self.supervisor.proxy().stop_listeners().get(timeout=_STOP_GRACE_S)

@@ -18,8 +18,8 @@ own object: the policy table's group views, which group actors republish one by 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from spliceway.flows.inbound import Users
@@ -91,6 +91,12 @@ class Generation:
     tcp_idle_timeout_ms: int
     #: Listening inbounds in config order.
     active_inbounds: tuple[ActiveInbound, ...]
+    #: The proxy provider each outbound merged from one came from, by tag (the others
+    #: are the configuration's own).
+    origins: Mapping[str, str] = field(default_factory=dict)
+    #: What each proxy provider gave the configuration (``providers.materialise``'s
+    #: ``ProviderMembers``), by name.
+    provider_members: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def resolver(self) -> Resolver:
@@ -118,11 +124,14 @@ def build_generation(
     parts: RoutingParts,
     active_inbounds: tuple[ActiveInbound, ...],
     on_publish: Callable[[], None] | None,
+    origins: Mapping[str, str] | None = None,
+    provider_members: Mapping[str, Any] | None = None,
 ) -> Generation:
     """The generation of ``config`` built from its routing ``parts``: the one way to make one.
 
     ``on_publish`` is the policy table's publish callback (the engine recompiles the C
-    route table after every group change).
+    route table after every group change). ``origins``: the proxy provider of each
+    outbound merged from one; ``provider_members``: what each proxy provider gave.
     """
     return Generation(
         serial=serial,
@@ -132,4 +141,6 @@ def build_generation(
         route_state=parts.route_state,
         tcp_idle_timeout_ms=int(config.runtime.tcp_idle_timeout_seconds * 1000),
         active_inbounds=active_inbounds,
+        origins=origins or {},
+        provider_members=provider_members or {},
     )

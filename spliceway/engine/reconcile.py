@@ -40,7 +40,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +110,10 @@ class Plan:
     changed: list[str]
     #: The new ``runtime.dns`` (pool, DNS server sockets) when it changed.
     dns: DnsPlan | None = None
+    #: The proxy provider each outbound merged from one came from, by tag.
+    origins: Mapping[str, str] = field(default_factory=dict)
+    #: What each proxy provider gave the configuration, by name.
+    provider_members: Mapping[str, Any] = field(default_factory=dict)
 
     def discard(self) -> None:
         """Close and drop what was prepared (the apply did not go through)."""
@@ -161,6 +165,8 @@ class Reconciler:
         self._next_slot = 0
         #: Called with the runtime section after an apply that changed it.
         self._on_runtime_changed = on_runtime_changed
+        #: The last apply's ``persistence`` (a provider's refresh reports it again).
+        self._persistence = "source_file"
 
     def apply(self, document: Any, *, persist: bool, trigger: str) -> dict[str, Any]:
         """Apply ``document`` (a whole configuration); ``persist`` writes the source file.
@@ -169,76 +175,123 @@ class Reconciler:
         once everything is reconciled; raises ApiError, with nothing changed, otherwise.
         """
         core = self._core
-        new = parse_config(document) if not isinstance(document, Config) else document
+        source = parse_config(document) if not isinstance(document, Config) else document
         with core.apply_lock:
             if not core.running:
                 raise ApiError("conflict", "the engine is not running (it is stopping)")
-            old = core.generation.config
-            # An unset api.ipc.enabled means what it meant when this engine started.
-            new = resolve_ipc(new, bool(old.api.ipc.enabled))
-            check_fixed(old, new, core.connector.store is not None)
-            check_environment(new)
-            plan = self._prepare_or_refuse(old, new)
-            staged: StagedFile | None = None
-            try:
-                if trigger == "sighup":  # the file itself is what is applied
-                    persistence = "source_file"
-                else:
-                    persistence, staged = self._stage(document, persist)
-            except BaseException:
-                plan.discard()
-                raise
-            try:
-                self._install_with_tun(plan, old.runtime.tun, new.runtime.tun)
-            except BaseException as ex:
-                file = ""
-                if staged is not None:
-                    staged.discard()
-                    file = f" and {staged.path} is unchanged"
-                if isinstance(ex, Unconfirmed):
-                    raise ApiError(
-                        "internal",
-                        f"{ex.message}: it may still be installed, or not (query the config "
-                        f"and the listeners to see which); the event sinks are the previous "
-                        f"ones{file}",
-                    ) from ex
-                if isinstance(ex, ApiError):
-                    raise ApiError(
-                        "internal",
-                        f"{ex.message}; rolled back: the previous configuration is running{file}",
-                        field_path=ex.field_path,
-                    ) from ex
+            result = self._apply_locked(source, document, persist=persist, trigger=trigger)
+        self._runtime_changed(result)
+        return result
+
+    def refresh(self, *, force: bool, trigger: str = "provider") -> dict[str, Any] | None:
+        """Apply the running configuration again with the providers' current content (a
+        provider's refresh): nothing when the merged configuration is the running one,
+        unless ``force`` (a rule set or a geodata file changed under the same
+        configuration). Never writes the source file; raises ApiError as ``apply``."""
+        core = self._core
+        with core.apply_lock:
+            if not core.running:
+                raise ApiError("conflict", "the engine is not running (it is stopping)")
+            source = core.source_config
+            if not force and core.providers.materialise(source).config == core.generation.config:
+                return None
+            result = self._apply_locked(source, None, persist=False, trigger=trigger, force=force)
+        self._runtime_changed(result)
+        return result
+
+    def _runtime_changed(self, result: dict[str, Any]) -> None:
+        """Outside the apply lock: tell the host an apply changed ``runtime``."""
+        if self._on_runtime_changed is not None and "runtime" in result["changed_components"]:
+            with contextlib.suppress(Exception):
+                self._on_runtime_changed(self._core.generation.config.runtime)
+
+    def _apply_locked(
+        self,
+        source: Config,
+        document: Any,
+        *,
+        persist: bool,
+        trigger: str,
+        force: bool = False,
+    ) -> dict[str, Any]:
+        """``apply``'s transaction, under the apply lock: ``source`` is the configuration as
+        written (``document`` its text for the source file, None for a refresh), merged
+        here with the providers' current content."""
+        core = self._core
+        old = core.generation.config
+        # An unset api.ipc.enabled means what it meant when this engine started.
+        source = resolve_ipc(source, bool(old.api.ipc.enabled))
+        # Under the lock, with the content of now: a refresh that finished meanwhile is
+        # in it, and one still running applies again after this one.
+        merged = core.providers.materialise(source)
+        new = merged.config
+        check_fixed(old, new, core.connector.store is not None)
+        check_environment(new)
+        plan = self._prepare_or_refuse(old, new)
+        plan.origins, plan.provider_members = merged.origins, merged.members
+        if force and "routing" not in plan.changed:
+            plan.changed.append("routing")  # a rule set or geodata file was replaced
+        staged: StagedFile | None = None
+        try:
+            if trigger == "sighup":  # the file itself is what is applied
+                persistence = "source_file"
+            elif document is None:
+                # A refresh: the document is the running one, the file as it was.
+                persistence = self._persistence
+            else:
+                persistence, staged = self._stage(document, persist)
+        except BaseException:
+            plan.discard()
+            raise
+        try:
+            self._install_with_tun(plan, old.runtime.tun, new.runtime.tun)
+        except BaseException as ex:
+            file = ""
+            if staged is not None:
+                staged.discard()
+                file = f" and {staged.path} is unchanged"
+            if isinstance(ex, Unconfirmed):
                 raise ApiError(
                     "internal",
-                    f"applying the configuration failed ({ex!r}); rolled back: the previous "
-                    f"configuration is running{file}",
+                    f"{ex.message}: it may still be installed, or not (query the config "
+                    f"and the listeners to see which); the event sinks are the previous "
+                    f"ones{file}",
                 ) from ex
-            if staged is not None:
-                # Only now, with the new configuration running: a crash before this line
-                # leaves the previous file, after it the new one, never a torn one and
-                # never one that did not apply.
-                try:
-                    staged.commit()
-                except OSError as ex:
-                    outcome = self._revert(new, old)
-                    raise ApiError(
-                        "internal",
-                        f"cannot write {ex.filename or staged.path}: {ex.strerror or ex}; "
-                        f"{outcome}",
-                    ) from ex
-            # Under the lock: config.changed events are in the order of the applies.
-            core.log.emit(
-                "config.changed",
-                {
-                    "changed_at_unix_ms": now_ms(),
-                    "trigger": trigger,
-                    "persistence": persistence,
-                    "changed_components": plan.changed,
-                },
-            )
-        if self._on_runtime_changed is not None and "runtime" in plan.changed:
-            with contextlib.suppress(Exception):
-                self._on_runtime_changed(new.runtime)
+            if isinstance(ex, ApiError):
+                raise ApiError(
+                    "internal",
+                    f"{ex.message}; rolled back: the previous configuration is running{file}",
+                    field_path=ex.field_path,
+                ) from ex
+            raise ApiError(
+                "internal",
+                f"applying the configuration failed ({ex!r}); rolled back: the previous "
+                f"configuration is running{file}",
+            ) from ex
+        if staged is not None:
+            # Only now, with the new configuration running: a crash before this line
+            # leaves the previous file, after it the new one, never a torn one and
+            # never one that did not apply.
+            try:
+                staged.commit()
+            except OSError as ex:
+                outcome = self._revert(new, old)
+                raise ApiError(
+                    "internal",
+                    f"cannot write {ex.filename or staged.path}: {ex.strerror or ex}; {outcome}",
+                ) from ex
+        core.source_config = source
+        self._persistence = persistence
+        # Under the lock: config.changed events are in the order of the applies.
+        core.log.emit(
+            "config.changed",
+            {
+                "changed_at_unix_ms": now_ms(),
+                "trigger": trigger,
+                "persistence": persistence,
+                "changed_components": plan.changed,
+            },
+        )
         return {
             "applied": True,
             "persistence": persistence,

@@ -117,6 +117,8 @@ FAILURE_STAGES: dict[str, str] = {
     "relay": "After the relay started: the upstream connection broke.",
     "internal": "An unexpected error inside the engine.",
     "hook": "The flow hook (`api.flow_hook`), asked before routing.",
+    "route": "Routing: the flow's group has no member (`no_member`), or its outbound does "
+    "not relay UDP (`udp_unsupported`).",
 }
 
 #: ``result.failure.code`` values.
@@ -138,6 +140,11 @@ FAILURE_CODES: dict[str, str] = {
     "engine_crashed": "The engine was killed or crashed while the flow was open; it was "
     "completed at the next start (outcome `engine_crashed`).",
     "hook_denied": "The flow hook denied the flow (outcome `blocked`; its route stays `pending`).",
+    "no_member": "The flow was routed to a group with no member: every member comes from proxy "
+    "providers that have given it none yet (never fetched, offline, empty or filtered out). "
+    "The flow fails rather than going anywhere else; SOCKS5 clients get reply 1, HTTP "
+    "clients status 503.",
+    "udp_unsupported": "The UDP flow's outbound does not relay UDP in this build.",
 }
 
 #: Codes of ``engine.warning`` this build emits.
@@ -237,6 +244,25 @@ _COMPLETED: tuple[PayloadField, ...] = (
 
 _STATS: tuple[PayloadField, ...] = _rows(Stats)
 
+#: The fields of both provider events that say which provider and why it was refreshed.
+_PROVIDER: tuple[PayloadField, ...] = (
+    _f("name", "string", "The provider's name (`geoip` or `geosite` for geodata)."),
+    _f("kind", "string", "`proxies`, `rules` or `geodata`."),
+    _f("source", "string", "`url` (fetched) or `path` (read from its file)."),
+    _f(
+        "url",
+        "string or null",
+        "`scheme://host[:port]` of the URL (the rest may hold a secret token); `null` for "
+        "a `path` provider.",
+    ),
+    _f(
+        "trigger",
+        "string",
+        "`startup` (fetched at start: no cached copy), `scheduled` (its interval) or "
+        "`manual` (`providers.update`).",
+    ),
+)
+
 _EVENTS: tuple[EventType, ...] = (
     EventType(
         "engine.started",
@@ -281,7 +307,8 @@ _EVENTS: tuple[EventType, ...] = (
         "config.changed",
         "A new configuration is running: `config.apply`, `config.apply_runtime` or a SIGHUP "
         "reload completed, with listeners, outbounds, groups, rules, DNS and sinks "
-        "reconciled. A failed apply (rolled back) emits nothing.",
+        "reconciled, or a provider's new content was applied the same way. A failed apply "
+        "(rolled back) emits nothing.",
         "Once per successful apply.",
         True,
         (
@@ -289,13 +316,17 @@ _EVENTS: tuple[EventType, ...] = (
             _f(
                 "trigger",
                 "string",
-                "What applied it: `config.apply`, `config.apply_runtime` or `sighup`.",
+                "What applied it: `config.apply`, `config.apply_runtime`, `sighup`, or "
+                "`provider` (a proxy provider's outbounds, a rule set or a geodata file "
+                "changed: the same document applied again with the new content, followed "
+                "by `provider.updated`).",
             ),
             _f(
                 "persistence",
                 "string",
                 "`source_file` (the running configuration is the file's) or `runtime_only` "
-                "(the file differs; a restart goes back to it).",
+                "(the file differs; a restart goes back to it). A `provider` apply repeats "
+                "the previous apply's value (the document did not change).",
             ),
             _f(
                 "changed_components",
@@ -422,6 +453,61 @@ _EVENTS: tuple[EventType, ...] = (
             _f("members[].healthy", "boolean", "Whether the probe got an answer."),
             _f("members[].latency_ms", "number or null", "Time to the first byte, if healthy."),
             _f("members[].error", "string or null", "Why the probe failed, if it did."),
+        ),
+    ),
+    EventType(
+        "provider.updated",
+        "A provider's new content is in use: a proxy provider's outbounds (its groups' "
+        "members changed with a `config.changed` of trigger `provider` just before), a "
+        "rule provider's rule set, or a geodata file (`runtime.geodata`). A refresh that "
+        "finds the content unchanged emits nothing.",
+        "When a refresh (scheduled every `interval_seconds`, at start for a provider "
+        "without a cached copy, or `providers.update`) brings new content.",
+        True,
+        (
+            *_PROVIDER,
+            _f("updated_at_unix_ms", UNIX_MS, "When the new content was fetched or read."),
+            _f("sha256", "string", "SHA-256 of the body, hex."),
+            _f(
+                "outbounds",
+                _COUNT,
+                "Proxies of the body carried as outbounds (before the provider's filters); "
+                "`kind` `proxies` only.",
+                required=False,
+            ),
+            _f(
+                "rules",
+                _COUNT,
+                "Entries of the rule set; `kind` `rules` only.",
+                required=False,
+            ),
+            _f(
+                "skipped",
+                _COUNT,
+                "Proxies (or rule-set entries) of the body that spliceway cannot carry, "
+                "skipped; the `providers` query lists them with the reasons. `kind` "
+                "`proxies` and `rules` only.",
+                required=False,
+            ),
+        ),
+    ),
+    EventType(
+        "provider.failed",
+        "A provider's refresh failed: the origin could not be reached or answered an "
+        "error, stalled, sent a body over `size_limit_bytes`, or a body that is not the "
+        "provider's content (garbage, an HTML page, a document without proxies, two "
+        "proxies of one name...). The last good copy stays in use.",
+        "Per failed refresh.",
+        True,
+        (
+            *_PROVIDER,
+            _f("error", "string", "What failed, in words."),
+            _f(
+                "kept_copy_at_unix_ms",
+                "integer or null",
+                "When the copy still in use was fetched or read; `null` when the provider "
+                "has none (its groups have no member from it).",
+            ),
         ),
     ),
     EventType(

@@ -46,7 +46,7 @@ _SOCKS_REPLY = {
     "blocked": socks5.REP_NOT_ALLOWED,
 }
 #: HTTP status a proxy answers for a failure code.
-_HTTP_STATUS = {"connect_timeout": 504, "blocked": 403}
+_HTTP_STATUS = {"connect_timeout": 504, "blocked": 403, "no_member": 503}
 _MAX_PROXY_REPLY = 64 * 1024
 
 
@@ -279,6 +279,35 @@ class BlockOutbound:
     async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
         """Always fails: a block outbound carries nothing."""
         raise DialError("blocked", f"outbound {self.tag} blocks all traffic", stage="route")
+
+
+#: The protocol of a group's stand-in while the group has no member (``NoMemberOutbound``).
+NO_MEMBER_PROTOCOL = "none"
+
+
+class NoMemberOutbound:
+    """Stands for a group that has no member (its proxy providers gave it none yet): every
+    flow routed to it fails with code ``no_member``, never going anywhere else."""
+
+    protocol = NO_MEMBER_PROTOCOL
+    chained = False
+    server: str | None = None
+    port: int | None = None
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    @property
+    def message(self) -> str:
+        """Why flows routed here fail."""
+        return (
+            f"group {self.tag!r} has no member (its providers have no outbound yet, or "
+            "their filters match none)"
+        )
+
+    async def dial(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Dialed:
+        """Always fails: there is nothing to dial through."""
+        raise DialError("no_member", self.message, stage="route")
 
 
 class _ProxyOutbound(abc.ABC):

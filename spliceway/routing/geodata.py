@@ -36,7 +36,7 @@ import maxminddb
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-from spliceway.routing.ruleset import MAX_REASONS, Cidr, RuleSetData
+from spliceway.routing.ruleset import MAX_REASONS, Cidr, RuleSetData, range_to_cidrs
 
 __all__ = [
     "GeoDataError",
@@ -87,18 +87,6 @@ _GEOSITE_CACHE: dict[str, tuple[tuple[str, int, int, int], GeoSite]] = {}
 # ---------------------------------------------------------------------------
 # CIDR helpers
 # ---------------------------------------------------------------------------
-
-
-def range_to_cidrs(version: int, first: int, last: int) -> Iterator[Cidr]:
-    """The fewest CIDRs covering ``first..last`` (inclusive), in order."""
-    width = 32 if version == 4 else 128
-    while first <= last:
-        # The largest block aligned at ``first`` that does not pass ``last``.
-        size_bits = (first & -first).bit_length() - 1 if first else width
-        while size_bits > 0 and first + (1 << size_bits) - 1 > last:
-            size_bits -= 1
-        yield version, first, width - size_bits
-        first += 1 << size_bits
 
 
 def _merge(version: int, nets: list[int]) -> tuple[Cidr, ...]:
@@ -178,15 +166,13 @@ class GeoIp:
             cached = _GEOIP_CACHE.get(key[0])
             if cached is not None and cached[0] == key:
                 return cached[1]
-        mode = getattr(maxminddb, "MODE_MMAP_EXT", maxminddb.MODE_MMAP)
+        # The pure-Python reader over mmap: libmaxminddb's C reader (MODE_MMAP_EXT)
+        # corrupts its heap on a damaged file, taking the process down.
         try:
-            try:
-                reader = maxminddb.open_database(path, mode)
-            except (ImportError, ValueError):
-                reader = maxminddb.open_database(path, maxminddb.MODE_MMAP)
-        except (OSError, maxminddb.InvalidDatabaseError, ValueError) as ex:
+            reader = maxminddb.open_database(path, maxminddb.MODE_MMAP)
+            db = cls(path, reader)
+        except Exception as ex:  # a damaged file fails in many ways: all mean "not one"
             raise GeoDataError(f"{path}: not a MaxMind database ({ex})") from None
-        db = cls(path, reader)
         with _CACHE_LOCK:
             _GEOIP_CACHE[key[0]] = (key, db)
         return db
@@ -200,29 +186,91 @@ class GeoIp:
             return GeoRecord((), None)
         try:
             record = self._reader.get(address)
-        except (maxminddb.InvalidDatabaseError, ValueError):
+        except Exception:  # a damaged record: the address has no data
             return GeoRecord((), None)
         return GeoRecord(_record_codes(record, self._kind), _record_asn(record))
 
     def _walk(self) -> None:
         """Group every network of the database by code and by AS number (once)."""
-        by_code: dict[str, dict[int, list[int]]] = {}
-        by_asn: dict[int, dict[int, list[int]]] = {}
+        by_pointer: dict[int, dict[int, list[int]]] = {}
         try:
-            for network, record in self._reader:
-                if network.version == 6 and network.prefixlen >= 96:
-                    mapped = network.network_address.ipv4_mapped
-                    if mapped is not None:  # IPv4 inside an IPv6 tree
-                        network = ipaddress.IPv4Network((int(mapped), network.prefixlen - 96))
-                packed = (int(network.network_address) << 8) | network.prefixlen
+            for version, packed, pointer in self._leaves():
+                groups = by_pointer.get(pointer)
+                if groups is None:
+                    groups = by_pointer[pointer] = {4: [], 6: []}
+                groups[version].append(packed)
+            by_code: dict[str, dict[int, list[int]]] = {}
+            by_asn: dict[int, dict[int, list[int]]] = {}
+            # Records are shared by many networks (a country database has a few hundred):
+            # each is decoded once.
+            for pointer, groups in by_pointer.items():
+                record = self._reader._resolve_data_pointer(pointer)
                 for code in _record_codes(record, self._kind):
-                    by_code.setdefault(code, {}).setdefault(network.version, []).append(packed)
+                    target = by_code.setdefault(code, {4: [], 6: []})
+                    target[4].extend(groups[4])
+                    target[6].extend(groups[6])
                 asn = _record_asn(record)
                 if asn is not None:
-                    by_asn.setdefault(asn, {}).setdefault(network.version, []).append(packed)
-        except (maxminddb.InvalidDatabaseError, ValueError, KeyError) as ex:
+                    target = by_asn.setdefault(asn, {4: [], 6: []})
+                    target[4].extend(groups[4])
+                    target[6].extend(groups[6])
+        except Exception as ex:  # a damaged tree or record: any failure while walking
             raise GeoDataError(f"{self.path}: corrupt MaxMind database ({ex})") from None
         self._by_code, self._by_asn = by_code, by_asn
+
+    def _leaves(self) -> Iterator[tuple[int, int, int]]:
+        """``(version, first address << 8 | prefix, data pointer)`` of every network
+        that has data, walking the search tree once (maxminddb's own iterator decodes
+        every leaf's record again and builds an object per network: seconds per
+        100,000). IPv4 comes from the IPv4 subtree of an IPv6 database, once (its
+        aliases at ``::ffff:0:0/96`` and ``2002::/16`` are skipped)."""
+        reader = self._reader
+        count: int = reader._metadata.node_count
+        size: int = reader._record_size
+        buf = reader._buffer
+        from_bytes = int.from_bytes
+        budget = [count + 1]  # a valid tree visits each node once; a damaged one may loop
+
+        def children(node: int) -> tuple[int, int]:
+            if size == 24:
+                o = node * 6
+                return from_bytes(buf[o : o + 3], "big"), from_bytes(buf[o + 3 : o + 6], "big")
+            if size == 28:
+                o = node * 7
+                middle = buf[o + 3]
+                left = ((middle & 0xF0) << 20) | from_bytes(buf[o : o + 3], "big")
+                right = ((middle & 0x0F) << 24) | from_bytes(buf[o + 4 : o + 7], "big")
+                return left, right
+            o = node * 8
+            return from_bytes(buf[o : o + 4], "big"), from_bytes(buf[o + 4 : o + 8], "big")
+
+        def walk(start: int, width: int, version: int, skip: int) -> Iterator[tuple[int, int, int]]:
+            if start > count:  # the whole space has one record
+                yield version, 0, start
+                return
+            stack = [(start, 0, 0)] if start < count else []
+            pop, push = stack.pop, stack.append
+            while stack:
+                node, depth, acc = pop()
+                budget[0] -= 1
+                if budget[0] < 0 or depth >= width:
+                    raise GeoDataError("the search tree loops or is too deep")
+                left, right = children(node)
+                depth += 1
+                acc <<= 1
+                for child, value in ((left, acc), (right, acc | 1)):
+                    if child < count:
+                        if child != skip:
+                            push((child, depth, value))
+                    elif child > count:
+                        yield version, ((value << (width - depth)) << 8) | depth, child
+
+        if self.ip_version == 6:
+            ipv4 = reader._ipv4_start
+            yield from walk(ipv4, 32, 4, -1)
+            yield from walk(0, 128, 6, ipv4 if ipv4 < count else -1)
+        else:
+            yield from walk(0, 32, 4, -1)
 
     def _networks(self, kind: str, key: Any) -> tuple[Cidr, ...]:
         with self._lock:
@@ -365,7 +413,7 @@ class GeoSite:
         message = GeoSiteListMessage()
         try:
             message.ParseFromString(body)
-        except DecodeError as ex:
+        except (DecodeError, RecursionError, ValueError) as ex:
             raise GeoDataError(f"{path}: not a geosite.dat (protobuf: {ex})") from None
         entries = {e.country_code.lower(): e for e in message.entry if e.country_code}
         if not entries:

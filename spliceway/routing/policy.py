@@ -151,6 +151,79 @@ def initial_view(spec: Any, url: str | None) -> GroupView:
     return replace(view, selected=choose(view, None))
 
 
+def carried_view(spec: Any, url: str | None, live: GroupView | None) -> GroupView:
+    """The state of a changed group whose members are all that changed (a proxy provider's
+    refresh, or an apply that edits the member list): what ``live`` knew carries over.
+
+    The selection (a selector's) and the pin (a url_test or fallback group's) stay when
+    the member is still there, and every kept member keeps its health, so a refresh
+    moves no traffic that it need not move. Any other change, or no live view, gives
+    :func:`initial_view`.
+    """
+    fresh = initial_view(spec, url)
+    if live is None or not _same_but_members(live, fresh):
+        return fresh
+    health = dict(fresh.health)
+    health.update((m, h) for m, h in live.health.items() if m in health)
+    view = replace(
+        fresh,
+        health=MappingProxyType(health),
+        last_checked_unix_ms=live.last_checked_unix_ms,
+        fixed=live.fixed if live.fixed in health else None,
+    )
+    if view.kind == "selector":
+        if live.selected in health:
+            return replace(view, selected=live.selected)
+        return view
+    if view.kind in PINNABLE_KINDS:
+        return replace(
+            view, selected=choose(view, live.selected if live.selected in health else None)
+        )
+    return view
+
+
+def next_view(
+    before: tuple[Any, str] | None, spec: Any, url: str, live: GroupView | None
+) -> GroupView:
+    """The state of group ``spec`` (probing ``url``) after an apply changed it: carried over
+    from ``live`` when only its members changed (``before`` is its previous entry and URL),
+    else its initial state."""
+    if before is not None and before[1] == url and members_only_change(before[0], spec):
+        return carried_view(spec, url, live)
+    return initial_view(spec, url)
+
+
+def members_only_change(old: Any, new: Any) -> bool:
+    """Whether group config entry ``new`` differs from ``old`` in its members alone (and,
+    for a selector, in a ``default`` that is in both its first member, as it is when
+    unset), so :func:`carried_view` may keep what the running group knows."""
+    if type(old) is not type(new) or old.tag != new.tag:
+        return False
+    aside: dict[str, Any] = {"outbounds": ()}
+    if new.kind == "selector":
+        aside["default"] = None
+    if old.model_copy(update=aside) != new.model_copy(update=aside):
+        return False
+    if new.kind != "selector" or old.default == new.default:
+        return True
+    return old.default == _first(old.outbounds) and new.default == _first(new.outbounds)
+
+
+def _first(members: Any) -> str | None:
+    return members[0] if members else None
+
+
+def _same_but_members(a: GroupView, b: GroupView) -> bool:
+    return (a.tag, a.kind, a.url, a.interval_seconds, a.tolerance_ms, a.strategy) == (
+        b.tag,
+        b.kind,
+        b.url,
+        b.interval_seconds,
+        b.tolerance_ms,
+        b.strategy,
+    )
+
+
 def probe_url_for(spec_url: str | None, latency_test_url: str | None) -> str:
     """The URL a group probes: its own, else ``runtime.latency_test_url``, else the default."""
     return spec_url or latency_test_url or DEFAULT_PROBE_URL
@@ -169,6 +242,8 @@ def choose(view: GroupView, current: str | None) -> str | None:
     """The member a url_test or fallback group uses now (None for other kinds): its
     healthy pinned member, else its kind's own choice."""
     members, health = view.members, view.health
+    if not members:
+        return None  # a group whose providers gave it no member yet
     if view.fixed is not None and view.fixed in health and health[view.fixed].healthy:
         return view.fixed
     if view.kind == "fallback":
@@ -261,11 +336,14 @@ class PolicyTable:
     def __contains__(self, tag: object) -> bool:
         return tag in self._views
 
-    def _pick(self, view: GroupView, host: str, source_ip: str) -> str:
+    def _pick(self, view: GroupView, host: str, source_ip: str) -> str | None:
         if view.kind != "load_balance":
-            assert view.selected is not None
+            # None only for a group without members: the walk ends at the group, whose
+            # outbound refuses the flow (code no_member).
             return view.selected
         candidates = view.candidates()
+        if not candidates:
+            return None
         if view.strategy == "consistent_hashing":
             return _hrw(host, candidates)
         if view.strategy == "sticky_sessions":

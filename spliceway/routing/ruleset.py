@@ -6,8 +6,11 @@ Pure: bytes in, :class:`RuleSetData` out, no I/O. The engine reads the provider'
 
 Formats (``format``): ``text`` is one entry per line (``#`` and ``//`` start a comment
 line, blank lines are skipped, each line is trimmed); ``yaml`` is a document with a
-``payload:`` list (mihomo also reads ``rules:``), read as YAML 1.2 reads it (``no`` and
-``on`` stay strings); ``mrs`` (mihomo's binary format) is refused with a clear message.
+``payload:`` list (mihomo also reads ``rules:``), read as mihomo's YAML reader reads it
+(:mod:`spliceway.clash.yaml12`: ``no`` and ``on`` stay strings); ``mrs`` is mihomo's
+binary format for ``domain`` and ``ipcidr`` sets (``rules/provider/mrs_reader.go``: zstd,
+a ``MRS\x01`` header, then the succinct domain trie or the address ranges), read with
+the ``zstandard`` package.
 
 Behaviours, as mihomo reads them (``rules/provider/*_strategy.go``,
 ``component/trie/domain.go``):
@@ -33,6 +36,7 @@ page or a YAML document without ``payload`` raises :class:`RuleSetError`.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 import socket
@@ -40,10 +44,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-import yaml
 from pydantic import ValidationError
 
-from spliceway.clash import rule_lines
+from spliceway.clash import rule_lines, yaml12
 from spliceway.config import SubRule
 from spliceway.config.validators import ADDRESS_CONDITION_KEYS
 
@@ -57,6 +60,7 @@ __all__ = [
     "empty_rule_set",
     "parse_cidr",
     "parse_rule_set",
+    "range_to_cidrs",
 ]
 
 Behavior = Literal["domain", "ipcidr", "classical"]
@@ -266,23 +270,21 @@ def _unique_cidrs(items: Iterable[Cidr]) -> tuple[Cidr, ...]:
     return tuple(sorted(set(items)))
 
 
+def range_to_cidrs(version: int, first: int, last: int) -> Iterator[Cidr]:
+    """The fewest CIDRs covering ``first..last`` (inclusive), in order."""
+    width = 32 if version == 4 else 128
+    while first <= last:
+        # The largest block aligned at ``first`` that does not pass ``last``.
+        size_bits = (first & -first).bit_length() - 1 if first else width
+        while size_bits > 0 and first + (1 << size_bits) - 1 > last:
+            size_bits -= 1
+        yield version, first, width - size_bits
+        first += 1 << size_bits
+
+
 # ---------------------------------------------------------------------------
 # Bodies
 # ---------------------------------------------------------------------------
-
-
-class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader whose booleans are YAML 1.2's (``true``/``false`` only): ``no``, ``on``
-    and ``yes`` stay strings, as mihomo (a YAML 1.2 reader) sees them."""
-
-
-_Yaml12Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
 
 
 def _looks_binary(body: bytes) -> bool:
@@ -312,11 +314,9 @@ def _text_lines(text: str) -> Iterator[str]:
 
 def _yaml_items(text: str) -> list[str]:
     try:
-        doc = yaml.load(text, Loader=_Yaml12Loader)
-    except yaml.YAMLError as ex:
-        mark = getattr(ex, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise RuleSetError(f"not a YAML document{where}: {getattr(ex, 'problem', ex)}") from None
+        doc = yaml12.load_document(text, duplicates="report").document
+    except yaml12.YamlError as ex:
+        raise RuleSetError(f"not a YAML document: {ex}") from None
     if not isinstance(doc, dict):
         raise RuleSetError("a yaml rule set is a mapping with a `payload:` list")
     payload = doc.get("payload", doc.get("rules"))
@@ -437,19 +437,166 @@ def _classical_set(items: Iterable[str], counter: _Counter) -> RuleSetData:
 
 _BUILDERS = {"domain": _domain_set, "ipcidr": _ipcidr_set, "classical": _classical_set}
 
+# ---------------------------------------------------------------------------
+# mrs: mihomo's binary rule sets (rules/provider/mrs_reader.go)
+# ---------------------------------------------------------------------------
+
+_MRS_MAGIC = b"MRS\x01"
+_MRS_BEHAVIOR = {"domain": 0, "ipcidr": 1}
+#: Largest decompressed mrs body read (a zstd bomb stops here).
+MRS_MAX_BYTES = 64 * 1024 * 1024
+_V4_MAPPED = 0xFFFF << 32
+
+
+class _Reader:
+    """Big-endian reads off a byte string, each failing with a RuleSetError."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.at = 0
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.at + n > len(self.data):
+            raise RuleSetError(f"mrs: truncated ({what})")
+        out = self.data[self.at : self.at + n]
+        self.at += n
+        return out
+
+    def int64(self, what: str) -> int:
+        return int.from_bytes(self.take(8, what), "big", signed=True)
+
+    def length(self, what: str, unit: int) -> int:
+        n = self.int64(what)
+        if n < 1 or n * unit > len(self.data) - self.at:
+            raise RuleSetError(f"mrs: invalid {what} length {n}")
+        return n
+
+
+def _zstd_decompress(body: bytes) -> bytes:
+    try:
+        import zstandard
+    except ImportError:
+        raise RuleSetError(
+            "format 'mrs' needs the zstandard package (pip install zstandard), or fetch "
+            "the provider's text/yaml form"
+        ) from None
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        out = reader.read(MRS_MAX_BYTES + 1)
+    except zstandard.ZstdError as ex:
+        raise RuleSetError(f"mrs: not zstd-compressed ({ex})") from None
+    if len(out) > MRS_MAX_BYTES:
+        raise RuleSetError(f"mrs: decompresses to more than {MRS_MAX_BYTES} bytes")
+    return out
+
+
+def _mrs_domain_keys(r: _Reader) -> Iterator[str]:
+    """The keys of mihomo's succinct ``DomainSet`` (``component/trie/domain_set.go``).
+
+    Its nodes are numbered in breadth-first order; ``labelBitmap`` lists, node after
+    node, a 0 per child (edge ``k`` carries ``labels[k]`` to node ``k + 1``) and a 1
+    closing the node; ``leaves`` marks the nodes where a key ends. Keys are stored
+    reversed (``moc.elpmaxe``)."""
+    if r.take(1, "domain set version") != b"\x01":
+        raise RuleSetError("mrs: unknown domain set version")
+    leaves = [r.int64("leaves") for _ in range(r.length("leaves", 8))]
+    words = [r.int64("label bitmap") for _ in range(r.length("label bitmap", 8))]
+    labels = r.take(r.length("labels", 1), "labels")
+    parent = [0]
+    node = edge = 0
+    for word in words:
+        word &= 0xFFFFFFFFFFFFFFFF
+        for bit in range(64):
+            if (word >> bit) & 1:
+                node += 1
+            else:
+                if edge >= len(labels) or node >= len(parent):
+                    break
+                parent.append(node)
+                edge += 1
+    for node_id in range(len(parent)):
+        word = node_id >> 6
+        if word >= len(leaves) or not (leaves[word] >> (node_id & 63)) & 1:
+            continue
+        chars = bytearray()
+        at = node_id
+        while at:
+            chars.append(labels[at - 1])
+            at = parent[at]
+        # Walking up reads the reversed key backwards: the domain as written.
+        yield chars.decode("utf-8", errors="replace")
+
+
+def _mrs_cidrs(r: _Reader) -> Iterator[Cidr]:
+    """The ranges of mihomo's ``IpCidrSet`` (``component/cidr/ipcidr_set_bin.go``)."""
+    if r.take(1, "ipcidr set version") != b"\x01":
+        raise RuleSetError("mrs: unknown ipcidr set version")
+    for _ in range(r.length("ranges", 32)):
+        first = int.from_bytes(r.take(16, "range"), "big")
+        last = int.from_bytes(r.take(16, "range"), "big")
+        if first >> 32 == 0xFFFF and last >> 32 == 0xFFFF:  # Unmap(): IPv4
+            yield from range_to_cidrs(4, first - _V4_MAPPED, last - _V4_MAPPED)
+        elif first <= last:
+            yield from range_to_cidrs(6, first, last)
+        else:
+            raise RuleSetError("mrs: a range ends before it starts")
+
+
+def _mrs_items(body: bytes, behavior: Behavior) -> tuple[int, list[str] | list[Cidr]]:
+    """``(the header's entry count, the keys or networks)`` of an mrs body."""
+    if behavior not in _MRS_BEHAVIOR:
+        raise RuleSetError("format 'mrs' holds domain or ipcidr sets only (mihomo's too)")
+    r = _Reader(_zstd_decompress(body))
+    if r.take(4, "magic") != _MRS_MAGIC:
+        raise RuleSetError("mrs: not a mihomo rule set (no MRS magic)")
+    kind = r.take(1, "behavior")[0]
+    if kind != _MRS_BEHAVIOR[behavior]:
+        names = {v: k for k, v in _MRS_BEHAVIOR.items()}
+        raise RuleSetError(
+            f"mrs: the file holds a {names.get(kind, f'#{kind}')} set, not {behavior}"
+        )
+    count = r.int64("count")
+    extra = r.int64("extra")
+    if extra < 0:
+        raise RuleSetError("mrs: invalid extra length")
+    r.take(extra, "extra")
+    if behavior == "domain":
+        # "+.x" in a DomainSet is what mihomo's trie made of ".x": the names below x.
+        keys = ["." + k[2:] if k.startswith("+.") else k for k in _mrs_domain_keys(r)]
+        return count, keys
+    return count, list(_mrs_cidrs(r))
+
+
+def _parse_mrs(body: bytes, behavior: Behavior) -> RuleSetData:
+    count, items = _mrs_items(body, behavior)
+    counter = _Counter()
+    if behavior == "domain":
+        data = _domain_set(items, counter)  # type: ignore[arg-type]
+    else:
+        cidrs = _unique_cidrs(items)  # type: ignore[arg-type]
+        counter.count = len(cidrs)
+        data = RuleSetData(behavior="ipcidr", cidr=cidrs, resolves=bool(cidrs))
+    if counter.count == 0:
+        raise RuleSetError(f"no valid {behavior} entry in the mrs rule set")
+    if count > 0:
+        counter.count = count  # the entries as written (a "+.x" is two keys in the trie)
+    return _with_counts(data, counter)
+
+
+def _with_counts(data: RuleSetData, counter: _Counter) -> RuleSetData:
+    return dataclasses.replace(
+        data, count=counter.count, skipped=counter.skipped, skip_reasons=tuple(counter.reasons)
+    )
+
 
 def parse_rule_set(body: bytes, behavior: Behavior, fmt: Format) -> RuleSetData:
     """Parse a rule provider's content (see the module). Raises :class:`RuleSetError`
     for a body with no usable entry, binary junk, an HTML page, a YAML document without
-    ``payload``, and for ``format: mrs``."""
+    ``payload``, a damaged ``mrs`` file."""
     if behavior not in _BUILDERS:
         raise RuleSetError(f"unknown behavior {behavior!r} (domain, ipcidr or classical)")
     if fmt == "mrs":
-        raise RuleSetError(
-            "format 'mrs' (mihomo's binary rule sets) is not supported: convert the set "
-            "to text or yaml (`mihomo convert-ruleset` does), or fetch the provider's "
-            "text/yaml URL"
-        )
+        return _parse_mrs(body, behavior)
     if fmt not in ("text", "yaml"):
         raise RuleSetError(f"unknown format {fmt!r} (text, yaml or mrs)")
     if body.startswith(b"\xef\xbb\xbf"):
@@ -467,18 +614,4 @@ def parse_rule_set(body: bytes, behavior: Behavior, fmt: Format) -> RuleSetData:
         raise RuleSetError(
             f"no valid {behavior} entry in the rule set ({counter.skipped} skipped{first})"
         )
-    return RuleSetData(
-        behavior=data.behavior,
-        exact=data.exact,
-        suffix=data.suffix,
-        subdomain=data.subdomain,
-        wildcard=data.wildcard,
-        keyword=data.keyword,
-        regex=data.regex,
-        cidr=data.cidr,
-        classical=data.classical,
-        resolves=data.resolves,
-        count=counter.count,
-        skipped=counter.skipped,
-        skip_reasons=tuple(counter.reasons),
-    )
+    return _with_counts(data, counter)

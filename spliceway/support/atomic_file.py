@@ -46,6 +46,12 @@ class StagedFile:
         self._previous_tmp = previous_tmp
 
     @property
+    def staged_path(self) -> str:
+        """The temporary file holding the new contents (until the commit or discard)."""
+        assert self._tmp is not None
+        return self._tmp
+
+    @property
     def previous_path(self) -> str:
         """Where the commit keeps the file's contents before it (``<path>.prev``)."""
         return self.path + PREVIOUS_SUFFIX

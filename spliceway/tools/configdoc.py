@@ -72,9 +72,37 @@ CONFIG_EXAMPLE: dict[str, Any] = {
             "strategy": "consistent_hashing",
         },
         {"tag": "chain", "kind": "relay", "outbounds": ["hop-a", "ss"]},
+        {
+            "tag": "subscribed",
+            "kind": "url_test",
+            "outbounds": [],
+            "providers": ["airport"],
+        },
     ],
+    "providers": {
+        "proxies": {
+            "airport": {
+                "url": "https://sub.example.net/clash?token=...",
+                "interval_seconds": 3600,
+                "via": "hop-a",
+                "exclude_filter": ["(?i)expire|traffic"],
+            }
+        },
+        "rules": {
+            "ads": {
+                "url": "https://rules.example.net/ads.txt",
+                "behavior": "domain",
+                "format": "text",
+            },
+            "lan": {"path": "/etc/spliceway/lan.yaml", "behavior": "ipcidr"},
+        },
+    },
     "rules": [
         {"domain_keyword": ["ads", "tracker"], "action": "block"},
+        {"rule_set": "ads", "action": "block"},
+        {"rule_set": "lan", "no_resolve": True, "outbound": "direct"},
+        {"geosite": "google", "outbound": "subscribed"},
+        {"geoip": ["cn", "private"], "outbound": "direct"},
         {"domain_suffix": ["example.com"], "port": ["443", "8000-8100"], "outbound": "proxy"},
         {"ip_cidr": "10.0.0.0/8", "outbound": "direct"},
         {"inbound_tag": "socks-in", "outbound": "spread"},
@@ -89,6 +117,10 @@ CONFIG_EXAMPLE: dict[str, Any] = {
         "dns": {
             "servers": ["udp://1.1.1.1", "tcp://[2606:4700:4700::1111]", "system"],
             "cache": {"max_entries": 4096, "min_ttl_seconds": 30},
+        },
+        "geodata": {
+            "geoip_path": "/var/lib/spliceway/Country.mmdb",
+            "geosite_path": "/var/lib/spliceway/geosite.dat",
         },
     },
     "api": {
@@ -126,10 +158,9 @@ anything. `spliceway config-schema` prints the same rules as a JSON Schema (draf
 
 ## The file
 
-- **Format.** JSON, or YAML when the file name ends in `.yaml` or `.yml` and PyYAML
-  is installed (`pip install 'spliceway[yaml]'`). A key given twice in one object is
-  an error in both formats (YAML merge keys `<<` still work). JSON must be UTF-8
-  (a byte-order mark is allowed); `NaN` and `Infinity` are refused.
+- **Format.** JSON, or YAML when the file name ends in `.yaml` or `.yml`. A key given
+  twice in one object is an error in both formats (YAML merge keys `<<` still work).
+  JSON must be UTF-8 (a byte-order mark is allowed); `NaN` and `Infinity` are refused.
 - **Types are strict.** `"7890"` is not a port and `"yes"` is not a boolean.
 - **Unknown keys are errors**, at every level, so a typo cannot be silently ignored.
 - **Every problem is reported**, each with its field path, e.g.
@@ -263,6 +294,9 @@ class _ConfigPage:
             yield prop["$ref"].rsplit("/", 1)[-1], path, ""
         elif prop.get("type") == "array":
             yield from self.objects_in(prop.get("items", {}), f"{path}[]")
+        elif prop.get("type") == "object" and isinstance(prop.get("additionalProperties"), dict):
+            # A map of named objects (providers.proxies.<name>).
+            yield from self.objects_in(prop["additionalProperties"], f"{path}.<name>")
         elif "discriminator" in prop:
             key = prop["discriminator"]["propertyName"]
             for alt in prop["oneOf"]:

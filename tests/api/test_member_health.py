@@ -104,6 +104,7 @@ def test_a_selector_shows_what_a_probing_group_found(make_engine: Callable[..., 
             "last_checked_unix_ms": None,
             "last_error": None,
             "checked_by": None,
+            "provider": None,
         }
         # The selector itself still probes nothing of its own.
         assert snap["pick"]["url_test_members"] == []

@@ -63,6 +63,7 @@ VALID_PARAMS: dict[str, dict[str, Any]] = {
     "diagnostics.dns_query": {"name": "www.example.test", "type": "A"},
     "diagnostics.dns_cache": {},
     "dns.cache_flush": {},
+    "providers.update": {},
     "log.set_level": {"level": "info"},
     "diagnostics.fakeip_lookup": {"domain": "example.com"},
     "fakeip.clear": {},
@@ -435,6 +436,7 @@ def test_document_covers_every_route_and_command() -> None:
         "flows/{flow_id}",
         "policies",
         "policies/{policy_tag}",
+        "providers",
         "sinks",
         "tun_status",
         "events",
@@ -564,7 +566,15 @@ def test_validator_rejects_undocumented_statuses_and_types() -> None:
 
 def test_queries_conform_after_real_traffic(traffic) -> None:
     api = traffic.api
-    for name in ("health", "capabilities", "config", "policies", "sinks", "tun_status"):
+    for name in (
+        "health",
+        "capabilities",
+        "config",
+        "policies",
+        "providers",
+        "sinks",
+        "tun_status",
+    ):
         api.get(f"{V1}/{name}")
     sinks = {s["name"]: s for s in api.get(f"{V1}/sinks")["sinks"]}
     assert sinks["down"]["pending"] > 0 and "delivery" in sinks["down"]

@@ -62,6 +62,7 @@ ENDPOINTS = [
     ("flow", f"{API}/flows/no-such-flow", ("flow_id",)),
     ("policies", f"{API}/policies", ()),
     ("policy", f"{API}/policies/no-such-policy", ("policy_tag",)),
+    ("providers", f"{API}/providers", ()),
     ("sinks", f"{API}/sinks", ()),
     ("tun_status", f"{API}/tun_status", ()),
     ("events", f"{API}/events", ("types", "since", "limit")),

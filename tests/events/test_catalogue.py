@@ -110,7 +110,7 @@ def check_event(envelope: dict[str, Any]) -> list[str]:
 
 def test_event_types_are_the_catalogue():
     assert frozenset(EVENT_CATALOGUE) == EVENT_TYPES
-    assert len(EVENT_CATALOGUE) == 14
+    assert len(EVENT_CATALOGUE) == 16
     document = openapi_document()
     assert set(document["components"]["schemas"]["EventType"]["enum"]) == EVENT_TYPES
 
@@ -228,7 +228,14 @@ def test_every_emitted_payload_matches_the_catalogue(make_engine, origin):
     seen = {e["event_type"] for e in events}
     # engine.warning: the SIGHUP test below; ipc.*: tests/api/test_ipc.py checks them
     # against the catalogue with check_event.
-    elsewhere = {"engine.warning", "ipc.connected", "ipc.disconnected"}
+    # provider.*: tests/engine/test_providers.py checks them with check_event.
+    elsewhere = {
+        "engine.warning",
+        "ipc.connected",
+        "ipc.disconnected",
+        "provider.updated",
+        "provider.failed",
+    }
     assert seen >= {name for name, e in EVENT_CATALOGUE.items() if e.emitted} - elsewhere
     outcomes = [
         e["payload"]["record"]["result"]["outcome"]

@@ -115,10 +115,11 @@ def policy(engine: Any, tag: str) -> dict[str, Any]:
 
 # -- what the client's own calls see ----------------------------------------------------
 
-#: What the capability probe finds on a full Clash controller without providers: every
-#: route it probes (the POST-only routes answer its GET with 405, which it counts as
-#: there), and both transports of the streams. ``ws_logs`` is never probed (always
-#: false); the provider health checks need a provider.
+#: What the capability probe finds on a full Clash controller without proxy providers:
+#: every route it probes (the POST-only routes answer its GET with 405, which it counts
+#: as there), and both transports of the streams. ``ws_logs`` is never probed (always
+#: false); the provider health checks run on the groups' ``Compatible`` providers, as
+#: mihomo lists them.
 EXPECTED_CAPABILITIES = {
     "proxies": True,
     "connections": True,
@@ -139,8 +140,8 @@ EXPECTED_CAPABILITIES = {
     "group_detail": True,
     "group_delay": True,
     "proxy_delay": True,
-    "provider_healthcheck": False,
-    "provider_proxy_healthcheck": False,
+    "provider_healthcheck": True,
+    "provider_proxy_healthcheck": True,
     "ws_traffic": True,
     "ws_memory": True,
     "ws_connections": True,
@@ -205,7 +206,10 @@ def test_fetch_data_sees_a_live_flow(engine_for_client: ClashEngine, echo: EchoS
     assert proxies["Proxy"]["all"] == ["auto", "s5", "direct"]
     assert proxies["auto"]["type"] == "URLTest"
     assert result["configs"]["mode"] == "rule"
-    assert result["providers_proxies"] == {"providers": {}}
+    # mihomo's Compatible providers: one per group with members of its own, and default.
+    compatible = result["providers_proxies"]["providers"]
+    assert set(compatible) == {"Proxy", "auto", "default"}
+    assert {p["vehicleType"] for p in compatible.values()} == {"Compatible"}
 
 
 # -- proxies and groups --------------------------------------------------------------------
@@ -423,7 +427,14 @@ def test_rules_and_providers(engine_for_client: ClashEngine, echo: EchoServer) -
     assert first["proxy"] == "Proxy"
     assert rules["rules"][-1]["type"] == "Match"
     assert rules["rules"][-1]["proxy"] == "direct"
-    assert proxies == {"providers": {}}
+    assert [p["name"] for p in proxies["providers"]["Proxy"]["proxies"]] == ["auto", "s5", "direct"]
+    assert [p["name"] for p in proxies["providers"]["default"]["proxies"]] == [
+        "direct",
+        "block",
+        "s5",
+        "Proxy",
+        "auto",
+    ]
     assert rule_providers == {"providers": {}}
 
 
@@ -547,11 +558,9 @@ def test_mihomo_looks_the_same_to_the_client(
     with running_mihomo(cfg, tmp_path / "mihomo") as core:
         theirs, their_endpoints = using(core.url, probe)
     ours, our_endpoints = using(engine_for_client.url, probe)
-    # mihomo keeps a "default" proxy provider (empty), which the client takes for a
-    # provider it can health-check; spliceway lists no provider until one is configured.
-    assert theirs["provider_healthcheck"] and not ours["provider_healthcheck"]
-    for key in ("provider_healthcheck", "provider_proxy_healthcheck"):
-        theirs.pop(key), ours.pop(key)
+    # Both list the groups' Compatible providers and "default", which the client takes
+    # for providers it can health-check.
+    assert theirs["provider_healthcheck"] and ours["provider_healthcheck"]
     # mihomo's WebSocket /connections?interval=1 floods the socket every millisecond and
     # the client's probe times out closing it; spliceway answers it.
     assert theirs.pop("ws_connections") is False

@@ -35,6 +35,7 @@ from tests.api.clash.conftest import ClashEngine
 from tests.conftest import wait_until
 from tests.helpers.dnsserver import DnsServer
 from tests.helpers.mihomo import Mihomo, mihomo_config, require_mihomo, running_mihomo
+from tests.helpers.provider_origin import Answer, provider_origin
 from tests.helpers.servers import EchoServer
 from tests.helpers.socks import recv_exact, socks5_connect
 
@@ -143,8 +144,12 @@ _TAGS = (
     "not mihomo's built-ins DIRECT, REJECT, REJECT-DROP, COMPATIBLE, PASS, PASS-RULE"
 )
 _NO_EMPTY_FALLBACK = (
-    "a spliceway group always has members, so it has no emptyFallback (mihomo's member "
-    "for an empty group)"
+    "spliceway has no emptyFallback (mihomo's member for a group without members): the "
+    "flows of a group without members fail with no_member"
+)
+_PROVIDER_PROXIES = (
+    "spliceway merges a provider's proxies into the running configuration as outbounds, "
+    "which /proxies lists as it lists every outbound"
 )
 ALLOWED: dict[tuple[str, str], str] = {
     # Identity: sing-box's answer, so zashboard and metacubexd see a core without an
@@ -177,15 +182,21 @@ ALLOWED: dict[tuple[str, str], str] = {
             "GET /group",
             "GET /group/Proxy",
             "GET /group/auto",
+            "GET /providers/proxies",
+            "GET /providers/proxies/Proxy",
+            "GET /providers/proxies/default",
+            "GET /proxies/fromsub",
         )
     },
+    # A provider's proxies are ordinary outbounds of the running configuration, under
+    # /proxies too (a group's `all` names them); the mihomo binary answers them only
+    # under /providers/proxies/<provider>/<name>.
+    ("GET /proxies/p1", "status: 200 here, 404 in mihomo"): _PROVIDER_PROXIES,
+    ("GET /proxies/p1", "message: only in mihomo"): _PROVIDER_PROXIES,
+    ("GET /proxies/p1", "*: only here"): _PROVIDER_PROXIES,
     # Rules: no per-rule hit counters, and single rules cannot be disabled (zashboard
     # shows its enable toggle only when extra is there).
     ("GET /rules", "rules[].extra: only in mihomo"): "no per-rule state to show",
-    # Providers: mihomo lists a Compatible provider per group with inline proxies and
-    # `default` (zashboard and metacubexd filter both out); spliceway has no providers
-    # until issue 29 brings them, and answers {"providers": {}}.
-    ("GET /providers/proxies", "providers.*: only in mihomo"): "no proxy providers yet",
 }
 
 
@@ -523,6 +534,138 @@ def test_errors_have_mihomo_status_and_shape(pair: Pair) -> None:
         == pair.theirs.get("/proxies/Proxy")[1]["now"]
         == "auto"
     )
+
+
+# --------------------------------------------------------------------------- providers
+
+
+def test_providers_have_mihomo_shapes(
+    make_clash: Callable[..., ClashEngine],
+    origin: tuple[str, int],
+    socks_upstream: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both servers with the same proxy provider and rule provider (served by one local
+    origin, with a subscription-userinfo header) and a group over the provider's proxies:
+    every /providers route answers alike, after the updates, errors included."""
+    require_mihomo()
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    subscription = (
+        "proxies:\n"
+        f"  - {{name: p1, type: socks5, server: 127.0.0.1, port: {socks_upstream}}}\n"
+        f"  - {{name: p2, type: http, server: 127.0.0.1, port: {socks_upstream}}}\n"
+    ).encode()
+    userinfo = "upload=1; download=2; total=30; expire=1893456000"
+    probe_url = f"http://127.0.0.1:{origin[1]}/generate_204"
+    with provider_origin() as served:
+        served.serve("/sub", Answer(subscription, headers={"subscription-userinfo": userinfo}))
+        served.serve("/ads.txt", Answer(b"ads.example\n+.tracker.example\n"))
+
+        def with_providers(cfg: dict[str, Any]) -> None:
+            cfg["providers"] = {
+                "proxies": {
+                    "sub": {
+                        "url": served.url("/sub"),
+                        "health_check": {"enabled": True, "url": probe_url},
+                    }
+                },
+                "rules": {
+                    "ads": {"url": served.url("/ads.txt"), "behavior": "domain", "format": "text"}
+                },
+            }
+            cfg["outbound_groups"].append(
+                {"tag": "fromsub", "kind": "selector", "providers": ["sub"]}
+            )
+            cfg["runtime"]["providers_cache_dir"] = str(tmp_path / "cache")
+
+        engine = make_clash(with_providers, secret_env=SECRET_ENV)
+        cfg = mihomo_config(origin_port=origin[1], socks_port=socks_upstream, secret=SECRET)
+        cfg["proxy-providers"] = {
+            "sub": {
+                "type": "http",
+                "url": served.url("/sub"),
+                "path": "./sub.yaml",
+                "interval": 3600,
+                "health-check": {"enable": True, "url": probe_url, "interval": 300},
+            }
+        }
+        cfg["rule-providers"] = {
+            "ads": {
+                "type": "http",
+                "url": served.url("/ads.txt"),
+                "path": "./ads.txt",
+                "behavior": "domain",
+                "format": "text",
+                "interval": 86400,
+            }
+        }
+        cfg["proxy-groups"].append({"name": "fromsub", "type": "select", "use": ["sub"]})
+        with running_mihomo(cfg, tmp_path / "mihomo") as mihomo:
+            ours, theirs = Side(engine.url, engine.mixed_port), Side(mihomo.url, mihomo.mixed_port)
+            ledger = Ledger()
+            for method, path in (
+                ("PUT", "/providers/proxies/sub"),
+                ("PUT", "/providers/rules/ads"),
+                ("GET", "/providers/proxies/sub/healthcheck"),
+            ):
+                ledger.compare(f"{method} {path}", ours.get(path, method), theirs.get(path, method))
+            for side in (ours, theirs):
+                wait_until(
+                    lambda side=side: side.get("/providers/proxies/sub")[1].get("proxies"),
+                    15,
+                    f"the provider's proxies at {side.url}",
+                )
+            for path in (
+                "/providers/proxies",
+                "/providers/proxies/sub",
+                "/providers/proxies/sub/p1",
+                "/providers/proxies/Proxy",
+                "/providers/proxies/default",
+                "/providers/rules",
+                "/proxies/p1",
+                "/proxies/fromsub",
+            ):
+                ledger.compare(f"GET {path}", ours.get(path), theirs.get(path))
+            for what, method, path in (
+                ("unknown provider", "GET", "/providers/proxies/nope"),
+                ("unknown provider's update", "PUT", "/providers/proxies/nope"),
+                ("unknown provider's check", "GET", "/providers/proxies/nope/healthcheck"),
+                ("unknown member", "GET", "/providers/proxies/sub/nope"),
+                ("unknown rule provider", "PUT", "/providers/rules/nope"),
+                (
+                    "a failed member check",
+                    "GET",
+                    "/providers/proxies/sub/p2/healthcheck?timeout=500",
+                ),
+            ):
+                ledger.compare(
+                    f"{method} {path.split('?')[0]} ({what})",
+                    ours.get(path, method),
+                    theirs.get(path, method),
+                )
+            # A failed update: the origin answers 500 to both.
+            served.serve("/sub", Answer(b"oops", 500))
+            ledger.compare(
+                "PUT /providers/proxies/sub (origin fails)",
+                ours.get("/providers/proxies/sub", "PUT"),
+                theirs.get("/providers/proxies/sub", "PUT"),
+            )
+            ledger.check()
+            (sub,) = [
+                p
+                for p in ours.get("/providers/proxies")[1]["providers"].values()
+                if p["name"] == "sub"
+            ]
+            assert sub["subscriptionInfo"] == {
+                "Upload": 1,
+                "Download": 2,
+                "Total": 30,
+                "Expire": 1893456000,
+            }
+            assert [p["name"] for p in sub["proxies"]] == ["p1", "p2"]
+            assert {p["provider-name"] for p in sub["proxies"]} == {"sub"}
+            assert engine.engine.query("health")["healthy"] is True
 
 
 # --------------------------------------------------------------------------- the comparator itself

@@ -79,7 +79,9 @@ def test_hello_version_and_providers(clash: ClashEngine) -> None:
             "premium": True,
         },
     )
-    assert call(clash.url + "/providers/proxies") == (200, {"providers": {}})
+    status, body = call(clash.url + "/providers/proxies")
+    # No proxy provider: mihomo's Compatible ones, for the groups and `default`.
+    assert status == 200 and set(body["providers"]) == {"Proxy", "auto", "default"}
     assert call(clash.url + "/providers/rules") == (200, {"providers": {}})
     not_found = (404, {"message": "Resource not found"})
     assert call(clash.url + "/providers/proxies/p") == not_found

@@ -1,0 +1,34 @@
+"""A rule provider's body checked before it replaces the last good copy.
+
+The rule set itself is read by the routing layer (:mod:`spliceway.routing.ruleset`) when a
+configuration is built, from the provider's file; a refresh only has to know that the new
+body is one (and how many entries it holds) before it replaces that file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spliceway.providers.subscription import BodyError
+from spliceway.routing.ruleset import RuleSetError, parse_rule_set
+
+__all__ = ["RuleSetCounts", "check"]
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSetCounts:
+    """What a good rule-set body holds: entries taken, entries skipped (and why)."""
+
+    entries: int
+    skipped: int = 0
+    skip_reasons: tuple[str, ...] = ()
+
+
+def check(body: bytes, behavior: str, fmt: str) -> RuleSetCounts:
+    """``body`` read as a rule set of ``behavior`` in ``fmt``; BodyError (the reader's
+    message) when it yields nothing usable."""
+    try:
+        data = parse_rule_set(body, behavior, fmt)  # type: ignore[arg-type]
+    except RuleSetError as ex:
+        raise BodyError(str(ex)) from None
+    return RuleSetCounts(data.count, data.skipped, data.skip_reasons)
