@@ -8,9 +8,13 @@
  *
  * Each iteration builds one table from a seeded PRNG (seed ^ iteration):
  * random targets of every kind, a mode, rules with any mix of domain, cidr,
- * port, network, inbound, principal, opaque and process conditions, local
- * addresses, fake-ip networks and deferred inbounds, some builder calls with
- * arguments out of range.  Then it routes queries whose hosts and sniffed
+ * port, network, inbound, principal, opaque and process conditions, set
+ * conditions (shared sets of names, wildcards, keywords, networks, ports,
+ * networks, flags: csrc/route_set.c, some left unsealed, several per rule,
+ * inverted, on the source) and rule flags (no_resolve, invert, resolves,
+ * grouped), local addresses, fake-ip networks and deferred inbounds, some
+ * builder calls with arguments out of range.  The sets are released by the
+ * driver before the table is used: the table's references keep them.  Then it routes queries whose hosts and sniffed
  * hosts are names (mixed case, trailing dots, non-ASCII and odd bytes), IP
  * literals (dotted, inet_aton spellings, IPv6, mapped, scoped, bracketed)
  * or raw bytes, each in a malloc() block of exactly its length, so ASan sees
@@ -23,7 +27,9 @@
  *     DEFER (target -1 both), its rule -1 or below the rule count;
  *   - the same query gives the same answer twice (a table is immutable);
  *   - host_deferred, source_deferred, inbound_deferred answer 0 or 1, and
- *     first_domain_rule / first_ip_rule lie in [0, nrules].
+ *     first_domain_rule / first_ip_rule lie in [0, nrules];
+ *   - a sealed set answers sw_set_has_name / sw_set_has_addr with 0 or 1 (the
+ *     same twice), an unsealed one -EINVAL, and its info counts what it holds.
  */
 #define _GNU_SOURCE
 #include "route.h"
@@ -189,6 +195,125 @@ static void gen_addr(int family, uint8_t *a)
     }
 }
 
+/* ---- shared sets ----------------------------------------------------------- */
+
+#define MAX_SETS 6
+static sw_set *sets[MAX_SETS];
+static bool set_sealed[MAX_SETS];
+static uint32_t nsets;
+
+/* A name item: a generated host, now and then a wildcard pattern. */
+static size_t gen_item(char *out, size_t cap)
+{
+    size_t n = gen_host(out, cap - 4);
+    if (chance(4)) { /* a '*' label somewhere, maybe a leading '.' */
+        size_t at = below((uint32_t)n + 1);
+        while (at > 0 && out[at - 1] != '.')
+            at--;
+        memmove(out + at + 2, out + at, n - at);
+        out[at] = '*';
+        out[at + 1] = '.';
+        n += 2;
+        if (chance(3)) {
+            memmove(out + 1, out, n);
+            out[0] = '.';
+            n++;
+        }
+    }
+    return n;
+}
+
+static void build_sets(void)
+{
+    char buf[4096], item[310];
+    uint8_t addrs[16 * 8], prefixes[8];
+    nsets = below(MAX_SETS + 1);
+    for (uint32_t i = 0; i < nsets; i++) {
+        set_sealed[i] = false;
+        if (sw_set_new(&sets[i]))
+            FAIL("sw_set_new failed");
+        for (uint32_t k = below(6); k; k--) {
+            size_t len = 0;
+            for (uint32_t j = below(12); j; j--) {
+                size_t n = gen_item(item, sizeof item);
+                if (len + n + 1 > sizeof buf)
+                    break;
+                memcpy(buf + len, item, n);
+                len += n;
+                buf[len++] = '\0'; /* a NUL inside an item just splits it */
+            }
+            if (chance(10) && len)
+                len--; /* no final NUL: refused */
+            int kind = 1 + (int)below(5) + (chance(16) ? 5 : 0);
+            int rc = sw_set_domains(sets[i], kind, len || chance(2) ? buf : NULL, len);
+            check_rc("set_domains", rc);
+        }
+        for (uint32_t k = below(3); k; k--) {
+            int family = chance(2) ? 4 : 6;
+            uint32_t n = below(9);
+            for (uint32_t j = 0; j < n; j++) {
+                gen_addr(family, addrs + j * (family == 4 ? 4 : 16));
+                prefixes[j] = (uint8_t)below(family == 4 ? 34 : 130);
+            }
+            check_rc("set_cidrs", sw_set_cidrs(sets[i], (int)below(3), chance(16) ? 5 : family,
+                                               addrs, prefixes, n));
+        }
+        for (uint32_t k = below(3); k; k--) {
+            uint16_t lo = (uint16_t)below(2000), hi = (uint16_t)(lo + below(3000) - 100);
+            check_rc("set_port", sw_set_port(sets[i], (int)below(3), lo, hi));
+        }
+        if (chance(3))
+            check_rc("set_network", sw_set_network(sets[i], (int)below(4)));
+        if (chance(3))
+            check_rc("set_flags", sw_set_flags(sets[i], below(10)));
+        /* Unsealed sets answer lookups with -EINVAL. */
+        if (sw_set_has_name(sets[i], "a", 1) != -EINVAL)
+            FAIL("has_name on an unsealed set");
+        if (!chance(6)) {
+            int rc = sw_set_seal(sets[i]);
+            check_rc("set_seal", rc);
+            set_sealed[i] = rc == 0;
+            if (set_sealed[i] && sw_set_seal(sets[i]) != -EINVAL)
+                FAIL("a set sealed twice");
+        }
+        sw_set_info info;
+        if (sw_set_info_get(sets[i], &info) || info.bytes < sizeof(sw_set_info))
+            FAIL("set info");
+    }
+}
+
+static void query_sets(void)
+{
+    char text[300];
+    uint8_t a[16];
+    for (uint32_t i = 0; i < nsets; i++) {
+        for (uint32_t q = 0; q < 16; q++) {
+            size_t n = gen_item(text, sizeof text);
+            char *h = malloc(n ? n : 1); /* exactly n bytes: ASan sees any overread */
+            if (!h)
+                FAIL("out of memory");
+            memcpy(h, text, n);
+            int r1 = sw_set_has_name(sets[i], h, (uint32_t)n);
+            int r2 = sw_set_has_name(sets[i], h, (uint32_t)n);
+            free(h);
+            if (set_sealed[i] ? (r1 != 0 && r1 != 1) || r1 != r2 : r1 != -EINVAL)
+                FAIL("has_name answered %d then %d", r1, r2);
+            int family = chance(2) ? 4 : 6;
+            gen_addr(family, a);
+            r1 = sw_set_has_addr(sets[i], (int)below(2), family, a);
+            if (set_sealed[i] ? r1 != 0 && r1 != 1 : r1 != -EINVAL)
+                FAIL("has_addr answered %d", r1);
+        }
+    }
+}
+
+static void release_sets(void)
+{
+    for (uint32_t i = 0; i < nsets; i++)
+        sw_set_free(sets[i]);
+    nsets = 0;
+}
+
 /* ---- one table ----------------------------------------------------------- */
 
 static uint32_t nrules, ntargets;
@@ -204,6 +329,14 @@ static void add_condition(sw_table *t, uint32_t r)
 {
     char text[300];
     uint8_t a[16];
+    if (nsets && chance(5)) {
+        sw_set *pick[MAX_SETS];
+        uint32_t n = below(nsets + 1);
+        for (uint32_t i = 0; i < n; i++)
+            pick[i] = sets[below(nsets)];
+        check_rc("cond_sets", sw_table_cond_sets(t, r, below(5), n ? pick : NULL, n));
+        return;
+    }
     switch (below(9)) {
     case 0: {
         size_t n = gen_host(text, sizeof text);
@@ -277,6 +410,8 @@ static sw_table *build_table(bool *sealed)
         }
         for (uint32_t k = below(5); k; k--)
             add_condition(t, r);
+        if (chance(3))
+            check_rc("rule_flags", sw_table_rule_flags(t, r, below(20)));
     }
     check_rc("set_process", sw_table_set_process(t, (int)below(4)));
     uint8_t a[16];
@@ -421,7 +556,10 @@ int main(int argc, char **argv)
             break;
         rng_state = base_seed ^ (iteration * 0xD1B54A32D192ED03ull);
         bool sealed;
+        build_sets();
+        query_sets();
         sw_table *t = build_table(&sealed);
+        release_sets(); /* the table holds its own references */
         route_queries(t, sealed);
         sealed_tables += sealed;
         sw_table_free(t);

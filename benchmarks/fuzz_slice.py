@@ -44,8 +44,9 @@ SANITIZER_ENV = {
 }
 #: The route driver's sources (rebuilt when any is newer than the binary).
 ROUTE_SOURCES = (
-    BENCH / "fuzz_route.c", ROOT / "csrc" / "route.c", ROOT / "csrc" / "iplit.c",
-    ROOT / "csrc" / "route.h", ROOT / "csrc" / "iplit.h",
+    BENCH / "fuzz_route.c", ROOT / "csrc" / "route.c", ROOT / "csrc" / "route_set.c",
+    ROOT / "csrc" / "iplit.c", ROOT / "csrc" / "route.h", ROOT / "csrc" / "route_int.h",
+    ROOT / "csrc" / "iplit.h",
 )  # fmt: skip
 #: Far more inputs than a slice reaches: the time bound is what stops a driver.
 UNBOUNDED = "1000000000000"

@@ -12,7 +12,12 @@
  *       stop at --duration (or --count); the ones in flight finish.
  *       --rate R (paced, open loop): start R new connections per second over
  *       all threads on a fixed schedule instead of as soon as a slot frees;
- *       --conc is then the cap on connections in flight.  A start that falls
+ *       --conc is then the cap on connections in flight.
+ *       --hosts FILE (one name a line): each request's Host header names the
+ *       next of them in turn (per thread, from a different start), the
+ *       request still --req bytes long when the name fits, so a proxy that
+ *       sniffs routes each connection by another name (benchmarks/
+ *       route_rules.py); without it every request says "bench.local".  A start that falls
  *       due while every slot is busy waits for one (such starts are counted
  *       in "paced_no_slot"); starts run at most ~1 ms late (epoll's resolution)
  *       and the schedule is absolute, so late starts catch up.
@@ -118,6 +123,8 @@ static int g_inflight = 256;
 static uint32_t g_payload = 16;
 static double g_hold_seconds = 60;
 static double g_rate; /* rate mode: new connections/s over all threads; 0 = closed loop */
+static char **g_hosts; /* --hosts: Host header names, read-only once loaded */
+static size_t g_nhosts;
 
 /* Per-thread state (rate and bulk can run --threads epoll loops; each owns
  * its connections, buffers and results, merged by main at the end). */
@@ -127,6 +134,7 @@ static TLS conn *g_conns;
 static TLS int g_nconns;
 static TLS char *g_big;
 static TLS char *g_reqbuf;
+static TLS size_t g_host_next; /* the next of g_hosts this thread names */
 static TLS uint64_t g_errs[E_N];
 static TLS int g_first_errno[E_N];
 static TLS uint64_t *g_lat;
@@ -414,10 +422,25 @@ static void on_reply(conn *c) {
     app_start(c);
 }
 
+/* The rate request naming the next --hosts name: "GET / HTTP/1.1", its Host,
+ * an X-Pad header filling it to --req bytes (longer when the name needs it);
+ * its length.  g_reqbuf has room for --req or 512 bytes, whichever is more. */
+static size_t host_request(void) {
+    const char *name = g_hosts[g_host_next++ % g_nhosts];
+    int n = snprintf(g_reqbuf, 512, "GET / HTTP/1.1\r\nHost: %.300s\r\nX-Pad: ", name);
+    size_t len = (size_t)n;
+    if (len + 4 < g_req) {
+        memset(g_reqbuf + len, 'p', g_req - len - 4);
+        len = g_req - 4;
+    }
+    memcpy(g_reqbuf + len, "\r\n\r\n", 4);
+    return len + 4;
+}
+
 static void app_start(conn *c) {
     switch (g_mode) {
     case M_RATE:
-        if (send_small(c, g_reqbuf, g_req) < 0) {
+        if (send_small(c, g_reqbuf, g_nhosts ? host_request() : g_req) < 0) {
             fail(c, E_IO, errno);
             return;
         }
@@ -629,6 +652,8 @@ static void setup(int nconns) {
     g_big = malloc(g_buf);
     memset(g_big, 'u', g_buf);
     size_t rq = g_req > g_payload ? g_req : g_payload;
+    if (rq < 512)
+        rq = 512; /* host_request's room */
     g_reqbuf = malloc(rq + 1);
     memset(g_reqbuf, 'q', rq);
     /* The request looks like what a client sends through a proxy: an HTTP/1.1
@@ -664,6 +689,8 @@ static void *rate_worker(void *arg) {
     result *res = arg;
     int conc = res->conc;
     setup(conc);
+    /* Threads name different hosts at any one time. */
+    g_host_next = g_nhosts ? (size_t)res->tid * (g_nhosts / (size_t)g_threads + 1) : 0;
     struct epoll_event evs[1024];
     uint64_t start = g_start_ns;
     uint64_t stop_at = g_measure_from + (uint64_t)(g_duration * 1e9);
@@ -912,11 +939,36 @@ static int run_hold(void) {
     return 0;
 }
 
+/* --hosts FILE: one name a line (empty lines skipped), at most 300 bytes each. */
+static void load_hosts(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) die("--hosts");
+    char line[512];
+    size_t cap = 0;
+    while (fgets(line, sizeof line, f)) {
+        size_t n = strcspn(line, "\r\n");
+        if (!n || n > 300) continue;
+        line[n] = 0;
+        if (g_nhosts == cap) {
+            cap = cap ? cap * 2 : 1024;
+            g_hosts = realloc(g_hosts, cap * sizeof *g_hosts);
+            if (!g_hosts) die("realloc");
+        }
+        g_hosts[g_nhosts] = strdup(line);
+        if (!g_hosts[g_nhosts++]) die("strdup");
+    }
+    fclose(f);
+    if (!g_nhosts) {
+        fprintf(stderr, "loadgen: no host in %s\n", path);
+        exit(2);
+    }
+}
+
 static void usage(void) {
     fprintf(stderr,
             "usage: loadgen rate|bulk|hold --target H:P [--socks H:P | --http H:P] [options]\n"
             "  rate: --conc N --duration S [--count N] [--warmup S] [--req B] [--resp B]\n"
-            "        [--timeout-ms MS] [--threads T] [--rate CONN_PER_S]\n"
+            "        [--timeout-ms MS] [--threads T] [--rate CONN_PER_S] [--hosts FILE]\n"
             "  bulk: --conns N --bytes B --dir up|down [--max-seconds S] [--buf B] [--threads T]\n"
             "  hold: --conns N [--inflight N] [--payload B] [--hold-seconds S] [--timeout-ms MS]\n");
     exit(2);
@@ -958,6 +1010,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--hold-seconds")) g_hold_seconds = atof(v);
         else if (!strcmp(a, "--threads")) g_threads = atoi(v);
         else if (!strcmp(a, "--rate")) g_rate = atof(v);
+        else if (!strcmp(a, "--hosts")) load_hosts(v);
         else usage();
     }
     if (!have_target || (g_use_socks && g_use_http) || g_conc < 1 || g_buf < 4096 || g_inflight < 1 || g_threads < 1 ||

@@ -38,13 +38,14 @@ def _rel(path: pathlib.Path) -> str:
 #: order (conn.h's declarations use tun.h's sw_tun).
 MODULES = ("relay", "iplit", "parse", "route", "pkt", "tun", "conn", "udp")
 #: Further parts of a module, compiled in but not part of the cdef (conn.c is
-#: split along its sections; conn_int.h is what the parts share).
+#: split along its sections; conn_int.h is what the parts share; route_set.c holds
+#: route.h's shared sets, route_int.h what it shares with route.c).
 PARTS = (
     "conn_flow", "conn_dns", "conn_route", "conn_upstream", "conn_forward", "conn_handshake",
-    "conn_api",
+    "conn_api", "route_set",
 )  # fmt: skip
 #: Internal headers (static inline helpers, shared types): rebuild triggers only.
-INTERNAL_HEADERS = ("clock", "evloop", "heap", "ip6text", "ring", "conn_int")
+INTERNAL_HEADERS = ("clock", "evloop", "heap", "ip6text", "ring", "conn_int", "route_int")
 
 
 def _cdef_text() -> str:

@@ -14,8 +14,11 @@
  * Anchors
  *   Each rule is filed under one "anchor", the most selective indexed kind it
  *   has: domain > domain_suffix > domain_keyword > ip_cidr > source_ip_cidr >
- *   principal_key > inbound_tag.  Rules with none of them (port, network,
- *   opaque conditions only, or no condition) form the scan list.  A rule can
+ *   a set condition > principal_key > inbound_tag.  Rules with none of them
+ *   (port, network, opaque conditions only, or no condition) and inverted
+ *   rules (they match where their conditions fail) form the scan list; a
+ *   no_resolve rule never anchors on ip_cidr (before the first resolving rule
+ *   it does not see the resolved address the CIDR index looks at).  A rule can
  *   match only if its anchor condition holds, and every index answers, per
  *   item the flow satisfies, the sorted ids of the rules anchored on that
  *   item.  decide walks each such list in rule order, verifying the rule's
@@ -43,6 +46,15 @@
  *   lengths, each with its sorted networks: the address is masked once per
  *   length and bisected (at most 33 or 129 probes, usually a handful).
  *   principal_key / inbound_tag: sorted distinct values with their rules.
+ *   Set conditions: per distinct (set, which address its networks look at),
+ *   the rules whose first condition that is not inverted names that set,
+ *   ordered by their first rule.  decide evaluates a set (route_set.c: its
+ *   own hashed names, keyword automaton and network intervals; O(host
+ *   length + log networks) whatever its size) only while its first rule
+ *   ranks below the best rule found, last, after the cheaper indexes; a set
+ *   that holds walks its rules with that condition known true, an unknown one
+ *   walks them in full.  Set results are memoised per decide (the first
+ *   MEMO_SETS sets of a table).
  *
  * Three-valued matching, and what defers
  *   A condition is false, true or unknown; a rule is false when one of its
@@ -60,10 +72,17 @@
  *     an address (fullwidth digits are; hostnorm.target_address);
  *   - a host with a '%': ipaddress accepts IPv6 scope ids ("fe80::1%eth0"),
  *     so whether it is an address (ip_cidr) or a name (domain conditions) is
- *     left to Python.
- *   The indexes only know true and false, so a flow with such a host, in a
- *   table that has conditions of the affected kind, is decided by a linear
- *   three-valued scan of the rules instead (rare; still exact).
+ *     left to Python;
+ *   - a set's SW_SET_F_DOMAIN_OPAQUE (regexes: for a flow with a name),
+ *     SW_SET_F_PROCESS (as process conditions) and SW_SET_F_OPAQUE.
+ *   Kleene's logic combines them: a set (an OR) holds when an item does,
+ *   else is unknown when one is; an inverted rule or set condition swaps true
+ *   and false.  The indexes only know true and false, so a flow with such a
+ *   host, in a table that has plain conditions of the affected kind, is
+ *   decided by a linear three-valued scan of the rules instead (rare; still
+ *   exact).  The rules of one SW_RULE_GROUPED run are the alternatives of
+ *   one configured rule: when the first of them that is not false is
+ *   unknown, a later one that holds decides instead.
  *
  * Facts with no value
  *   inbound UINT32_MAX and principal SW_NO_PRINCIPAL mean none: conditions
@@ -72,13 +91,16 @@
  *   An IPv4-mapped IPv6 source is unmapped here too, as routing._parse_ip
  *   does.
  *
- * Domain targets and ip_cidr (routing.needs_address)
- *   ip_cidr looks at the target's address; a domain target has one only when
- *   the query carries resolved_family/resolved_ip (routing.FlowFacts.
- *   resolved_ip: conn.c passes what its DNS cache holds for the name).
- *   Without it, a decision with an ip_cidr rule ranked before the match (or
- *   any, for the final) defers, `rule` naming that first ip_cidr rule: the
- *   address could change it, and Python resolves the name first.
+ * Domain targets and resolving rules (routing.needs_address)
+ *   ip_cidr (and a set's networks) look at the target's address; a domain
+ *   target has one only when the query carries resolved_family/resolved_ip
+ *   (routing.FlowFacts.resolved_ip: conn.c passes what its DNS cache holds
+ *   for the name).  The first rule that resolves (SW_RULE_RESOLVES, or an
+ *   ip_cidr condition without SW_RULE_NO_RESOLVE) is first_net_dst: the
+ *   rules before it see only an address the client sent (V_LIT), the rules
+ *   from it on a resolved one too.  Without the address, a decision at or
+ *   after it (or the final) defers, `rule` naming it: the address could
+ *   change the decision, and Python resolves the name first.
  *
  * IP literals
  *   A target or sniffed host is an address when sw_host_addr (iplit.c, the
@@ -90,7 +112,7 @@
  *   a.b.c.d/(n-96) as IPv4, as routing._IpSet does.
  */
 #define _GNU_SOURCE
-#include "route.h"
+#include "route_int.h"
 #include "iplit.h"
 
 #include <errno.h>
@@ -99,8 +121,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-typedef unsigned __int128 u128;
 
 /* Condition kinds, one bit each in struct rule.kinds. */
 enum {
@@ -116,10 +136,20 @@ enum {
     K_PRINCIPAL = 1u << 9,
     K_OPAQUE = 1u << 10,
     K_PROCESS = 1u << 11,
+    K_SET = 1u << 12,       /* set conditions (sw_table_cond_sets) */
+    K_SETANCHOR = 1u << 13, /* in a walk's `skip` only: the anchor set condition holds */
+    K_SETPOS = 1u << 14,    /* a set condition that is not inverted (one can anchor) */
     K_DOMAIN = K_EXACT | K_SUFFIX | K_KEYWORD,
 };
 
-enum { A_SCAN, A_EXACT, A_SUFFIX, A_KEYWORD, A_NET_DST, A_NET_SRC, A_PRINCIPAL, A_INBOUND };
+enum { A_SCAN, A_EXACT, A_SUFFIX, A_KEYWORD, A_NET_DST, A_NET_SRC, A_SET, A_PRINCIPAL, A_INBOUND };
+
+/* Which address ip_cidr items look at (a memo row each): the target's, the
+ * source's, or the target's unless a domain target's resolved address (a
+ * rule before the first resolving one). */
+enum { V_DST, V_SRC, V_LIT, V_COUNT };
+/* Set results memoised per decide, for the first MEMO_SETS sets of a table. */
+#define MEMO_SETS 128
 
 /* Per-rule slices of the sealed arrays. */
 enum {
@@ -132,12 +162,10 @@ enum {
     S_INBOUND,  /* t->vals */
     S_PRINCIPAL,
     S_KEYWORD,  /* t->rule_kws: keyword ids */
+    S_SETCOND,  /* t->setconds, in call order */
     S_COUNT
 };
 
-enum { TV_FALSE, TV_TRUE, TV_UNKNOWN };
-
-#define NONE32 UINT32_MAX
 #define NO_INBOUND UINT32_MAX
 /* Results are int32_t. */
 #define MAX_RULES ((uint32_t)INT32_MAX - 1)
@@ -145,18 +173,6 @@ enum { TV_FALSE, TV_TRUE, TV_UNKNOWN };
 /* Keywords reported once per host; past this many distinct hits per host a
  * keyword's rules may be walked again (slower, still right). */
 #define AC_SEEN 64
-
-#define FNV_OFFSET 0xcbf29ce484222325ull
-#define FNV_PRIME 0x100000001b3ull
-
-struct slice {
-    uint32_t off, n;
-};
-
-struct vec {
-    void *p;
-    size_t n, cap;
-};
 
 /* ---- builder items ------------------------------------------------------ */
 
@@ -183,6 +199,11 @@ struct b_val {
     uint32_t rule, value;
 };
 
+struct b_setc {
+    uint32_t rule, seq, flags;
+    struct slice sets; /* in t->b_setptrs */
+};
+
 /* ---- sealed structures -------------------------------------------------- */
 
 struct ival {
@@ -198,7 +219,24 @@ struct rule {
     uint32_t kinds;
     uint8_t anchor;
     uint8_t netmask; /* bit 1 << network */
+    uint8_t flags;   /* enum sw_rule_flag */
+    uint32_t anchor_cond; /* A_SET: which of its set conditions (in call order) */
     struct slice s[S_COUNT];
+};
+
+/* One set condition: true when any of its sets is. */
+struct setcond {
+    uint8_t variant;   /* V_*: the address its ip_cidr items look at */
+    bool invert;
+    uint32_t kinds;    /* SK_*: union of its sets' */
+    struct slice sets; /* table set ids in t->setids */
+};
+
+/* The rules anchored on one set (in a condition with one variant). */
+struct skey {
+    uint32_t tid;
+    uint32_t variant;
+    struct slice rules; /* in t->ids */
 };
 
 struct dentry {
@@ -214,13 +252,6 @@ struct kword {
     const char *s;
     uint32_t len;
     struct slice anchor; /* keyword-anchored rules with this keyword */
-};
-
-struct acnode {
-    uint32_t edge_off, nedge;
-    uint32_t fail;
-    uint32_t dict; /* nearest node on the failure chain with a keyword */
-    uint32_t kw;   /* keyword ending here, NONE32 if none */
 };
 
 struct cnet {
@@ -247,11 +278,15 @@ struct sw_table {
     int32_t first_domain;
     uint32_t first_net_dst; /* the first rule with an ip_cidr condition (nrules: none) */
     uint32_t kinds; /* union of the rules' kinds */
+    uint32_t setkinds; /* union of the sets' kinds (SK_*) */
     struct rule *rules;
     sw_target_info *targets;
 
     /* Recorded by the builders (b_dom strings live as long as the table). */
     struct vec b_dom, b_net, b_port, b_inb, b_pri;
+    /* struct b_setc, and the sets they name: one reference each, dropped
+     * when the table is freed. */
+    struct vec b_setc, b_setptrs;
 
     /* Built by sw_table_seal. */
     struct vec ids;      /* uint32_t rule ids, sliced by everything below */
@@ -263,13 +298,17 @@ struct sw_table {
     uint32_t *dslots;    /* entry index + 1, 0 = empty */
     uint32_t dmask;
     struct vec kws;      /* struct kword */
-    struct vec ac;       /* struct acnode; node 0 is the root */
-    struct vec edge_byte, edge_to;
+    struct acm acm;      /* over the keywords that anchor a rule */
     struct vec cnets;    /* struct cnet */
     struct vec cgroups;  /* struct cgroup */
     struct slice cgroup_of[2][2]; /* [field][family 4: 0, 6: 1] */
     struct vec inb_keys, pri_keys; /* struct vkey, sorted by value */
     struct slice scan;   /* in ids: the rules anchored nowhere */
+    sw_set **tsets;      /* the distinct sets (by address), borrowed from b_setptrs */
+    uint32_t ntsets;
+    struct vec setconds; /* struct setcond */
+    struct vec setids;   /* uint32_t table set ids */
+    struct vec skeys;    /* struct skey, by first anchored rule */
 
     /* Listener slots whose flows Python takes before routing (the flow hook):
      * bit i of defer_inb for slot i; defer_any spares every other table the
@@ -294,62 +333,13 @@ struct sw_table {
 
 /* ---- small helpers ------------------------------------------------------ */
 
-static void *vec_push(struct vec *v, size_t size)
-{
-    if (v->n == v->cap) {
-        size_t ncap = v->cap ? v->cap * 2 : 16;
-        void *np = realloc(v->p, ncap * size);
-        if (!np)
-            return NULL;
-        v->p = np;
-        v->cap = ncap;
-    }
-    return (char *)v->p + v->n++ * size;
-}
-
 static int push_id(struct vec *v, uint32_t id)
 {
-    uint32_t *p = vec_push(v, sizeof *p);
+    uint32_t *p = sw_vec_push(v, sizeof *p);
     if (!p)
         return -ENOMEM;
     *p = id;
     return 0;
-}
-
-static void vec_free(struct vec *v)
-{
-    free(v->p);
-    v->p = NULL;
-    v->n = v->cap = 0;
-}
-
-#define VEC_AT(v, type, i) (((type *)(v).p)[i])
-
-static inline unsigned char lower(unsigned char c)
-{
-    return (c >= 'A' && c <= 'Z') ? (unsigned char)(c + ('a' - 'A')) : c;
-}
-
-static inline uint64_t hmix(uint64_t h, unsigned char c)
-{
-    return (h ^ c) * FNV_PRIME;
-}
-
-/* Right to left, so that suffixes hash incrementally (see the top). */
-static uint64_t hash_rev(const char *s, uint32_t n)
-{
-    uint64_t h = FNV_OFFSET;
-    for (uint32_t i = n; i-- > 0;)
-        h = hmix(h, lower((unsigned char)s[i]));
-    return h;
-}
-
-static inline uint32_t slot_of(uint64_t h, uint32_t mask)
-{
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    return (uint32_t)h & mask;
 }
 
 /* Is `r` in the sorted ids[s]? */
@@ -437,24 +427,28 @@ int sw_table_new(uint32_t nrules, uint32_t ntargets, uint64_t epoch, sw_table **
 
 static void free_index(sw_table *t)
 {
-    vec_free(&t->ids);
-    vec_free(&t->ivals);
-    vec_free(&t->ports);
-    vec_free(&t->vals);
-    vec_free(&t->rule_kws);
-    vec_free(&t->dents);
+    sw_vec_free(&t->ids);
+    sw_vec_free(&t->ivals);
+    sw_vec_free(&t->ports);
+    sw_vec_free(&t->vals);
+    sw_vec_free(&t->rule_kws);
+    sw_vec_free(&t->dents);
     free(t->dslots);
     t->dslots = NULL;
     t->dmask = 0;
-    vec_free(&t->kws);
-    vec_free(&t->ac);
-    vec_free(&t->edge_byte);
-    vec_free(&t->edge_to);
-    vec_free(&t->cnets);
-    vec_free(&t->cgroups);
+    sw_vec_free(&t->kws);
+    sw_acm_free(&t->acm);
+    sw_vec_free(&t->cnets);
+    sw_vec_free(&t->cgroups);
     memset(t->cgroup_of, 0, sizeof t->cgroup_of);
-    vec_free(&t->inb_keys);
-    vec_free(&t->pri_keys);
+    sw_vec_free(&t->inb_keys);
+    sw_vec_free(&t->pri_keys);
+    free(t->tsets);
+    t->tsets = NULL;
+    t->ntsets = 0;
+    sw_vec_free(&t->setconds);
+    sw_vec_free(&t->setids);
+    sw_vec_free(&t->skeys);
     t->scan = (struct slice){0, 0};
     for (uint32_t r = 0; r < t->nrules; r++)
         memset(t->rules[r].s, 0, sizeof t->rules[r].s);
@@ -476,13 +470,17 @@ void sw_table_free(sw_table *t)
     free_index(t);
     for (size_t i = 0; i < t->b_dom.n; i++)
         free(VEC_AT(t->b_dom, struct b_dom, i).s);
-    vec_free(&t->b_dom);
-    vec_free(&t->b_net);
-    vec_free(&t->b_port);
-    vec_free(&t->b_inb);
-    vec_free(&t->b_pri);
-    vec_free(&t->local[0]);
-    vec_free(&t->local[1]);
+    sw_vec_free(&t->b_dom);
+    sw_vec_free(&t->b_net);
+    sw_vec_free(&t->b_port);
+    sw_vec_free(&t->b_inb);
+    sw_vec_free(&t->b_pri);
+    for (size_t i = 0; i < t->b_setptrs.n; i++)
+        sw_set_free(VEC_AT(t->b_setptrs, sw_set *, i));
+    sw_vec_free(&t->b_setptrs);
+    sw_vec_free(&t->b_setc);
+    sw_vec_free(&t->local[0]);
+    sw_vec_free(&t->local[1]);
     if (t->targets)
         for (uint32_t i = 0; i < t->ntargets; i++)
             target_clear(&t->targets[i]);
@@ -645,7 +643,7 @@ int sw_table_cond_domain(sw_table *t, uint32_t rule, int kind, const char *value
         return -EINVAL;
     /* routing._norm_host for names (lowercase, one trailing dot dropped);
      * keywords are only lowercased.  Non-ASCII bytes stay as given: Python
-     * passes str.lower()'s UTF-8, and no ASCII host can equal or contain a
+     * passes str.sw_lower()'s UTF-8, and no ASCII host can equal or contain a
      * string with such a byte. */
     if (kind != SW_DOMAIN_KEYWORD && n > 0 && value[n - 1] == '.')
         n--;
@@ -653,9 +651,9 @@ int sw_table_cond_domain(sw_table *t, uint32_t rule, int kind, const char *value
     if (!s)
         return -ENOMEM;
     for (size_t i = 0; i < n; i++)
-        s[i] = (char)lower((unsigned char)value[i]);
+        s[i] = (char)sw_lower((unsigned char)value[i]);
     s[n] = '\0';
-    struct b_dom *d = vec_push(&t->b_dom, sizeof *d);
+    struct b_dom *d = sw_vec_push(&t->b_dom, sizeof *d);
     if (!d) {
         free(s);
         return -ENOMEM;
@@ -667,7 +665,7 @@ int sw_table_cond_domain(sw_table *t, uint32_t rule, int kind, const char *value
 
 static int push_net(sw_table *t, uint32_t rule, int field, int family, u128 addr, unsigned plen)
 {
-    struct b_net *b = vec_push(&t->b_net, sizeof *b);
+    struct b_net *b = sw_vec_push(&t->b_net, sizeof *b);
     if (!b)
         return -ENOMEM;
     u128 lo = addr & net_mask(family, plen);
@@ -703,7 +701,7 @@ int sw_table_cond_port(sw_table *t, uint32_t rule, int field, uint16_t lo, uint1
     struct rule *r = building(t, rule);
     if (!r || (field != SW_COND_DST && field != SW_COND_SRC) || lo > hi)
         return -EINVAL;
-    struct b_port *b = vec_push(&t->b_port, sizeof *b);
+    struct b_port *b = sw_vec_push(&t->b_port, sizeof *b);
     if (!b)
         return -ENOMEM;
     *b = (struct b_port){.rule = rule, .field = (uint8_t)field, .lo = lo, .hi = hi};
@@ -726,7 +724,7 @@ static int cond_value(sw_table *t, uint32_t rule, struct vec *v, uint32_t bit, u
     struct rule *r = building(t, rule);
     if (!r)
         return -EINVAL;
-    struct b_val *b = vec_push(v, sizeof *b);
+    struct b_val *b = sw_vec_push(v, sizeof *b);
     if (!b)
         return -ENOMEM;
     *b = (struct b_val){.rule = rule, .value = value};
@@ -762,6 +760,42 @@ int sw_table_cond_process(sw_table *t, uint32_t rule)
     return 0;
 }
 
+int sw_table_cond_sets(sw_table *t, uint32_t rule, uint32_t flags, sw_set *const *sets,
+                       uint32_t n)
+{
+    struct rule *r = building(t, rule);
+    if (!r || (flags & ~(uint32_t)(SW_SETCOND_SOURCE | SW_SETCOND_INVERT)) || (n && !sets))
+        return -EINVAL;
+    for (uint32_t i = 0; i < n; i++)
+        if (!sets[i] || !sw_set_sealed(sets[i]))
+            return -EINVAL;
+    if (sw_vec_reserve(&t->b_setptrs, sizeof(sw_set *), n))
+        return -ENOMEM;
+    struct b_setc *c = sw_vec_push(&t->b_setc, sizeof *c);
+    if (!c)
+        return -ENOMEM;
+    *c = (struct b_setc){.rule = rule,
+                         .seq = (uint32_t)t->b_setc.n,
+                         .flags = flags,
+                         .sets = {(uint32_t)t->b_setptrs.n, n}};
+    for (uint32_t i = 0; i < n; i++) {
+        sw_set_ref(sets[i]);
+        *(sw_set **)sw_vec_push(&t->b_setptrs, sizeof(sw_set *)) = sets[i];
+    }
+    r->kinds |= K_SET | ((flags & SW_SETCOND_INVERT) ? 0 : K_SETPOS);
+    return 0;
+}
+
+int sw_table_rule_flags(sw_table *t, uint32_t rule, uint32_t flags)
+{
+    struct rule *r = building(t, rule);
+    const uint32_t all = SW_RULE_NO_RESOLVE | SW_RULE_INVERT | SW_RULE_RESOLVES | SW_RULE_GROUPED;
+    if (!r || (flags & ~all) || ((flags & SW_RULE_GROUPED) && rule == 0))
+        return -EINVAL;
+    r->flags |= (uint8_t)flags;
+    return 0;
+}
+
 int sw_table_set_process(sw_table *t, int mode)
 {
     if (!t || t->sealed ||
@@ -785,7 +819,7 @@ int sw_table_local_addr(sw_table *t, int family, const uint8_t *addr)
         return -EINVAL;
     struct ipaddr ip = {.family = family, .v = addr_value(family, addr)};
     unmap(&ip);
-    u128 *p = vec_push(&t->local[ip.family == 4 ? 0 : 1], sizeof *p);
+    u128 *p = sw_vec_push(&t->local[ip.family == 4 ? 0 : 1], sizeof *p);
     if (!p)
         return -ENOMEM;
     *p = ip.v;
@@ -949,8 +983,17 @@ static void sort_vec(struct vec *v, size_t size, int (*cmp)(const void *, const 
         qsort(v->p, v->n, size, cmp);
 }
 
-static uint8_t pick_anchor(uint32_t k)
+/* The most selective indexed condition of a rule.  An inverted rule matches
+ * where its conditions fail, so no index can find it; a no_resolve rule
+ * before the first resolving one does not see a resolved address, which the
+ * CIDR index looks at. */
+static uint8_t pick_anchor(const struct rule *ru)
 {
+    uint32_t k = ru->kinds;
+    if (ru->flags & SW_RULE_INVERT)
+        return A_SCAN;
+    if (ru->flags & SW_RULE_NO_RESOLVE)
+        k &= ~(uint32_t)K_NET_DST;
     if (k & K_EXACT)
         return A_EXACT;
     if (k & K_SUFFIX)
@@ -961,6 +1004,8 @@ static uint8_t pick_anchor(uint32_t k)
         return A_NET_DST;
     if (k & K_NET_SRC)
         return A_NET_SRC;
+    if (k & K_SETPOS)
+        return A_SET;
     if (k & K_PRINCIPAL)
         return A_PRINCIPAL;
     if (k & K_INBOUND)
@@ -988,7 +1033,7 @@ static int seal_rule_nets(sw_table *t)
                     last->hi = b->hi;
                 continue;
             }
-            struct ival *iv = vec_push(&t->ivals, sizeof *iv);
+            struct ival *iv = sw_vec_push(&t->ivals, sizeof *iv);
             if (!iv)
                 return -ENOMEM;
             *iv = (struct ival){b->lo, b->hi};
@@ -1017,7 +1062,7 @@ static int seal_rule_ports(sw_table *t)
                     last->hi = b->hi;
                 continue;
             }
-            struct prange *p = vec_push(&t->ports, sizeof *p);
+            struct prange *p = sw_vec_push(&t->ports, sizeof *p);
             if (!p)
                 return -ENOMEM;
             *p = (struct prange){b->lo, b->hi};
@@ -1052,7 +1097,7 @@ static int seal_values(sw_table *t, struct vec *items, int which, uint8_t anchor
         if (t->rules[b->rule].anchor != anchor)
             continue;
         if (!k || k->value != b->value) {
-            k = vec_push(keys, sizeof *k);
+            k = sw_vec_push(keys, sizeof *k);
             if (!k)
                 return -ENOMEM;
             *k = (struct vkey){.value = b->value, .rules = {(uint32_t)t->ids.n, 0}};
@@ -1088,7 +1133,7 @@ static int dom_rules(sw_table *t, size_t i, size_t j, int kind, int anchor, stru
 static int dslot_insert(sw_table *t, uint32_t index)
 {
     const struct dentry *e = &VEC_AT(t->dents, struct dentry, index);
-    for (uint32_t s = slot_of(e->hash, t->dmask);; s = (s + 1) & t->dmask) {
+    for (uint32_t s = sw_slot_of(e->hash, t->dmask);; s = (s + 1) & t->dmask) {
         if (!t->dslots[s]) {
             t->dslots[s] = index + 1;
             return 0;
@@ -1116,11 +1161,11 @@ static int seal_domains(sw_table *t)
                 names = true;
         }
         if (names) {
-            struct dentry *e = vec_push(&t->dents, sizeof *e);
+            struct dentry *e = sw_vec_push(&t->dents, sizeof *e);
             if (!e)
                 rc = -ENOMEM;
             else {
-                *e = (struct dentry){.hash = hash_rev(g->s, g->len), .s = g->s, .len = g->len};
+                *e = (struct dentry){.hash = sw_hash_rev(g->s, g->len), .s = g->s, .len = g->len};
                 struct slice ex, sf, sa;
                 rc = dom_rules(t, i, j, SW_DOMAIN_EXACT, -1, &ex);
                 if (!rc)
@@ -1136,7 +1181,7 @@ static int seal_domains(sw_table *t)
         }
         if (keyword && !rc) {
             uint32_t id = (uint32_t)t->kws.n;
-            struct kword *kw = vec_push(&t->kws, sizeof *kw);
+            struct kword *kw = sw_vec_push(&t->kws, sizeof *kw);
             if (!kw)
                 rc = -ENOMEM;
             else {
@@ -1149,7 +1194,7 @@ static int seal_domains(sw_table *t)
                 const struct b_dom *b = &VEC_AT(t->b_dom, struct b_dom, k);
                 if (b->kind != SW_DOMAIN_KEYWORD)
                     continue;
-                struct b_val *p = vec_push(&pairs, sizeof *p);
+                struct b_val *p = sw_vec_push(&pairs, sizeof *p);
                 if (!p)
                     rc = -ENOMEM;
                 else
@@ -1171,7 +1216,7 @@ static int seal_domains(sw_table *t)
             s->n++;
         }
     }
-    vec_free(&pairs);
+    sw_vec_free(&pairs);
     if (rc)
         return rc;
     uint32_t cap = 16;
@@ -1186,122 +1231,25 @@ static int seal_domains(sw_table *t)
     return 0;
 }
 
-static uint32_t ac_goto(const sw_table *t, uint32_t node, unsigned char c)
-{
-    const struct acnode *a = &VEC_AT(t->ac, struct acnode, node);
-    const uint8_t *bytes = t->edge_byte.p;
-    uint32_t lo = a->edge_off, hi = a->edge_off + a->nedge;
-    while (lo < hi) {
-        uint32_t mid = lo + (hi - lo) / 2;
-        if (bytes[mid] < c)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (lo < a->edge_off + a->nedge && bytes[lo] == c)
-        return VEC_AT(t->edge_to, uint32_t, lo);
-    return NONE32;
-}
-
-/* Aho-Corasick over the keywords that anchor a rule.  kws is sorted, so the
- * children of every trie node are created in increasing byte order and a
- * prefix shared with the previous keyword is always its node's last child. */
+/* Aho-Corasick over the keywords that anchor a rule (kws is sorted). */
 static int seal_keywords(sw_table *t)
 {
-    struct tnode {
-        uint32_t first, last, next; /* children and sibling, NONE32 = none */
-        uint8_t byte;
-    };
-    struct vec tn = {0}, queue = {0};
-    int rc = -ENOMEM;
-    bool any = false;
+    uint32_t n = 0;
     for (size_t i = 0; i < t->kws.n; i++)
-        any |= VEC_AT(t->kws, struct kword, i).anchor.n > 0;
-    if (!any)
+        n += VEC_AT(t->kws, struct kword, i).anchor.n > 0;
+    if (!n)
         return 0;
-    struct tnode *root = vec_push(&tn, sizeof *root);
-    struct acnode *aroot = vec_push(&t->ac, sizeof *aroot);
-    if (!root || !aroot)
-        goto out;
-    *root = (struct tnode){NONE32, NONE32, NONE32, 0};
-    *aroot = (struct acnode){.fail = 0, .dict = NONE32, .kw = NONE32};
+    struct acword *w = calloc(n, sizeof *w);
+    if (!w)
+        return -ENOMEM;
+    n = 0;
     for (uint32_t k = 0; k < t->kws.n; k++) {
         const struct kword *kw = &VEC_AT(t->kws, struct kword, k);
-        if (!kw->anchor.n)
-            continue;
-        uint32_t node = 0;
-        for (uint32_t i = 0; i < kw->len; i++) {
-            uint8_t c = (uint8_t)kw->s[i];
-            uint32_t last = VEC_AT(tn, struct tnode, node).last;
-            if (last != NONE32 && VEC_AT(tn, struct tnode, last).byte == c) {
-                node = last;
-                continue;
-            }
-            uint32_t id = (uint32_t)tn.n;
-            struct tnode *n = vec_push(&tn, sizeof *n);
-            struct acnode *a = vec_push(&t->ac, sizeof *a);
-            if (!n || !a)
-                goto out;
-            *n = (struct tnode){NONE32, NONE32, NONE32, c};
-            *a = (struct acnode){.dict = NONE32, .kw = NONE32};
-            struct tnode *p = &VEC_AT(tn, struct tnode, node);
-            if (p->last == NONE32)
-                p->first = id;
-            else
-                VEC_AT(tn, struct tnode, p->last).next = id;
-            p->last = id;
-            node = id;
-        }
-        VEC_AT(t->ac, struct acnode, node).kw = k;
+        if (kw->anchor.n)
+            w[n++] = (struct acword){.s = kw->s, .len = kw->len, .id = k};
     }
-    /* Flatten the children into sorted edge arrays. */
-    for (uint32_t u = 0; u < tn.n; u++) {
-        struct acnode *a = &VEC_AT(t->ac, struct acnode, u);
-        a->edge_off = (uint32_t)t->edge_to.n;
-        for (uint32_t c = VEC_AT(tn, struct tnode, u).first; c != NONE32;
-             c = VEC_AT(tn, struct tnode, c).next) {
-            uint8_t *b = vec_push(&t->edge_byte, 1);
-            if (!b || push_id(&t->edge_to, c))
-                goto out;
-            *b = VEC_AT(tn, struct tnode, c).byte;
-            a->nedge++;
-        }
-    }
-    /* Failure and dictionary links, breadth first. */
-    if (push_id(&queue, 0))
-        goto out;
-    for (size_t qi = 0; qi < queue.n; qi++) {
-        uint32_t u = VEC_AT(queue, uint32_t, qi);
-        const struct acnode au = VEC_AT(t->ac, struct acnode, u);
-        for (uint32_t e = au.edge_off; e < au.edge_off + au.nedge; e++) {
-            uint32_t v = VEC_AT(t->edge_to, uint32_t, e);
-            uint8_t c = VEC_AT(t->edge_byte, uint8_t, e);
-            uint32_t f = 0;
-            if (u != 0) {
-                uint32_t g = au.fail;
-                for (;;) {
-                    uint32_t nx = ac_goto(t, g, c);
-                    if (nx != NONE32) {
-                        f = nx;
-                        break;
-                    }
-                    if (g == 0)
-                        break;
-                    g = VEC_AT(t->ac, struct acnode, g).fail;
-                }
-            }
-            struct acnode *av = &VEC_AT(t->ac, struct acnode, v);
-            const struct acnode *af = &VEC_AT(t->ac, struct acnode, f);
-            av->fail = f;
-            av->dict = af->kw != NONE32 ? f : af->dict;
-            if (push_id(&queue, v))
-                goto out;
-        }
-    }
-    rc = 0;
-out:
-    vec_free(&tn);
-    vec_free(&queue);
+    int rc = sw_acm_build(&t->acm, w, n);
+    free(w);
     return rc;
 }
 
@@ -1321,14 +1269,14 @@ static int seal_net_index(sw_table *t)
             groups->off = (uint32_t)t->cgroups.n;
         bool new_group = !groups->n || grp->plen != b->plen;
         if (new_group) {
-            grp = vec_push(&t->cgroups, sizeof *grp);
+            grp = sw_vec_push(&t->cgroups, sizeof *grp);
             if (!grp)
                 return -ENOMEM;
             *grp = (struct cgroup){.plen = b->plen, .nets = {(uint32_t)t->cnets.n, 0}};
             groups->n++;
         }
         if (new_group || net->addr != b->lo) {
-            net = vec_push(&t->cnets, sizeof *net);
+            net = sw_vec_push(&t->cnets, sizeof *net);
             if (!net)
                 return -ENOMEM;
             *net = (struct cnet){.addr = b->lo, .anchor = {(uint32_t)t->ids.n, 0}};
@@ -1343,23 +1291,175 @@ static int seal_net_index(sw_table *t)
     return 0;
 }
 
+static int cmp_ptr(const void *pa, const void *pb)
+{
+    uintptr_t a = (uintptr_t)*(sw_set *const *)pa, b = (uintptr_t)*(sw_set *const *)pb;
+    return (a > b) - (a < b);
+}
+
+static int cmp_setc(const void *pa, const void *pb)
+{
+    const struct b_setc *a = pa, *b = pb;
+    int c = cmp_u32(a->rule, b->rule);
+    return c ? c : cmp_u32(a->seq, b->seq);
+}
+
+static uint32_t tset_id(const sw_table *t, const sw_set *s)
+{
+    uint32_t lo = 0, hi = t->ntsets;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if ((uintptr_t)t->tsets[mid] < (uintptr_t)s)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo; /* every set named is there */
+}
+
+/* (table set, variant, rule) of the set-anchored rules. */
+struct b_skey {
+    uint32_t tid, variant, rule;
+};
+
+static int cmp_bskey(const void *pa, const void *pb)
+{
+    const struct b_skey *a = pa, *b = pb;
+    int c = cmp_u32(a->tid, b->tid);
+    if (!c)
+        c = cmp_u32(a->variant, b->variant);
+    return c ? c : cmp_u32(a->rule, b->rule);
+}
+
+static int cmp_skey_first(const void *pa, const void *pb, void *ctx)
+{
+    const sw_table *t = ctx;
+    const struct skey *a = pa, *b = pb;
+    return cmp_u32(VEC_AT(t->ids, uint32_t, a->rules.off), VEC_AT(t->ids, uint32_t, b->rules.off));
+}
+
+/* The distinct sets, the rules' set conditions, and the index of the rules
+ * anchored on a set: per (set, variant), the rules whose first set
+ * condition names it, ordered by their first rule so that decide can stop
+ * at the best rule found. */
+static int seal_sets(sw_table *t)
+{
+    size_t n = t->b_setptrs.n;
+    if (!t->b_setc.n)
+        return 0;
+    t->tsets = malloc((n ? n : 1) * sizeof *t->tsets);
+    if (!t->tsets)
+        return -ENOMEM;
+    if (n)
+        memcpy(t->tsets, t->b_setptrs.p, n * sizeof *t->tsets);
+    if (n > 1)
+        qsort(t->tsets, n, sizeof *t->tsets, cmp_ptr);
+    uint32_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!m || t->tsets[m - 1] != t->tsets[i])
+            t->tsets[m++] = t->tsets[i];
+    t->ntsets = m;
+    for (uint32_t i = 0; i < m; i++)
+        t->setkinds |= sw_set_kinds(t->tsets[i]);
+
+    sort_vec(&t->b_setc, sizeof(struct b_setc), cmp_setc);
+    struct vec pairs = {0}; /* struct b_skey */
+    int rc = 0;
+    for (size_t i = 0; i < t->b_setc.n && !rc; i++) {
+        const struct b_setc *b = &VEC_AT(t->b_setc, struct b_setc, i);
+        struct rule *ru = &t->rules[b->rule];
+        struct slice *rs = &ru->s[S_SETCOND];
+        if (!rs->n)
+            rs->off = (uint32_t)t->setconds.n;
+        struct setcond *c = sw_vec_push(&t->setconds, sizeof *c);
+        if (!c) {
+            rc = -ENOMEM;
+            break;
+        }
+        uint8_t variant = (b->flags & SW_SETCOND_SOURCE) ? V_SRC
+                          : b->rule < t->first_net_dst                ? V_LIT
+                                                                      : V_DST;
+        bool invert = (b->flags & SW_SETCOND_INVERT) != 0;
+        *c = (struct setcond){
+            .variant = variant, .invert = invert, .sets = {(uint32_t)t->setids.n, b->sets.n}};
+        /* The first condition that is not inverted anchors an A_SET rule. */
+        bool anchor = ru->anchor == A_SET && !invert && ru->anchor_cond == NONE32;
+        if (anchor)
+            ru->anchor_cond = rs->n;
+        rs->n++;
+        for (uint32_t k = 0; k < b->sets.n && !rc; k++) {
+            sw_set *set = VEC_AT(t->b_setptrs, sw_set *, b->sets.off + k);
+            uint32_t tid = tset_id(t, set);
+            c = &VEC_AT(t->setconds, struct setcond, t->setconds.n - 1);
+            c->kinds |= sw_set_kinds(set);
+            rc = push_id(&t->setids, tid);
+            if (!rc && anchor) {
+                struct b_skey *p = sw_vec_push(&pairs, sizeof *p);
+                if (!p)
+                    rc = -ENOMEM;
+                else
+                    *p = (struct b_skey){tid, variant, b->rule};
+            }
+        }
+    }
+    sort_vec(&pairs, sizeof(struct b_skey), cmp_bskey);
+    struct skey *k = NULL;
+    for (size_t i = 0; i < pairs.n && !rc; i++) {
+        const struct b_skey *b = &VEC_AT(pairs, struct b_skey, i);
+        if (!k || k->tid != b->tid || k->variant != b->variant) {
+            k = sw_vec_push(&t->skeys, sizeof *k);
+            if (!k) {
+                rc = -ENOMEM;
+                break;
+            }
+            *k = (struct skey){b->tid, b->variant, {(uint32_t)t->ids.n, 0}};
+        } else if (VEC_AT(t->ids, uint32_t, t->ids.n - 1) == b->rule) {
+            continue;
+        }
+        rc = push_id(&t->ids, b->rule);
+        k->rules.n++;
+    }
+    sw_vec_free(&pairs);
+    if (!rc && t->skeys.n > 1)
+        qsort_r(t->skeys.p, t->skeys.n, sizeof(struct skey), cmp_skey_first, t);
+    return rc;
+}
+
+/* Whether rule `ru` resolves (enum sw_rule_flag). */
+static bool resolves(const struct rule *ru)
+{
+    return (ru->flags & SW_RULE_RESOLVES) ||
+           (!(ru->flags & SW_RULE_NO_RESOLVE) && (ru->kinds & K_NET_DST));
+}
+
+/* Whether a domain name can change rule `ru`'s answer (opaque items count:
+ * see sw_table_first_domain_rule). */
+static bool looks_at_names(const sw_table *t, const struct rule *ru)
+{
+    if (ru->kinds & (K_DOMAIN | K_OPAQUE))
+        return true;
+    const struct setcond *c = t->setconds.p;
+    for (uint32_t i = ru->s[S_SETCOND].off; i < ru->s[S_SETCOND].off + ru->s[S_SETCOND].n; i++)
+        if (c[i].kinds & (SK_DOMAIN | SK_OPAQUE))
+            return true;
+    return false;
+}
+
 int sw_table_seal(sw_table *t)
 {
     if (!t || t->sealed || !t->mode)
         return -EINVAL;
     t->first_domain = (int32_t)t->nrules;
     t->first_net_dst = t->nrules;
-    t->kinds = 0;
+    t->kinds = t->setkinds = 0;
     for (uint32_t r = 0; r < t->nrules; r++) {
         struct rule *ru = &t->rules[r];
         if (!ru->action)
             return -EINVAL;
-        ru->anchor = pick_anchor(ru->kinds);
+        ru->anchor = pick_anchor(ru);
+        ru->anchor_cond = NONE32;
         t->kinds |= ru->kinds;
-        /* Opaque may be a domain_regex (see sw_table_first_domain_rule). */
-        if ((ru->kinds & (K_DOMAIN | K_OPAQUE)) && t->first_domain == (int32_t)t->nrules)
-            t->first_domain = (int32_t)r;
-        if ((ru->kinds & K_NET_DST) && t->first_net_dst == t->nrules)
+        if (t->first_net_dst == t->nrules && resolves(ru))
             t->first_net_dst = r;
     }
     /* Bisected by source_local: sorted, duplicates dropped. */
@@ -1373,7 +1473,15 @@ int sw_table_seal(sw_table *t)
                 a[n++] = a[i];
         set->n = n;
     }
-    int rc = seal_rule_nets(t);
+    int rc = seal_sets(t);
+    for (uint32_t r = 0; r < t->nrules && !rc; r++) {
+        const struct rule *ru = &t->rules[r];
+        /* Opaque may be a domain_regex (see sw_table_first_domain_rule). */
+        if (t->first_domain == (int32_t)t->nrules && looks_at_names(t, ru))
+            t->first_domain = (int32_t)r;
+    }
+    if (!rc)
+        rc = seal_rule_nets(t);
     if (!rc)
         rc = seal_rule_ports(t);
     if (!rc)
@@ -1423,23 +1531,6 @@ static int classify(const char *s, uint32_t n, struct ipaddr *ip)
     }
 }
 
-struct view {
-    const char *host[2]; /* known domain names, as given (compared lowercased) */
-    uint32_t len[2];     /* trailing dot dropped */
-    const struct dentry *whole[2]; /* the entry equal to the host, if any */
-    int nhosts;
-    bool dom_unknown;    /* a host whose domain conditions only Python knows */
-    bool name_target;    /* the target is a domain name without a resolved address */
-    bool src_local;      /* a process condition is unknown (else false) */
-    int dst;             /* 0 none, 4, 6, -1 unknown */
-    u128 dst_ip;
-    int src;             /* 0 none, 4, 6 */
-    u128 src_ip;
-    uint16_t port, sport;
-    uint8_t netmask;
-    uint32_t inbound, principal;
-};
-
 struct best {
     uint32_t rule;
     int tv;
@@ -1448,7 +1539,7 @@ struct best {
 static const struct dentry *dlookup(const sw_table *t, const char *s, uint32_t n, uint64_t h)
 {
     const struct dentry *dents = t->dents.p;
-    for (uint32_t i = slot_of(h, t->dmask);; i = (i + 1) & t->dmask) {
+    for (uint32_t i = sw_slot_of(h, t->dmask);; i = (i + 1) & t->dmask) {
         uint32_t e = t->dslots[i];
         if (!e)
             return NULL;
@@ -1456,7 +1547,7 @@ static const struct dentry *dlookup(const sw_table *t, const char *s, uint32_t n
         if (d->hash != h || d->len != n)
             continue;
         uint32_t k = 0;
-        while (k < n && lower((unsigned char)s[k]) == (unsigned char)d->s[k])
+        while (k < n && sw_lower((unsigned char)s[k]) == (unsigned char)d->s[k])
             k++;
         if (k == n)
             return d;
@@ -1485,7 +1576,7 @@ static const struct dentry *sfx_next(const sw_table *t, struct sfx_iter *it, boo
         const struct dentry *d = NULL;
         if (c == '.')
             d = dlookup(t, it->s + i + 1, it->n - i - 1, it->h);
-        it->h = hmix(it->h, lower(c));
+        it->h = sw_hmix(it->h, sw_lower(c));
         if (d) {
             *is_whole = false;
             return d;
@@ -1531,7 +1622,7 @@ static bool ci_contains(const char *h, uint32_t hn, const char *k, uint32_t kn)
         return false;
     for (uint32_t i = 0; i + kn <= hn; i++) {
         uint32_t j = 0;
-        while (j < kn && lower((unsigned char)h[i + j]) == (unsigned char)k[j])
+        while (j < kn && sw_lower((unsigned char)h[i + j]) == (unsigned char)k[j])
             j++;
         if (j == kn)
             return true;
@@ -1588,8 +1679,62 @@ static int net_tv(const sw_table *t, const struct rule *ru, int slice4, int fami
     return in_ivals(t->ivals.p, ru->s[slice4 + (family == 6)], ip) ? TV_TRUE : TV_FALSE;
 }
 
-/* Rule r against the flow, except the kinds in `skip` (known true). */
-static int rule_eval(const sw_table *t, const struct view *v, uint32_t r, uint32_t skip)
+/* The address a rule's ip_cidr conditions look at: a domain target's
+ * resolved address only from the first resolving rule on. */
+static int dst_of(const struct view *v, int variant, u128 *ip)
+{
+    if (variant == V_SRC) {
+        *ip = v->src_ip;
+        return v->src;
+    }
+    *ip = v->dst_ip;
+    return variant == V_LIT && v->dst_resolved ? 0 : v->dst;
+}
+
+/* Table set `tid` against the flow, for ip_cidr items on `variant`'s address. */
+static int set_tv(const sw_table *t, const struct view *v, uint32_t tid, int variant)
+{
+    uint8_t *m = tid < MEMO_SETS ? &v->memo[variant * MEMO_SETS + tid] : NULL;
+    if (m && *m)
+        return *m - 1;
+    u128 ip;
+    int family = dst_of(v, variant, &ip);
+    int tv = sw_set_eval(t->tsets[tid], v, family, ip);
+    if (m)
+        *m = (uint8_t)(tv + 1);
+    return tv;
+}
+
+/* The rule's set conditions but the anchor one when skip has K_SETANCHOR:
+ * false as soon as one is, else unknown when one is. */
+static int setconds_tv(const sw_table *t, const struct view *v, const struct rule *ru,
+                       uint32_t skip)
+{
+    const struct setcond *c = t->setconds.p;
+    const uint32_t *ids = t->setids.p;
+    bool unknown = false;
+    uint32_t skipped = (skip & K_SETANCHOR) ? ru->s[S_SETCOND].off + ru->anchor_cond : NONE32;
+    for (uint32_t i = ru->s[S_SETCOND].off; i < ru->s[S_SETCOND].off + ru->s[S_SETCOND].n; i++) {
+        if (i == skipped)
+            continue;
+        int tv = TV_FALSE;
+        for (uint32_t k = c[i].sets.off; k < c[i].sets.off + c[i].sets.n && tv != TV_TRUE; k++) {
+            int one = set_tv(t, v, ids[k], c[i].variant);
+            if (one != TV_FALSE)
+                tv = one;
+        }
+        if (c[i].invert)
+            tv = tv == TV_TRUE ? TV_FALSE : tv == TV_FALSE ? TV_TRUE : TV_UNKNOWN;
+        if (tv == TV_FALSE)
+            return TV_FALSE;
+        unknown |= tv == TV_UNKNOWN;
+    }
+    return unknown ? TV_UNKNOWN : TV_TRUE;
+}
+
+/* Rule r's conditions against the flow, except the kinds in `skip` (known
+ * true), before any inversion. */
+static int conds_tv(const sw_table *t, const struct view *v, uint32_t r, uint32_t skip)
 {
     const struct rule *ru = &t->rules[r];
     uint32_t k = ru->kinds & ~skip;
@@ -1611,7 +1756,9 @@ static int rule_eval(const sw_table *t, const struct view *v, uint32_t r, uint32
                               !has_id(t->vals.p, ru->s[S_PRINCIPAL], v->principal)))
         return TV_FALSE;
     if (k & K_NET_DST) {
-        if ((tv = net_tv(t, ru, S_NET4_DST, v->dst, v->dst_ip)) == TV_FALSE)
+        u128 ip;
+        int family = dst_of(v, r < t->first_net_dst ? V_LIT : V_DST, &ip);
+        if ((tv = net_tv(t, ru, S_NET4_DST, family, ip)) == TV_FALSE)
             return TV_FALSE;
         unknown |= tv == TV_UNKNOWN;
     }
@@ -1632,10 +1779,25 @@ static int rule_eval(const sw_table *t, const struct view *v, uint32_t r, uint32
             return TV_FALSE;
         unknown |= tv == TV_UNKNOWN;
     }
+    if (k & K_SET) {
+        if ((tv = setconds_tv(t, v, ru, skip)) == TV_FALSE)
+            return TV_FALSE;
+        unknown |= tv == TV_UNKNOWN;
+    }
     if (k & (K_OPAQUE | K_PROCESS))
         unknown = true;
     return unknown ? TV_UNKNOWN : TV_TRUE;
 }
+
+/* Rule r against the flow (an inverted rule is never walked with a skip). */
+static int rule_eval(const sw_table *t, const struct view *v, uint32_t r, uint32_t skip)
+{
+    int tv = conds_tv(t, v, r, skip);
+    if (t->rules[r].flags & SW_RULE_INVERT)
+        tv = tv == TV_TRUE ? TV_FALSE : tv == TV_FALSE ? TV_TRUE : TV_UNKNOWN;
+    return tv;
+}
+
 
 /* ids[s] in rule order: the first rule below b->rule that is not false. */
 static void walk(const sw_table *t, const struct view *v, struct slice s, uint32_t skip,
@@ -1658,7 +1820,7 @@ static void walk(const sw_table *t, const struct view *v, struct slice s, uint32
 static void ac_report(const sw_table *t, const struct view *v, uint32_t node, uint32_t *seen,
                       uint32_t *nseen, struct best *b)
 {
-    const struct acnode *ac = t->ac.p;
+    const struct acnode *ac = t->acm.nodes.p;
     const struct kword *kws = t->kws.p;
     for (uint32_t o = ac[node].kw != NONE32 ? node : ac[node].dict; o != NONE32; o = ac[o].dict) {
         uint32_t kw = ac[o].kw, i = 0;
@@ -1676,13 +1838,13 @@ static void ac_walk(const sw_table *t, const struct view *v, const char *s, uint
                     struct best *b)
 {
     uint32_t seen[AC_SEEN], nseen = 0, node = 0;
-    const struct acnode *ac = t->ac.p;
+    const struct acnode *ac = t->acm.nodes.p;
     ac_report(t, v, 0, seen, &nseen, b); /* an empty keyword */
     for (uint32_t i = 0; i < n; i++) {
-        unsigned char c = lower((unsigned char)s[i]);
+        unsigned char c = sw_lower((unsigned char)s[i]);
         uint32_t nx;
         for (;;) {
-            nx = ac_goto(t, node, c);
+            nx = sw_acm_goto(&t->acm, node, c);
             if (nx != NONE32 || node == 0)
                 break;
             node = ac[node].fail;
@@ -1736,7 +1898,7 @@ static void add_host(const sw_table *t, struct view *v, const char *s, uint32_t 
         n--;
     v->host[v->nhosts] = s;
     v->len[v->nhosts] = n;
-    v->whole[v->nhosts] = t->dents.n ? dlookup(t, s, n, hash_rev(s, n)) : NULL;
+    v->whole[v->nhosts] = t->dents.n ? dlookup(t, s, n, sw_hash_rev(s, n)) : NULL;
     v->nhosts++;
 }
 
@@ -1755,6 +1917,9 @@ static void make_view(const sw_table *t, const sw_route_query *q, struct view *v
             ip_from_bytes(q->resolved_family, q->resolved_ip, &ip);
             v->dst = ip.family;
             v->dst_ip = ip.v;
+            /* Not an address the client sent: rules before the first
+             * resolving one do not see it. */
+            v->dst_resolved = true;
         }
         break;
     case H_IP:
@@ -1794,8 +1959,8 @@ static void make_view(const sw_table *t, const sw_route_query *q, struct view *v
         v->src_ip = src.v;
         v->sport = q->source_port;
         /* Only tables with process rules pay for the lookup. */
-        v->src_local = (t->kinds & K_PROCESS) && t->process_mode != SW_PROCESS_OFF &&
-                       source_local(t, src.family, src.v);
+        v->src_local = ((t->kinds & K_PROCESS) || (t->setkinds & SK_PROCESS)) &&
+                       t->process_mode != SW_PROCESS_OFF && source_local(t, src.family, src.v);
     }
     v->port = q->port;
     v->netmask = (q->network == SW_NET_TCP || q->network == SW_NET_UDP)
@@ -1819,7 +1984,7 @@ static void decide_indexed(const sw_table *t, const struct view *v, struct best 
                 walk(t, v, d->sanchor, K_SUFFIX, b);
             }
         }
-        if (t->ac.n)
+        if (t->acm.nodes.n)
             ac_walk(t, v, v->host[i], v->len[i], b);
     }
     if (v->dst > 0)
@@ -1830,6 +1995,17 @@ static void decide_indexed(const sw_table *t, const struct view *v, struct best 
         value_walk(t, v, &t->pri_keys, v->principal, K_PRINCIPAL, b);
     if (v->inbound != NO_INBOUND)
         value_walk(t, v, &t->inb_keys, v->inbound, K_INBOUND, b);
+    /* Last: a set costs a few probes per host label, and the rules found so
+     * far spare every set whose rules all rank below them. */
+    const struct skey *keys = t->skeys.p;
+    const uint32_t *ids = t->ids.p;
+    for (size_t k = 0; k < t->skeys.n; k++) {
+        if (ids[keys[k].rules.off] >= b->rule)
+            break;
+        int tv = set_tv(t, v, keys[k].tid, (int)keys[k].variant);
+        if (tv != TV_FALSE)
+            walk(t, v, keys[k].rules, tv == TV_TRUE ? K_SETANCHOR : 0, b);
+    }
 }
 
 int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result *out)
@@ -1845,6 +2021,11 @@ int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result 
     }
     struct view v;
     make_view(t, q, &v);
+    uint8_t memo[V_COUNT * MEMO_SETS];
+    if (t->ntsets) {
+        memset(memo, 0, sizeof memo);
+        v.memo = memo;
+    }
     struct best b = {t->nrules, TV_FALSE};
     if ((v.dom_unknown && (t->kinds & K_DOMAIN)) || (v.dst < 0 && (t->kinds & K_NET_DST))) {
         /* Facts the indexes cannot express: every rule, three-valued. */
@@ -1858,10 +2039,18 @@ int sw_table_decide(const sw_table *t, const sw_route_query *q, sw_route_result 
     } else {
         decide_indexed(t, &v, &b);
     }
-    if (v.name_target && t->first_net_dst < b.rule) {
-        /* An ip_cidr rule ranks before the match: the name's address may
-         * change the route (routing.needs_address).  Python resolves it, or
-         * conn.c passes the address its cache has in resolved_ip. */
+    /* An unknown alternative of a configured rule: a later one that holds
+     * makes the whole rule hold (its alternatives share the action). */
+    for (uint32_t r = b.rule + 1; b.tv == TV_UNKNOWN && r < t->nrules &&
+                                  (t->rules[r].flags & SW_RULE_GROUPED);
+         r++)
+        if (rule_eval(t, &v, r, 0) == TV_TRUE)
+            b = (struct best){r, TV_TRUE};
+    if (v.name_target && t->first_net_dst <= b.rule && t->first_net_dst < t->nrules) {
+        /* A resolving rule ranks at or before the match (an inverted one can
+         * match a name without its address): the name's address may change
+         * the route (routing.needs_address).  Python resolves it, or conn.c
+         * passes the address its cache has in resolved_ip. */
         out->action = SW_ROUTE_DEFER;
         out->rule = (int32_t)t->first_net_dst;
     } else if (b.rule == t->nrules) {
@@ -1898,7 +2087,7 @@ int32_t sw_table_first_domain_rule(const sw_table *t)
     if (t->sealed)
         return t->first_domain;
     for (uint32_t r = 0; r < t->nrules; r++)
-        if (t->rules[r].kinds & (K_DOMAIN | K_OPAQUE))
+        if (t->rules[r].kinds & (K_DOMAIN | K_OPAQUE | K_SET))
             return (int32_t)r;
     return (int32_t)t->nrules;
 }

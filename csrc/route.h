@@ -9,13 +9,15 @@
  * number of threads; conn.c publishes it with an atomic pointer swap and frees
  * the old one once every loop has passed a quiescent point.
  *
- * The reference is spliceway/routing/rules.py (decide()).  sw_table_decide either
- * gives the same rule index / target as routing.decide, or SW_ROUTE_DEFER
- * when the first rule that could match needs a condition C does not check
- * (domain_regex; process_name for a client on this host) or a domain
- * target's address it was not given (an ip_cidr rule ranked before the
- * match: routing.needs_address): tests/csrc/test_route_diff.py holds it to
- * that on random configs x targets.
+ * The reference is spliceway/routing/rules.py (decide()); the shared sets
+ * (rule sets, GEOIP, GEOSITE) are route_set.c.  sw_table_decide either gives
+ * the rule / target of routing.decide's decision (a configured rule may be
+ * several table rules: spliceway/native/route.py maps them back), or
+ * SW_ROUTE_DEFER when the first rule that could match needs a condition C
+ * does not check (domain_regex; process_name for a client on this host) or a
+ * domain target's address it was not given (a resolving rule ranked at or
+ * before the match: routing.needs_address): tests/csrc/test_route_diff.py
+ * and test_route_sets_diff.py hold it to that on random configs x targets.
  */
 #ifndef SW_ROUTE_H
 #define SW_ROUTE_H
@@ -173,6 +175,126 @@ int sw_table_defer_cidr(sw_table *table, int family, const uint8_t *addr, int pr
  * a network sw_table_defer_cidr named (IPv4-mapped IPv6 read as IPv4, as
  * routing._parse_ip does), or a scoped IPv6 literal while any is named. */
 int sw_table_host_deferred(const sw_table *table, const char *host, uint32_t host_len);
+/* ---- shared sets (rule sets, GEOIP countries, GEOSITE lists) -------------
+ *
+ * A set is an OR over items of any kind: names, keywords, networks, ports,
+ * networks (tcp/udp), plus flags for items only Python checks.  It is built
+ * once (sw_set_new, the sw_set_* builders, sw_set_seal), from then on
+ * immutable, and shared by reference: sw_table_cond_sets takes a reference
+ * for the table, which drops it when freed, so one set of 300,000 names
+ * serves every table compiled while its content stays the same (a new
+ * selection or mode recompiles the rules, not the sets).  The reference
+ * counts are atomic: a set may be freed by the thread that frees the last
+ * table using it.  Names are hashed (reversed, as the tables' domains),
+ * keywords go to an Aho-Corasick automaton, networks to merged sorted
+ * intervals per family: a lookup costs O(host length) + O(log networks)
+ * whatever the set's size. */
+typedef struct sw_set sw_set;
+
+enum sw_set_item {
+    SW_SET_EXACT = 1,     /* the host equals the item */
+    SW_SET_SUFFIX = 2,    /* the host equals it or ends with "." + it */
+    SW_SET_SUBDOMAIN = 3, /* the host ends with "." + it (not the item itself) */
+    SW_SET_WILDCARD = 4,  /* label by label, a "*" label matching any one label */
+    SW_SET_KEYWORD = 5    /* the host contains it */
+};
+
+enum sw_set_flag {
+    /* An item only Python checks on a domain name (domain_regex): unknown
+     * for a flow with a domain name, false for one without. */
+    SW_SET_F_DOMAIN_OPAQUE = 1,
+    /* An item only Python checks at all: unknown for every flow. */
+    SW_SET_F_OPAQUE = 2,
+    /* A process_name item: as sw_table_cond_process (the table's
+     * sw_process_mode decides). */
+    SW_SET_F_PROCESS = 4
+};
+
+/* A new, empty, unsealed set with one reference (the caller's). */
+int sw_set_new(sw_set **out);
+/* Drops one reference; the last frees the set.  NULL is ignored. */
+void sw_set_free(sw_set *set);
+/* Items of `kind` (enum sw_set_item): `len` bytes of NUL-terminated strings,
+ * one after the other (the last one terminated too; empty strings allowed).
+ * They are compared as given but ASCII-lowercased: the caller normalises
+ * (str.lower, trailing dot) as its reference does.  -EINVAL for an unsealed
+ * set's misuse or a buffer not ending in NUL. */
+int sw_set_domains(sw_set *set, int kind, const char *buf, size_t len);
+/* `n` networks of one family (4 or 6): addrs holds n * 4 or n * 16 bytes
+ * (network order), prefixes n prefix lengths.  field SW_COND_DST (ip_cidr)
+ * or SW_COND_SRC (source_ip_cidr).  ::ffff:a.b.c.d/m (m >= 96) also covers
+ * a.b.c.d/(m-96) as IPv4, as sw_table_cond_cidr. */
+int sw_set_cidrs(sw_set *set, int field, int family, const uint8_t *addrs,
+                 const uint8_t *prefixes, size_t n);
+int sw_set_port(sw_set *set, int field, uint16_t lo, uint16_t hi);
+int sw_set_network(sw_set *set, int network);
+/* enum sw_set_flag bits, or-ed in. */
+int sw_set_flags(sw_set *set, uint32_t flags);
+/* Builds the lookups; afterwards the set is immutable and may be used by
+ * tables on any thread. */
+int sw_set_seal(sw_set *set);
+
+typedef struct sw_set_info {
+    uint64_t bytes;     /* heap bytes the set holds (allocator overhead aside) */
+    uint32_t names;     /* distinct names (exact, suffix, subdomain, "*.x" wildcards) */
+    uint32_t keywords;  /* distinct keywords */
+    uint32_t wildcards; /* other wildcard patterns (matched one by one) */
+    uint32_t nets4;     /* merged IPv4 intervals, both fields */
+    uint32_t nets6;
+    uint32_t ports;     /* merged port ranges, both fields */
+    uint32_t flags;     /* enum sw_set_flag */
+    uint32_t reserved;
+} sw_set_info;
+
+int sw_set_info_get(const sw_set *set, sw_set_info *out);
+/* 1 when a domain item of a sealed set (name, wildcard or keyword) matches
+ * `host` (one trailing dot ignored, ASCII case-insensitive), else 0;
+ * -EINVAL for an unsealed set. */
+int sw_set_has_name(const sw_set *set, const char *host, uint32_t len);
+/* 1 when a network of `field` holds addr (family 4 or 6, 4 or 16 bytes; a
+ * mapped IPv6 address is read as IPv4), else 0; -EINVAL as above. */
+int sw_set_has_addr(const sw_set *set, int field, int family, const uint8_t *addr);
+
+enum sw_setcond_flag {
+    /* The sets' ip_cidr items look at the source address
+     * (rule_set_ip_cidr_match_source, source_geoip). */
+    SW_SETCOND_SOURCE = 1,
+    /* The condition holds when none of the sets does (unknown stays unknown). */
+    SW_SETCOND_INVERT = 2
+};
+
+/* A condition of `rule` that holds when any of the `n` sealed sets does
+ * (rule_set, geoip, geosite...).  Each call adds one more condition, and a
+ * rule matches only when all of its conditions do: two calls are two
+ * conditions (AND), one call with two sets one (OR).  The table takes a
+ * reference on each set. */
+int sw_table_cond_sets(sw_table *table, uint32_t rule, uint32_t flags, sw_set *const *sets,
+                       uint32_t n);
+
+/* Resolving (routing.first_ip_rule, mihomo's ShouldResolveIP): the first
+ * rule that resolves is sw_table_first_ip_rule.  A domain target reaching it
+ * without an address defers (Python resolves the name); the rules from it on
+ * see resolved_ip, the rules before it only an IP-literal target.  A rule
+ * resolves when it has SW_RULE_RESOLVES, or an ip_cidr condition and not
+ * SW_RULE_NO_RESOLVE (set conditions resolve only by the flag: whether a
+ * set wants the address is the caller's to say). */
+enum sw_rule_flag {
+    /* The rule's ip_cidr conditions do not make it resolve. */
+    SW_RULE_NO_RESOLVE = 1,
+    /* The rule matches when its conditions do not all hold (unknown stays
+     * unknown). */
+    SW_RULE_INVERT = 2,
+    /* The rule resolves (see above). */
+    SW_RULE_RESOLVES = 4,
+    /* The rule and the one before it are alternatives of one configured rule
+     * (same action and target): when the first of a group that is not false
+     * is unknown, a later one that holds decides instead of a deferral. */
+    SW_RULE_GROUPED = 8
+};
+
+/* enum sw_rule_flag bits, or-ed in. */
+int sw_table_rule_flags(sw_table *table, uint32_t rule, uint32_t flags);
+
 /* Builds the indexes; afterwards only sw_table_decide and the getters. */
 int sw_table_seal(sw_table *table);
 
@@ -181,9 +303,10 @@ int sw_table_decide(const sw_table *table, const sw_route_query *query, sw_route
 /* Index of the first rule with a domain condition (nrules when none): a
  * sniffed host can change a decision only if this is below the matched rule. */
 int32_t sw_table_first_domain_rule(const sw_table *table);
-/* Index of the first rule with an ip_cidr condition (nrules when none, 0 for
- * an unsealed table): a domain target's address can change a decision only
- * if this is below the matched rule (routing.RuleSet.first_ip_rule). */
+/* Index of the first rule that resolves (see enum sw_rule_flag; nrules when
+ * none, 0 for an unsealed table): a domain target's address can change a
+ * decision only if this is at or below the matched rule
+ * (routing.RuleSet.first_ip_rule). */
 uint32_t sw_table_first_ip_rule(const sw_table *table);
 
 /* SW_CDEF_END */

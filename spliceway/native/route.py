@@ -11,17 +11,47 @@ What the engine supplies, because only it knows them: the index of each inbound 
 (config order), the id of each principal key, and for each route target tag what the C
 path does with it (:class:`TargetSpec`). Targets are indexed in the mapping's order.
 
+One configured rule may become several C rules. A rule is multiplied out into its
+disjunctive normal form (its *terms*): a ``rule_set`` condition is one set condition
+(``sw_table_cond_sets``: every named set's shared C set, :mod:`spliceway.native.route_sets`,
+ORed) or one of the sets' classical lines that no set item can express (each a term of its
+own); a logical ``or`` adds the terms of its parts, an ``and`` multiplies them; ``invert``
+on a rule of one term is the C rule's own flag (``SW_RULE_INVERT``), anywhere else the
+negation is pushed down to the conditions (De Morgan; a negated set condition is
+``SW_SETCOND_INVERT``, a negated plain condition a set of its items inverted). Each term is
+one C rule with the rule's action and target; the terms after the first carry
+``SW_RULE_GROUPED`` (an unknown term is overruled by a later one that holds), and
+:attr:`CompiledRoutes.rule_of` maps every C rule back to its configured rule, whose
+decision C's answer stands for. Within a term, a condition kind met twice (two parts of an
+``and``) is intersected for a single-valued fact (network, inbound, principal) and
+otherwise becomes a set condition of its own. ``geoip`` / ``ip_asn`` (and ``source_``)
+are set conditions over one set per code (the database's networks), ``geosite`` over one
+per list. Every C rule carries ``SW_RULE_RESOLVES`` or ``SW_RULE_NO_RESOLVE`` as
+:func:`spliceway.routing.rules.rule_resolves` says for its configured rule, so C's first
+resolving rule is routing's ``first_ip_rule`` (rules before it see only an IP-literal
+target's address). A rule that would multiply past :data:`MAX_TERMS` C rules (or copy
+more than :data:`MAX_COPIED_ITEMS` condition items) is compiled as its own conditions
+plus an opaque one (only opaque, when inverted or logical): C defers on reaching it.
+
 What C cannot check is compiled as opaque (``sw_table_cond_opaque``), so reaching such a
-rule defers to Python: ``domain_regex``, and a domain item whose lowercased text holds a
-NUL (a C string cannot carry it; the rule's whole condition of that kind is then left to
-Python). ``process_name`` is a process condition (``sw_table_cond_process``): only a
-client on this host has a process, which only Python finds, so reaching such a rule
-defers for a source on this host (loopback or one of ``local_addresses``) and fails for
-any other, as ``routing.decide`` fails it for a flow without a ``process_name``; with
-``process_mode`` ``off`` it never holds. Inbound tags and principal keys missing from the
-mappings are dropped: a query can only name mapped ones (:meth:`CompiledRoutes.decide`
-answers None for a flow whose tag or key is not mapped); a condition left with no item
-gets the "none" value, which never matches.
+term defers to Python: ``domain_regex``, a domain item whose lowercased text holds a NUL
+(a C string cannot carry it; that condition of the term is then left to Python), a
+negated ``inbound_tag`` / ``principal_key`` (no id stands for "none of them, or none at
+all"), logical rules nested deeper than eight. A set's regexes make the set unknown to C
+for a flow with a name (``SW_SET_F_DOMAIN_OPAQUE``). ``process_name`` is a process
+condition (``sw_table_cond_process``, or a set's ``SW_SET_F_PROCESS``): only a client on
+this host has a process, which only Python finds, so reaching such a rule defers for a
+source on this host (loopback or one of ``local_addresses``) and fails for any other, as
+``routing.decide`` fails it for a flow without a ``process_name``; with ``process_mode``
+``off`` it never holds. Inbound tags and principal keys missing from the mappings are
+dropped: a query can only name mapped ones (:meth:`CompiledRoutes.decide` answers None for
+a flow whose tag or key is not mapped); a condition left with no item gets the "none"
+value, which never matches.
+
+The sets are built once per rule set content (cached by
+:class:`~spliceway.routing.ruleset.RuleSetData`), so recompiling for a new selection or
+mode costs the rules, not their sets; :func:`prepare_sets` builds them ahead (off the
+thread that installs a configuration).
 """
 
 from __future__ import annotations
@@ -31,8 +61,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from spliceway._relay import ffi, lib
-from spliceway.config import BUILTIN_DIRECT, Rule, parse_port_spec
+from spliceway.config import BUILTIN_DIRECT, Rule, SubRule, parse_port_spec
 from spliceway.native.relay import check
+from spliceway.native.route_sets import (
+    CompiledSet,
+    build_set,
+    geoip_sets,
+    geosite_sets,
+    rule_set_parts,
+)
 from spliceway.routing import hostnorm
 from spliceway.routing import rules as routing
 
@@ -48,6 +85,7 @@ __all__ = [
     "CompiledRoutes",
     "TargetSpec",
     "compile_route_table",
+    "prepare_sets",
 ]
 
 #: ``sw_out_kind``: what a route target is to the C connection path.
@@ -68,7 +106,6 @@ _DOMAIN_KINDS = {
     "domain_keyword": lib.SW_DOMAIN_KEYWORD,
 }
 _OPAQUE_KEYS = ("domain_regex",)
-_NEW_KEYS = frozenset({"geosite", "geoip", "ip_asn", "source_geoip", "source_ip_asn", "rule_set"})
 #: ``runtime.process_lookup`` -> ``sw_process_mode``.
 PROCESS_MODES: dict[str, int] = {
     "off": lib.SW_PROCESS_OFF,
@@ -118,10 +155,13 @@ def _parse_source(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | 
 class CompiledRoutes:
     """A sealed C route table and its Python mirror.
 
-    ``epoch`` and ``targets`` (tags by index) are as compiled; ``rule_decisions[i]`` is
-    what :func:`routing.decide` returns when rule ``i`` matches in mode ``rule``.
-    ``first_domain_rule`` is :attr:`routing.RuleSet.first_domain_rule`
-    (``sw_table_first_domain_rule`` may be lower: it counts every opaque rule).
+    ``epoch`` and ``targets`` (tags by index) are as compiled. A configured rule may
+    become several C rules (a rule set's classical lines, logical rules multiplied out):
+    ``rule_of[c]`` is the configured rule C rule ``c`` came from, and
+    ``rule_decisions[c]`` what :func:`routing.decide` returns when that rule matches in
+    mode ``rule``. ``first_domain_rule`` is :attr:`routing.RuleSet.first_domain_rule`
+    (a configured rule's index; ``sw_table_first_domain_rule`` counts C rules, and every
+    opaque one).
 
     The table is freed when this object is collected, by :meth:`close`, or becomes the
     caller's with :meth:`detach`.
@@ -137,6 +177,7 @@ class CompiledRoutes:
         "mode_kind",
         "principals",
         "rule_decisions",
+        "rule_of",
         "ruleset",
         "targets",
     )
@@ -153,6 +194,7 @@ class CompiledRoutes:
         ruleset: routing.RuleSet,
         inbounds: Mapping[str, int | Sequence[int]],
         principals: Mapping[str, int],
+        rule_of: Sequence[int] | None = None,
     ) -> None:
         self._table = table
         self.epoch = epoch
@@ -161,8 +203,11 @@ class CompiledRoutes:
         self._mode_decision = mode_decision
         self._final_decision = final_decision
         self.ruleset = ruleset
+        self.rule_of: tuple[int, ...] = (
+            tuple(range(len(ruleset.rules))) if rule_of is None else tuple(rule_of)
+        )
         self.rule_decisions: tuple[routing.RouteDecision, ...] = tuple(
-            r.decision for r in ruleset.rules
+            ruleset.rules[i].decision for i in self.rule_of
         )
         self.first_domain_rule = ruleset.first_domain_rule
         self.inbounds = dict(inbounds)
@@ -285,18 +330,219 @@ def _ids(value: int | Sequence[int]) -> Sequence[int]:
     return (value,) if isinstance(value, int) else value
 
 
-def _cond_domains(table: Any, index: int, key: str, items: Sequence[str]) -> bool:
-    """Rule ``index``'s ``key`` domains; False (and none written) when one has a NUL,
-    which C cannot take: the rule is then opaque to C."""
+# ---------------------------------------------------------------------------
+# Rules -> C rules
+# ---------------------------------------------------------------------------
+
+#: One condition of a C rule: ``("plain", key, items)`` a condition C has a kind for,
+#: ``("sets", sets, flags)`` a set condition (``sw_table_cond_sets``), ``("opaque",)``
+#: one only Python checks.
+_Atom = tuple[Any, ...]
+#: A C rule: every atom holds.
+_Term = tuple[_Atom, ...]
+#: Terms any of which holds (a rule's disjunctive normal form).
+_Dnf = list[_Term]
+
+_OPAQUE: _Atom = ("opaque",)
+#: A set condition over no set: never holds.
+_NEVER: _Atom = ("sets", (), 0)
+_PLAIN_KEYS = frozenset({
+    "domain", "domain_suffix", "domain_keyword", "ip_cidr", "source_ip_cidr", "port",
+    "source_port", "network", "inbound_tag", "principal_key", "process_name",
+})  # fmt: skip
+_GEOIP_KEYS = frozenset({"geoip", "source_geoip", "ip_asn", "source_ip_asn"})
+#: Conditions over one value of the flow: two of them hold when the intersection does.
+_SINGLE_VALUED = frozenset({"network", "inbound_tag", "principal_key"})
+#: Most C rules one configured rule becomes (logical rules multiply out, a rule set's
+#: classical lines each add one); past it the rule is compiled as opaque (deferred).
+MAX_TERMS = 1024
+#: Most condition items the copies of a rule's other conditions may add up to (each C
+#: rule of a rule carries its own copy).
+MAX_COPIED_ITEMS = 200_000
+#: Deepest nesting of logical rules (and rule-set lines) compiled into C.
+_MAX_DEPTH = 8
+
+
+class _TooBig(Exception):
+    """A rule multiplies out past MAX_TERMS / MAX_COPIED_ITEMS."""
+
+
+def _weight(term: _Term) -> int:
+    return sum(len(a[2]) for a in term if a[0] == "plain")
+
+
+def _product(dnfs: Sequence[_Dnf]) -> _Dnf:
+    """AND of the DNFs, multiplied out."""
+    out: _Dnf = [()]
+    for dnf in dnfs:
+        if len(out) * len(dnf) > MAX_TERMS:
+            raise _TooBig
+        out = [a + b for a in out for b in dnf]
+    if sum(map(_weight, out)) > MAX_COPIED_ITEMS:
+        raise _TooBig
+    return out
+
+
+def _norm_name(text: str) -> str:
+    """routing._norm_host: str.lower, one trailing dot dropped."""
+    text = text.lower()
+    return text[:-1] if text.endswith(".") else text
+
+
+def _cidrs(items: Iterable[str]) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    for text in items:
+        net = ipaddress.ip_network(text, strict=False)
+        out.append((net.version, int(net.network_address), net.prefixlen))
+    return out
+
+
+def _item_set(key: str, items: Sequence[str]) -> CompiledSet | None:
+    """A set of one plain condition's items (None for a kind sets do not have)."""
+    if key == "domain":
+        return build_set(exact=[_norm_name(v) for v in items])
+    if key == "domain_suffix":
+        return build_set(suffix=[_norm_name(v) for v in items])
+    if key == "domain_keyword":
+        return build_set(keyword=[v.lower() for v in items])
+    if key == "ip_cidr":
+        return build_set(cidr=_cidrs(items))
+    if key == "source_ip_cidr":
+        return build_set(source_cidr=_cidrs(items))
+    if key == "port":
+        return build_set(ports=items)
+    if key == "source_port":
+        return build_set(source_ports=items)
+    if key == "network":
+        return build_set(networks=items)
+    if key == "process_name":
+        return build_set(process=True)
+    return None
+
+
+def _negate_atom(atom: _Atom) -> _Atom:
+    if atom[0] == "sets":
+        return ("sets", atom[1], atom[2] ^ lib.SW_SETCOND_INVERT)
+    if atom[0] == "plain":
+        found = _item_set(atom[1], atom[2])
+        if found is not None:
+            return ("sets", (found,), lib.SW_SETCOND_INVERT)
+    # inbound_tag / principal_key: "none" matches the negation, which no id expresses.
+    return _OPAQUE
+
+
+class _RuleCompiler:
+    """Turns configured rules into C rules (terms), with the sets they name."""
+
+    def __init__(self, ruleset: routing.RuleSet) -> None:
+        self.rule_sets = ruleset.rule_sets
+        self.geo = ruleset.geo
+
+    def compile(self, rule: Rule) -> tuple[_Dnf, bool]:
+        """The C rules (terms) of ``rule``, and whether they carry SW_RULE_INVERT (an
+        inverted rule of one term: C negates the whole rule, exactly; otherwise the
+        negation is pushed down to the conditions, De Morgan's way)."""
+        try:
+            inner = self._dnf(rule, 0, neg=False, own_invert=False)
+            if rule.invert:
+                if len(inner) == 1:
+                    return inner, True
+                inner = self._dnf(rule, 0, neg=True, own_invert=False)
+        except _TooBig:
+            # Its own conditions still have to hold (unless inverted): only the rest is
+            # left to Python.
+            if rule.invert or rule.is_logical:
+                return [(_OPAQUE,)], False
+            return [(*self._atoms(rule), _OPAQUE)], False
+        if not inner:
+            return [(_NEVER,)], False
+        # A term C may defer on goes last: a term that holds decides first.
+        inner.sort(key=lambda t: any(a is _OPAQUE for a in t))
+        return inner, False
+
+    def _dnf(self, rule: Rule | SubRule, depth: int, *, neg: bool, own_invert: bool = True) -> _Dnf:
+        """The DNF of ``rule`` (of its negation with ``neg``; ``own_invert``: counting the
+        rule's own ``invert``), negations pushed down to the conditions."""
+        if depth > _MAX_DEPTH:
+            return [(_OPAQUE,)]
+        flip = neg != (rule.invert and own_invert)
+        if rule.is_logical:
+            parts = [self._dnf(p, depth + 1, neg=flip) for p in rule.rules or ()]
+            if not parts:
+                return [()] if flip else []  # no parts never holds
+            # NOT(and) is the OR of the negated parts, NOT(or) their AND.
+            if (rule.mode == "and") != flip:
+                return _product(parts)
+            out = [t for p in parts for t in p]
+            if len(out) > MAX_TERMS:
+                raise _TooBig
+            return out
+        atoms = self._atoms(rule)
+        if not flip:
+            out = [tuple(atoms)]
+            if rule.rule_set is not None:
+                out = _product([out, self._rule_sets(rule, depth, neg=False)])
+            return out
+        # NOT(a and b and sets) = NOT a or NOT b or NOT sets.
+        out = [(_negate_atom(a),) for a in atoms]
+        if rule.rule_set is not None:
+            out += self._rule_sets(rule, depth, neg=True)
+        if len(out) > MAX_TERMS:
+            raise _TooBig
+        return out
+
+    def _atoms(self, rule: Rule | SubRule) -> list[_Atom]:
+        """The atoms of a plain rule's conditions but ``rule_set``."""
+        atoms: list[_Atom] = []
+        for key, value in rule.conditions().items():
+            items = _values(value)
+            if key in _PLAIN_KEYS:
+                # A C string cannot carry a NUL: that condition is left to Python.
+                nul = key.startswith("domain") and any("\0" in v.lower() for v in items)
+                atoms.append(_OPAQUE if nul else ("plain", key, items))
+            elif key == "domain_regex":
+                atoms.append(_OPAQUE)
+            elif key == "geosite":
+                atoms.append(("sets", tuple(geosite_sets(items, self.geo)), 0))
+            elif key in _GEOIP_KEYS:
+                atoms.append(("sets", tuple(geoip_sets(key, items, self.geo)), 0))
+            elif key != "rule_set":  # pragma: no cover - a CONDITION_KEYS entry unknown here
+                raise ValueError(f"unknown rule condition {key!r}")
+        return atoms
+
+    def _rule_sets(self, rule: Rule | SubRule, depth: int, *, neg: bool) -> _Dnf:
+        """``rule_set`` (negated with ``neg``): its sets in one set condition, or one of
+        their other parts (negated: none of the sets, and no part)."""
+        sets: list[CompiledSet] = []
+        parts: list[SubRule] = []
+        for name in rule.rule_set or ():
+            data = self.rule_sets.get(name)
+            if data is None:
+                continue  # matches nothing, as routing's
+            found = rule_set_parts(
+                data, match_source=rule.rule_set_ip_cidr_match_source, geo=self.geo
+            )
+            sets += [found.main, *found.extra]
+            parts += found.rules
+        flags = lib.SW_SETCOND_INVERT if neg else 0
+        head: _Dnf = [(("sets", tuple(sets), flags),)]
+        if neg:
+            return _product([head, *(self._dnf(p, depth + 1, neg=True) for p in parts)])
+        out = head
+        for part in parts:
+            out += self._dnf(part, depth + 1, neg=False)
+            if len(out) > MAX_TERMS:
+                raise _TooBig
+        return out
+
+
+def _cond_domains(table: Any, index: int, key: str, items: Sequence[str]) -> None:
+    """Rule ``index``'s ``key`` domains (none holds a NUL: see _RuleCompiler._atoms)."""
     # routing lowercases with str.lower (Unicode-aware): C gets the result and
     # only drops the trailing dot (domain, domain_suffix) and lowercases ASCII.
-    lowered = [v.lower().encode("utf-8", "surrogatepass") for v in items]
-    if any(b"\0" in v for v in lowered):
-        return False
-    for v in lowered:
-        rc = lib.sw_table_cond_domain(table, index, _DOMAIN_KINDS[key], v)
-        check(rc, "sw_table_cond_domain")
-    return True
+    for v in items:
+        data = v.lower().encode("utf-8", "surrogatepass")
+        check(lib.sw_table_cond_domain(table, index, _DOMAIN_KINDS[key], data), "cond_domain")
 
 
 def _cond_ids(
@@ -315,65 +561,88 @@ def _cond_ids(
         check(add(table, index, i), f"sw_table_cond_{key}")
 
 
-def _not_compiled_yet(rule: Rule) -> bool:
-    """Issue 29's rule kinds (rule sets, geo, logical, invert, no_resolve), until the C
-    table compiles them: opaque, so reaching such a rule defers to Python."""
-    return bool(
-        rule.is_logical or rule.invert or rule.no_resolve or _NEW_KEYS & rule.conditions().keys()
-    )
+def _cond_sets(table: Any, index: int, sets: Sequence[CompiledSet], flags: int) -> None:
+    ptrs = ffi.new("sw_set *[]", [s.ptr for s in sets] or [ffi.NULL])
+    check(lib.sw_table_cond_sets(table, index, flags, ptrs, len(sets)), "sw_table_cond_sets")
 
 
-def _compile_opaque(table: Any, index: int, rule: Rule, target: int) -> None:
-    """Rule ``index``: its action, and opaque (C defers to Python on reaching it)."""
-    action = lib.SW_ROUTE_BLOCK if rule.action == "block" else lib.SW_ROUTE_ROUTE
-    check(lib.sw_table_rule(table, index, action, target), "sw_table_rule")
-    check(lib.sw_table_cond_opaque(table, index), "sw_table_cond_opaque")
+def _group(
+    term: _Term,
+) -> tuple[dict[str, list[str]], list[tuple[Sequence[CompiledSet], int]], bool]:
+    """A term's atoms as one C rule's conditions: ``(plain, setconds, opaque)``. A kind met
+    twice (two parts of an AND) is one condition of the intersection for a single-valued
+    fact, else a set condition of its own (a C rule ORs the items of one kind)."""
+    plain: dict[str, list[str]] = {}
+    setconds: list[tuple[Sequence[CompiledSet], int]] = []
+    opaque = False
+    for atom in term:
+        if atom[0] == "opaque":
+            opaque = True
+        elif atom[0] == "sets":
+            setconds.append((atom[1], atom[2]))
+        else:
+            key, items = atom[1], atom[2]
+            if key not in plain:
+                plain[key] = list(items)
+            elif key in _SINGLE_VALUED:
+                plain[key] = [v for v in plain[key] if v in items]
+            elif key != "process_name":  # a second one fails as the first
+                found = _item_set(key, items)
+                assert found is not None
+                setconds.append(((found,), 0))
+    if plain.get("network") == []:  # an empty intersection: never holds
+        del plain["network"]
+        setconds.append(((), 0))
+    return plain, setconds, opaque
 
 
-def _compile_rule(
+def _emit_plain(
     table: Any,
     index: int,
-    rule: Rule,
-    target: int,
+    key: str,
+    items: Sequence[str],
     inbounds: Mapping[str, int | Sequence[int]],
     principals: Mapping[str, int],
 ) -> None:
-    """Rule ``index``: its action and every condition (see the module docstring)."""
-    if rule.action == "block":
-        check(lib.sw_table_rule(table, index, lib.SW_ROUTE_BLOCK, -1), "sw_table_rule")
-    else:
-        check(lib.sw_table_rule(table, index, lib.SW_ROUTE_ROUTE, target), "sw_table_rule")
-    opaque = False
-    for key, value in rule.conditions().items():
-        items = _values(value)
-        if key in _OPAQUE_KEYS:
-            opaque = True
-        elif key == "process_name":
-            check(lib.sw_table_cond_process(table, index), "sw_table_cond_process")
-        elif key in _DOMAIN_KINDS:
-            opaque = not _cond_domains(table, index, key, items) or opaque
-        elif key in ("ip_cidr", "source_ip_cidr"):
-            field = lib.SW_COND_DST if key == "ip_cidr" else lib.SW_COND_SRC
-            for v in items:
-                net = ipaddress.ip_network(v, strict=False)
-                addr = ffi.new("uint8_t[]", net.network_address.packed)
-                rc = lib.sw_table_cond_cidr(table, index, field, net.version, addr, net.prefixlen)
-                check(rc, "sw_table_cond_cidr")
-        elif key in ("port", "source_port"):
-            field = lib.SW_COND_DST if key == "port" else lib.SW_COND_SRC
-            for v in items:
-                lo, hi = parse_port_spec(v)
-                check(lib.sw_table_cond_port(table, index, field, lo, hi), "sw_table_cond_port")
-        elif key == "network":
-            for v in items:
-                check(lib.sw_table_cond_network(table, index, _NETWORKS[v]), "cond_network")
-        elif key == "inbound_tag":
-            _cond_ids(table, index, key, items, inbounds, NO_INBOUND, lib.sw_table_cond_inbound)
-        elif key == "principal_key":
-            add = lib.sw_table_cond_principal
-            _cond_ids(table, index, key, items, principals, NO_PRINCIPAL, add)
-        else:  # pragma: no cover - a CONDITION_KEYS entry this module does not know
-            raise ValueError(f"unknown rule condition {key!r}")
+    """One plain condition of C rule ``index``."""
+    if key in _DOMAIN_KINDS:
+        _cond_domains(table, index, key, items)
+    elif key == "process_name":
+        check(lib.sw_table_cond_process(table, index), "sw_table_cond_process")
+    elif key in ("ip_cidr", "source_ip_cidr"):
+        field = lib.SW_COND_DST if key == "ip_cidr" else lib.SW_COND_SRC
+        for v in items:
+            net = ipaddress.ip_network(v, strict=False)
+            addr = ffi.new("uint8_t[]", net.network_address.packed)
+            rc = lib.sw_table_cond_cidr(table, index, field, net.version, addr, net.prefixlen)
+            check(rc, "sw_table_cond_cidr")
+    elif key in ("port", "source_port"):
+        field = lib.SW_COND_DST if key == "port" else lib.SW_COND_SRC
+        for v in items:
+            lo, hi = parse_port_spec(str(v))
+            check(lib.sw_table_cond_port(table, index, field, lo, hi), "sw_table_cond_port")
+    elif key == "network":
+        for v in items:
+            check(lib.sw_table_cond_network(table, index, _NETWORKS[v]), "cond_network")
+    elif key == "inbound_tag":
+        _cond_ids(table, index, key, items, inbounds, NO_INBOUND, lib.sw_table_cond_inbound)
+    else:  # principal_key
+        _cond_ids(table, index, key, items, principals, NO_PRINCIPAL, lib.sw_table_cond_principal)
+
+
+def _emit_term(
+    table: Any,
+    index: int,
+    term: _Term,
+    inbounds: Mapping[str, int | Sequence[int]],
+    principals: Mapping[str, int],
+) -> None:
+    """C rule ``index``'s conditions: the term's atoms (see _group)."""
+    plain, setconds, opaque = _group(term)
+    for key, items in plain.items():
+        _emit_plain(table, index, key, items, inbounds, principals)
+    for sets, flags in setconds:
+        _cond_sets(table, index, sets, flags)
     if opaque:
         check(lib.sw_table_cond_opaque(table, index), "sw_table_cond_opaque")
 
@@ -411,6 +680,16 @@ def _mode_decision(mode_kind: str, mode_outbound: str | None) -> routing.RouteDe
     if mode_kind == "global":
         return routing.RouteDecision("global", "route", mode_outbound, None)
     return routing.RouteDecision("direct", "route", BUILTIN_DIRECT, None)
+
+
+def prepare_sets(rules: Sequence[Rule], ruleset: routing.RuleSet) -> None:
+    """Build (and cache) every C set ``rules`` name with ``ruleset``'s rule sets and
+    databases, so that :func:`compile_route_table` later only finds them. A set of
+    300,000 names takes about 0.2 s, most of it in C with the GIL released: call this where
+    a configuration is prepared, off the thread that installs it."""
+    compiler = _RuleCompiler(ruleset)
+    for rule in rules:
+        compiler.compile(rule)
 
 
 def compile_route_table(
@@ -471,19 +750,33 @@ def compile_route_table(
     if len(ruleset.rules) != len(rules):
         raise ValueError("ruleset does not belong to these rules")
 
+    # Multiplied out first: the table is created with its C rule count.
+    compiler = _RuleCompiler(ruleset)
+    compiled = [compiler.compile(rule) for rule in rules]
+    rule_of = [i for i, (terms, _) in enumerate(compiled) for _ in terms]
+    resolving = [routing.rule_resolves(rule, ruleset.rule_sets) for rule in rules]
+
     out = ffi.new("sw_table **")
-    check(lib.sw_table_new(len(rules), len(tags), epoch, out), "sw_table_new")
+    check(lib.sw_table_new(len(rule_of), len(tags), epoch, out), "sw_table_new")
     table = ffi.gc(out[0], lib.sw_table_free)
     _write_targets(table, specs.values())
     mode_target = -1 if mode_tag is None else index[mode_tag]
     rc = lib.sw_table_set_mode(table, _MODES[mode_kind], mode_target, index[final])
     check(rc, "sw_table_set_mode")
-    for i, rule in enumerate(rules):
+    c = 0
+    for i, (rule, (terms, invert)) in enumerate(zip(rules, compiled, strict=True)):
         target = index[rule.outbound] if rule.action == "route" and rule.outbound else -1
-        if _not_compiled_yet(rule):
-            _compile_opaque(table, i, rule, target)
-        else:
-            _compile_rule(table, i, rule, target, inbounds, principals)
+        action = lib.SW_ROUTE_BLOCK if rule.action == "block" else lib.SW_ROUTE_ROUTE
+        # Python says which rules resolve (a set's networks may not: no-resolve lines).
+        flags = lib.SW_RULE_RESOLVES if resolving[i] else lib.SW_RULE_NO_RESOLVE
+        if invert:
+            flags |= lib.SW_RULE_INVERT
+        for k, term in enumerate(terms):
+            check(lib.sw_table_rule(table, c, action, target), "sw_table_rule")
+            grouped = lib.SW_RULE_GROUPED if k else 0
+            check(lib.sw_table_rule_flags(table, c, flags | grouped), "sw_table_rule_flags")
+            _emit_term(table, c, term, inbounds, principals)
+            c += 1
     for slot in deferred_inbounds:
         check(lib.sw_table_defer_inbound(table, slot), "sw_table_defer_inbound")
     for cidr in deferred_cidrs:
@@ -508,4 +801,5 @@ def compile_route_table(
         ruleset=ruleset,
         inbounds=inbounds,
         principals=principals,
+        rule_of=rule_of,
     )

@@ -9,7 +9,9 @@ and under process_lookup off), unless a host is one C leaves to Python (non-ASCI
 defers at the first ip_cidr rule when the target is a domain name without a resolved
 address and that rule ranks before the match (routing.needs_address).
 Plus the table's lifecycle and argument checks, and a C harness for the parts
-outside the cdef (target info, mode, concurrent decides).
+outside the cdef (target info, mode, concurrent decides, a set shared by tables freed on
+several threads). Rule sets, GEOIP/GEOSITE, logical rules, invert and no_resolve:
+tests/csrc/test_route_sets_diff.py.
 """
 
 from __future__ import annotations
@@ -907,6 +909,24 @@ static sw_route_query Q[NQ];
 static char H[NQ][64];
 static sw_route_result R[NQ];
 
+/* Shared sets: tables built on one set, decided and freed on several threads. */
+static sw_table *ST[4];
+static sw_route_query SQ[2];
+
+static void *set_worker(void *arg)
+{
+    long i = (long)arg, bad = 0;
+    for (int round = 0; round < ROUNDS; round++) {
+        sw_route_result r;
+        if (sw_table_decide(ST[i], &SQ[0], &r) || r.action != SW_ROUTE_BLOCK || r.rule != 0)
+            bad++;
+        if (sw_table_decide(ST[i], &SQ[1], &r) || r.action != SW_ROUTE_ROUTE || r.rule != -1)
+            bad++;
+    }
+    sw_table_free(ST[i]); /* the last table freed frees the set */
+    return (void *)bad;
+}
+
 static void *worker(void *arg)
 {
     long bad = 0;
@@ -1032,6 +1052,38 @@ int main(void)
     }
     CHECK(bad == 0);
     sw_table_free(T);
+    sw_set *S;
+    CHECK(sw_set_new(&S) == 0);
+    char names[2000 * 16];
+    size_t len = 0;
+    for (int i = 0; i < 2000; i++)
+        len += (size_t)snprintf(names + len, sizeof names - len, "n%d.test", i) + 1;
+    CHECK(sw_set_domains(S, SW_SET_SUFFIX, names, len) == 0);
+    CHECK(sw_set_seal(S) == 0);
+    for (int i = 0; i < 4; i++) {
+        CHECK(sw_table_new(1, 1, (uint64_t)i, &ST[i]) == 0);
+        CHECK(sw_table_target(ST[i], 0, SW_OUT_DIRECT, NULL, 0, NULL, NULL, 0) == 0);
+        CHECK(sw_table_set_mode(ST[i], SW_MODE_RULE, -1, 0) == 0);
+        CHECK(sw_table_rule(ST[i], 0, SW_ROUTE_BLOCK, -1) == 0);
+        CHECK(sw_table_cond_sets(ST[i], 0, 0, &S, 1) == 0);
+        CHECK(sw_table_seal(ST[i]) == 0);
+    }
+    sw_set_free(S); /* the tables hold it now */
+    SQ[0].host = "www.n1999.test";
+    SQ[1].host = "www.m1999.test";
+    for (int i = 0; i < 2; i++) {
+        SQ[i].host_len = 14;
+        SQ[i].inbound = UINT32_MAX;
+        SQ[i].principal = SW_NO_PRINCIPAL;
+    }
+    for (long i = 0; i < 4; i++)
+        CHECK(pthread_create(&th[i], NULL, set_worker, (void *)i) == 0);
+    for (int i = 0; i < 4; i++) {
+        void *ret;
+        pthread_join(th[i], &ret);
+        bad += (long)ret;
+    }
+    CHECK(bad == 0);
     puts("ok");
     return 0;
 }
@@ -1054,6 +1106,7 @@ def test_c_harness(tmp_path, sanitize):
         f"-I{CSRC}",
         str(src),
         str(CSRC / "route.c"),
+        str(CSRC / "route_set.c"),
         str(CSRC / "iplit.c"),
         "-o",
         str(exe),
