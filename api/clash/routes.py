@@ -607,7 +607,8 @@ def _document(payload: str) -> Any:
         raise HTTPException(
             400,
             f"payload is a Clash configuration ({', '.join(clash)}): spliceway runs its own "
-            "configuration format; it cannot load Clash YAML yet",
+            "configuration format; convert it with `spliceway import clash FILE -o "
+            "spliceway.json` (which also reports what it could not carry over) and send that",
         )
     return document
 
