@@ -157,13 +157,18 @@ class SelectorGroup(_Model):
     group without `providers` must keep a member."""
     default: Tag | None = None
     """Member selected at start; defaults to the first member (a provider's outbound, by
-    its tag, when the group has providers). A selection made with `policies.select` lasts
+    its tag, when the group has providers; with a group `filter`, the first member after
+    it). A selection made with `policies.select` lasts
     while the member exists (also across a provider's refresh) until the engine stops.
     """
 
     @model_validator(mode="before")
     @classmethod
     def _default_first(cls, data: Any) -> Any:
+        # A group `filter` may put a provider's outbound before the inline members (two
+        # expressions or more): the first member is known once the providers are merged.
+        if isinstance(data, dict) and data.get("providers") and data.get("filter"):
+            return data
         return _fill_from(data, "default", "outbounds", first=True)
 
 

@@ -274,7 +274,7 @@ def provider_style_file(up: Upstreams, *, web: int, dns_port: int, ports: dict[s
     mihomo's home, an HTTP server on ``web``, inline ones), groups over them with
     ``filter``/``exclude-filter`` (``backup`` is used by three groups, two of which
     filter it differently; ``Mixed`` has two expressions over inline and provider
-    members, which mihomo puts in expression order), ``RULE-SET`` rules; DNS from the
+    members, which mihomo puts in expression order: JP, HK, then the inline proxy), ``RULE-SET`` rules; DNS from the
     lab's server."""
     probe = f"http://127.0.0.1:{up.origin}/generate_204"
     server = f"udp://127.0.0.1:{dns_port}"
@@ -319,7 +319,7 @@ proxy-groups:
   - {{name: JP, type: select, use: [airport, backup], filter: "JP|日本"}}
   - {{name: Backup, type: select, use: [backup]}}
   - {{name: Spare, type: select, use: [backup], filter: "B2`B1"}}
-  - {{name: Mixed, type: select, proxies: [home-socks], use: [airport, backup], filter: "B1`HK"}}
+  - {{name: Mixed, type: select, proxies: [home-socks], use: [airport], filter: "JP`HK"}}
   - {{name: Pinned, type: select, use: [pinned]}}
   - {{name: US, type: select, use: [airport], filter: "US"}}
   - {{name: Final, type: select, proxies: [HK, home-socks, DIRECT]}}

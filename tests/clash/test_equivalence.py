@@ -469,7 +469,7 @@ def test_provider_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any
         ("localhost", plain),  # Backup: the HTTP provider
         ("127.0.0.1", ports["us"]),  # US: its only proxy is a vmess spliceway skips
         ("127.0.0.1", ports["spare"]),  # Spare: backup again, "B2`B1" (B2 first)
-        ("127.0.0.1", ports["mixed"]),  # Mixed: B1 first, HK next, the inline proxy last
+        ("127.0.0.1", ports["mixed"]),  # Mixed: JP first, HK next, the inline proxy last
         ("127.0.0.1", plain),  # MATCH
     ]
     with subscription_server(bodies) as web:
@@ -528,7 +528,7 @@ def test_provider_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any
     ours = {d: flows.choice(d) for d in carried}
     assert _fetches("/backup.yaml") == 1
     assert ours[f"127.0.0.1:{ports['spare']}"] == Choice("Spare", "B2")
-    assert ours[f"127.0.0.1:{ports['mixed']}"] == Choice("Mixed", "B1")
+    assert ours[f"127.0.0.1:{ports['mixed']}"] == Choice("Mixed", "🇯🇵 JP 01")
     us = f"127.0.0.1:{ports['us']}"
     # US lost its only proxy: mihomo dials the vmess (and fails), spliceway's group has no
     # member (the flow fails with no_member): the same target, neither carries a byte.

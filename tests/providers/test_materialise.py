@@ -342,3 +342,17 @@ def test_exclude_filter_on_a_group_without_providers() -> None:
     assert merged.config.find_group("g").outbounds == ("block",)
     # A filter without providers changes nothing (mihomo filters only providers' members).
     assert merged.config.find_group("f").outbounds == ("hk", "block")
+
+
+def test_a_selector_starts_on_the_first_member_after_its_filter() -> None:
+    # Two expressions over inline and provider members: mihomo's first member is B1, and
+    # the selector starts there (mihomo's selector starts on its first member).
+    config = _grouped(
+        {"kind": "selector", "outbounds": ["hk"], "providers": ["a"], "filter": ["B1", "HK"]},
+        a={},
+    )
+    assert config.find_group("g").default is None
+    merged = materialise(config, {"a": _content("HK 1", "B1")})
+    group = merged.config.find_group("g")
+    assert group.outbounds == ("B1", "HK 1", "hk")
+    assert group.default == "B1"
