@@ -13,8 +13,10 @@ Groups: ``select`` is ``selector``, ``url-test`` ``url_test`` (``interval``,
 mihomo resolves them: ``include-all``/``include-all-proxies`` (every proxy, sorted by
 name, kept by ``filter``), ``include-all-providers`` (every provider), ``proxies``,
 then ``exclude-type`` and ``exclude-filter`` on every member; ``filter`` applies to
-provider members only (as in mihomo), so a group with filters over a provider gets its
-own filtered copy of the provider. ``use`` is the group's ``providers``. Built-ins:
+provider members only (as in mihomo). ``use`` is the group's ``providers``, and a group
+with providers carries its ``filter`` and ``exclude-filter`` as its own ``filter`` and
+``exclude_filter`` (the engine applies them to the members each provider gives, as mihomo
+does: one provider, fetched once, however many groups filter it). Built-ins:
 ``DIRECT`` is the built-in ``direct``, ``REJECT``/``REJECT-DROP``/``COMPATIBLE`` the
 ``block`` outbound ``REJECT``.
 
@@ -27,7 +29,6 @@ broken at the member that closes the cycle, reported.
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,7 +103,6 @@ _GROUP_NOT_CARRIED = {
 }
 _RELAY_HOPS = frozenset({"socks5", "http"})
 _RELAY_LAST = frozenset({"socks5", "http", "shadowsocks"})
-_LEADING_FLAGS = re.compile(r"^\(\?([aiLmsux]+)\)")
 #: Whether this build's groups list providers (``providers`` beside ``outbounds``).
 GROUPS_TAKE_PROVIDERS = "providers" in SelectorGroup.model_fields
 
@@ -120,20 +120,6 @@ def python_regex(pattern: str) -> str | None:
     except re.error:
         return None
     return pattern
-
-
-def _scoped(pattern: str) -> str:
-    """``pattern`` with a leading global flag group (``(?i)``) made scoped, so it can be
-    embedded in a larger expression."""
-    m = _LEADING_FLAGS.match(pattern)
-    if m is None:
-        return f"(?:{pattern})"
-    return f"(?{m.group(1)}:{pattern[m.end() :]})"
-
-
-def _both(first: list[str], second: list[str]) -> list[str]:
-    """Expressions matching what one of ``first`` and one of ``second`` both match."""
-    return [f"^(?=.*?{_scoped(a)})(?=.*?{_scoped(b)})" for a in first for b in second]
 
 
 # ---------------------------------------------------------------------------
@@ -311,6 +297,10 @@ class _Group:
     members: list[str] = field(default_factory=list)  # spliceway tags
     member_names: list[str] = field(default_factory=list)  # Clash names behind members
     providers: list[str] = field(default_factory=list)
+    #: The group's ``filter`` and ``exclude-filter`` (those Python compiles), carried
+    #: when it has providers.
+    filters: list[str] = field(default_factory=list)
+    excludes: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     had_real: bool = False
     broken: str = ""  # why the group refuses traffic, when it does
@@ -371,6 +361,7 @@ def _resolve_members(
     use = _list_field(raw, "use")
     filters = _filters(_str_field(raw, "filter"), "filter", g, state)
     excludes = _filters(_str_field(raw, "exclude-filter"), "exclude-filter", g, state)
+    g.filters, g.excludes = filters, excludes
     exclude_types = [t for t in _str_field(raw, "exclude-type").split("|") if t]
     include_all = _bool_field(raw, "include-all")
     if include_all or _bool_field(raw, "include-all-providers"):
@@ -417,9 +408,8 @@ def _resolve_members(
             g.had_real = True
             continue
         g.had_real = True
-        chosen = _provider_for_group(pname, filters, excludes, g, state)
-        if chosen not in g.providers:
-            g.providers.append(chosen)
+        if pname not in g.providers:
+            g.providers.append(pname)
     if use and exclude_types:
         state.report.add(
             "changed",
@@ -477,40 +467,6 @@ def _add_member(g: _Group, member: str, groups: dict[str, _Group], state: Import
     if tag not in g.members:
         g.members.append(tag)
         g.member_names.append(member)
-
-
-def _provider_for_group(
-    name: str, filters: list[str], excludes: list[str], g: _Group, state: ImportState
-) -> str:
-    """Provider ``name``, or a copy filtered by group ``g``'s ``filter`` and
-    ``exclude-filter`` (spliceway filters a provider, not a group's view of it)."""
-    if not filters and not excludes:
-        return name
-    base = state.proxy_providers[name]
-    spec = copy.deepcopy(base)
-    if filters:
-        own = base.get("filter")
-        spec["filter"] = _both(list(own), filters) if own else list(filters)
-    if excludes:
-        spec["exclude_filter"] = [*(base.get("exclude_filter") or ()), *excludes]
-    for other, existing in state.proxy_providers.items():
-        if existing == spec:
-            return other
-    variant = f"{name} · {g.name}"
-    n = 1
-    while variant in state.proxy_providers:
-        n += 1
-        variant = f"{name} · {g.name} ({n})"
-    state.proxy_providers[variant] = spec
-    state.copies.setdefault(name, []).append(variant)
-    state.report.add(
-        "changed",
-        f"{g.path}.filter",
-        g.name,
-        f"provider copy {variant!r} of {name!r} with the group's filters",
-        "spliceway filters a provider, not a group's view of it: the copy is fetched on its own",
-    )
-    return variant
 
 
 def _break_cycles(groups: dict[str, _Group], state: ImportState) -> None:
@@ -602,6 +558,9 @@ def _finish(g: _Group, state: ImportState) -> dict[str, Any]:
         out: dict[str, Any] = {"tag": g.tag, "kind": "selector", "outbounds": members}
         if g.providers and kind != "relay":
             out["providers"] = g.providers
+            # Never the filter that would drop the block outbound that refuses the traffic.
+            excludes = [e for e in g.excludes if not re.search(e, block)]
+            out.update(_group_filters(g.filters, excludes))
         return out
     assert kind is not None
     out = {"tag": g.tag, "kind": kind}
@@ -609,6 +568,7 @@ def _finish(g: _Group, state: ImportState) -> dict[str, Any]:
         out["outbounds"] = list(g.members)
     if g.providers:
         out["providers"] = list(g.providers)
+        out.update(_group_filters(g.filters, g.excludes))
     if kind in ("url_test", "fallback", "load_balance"):
         url = _probe_url(g, state)
         if url is not None:
@@ -624,6 +584,17 @@ def _finish(g: _Group, state: ImportState) -> dict[str, Any]:
         g.name,
         f"{g.ctype} group → {kind} {g.tag!r}",
     )
+    return out
+
+
+def _group_filters(filters: list[str], excludes: list[str]) -> dict[str, list[str]]:
+    """A group's ``filter`` and ``exclude_filter`` entries (inline members were already
+    excluded at import, by their Clash names)."""
+    out = {}
+    if filters:
+        out["filter"] = list(filters)
+    if excludes:
+        out["exclude_filter"] = list(excludes)
     return out
 
 
@@ -768,24 +739,6 @@ def convert_groups(raw: Any, state: ImportState, providers: set[str]) -> None:
         except WeakTypeError as ex:
             g.broken = str(ex)
             state.groups.append(_finish(g, state))
-    _drop_unused_originals(state)
-
-
-def _drop_unused_originals(state: ImportState) -> None:
-    """A provider that groups use only through filtered copies is dropped: its outbounds
-    would otherwise sit beside the copies' under renamed tags (``HK 01 (airport · HK)``)."""
-    used = {p for g in state.groups for p in g.get("providers", ())}
-    for name in list(state.proxy_providers):
-        copies = [c for c in state.copies.get(name, ()) if c in used]
-        if name not in used and copies:
-            del state.proxy_providers[name]
-            state.report.add(
-                "changed",
-                f"proxy-providers.{name}",
-                name,
-                f"read as its filtered copies {copies}",
-                "every group that uses it filters it",
-            )
 
 
 def ensure_global(state: ImportState) -> str:

@@ -139,8 +139,6 @@ class ImportState:
     rule_providers: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Files to write: absolute path -> text.
     files: dict[str, str] = field(default_factory=dict)
-    #: Proxy provider -> the filtered copies groups use (a group's filter on a provider).
-    copies: dict[str, list[str]] = field(default_factory=dict)
 
     def resolve(self, path: str) -> str:
         """``path`` as mihomo resolves it: relative to its home directory."""

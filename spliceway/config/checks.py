@@ -7,6 +7,7 @@ when an unrelated part fails the schema.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -44,6 +45,17 @@ def _string_items(value: Any, path: str) -> Iterator[tuple[str, str]]:
         for j, item in enumerate(value):
             if isinstance(item, str):
                 yield item, f"{path}[{j}]"
+
+
+def _regexes(value: Any) -> list[re.Pattern[str]]:
+    """The expressions of a regex list that compile (the schema reports the others)."""
+    out = []
+    for item, _ in _string_items(value, ""):
+        try:
+            out.append(re.compile(item))
+        except re.error:
+            continue
+    return out
 
 
 #: Outbound protocols a relay group can dial through.
@@ -171,6 +183,8 @@ class _Checker:
                 self.ref(member, path)
             if g.get("kind") == "relay":
                 self.check_relay_hops(members, f"outbound_groups[{i}].outbounds")
+            if not has_providers:
+                self.check_group_exclusions(g, i, seen)
             default = _str(g.get("default"))
             # With providers the default may name a provider's outbound: known only once
             # the provider's content is read (a default that is not there selects the
@@ -193,6 +207,28 @@ class _Checker:
                     if isinstance(m, str) and m in self.group_index
                 ]
         self.check_cycles(edges)
+
+    def check_group_exclusions(
+        self, group: Mapping[str, Any], index: int, members: set[str]
+    ) -> None:
+        """A group without providers keeps a member (and its selector's default) through its
+        ``exclude_filter``: what it drops is known from the document alone."""
+        patterns = _regexes(group.get("exclude_filter"))
+        if not patterns or not members:
+            return
+        dropped = {m for m in members if any(p.search(m) for p in patterns)}
+        if dropped == members:
+            self.add(
+                "drops every member of this group, which has no `providers`",
+                f"outbound_groups[{index}].exclude_filter",
+            )
+            return
+        default = _str(group.get("default"))
+        if group.get("kind") == "selector" and default in dropped:
+            self.add(
+                f"{default!r} is dropped by this group's `exclude_filter`",
+                f"outbound_groups[{index}].default",
+            )
 
     def check_group_providers(self, group: Mapping[str, Any], index: int) -> bool:
         """A group's ``providers`` name proxy providers, each once; True when it has any."""

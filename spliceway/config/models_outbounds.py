@@ -12,6 +12,7 @@ from spliceway.config.validators import (
     NonNegInt,
     PosInt,
     ProbeUrl,
+    RegexList,
     RemotePort,
     SStr,
     Tag,
@@ -137,18 +138,37 @@ class SelectorGroup(_Model):
     providers: ProviderMembers = ()
     """Proxy providers (names under `providers.proxies`) whose outbounds become members after
     the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
-    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
-    fails with code `no_member`."""
+    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
+    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
+    showing no member; a flow routed to it fails with code `no_member`."""
+    filter: RegexList | None = None
+    """Keep only the provider members (what `providers` give, after each provider's own
+    `filter` and `exclude_filter`) whose name matches one of these regular expressions
+    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
+    expression, then of the next. With two or more expressions and two or more sources (the
+    inline `outbounds` count as one), all members are then put in that order across
+    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
+    so without `providers` it changes nothing. A provider's outbound is matched by its name
+    with the provider's `override` prefix and suffix."""
+    exclude_filter: RegexList | None = None
+    """Drop every member, inline or from a provider, whose name matches one of these regular
+    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
+    a provider's outbound by its name with the provider's `override` prefix and suffix. A
+    group without `providers` must keep a member."""
     default: Tag | None = None
     """Member selected at start; defaults to the first member (a provider's outbound, by
-    its tag, when the group has providers). A selection made with `policies.select` lasts
+    its tag, when the group has providers; with a group `filter`, the first member after
+    it). A selection made with `policies.select` lasts
     while the member exists (also across a provider's refresh) until the engine stops.
     """
 
     @model_validator(mode="before")
     @classmethod
     def _default_first(cls, data: Any) -> Any:
+        # A group `filter` may put a provider's outbound before the inline members (two
+        # expressions or more): the first member is known once the providers are merged.
+        if isinstance(data, dict) and data.get("providers") and data.get("filter"):
+            return data
         return _fill_from(data, "default", "outbounds", first=True)
 
 
@@ -164,9 +184,23 @@ class UrlTestGroup(_Model):
     providers: ProviderMembers = ()
     """Proxy providers (names under `providers.proxies`) whose outbounds become members after
     the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
-    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
-    fails with code `no_member`."""
+    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
+    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
+    showing no member; a flow routed to it fails with code `no_member`."""
+    filter: RegexList | None = None
+    """Keep only the provider members (what `providers` give, after each provider's own
+    `filter` and `exclude_filter`) whose name matches one of these regular expressions
+    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
+    expression, then of the next. With two or more expressions and two or more sources (the
+    inline `outbounds` count as one), all members are then put in that order across
+    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
+    so without `providers` it changes nothing. A provider's outbound is matched by its name
+    with the provider's `override` prefix and suffix."""
+    exclude_filter: RegexList | None = None
+    """Drop every member, inline or from a provider, whose name matches one of these regular
+    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
+    a provider's outbound by its name with the provider's `override` prefix and suffix. A
+    group without `providers` must keep a member."""
     url: ProbeUrl | None = None
     """Plain `http://` URL probed with `HEAD` through each member. `null` uses
     `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
@@ -193,9 +227,23 @@ class FallbackGroup(_Model):
     providers: ProviderMembers = ()
     """Proxy providers (names under `providers.proxies`) whose outbounds become members after
     the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
-    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
-    fails with code `no_member`."""
+    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
+    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
+    showing no member; a flow routed to it fails with code `no_member`."""
+    filter: RegexList | None = None
+    """Keep only the provider members (what `providers` give, after each provider's own
+    `filter` and `exclude_filter`) whose name matches one of these regular expressions
+    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
+    expression, then of the next. With two or more expressions and two or more sources (the
+    inline `outbounds` count as one), all members are then put in that order across
+    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
+    so without `providers` it changes nothing. A provider's outbound is matched by its name
+    with the provider's `override` prefix and suffix."""
+    exclude_filter: RegexList | None = None
+    """Drop every member, inline or from a provider, whose name matches one of these regular
+    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
+    a provider's outbound by its name with the provider's `override` prefix and suffix. A
+    group without `providers` must keep a member."""
     url: ProbeUrl | None = None
     """Plain `http://` URL probed with `HEAD` through each member. `null` uses
     `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
@@ -220,9 +268,23 @@ class RelayGroup(_Model):
     providers: ProviderMembers = ()
     """Proxy providers (names under `providers.proxies`) whose outbounds become members after
     the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
-    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
-    fails with code `no_member`."""
+    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
+    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
+    showing no member; a flow routed to it fails with code `no_member`."""
+    filter: RegexList | None = None
+    """Keep only the provider members (what `providers` give, after each provider's own
+    `filter` and `exclude_filter`) whose name matches one of these regular expressions
+    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
+    expression, then of the next. With two or more expressions and two or more sources (the
+    inline `outbounds` count as one), all members are then put in that order across
+    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
+    so without `providers` it changes nothing. A provider's outbound is matched by its name
+    with the provider's `override` prefix and suffix."""
+    exclude_filter: RegexList | None = None
+    """Drop every member, inline or from a provider, whose name matches one of these regular
+    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
+    a provider's outbound by its name with the provider's `override` prefix and suffix. A
+    group without `providers` must keep a member."""
 
 
 class LoadBalanceGroup(_Model):
@@ -239,9 +301,23 @@ class LoadBalanceGroup(_Model):
     providers: ProviderMembers = ()
     """Proxy providers (names under `providers.proxies`) whose outbounds become members after
     the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`). A group whose members are all absent (its
-    providers not fetched yet, or empty) stays, showing no member; a flow routed to it
-    fails with code `no_member`."""
+    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
+    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
+    showing no member; a flow routed to it fails with code `no_member`."""
+    filter: RegexList | None = None
+    """Keep only the provider members (what `providers` give, after each provider's own
+    `filter` and `exclude_filter`) whose name matches one of these regular expressions
+    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
+    expression, then of the next. With two or more expressions and two or more sources (the
+    inline `outbounds` count as one), all members are then put in that order across
+    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
+    so without `providers` it changes nothing. A provider's outbound is matched by its name
+    with the provider's `override` prefix and suffix."""
+    exclude_filter: RegexList | None = None
+    """Drop every member, inline or from a provider, whose name matches one of these regular
+    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
+    a provider's outbound by its name with the provider's `override` prefix and suffix. A
+    group without `providers` must keep a member."""
     strategy: Literal["round_robin", "consistent_hashing", "sticky_sessions"] = "round_robin"
     """How a member is picked: `round_robin` (in turn), `consistent_hashing` (by target host:
     one host keeps its member) or `sticky_sessions` (by source IP: one client keeps its

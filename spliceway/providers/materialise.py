@@ -17,6 +17,14 @@ Decisions (mihomo's semantics where it has one, ``adapter/outboundgroup/parser.g
   the next one's; ``exclude_filter`` drops one any of its expressions matches. Both look
   at the name as the body gives it, before ``override``'s prefix and suffix (as mihomo
   filters before it renames).
+- A group's own ``filter`` and ``exclude_filter`` then apply as mihomo applies a group's
+  (``adapter/outboundgroup/groupbase.go``, read at v1.19.2): ``filter`` to the provider
+  members only, in the same order (with two or more expressions and two or more sources,
+  inline members counting as one, every member is then put in filter order, those none
+  matches last); ``exclude_filter`` to every member, inline ones by their tag. They match
+  a provider outbound's name with its provider's override prefix and suffix (mihomo's
+  group filters see the renamed proxy). Each group filters the provider's one copy: one
+  fetch, one cache, one status however many groups filter it.
 - An outbound's tag is ``name_prefix + name + name_suffix``. A tag already taken (by an
   inline outbound or group, the built-in ``direct``, or an earlier provider's outbound)
   becomes ``<tag> (<provider>)``, then ``<tag> (<provider>) #2``, ``#3``...: the same
@@ -25,6 +33,8 @@ Decisions (mihomo's semantics where it has one, ``adapter/outboundgroup/parser.g
   ``shadowsocks`` as the last hop); the others are left out of it and reported.
 - A selector whose ``default`` is not among its members after the merge starts on its
   first member.
+- A group without providers is merged only when it has an ``exclude_filter`` (the
+  document's cross-checks make sure it keeps a member).
 - A group left with no member stays: the engine routes its flows to a stand-in that
   fails them (code ``no_member``).
 """
@@ -41,7 +51,7 @@ from spliceway.config.checks import RELAY_HOP_PROTOCOLS
 from spliceway.config.models_providers import ProxyProvider
 from spliceway.providers.subscription import ProxyContent, ProxyEntry
 
-__all__ = ["Materialised", "ProviderMembers", "materialise", "provider_tags"]
+__all__ = ["Materialised", "ProviderMembers", "group_members", "materialise", "provider_tags"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,10 @@ class ProviderMembers:
 
     #: The tags its outbounds got, in order.
     tags: tuple[str, ...] = ()
+    #: Each of those outbounds' name with the override's prefix and suffix (its tag unless
+    #: the tag was taken): what groups' ``filter`` and ``exclude_filter`` match, as
+    #: mihomo's match a provider proxy's name.
+    names: tuple[str, ...] = ()
     #: Outbounds its ``filter`` / ``exclude_filter`` left out, by name.
     filtered_out: tuple[str, ...] = ()
     #: ``(name, tag)`` of each outbound whose tag was taken and is renamed.
@@ -129,6 +143,7 @@ def provider_tags(
             continue
         kept, dropped = _kept(spec, content.entries)
         tags: list[str] = []
+        names: list[str] = []
         renamed: list[tuple[str, str]] = []
         for entry in kept:
             wanted = f"{spec.override.name_prefix}{entry.name}{spec.override.name_suffix}"
@@ -137,20 +152,23 @@ def provider_tags(
                 renamed.append((entry.name, tag))
             taken.add(tag)
             tags.append(tag)
+            names.append(wanted)
             origins[tag] = name
             entries.append(_outbound_entry(spec, entry, tag))
-        members[name] = ProviderMembers(tuple(tags), tuple(dropped), tuple(renamed))
+        members[name] = ProviderMembers(tuple(tags), tuple(names), tuple(dropped), tuple(renamed))
     return entries, origins, members
 
 
 def _relay_hops(
-    group: str, inline: list[str], added: list[str], protocols: Mapping[str, Any]
+    group: str, members: list[str], protocols: Mapping[str, Any]
 ) -> tuple[list[str], list[tuple[str, str, str]]]:
-    """The provider outbounds a relay can take after its inline hops, and the others."""
-    hops = list(inline)
+    """The members a relay can dial as hops in order, and the others with why. Inline hops
+    are checked with the document, so only provider outbounds (or an inline one a group
+    filter moved after a ``shadowsocks`` hop) are left out."""
+    hops: list[str] = []
     left_out: list[tuple[str, str, str]] = []
-    last_is_ss = bool(hops) and protocols.get(hops[-1]) == "shadowsocks"
-    for tag in added:
+    last_is_ss = False
+    for tag in members:
         protocol = protocols.get(tag)
         if protocol not in RELAY_HOP_PROTOCOLS:
             left_out.append((group, tag, f"a {protocol} outbound cannot be a relay hop"))
@@ -162,6 +180,45 @@ def _relay_hops(
     return hops, left_out
 
 
+#: A member as a group's filters see it: ``(tag, name)``.
+_Member = tuple[str, str]
+
+
+def _in_filter_order(patterns: tuple[str, ...], members: list[_Member]) -> list[_Member]:
+    """The members some expression matches: the first one's matches in order, then the
+    next one's (each member once), as mihomo's ``GroupBase.GetProxies`` orders them."""
+    out: list[_Member] = []
+    seen: set[str] = set()
+    for pattern in patterns:
+        for member in members:
+            if member[0] not in seen and re.search(pattern, member[1]):
+                seen.add(member[0])
+                out.append(member)
+    return out
+
+
+def group_members(
+    group: Mapping[str, Any], inline: list[str], sources: list[list[_Member]]
+) -> list[str]:
+    """A group's members: its ``inline`` tags, then each provider's ``(tag, name)`` list of
+    ``sources`` (in the group's order), through the group's ``filter`` and
+    ``exclude_filter`` as mihomo applies a group's (v1.19, ``adapter/outboundgroup/
+    groupbase.go``): ``filter`` keeps each provider's matches in filter order and leaves
+    inline members alone; with two or more expressions and two or more sources (inline
+    members count as one) every member is then put in filter order, members none matches
+    last; ``exclude_filter`` then drops any member it matches."""
+    filters = tuple(group.get("filter") or ())
+    excludes = tuple(group.get("exclude_filter") or ())
+    parts = [[(t, t) for t in inline]] if inline else []
+    parts += [_in_filter_order(filters, s) if filters else s for s in sources]
+    members = [m for part in parts for m in part]
+    if len(parts) > 1 and len(filters) > 1:
+        ordered = _in_filter_order(filters, members)
+        chosen = {m[0] for m in ordered}
+        members = ordered + [m for m in members if m[0] not in chosen]
+    return [tag for tag, name in members if not _matches(excludes, name)]
+
+
 def materialise(config: Config, contents: Mapping[str, ProxyContent | None]) -> Materialised:
     """``config`` with its proxy providers' outbounds merged in (see the module docstring).
 
@@ -170,7 +227,8 @@ def materialise(config: Config, contents: Mapping[str, ProxyContent | None]) -> 
     not validate, which the per-entry checks of the content make a bug, not a body's
     doing.
     """
-    if not config.providers.proxies:
+    filtering = any(g.exclude_filter for g in config.outbound_groups)
+    if not config.providers.proxies and not filtering:
         return Materialised(config)
     added, origins, members = provider_tags(config, contents)
     doc = config.to_dict()
@@ -179,20 +237,21 @@ def materialise(config: Config, contents: Mapping[str, ProxyContent | None]) -> 
     left_out: dict[str, list[tuple[str, str, str]]] = {}
     for group in doc["outbound_groups"]:
         names = group.get("providers") or ()
-        if not names:
+        if not names and not group.get("exclude_filter"):
             continue
-        inline = list(group["outbounds"])
-        extra = [tag for name in names for tag in members[name].tags]
+        sources = [list(zip(members[n].tags, members[n].names, strict=True)) for n in names]
+        merged = group_members(group, list(group["outbounds"]), sources)
         if group["kind"] == "relay":
-            merged, dropped = _relay_hops(group["tag"], inline, extra, protocols)
+            merged, dropped = _relay_hops(group["tag"], merged, protocols)
             for item in dropped:
-                left_out.setdefault(origins[item[1]], []).append(item)
-        else:
-            merged = inline + extra
+                if item[1] in origins:
+                    left_out.setdefault(origins[item[1]], []).append(item)
         group["outbounds"] = merged
         if group["kind"] == "selector" and group.get("default") not in merged:
             group["default"] = merged[0] if merged else None
     for name, dropped_hops in left_out.items():
         m = members[name]
-        members[name] = ProviderMembers(m.tags, m.filtered_out, m.renamed, tuple(dropped_hops))
+        members[name] = ProviderMembers(
+            m.tags, m.names, m.filtered_out, m.renamed, tuple(dropped_hops)
+        )
     return Materialised(parse_config(doc), origins, members)

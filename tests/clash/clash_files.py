@@ -272,7 +272,10 @@ rules:
 def provider_style_file(up: Upstreams, *, web: int, dns_port: int, ports: dict[str, int]) -> str:
     """The provider style for the comparison with mihomo: every provider local (a file in
     mihomo's home, an HTTP server on ``web``, inline ones), groups over them with
-    ``filter``/``exclude-filter``, ``RULE-SET`` rules; DNS from the lab's server."""
+    ``filter``/``exclude-filter`` (``backup`` is used by three groups, two of which
+    filter it differently; ``Mixed`` has two expressions over inline and provider
+    members, which mihomo puts in expression order: JP, HK, then the inline proxy), ``RULE-SET`` rules; DNS from the
+    lab's server."""
     probe = f"http://127.0.0.1:{up.origin}/generate_204"
     server = f"udp://127.0.0.1:{dns_port}"
     return f"""\
@@ -315,6 +318,8 @@ proxy-groups:
   - {{name: HK, type: fallback, use: [airport], filter: "港|HK", exclude-filter: "(?i)expire|剩余", url: "{probe}", interval: 300}}
   - {{name: JP, type: select, use: [airport, backup], filter: "JP|日本"}}
   - {{name: Backup, type: select, use: [backup]}}
+  - {{name: Spare, type: select, use: [backup], filter: "B2`B1"}}
+  - {{name: Mixed, type: select, proxies: [home-socks], use: [airport], filter: "JP`HK"}}
   - {{name: Pinned, type: select, use: [pinned]}}
   - {{name: US, type: select, use: [airport], filter: "US"}}
   - {{name: Final, type: select, proxies: [HK, home-socks, DIRECT]}}
@@ -326,6 +331,8 @@ rules:
   - DOMAIN,runsc,JP
   - DOMAIN,localhost,Backup
   - DST-PORT,{ports["us"]},US
+  - DST-PORT,{ports["spare"]},Spare
+  - DST-PORT,{ports["mixed"]},Mixed
   - MATCH,Final
 """
 

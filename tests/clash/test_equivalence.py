@@ -385,11 +385,14 @@ class _Files(http.server.BaseHTTPRequestHandler):
     """Serves ``bodies`` (path -> bytes) on loopback: the providers' subscription server."""
 
     bodies: ClassVar[dict[str, bytes]] = {}
+    #: ``(path, User-Agent)`` of every request, in order.
+    requests: ClassVar[list[tuple[str, str]]] = []
 
     def log_message(self, *args: object) -> None:
         pass
 
     def do_GET(self) -> None:
+        self.requests.append((self.path, self.headers.get("User-Agent", "")))
         body = self.bodies.get(self.path)
         self.send_response(200 if body is not None else 404)
         self.send_header("Content-Length", str(len(body or b"")))
@@ -400,6 +403,7 @@ class _Files(http.server.BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def subscription_server(bodies: dict[str, bytes]) -> Iterator[int]:
     _Files.bodies = bodies
+    _Files.requests = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
     thread.start()
@@ -426,6 +430,12 @@ def _mihomo_rule_sets_loaded(m: Mihomo, names: tuple[str, ...]) -> bool:
     return all(providers.get(n, {}).get("ruleCount", 0) > 0 for n in names)
 
 
+def _fetches(path: str) -> int:
+    """How many times spliceway (by its User-Agent) asked the subscription server for
+    ``path``."""
+    return sum(1 for p, agent in _Files.requests if p == path and "spliceway/" in agent)
+
+
 def _spliceway_has_members(engine: Any, groups: tuple[str, ...]) -> bool:
     policies = {p["tag"]: p for p in engine.query("policies")["policies"]}
     return all(policies.get(g, {}).get("member_health") for g in groups)
@@ -437,9 +447,18 @@ def test_provider_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any
     (home / "ruleset").mkdir()
     (home / "proxy_providers" / "airport.yaml").write_text(provider_body(lab.up))
     (home / "ruleset" / "lan.txt").write_text("127.202.0.0/16\n")
-    backup = f"proxies:\n  - {{name: B1, type: socks5, server: 127.0.0.1, port: {lab.up.socks}}}\n"
+    backup = (
+        "proxies:\n"
+        f"  - {{name: B1, type: socks5, server: 127.0.0.1, port: {lab.up.socks}}}\n"
+        f"  - {{name: B2, type: http, server: 127.0.0.1, port: {lab.up.http}}}\n"
+    )
     plain = lab.echo["plain"].address[1]
-    ports = {"pinned": lab.echo["and"].address[1], "us": lab.echo["us"].address[1]}
+    ports = {
+        "pinned": lab.echo["and"].address[1],
+        "us": lab.echo["us"].address[1],
+        "spare": lab.echo["jp"].address[1],
+        "mixed": lab.echo["sg"].address[1],
+    }
     bodies = {"/backup.yaml": backup.encode(), "/reject.txt": b"+.rejected.example\n"}
     destinations = [
         ("ads.rejected.example", plain),  # RULE-SET over HTTP
@@ -449,6 +468,8 @@ def test_provider_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any
         ("runsc", plain),  # JP: filtered over two providers
         ("localhost", plain),  # Backup: the HTTP provider
         ("127.0.0.1", ports["us"]),  # US: its only proxy is a vmess spliceway skips
+        ("127.0.0.1", ports["spare"]),  # Spare: backup again, "B2`B1" (B2 first)
+        ("127.0.0.1", ports["mixed"]),  # Mixed: JP first, HK next, the inline proxy last
         ("127.0.0.1", plain),  # MATCH
     ]
     with subscription_server(bodies) as web:
@@ -458,13 +479,17 @@ def test_provider_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any
         engine = make_engine(config)
         try:
             wait_until(
-                lambda: _spliceway_has_members(engine, ("HK", "JP", "Backup", "Pinned")),
+                lambda: _spliceway_has_members(
+                    engine, ("HK", "JP", "Backup", "Pinned", "Spare", "Mixed")
+                ),
                 20,
                 "spliceway's provider groups filled",
             )
         except AssertionError:
             status = [(p["name"], p["last_error"]) for p in engine.query("providers")["providers"]]
             raise AssertionError(f"provider groups not filled: {status}") from None
+        # Four groups use `backup`, three of them filter it: spliceway fetched it once.
+        assert _fetches("/backup.yaml") == 1
         flows = FlowLog(engine)
         with running_mihomo(load(text), home) as m:
             wait_until(lambda: _probed(m, "Backup", "B1"), 20, "mihomo's HTTP provider")
@@ -501,6 +526,9 @@ def test_provider_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any
                 ) from None
             theirs = mihomo_choices(m)
     ours = {d: flows.choice(d) for d in carried}
+    assert _fetches("/backup.yaml") == 1
+    assert ours[f"127.0.0.1:{ports['spare']}"] == Choice("Spare", "B2")
+    assert ours[f"127.0.0.1:{ports['mixed']}"] == Choice("Mixed", "🇯🇵 JP 01")
     us = f"127.0.0.1:{ports['us']}"
     # US lost its only proxy: mihomo dials the vmess (and fails), spliceway's group has no
     # member (the flow fails with no_member): the same target, neither carries a byte.
@@ -515,5 +543,7 @@ def test_provider_file_routes_as_mihomo(lab: Lab, make_engine: Callable[..., Any
         f"runsc:{plain}": True,
         f"localhost:{plain}": True,
         us: False,
+        f"127.0.0.1:{ports['spare']}": True,
+        f"127.0.0.1:{ports['mixed']}": True,
         f"127.0.0.1:{plain}": True,
     }

@@ -269,13 +269,16 @@ def test_provider_file(tmp_path: Path) -> None:
     assert rules["lan"] == {"path": str(lan), "behavior": "ipcidr", "format": "text"}
     assert rules["apps"]["path"] in result.files
     assert config["rules"][0] == {"rule_set": ["reject"], "outbound": "REJECT"}
-    # filter on a provider member: a filtered copy for that group.
+    # A group's filters are its own: one provider, however many groups filter it.
+    assert set(providers) == {"airport", "backup", "pinned"}
+    assert "filter" not in providers["airport"] and "exclude_filter" not in providers["airport"]
     auto = _group(config, "Auto")
-    assert auto["providers"] != ["airport"]
-    copy_name = auto["providers"][0]
-    assert providers[copy_name]["filter"] == ["(?i)hk|香港|jp"]
+    assert auto["providers"] == ["airport"]
+    assert auto["filter"] == ["(?i)hk|香港|jp"] and "exclude_filter" not in auto
     hk = _group(config, "HK")
-    assert providers[hk["providers"][0]]["exclude_filter"] == ["(?i)expire|剩余"]
+    assert hk["providers"] == ["airport"]
+    assert hk["filter"] == ["港|HK"] and hk["exclude_filter"] == ["(?i)expire|剩余"]
+    assert not any("copy" in i.what for i in result.report.changed)
     assert _group(config, "Proxy")["providers"] == ["airport", "backup"]
     every = _group(config, "Everything")
     assert every["outbounds"] == ["home-socks"]

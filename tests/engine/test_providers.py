@@ -224,6 +224,71 @@ def test_a_refresh_changes_members_live_and_keeps_the_selection(
     assert nodes["n3"].connections == 1
 
 
+def test_groups_filter_one_provider_fetched_once_and_a_refresh_refilters(
+    make_engine, origin, nodes, target, tmp_path
+) -> None:
+    origin.serve("/sub", Answer(clash(nodes, "n1", "n2", "n3")))
+    config = provider_config(origin.url("/sub"), tmp_path / "cache")
+    config["outbounds"].append({"tag": "local", "protocol": "direct"})
+    config["outbound_groups"] = [
+        # Two expressions over inline and provider members: n3, then n1, then `local`.
+        {
+            "tag": "proxy",
+            "kind": "selector",
+            "outbounds": ["local"],
+            "providers": ["sub"],
+            "filter": ["n3", "n1"],
+        },
+        {"tag": "odd", "kind": "selector", "providers": ["sub"], "exclude_filter": ["n2|n4"]},
+        {"tag": "four", "kind": "selector", "providers": ["sub"], "filter": ["n4"]},
+    ]
+    config["inbounds"][0]["sniff"] = False
+    engine = make_engine(config)
+    assert members(engine) == ["n3", "n1", "local"]
+    assert members(engine, "odd") == ["n1", "n3"]
+    assert members(engine, "four") == []
+    # One provider, fetched once, however many groups filter it; each member's provider.
+    assert origin.count("/sub") == 1
+    assert [s["name"] for s in engine.query("providers")["providers"]] == ["sub"]
+    view = engine.query("policy", {"policy_tag": "proxy"})
+    assert [(m["member_tag"], m["provider"]) for m in view["member_health"]] == [
+        ("n3", "sub"),
+        ("n1", "sub"),
+        ("local", None),
+    ]
+    config["route"] = {"final": "odd"}
+    engine.execute("config.apply", {"config": config})
+    assert fetch_through(engine, target) == "200"
+    assert nodes["n1"].connections == 1
+
+    # A group filtered to nothing fails its flows as a group without members does.
+    config["route"] = {"final": "four"}
+    engine.execute("config.apply", {"config": config})
+    with pytest.raises(ConnectionError, match=f"socks reply {socks5.REP_GENERAL_FAILURE}"):
+        socks5_connect(engine.listen_address("socks-in"), "127.0.0.1", target[1])
+    failed = wait_until(
+        lambda: [
+            e["payload"]["record"]["result"]["failure"]
+            for e in events(engine, "flow.completed")
+            if e["payload"]["record"]["result"]["outcome"] == "failed"
+        ],
+        what="the failed flow",
+    )
+    assert [f["code"] for f in failed] == ["no_member"]
+
+    # A refresh applies the groups' filters to the new content.
+    origin.serve("/sub", Answer(clash(nodes, "n4", "n2", "n1")))
+    (result,) = update(engine)
+    assert result["outcome"] == "updated" and result["outbounds"] == 3
+    assert status(engine)["members"] == ["n4", "n2", "n1"]
+    assert members(engine) == ["n1", "local"]
+    assert members(engine, "odd") == ["n1"]
+    assert members(engine, "four") == ["n4"]
+    assert origin.count("/sub") == 2
+    assert fetch_through(engine, target) == "200"
+    assert nodes["n4"].connections == 1 and nodes["n2"].connections == 0
+
+
 # -- bad answers keep the last good copy ----------------------------------------------
 
 BAD = [

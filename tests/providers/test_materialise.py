@@ -204,3 +204,155 @@ def test_merged_tags_are_unique_and_the_document_validates(a: list[str], b: list
     assert len(tags) == len(set(tags))
     assert len(merged.origins) == len(a) + len(b)
     assert merged.config == materialise(config, {"a": _content(*a), "b": _content(*b)}).config
+
+
+def _grouped(group: dict[str, Any], **providers: Any) -> Any:
+    spec = {name: {"path": f"/srv/{name}.yaml", **extra} for name, extra in providers.items()}
+    return _config(providers={"proxies": spec}, outbound_groups=[{"tag": "g", **group}])
+
+
+def test_a_group_filter_keeps_provider_members_in_filter_order_and_not_inline_ones() -> None:
+    config = _grouped(
+        {"kind": "selector", "outbounds": ["hk", "block"], "providers": ["a"], "filter": ["HK"]},
+        a={},
+    )
+    merged = materialise(config, {"a": _content("US 1", "HK 1", "xHK 2")})
+    # Inline members stay (mihomo filters only what providers give).
+    assert merged.config.find_group("g").outbounds == ("hk", "block", "HK 1", "xHK 2")
+    # Every provider outbound is still an outbound of the configuration, and its origin kept.
+    assert "US 1" in merged.config.outbound_tags()
+    assert merged.origins["HK 1"] == "a"
+    assert merged.members["a"].tags == ("US 1", "HK 1", "xHK 2")
+
+
+def test_one_expression_orders_each_provider_on_its_own() -> None:
+    config = _grouped(
+        {"kind": "selector", "providers": ["a", "b"], "filter": ["JP|HK"]}, a={}, b={}
+    )
+    merged = materialise(config, {"a": _content("JP a", "HK a"), "b": _content("HK b", "JP b")})
+    assert merged.config.find_group("g").outbounds == ("JP a", "HK a", "HK b", "JP b")
+
+
+def test_several_expressions_over_several_sources_order_every_member() -> None:
+    # mihomo: each provider filtered in expression order, then (two sources or more, two
+    # expressions or more) every member in expression order, inline ones none matches last.
+    config = _grouped(
+        {
+            "kind": "selector",
+            "outbounds": ["hk", "block"],
+            "providers": ["a", "b"],
+            "filter": ["HK", "^JP|hk"],
+        },
+        a={},
+        b={},
+    )
+    merged = materialise(
+        config, {"a": _content("JP a", "HK a", "US a"), "b": _content("JP b", "HK b")}
+    )
+    assert merged.config.find_group("g").outbounds == (
+        "HK a",
+        "HK b",
+        "hk",
+        "JP a",
+        "JP b",
+        "block",
+    )
+
+
+def test_several_expressions_over_one_provider_keep_its_filter_order() -> None:
+    config = _grouped({"kind": "url_test", "providers": ["a"], "filter": ["HK", "JP"]}, a={})
+    merged = materialise(config, {"a": _content("JP 1", "HK 1", "JP 2", "HK 2")})
+    assert merged.config.find_group("g").outbounds == ("HK 1", "HK 2", "JP 1", "JP 2")
+
+
+def test_group_exclude_filter_drops_inline_and_provider_members() -> None:
+    config = _grouped(
+        {
+            "kind": "selector",
+            "outbounds": ["hk", "block"],
+            "providers": ["a"],
+            "exclude_filter": ["^(hk|\\[a\\] slow.*)$"],
+            "default": "hk",
+        },
+        a={"override": {"name_prefix": "[a] "}},
+    )
+    merged = materialise(config, {"a": _content("fast", "slow 1")})
+    group = merged.config.find_group("g")
+    # The provider's outbound is matched by its name with the override's prefix.
+    assert group.outbounds == ("block", "[a] fast")
+    assert group.default == "block"  # its default was dropped: the first member
+
+
+def test_provider_filters_apply_before_the_groups() -> None:
+    config = _grouped(
+        {"kind": "fallback", "providers": ["a"], "filter": ["1"], "exclude_filter": ["JP"]},
+        a={"exclude_filter": ["HK 1"]},
+    )
+    merged = materialise(config, {"a": _content("HK 1", "JP 1", "US 1", "US 2")})
+    assert merged.config.find_group("g").outbounds == ("US 1",)
+    assert merged.members["a"].filtered_out == ("HK 1",)
+
+
+def test_two_groups_filter_one_provider_differently() -> None:
+    doc_groups = [
+        {"tag": "hk-only", "kind": "url_test", "providers": ["a"], "filter": ["HK"]},
+        {"tag": "jp-only", "kind": "selector", "providers": ["a"], "filter": ["JP"]},
+        {"tag": "all", "kind": "selector", "providers": ["a"]},
+    ]
+    config = _config(outbound_groups=doc_groups)
+    merged = materialise(config, {"a": _content("HK 1", "JP 1", "HK 2")})
+    assert merged.config.find_group("hk-only").outbounds == ("HK 1", "HK 2")
+    assert merged.config.find_group("jp-only").outbounds == ("JP 1",)
+    assert merged.config.find_group("all").outbounds == ("HK 1", "JP 1", "HK 2")
+    # One copy of the provider's outbounds, each once.
+    assert merged.config.outbound_tags().count("HK 1") == 1
+
+
+def test_a_group_filtered_to_nothing_is_empty_as_an_empty_provider() -> None:
+    config = _grouped({"kind": "url_test", "providers": ["a"], "filter": ["nothing"]}, a={})
+    merged = materialise(config, {"a": _content("HK 1")})
+    assert merged.config.find_group("g").outbounds == ()
+    sel = _grouped({"kind": "selector", "providers": ["a"], "exclude_filter": ["."]}, a={})
+    assert materialise(sel, {"a": _content("HK 1")}).config.find_group("g").default is None
+
+
+def test_a_relay_filters_before_taking_hops() -> None:
+    config = _grouped(
+        {"kind": "relay", "outbounds": ["hk"], "providers": ["a"], "exclude_filter": ["^s1$"]},
+        a={},
+    )
+    merged = materialise(config, {"a": _content("s1", "s2")})
+    assert merged.config.find_group("g").outbounds == ("hk", "s2")
+
+
+def test_exclude_filter_on_a_group_without_providers() -> None:
+    config = _config(
+        providers={},
+        outbound_groups=[
+            {
+                "tag": "g",
+                "kind": "selector",
+                "outbounds": ["hk", "block"],
+                "exclude_filter": ["^h"],
+            },
+            {"tag": "f", "kind": "fallback", "outbounds": ["hk", "block"], "filter": ["block"]},
+        ],
+    )
+    merged = materialise(config, {})
+    assert merged.config.find_group("g").outbounds == ("block",)
+    # A filter without providers changes nothing (mihomo filters only providers' members).
+    assert merged.config.find_group("f").outbounds == ("hk", "block")
+
+
+def test_a_selector_starts_on_the_first_member_after_its_filter() -> None:
+    # Two expressions over inline and provider members: mihomo's first member is B1, and
+    # the selector starts there (mihomo's selector starts on its first member).
+    config = _grouped(
+        {"kind": "selector", "outbounds": ["hk"], "providers": ["a"], "filter": ["B1", "HK"]},
+        a={},
+    )
+    assert config.find_group("g").default is None
+    merged = materialise(config, {"a": _content("HK 1", "B1")})
+    group = merged.config.find_group("g")
+    assert group.outbounds == ("B1", "HK 1", "hk")
+    assert group.default == "B1"
