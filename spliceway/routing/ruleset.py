@@ -50,7 +50,7 @@ import weakref
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Literal
 
 from pydantic import ValidationError
@@ -191,6 +191,8 @@ class _DomainSink:
         self.suffix: set[str] = set()
         self.subdomain: set[str] = set()
         self.wildcard: dict[str, None] = {}
+        #: Names read in bulk, a list a chunk: hashed into the frozensets once, at the end.
+        self.bulk: tuple[list[list[str]], list[list[str]], list[list[str]]] = ([], [], [])
 
     def add(self, entry: str) -> None:
         """Add one mihomo domain-set entry; ValueError says why it is refused."""
@@ -230,11 +232,20 @@ class _DomainSink:
 
     def frozen(self) -> tuple[frozenset[str], frozenset[str], frozenset[str], tuple[str, ...]]:
         """``(exact, suffix, subdomain, wildcard)``, each name in the narrowest set."""
-        both = self.exact & self.subdomain
-        suffix = self.suffix | both
-        exact = self.exact - suffix
-        subdomain = self.subdomain - suffix
-        return frozenset(exact), frozenset(suffix), frozenset(subdomain), tuple(self.wildcard)
+        bulk_exact, bulk_suffix, bulk_subdomain = self.bulk
+        exact = frozenset(chain(self.exact, *bulk_exact))
+        suffix = frozenset(chain(self.suffix, *bulk_suffix))
+        subdomain = frozenset(chain(self.subdomain, *bulk_subdomain))
+        # "x" and ".x" are "+.x"; a name in suffix is in no other set. (Copies only when
+        # they change: a big set is rarely all three.)
+        both = exact & subdomain
+        if both:
+            suffix = suffix | both
+        if not exact.isdisjoint(suffix):
+            exact = exact - suffix
+        if not subdomain.isdisjoint(suffix):
+            subdomain = subdomain - suffix
+        return exact, suffix, subdomain, tuple(self.wildcard)
 
 
 def _v4(text: str) -> int | None:
@@ -452,9 +463,9 @@ def _text_runs(text: str) -> Iterator[_Run]:
     return _runs(text, lambda line: list(_text_lines(line)), comments=True)
 
 
-def _item_runs(items: list[str]) -> Iterator[_Run]:
-    """Entries that are each one item already (no line break in any)."""
-    return _runs("\n".join(items), lambda item: [item], comments=False)
+def _item_runs(items: str) -> Iterator[_Run]:
+    """Entries a line each, ``items`` (each one entry, trimmed, blank lines none)."""
+    return _runs(items, lambda item: [item], comments=False)
 
 
 # YAML: the common shape (``payload:`` then one entry per line: ``  - 'x'``, ``  - "x"``
@@ -536,10 +547,11 @@ def _yaml_text_ok(text: str) -> bool:
     return _YAML_ODD.search(text) is None
 
 
-def _uniform_yaml_values(body: str, indent: int) -> list[str] | None:
+def _uniform_yaml_values(body: str, indent: int) -> str | None:
     """Every line of ``body`` (``\n`` first and last) one item ``- <scalar>`` at
     ``indent``, every scalar written the same way (``'x'``, ``"x"``, or plain), nothing
-    else (no comment, no blank line): the scalars, with a few whole-text operations."""
+    else (no comment, no blank line): the scalars, a line each (``\n`` first and last),
+    with a few whole-text operations."""
     lines = body.count("\n") - 1
     prefix = "\n" + " " * indent + "- "
     if body.count(prefix) != lines:
@@ -557,18 +569,24 @@ def _uniform_yaml_values(body: str, indent: int) -> list[str] | None:
             or inner.count(closed) != lines
         ):
             return None
-        return inner.replace(opened, "\n").replace(closed, "\n").split("\n")[1:-1]
+        return inner.replace(opened, "\n").replace(closed, "\n")
     if not inner.isascii() or inner.encode("ascii").translate(None, _PLAIN_CHARS):
         return None
     if "\n\n" in inner or ":\n" in inner or any(f"\n{c}" in inner for c in "*:-"):
         return None  # an empty (null) item, a key, an alias, an indicator first
-    values = inner.split("\n")[1:-1]
-    return values if all(map(_plain_is_str, values)) else None
+    if not _YAML_NOT_STR.isdisjoint(inner[1:-1].split("\n")):
+        return None
+    numberish = _YAML_NUMBERISH.fullmatch
+    for value in inner[1:-1].split("\n"):
+        if value[0] in "+.0123456789" and numberish(value) is not None:
+            return None
+    return inner
 
 
-def _plain_yaml_items(text: str) -> list[str] | None:
+def _plain_yaml_items(text: str) -> str | None:
     """The entries of a yaml body of the common shape, as :func:`_yaml_items` reads
-    them; None when the body has another shape (yaml12 reads it)."""
+    them, a line each (blank lines are empty entries, which count as none); None when
+    the body has another shape (yaml12 reads it)."""
     if "\r" in text:
         text = text.replace("\r\n", "\n")
     if not _yaml_text_ok(text):
@@ -582,12 +600,18 @@ def _plain_yaml_items(text: str) -> list[str] | None:
     first = _YAML_FIRST_ITEM.search(body)
     if first is None:
         return None
-    values = _uniform_yaml_values(body, len(first.group(1)))
-    if values is None:
+    joined = _uniform_yaml_values(body, len(first.group(1)))
+    if joined is None:
         values = _mixed_yaml_values(body, len(first.group(1)))
-    if values is None:
-        return None
-    return [v for v in map(str.strip, values) if v]
+        if values is None:
+            return None
+        joined = "\n".join(values)
+    joined = joined.strip("\n")
+    # An item is trimmed as yaml12's reading trims it (only an ASCII text without a
+    # space has nothing to trim).
+    if not joined.isascii() or " " in joined:
+        joined = "\n".join(map(str.strip, joined.split("\n")))
+    return joined
 
 
 def _mixed_yaml_values(body: str, indent: int) -> list[str] | None:
@@ -637,6 +661,7 @@ def _domain_odd(line: str) -> bool:
 
 
 _SUFFIX_LINES = re.compile(r"\n\+\.([^\n]+)")
+_NOT_SUFFIX_LINES = re.compile(r"\n(?!\+\.)[^\n]+")
 _SUBDOMAIN_LINES = re.compile(r"\n\.([^\n]+)")
 _EXACT_LINES = re.compile(r"\n(?!\+\.|\.)([^\n]+)")
 
@@ -659,15 +684,22 @@ def _add_domain_chunk(sink: _DomainSink, chunk: str, counter: _Counter) -> None:
         odd = [line for line in lines if _domain_odd(line)]
         chunk = "\n".join(line for line in lines if not _domain_odd(line))
     if chunk:
-        text = ("\n" + chunk.lower() + "\n").replace(".\n", "\n")
-        suffix = _SUFFIX_LINES.findall(text)
-        subdomain = _SUBDOMAIN_LINES.findall(text)
-        exact = _EXACT_LINES.findall(text)
+        # Every line led by "\n", one trailing dot dropped, no "\n" last.
+        text = ("\n" + chunk.lower() + "\n").replace(".\n", "\n")[:-1]
         count = chunk.count("\n") + 1
+        n_suffix, n_subdomain = text.count("\n+."), text.count("\n.")
+        suffix: list[str] = []
+        if n_suffix == count:
+            suffix = text[3:].split("\n+.")  # a suffix list: one split
+        elif n_suffix > count // 2:
+            suffix = _NOT_SUFFIX_LINES.sub("", text)[3:].split("\n+.")
+        elif n_suffix:
+            suffix = _SUFFIX_LINES.findall(text)
+        subdomain = _SUBDOMAIN_LINES.findall(text) if n_subdomain else []
+        exact = _EXACT_LINES.findall(text) if n_suffix + n_subdomain < count else []
         if len(suffix) + len(subdomain) + len(exact) == count:
-            sink.suffix.update(suffix)
-            sink.subdomain.update(subdomain)
-            sink.exact.update(exact)
+            for bulk, names in zip(sink.bulk, (exact, suffix, subdomain), strict=True):
+                bulk.append(names)
             counter.count += count
         else:  # pragma: no cover - every clean line is one of the three
             odd = chunk.split("\n") + odd

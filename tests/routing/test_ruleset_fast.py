@@ -150,6 +150,23 @@ def test_uniform_clean_chunks_in_bulk() -> None:
     same("\n".join(v4 + v6).encode(), "ipcidr", "text")
 
 
+@pytest.mark.parametrize(
+    "kinds",
+    [("+.",), ("",), (".",), ("+.", "+.", "+.", ""), ("", "", "+."), ("+.", ".", ""), (".", "+.")],
+)
+@pytest.mark.parametrize("chunk_chars", [24, 4096])
+def test_chunks_of_every_mix(kinds: tuple[str, ...], chunk_chars: int) -> None:
+    """Chunks all suffixes, all exact, all subdomains, or mixed one way or another, with
+    names repeated across kinds ("x" and ".x" are "+.x")."""
+    dot = ["", "", "."]
+    lines = [f"{kinds[i % len(kinds)]}N{i % 700}.Test{dot[i % 3]}" for i in range(3000)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ruleset, "_CHUNK_CHARS", chunk_chars)
+        same("\n".join(lines).encode(), "domain", "text")
+        body = "payload:\n" + "".join(f"  - '{line}'\n" for line in lines)
+        same(body.encode(), "domain", "yaml")
+
+
 # -- YAML ------------------------------------------------------------------------------
 
 #: Plain scalars yaml12 reads as something else than the text (numbers, booleans, null).
@@ -227,10 +244,10 @@ def test_uniform_yaml_in_bulk() -> None:
     for style in ("'{}'", '"{}"', "{}"):
         body = "payload:\n" + "".join(f"  - {style.format(n)}\n" for n in names)
         same(body.encode(), "domain", "yaml")
-        assert ruleset._plain_yaml_items(body) == names
+        assert ruleset._plain_yaml_items(body) == "\n".join(names)
     cidrs = [f"10.{i >> 8 & 255}.{i & 255}.0/24" for i in range(5000)]
     body = "payload:\n" + "".join(f"  - {c}\n" for c in cidrs)
-    assert ruleset._plain_yaml_items(body) == cidrs
+    assert ruleset._plain_yaml_items(body) == "\n".join(cidrs)
     same(body.encode(), "ipcidr", "yaml")
 
 
