@@ -30,11 +30,14 @@ outbound, the rest to the final one; N is 0 (the ``cidrs`` rule alone), 10, 10,0
    alternated per repetition), so a machine whose load drifts treats every size and
    proxy alike; medians of conn/s, p50/p99 latency, errors, the proxy's RSS after the
    runs. Both route by the sniffed name and dial the address the client sent.
-4. **refresh under load**: the engine with the 300,000-domain set; loadgen runs in
-   consecutive 0.5 s windows; during one of them the ``domains`` file is replaced (a
-   different 300,000 lines, renamed over it) and ``providers.update`` (over IPC) makes
-   the engine re-read it, reload and swap the table: conn/s per window, the command's
-   wall time, errors.
+4. **refresh**: the engine with the 300,000-domain set; first without load, the
+   ``domains`` file replaced (a different 300,000 lines, renamed over it) and
+   ``providers.update`` (over IPC) makes the engine re-read it, reload and swap the
+   table: its wall time and the engine's CPU seconds. Then under load: loadgen runs in
+   consecutive 0.5 s windows; after a few, the file is replaced again and the command
+   sent; the windows go on until it answered and a few more ran: conn/s per window
+   (those overlapping the command marked), the command's wall time, the engine's RSS
+   before, at its peak during the command (VmHWM, reset first) and after, errors.
 
 Targets (issue 29): conn/s with 300,000 domains within 5 % of conn/s with 10, and ahead
 of mihomo with the same rules. Output: a table on stdout, progress on stderr, and
@@ -480,16 +483,26 @@ def refresh_under_load(
     applied: dict[str, Any] = {}
     rss: dict[str, Any] = {}
     before_n = 2 if args.quick else 4
+    idle: dict[str, Any] = {}
     try:
         wait_ready(tools["loadgen"], server.rate, engine.port, hosts)
-        rate_run(tools["loadgen"], server.rate, engine.port, hosts, 1.0)
         ipc = Ipc(ipc_path)
         ipc.sock.settimeout(120)
+        params = {"name": "domains", "kind": "rules"}
+        # First without load: what the refresh itself costs the engine (CPU seconds of
+        # all its threads), free of the machine's noise.
+        time.sleep(1.0)
+        write_lines(files["domains"], domain_lines(n, prefix="u"))
+        cpu0, t0 = e2e.proc_cpu_s(pid), time.monotonic()
+        ipc.call({"command": {"method": "providers.update", "params": params}})
+        idle.update(
+            seconds=round(time.monotonic() - t0, 3), cpu_s=round(e2e.proc_cpu_s(pid) - cpu0, 3)
+        )
+        rate_run(tools["loadgen"], server.rate, engine.port, hosts, 1.0)
 
         def apply() -> None:
             t0 = time.monotonic()
             applied["sent_at"] = t0
-            params = {"name": "domains", "kind": "rules"}
             result = ipc.call({"command": {"method": "providers.update", "params": params}})
             applied["answered_at"] = time.monotonic()
             applied.update(seconds=round(applied["answered_at"] - t0, 3), result=result)
@@ -540,6 +553,7 @@ def refresh_under_load(
         "domains": n,
         "windows": windows,
         "apply": {k: v for k, v in applied.items() if not k.endswith("_at")},
+        "idle": idle,
         "conn_per_s_before": before,
         "conn_per_s_min_window": min(w["conn_per_s"] for w in windows),
         "conn_per_s_during": [w["conn_per_s"] for w in during],
@@ -616,6 +630,10 @@ def report(res: dict) -> str:
             f"during {', '.join(str(c) for c in f['conn_per_s_during']) or '-'}, "
             f"lowest 0.5 s window {f['conn_per_s_min_window']:,}; errors {f['errors']}"
         )
+        if f.get("idle"):
+            lines.append(
+                f"without load: {f['idle']['seconds']} s, engine CPU {f['idle']['cpu_s']} s"
+            )
         if rss:
             lines.append(
                 f"engine RSS MB before {rss['before_kib'] / 1024:.0f}, peak during "
