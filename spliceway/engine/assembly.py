@@ -4,7 +4,11 @@ Rules come with what they read: every rule provider's set, parsed from its conte
 (``provider_content_path``: its ``path``, or the last good fetched copy), and the
 GeoIP/ASN/GeoSite databases the rules use (``runtime.geodata``). Both are memoised by
 file identity (path, inode, ``mtime_ns``, size), so a reload that changed no file does
-not parse 300,000 lines again. A rule provider whose file is missing (never fetched) or
+not parse 300,000 lines again; and a set by its content too
+(:func:`~spliceway.routing.ruleset.parse_rule_set`), so the reload after a provider's
+refresh gets the set the refresh's check parsed. The C sets the rules name are built here
+as well (:func:`prepare_c_sets`), on the thread building the parts, not on the dispatcher
+that installs them. A rule provider whose file is missing (never fetched) or
 unreadable gives an empty set with a warning (:attr:`RoutingParts.rule_set_status`); a
 rule naming a database whose file is missing or corrupt refuses the configuration.
 
