@@ -30,11 +30,14 @@ outbound, the rest to the final one; N is 0 (the ``cidrs`` rule alone), 10, 10,0
    alternated per repetition), so a machine whose load drifts treats every size and
    proxy alike; medians of conn/s, p50/p99 latency, errors, the proxy's RSS after the
    runs. Both route by the sniffed name and dial the address the client sent.
-4. **refresh under load**: the engine with the 300,000-domain set; loadgen runs in
-   consecutive 0.5 s windows; during one of them the ``domains`` file is replaced (a
-   different 300,000 lines, renamed over it) and ``providers.update`` (over IPC) makes
-   the engine re-read it, reload and swap the table: conn/s per window, the command's
-   wall time, errors.
+4. **refresh**: the engine with the 300,000-domain set; first without load, the
+   ``domains`` file replaced (a different 300,000 lines, renamed over it) and
+   ``providers.update`` (over IPC) makes the engine re-read it, reload and swap the
+   table: its wall time and the engine's CPU seconds. Then under load: loadgen runs in
+   consecutive 0.5 s windows; after a few, the file is replaced again and the command
+   sent; the windows go on until it answered and a few more ran: conn/s per window
+   (those overlapping the command marked), the command's wall time, the engine's RSS
+   before, at its peak during the command (VmHWM, reset first) and after, errors.
 
 Targets (issue 29): conn/s with 300,000 domains within 5 % of conn/s with 10, and ahead
 of mihomo with the same rules. Output: a table on stdout, progress on stderr, and
@@ -439,11 +442,34 @@ def load_all(
                 e2e.log(f"  {kind} {n}: exceptions {info['exceptions']}")
 
 
+def _status_kib(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss(pid: int) -> bool:
+    """Reset the process's peak RSS (VmHWM) to its RSS now (Linux: clear_refs ``5``)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def refresh_under_load(
     args: argparse.Namespace, tools: dict[str, Path], server: e2e.Server, tmp: Path,
     data: Path, hosts: Path,
 ) -> dict:  # fmt: skip
-    """Section 4: the 300,000-line set replaced and re-read while the load runs."""
+    """Section 4: the 300,000-line set replaced and re-read while the load runs.
+
+    Consecutive 0.5 s windows: a few before, then ``providers.update`` is sent, and the
+    windows go on until it returned and two more ran (at most 60). "During" windows
+    are those that overlap the command (sent to answered). The engine's peak RSS
+    (VmHWM, reset just before the command) and its RSS before and after."""
     n = max(args.sizes)
     files = {"domains": data / "domains-refresh.txt", "cidrs": data / "cidrs.txt"}
     write_lines(files["domains"], domain_lines(n))
@@ -452,24 +478,45 @@ def refresh_under_load(
     out = tmp / "results"
     out.mkdir(exist_ok=True)
     engine = e2e.EngineProcess("spliceway-refresh", cfg, tmp, out)
+    pid = engine.m.pid
     windows: list[dict] = []
     applied: dict[str, Any] = {}
+    rss: dict[str, Any] = {}
+    before_n = 2 if args.quick else 4
+    idle: dict[str, Any] = {}
     try:
         wait_ready(tools["loadgen"], server.rate, engine.port, hosts)
-        rate_run(tools["loadgen"], server.rate, engine.port, hosts, 1.0)
         ipc = Ipc(ipc_path)
+        ipc.sock.settimeout(120)
+        params = {"name": "domains", "kind": "rules"}
+        # First without load: what the refresh itself costs the engine (CPU seconds of
+        # all its threads), free of the machine's noise.
+        time.sleep(1.0)
+        write_lines(files["domains"], domain_lines(n, prefix="u"))
+        cpu0, t0 = e2e.proc_cpu_s(pid), time.monotonic()
+        ipc.call({"command": {"method": "providers.update", "params": params}})
+        idle.update(
+            seconds=round(time.monotonic() - t0, 3), cpu_s=round(e2e.proc_cpu_s(pid) - cpu0, 3)
+        )
+        rate_run(tools["loadgen"], server.rate, engine.port, hosts, 1.0)
 
         def apply() -> None:
-            write_lines(files["domains"], domain_lines(n, prefix="t"))
             t0 = time.monotonic()
-            params = {"name": "domains", "kind": "rules"}
+            applied["sent_at"] = t0
             result = ipc.call({"command": {"method": "providers.update", "params": params}})
-            applied.update(seconds=round(time.monotonic() - t0, 3), result=result)
+            applied["answered_at"] = time.monotonic()
+            applied.update(seconds=round(applied["answered_at"] - t0, 3), result=result)
 
         worker = None
-        total = 6 if args.quick else 12
-        for k in range(total):
-            if k == total // 3:
+        after = 0
+        for k in range(60):
+            if k == before_n:
+                # The new body is written before the windows go on: only the engine's
+                # work is in the windows.
+                write_lines(files["domains"], domain_lines(n, prefix="t"))
+                gc.collect()
+                rss["before_kib"] = _status_kib(pid, "VmRSS")
+                rss["peak_reset"] = _reset_peak_rss(pid)
                 worker = threading.Thread(target=apply)
                 worker.start()
                 applied["window"] = k
@@ -478,25 +525,39 @@ def refresh_under_load(
             windows.append(
                 {
                     "t_s": round(t0, 3),
+                    "end_s": round(time.monotonic(), 3),
                     "conn_per_s": round(r["conn_per_s"]),
                     "p99_us": round(r["lat_us"]["p99"]),
                     "max_us": round(r["lat_us"].get("max", 0)),
                     "errors": sum(r.get("errors", {}).values()),
                 }
             )
+            if worker is not None and not worker.is_alive():
+                after += 1
+                if after >= 2 + (0 if args.quick else 2):
+                    break
         if worker is not None:
             worker.join(120)
+        rss["peak_kib"] = _status_kib(pid, "VmHWM")
+        rss["after_kib"] = _status_kib(pid, "VmRSS")
         ipc.close()
     finally:
         engine.stop()
-    base = windows[: total // 3]
+    base = windows[:before_n]
     before = statistics.median(w["conn_per_s"] for w in base) if base else 0
+    sent, answered = applied.get("sent_at", 0.0), applied.get("answered_at", 1e18)
+    during = [w for w in windows if w["end_s"] > sent and w["t_s"] < answered]
+    for w in windows:
+        w["during"] = w in during
     return {
         "domains": n,
         "windows": windows,
-        "apply": applied,
+        "apply": {k: v for k, v in applied.items() if not k.endswith("_at")},
+        "idle": idle,
         "conn_per_s_before": before,
         "conn_per_s_min_window": min(w["conn_per_s"] for w in windows),
+        "conn_per_s_during": [w["conn_per_s"] for w in during],
+        "rss": rss,
         "errors": sum(w["errors"] for w in windows),
     }
 
@@ -505,22 +566,25 @@ def refresh_under_load(
 
 
 def report(res: dict) -> str:
-    lines = ["", "## compile and lookup (in process)", ""]
-    lines.append(
-        "| domains | parse s (Python) | C sets+table s | recompile s | C domain set MB "
-        "| C per 100k domains | RSS MB parsed (Python) | RSS MB C | ns/decide C "
-        "| ns/decide Python | hits |"
-    )
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for c in res["compile"]:
-        per = c["bytes_per_100k_domains"]
+    lines: list[str] = []
+    if res["compile"]:
+        lines += ["", "## compile and lookup (in process)", ""]
         lines.append(
-            f"| {c['domains']:,} | {c['parse_s']} | {c['table_first_s']} | {c['table_again_s']} "
-            f"| {c['set_bytes'].get('domains', 0) / 1e6:.1f} "
-            f"| {'-' if per is None else f'{per / 1e6:.2f} MB'} "
-            f"| {c['rss_kib_parsed'] / 1024:.1f} | {c['rss_kib_c'] / 1024:.1f} "
-            f"| {c['lookup_ns_c']:.0f} | {c['lookup_ns_python']:.0f} | {c['hit_share']} |"
+            "| domains | parse s (Python) | C sets+table s | recompile s | C domain set MB "
+            "| C per 100k domains | RSS MB parsed (Python) | RSS MB C | ns/decide C "
+            "| ns/decide Python | hits |"
         )
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for c in res["compile"]:
+            per = c["bytes_per_100k_domains"]
+            lines.append(
+                f"| {c['domains']:,} | {c['parse_s']} | {c['table_first_s']} "
+                f"| {c['table_again_s']} "
+                f"| {c['set_bytes'].get('domains', 0) / 1e6:.1f} "
+                f"| {'-' if per is None else f'{per / 1e6:.2f} MB'} "
+                f"| {c['rss_kib_parsed'] / 1024:.1f} | {c['rss_kib_c'] / 1024:.1f} "
+                f"| {c['lookup_ns_c']:.0f} | {c['lookup_ns_python']:.0f} | {c['hit_share']} |"
+            )
     if res["load"]:
         lines += ["", f"## conn/s at concurrency {CONC} (median of the runs)", ""]
         lines.append(
@@ -558,13 +622,27 @@ def report(res: dict) -> str:
             lines.append(f"{big:,} domains, spliceway / mihomo: {ahead:.2f}x")
     if res.get("refresh"):
         f = res["refresh"]
+        rss = f.get("rss", {})
         lines += ["", f"## refresh of the {f['domains']:,}-line set under load", ""]
         lines.append(
-            f"providers.update (re-read, reload, swap) in window {f['apply'].get('window')}: "
+            f"providers.update (re-read, reload, swap) from window {f['apply'].get('window')}: "
             f"{f['apply'].get('seconds')} s; conn/s before {f['conn_per_s_before']:,.0f}, "
+            f"during {', '.join(str(c) for c in f['conn_per_s_during']) or '-'}, "
             f"lowest 0.5 s window {f['conn_per_s_min_window']:,}; errors {f['errors']}"
         )
-        lines.append("windows (conn/s): " + ", ".join(str(w["conn_per_s"]) for w in f["windows"]))
+        if f.get("idle"):
+            lines.append(
+                f"without load: {f['idle']['seconds']} s, engine CPU {f['idle']['cpu_s']} s"
+            )
+        if rss:
+            lines.append(
+                f"engine RSS MB before {rss['before_kib'] / 1024:.0f}, peak during "
+                f"{rss['peak_kib'] / 1024:.0f}, after {rss['after_kib'] / 1024:.0f}"
+            )
+        lines.append(
+            "windows (conn/s, * during): "
+            + ", ".join(f"{w['conn_per_s']}{'*' if w.get('during') else ''}" for w in f["windows"])
+        )
     return "\n".join(lines)
 
 
@@ -579,6 +657,7 @@ def main() -> int:
     ap.add_argument("--no-mihomo", action="store_true", help="spliceway only")
     ap.add_argument("--no-load", action="store_true", help="sections 1 and 2 only")
     ap.add_argument("--no-refresh", action="store_true", help="skip section 4")
+    ap.add_argument("--only-refresh", action="store_true", help="section 4 alone")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
     ap.add_argument("--out", type=Path, default=e2e.RESULTS)
     args = ap.parse_args()
@@ -599,7 +678,7 @@ def main() -> int:
         data = tmp / "data"
         data.mkdir()
         write_lines(data / "cidrs.txt", cidr_lines(CIDRS))
-        for n in args.sizes:
+        for n in [] if args.only_refresh else args.sizes:
             e2e.log(f"compile and lookup: {n} domains")
             files = files_for(data, n)
             write_lines(files["domains"], domain_lines(n) or ["+.never.invalid"])
@@ -609,7 +688,8 @@ def main() -> int:
             server = e2e.Server(tools["tinyserver"], None, 3600, 2)
             try:
                 e2e.log("conn/s")
-                res["load"] = load_all(args, tools, server, tmp, data, mihomo)
+                if not args.only_refresh:
+                    res["load"] = load_all(args, tools, server, tmp, data, mihomo)
                 if not args.no_refresh:
                     e2e.log("refresh under load")
                     hosts = tmp / "hosts-refresh.txt"

@@ -432,14 +432,18 @@ class Providers:
                     if s is not None:
                         s.updating = True
                         chosen.append(replace(s))
+            # The rule sets the checks parsed, held until the reload read them (the same
+            # bytes give the same set while held: parsed once, on this thread).
+            parsed: list[Any] = []
             try:
                 bodies = self._read_all(ports, chosen)
                 outcomes = [
-                    self._take(state, got, source)
+                    self._take(state, got, source, parsed)
                     for state, got in zip(chosen, bodies, strict=True)
                 ]
                 outcomes = self._reload(ports, outcomes)
             finally:
+                parsed.clear()
                 with self._lock:
                     for s in chosen:
                         live = self._states.get((s.kind, s.name))
@@ -522,8 +526,11 @@ class Providers:
             return FetchError(f"{state.path} is larger than size_limit_bytes ({state.size_limit})")
         return body
 
-    def _take(self, state: ProviderState, got: Any, source: Callable[[], Config]) -> Outcome:
-        """Check a new body and make it the provider's copy; how that went."""
+    def _take(
+        self, state: ProviderState, got: Any, source: Callable[[], Config], parsed: list[Any]
+    ) -> Outcome:
+        """Check a new body and make it the provider's copy; how that went. A rule set the
+        check read is added to ``parsed``."""
         kind, name = state.kind, state.name
         if isinstance(got, FetchError):
             return self._fail(state, got.message)
@@ -545,6 +552,8 @@ class Providers:
         except BodyError as ex:
             return self._fail(state, str(ex))
         checked.headers = headers
+        if checked.rules is not None and checked.rules.data is not None:
+            parsed.append(checked.rules.data)
         at = now_ms() if state.url is not None else _mtime_ms(state.path)
         try:
             if state.url is not None:

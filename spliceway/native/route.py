@@ -57,6 +57,7 @@ thread that installs a configuration).
 from __future__ import annotations
 
 import ipaddress
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -170,6 +171,7 @@ class CompiledRoutes:
     __slots__ = (
         "_final_decision",
         "_mode_decision",
+        "_ruleset",
         "_table",
         "epoch",
         "first_domain_rule",
@@ -178,7 +180,6 @@ class CompiledRoutes:
         "principals",
         "rule_decisions",
         "rule_of",
-        "ruleset",
         "targets",
     )
 
@@ -202,7 +203,11 @@ class CompiledRoutes:
         self.mode_kind = mode_kind
         self._mode_decision = mode_decision
         self._final_decision = final_decision
-        self.ruleset = ruleset
+        # Weakly: the engine keeps the mirrors of many tables (a flow's record names the
+        # table that routed it), and a strong reference would keep every rule set a
+        # refresh replaced (tens of MB for a big one) alive with them. A mirror needs only
+        # the decisions below.
+        self._ruleset = weakref.ref(ruleset)
         self.rule_of: tuple[int, ...] = (
             tuple(range(len(ruleset.rules))) if rule_of is None else tuple(rule_of)
         )
@@ -212,6 +217,12 @@ class CompiledRoutes:
         self.first_domain_rule = ruleset.first_domain_rule
         self.inbounds = dict(inbounds)
         self.principals = dict(principals)
+
+    @property
+    def ruleset(self) -> routing.RuleSet | None:
+        """The rules this table was compiled from, while the engine still uses them (the
+        generation that holds them, a flow deciding with them); None after."""
+        return self._ruleset()
 
     @property
     def table(self) -> Any:

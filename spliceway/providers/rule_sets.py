@@ -1,16 +1,19 @@
 """A rule provider's body checked before it replaces the last good copy.
 
 The rule set itself is read by the routing layer (:mod:`spliceway.routing.ruleset`) when a
-configuration is built, from the provider's file; a refresh only has to know that the new
-body is one (and how many entries it holds) before it replaces that file.
+configuration is built, from the provider's file; a refresh has to know that the new body
+is one (and how many entries it holds) before it replaces that file. The check's parse is
+the set itself: :func:`~spliceway.routing.ruleset.parse_rule_set` gives the reload that
+reads the same bytes the same object while the refresh holds it (:attr:`RuleSetCounts.data`),
+so the body is parsed once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spliceway.providers.subscription import BodyError
-from spliceway.routing.ruleset import RuleSetError, parse_rule_set
+from spliceway.routing.ruleset import RuleSetData, RuleSetError, parse_rule_set
 
 __all__ = ["RuleSetCounts", "check"]
 
@@ -22,6 +25,8 @@ class RuleSetCounts:
     entries: int
     skipped: int = 0
     skip_reasons: tuple[str, ...] = ()
+    #: The set read: held until the reload has read the file, so it reads this one.
+    data: RuleSetData | None = field(default=None, compare=False, repr=False)
 
 
 def check(body: bytes, behavior: str, fmt: str) -> RuleSetCounts:
@@ -31,4 +36,4 @@ def check(body: bytes, behavior: str, fmt: str) -> RuleSetCounts:
         data = parse_rule_set(body, behavior, fmt)  # type: ignore[arg-type]
     except RuleSetError as ex:
         raise BodyError(str(ex)) from None
-    return RuleSetCounts(data.count, data.skipped, data.skip_reasons)
+    return RuleSetCounts(data.count, data.skipped, data.skip_reasons, data)

@@ -725,7 +725,7 @@ class _CompiledRule:
     decision: RouteDecision  # prebuilt for mode "rule"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class RuleSet:
     """Precompiled rules; build with :func:`compile_rules`."""
 

@@ -3,6 +3,8 @@ routing's own readers, cached atomically, kept on failure; a real engine and ori
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +13,9 @@ import pytest
 from mmdb_writer import MMDBWriter
 from netaddr import IPSet
 
-from spliceway.routing import geodata
-from tests.conftest import base_config
+from spliceway.native import route_sets
+from spliceway.routing import geodata, ruleset
+from tests.conftest import base_config, wait_until
 from tests.engine.test_providers import events, status, update
 from tests.events.test_catalogue import check_event
 from tests.helpers.provider_origin import Answer, ProviderOrigin, provider_origin
@@ -192,3 +195,50 @@ def test_a_path_rule_provider_is_counted_from_the_running_tables(make_engine, tm
     listed.unlink()
     (result,) = update(engine, name="mine")
     assert result["outcome"] == "failed" and "No such file" in result["error"]
+
+
+def test_a_refresh_parses_once_and_builds_the_c_sets_off_the_dispatcher(
+    make_engine, origin, tmp_path, monkeypatch
+) -> None:
+    """The refresh's check parses the new body (on the refresher's thread); the reload
+    reads the same bytes from the cached file and gets that set, parsed no second time;
+    its C set is built before the install, so the dispatcher only swaps tables. Once the
+    new table is in, the replaced set is freed (the table mirrors do not keep it)."""
+    origin.serve("/ads.txt", Answer(b"+.ads.example\n"))
+    config = base_config(
+        providers={
+            "rules": {
+                "ads": {"url": origin.url("/ads.txt"), "behavior": "domain", "format": "text"}
+            }
+        },
+        rules=[{"rule_set": ["ads"], "action": "block"}],
+        runtime={"providers_cache_dir": str(tmp_path / "cache")},
+    )
+    engine = make_engine(config)
+    old = weakref.ref(engine.core.generation.parts.rule_sets["ads"])
+    new_body = b"+.other.example\nexact.example\n"
+    parsed: list[tuple[str, Any]] = []
+    folded: list[tuple[str, Any]] = []
+    parse, fold = ruleset._parse, route_sets._fold
+
+    def parse_spy(body: bytes, *args: Any, **kwargs: Any) -> Any:
+        data = parse(body, *args, **kwargs)
+        if body == new_body:
+            parsed.append((threading.current_thread().name, data))
+        return data
+
+    def fold_spy(data: Any, match_source: bool) -> Any:
+        folded.append((threading.current_thread().name, data))
+        return fold(data, match_source)
+
+    monkeypatch.setattr(ruleset, "_parse", parse_spy)
+    monkeypatch.setattr(route_sets, "_fold", fold_spy)
+    origin.serve("/ads.txt", Answer(new_body))
+    assert update(engine, name="ads")[0]["outcome"] == "updated"
+    ((thread, data),) = parsed
+    assert thread.startswith("ProviderRefresherActor")
+    assert engine.core.generation.parts.rule_sets["ads"] is data
+    assert data.suffix == {"other.example"} and data.exact == {"exact.example"}
+    assert [name for name, d in folded if d is data] == [thread]
+    # The old set is gone once nothing routes by it (a mirror keeps no rule set).
+    wait_until(lambda: old() is None, what="the replaced rule set freed")

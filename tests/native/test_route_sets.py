@@ -13,6 +13,7 @@ import ipaddress
 import random
 import threading
 import time
+import weakref
 
 import pytest
 from hypothesis import given, settings
@@ -234,3 +235,25 @@ def test_prepare_sets_builds_ahead() -> None:
     prepare_sets(rules, ruleset)
     folded = route_sets._RULE_SETS[data][False]
     assert route_sets.rule_set_parts(data, match_source=False, geo=None).main is folded.main
+
+
+def test_a_table_mirror_does_not_keep_its_rule_sets() -> None:
+    """The engine keeps many tables' mirrors; a mirror keeps the rule decisions, not the
+    rules and sets it was compiled from: a replaced set is freed with its generation."""
+    from spliceway.native.route import OUT_DIRECT, TargetSpec, compile_route_table
+
+    data = parse_rule_set(b"+.mirror.test\n", "domain", "text")
+    rules = [Rule.model_validate({"rule_set": "s", "outbound": "p"})]
+    ruleset = routing.compile_rules(rules, rule_sets={"s": data})
+    routes = compile_route_table(
+        rules, mode_kind="rule", mode_outbound=None, final="p",
+        targets={"p": TargetSpec(OUT_DIRECT)}, inbounds={}, principals={}, epoch=1,
+        ruleset=ruleset,
+    )  # fmt: skip
+    assert routes.ruleset is ruleset
+    routes.close()
+    gone = weakref.ref(data)
+    del data, ruleset
+    gc.collect()
+    assert gone() is None and routes.ruleset is None
+    assert routes.rule_decisions[0].target == "p"  # what a record of this table needs
