@@ -122,6 +122,49 @@ Members = tuple[Tag, ...]
 #: Proxy providers whose outbounds a group takes as members, after its inline ones.
 ProviderMembers = tuple[Tag, ...]
 
+# The three fields every group kind shares, declared once with their description (a
+# docstring under each of the five classes would repeat it word for word).
+GroupProviders = Annotated[
+    ProviderMembers,
+    Field(
+        description=(
+            "Proxy providers (names under `providers.proxies`) whose outbounds become members"
+            " after the inline `outbounds`, provider by provider in this order (each filtered"
+            " by its provider's `filter` and `exclude_filter`, then by this group's). A group"
+            " whose members are all absent (its providers not fetched yet, empty or filtered "
+            "to nothing) stays, showing no member; a flow routed to it fails with code "
+            "`no_member`."
+        )
+    ),
+]
+GroupFilter = Annotated[
+    RegexList | None,
+    Field(
+        description=(
+            "Keep only the provider members (what `providers` give, after each provider's own"
+            " `filter` and `exclude_filter`) whose name matches one of these regular "
+            "expressions (searched, Python `re` syntax), in mihomo's order: each provider's "
+            "matches of the first expression, then of the next. With two or more expressions "
+            "and two or more sources (the inline `outbounds` count as one), all members are "
+            "then put in that order across sources, those no expression matches last. Inline "
+            "`outbounds` are never dropped by it, so without `providers` it changes nothing. "
+            "A provider's outbound is matched by its name with the provider's `override` "
+            "prefix and suffix."
+        )
+    ),
+]
+GroupExcludeFilter = Annotated[
+    RegexList | None,
+    Field(
+        description=(
+            "Drop every member, inline or from a provider, whose name matches one of these "
+            "regular expressions (searched, Python `re` syntax), after `filter`: an inline "
+            "member by its tag, a provider's outbound by its name with the provider's "
+            "`override` prefix and suffix. A group without `providers` must keep a member."
+        )
+    ),
+]
+
 
 class SelectorGroup(_Model):
     """Manually selected member; ``default`` is the initial selection (first member)."""
@@ -135,26 +178,9 @@ class SelectorGroup(_Model):
     outbounds: Members = ()
     """Members: outbound or group tags, each at most once (may be empty when `providers`
     gives members)."""
-    providers: ProviderMembers = ()
-    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
-    the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
-    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
-    showing no member; a flow routed to it fails with code `no_member`."""
-    filter: RegexList | None = None
-    """Keep only the provider members (what `providers` give, after each provider's own
-    `filter` and `exclude_filter`) whose name matches one of these regular expressions
-    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
-    expression, then of the next. With two or more expressions and two or more sources (the
-    inline `outbounds` count as one), all members are then put in that order across
-    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
-    so without `providers` it changes nothing. A provider's outbound is matched by its name
-    with the provider's `override` prefix and suffix."""
-    exclude_filter: RegexList | None = None
-    """Drop every member, inline or from a provider, whose name matches one of these regular
-    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
-    a provider's outbound by its name with the provider's `override` prefix and suffix. A
-    group without `providers` must keep a member."""
+    providers: GroupProviders = ()
+    filter: GroupFilter = None
+    exclude_filter: GroupExcludeFilter = None
     default: Tag | None = None
     """Member selected at start; defaults to the first member (a provider's outbound, by
     its tag, when the group has providers; with a group `filter`, the first member after
@@ -181,26 +207,9 @@ class UrlTestGroup(_Model):
     """`url_test`: flows take the healthy member with the lowest probe latency."""
     outbounds: Members = ()
     """Members: outbound or group tags, each at most once, probed in every round."""
-    providers: ProviderMembers = ()
-    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
-    the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
-    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
-    showing no member; a flow routed to it fails with code `no_member`."""
-    filter: RegexList | None = None
-    """Keep only the provider members (what `providers` give, after each provider's own
-    `filter` and `exclude_filter`) whose name matches one of these regular expressions
-    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
-    expression, then of the next. With two or more expressions and two or more sources (the
-    inline `outbounds` count as one), all members are then put in that order across
-    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
-    so without `providers` it changes nothing. A provider's outbound is matched by its name
-    with the provider's `override` prefix and suffix."""
-    exclude_filter: RegexList | None = None
-    """Drop every member, inline or from a provider, whose name matches one of these regular
-    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
-    a provider's outbound by its name with the provider's `override` prefix and suffix. A
-    group without `providers` must keep a member."""
+    providers: GroupProviders = ()
+    filter: GroupFilter = None
+    exclude_filter: GroupExcludeFilter = None
     url: ProbeUrl | None = None
     """Plain `http://` URL probed with `HEAD` through each member. `null` uses
     `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
@@ -224,26 +233,9 @@ class FallbackGroup(_Model):
     """`fallback`: flows take the first healthy member in list order."""
     outbounds: Members = ()
     """Members in order of preference: outbound or group tags, each at most once."""
-    providers: ProviderMembers = ()
-    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
-    the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
-    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
-    showing no member; a flow routed to it fails with code `no_member`."""
-    filter: RegexList | None = None
-    """Keep only the provider members (what `providers` give, after each provider's own
-    `filter` and `exclude_filter`) whose name matches one of these regular expressions
-    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
-    expression, then of the next. With two or more expressions and two or more sources (the
-    inline `outbounds` count as one), all members are then put in that order across
-    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
-    so without `providers` it changes nothing. A provider's outbound is matched by its name
-    with the provider's `override` prefix and suffix."""
-    exclude_filter: RegexList | None = None
-    """Drop every member, inline or from a provider, whose name matches one of these regular
-    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
-    a provider's outbound by its name with the provider's `override` prefix and suffix. A
-    group without `providers` must keep a member."""
+    providers: GroupProviders = ()
+    filter: GroupFilter = None
+    exclude_filter: GroupExcludeFilter = None
     url: ProbeUrl | None = None
     """Plain `http://` URL probed with `HEAD` through each member. `null` uses
     `runtime.latency_test_url`, else `http://www.gstatic.com/generate_204`.
@@ -265,26 +257,9 @@ class RelayGroup(_Model):
     """Hops in dialling order: `socks5`, `http` or `shadowsocks` outbounds (not groups); a
     `shadowsocks` hop can only be the last.
     """
-    providers: ProviderMembers = ()
-    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
-    the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
-    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
-    showing no member; a flow routed to it fails with code `no_member`."""
-    filter: RegexList | None = None
-    """Keep only the provider members (what `providers` give, after each provider's own
-    `filter` and `exclude_filter`) whose name matches one of these regular expressions
-    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
-    expression, then of the next. With two or more expressions and two or more sources (the
-    inline `outbounds` count as one), all members are then put in that order across
-    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
-    so without `providers` it changes nothing. A provider's outbound is matched by its name
-    with the provider's `override` prefix and suffix."""
-    exclude_filter: RegexList | None = None
-    """Drop every member, inline or from a provider, whose name matches one of these regular
-    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
-    a provider's outbound by its name with the provider's `override` prefix and suffix. A
-    group without `providers` must keep a member."""
+    providers: GroupProviders = ()
+    filter: GroupFilter = None
+    exclude_filter: GroupExcludeFilter = None
 
 
 class LoadBalanceGroup(_Model):
@@ -298,26 +273,9 @@ class LoadBalanceGroup(_Model):
     """
     outbounds: Members = ()
     """Members: outbound or group tags, each at most once."""
-    providers: ProviderMembers = ()
-    """Proxy providers (names under `providers.proxies`) whose outbounds become members after
-    the inline `outbounds`, provider by provider in this order (each filtered by its
-    provider's `filter` and `exclude_filter`, then by this group's). A group whose members
-    are all absent (its providers not fetched yet, empty or filtered to nothing) stays,
-    showing no member; a flow routed to it fails with code `no_member`."""
-    filter: RegexList | None = None
-    """Keep only the provider members (what `providers` give, after each provider's own
-    `filter` and `exclude_filter`) whose name matches one of these regular expressions
-    (searched, Python `re` syntax), in mihomo's order: each provider's matches of the first
-    expression, then of the next. With two or more expressions and two or more sources (the
-    inline `outbounds` count as one), all members are then put in that order across
-    sources, those no expression matches last. Inline `outbounds` are never dropped by it,
-    so without `providers` it changes nothing. A provider's outbound is matched by its name
-    with the provider's `override` prefix and suffix."""
-    exclude_filter: RegexList | None = None
-    """Drop every member, inline or from a provider, whose name matches one of these regular
-    expressions (searched, Python `re` syntax), after `filter`: an inline member by its tag,
-    a provider's outbound by its name with the provider's `override` prefix and suffix. A
-    group without `providers` must keep a member."""
+    providers: GroupProviders = ()
+    filter: GroupFilter = None
+    exclude_filter: GroupExcludeFilter = None
     strategy: Literal["round_robin", "consistent_hashing", "sticky_sessions"] = "round_robin"
     """How a member is picked: `round_robin` (in turn), `consistent_hashing` (by target host:
     one host keeps its member) or `sticky_sessions` (by source IP: one client keeps its
