@@ -356,15 +356,6 @@ static bool has_id(const uint32_t *ids, struct slice s, uint32_t r)
     return lo < s.off + s.n && ids[lo] == r;
 }
 
-static u128 net_mask(int family, unsigned plen)
-{
-    if (plen == 0)
-        return 0;
-    if (family == 4)
-        return (u128)((0xffffffffu << (32 - plen)) & 0xffffffffu);
-    return ~(u128)0 << (128 - plen);
-}
-
 static u128 host_mask(int family, unsigned plen)
 {
     return (family == 4 ? (u128)0xffffffffu : ~(u128)0) & ~net_mask(family, plen);

@@ -14,6 +14,16 @@
 
 typedef unsigned __int128 u128;
 
+/* The network mask of a /plen in family 4 or 6 (route.c and route_set.c). */
+static inline u128 net_mask(int family, unsigned plen)
+{
+    if (plen == 0)
+        return 0;
+    if (family == 4)
+        return (u128)((0xffffffffu << (32 - plen)) & 0xffffffffu);
+    return ~(u128)0 << (128 - plen);
+}
+
 enum { TV_FALSE, TV_TRUE, TV_UNKNOWN };
 
 #define NONE32 UINT32_MAX

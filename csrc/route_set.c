@@ -488,23 +488,14 @@ int sw_set_domains(sw_set *s, int kind, const char *buf, size_t len)
     return rc;
 }
 
-static u128 mask_of(int family, unsigned plen)
-{
-    if (plen == 0)
-        return 0;
-    if (family == 4)
-        return (u128)((0xffffffffu << (32 - plen)) & 0xffffffffu);
-    return ~(u128)0 << (128 - plen);
-}
-
 static int net_add(sw_set *s, int field, int family, u128 a, unsigned plen)
 {
     struct bnet *b = sw_vec_push(&s->bnets[field][family == 6], sizeof *b);
     if (!b)
         return -ENOMEM;
     u128 all = family == 4 ? (u128)0xffffffffu : ~(u128)0;
-    b->lo = a & mask_of(family, plen);
-    b->hi = b->lo | (all & ~mask_of(family, plen));
+    b->lo = a & net_mask(family, plen);
+    b->hi = b->lo | (all & ~net_mask(family, plen));
     return 0;
 }
 
